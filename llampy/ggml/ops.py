@@ -1,0 +1,337 @@
+"""Graph builders: one small function per op, with ggml's semantics. They assert shapes and record a node;
+they never compute. Shapes are in ggml order (ne0 fastest).
+"""
+from __future__ import annotations
+
+from .tensor import (BINARY_OPS, GGML_MAX_DIMS, Op, Tensor, UNARY_OPS, contiguous_strides)
+from .types import GGMLType, TYPE_TRAITS
+
+F32 = GGMLType.F32
+I32 = GGMLType.I32
+
+ROPE_TYPE_NORM = 0
+ROPE_TYPE_NEOX = 2
+ROPE_TYPE_MROPE = 8
+ROPE_TYPE_VISION = 24
+
+
+def _node(op: Op, type, ne, src, params=None, name="") -> Tensor:
+    return Tensor(type, ne, op=op, src=src, op_params=params or {}, name=name)
+
+
+def _can_repeat(b: Tensor, a: Tensor) -> bool:
+    """b can be broadcast to a's shape (ggml_can_repeat)."""
+    return all(b.ne[i] != 0 and a.ne[i] % b.ne[i] == 0 for i in range(GGML_MAX_DIMS))
+
+
+def _same_shape(a: Tensor, b: Tensor) -> bool:
+    return a.ne == b.ne
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise ValueError(msg)
+
+
+# ---------------------------------------------------------------------------------------------- element-wise
+
+# a: any, b: broadcastable to a  ->  a's shape, F32
+def _binary(op: Op, a: Tensor, b: Tensor) -> Tensor:
+    _check(_can_repeat(b, a), f"{op.value}: cannot broadcast {b.shape_str()} to {a.shape_str()}")
+    return _node(op, F32, a.ne, [a, b])
+
+
+def add(a, b): return _binary(Op.ADD, a, b)
+def sub(a, b): return _binary(Op.SUB, a, b)
+def mul(a, b): return _binary(Op.MUL, a, b)
+def div(a, b): return _binary(Op.DIV, a, b)
+
+
+def _unary(op: Op, a: Tensor) -> Tensor:
+    assert op in UNARY_OPS
+    return _node(op, F32, a.ne, [a])
+
+
+def sqr(a): return _unary(Op.SQR, a)
+def sqrt(a): return _unary(Op.SQRT, a)
+def exp(a): return _unary(Op.EXP, a)
+def tanh(a): return _unary(Op.TANH, a)
+def silu(a): return _unary(Op.SILU, a)
+def gelu(a): return _unary(Op.GELU, a)            # tanh approximation, as ggml_gelu
+def gelu_erf(a): return _unary(Op.GELU_ERF, a)    # exact erf form
+def relu(a): return _unary(Op.RELU, a)
+def sigmoid(a): return _unary(Op.SIGMOID, a)
+
+
+# a * s + b
+def scale(a: Tensor, s: float, b: float = 0.0) -> Tensor:
+    return _node(Op.SCALE, F32, a.ne, [a], {"s": float(s), "b": float(b)})
+
+
+def clamp(a: Tensor, min: float, max: float) -> Tensor:
+    return _node(Op.CLAMP, F32, a.ne, [a], {"min": float(min), "max": float(max)})
+
+
+# tanh(a * s_in) * s_out: the soft-cap of gemma2 logits and attention scores (ggml builds it from three ops;
+# the fusion pass rewrites scale·tanh·scale into this node)
+def softcap(a: Tensor, s_in: float, s_out: float) -> Tensor:
+    return _node(Op.SOFTCAP, F32, a.ne, [a], {"s_in": float(s_in), "s_out": float(s_out)})
+
+
+# Gated linear units. With b: act(a) * b, a and b the same shape. Without b: a's rows hold [gate | up] halves
+# (gate first; ``swapped`` puts up first) -> ne0 / 2.
+def _glu(op: Op, a: Tensor, b: Tensor | None, swapped: bool) -> Tensor:
+    if b is None:
+        _check(a.ne[0] % 2 == 0, f"{op.value}: fused gate/up rows need an even ne0, got {a.ne[0]}")
+        ne = (a.ne[0] // 2,) + a.ne[1:]
+        return _node(op, F32, ne, [a], {"swapped": swapped})
+    _check(_same_shape(a, b), f"{op.value}: gate {a.shape_str()} and up {b.shape_str()} differ")
+    return _node(op, F32, a.ne, [a, b], {"swapped": swapped})
+
+
+def swiglu(a, b=None, swapped=False): return _glu(Op.SWIGLU, a, b, swapped)
+def geglu(a, b=None, swapped=False): return _glu(Op.GEGLU, a, b, swapped)
+
+
+# ---------------------------------------------------------------------------------------------- normalisation
+
+# over rows (ne0)
+def norm(a: Tensor, eps: float) -> Tensor:
+    return _node(Op.NORM, F32, a.ne, [a], {"eps": float(eps)})
+
+
+def rms_norm(a: Tensor, eps: float) -> Tensor:
+    return _node(Op.RMS_NORM, F32, a.ne, [a], {"eps": float(eps)})
+
+
+def l2_norm(a: Tensor, eps: float) -> Tensor:
+    return _node(Op.L2_NORM, F32, a.ne, [a], {"eps": float(eps)})
+
+
+# rms_norm(a) * w, w broadcastable to a (fusion pass only)
+def rms_norm_mul(a: Tensor, w: Tensor, eps: float) -> Tensor:
+    _check(_can_repeat(w, a), f"rms_norm_mul: cannot broadcast {w.shape_str()} to {a.shape_str()}")
+    return _node(Op.RMS_NORM_MUL, F32, a.ne, [a, w], {"eps": float(eps)})
+
+
+# ---------------------------------------------------------------------------------------------- matrix products
+
+# a: [k, m, ne02, ne03]  b: [k, n, ne12, ne13]  ->  [m, n, ne12, ne13]; a broadcast over dims 2 and 3
+def mul_mat(a: Tensor, b: Tensor) -> Tensor:
+    _check(a.ne[0] == b.ne[0], f"mul_mat: inner dims differ: {a.shape_str()} x {b.shape_str()}")
+    _check(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0,
+           f"mul_mat: cannot broadcast {a.shape_str()} over {b.shape_str()}")
+    _check(not TYPE_TRAITS[b.type].is_quantized, "mul_mat: b must be a float tensor")
+    return _node(Op.MUL_MAT, F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), [a, b])
+
+
+# as_: [k, m, n_expert]  b: [k, n_used or 1, n_tokens]  ids: I32 [n_used, n_tokens]  ->  [m, n_used, n_tokens]
+def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+    _check(ids.type == I32 and ids.ne[2] == 1 and ids.ne[3] == 1, "mul_mat_id: ids must be a 2-D I32 matrix")
+    _check(as_.ne[0] == b.ne[0], f"mul_mat_id: inner dims differ: {as_.shape_str()} x {b.shape_str()}")
+    _check(b.ne[2] == ids.ne[1] and b.ne[3] == 1, "mul_mat_id: b must be [k, n_used|1, n_tokens]")
+    _check(b.ne[1] in (1, ids.ne[0]), "mul_mat_id: b.ne1 must be 1 or n_used")
+    return _node(Op.MUL_MAT_ID, F32, (as_.ne[1], ids.ne[0], b.ne[2], 1), [as_, b, ids])
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+# a: [ne0, n_rows, ne2, ne3]  b: I32 [n, ne2, ne3]  ->  [ne0, n, ne2, ne3] (F32; I32 if a is I32)
+def get_rows(a: Tensor, b: Tensor) -> Tensor:
+    _check(b.type == I32, "get_rows: row indices must be I32")
+    _check(a.ne[2] == b.ne[1] and b.ne[3] == 1, f"get_rows: {a.shape_str()} rows by {b.shape_str()}")
+    out_type = I32 if a.type == I32 else F32
+    return _node(Op.GET_ROWS, out_type, (a.ne[0], b.ne[0], b.ne[1], b.ne[2]), [a, b])
+
+
+# dst: [ne0, n_rows, ne2, ne3]  src: F32 [ne0, n, ne2', ne3']  idx: I32|I64 [n, ne2', ne3']  ->  dst, rows idx[i] = src[i]
+# The result is a view of dst written in place (ggml_set_rows); dst may be a quantized or F16 tensor.
+def set_rows(dst: Tensor, src: Tensor, idx: Tensor) -> Tensor:
+    _check(idx.type in (I32, GGMLType.I64), "set_rows: indices must be I32 or I64")
+    _check(dst.ne[0] == src.ne[0], f"set_rows: row length {src.ne[0]} into rows of {dst.ne[0]}")
+    _check(src.ne[1] == idx.ne[0], f"set_rows: {src.ne[1]} rows but {idx.ne[0]} indices")
+    _check(src.ne[2] % idx.ne[1] == 0 and src.ne[3] % idx.ne[2] == 0, "set_rows: indices do not broadcast")
+    _check(dst.ne[2] % src.ne[2] == 0 or src.ne[2] % dst.ne[2] == 0, "set_rows: dims 2 differ")
+    t = Tensor(dst.type, dst.ne, dst.nb, op=Op.SET_ROWS, src=[src, idx], view_src=dst, view_offs=0)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- softmax, rope, attention
+
+# softmax over ne0 of (a * scale + mask * slope); mask: [ne0, >= ne1, broadcast over ne2, ne3], F16 or F32;
+# max_bias > 0 gives ALiBi slopes per head (dim 2)
+def soft_max_ext(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
+    if mask is not None:
+        _check(mask.ne[0] == a.ne[0] and mask.ne[1] >= a.ne[1], f"soft_max: mask {mask.shape_str()} for {a.shape_str()}")
+        _check(a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, "soft_max: mask does not broadcast")
+        _check(mask.type in (F32, GGMLType.F16), "soft_max: mask must be F32 or F16")
+    src = [a] if mask is None else [a, mask]
+    return _node(Op.SOFT_MAX, F32, a.ne, src, {"scale": float(scale), "max_bias": float(max_bias), "has_mask": mask is not None})
+
+
+def soft_max(a: Tensor) -> Tensor:
+    return soft_max_ext(a)
+
+
+# a: [head_dim, n_head, n_tokens, 1]  pos: I32 [n_tokens]  freq_factors: F32 [n_dims / 2] or None  ->  a's shape
+# mode NORM rotates adjacent pairs (x0, x1); NEOX rotates (x_i, x_{i + n_dims/2}). Only the first n_dims are rotated.
+def rope_ext(a: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, mode: int, n_ctx_orig: int,
+             freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
+             beta_fast: float, beta_slow: float) -> Tensor:
+    _check(pos.type == I32 and pos.ne[0] == a.ne[2], f"rope: {pos.ne[0]} positions for {a.ne[2]} tokens")
+    _check(n_dims <= a.ne[0] and n_dims % 2 == 0, f"rope: n_dims {n_dims} for rows of {a.ne[0]}")
+    _check(mode in (ROPE_TYPE_NORM, ROPE_TYPE_NEOX), f"rope: mode {mode} not supported")
+    if freq_factors is not None:
+        _check(freq_factors.ne[0] >= n_dims // 2, "rope: freq_factors too short")
+    src = [a, pos] + ([freq_factors] if freq_factors is not None else [])
+    params = dict(n_dims=n_dims, mode=mode, n_ctx_orig=n_ctx_orig, freq_base=float(freq_base),
+                  freq_scale=float(freq_scale), ext_factor=float(ext_factor), attn_factor=float(attn_factor),
+                  beta_fast=float(beta_fast), beta_slow=float(beta_slow), has_freq_factors=freq_factors is not None)
+    return _node(Op.ROPE, F32, a.ne, src, params)
+
+
+def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_TYPE_NORM, freq_base: float = 10000.0) -> Tensor:
+    return rope_ext(a, pos, None, n_dims, mode, 0, freq_base, 1.0, 0.0, 1.0, 32.0, 1.0)
+
+
+# q: [d, n_q, n_head, ne3]  k: [d, n_kv, n_head_kv, ne3]  v: [dv, n_kv, n_head_kv, ne3]
+# mask: [n_kv, >= n_q, 1|.., 1|..] F16/F32  ->  [dv, n_head, n_q, ne3] (note the permuted result, as ggml)
+# n_head % n_head_kv == 0 (GQA broadcast). softcap > 0: scores = softcap * tanh(scores / softcap).
+def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                   max_bias: float = 0.0, logit_softcap: float = 0.0) -> Tensor:
+    _check(q.ne[0] == k.ne[0], f"flash_attn: q {q.shape_str()} and k {k.shape_str()} head sizes differ")
+    _check(k.ne[1] == v.ne[1] and k.ne[2] == v.ne[2], f"flash_attn: k {k.shape_str()} and v {v.shape_str()} differ")
+    _check(q.ne[2] % k.ne[2] == 0, f"flash_attn: {q.ne[2]} heads over {k.ne[2]} kv heads")
+    if mask is not None:
+        _check(mask.ne[0] == k.ne[1] and mask.ne[1] >= q.ne[1], f"flash_attn: mask {mask.shape_str()}")
+    src = [q, k, v] + ([mask] if mask is not None else [])
+    params = {"scale": float(scale), "max_bias": float(max_bias), "softcap": float(logit_softcap),
+              "has_mask": mask is not None}
+    return _node(Op.FLASH_ATTN_EXT, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), src, params)
+
+
+# ---------------------------------------------------------------------------------------------- copies and views
+
+# copy a into b (converting type; same number of elements); the result is a view of b
+def cpy(a: Tensor, b: Tensor) -> Tensor:
+    _check(a.nelements == b.nelements, f"cpy: {a.shape_str()} into {b.shape_str()}")
+    return Tensor(b.type, b.ne, b.nb, op=Op.CPY, src=[a, b], view_src=b, view_offs=0)
+
+
+def cont(a: Tensor, *ne) -> Tensor:
+    """A contiguous copy of a (optionally reshaped to ne)."""
+    ne = tuple(ne) if ne else a.ne
+    _check(_prod(ne) == a.nelements, f"cont: {a.shape_str()} to {ne}")
+    return _node(Op.CONT, a.type, ne, [a])
+
+
+def dup(a: Tensor) -> Tensor:
+    return _node(Op.DUP, a.type, a.ne, [a])
+
+
+def cast(a: Tensor, type: GGMLType) -> Tensor:
+    return cpy(a, Tensor(type, a.ne))
+
+
+def _prod(ne):
+    p = 1
+    for n in ne:
+        p *= n
+    return p
+
+
+# a must be contiguous; metadata only
+def reshape(a: Tensor, *ne) -> Tensor:
+    _check(a.is_contiguous(), "reshape: tensor must be contiguous")
+    _check(_prod(ne) == a.nelements, f"reshape: {a.shape_str()} has {a.nelements} elements, not {ne}")
+    return Tensor(a.type, ne, op=Op.RESHAPE, src=[a], view_src=a, view_offs=0)
+
+
+# a view of ne elements with strides nb (bytes, dims 1..3) starting offset bytes into a
+def view(a: Tensor, ne, nb=None, offset: int = 0) -> Tensor:
+    ne = tuple(ne) + (1,) * (GGML_MAX_DIMS - len(ne))
+    if nb is None:
+        nb = contiguous_strides(a.type, ne)
+    else:
+        nb = (TYPE_TRAITS[a.type].type_size,) + tuple(nb)
+        nb = nb + tuple(nb[-1] * ne[i - 1] for i in range(len(nb), GGML_MAX_DIMS))
+    t = Tensor(a.type, ne, nb, op=Op.VIEW, src=[a], op_params={"offset": offset}, view_src=a, view_offs=offset)
+    owner = t.view_src
+    _check(t.view_offs + t.nbytes <= owner.nbytes, f"view: {t.shape_str()} at +{offset} exceeds {owner!r}")
+    return t
+
+
+def view_1d(a, ne0, offset=0): return view(a, (ne0,), None, offset)
+def view_2d(a, ne0, ne1, nb1, offset=0): return view(a, (ne0, ne1), (nb1,), offset)
+def view_3d(a, ne0, ne1, ne2, nb1, nb2, offset=0): return view(a, (ne0, ne1, ne2), (nb1, nb2), offset)
+def view_4d(a, ne0, ne1, ne2, ne3, nb1, nb2, nb3, offset=0): return view(a, (ne0, ne1, ne2, ne3), (nb1, nb2, nb3), offset)
+
+
+# dim i of a goes to position axes[i] of the result (ggml_permute)
+def permute(a: Tensor, a0: int, a1: int, a2: int, a3: int) -> Tensor:
+    axes = (a0, a1, a2, a3)
+    _check(sorted(axes) == [0, 1, 2, 3], f"permute: {axes} is not a permutation")
+    ne = [0] * 4
+    nb = [0] * 4
+    for i, ax in enumerate(axes):
+        ne[ax] = a.ne[i]
+        nb[ax] = a.nb[i]
+    return Tensor(a.type, ne, nb, op=Op.PERMUTE, src=[a], op_params={"axes": axes}, view_src=a, view_offs=0)
+
+
+def transpose(a: Tensor) -> Tensor:
+    t = permute(a, 1, 0, 2, 3)
+    t.op = Op.TRANSPOSE
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- shape ops and reductions
+
+# a and b agree on every dim but ``dim``  ->  concatenated along it
+def concat(a: Tensor, b: Tensor, dim: int) -> Tensor:
+    _check(0 <= dim < GGML_MAX_DIMS, f"concat: dim {dim}")
+    _check(all(a.ne[i] == b.ne[i] for i in range(GGML_MAX_DIMS) if i != dim), f"concat: {a.shape_str()} and {b.shape_str()}")
+    _check(a.type == b.type, "concat: types differ")
+    ne = list(a.ne)
+    ne[dim] += b.ne[dim]
+    return _node(Op.CONCAT, a.type, ne, [a, b], {"dim": dim})
+
+
+# a tiled to b's shape
+def repeat(a: Tensor, b: Tensor) -> Tensor:
+    _check(_can_repeat(a, b), f"repeat: {a.shape_str()} does not tile {b.shape_str()}")
+    return _node(Op.REPEAT, a.type, b.ne, [a])
+
+
+# [ne0, ne1, ne2, ne3] -> [1, ne1, ne2, ne3]
+def sum_rows(a: Tensor) -> Tensor:
+    return _node(Op.SUM_ROWS, F32, (1,) + a.ne[1:], [a])
+
+
+def mean(a: Tensor) -> Tensor:
+    return _node(Op.MEAN, F32, (1,) + a.ne[1:], [a])
+
+
+# a: [ne0, ne1] -> I32 [ne1], index of the largest value of each row (the first on ties)
+def argmax(a: Tensor) -> Tensor:
+    _check(a.ne[2] == 1 and a.ne[3] == 1, "argmax: a must be a matrix")
+    return _node(Op.ARGMAX, I32, (a.ne[1],), [a])
+
+
+SORT_ASC = 0
+SORT_DESC = 1
+
+
+# I32 indices that sort each row (stable)
+def argsort(a: Tensor, order: int = SORT_ASC) -> Tensor:
+    return _node(Op.ARGSORT, I32, a.ne, [a], {"order": order})
+
+
+# I32 [k, ne1, ne2, ne3]: indices of the k largest values of each row, largest first
+def top_k(a: Tensor, k: int) -> Tensor:
+    _check(0 < k <= a.ne[0], f"top_k: k={k} for rows of {a.ne[0]}")
+    return _node(Op.TOP_K, I32, (k,) + a.ne[1:], [a], {"k": k})
+
+
+def is_binary(op: Op) -> bool:
+    return op in BINARY_OPS
