@@ -1,0 +1,253 @@
+"""The inference context: ``decode(batch)`` over a KV cache, split into micro-batches, with graphs kept per shape.
+
+Each micro-batch: find cache cells, pick (or build once) the graph for (n_tokens, n_outputs, n_kv), set its
+inputs — token ids, positions, cache rows, masks, output rows — and let the scheduler run it. Logits (or
+embeddings) of the positions that asked for them are kept until the next decode.
+"""
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+
+import numpy as np
+
+from ..ggml import ops
+from ..ggml.backend import tensor_data
+from ..ggml.graph import Graph
+from ..ggml.sched import Scheduler
+from ..ggml.tensor import Tensor
+from ..ggml.types import GGMLType
+from .batch import Batch
+from .graph import build_graph
+from .kv_cache import CacheFull, KVCache
+
+POOLING = ("none", "mean", "last", "cls")
+
+
+class ContextError(ValueError):
+    pass
+
+
+class Context:
+    def __init__(self, model, n_ctx: int | None = None, n_batch: int = 2048, n_ubatch: int = 512,
+                 n_seq_max: int = 1, type_k=GGMLType.F16, type_v=GGMLType.F16, embeddings: bool = False,
+                 pooling: str = "mean", max_graphs: int = 8):
+        hp = model.hparams
+        self.model = model
+        self.n_ctx = int(n_ctx or min(hp.n_ctx_train, 4096))
+        if self.n_ctx <= 0:
+            raise ContextError(f"n_ctx must be positive, got {self.n_ctx}")
+        self.n_batch = min(int(n_batch), self.n_ctx)
+        self.n_ubatch = min(int(n_ubatch), self.n_batch)
+        self.n_seq_max = int(n_seq_max)
+        self.embeddings = embeddings
+        if pooling not in POOLING:
+            raise ContextError(f"pooling must be one of {POOLING}, got {pooling!r}")
+        self.pooling = pooling
+        if embeddings and pooling != "none":
+            self.n_ubatch = self.n_batch  # a pooled sequence must be in one micro-batch
+        self.kv = KVCache(hp, self.n_ctx, self.n_seq_max, model.layer_backend, type_k, type_v)
+        self.sched = Scheduler(model.backends)
+        self._graphs: OrderedDict = OrderedDict()
+        self.max_graphs = max_graphs
+        self.n_graph_builds = 0
+        self._logits = np.zeros((0, hp.n_vocab), np.float32)
+        self._embd = np.zeros((0, hp.n_embd), np.float32)
+        self._out_rows: dict[int, int] = {}   # batch index -> row of _logits/_embd
+        self._seq_embd: dict[int, np.ndarray] = {}
+        self._shift_graph = None
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.hparams.n_vocab
+
+    # ------------------------------------------------------------------ graphs
+    def _graph(self, n_tokens: int, n_outputs: int, n_kv: int):
+        key = (n_tokens, n_outputs, n_kv)
+        gc = self._graphs.get(key)
+        if gc is not None:
+            self._graphs.move_to_end(key)
+            return gc
+        gc = build_graph(self.model, self.kv, n_tokens, n_outputs, n_kv, self.embeddings)
+        self.n_graph_builds += 1
+        self._graphs[key] = gc
+        if len(self._graphs) > self.max_graphs:
+            _, old = self._graphs.popitem(last=False)
+            self.sched.forget(old.graph)
+        return gc
+
+    def _set(self, t: Tensor, value: np.ndarray) -> None:
+        tensor_data(t)[...] = value.reshape(tensor_data(t).shape)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, batch: Batch) -> None:
+        """Run the batch through the model, appending it to the cache. Raises CacheFull (and leaves the cache as it
+        was) when there is no room, ContextError for a malformed batch."""
+        n = len(batch)
+        if n == 0:
+            raise ContextError("decode: the batch is empty")
+        if n > self.n_batch:
+            raise ContextError(f"decode: {n} tokens exceed n_batch={self.n_batch}")
+        try:
+            batch.validate(self.n_vocab, self.n_seq_max)
+        except ValueError as e:
+            raise ContextError(f"decode: {e}") from None
+        free = int((self.kv.pos < 0).sum())
+        if free < n:
+            raise CacheFull(f"the context is full: {n} tokens need room but only {free} of {self.kv.size} cells "
+                            f"are free (n_ctx={self.n_ctx})")
+        want = batch.logits.copy()
+        if self.embeddings:
+            want[:] = True
+        n_out_total = int(want.sum())
+        self._logits = np.zeros((n_out_total, self.n_vocab), np.float32) if not self.embeddings else self._logits
+        self._embd = np.zeros((n_out_total, self.model.hparams.n_embd), np.float32)
+        self._out_rows = {}
+        self._seq_embd = {}
+        row = 0
+        for i0 in range(0, n, self.n_ubatch):
+            ub = batch.slice(i0, min(n, i0 + self.n_ubatch))
+            w = want[i0:i0 + len(ub)]
+            out_idx = np.flatnonzero(w)
+            res = self._decode_ubatch(ub, out_idx)
+            for j, bi in enumerate(out_idx):
+                self._out_rows[i0 + int(bi)] = row + j
+            if self.embeddings:
+                self._embd[row:row + len(out_idx)] = res
+                if self.pooling != "none":
+                    self._pool(ub, res)
+            else:
+                self._logits[row:row + len(out_idx)] = res
+            row += len(out_idx)
+
+    def _decode_ubatch(self, ub: Batch, out_idx: np.ndarray) -> np.ndarray:
+        n = len(ub)
+        n_outputs = len(out_idx)
+        idxs = self.kv.find_slot(n)
+        self.kv.apply(idxs, ub.pos, ub.seq_id)
+        n_kv = self.kv.n_kv_for(self.kv.used_max_p1())
+        gc = self._graph(n, max(n_outputs, 1), n_kv)
+        self.sched.alloc_graph(gc.graph)
+        inp = gc.inputs
+        self._set(inp["tokens"], ub.tokens)
+        self._set(inp["pos"], ub.pos)
+        self._set(inp["kv_idxs"], idxs.astype(np.int64))
+        if "kq_mask" in inp:
+            self._set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id))
+        if "kq_mask_swa" in inp:
+            self._set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa))
+        if "out_ids" in inp:
+            self._set(inp["out_ids"], (out_idx if n_outputs else np.array([n - 1])).astype(np.int32))
+        self.sched.graph_compute(gc.graph)
+        out = gc.t_embd if self.embeddings else gc.t_logits
+        res = np.array(tensor_data(out)).reshape(-1, out.ne[0])
+        return res[:n_outputs]
+
+    def _pool(self, ub: Batch, embd: np.ndarray) -> None:
+        seqs = np.array([s[0] for s in ub.seq_id])
+        for s in np.unique(seqs):
+            rows = embd[seqs == s]
+            if self.pooling == "mean":
+                self._seq_embd[int(s)] = rows.mean(axis=0)
+            elif self.pooling == "last":
+                self._seq_embd[int(s)] = rows[-1]
+            elif self.pooling == "cls":
+                self._seq_embd[int(s)] = rows[0]
+
+    # ------------------------------------------------------------------ results
+    def get_logits_ith(self, i: int) -> np.ndarray:
+        """Logits of batch position i (negative: from the end of the outputs)."""
+        if i < 0:
+            i = len(self._logits) + i
+            if not 0 <= i < len(self._logits):
+                raise ContextError(f"no output row {i}")
+            return self._logits[i]
+        if i not in self._out_rows:
+            raise ContextError(f"batch position {i} did not ask for logits")
+        return self._logits[self._out_rows[i]]
+
+    def get_logits(self) -> np.ndarray:
+        return self._logits
+
+    def get_embeddings_ith(self, i: int) -> np.ndarray:
+        return self._embd[self._out_rows[i] if i >= 0 else len(self._embd) + i]
+
+    def get_embeddings_seq(self, seq_id: int) -> np.ndarray:
+        if seq_id not in self._seq_embd:
+            raise ContextError(f"no pooled embedding for sequence {seq_id}")
+        return self._seq_embd[seq_id]
+
+    # ------------------------------------------------------------------ memory (llama_memory_seq_*)
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return self.kv.seq_rm(seq_id, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.kv.seq_cp(src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self.kv.seq_keep(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.kv.seq_pos_max(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Shift positions [p0, p1) of a sequence by delta, re-rotating the cached K by delta (llama.cpp's K-shift)."""
+        if delta == 0:
+            return
+        shift = self.kv.seq_add_cells(seq_id, p0, p1, delta)
+        if not shift.any():
+            return
+        if self._shift_graph is None:
+            self._shift_graph = self._build_shift_graph()
+        g, pos_in = self._shift_graph
+        self.sched.alloc_graph(g)
+        self._set(pos_in, shift)
+        self.sched.graph_compute(g)
+
+    def _build_shift_graph(self):
+        hp = self.model.hparams
+        size = self.kv.size
+        pos = Tensor(GGMLType.I32, (size,), name="inp_k_shift").set_input()
+        g = Graph()
+        from .graph import GraphContext
+        gc = GraphContext(self.model, self.kv, size, size, size)
+        for il in range(hp.n_layer):
+            k = self.kv.k[il]
+            kv_view = ops.permute(k, 0, 2, 1, 3)                          # [d, n_head_kv, size]
+            kf = ops.cont(ops.cast(kv_view, GGMLType.F32))
+            kr = gc.rope(kf, pos, il)
+            g.expand(ops.cpy(kr, kv_view))
+        return g, pos
+
+    def kv_clear(self) -> None:
+        self.kv.clear()
+
+    # ------------------------------------------------------------------ state
+    def state_save(self) -> bytes:
+        """The cache cells and the used rows of every layer's K and V, as bytes (llama_state_get_data)."""
+        used = self.kv.used_max_p1()
+        arrays = {"pos": self.kv.pos, "seq": self.kv.seq, "n_ctx": np.array([self.kv.size]),
+                  "used": np.array([used])}
+        for il, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+            arrays[f"k{il}"] = np.array(tensor_data(k)[..., :used, :])
+            arrays[f"v{il}"] = np.array(tensor_data(v)[..., :used, :])
+        f = io.BytesIO()
+        np.savez(f, **arrays)
+        return f.getvalue()
+
+    def state_load(self, data: bytes) -> None:
+        try:
+            z = np.load(io.BytesIO(data), allow_pickle=False)
+            if int(z["n_ctx"][0]) != self.kv.size or z["seq"].shape != self.kv.seq.shape:
+                raise ContextError(f"state is for a cache of {int(z['n_ctx'][0])} cells, this one has {self.kv.size}")
+            used = int(z["used"][0])
+            self.kv.pos[:] = z["pos"]
+            self.kv.seq[:] = z["seq"]
+            for il, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+                tensor_data(k)[..., :used, :] = z[f"k{il}"]
+                tensor_data(v)[..., :used, :] = z[f"v{il}"]
+        except (KeyError, ValueError, OSError) as e:
+            raise ContextError(f"invalid state data: {e}") from None
+
+
+__all__ = ["Context", "ContextError", "CacheFull", "Batch", "POOLING"]

@@ -1,0 +1,190 @@
+"""Shared graph-building helpers for the architectures (llama.cpp's llm_graph_context): inputs, norm, FFN, MoE
+and attention over the KV cache. Architecture files call these and never see a cache cell, a buffer or a backend.
+"""
+from __future__ import annotations
+
+from ..ggml import ops
+from ..ggml.graph import Graph
+from ..ggml.tensor import Tensor
+from ..ggml.types import GGMLType
+
+F32, F16, I32, I64 = GGMLType.F32, GGMLType.F16, GGMLType.I32, GGMLType.I64
+
+
+class GraphContext:
+    """One forward graph for a micro-batch shape: ``n_tokens`` new tokens, ``n_outputs`` of them returning logits,
+    attention over ``n_kv`` cache cells. Inputs are tensors set before each run (``inputs``)."""
+
+    def __init__(self, model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False):
+        self.model = model
+        self.hp = model.hparams
+        self.kv = kv
+        self.n_tokens = n_tokens
+        self.n_outputs = n_outputs
+        self.n_kv = n_kv
+        self.embeddings = embeddings
+        self.graph = Graph()
+        self.inputs: dict[str, Tensor] = {}
+        self.t_logits: Tensor | None = None
+        self.t_embd: Tensor | None = None
+
+    # ------------------------------------------------------------------ naming (llama.cpp's cb)
+    def cb(self, t: Tensor, name: str, il: int = -1) -> Tensor:
+        t.name = f"{name}-{il}" if il >= 0 else name
+        return t
+
+    def _input(self, key: str, type, *ne) -> Tensor:
+        t = Tensor(type, ne, name=f"inp_{key}").set_input()
+        self.inputs[key] = t
+        return t
+
+    # ------------------------------------------------------------------ inputs
+    # -> [n_embd, n_tokens]
+    def inp_embd(self, tok_embd: Tensor) -> Tensor:
+        tokens = self._input("tokens", I32, self.n_tokens)
+        return self.cb(ops.get_rows(tok_embd, tokens), "inp_embd")
+
+    def inp_pos(self) -> Tensor:
+        return self._input("pos", I32, self.n_tokens)
+
+    def inp_out_ids(self) -> Tensor | None:
+        """Rows of the last layer to keep: None when every token is an output (nothing to select)."""
+        if self.n_outputs == self.n_tokens:
+            return None
+        return self._input("out_ids", I32, self.n_outputs)
+
+    def _kq_mask(self, swa: bool) -> Tensor:
+        key = "kq_mask_swa" if swa else "kq_mask"
+        if key not in self.inputs:
+            self._input(key, F16, self.n_kv, self.n_tokens)
+        return self.inputs[key]
+
+    def _kv_idxs(self) -> Tensor:
+        if "kv_idxs" not in self.inputs:
+            self._input("kv_idxs", I64, self.n_tokens)
+        return self.inputs["kv_idxs"]
+
+    # ------------------------------------------------------------------ blocks
+    def norm(self, cur: Tensor, w: Tensor | None, b: Tensor | None = None, kind: str = "rms", il: int = -1) -> Tensor:
+        eps = self.hp.f_norm_rms_eps if kind == "rms" else self.hp.f_norm_eps
+        cur = ops.rms_norm(cur, eps) if kind == "rms" else ops.norm(cur, eps)
+        if w is not None:
+            cur = ops.mul(cur, w)
+        if b is not None:
+            cur = ops.add(cur, b)
+        return cur
+
+    def mm(self, w: Tensor, cur: Tensor, b: Tensor | None = None) -> Tensor:
+        cur = ops.mul_mat(w, cur)
+        return ops.add(cur, b) if b is not None else cur
+
+    # gated FFN: down(act(gate(x)) * up(x)); without gate: down(act(up(x))). gate may be None with up holding
+    # [gate | up] rows (phi3's fused ffn_up).
+    def ffn(self, cur: Tensor, up: Tensor, up_b: Tensor | None, gate: Tensor | None, gate_b: Tensor | None,
+            down: Tensor, down_b: Tensor | None, act: str = "silu", fused_gate_up: bool = False, il: int = -1) -> Tensor:
+        u = self.mm(up, cur, up_b)
+        if fused_gate_up:
+            cur = ops.swiglu(u) if act == "silu" else ops.geglu(u)
+        elif gate is not None:
+            g = self.cb(self.mm(gate, cur, gate_b), "ffn_gate", il)
+            cur = ops.swiglu(g, u) if act == "silu" else ops.geglu(g, u)
+        else:
+            cur = {"silu": ops.silu, "gelu": ops.gelu, "relu": ops.relu}[act](u)
+        self.cb(cur, "ffn_act", il)
+        return self.mm(down, cur, down_b)
+
+    # Mixture of experts with softmax gating (qwen3moe, mixtral): the top n_expert_used experts per token,
+    # their weights optionally renormalised to sum to 1.
+    def moe_ffn(self, cur: Tensor, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor, down_exps: Tensor,
+                n_expert: int, n_used: int, norm_w: bool, il: int = -1) -> Tensor:
+        n_embd, n_tokens = cur.ne[0], cur.ne[1]
+        logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)      # [n_expert, n_tokens]
+        probs = self.cb(ops.soft_max(logits), "ffn_moe_probs", il)
+        selected = self.cb(ops.top_k(probs, n_used), "ffn_moe_topk", il)        # I32 [n_used, n_tokens]
+        weights = ops.get_rows(ops.reshape(probs, 1, n_expert, n_tokens), selected)  # [1, n_used, n_tokens]
+        if norm_w:
+            w2 = ops.reshape(weights, n_used, n_tokens)
+            w2 = ops.div(w2, ops.sum_rows(w2))
+            weights = ops.reshape(w2, 1, n_used, n_tokens)
+        x = ops.reshape(cur, n_embd, 1, n_tokens)
+        up = ops.mul_mat_id(up_exps, x, selected)                                # [n_ff, n_used, n_tokens]
+        gate = ops.mul_mat_id(gate_exps, x, selected)
+        par = ops.swiglu(gate, up)
+        experts = ops.mul_mat_id(down_exps, par, selected)                       # [n_embd, n_used, n_tokens]
+        experts = ops.mul(experts, weights)
+        out = None
+        for i in range(n_used):
+            e = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], i * experts.nb[1])
+            out = e if out is None else ops.add(out, e)
+        if n_used == 1:
+            out = ops.cont(out)
+        return self.cb(out, "ffn_moe_out", il)
+
+    # cur: [n_embd, n_tokens] -> q [head_dim, n_head, n_tokens], k and v [head_dim, n_head_kv, n_tokens];
+    # separate attn_q/k/v (with optional biases) or one fused attn_qkv
+    def qkv(self, layer, cur: Tensor, il: int):
+        hp = self.hp
+        d_k, d_v, n_head, n_head_kv = hp.n_embd_head_k, hp.n_embd_head_v, hp.n_head(il), hp.n_head_kv(il)
+        n_tokens = cur.ne[1]
+        if getattr(layer, "wqkv", None) is not None:
+            qkv = self.cb(self.mm(layer.wqkv, cur, getattr(layer, "bqkv", None)), "wqkv", il)
+            es = 4  # F32
+            q = ops.view_3d(qkv, d_k, n_head, n_tokens, d_k * es, qkv.nb[1], 0)
+            k = ops.view_3d(qkv, d_k, n_head_kv, n_tokens, d_k * es, qkv.nb[1], d_k * n_head * es)
+            v = ops.view_3d(qkv, d_v, n_head_kv, n_tokens, d_v * es, qkv.nb[1], d_k * (n_head + n_head_kv) * es)
+            q, k, v = ops.cont(q), ops.cont(k), ops.cont(v)
+        else:
+            q = ops.reshape(self.mm(layer.wq, cur, getattr(layer, "bq", None)), d_k, n_head, n_tokens)
+            k = ops.reshape(self.mm(layer.wk, cur, getattr(layer, "bk", None)), d_k, n_head_kv, n_tokens)
+            v = ops.reshape(self.mm(layer.wv, cur, getattr(layer, "bv", None)), d_v, n_head_kv, n_tokens)
+        return self.cb(q, "Qcur", il), self.cb(k, "Kcur", il), self.cb(v, "Vcur", il)
+
+    # q: [head_dim, n_head, n_tokens]  k: [head_dim, n_head_kv, n_tokens]  v: [head_dim_v, n_head_kv, n_tokens]
+    # -> [n_embd_out, n_tokens] after the output projection wo
+    def attn(self, il: int, wo: Tensor | None, wo_b: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+             kq_scale: float, softcap: float = 0.0) -> Tensor:
+        idxs = self._kv_idxs()
+        # write this batch's K and V into the cache first: the attention below reads them back
+        self.graph.expand(self.kv.store_k(il, k, idxs))
+        self.graph.expand(self.kv.store_v(il, v, idxs))
+        swa = self.hp.is_swa(il) and self.hp.n_swa > 0
+        mask = self._kq_mask(swa)
+        kc = self.kv.view_k(il, self.n_kv)                     # [head_dim, n_kv, n_head_kv]
+        vc = self.kv.view_v(il, self.n_kv)
+        qp = ops.permute(q, 0, 2, 1, 3)                        # [head_dim, n_tokens, n_head]
+        cur = ops.flash_attn_ext(qp, kc, vc, mask, kq_scale, 0.0, softcap)  # [head_dim_v, n_head, n_tokens]
+        self.cb(cur, "kqv_out", il)
+        cur = ops.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2])
+        if wo is not None:
+            cur = self.mm(wo, cur, wo_b)
+        return cur
+
+    def rope(self, x: Tensor, pos: Tensor, il: int, freq_factors: Tensor | None = None) -> Tensor:
+        hp = self.hp
+        base, scale = hp.rope_freq_base, hp.rope_freq_scale
+        if hp.is_swa(il):
+            base, scale = hp.rope_freq_base_swa, hp.rope_freq_scale_swa
+        return ops.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn, base, scale,
+                            hp.yarn_ext_factor, hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow)
+
+    # the last layer keeps only the rows that return outputs
+    def select_outputs(self, *ts: Tensor, out_ids: Tensor | None):
+        if out_ids is None:
+            return ts
+        return tuple(ops.get_rows(t, out_ids) for t in ts)
+
+    def finish(self, embd: Tensor, logits: Tensor | None) -> Graph:
+        self.t_embd = self.cb(embd, "result_norm").set_output()
+        outs = [self.t_embd]
+        if logits is not None and not self.embeddings:
+            self.t_logits = self.cb(logits, "result_output").set_output()
+            outs = [self.t_logits]
+        for t in outs:
+            self.graph.expand(t)
+        return self.graph
+
+
+def build_graph(model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False) -> GraphContext:
+    g = GraphContext(model, kv, n_tokens, n_outputs, n_kv, embeddings)
+    model.arch.build_graph(model, g)
+    return g

@@ -1,0 +1,153 @@
+"""A loaded model: hyper-parameters, vocabulary, and weights placed per layer on backends.
+
+Weights are views into the GGUF file's pages (``use_mmap=True``, the default): resident memory after loading stays
+near the size of what is touched. Placement follows llama.cpp: the last ``n_gpu_layers`` repeating layers (and the
+output head when ``n_gpu_layers > n_layer``) go to the accelerator devices, split across them by ``tensor_split``
+(split mode 'layer'); everything else stays on the CPU. The architecture module only names tensors and shapes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..ggml.backend import Backend, BufferUsage, backend_init, tensor_alloc
+from ..ggml.tensor import Flags, Tensor
+from ..ggml.types import GGMLType
+from ..gguf import GGUFReader
+from . import arch as arch_mod
+from .arch import LAYER
+from .hparams import load_hparams
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+class TensorLoader:
+    """Handed to an architecture's ``load_tensors``: creates weight tensors, checking names and shapes."""
+
+    def __init__(self, model: "Model"):
+        self.model = model
+        self.hp = model.hparams
+        self.used: set[str] = set()
+
+    def create(self, name: str, ne, il: int = -1, required: bool = True, suffix: str = "weight") -> Tensor | None:
+        """The tensor ``name.suffix`` (``name`` may be a LAYER key, formatted with ``il``), of shape ``ne``."""
+        if name in LAYER:
+            name = LAYER[name].format(il)
+        full = f"{name}.{suffix}"
+        info = self.model.reader.tensors.get(full)
+        if info is None:
+            if required:
+                raise ModelLoadError(f"missing tensor {full!r} (architecture {self.hp.arch})")
+            return None
+        ne = tuple(int(n) for n in ne)
+        got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
+        want = ne + (1,) * (len(got) - len(ne))
+        if got != want:
+            raise ModelLoadError(f"tensor {full!r} has shape {list(info.ne)}, expected {list(ne)}")
+        self.used.add(full)
+        return self.model._weight(full, il)
+
+
+class Model:
+    def __init__(self, path, n_gpu_layers: int = 0, split_mode: str = "layer", tensor_split=None,
+                 use_mmap: bool = True, devices: list[Backend] | None = None, n_threads: int | None = None,
+                 vocab_only: bool = False):
+        self.path = Path(path)
+        self.reader = GGUFReader(self.path)
+        md = self.reader.metadata
+        self.metadata = md
+        self.hparams = load_hparams(md)
+        self.arch = arch_mod.arch_module(self.hparams.arch)
+        self.arch.load_hparams(self.hparams, md)
+        from .vocab import Vocab
+        self.vocab = Vocab.from_metadata(md)
+        if self.hparams.n_vocab == 0:
+            self.hparams.n_vocab = self.vocab.n_tokens
+        self.use_mmap = use_mmap
+        self.cpu = backend_init("cpu", n_threads=n_threads)
+        self.devices = list(devices or [])
+        if split_mode not in ("layer", "none", "row"):
+            raise ValueError(f"split_mode must be 'none', 'layer' or 'row', got {split_mode!r}")
+        if split_mode == "row":
+            raise NotImplementedError("split_mode 'row' needs an accelerator backend that supports split buffers")
+        self.split_mode = split_mode
+        self.n_gpu_layers = n_gpu_layers if self.devices else 0
+        self.layer_backend = self._assign_layers(tensor_split)
+        self.tensors: dict[str, Tensor] = {}
+        self.layers = [SimpleNamespace() for _ in range(self.hparams.n_layer)]
+        if vocab_only:
+            return
+        loader = TensorLoader(self)
+        self.arch.load_tensors(self, loader)
+        unused = set(self.reader.tensors) - loader.used
+        self.n_unused_tensors = len(unused)
+
+    # ------------------------------------------------------------------ placement
+    def _assign_layers(self, tensor_split) -> list[Backend]:
+        """Backend of each layer, plus the output head at index n_layer (llama.cpp's dev_layer / dev_output)."""
+        n_layer = self.hparams.n_layer
+        out = [self.cpu] * (n_layer + 1)
+        n_gpu = min(max(self.n_gpu_layers, 0), n_layer + 1)
+        if not self.devices or n_gpu == 0:
+            return out
+        if self.split_mode == "none":
+            weights = [1.0] + [0.0] * (len(self.devices) - 1)
+        else:
+            weights = list(tensor_split) if tensor_split else [1.0] * len(self.devices)
+            if len(weights) != len(self.devices) or sum(weights) <= 0:
+                raise ValueError(f"tensor_split {weights} does not match {len(self.devices)} devices")
+        cum = np.cumsum(weights) / sum(weights)
+        i_first = n_layer + 1 - n_gpu
+        for il in range(i_first, n_layer + 1):
+            frac = (il - i_first) / n_gpu
+            out[il] = self.devices[int(np.searchsorted(cum, frac, side="right"))]
+        return out
+
+    @property
+    def backends(self) -> list[Backend]:
+        """All backends in the scheduler's priority order: accelerators first, the CPU last."""
+        return self.devices + [self.cpu]
+
+    def _weight(self, name: str, il: int) -> Tensor:
+        if name in self.tensors:
+            return self.tensors[name]
+        info = self.reader.tensors[name]
+        t = Tensor(GGMLType(info.type), info.ne, name=name)
+        t.flags |= Flags.WEIGHT
+        backend = self.layer_backend[il] if il >= 0 else self.cpu
+        if name.startswith("output") and not name.startswith("output_norm"):
+            backend = self.layer_backend[-1]
+        buft = backend.get_default_buffer_type()
+        if self.use_mmap:
+            buf = buft.wrap(info.data, BufferUsage.WEIGHTS)
+        else:
+            buf = buft.alloc_buffer(info.nbytes, BufferUsage.WEIGHTS)
+            buf.data[:] = info.data
+        tensor_alloc(buf, t, 0)
+        self.tensors[name] = t
+        return t
+
+    def tensor_by_name(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.nelements for t in self.tensors.values())
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def desc(self) -> str:
+        return f"{self.hparams.arch} {self.hparams.name} ({self.size_bytes / 2**20:.0f} MiB, {self.n_params / 1e6:.0f}M params)"
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def load_model(path, **kw) -> Model:
+    return Model(path, **kw)

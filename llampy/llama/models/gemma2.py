@@ -1,0 +1,62 @@
+"""gemma2: embeddings scaled by sqrt(n_embd), post-attention and post-FFN norms, GELU FFN, sliding-window attention
+on every other layer, attention and final logit soft-caps."""
+from __future__ import annotations
+
+import math
+
+from ...ggml import ops
+from ._common import load_embd_and_output, load_ffn, load_qkv
+
+
+def load_hparams(hp, md):
+    a = hp.arch
+    hp.rope_type = 2  # NEOX
+    hp.n_swa = int(md.get(f"{a}.attention.sliding_window", 4096))
+    hp.set_swa_pattern(int(md.get(f"{a}.attention.sliding_window_pattern", 2)))
+    hp.rope_freq_base_swa = float(md.get(f"{a}.rope.freq_base_swa", hp.rope_freq_base))
+    hp.rope_freq_scale_swa = hp.rope_freq_scale
+    hp.attn_soft_cap = float(md.get(f"{a}.attn_logit_softcapping", 50.0))
+    hp.final_logit_softcap = float(md.get(f"{a}.final_logit_softcapping", 30.0))
+    hp.f_attention_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
+
+
+def load_tensors(model, ld):
+    hp = model.hparams
+    load_embd_and_output(model, ld)
+    for il, layer in enumerate(model.layers):
+        layer.attn_norm = ld.create("attn_norm", (hp.n_embd,), il)
+        load_qkv(model, ld, layer, il)
+        layer.attn_post_norm = ld.create("attn_post_norm", (hp.n_embd,), il)
+        layer.ffn_norm = ld.create("ffn_norm", (hp.n_embd,), il)
+        load_ffn(model, ld, layer, il)
+        layer.ffn_post_norm = ld.create("ffn_post_norm", (hp.n_embd,), il)
+
+
+def build_graph(model, g, qk_norm: bool = False):
+    hp = model.hparams
+    inpL = g.cb(ops.scale(g.inp_embd(model.tok_embd), math.sqrt(hp.n_embd)), "inp_scaled")
+    pos = g.inp_pos()
+    out_ids = g.inp_out_ids()
+    for il, layer in enumerate(model.layers):
+        cur = g.cb(g.norm(inpL, layer.attn_norm, il=il), "attn_norm", il)
+        q, k, v = g.qkv(layer, cur, il)
+        if qk_norm:
+            q = g.cb(g.norm(q, layer.attn_q_norm, il=il), "Qcur_normed", il)
+            k = g.cb(g.norm(k, layer.attn_k_norm, il=il), "Kcur_normed", il)
+        q, k = g.rope(q, pos, il), g.rope(k, pos, il)
+        q = ops.scale(q, hp.f_attention_scale)
+        cur = g.attn(il, layer.wo, None, q, k, v, 1.0, softcap=hp.attn_soft_cap)
+        if il == hp.n_layer - 1:
+            cur, inpL = g.select_outputs(cur, inpL, out_ids=out_ids)
+        cur = g.cb(g.norm(cur, layer.attn_post_norm, il=il), "attn_post_norm", il)
+        sa_out = g.cb(ops.add(cur, inpL), "sa_out", il)
+        cur = g.cb(g.norm(sa_out, layer.ffn_norm, il=il), "ffn_norm", il)
+        cur = g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "gelu", il=il)
+        cur = g.cb(g.norm(cur, layer.ffn_post_norm, il=il), "ffn_post_norm", il)
+        inpL = g.cb(ops.add(cur, sa_out), "l_out", il)
+    cur = g.norm(inpL, model.output_norm)
+    logits = ops.mul_mat(model.output, cur)
+    if hp.final_logit_softcap:
+        c = hp.final_logit_softcap
+        logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)
+    return g.finish(cur, logits)

@@ -1,0 +1,39 @@
+"""gemma3: gemma2's block with a per-head RMS norm of Q and K, 5 of every 6 layers on a sliding window with their
+own RoPE base (10000), no attention soft-cap."""
+from __future__ import annotations
+
+import math
+
+from . import gemma2
+from ._common import load_embd_and_output, load_ffn, load_qkv
+
+
+def load_hparams(hp, md):
+    a = hp.arch
+    hp.rope_type = 2  # NEOX
+    hp.n_swa = int(md.get(f"{a}.attention.sliding_window", 0))
+    if hp.n_swa > 0:
+        hp.set_swa_pattern(int(md.get(f"{a}.attention.sliding_window_pattern", 6)))
+        hp.rope_freq_base_swa = float(md.get(f"{a}.rope.freq_base_swa", 10000.0))
+        hp.rope_freq_scale_swa = 1.0
+    hp.attn_soft_cap = 0.0
+    hp.final_logit_softcap = float(md.get(f"{a}.final_logit_softcapping", 0.0))
+    hp.f_attention_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
+
+
+def load_tensors(model, ld):
+    hp = model.hparams
+    load_embd_and_output(model, ld)
+    for il, layer in enumerate(model.layers):
+        layer.attn_norm = ld.create("attn_norm", (hp.n_embd,), il)
+        load_qkv(model, ld, layer, il)
+        layer.attn_post_norm = ld.create("attn_post_norm", (hp.n_embd,), il)
+        layer.attn_q_norm = ld.create("attn_q_norm", (hp.n_embd_head_k,), il)
+        layer.attn_k_norm = ld.create("attn_k_norm", (hp.n_embd_head_k,), il)
+        layer.ffn_norm = ld.create("ffn_norm", (hp.n_embd,), il)
+        load_ffn(model, ld, layer, il)
+        layer.ffn_post_norm = ld.create("ffn_post_norm", (hp.n_embd,), il)
+
+
+def build_graph(model, g):
+    return gemma2.build_graph(model, g, qk_norm=True)

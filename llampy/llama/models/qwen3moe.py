@@ -1,0 +1,31 @@
+"""qwen3moe: qwen3 attention with a mixture-of-experts FFN (softmax gating, top-k weights renormalised)."""
+from __future__ import annotations
+
+from . import qwen3
+from ._common import load_embd_and_output
+
+load_hparams = qwen3.load_hparams
+
+
+def load_tensors(model, ld):
+    hp = model.hparams
+    if not hp.n_expert or not hp.n_ff_exp:
+        raise ValueError("qwen3moe needs qwen3moe.expert_count and qwen3moe.expert_feed_forward_length")
+    load_embd_and_output(model, ld)
+    for il, layer in enumerate(model.layers):
+        qwen3.load_attn(model, ld, layer, il)
+        n_ff = hp.n_ff_exp
+        layer.ffn_gate_inp = ld.create("ffn_gate_inp", (hp.n_embd, hp.n_expert), il)
+        layer.ffn_gate_exps = ld.create("ffn_gate_exps", (hp.n_embd, n_ff, hp.n_expert), il)
+        layer.ffn_up_exps = ld.create("ffn_up_exps", (hp.n_embd, n_ff, hp.n_expert), il)
+        layer.ffn_down_exps = ld.create("ffn_down_exps", (n_ff, hp.n_embd, hp.n_expert), il)
+
+
+def _moe(g, layer, cur, il):
+    hp = g.hp
+    return g.moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                     hp.n_expert, hp.n_expert_used, True, il)
+
+
+def build_graph(model, g):
+    return qwen3.build_graph(model, g, ffn=_moe)
