@@ -1,2 +1,10 @@
 """llampy: the llama.cpp system in Python."""
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # lazy, so that `import llampy` stays cheap and the ggml layer can be used alone
+    if name == "Llama":
+        from .llama.api import Llama
+        return Llama
+    raise AttributeError(name)

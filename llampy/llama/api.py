@@ -1,0 +1,297 @@
+"""The high-level Python API, in the spirit of llama-cpp-python's ``Llama``: load a model, complete, chat, embed.
+
+Underneath are the public Model, Context, Batch and sampler objects; this file only strings them together.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from ..models import resolve_model
+from .batch import Batch
+from .context import Context, ContextError
+from .model import Model
+
+
+class PromptTooLong(ContextError):
+    pass
+
+
+@dataclass
+class GenStep:
+    token: int
+    text: str                   # the new text (held back while it might be the start of a stop string)
+    logprob: float
+    top: list = field(default_factory=list)   # [(id, logprob)] over the raw logits
+    finish_reason: str | None = None
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def top_logprobs(logits: np.ndarray, k: int) -> list:
+    lp = _log_softmax(logits)
+    k = min(k, len(lp))
+    idx = np.argpartition(-lp, k - 1)[:k] if k > 0 else np.zeros(0, int)
+    idx = idx[np.lexsort((idx, -lp[idx]))]
+    return [(int(i), float(lp[i])) for i in idx]
+
+
+class Llama:
+    def __init__(self, model_path=None, n_ctx: int = 2048, n_threads: int | None = None, seed: int | None = None,
+                 n_batch: int = 512, n_ubatch: int = 512, embedding: bool = False, pooling: str = "mean",
+                 n_gpu_layers: int = 0, chat_template: str | None = None, n_seq_max: int = 1,
+                 type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False):
+        from ..ggml.types import GGMLType
+        self.model_path = str(resolve_model(model_path))
+        self.model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, n_threads=n_threads)
+        self.vocab = self.model.vocab
+        self.seed = seed
+        kt, vt = GGMLType[type_k.upper()], GGMLType[type_v.upper()]
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
+                           type_k=kt, type_v=vt)
+        self._embed_ctx = None
+        self._embedding = embedding
+        self._pooling = pooling
+        self._chat_template_override = chat_template
+        self._chat_template = None
+        self._cached: list[int] = []          # tokens whose K/V are in the cache for sequence 0
+        self.verbose = verbose
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.hparams.n_vocab
+
+    def tokenize(self, text, add_bos: bool = True, special: bool = False) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self.vocab.tokenize(text, add_special=add_bos, parse_special=special)
+
+    def detokenize(self, tokens, special: bool = False) -> bytes:
+        return b"".join(self.vocab.token_to_piece(int(t), special=special) for t in tokens)
+
+    def token_eos(self) -> int | None:
+        return self.vocab.eos
+
+    def token_bos(self) -> int | None:
+        return self.vocab.bos
+
+    def reset(self) -> None:
+        self.ctx.kv_clear()
+        self._cached = []
+
+    # ------------------------------------------------------------------ evaluation with prefix reuse
+    def eval_prompt(self, tokens: list[int]) -> np.ndarray:
+        """Bring the cache to hold exactly ``tokens`` (reusing the common prefix) and return the last logits."""
+        if len(tokens) == 0:
+            raise ContextError("the prompt is empty")
+        if len(tokens) >= self.n_ctx:
+            raise PromptTooLong(f"the prompt has {len(tokens)} tokens, but the context holds {self.n_ctx} "
+                                f"(n_ctx); shorten the prompt or raise n_ctx")
+        n_common = 0
+        for a, b in zip(self._cached, tokens):
+            if a != b:
+                break
+            n_common += 1
+        n_common = min(n_common, len(tokens) - 1)   # re-evaluate at least the last token to get its logits
+        self.ctx.seq_rm(0, n_common, -1)
+        self._cached = list(tokens[:n_common])
+        rest = tokens[n_common:]
+        for i0 in range(0, len(rest), self.ctx.n_batch):
+            chunk = rest[i0:i0 + self.ctx.n_batch]
+            self.ctx.decode(Batch.from_tokens(chunk, pos0=len(self._cached)))
+            self._cached.extend(int(t) for t in chunk)
+        return self.ctx.get_logits_ith(-1)
+
+    def eval_token(self, token: int) -> np.ndarray:
+        self.ctx.decode(Batch.from_tokens([token], pos0=len(self._cached)))
+        self._cached.append(int(token))
+        return self.ctx.get_logits_ith(-1)
+
+    def make_sampler(self, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
+                     repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, mirostat_mode=0,
+                     mirostat_tau=5.0, mirostat_eta=0.1, logit_bias=None, seed=None):
+        from .sampling import Chain
+        seed = seed if seed is not None else self.seed
+        return Chain.from_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                 mirostat=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                                 logit_bias=logit_bias, seed=seed, n_vocab=self.n_vocab)
+
+    def generate(self, prompt_tokens: list[int], max_tokens: int, sampler, stop=(), n_probs: int = 0,
+                 ignore_eos: bool = False) -> Iterator[GenStep]:
+        """Sample up to max_tokens tokens after the prompt; the last step carries finish_reason."""
+        from .vocab import StreamDecoder
+        if max_tokens is None or max_tokens < 0:
+            max_tokens = self.n_ctx - len(prompt_tokens)
+        logits = self.eval_prompt(prompt_tokens)
+        dec = StreamDecoder(self.vocab, special=False)
+        stop = [s for s in (stop or []) if s]
+        text_all = ""
+        emitted = 0
+        for i in range(max_tokens):
+            tok = int(sampler.sample(logits))
+            sampler.accept(tok)
+            lp = _log_softmax(logits)
+            step = GenStep(tok, "", float(lp[tok]), top_logprobs(logits, n_probs) if n_probs else [])
+            if self.vocab.is_eog(tok) and not ignore_eos:
+                step.text = text_all[emitted:] + dec.flush()
+                step.finish_reason = "stop"
+                yield step
+                return
+            text_all += dec.feed(tok)
+            # stop strings: cut at the first match; hold back a tail that may begin one
+            hit = min((p for p in (text_all.find(s, max(0, emitted - len(s))) for s in stop) if p >= 0), default=-1)
+            if hit >= 0:
+                step.text = text_all[emitted:hit]
+                step.finish_reason = "stop"
+                yield step
+                return
+            safe = len(text_all)
+            for s in stop:
+                for k in range(min(len(s) - 1, len(text_all)), 0, -1):
+                    if text_all.endswith(s[:k]):
+                        safe = min(safe, len(text_all) - k)
+                        break
+            step.text = text_all[emitted:safe]
+            emitted = safe
+            last = i == max_tokens - 1 or len(self._cached) + 1 >= self.n_ctx
+            if last:
+                step.text += text_all[emitted:] + dec.flush()
+                step.finish_reason = "length"
+                yield step
+                return
+            yield step
+            logits = self.eval_token(tok)
+
+    # ------------------------------------------------------------------ OpenAI-shaped completions
+    def create_completion(self, prompt, max_tokens: int | None = 16, temperature: float = 0.8, top_p: float = 0.95,
+                          min_p: float = 0.05, typical_p: float = 1.0, top_k: int = 40, stop=None, seed=None,
+                          repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                          logprobs: int | None = None, stream: bool = False, logit_bias=None, echo: bool = False,
+                          mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                          add_special: bool = True):
+        tokens = prompt if isinstance(prompt, list) else self.vocab.tokenize(prompt, add_special=add_special,
+                                                                               parse_special=True)
+        if isinstance(stop, str):
+            stop = [stop]
+        sampler = self.make_sampler(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, 64,
+                                    frequency_penalty, presence_penalty, mirostat_mode, mirostat_tau, mirostat_eta,
+                                    logit_bias, seed)
+        steps = self.generate(tokens, max_tokens if max_tokens is not None else -1, sampler, stop or [],
+                              n_probs=logprobs or 0)
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = self.model_path
+        if stream:
+            return self._stream_completion(steps, cid, created, model, len(tokens), logprobs)
+        text, toks, lps, tops, finish = "", [], [], [], None
+        for s in steps:
+            text += s.text
+            toks.append(s.token)
+            lps.append(s.logprob)
+            tops.append({self.vocab.token_to_piece(i).decode("utf-8", "replace"): lp for i, lp in s.top})
+            finish = s.finish_reason
+        if echo:
+            text = self.vocab.detokenize(tokens, special=True) + text
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = {"tokens": [self.vocab.token_to_piece(t).decode("utf-8", "replace") for t in toks],
+                                  "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
+        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+                "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(toks),
+                          "total_tokens": len(tokens) + len(toks)}}
+
+    def _stream_completion(self, steps, cid, created, model, n_prompt, logprobs):
+        n = 0
+        for s in steps:
+            n += 1
+            yield {"id": cid, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"text": s.text, "index": 0, "logprobs": None, "finish_reason": s.finish_reason}]}
+
+    __call__ = create_completion
+
+    # ------------------------------------------------------------------ chat
+    def chat_template(self):
+        if self._chat_template is None:
+            from .chat import template_from_metadata
+            self._chat_template = template_from_metadata(self.model.metadata, self._chat_template_override)
+        return self._chat_template
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return self.chat_template().render(messages, add_generation_prompt=add_generation_prompt)
+
+    def create_chat_completion(self, messages, max_tokens: int | None = None, temperature: float = 0.2,
+                               top_p: float = 0.95, min_p: float = 0.05, top_k: int = 40, stop=None, seed=None,
+                               stream: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                               repeat_penalty: float = 1.0, logit_bias=None, logprobs: bool = False,
+                               top_logprobs: int | None = None):
+        prompt = self.apply_chat_template(messages)
+        # the rendered template already holds BOS where the model wants it
+        tokens = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
+        if self.vocab.add_bos and self.vocab.bos is not None and (not tokens or tokens[0] != self.vocab.bos):
+            tokens = [self.vocab.bos] + tokens
+        res = self.create_completion(tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+                                     top_k=top_k, stop=stop, seed=seed, stream=stream, repeat_penalty=repeat_penalty,
+                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                     logit_bias=logit_bias, logprobs=(top_logprobs or 1) if logprobs else None)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if stream:
+            return self._stream_chat(res, cid)
+        ch = res["choices"][0]
+        return {"id": cid, "object": "chat.completion", "created": res["created"], "model": res["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": ch["text"]},
+                             "logprobs": ch["logprobs"], "finish_reason": ch["finish_reason"]}],
+                "usage": res["usage"]}
+
+    def _stream_chat(self, chunks, cid):
+        first = True
+        for c in chunks:
+            ch = c["choices"][0]
+            delta = {"role": "assistant", "content": ch["text"]} if first else {"content": ch["text"]}
+            first = False
+            yield {"id": cid, "object": "chat.completion.chunk", "created": c["created"], "model": c["model"],
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": ch["finish_reason"]}]}
+
+    # ------------------------------------------------------------------ embeddings
+    def embed(self, input, normalize: bool = True):
+        """One pooled embedding per input string (mean pooling over the last hidden state)."""
+        single = isinstance(input, str)
+        texts = [input] if single else list(input)
+        if self._embed_ctx is None:
+            self._embed_ctx = Context(self.model, n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=self.n_ctx,
+                                      embeddings=True, pooling=self._pooling if self._pooling != "none" else "mean")
+        out = []
+        for text in texts:
+            toks = self.vocab.tokenize(text, add_special=True, parse_special=True)
+            if len(toks) >= self.n_ctx:
+                raise PromptTooLong(f"the input has {len(toks)} tokens, but the context holds {self.n_ctx}")
+            if not toks:
+                raise ContextError("cannot embed an empty input")
+            self._embed_ctx.kv_clear()
+            self._embed_ctx.decode(Batch.from_tokens(toks, logits_all=True))
+            e = self._embed_ctx.get_embeddings_seq(0).astype(np.float64)
+            if normalize:
+                e = e / max(np.linalg.norm(e), 1e-12)
+            out.append([float(x) for x in e])
+        return out[0] if single else out
+
+    def create_embedding(self, input, model: str | None = None):
+        texts = [input] if isinstance(input, str) else list(input)
+        data = [{"object": "embedding", "index": i, "embedding": self.embed(t)} for i, t in enumerate(texts)]
+        n = sum(len(self.vocab.tokenize(t, add_special=True, parse_special=True)) for t in texts)
+        return {"object": "list", "data": data, "model": model or self.model_path,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
