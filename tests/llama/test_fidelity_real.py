@@ -1,0 +1,76 @@
+"""The real models against llama.cpp's greedy continuations and perplexity (../shared/fixtures/llamacpp, DESIGN.md)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llampy.llama.batch import Batch
+from llampy.llama.context import Context
+from llampy.llama.model import Model
+from llampy.llama.perplexity import perplexity
+
+from tests.paths import LLAMACPP, SEEDS
+
+pytestmark = pytest.mark.slow
+
+CASES = {"smollm2": ("smollm2-135m-q4_1.json", 52.0007), "gemma3": ("gemma3-270m-q4_k_m.json", 55.2268)}
+TOL = 0.1
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def real(request):
+    from llampy.models import resolve_model
+    name = request.param
+    ref = json.loads((LLAMACPP / CASES[name][0]).read_text())
+    return name, Model(resolve_model(name)), ref, CASES[name][1]
+
+
+def test_tokenize_fixture(real):
+    name, model, ref, _ = real
+    for case in ref["tokenize"]:
+        got = model.vocab.tokenize(case["text"], add_special=case.get("add_special", False),
+                                   parse_special=case["parse_special"])
+        assert got == case["ids"], case["text"]
+
+
+def test_greedy_matches_llamacpp(real):
+    """Free-running greedy: the same ids up to the first step where llama.cpp's own top-1 and top-2 are within
+    0.1; at the steps compared, top-5 log-probs within 0.1."""
+    name, model, ref, _ = real
+    matched = compared = 0
+    worst = 0.0
+    for g in ref["greedy"]:
+        ctx = Context(model, n_ctx=512)
+        ctx.decode(Batch.from_tokens(g["prompt_ids"]))
+        pos = len(g["prompt_ids"])
+        for k, step in enumerate(g["steps"]):
+            top = step["top"]
+            if top[0][1] - top[1][1] <= 0.1:
+                break
+            lp = log_softmax(ctx.get_logits_ith(-1))
+            for tid, ref_lp in top:
+                worst = max(worst, abs(lp[tid] - ref_lp))
+            tok = int(np.argmax(lp))
+            compared += 1
+            assert tok == g["ids"][k], f"{name}: prompt {g['prompt'][:30]!r} step {k}: {tok} != {g['ids'][k]}"
+            matched += 1
+            ctx.decode(Batch.from_tokens([tok], pos0=pos))
+            pos += 1
+    print(f"{name}: greedy {matched}/{compared} tokens, max |dlogprob| {worst:.4f}")
+    assert worst <= TOL
+
+
+def test_perplexity_within_1pct(real):
+    name, model, ref, ppl_ref = real
+    text = (SEEDS / "003_d54e3c86b7c7a32c.txt").read_text(encoding="utf-8")
+    res = perplexity(model, text, n_ctx=256, n_batch=256)
+    print(f"{name}: PPL {res.ppl:.4f} (llama.cpp {ppl_ref})")
+    assert abs(res.ppl / ppl_ref - 1) <= 0.01

@@ -1,0 +1,61 @@
+"""Imports point one way (STYLE.md): server, cli -> llama -> ggml, gguf; the ggml core imports no backend."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "llampy"
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    pkg_parts = path.relative_to(PKG.parent).with_suffix("").parts[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(pkg_parts[:len(pkg_parts) - node.level + 1])
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+    return out
+
+
+def files(sub: str):
+    return sorted((PKG / sub).rglob("*.py"))
+
+
+def test_ggml_never_imports_llama_gguf_server():
+    for f in files("ggml"):
+        bad = [m for m in imports_of(f) if m.startswith(("llampy.llama", "llampy.server", "llampy.cli", "llampy.gguf"))]
+        assert not bad, f"{f} imports {bad}"
+
+
+def test_ggml_core_imports_no_backend():
+    core = [PKG / "ggml" / n for n in ("tensor.py", "ops.py", "graph.py", "types.py", "alloc.py", "sched.py",
+                                       "fusion.py", "backend.py", "quants.py")]
+    for f in core:
+        if f.exists():
+            bad = [m for m in imports_of(f) if m.startswith("llampy.ggml.backends")]
+            assert not bad, f"{f} imports {bad}"
+
+
+def test_gguf_is_file_format_only():
+    for f in files("gguf"):
+        bad = [m for m in imports_of(f) if m.startswith(("llampy.llama", "llampy.server", "llampy.cli"))]
+        assert not bad, f"{f} imports {bad}"
+
+
+def test_llama_never_imports_server_or_cli():
+    for f in files("llama"):
+        bad = [m for m in imports_of(f) if m.startswith(("llampy.server", "llampy.cli"))]
+        assert not bad, f"{f} imports {bad}"
+
+
+def test_model_files_know_no_backend():
+    for f in files("llama/models"):
+        bad = [m for m in imports_of(f) if "backend" in m or m == "numpy" or "kv_cache" in m or "sched" in m]
+        assert not bad, f"{f} imports {bad}"
