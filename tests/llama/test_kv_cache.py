@@ -1,0 +1,76 @@
+"""KV cache cells: slots, sequences, masks, shifting (no model needed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llampy.ggml.backend import Backend
+from llampy.ggml.types import GGMLType
+from llampy.llama.hparams import HParams
+from llampy.llama.kv_cache import CacheFull, KVCache
+
+
+def make(size=16, n_seq=3, type_k=GGMLType.F16):
+    hp = HParams(arch="llama", n_layer=2, n_embd=64, n_head_arr=[4, 4], n_head_kv_arr=[2, 2], n_embd_head_k=32,
+                 n_embd_head_v=32)
+    be = Backend("host")
+    return KVCache(hp, size, n_seq, [be, be], type_k, GGMLType.F16)
+
+
+def test_layout_is_contiguous_per_head():
+    kv = make()
+    k = kv.k[0]
+    assert k.ne[:3] == (32, 16, 2)
+    assert k.nb[1] == 64 and k.nb[2] == 64 * 16      # one head's cells are one block
+    assert kv.nbytes >= 2 * 2 * 32 * 16 * 2 * 2
+
+
+def test_slots_and_sequences():
+    kv = make(size=8)
+    idx = kv.find_slot(3)
+    kv.apply(idx, np.array([0, 1, 2], np.int32), [(0,), (0,), (0,)])
+    idx2 = kv.find_slot(2)
+    assert list(idx2) == [3, 4]
+    kv.apply(idx2, np.array([0, 1], np.int32), [(1,), (1,)])
+    assert kv.seq_pos_max(0) == 2 and kv.seq_pos_max(1) == 1
+    kv.seq_cp(0, 2, 0, 2)
+    assert kv.seq[:2, 2].all() and not kv.seq[2, 2]
+    kv.seq_rm(0, 1, -1)
+    assert kv.seq_pos_max(0) == 0
+    assert kv.pos[1] == 1      # still held by sequence 2
+    assert kv.pos[2] == -1     # freed: no sequence holds it
+    kv.seq_keep(1)
+    assert kv.n_used() == 2 and kv.seq_pos_max(0) == -1
+    with pytest.raises(CacheFull, match="full"):
+        kv.find_slot(7)
+
+
+def test_mask_causal_sequences_and_window():
+    kv = make(size=8)
+    kv.apply(np.arange(4), np.array([0, 1, 2, 3], np.int32), [(0,)] * 4)
+    kv.apply(np.array([4]), np.array([0], np.int32), [(1,)])
+    m = kv.mask(8, np.array([3, 0], np.int32), [(0,), (1,)])
+    assert m.dtype == np.float16 and m.shape == (2, 8)
+    assert (m[0, :4] == 0).all() and np.isinf(m[0, 4:]).all()
+    assert (m[1, 4] == 0) and np.isinf(np.delete(m[1], 4)).all()
+    w = kv.mask(8, np.array([3], np.int32), [(0,)], swa=2)
+    assert list(np.isfinite(w[0, :4])) == [False, False, True, True]
+
+
+def test_seq_add_shifts_and_drops_below_zero():
+    kv = make(size=8)
+    kv.apply(np.arange(5), np.arange(5, dtype=np.int32), [(0,)] * 5)
+    shift = kv.seq_add_cells(0, 2, -1, -2)
+    assert list(kv.pos[:5]) == [0, 1, 0, 1, 2]
+    assert list(shift[:5]) == [0, 0, -2, -2, -2]
+    kv.seq_rm(0, 0, 2)   # positions 0 and 1 are now held by cells 0, 1, 2 and 3
+    assert kv.n_used() == 1
+
+
+def test_q8_0_cache_needs_whole_blocks():
+    kv = make(type_k=GGMLType.Q8_0)
+    assert kv.k[0].type == GGMLType.Q8_0
+    hp = HParams(arch="llama", n_layer=1, n_embd=48, n_head_arr=[2], n_head_kv_arr=[2], n_embd_head_k=24,
+                 n_embd_head_v=24)
+    with pytest.raises(ValueError, match="whole number"):
+        KVCache(hp, 8, 1, [Backend("host")], GGMLType.Q8_0)
