@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""llampy against llama.cpp, side by side in one run, on the same GGUF files.
+
+    python benchmarks/compare_llamacpp.py [MODEL ...] [-t 2] [-r 3] [-p 512] [-n 128]
+
+MODEL: a path, or 'smollm2' / 'gemma3' (default: both). For each model, llampy's bench and llama.cpp's (through
+llama-cpp-python's low-level llama_decode, the same pp/tg tests) run interleaved, and the table gives pp and tg
+tok/s with the ratio llampy/llama.cpp, time from process start to first token (cold: empty kernel cache; warm),
+and peak RSS. llama.cpp comes from llama-cpp-python, built for this machine (no AMX; see ../shared/DESIGN.md) into
+its own environment, benchmarks/.llamacpp-venv, once; the wheel is cached in ~/.cache/llampy/wheels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+VENV = HERE / ".llamacpp-venv"
+WHEELS = Path.home() / ".cache" / "llampy" / "wheels"
+CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+              "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF "
+              "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+
+# Runs inside the llama.cpp environment: the pp and tg tests through llama_decode, as llama-bench does.
+LLAMACPP_BENCH = r'''
+import json, sys, time, random, ctypes
+import llama_cpp as L
+path, n_prompt, n_gen, reps, n_threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+L.llama_backend_init()
+mp = L.llama_model_default_params()
+model = L.llama_model_load_from_file(path.encode(), mp)
+cp = L.llama_context_default_params()
+cp.n_ctx = max(n_prompt, n_gen) + 1
+cp.n_batch = 2048
+cp.n_ubatch = 512
+cp.n_threads = n_threads
+cp.n_threads_batch = n_threads
+ctx = L.llama_init_from_model(model, cp)
+vocab = L.llama_model_get_vocab(model)
+n_vocab = L.llama_vocab_n_tokens(vocab)
+mem = L.llama_get_memory(ctx)
+rnd = random.Random(1234)
+def pp():
+    L.llama_memory_clear(mem, True)
+    toks = (L.llama_token * n_prompt)(*[rnd.randrange(n_vocab) for _ in range(n_prompt)])
+    assert L.llama_decode(ctx, L.llama_batch_get_one(toks, n_prompt)) == 0
+    L.llama_synchronize(ctx)
+def tg():
+    L.llama_memory_clear(mem, True)
+    for i in range(n_gen):
+        t = (L.llama_token * 1)(rnd.randrange(n_vocab))
+        assert L.llama_decode(ctx, L.llama_batch_get_one(t, 1)) == 0
+    L.llama_synchronize(ctx)
+out = []
+for name, fn, n in (("pp", pp, n_prompt), ("tg", tg, n_gen)):
+    if n <= 0:
+        continue
+    fn()
+    ns = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns(); fn(); ns.append(time.perf_counter_ns() - t0)
+    ts = [n * 1e9 / x for x in ns]
+    out.append({"test": f"{name}{n}", "n_prompt": n if name == "pp" else 0, "n_gen": n if name == "tg" else 0,
+                "n_threads": n_threads, "avg_ts": sum(ts) / len(ts), "samples_ts": ts})
+print(json.dumps(out))
+'''
+
+# Runs inside the llama.cpp environment: load, evaluate a short prompt, sample one token (start to first token).
+LLAMACPP_FIRST = r'''
+import sys, llama_cpp as L
+L.llama_backend_init()
+model = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params())
+cp = L.llama_context_default_params(); cp.n_ctx = 512; cp.n_threads = int(sys.argv[2]); cp.n_threads_batch = cp.n_threads
+ctx = L.llama_init_from_model(model, cp)
+vocab = L.llama_model_get_vocab(model)
+text = b"The capital of France is"
+buf = (L.llama_token * 64)()
+n = L.llama_tokenize(vocab, text, len(text), buf, 64, True, True)
+assert L.llama_decode(ctx, L.llama_batch_get_one(buf, n)) == 0
+logits = L.llama_get_logits_ith(ctx, -1)
+nv = L.llama_vocab_n_tokens(vocab)
+best = max(range(nv), key=lambda i: logits[i])
+print(best)
+'''
+
+
+def die(msg: str) -> None:
+    print(f"compare_llamacpp: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def ensure_llamacpp() -> Path:
+    py = VENV / "bin" / "python"
+    if py.exists() and subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+        return py
+    print("compare_llamacpp: setting up llama.cpp (llama-cpp-python) in benchmarks/.llamacpp-venv; "
+          "a first build takes about 15 minutes on 2 cores", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", VENV], check=True)
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS)
+    r = subprocess.run([py, "-m", "pip", "install", "-q", "--find-links", WHEELS, "--prefer-binary",
+                        "llama-cpp-python"], env=env)
+    if r.returncode != 0:
+        die("could not install llama-cpp-python (it builds llama.cpp from source: needs a C++ compiler, cmake "
+            "and PyPI); llama.cpp is not available for comparison")
+    return py
+
+
+def popen_rss(cmd, env=None) -> tuple[str, float, float]:
+    """Run a command, and read its own peak RSS with wait4 (not the sum over all children)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    out = p.stdout.read()
+    err = p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        die(f"{' '.join(map(str, cmd))} failed:\n{err[-2000:]}")
+    return out, wall, ru.ru_maxrss / 1024.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("models", nargs="*", default=["smollm2", "gemma3"])
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of (llampy, llama.cpp)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from llampy.models import resolve_model
+    lc_py = ensure_llamacpp()
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    rows = []
+    for m in args.models:
+        path = str(resolve_model(m))
+        ours = {"pp": [], "tg": []}
+        theirs = {"pp": [], "tg": []}
+        rss_ours = rss_theirs = 0.0
+        for _ in range(args.rounds):
+            out, _, rss = popen_rss([sys.executable, "-m", "llampy.cli", "bench", path, "-p", str(args.n_prompt),
+                                     "-n", str(args.n_gen), "-t", str(args.threads), "-r", str(args.reps), "--json"], env)
+            for r in json.loads(out):
+                ours["pp" if r["n_prompt"] else "tg"].extend(r["samples_ts"])
+            rss_ours = max(rss_ours, rss)
+            out, _, rss = popen_rss([lc_py, "-c", LLAMACPP_BENCH, path, str(args.n_prompt), str(args.n_gen),
+                                     str(args.reps), str(args.threads)], env)
+            for r in json.loads(out):
+                theirs["pp" if r["n_prompt"] else "tg"].extend(r["samples_ts"])
+            rss_theirs = max(rss_theirs, rss)
+        # start to first token: cold (empty Numba cache) and warm, and llama.cpp's
+        first_cmd = [sys.executable, "-m", "llampy.cli", "run", path, "-p", "The capital of France is", "-n", "1",
+                     "--temp", "0", "-t", str(args.threads)]
+        with tempfile.TemporaryDirectory() as cache:
+            _, cold, _ = popen_rss(first_cmd, dict(env, NUMBA_CACHE_DIR=cache))
+            _, warm, _ = popen_rss(first_cmd, dict(env, NUMBA_CACHE_DIR=cache))
+        _, lc_first, _ = popen_rss([lc_py, "-c", LLAMACPP_FIRST, path, str(args.threads)], env)
+        mean = lambda xs: statistics.mean(xs) if xs else float("nan")
+        rows.append({"model": Path(path).name, "pp_llampy": mean(ours["pp"]), "pp_llamacpp": mean(theirs["pp"]),
+                     "tg_llampy": mean(ours["tg"]), "tg_llamacpp": mean(theirs["tg"]),
+                     "first_cold_s": cold, "first_warm_s": warm, "first_llamacpp_s": lc_first,
+                     "rss_llampy_mib": rss_ours, "rss_llamacpp_mib": rss_theirs})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"threads {args.threads}, pp{args.n_prompt} / tg{args.n_gen}, {args.rounds} interleaved rounds x {args.reps} reps\n")
+    print("| model | pp llampy | pp llama.cpp | pp ratio | tg llampy | tg llama.cpp | tg ratio | first token cold / warm (llama.cpp) | peak RSS MiB llampy / llama.cpp (ratio) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['model']} | {r['pp_llampy']:.1f} | {r['pp_llamacpp']:.1f} | {r['pp_llampy'] / r['pp_llamacpp']:.2f} "
+              f"| {r['tg_llampy']:.1f} | {r['tg_llamacpp']:.1f} | {r['tg_llampy'] / r['tg_llamacpp']:.2f} "
+              f"| {r['first_cold_s']:.2f} s / {r['first_warm_s']:.2f} s ({r['first_llamacpp_s']:.2f} s) "
+              f"| {r['rss_llampy_mib']:.0f} / {r['rss_llamacpp_mib']:.0f} ({r['rss_llampy_mib'] / r['rss_llamacpp_mib']:.2f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
