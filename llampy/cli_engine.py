@@ -1,0 +1,174 @@
+"""The engine's subcommands: run, chat, tokenize, perplexity, bench. ``llampy.cli`` wires them in."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _threads(args) -> int | None:
+    n = getattr(args, "threads", None)
+    if n:
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(n))
+    return n
+
+
+def add_engine_parsers(sub) -> None:
+    p = sub.add_parser("run", help="complete a prompt (streams the text)")
+    p.add_argument("model", nargs="?", default=None, help="GGUF path, or 'smollm2' (default) / 'gemma3'")
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", "--n-predict", type=int, default=64)
+    p.add_argument("--temp", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--n-probs", type=int, default=0, help="top-K log-probs per step (with --json)")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive chat with the model's template (terminal or pipe)")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("-n", "--n-predict", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-s", "--system", default=None, help="system message")
+    p.add_argument("--chat-template", default=None, help="a Jinja template, or chatml/llama3/gemma")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("tokenize", help="print the token ids of TEXT as JSON")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("text")
+    p.add_argument("--no-parse-special", action="store_true")
+    p.add_argument("--add-special", action="store_true", help="add BOS/EOS as the vocabulary says")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("-f", "--file", required=True)
+    p.add_argument("-c", "--ctx-size", type=int, default=512)
+    p.add_argument("-b", "--batch-size", type=int, default=None)
+    p.add_argument("--chunks", type=int, default=None, help="stop after this many chunks")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("bench", help="llama-bench's pp and tg tests")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("-r", "--reps", type=int, default=5)
+    p.add_argument("-b", "--batch-size", type=int, default=2048)
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+
+def _load(args, **kw):
+    from .llama.api import Llama
+    return Llama(args.model, n_threads=_threads(args), **kw)
+
+
+def cmd_run(args) -> int:
+    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed)
+    tokens = llm.vocab.tokenize(args.prompt, add_special=True, parse_special=True)
+    sampler = llm.make_sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                               repeat_penalty=args.repeat_penalty, seed=args.seed)
+    steps = llm.generate(tokens, args.n_predict, sampler, n_probs=args.n_probs)
+    if args.json:
+        out = {"prompt_tokens": tokens, "tokens": [], "text": "", "probs": []}
+        for s in steps:
+            out["tokens"].append(s.token)
+            out["text"] += s.text
+            out["probs"].append([{"id": i, "logprob": lp} for i, lp in s.top])
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    for s in steps:
+        sys.stdout.write(s.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, chat_template=args.chat_template)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for chunk in llm.create_chat_completion(messages, max_tokens=args.n_predict, temperature=args.temp,
+                                                seed=args.seed, stream=True):
+            piece = chunk["choices"][0]["delta"].get("content", "")
+            reply += piece
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from .llama.model import Model
+    from .models import resolve_model
+    m = Model(resolve_model(args.model), vocab_only=True)
+    ids = m.vocab.tokenize(args.text, add_special=args.add_special, parse_special=not args.no_parse_special)
+    print(json.dumps({"ids": ids}))
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from .llama.model import Model
+    from .llama.perplexity import perplexity
+    from .models import resolve_model
+    _threads(args)
+    m = Model(resolve_model(args.model))
+    with open(args.file, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    t0 = time.perf_counter()
+
+    def progress(i, n, ppl):
+        print(f"[{i + 1}/{n}] {ppl:.4f}", file=sys.stderr, flush=True)
+
+    res = perplexity(m, text, n_ctx=args.ctx_size, n_batch=args.batch_size, max_chunks=args.chunks, progress=progress)
+    print(f"Final estimate: PPL = {res.ppl:.4f} ({len(res.chunks)} chunks, {res.n_scored} tokens scored, "
+          f"{time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .llama.bench import bench
+    from .llama.model import Model
+    from .models import resolve_model
+    _threads(args)
+    import numba
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    m = Model(resolve_model(args.model), n_threads=args.threads)
+    results = bench(m, args.n_prompt, args.n_gen, args.reps, args.batch_size, args.ubatch_size, args.threads)
+    if args.json:
+        print(json.dumps([r.to_json() for r in results], indent=1))
+        return 0
+    print("| model | size | params | backend | threads | test | t/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        print(f"| {m.hparams.arch} {m.hparams.name} | {r.model_size / 2**20:.2f} MiB | {r.model_n_params / 1e6:.2f} M "
+              f"| {r.backend} | {r.n_threads} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} |")
+    return 0
