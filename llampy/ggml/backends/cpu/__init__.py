@@ -1,0 +1,7 @@
+"""The cpu backend (NumPy + Numba). Importing it registers it as "cpu"."""
+from ...backend import register_backend
+from .backend import CPUBackend
+
+register_backend("cpu", CPUBackend)
+
+__all__ = ["CPUBackend"]

@@ -1,0 +1,119 @@
+"""FLASH_ATTN_EXT on the CPU, with the numerics of ggml's CPU kernels:
+
+- few queries (decode, small batches: ggml's ``one_chunk`` path, n_q < 64): Q rounded to F16, Q·K in float32 over
+  F16 K, online softmax, and with F16 V the output accumulator itself kept in F16 (rounded after every scale and
+  every multiply-add), in Numba;
+- many queries (ggml's tiled path, n_q >= 64): float32 throughout, which BLAS does per head.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .kernels import alibi_slopes
+from .qdot import F16_TABLE
+
+Q_TILE = 64
+
+
+@njit(cache=True, inline="always")
+def _r16(x):
+    """Round a float32 to the nearest F16 value (Veltkamp split to 11 significant bits); F16 range assumed."""
+    t = x * np.float32(8193.0)
+    return t - (t - x)
+
+
+@njit(parallel=True, cache=True)
+def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
+    # q (ne3, n_head, n_q, d) f32; k (ke3, n_head_kv, n_kv, d) u16; v (ve3, n_head_kv, n_kv, dv) u16
+    # mask (m3, m2, >= n_q, n_kv) f32 or empty; out (ne3, n_q, n_head, dv) f32
+    ne3, n_head, n_q, d = q.shape
+    n_head_kv = k.shape[1]
+    n_kv = k.shape[2]
+    dv = v.shape[3]
+    rk = n_head // n_head_kv
+    has_mask = mask.shape[3] > 0
+    for idx in prange(ne3 * n_head * n_q):
+        i3 = idx // (n_head * n_q)
+        h = (idx // n_q) % n_head
+        i1 = idx % n_q
+        hk = h // rk
+        qr = np.empty(d, np.float32)
+        for j in range(d):
+            qr[j] = _r16(q[i3, h, i1, j])
+        acc = np.zeros(dv, np.float32)
+        M = -np.inf
+        S = np.float32(0.0)
+        slope = slopes[h]
+        for ic in range(n_kv):
+            mv = np.float32(0.0)
+            if has_mask:
+                mv = slope * mask[i3 % mask.shape[0], h % mask.shape[1], i1, ic]
+                if mv == -np.inf:
+                    continue
+            s = np.float32(0.0)
+            for j in range(d):
+                s += qr[j] * tab[k[i3 % k.shape[0], hk, ic, j]]
+            s = s * scale
+            if softcap != 0.0:
+                s = softcap * np.float32(math.tanh(s))
+            s += mv
+            ms = np.float32(1.0)
+            vs = np.float32(1.0)
+            if s > M:
+                Mold = M
+                M = s
+                ms = np.float32(math.exp(Mold - M))
+                for j in range(dv):
+                    acc[j] = _r16(acc[j] * ms) if v_f16 else acc[j] * ms
+            else:
+                vs = np.float32(math.exp(s - M))
+            for j in range(dv):
+                val = acc[j] + tab[v[i3 % v.shape[0], hk, ic, j]] * vs
+                acc[j] = _r16(val) if v_f16 else val
+            S = S * ms + vs
+        inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
+        for j in range(dv):
+            out[i3, i1, h, j] = acc[j] * inv
+
+
+def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, out: np.ndarray,
+               scale: float, max_bias: float, softcap: float, k_f16: bool, v_f16: bool) -> None:
+    """q (ne3, n_head, n_q, d) float32; k, v (.., n_head_kv, n_kv, d) as F16 bits (uint16) when k_f16/v_f16 else
+    float32; mask (m3, m2, >= n_q, n_kv) float32 or None; out (ne3, n_q, n_head, dv) float32."""
+    n_head, n_q = q.shape[1], q.shape[2]
+    slopes = alibi_slopes(n_head, max_bias, np.float32)
+    sc = np.float32(scale / softcap) if softcap else np.float32(scale)
+    if n_q < Q_TILE and k_f16 and v_f16:
+        m = mask if mask is not None else np.zeros((1, 1, 1, 0), np.float32)
+        res = np.empty(out.shape, np.float32)
+        _fa_vec(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, F16_TABLE, True)
+        out[...] = res
+        return
+    # tiled numerics: float32 products, exact softmax per row
+    kf = F16_TABLE[k] if k_f16 else k.astype(np.float32)
+    vf = F16_TABLE[v] if v_f16 else v.astype(np.float32)
+    n_head_kv = kf.shape[1]
+    rk = n_head // n_head_kv
+    for i3 in range(q.shape[0]):
+        for hk in range(n_head_kv):
+            qh = q[i3, hk * rk:(hk + 1) * rk].astype(np.float32)          # (rk, n_q, d)
+            kk = kf[i3 % kf.shape[0], hk]                                   # (n_kv, d)
+            vv = vf[i3 % vf.shape[0], hk]                                   # (n_kv, dv)
+            s = (qh @ kk.T) * sc                                            # (rk, n_q, n_kv)
+            if softcap:
+                s = np.float32(softcap) * np.tanh(s)
+            if mask is not None:
+                heads = np.arange(hk * rk, (hk + 1) * rk)
+                mm = mask[i3 % mask.shape[0]][heads % mask.shape[1]][:, :n_q, :]
+                s = s + slopes[heads][:, None, None] * mm
+            mx = s.max(axis=-1, keepdims=True)
+            with np.errstate(invalid="ignore"):
+                e = np.exp(s - mx)
+                e = np.nan_to_num(e, nan=0.0)
+                den = e.sum(axis=-1, keepdims=True)
+                o = (e @ vv) / np.where(den == 0, 1, den)                   # (rk, n_q, dv)
+            out[i3, :, hk * rk:(hk + 1) * rk, :] = o.transpose(1, 0, 2)

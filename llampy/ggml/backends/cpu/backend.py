@@ -1,0 +1,144 @@
+"""The cpu backend: NumPy views over host buffers, Numba kernels for the hot ops, a plan of pre-bound calls.
+
+``graph_plan_create(nodes)`` binds, once, each node to its kernel and the NumPy views of its sources and
+destination; ``graph_plan_compute(plan)`` just calls them. Views read the buffers' current bytes, so inputs set
+between runs are seen without re-planning.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...backend import Backend, tensor_data
+from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
+from ...types import GGMLType, TYPE_TRAITS
+from . import kernels as K
+
+T = GGMLType
+
+_TABLE = {
+    Op.SCALE: K.k_scale, Op.CLAMP: K.k_clamp, Op.SOFTCAP: K.k_softcap,
+    Op.SWIGLU: K.k_glu, Op.GEGLU: K.k_glu,
+    Op.RMS_NORM: K.k_rms_norm, Op.RMS_NORM_MUL: K.k_rms_norm_mul, Op.NORM: K.k_norm, Op.L2_NORM: K.k_l2_norm,
+    Op.SOFT_MAX: K.k_soft_max, Op.ROPE: K.k_rope, Op.GET_ROWS: K.k_get_rows, Op.SET_ROWS: K.k_set_rows,
+    Op.CPY: K.k_cpy, Op.CONT: K.k_cpy, Op.DUP: K.k_cpy, Op.CONCAT: K.k_concat, Op.REPEAT: K.k_repeat,
+    Op.SUM_ROWS: K.k_sum_rows, Op.MEAN: K.k_mean, Op.ARGMAX: K.k_argmax, Op.ARGSORT: K.k_argsort,
+    Op.TOP_K: K.k_top_k,
+}
+for _op in BINARY_OPS:
+    _TABLE[_op] = K.k_binary
+for _op in UNARY_OPS:
+    _TABLE[_op] = K.k_unary
+
+
+class Plan:
+    __slots__ = ("calls", "nodes")
+
+    def __init__(self, calls, nodes):
+        self.calls = calls
+        self.nodes = nodes
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+    acc = np.float32
+
+    def __init__(self, device: str | None = None, n_threads: int | None = None):
+        super().__init__(device)
+        self.n_threads = n_threads
+        if n_threads:
+            import numba
+            numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
+
+    # ------------------------------------------------------------ ops
+    def supports_op(self, node: Tensor) -> bool:
+        if node.op in VIEW_OPS or node.op in _TABLE or node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.FLASH_ATTN_EXT):
+            if node.op == Op.FLASH_ATTN_EXT:
+                return all(s.type in (T.F16, T.F32) or TYPE_TRAITS[s.type].is_quantized for s in node.src[1:3])
+            return True
+        return False
+
+    def _mul_mat_fn(self):
+        from .matmul import mul_mat
+        return mul_mat
+
+    def _bind(self, node: Tensor):
+        acc = self.acc
+        dst = tensor_data(node)
+        srcs = [tensor_data(s) if s is not None else None for s in node.src]
+        op = node.op
+        if op == Op.MUL_MAT:
+            return self._bind_mul_mat(node, dst, srcs)
+        if op == Op.MUL_MAT_ID:
+            return self._bind_mul_mat_id(node, dst, srcs)
+        if op == Op.FLASH_ATTN_EXT:
+            return self._bind_flash_attn(node, dst, srcs)
+        fn = _TABLE[op]
+        return lambda: fn(node, dst, srcs, acc)
+
+    def _bind_mul_mat(self, node, dst, srcs):
+        a, b = node.src
+        wa, xb = srcs
+        wtype = a.type
+        mm = self._mul_mat_fn()
+        r2 = b.ne[2] // a.ne[2]
+        r3 = b.ne[3] // a.ne[3]
+        pairs = [(i13, i12) for i13 in range(b.ne[3]) for i12 in range(b.ne[2])]
+        btype = b.type
+
+        def run():
+            for i13, i12 in pairs:
+                x = xb[i13, i12]
+                if btype != T.F32:
+                    x = K.to_float(x, btype, np.float32)
+                mm(wa[i13 // r3, i12 // r2], wtype, x, dst[i13, i12])
+        return run
+
+    def _bind_mul_mat_id(self, node, dst, srcs):
+        as_, b, ids = node.src
+        wa, xb, idv = srcs
+        mm = self._mul_mat_fn()
+        wtype = as_.type
+        n_b1 = b.ne[1]
+
+        def run():
+            sel = np.asarray(idv)[0, 0]                 # (n_tokens, n_used)
+            for e in np.unique(sel):
+                t_idx, u_idx = np.nonzero(sel == e)
+                x = np.asarray(xb[0, t_idx, u_idx % n_b1], dtype=np.float32)
+                o = np.empty((len(t_idx), as_.ne[1]), np.float32)
+                mm(wa[0, int(e)], wtype, x, o)
+                dst[0, t_idx, u_idx] = o
+        return run
+
+    def _bind_flash_attn(self, node, dst, srcs):
+        from .attention import flash_attn
+        q, k, v = node.src[:3]
+        p = node.op_params
+        qa, ka, va = srcs[:3]
+        ma = srcs[3] if p["has_mask"] else None
+
+        def kv(arr, t):
+            if t == T.F16:
+                return arr.view(np.uint16), True
+            if TYPE_TRAITS[t].is_quantized or t == T.BF16:
+                return K.to_float(arr, t, np.float32), False
+            return arr, False
+
+        def run():
+            kk, kf16 = kv(ka, k.type)
+            vv, vf16 = kv(va, v.type)
+            mask = K.to_float(ma, node.src[3].type, np.float32) if ma is not None else None
+            flash_attn(qa, kk, vv, mask, dst, p["scale"], p["max_bias"], p["softcap"], kf16, vf16)
+        return run
+
+    # ------------------------------------------------------------ plans
+    def graph_plan_create(self, nodes: list[Tensor]) -> Plan:
+        calls = [self._bind(n) for n in nodes if n.op not in VIEW_OPS]
+        return Plan(calls, nodes)
+
+    def graph_plan_compute(self, plan: Plan) -> None:
+        for c in plan.calls:
+            c()
+
+    def graph_compute(self, nodes: list[Tensor]) -> None:
+        self.graph_plan_compute(self.graph_plan_create(nodes))
