@@ -260,19 +260,36 @@ def _roundf(v):
     return np.sign(v) * np.floor(np.abs(v) + 0.5)
 
 
+def _q8_act(b):
+    """Activation blocks of 32 as ggml's x86 quantize_row_q8_0/q8_1 (what llama.cpp's CPU backend runs):
+    d = amax/127 and id = 127/amax in float, rounded half to even."""
+    amax = np.abs(b).max(axis=1)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        idv = np.where(amax != 0, np.float32(127.0) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(b * idv[:, None]).astype(np.int8)
+    return d, q
+
+
 def quantize_q8_0(x):
     b, lead = _to_blocks(x, 32)
-    d, idv = _q8_scale(b)
-    q = _roundf(b * idv[:, None]).astype(np.int8)
+    d, q = _q8_act(b)
     return _pack([d.astype(np.float16)[:, None], q], lead, x.shape[-1] // 32)
 
 
 def quantize_q8_1(x):
     b, lead = _to_blocks(x, 32)
-    d, idv = _q8_scale(b)
-    q = _roundf(b * idv[:, None]).astype(np.int8)
+    d, q = _q8_act(b)
     s = (q.astype(np.int32).sum(axis=1).astype(np.float32) * d).astype(np.float16)
     return _pack([d.astype(np.float16)[:, None], s[:, None], q], lead, x.shape[-1] // 32)
+
+
+def quantize_q8_0_ref(x):
+    """ggml's quantize_row_q8_0_ref (what llama-quantize writes): id = 1/d, roundf."""
+    b, lead = _to_blocks(x, 32)
+    d, idv = _q8_scale(b)
+    q = _roundf(b * idv[:, None]).astype(np.int8)
+    return _pack([d.astype(np.float16)[:, None], q], lead, x.shape[-1] // 32)
 
 
 def _nearest_int(v):

@@ -25,6 +25,32 @@ def _r16(x):
     return t - (t - x)
 
 
+@njit(cache=True)
+def _dot_f16(qr, krow, tab, part):
+    """ggml_vec_dot_f16 as compiled for AVX-512: blocks of 64 go through four 16-lane float32 FMA accumulators,
+    reduced as _mm512 adds do; the leftover elements are added one by one in double."""
+    d = qr.shape[0]
+    n64 = d - d % 64
+    sumf = 0.0
+    if n64:
+        part[:] = 0
+        for i in range(n64):
+            a = (i % 64) // 16 * 16 + i % 16
+            part[a] = np.float32(np.float64(part[a]) + np.float64(qr[i]) * np.float64(tab[krow[i]]))
+        for l in range(16):
+            part[l] = (part[l] + part[32 + l]) + (part[16 + l] + part[48 + l])
+        for l in range(8):
+            part[l] = part[l] + part[l + 8]
+        for l in range(4):
+            part[l] = part[l] + part[l + 4]
+        for l in range(2):
+            part[l] = part[l] + part[l + 2]
+        sumf = np.float64(part[0] + part[1])
+    for i in range(n64, d):
+        sumf += np.float64(np.float32(qr[i] * tab[krow[i]]))
+    return np.float32(sumf)
+
+
 @njit(parallel=True, cache=True)
 def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
     # q (ne3, n_head, n_q, d) f32; k (ke3, n_head_kv, n_kv, d) u16; v (ve3, n_head_kv, n_kv, dv) u16
@@ -41,6 +67,7 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
         i1 = idx % n_q
         hk = h // rk
         qr = np.empty(d, np.float32)
+        part = np.zeros(64, np.float32)
         for j in range(d):
             qr[j] = _r16(q[i3, h, i1, j])
         acc = np.zeros(dv, np.float32)
@@ -53,10 +80,7 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
                 mv = slope * mask[i3 % mask.shape[0], h % mask.shape[1], i1, ic]
                 if mv == -np.inf:
                     continue
-            s = np.float32(0.0)
-            for j in range(d):
-                s += qr[j] * tab[k[i3 % k.shape[0], hk, ic, j]]
-            s = s * scale
+            s = _dot_f16(qr, k[i3 % k.shape[0], hk, ic], tab, part) * scale
             if softcap != 0.0:
                 s = softcap * np.float32(math.tanh(s))
             s += mv
@@ -71,7 +95,8 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
             else:
                 vs = np.float32(math.exp(s - M))
             for j in range(dv):
-                val = acc[j] + tab[v[i3 % v.shape[0], hk, ic, j]] * vs
+                # ggml's multiply-add is fused (one rounding to float32), then stored as F16
+                val = np.float32(np.float64(acc[j]) + np.float64(tab[v[i3 % v.shape[0], hk, ic, j]]) * np.float64(vs))
                 acc[j] = _r16(val) if v_f16 else val
             S = S * ms + vs
         inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)

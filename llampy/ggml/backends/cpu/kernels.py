@@ -216,11 +216,12 @@ def rope_cache(pos: np.ndarray, p: dict, ff: np.ndarray | None, acc):
     f32 = np.float32
     theta_scale = f32(p["freq_base"]) ** f32(-2.0 / n_dims)
     i = np.arange(n_dims // 2)
-    # ggml multiplies theta by theta_scale step by step in float
-    powers = np.ones(n_dims // 2, dtype=np.float32)
-    for j in range(1, n_dims // 2):
-        powers[j] = powers[j - 1] * theta_scale
-    theta_base = pos.astype(np.float32)[:, None] * powers[None, :]
+    # ggml's rope cache starts at theta = pos and multiplies by theta_scale pair after pair, in float
+    theta_base = np.empty((len(pos), n_dims // 2), dtype=np.float32)
+    th = pos.astype(np.float32)
+    for j in range(n_dims // 2):
+        theta_base[:, j] = th
+        th = th * theta_scale
     if ff is not None:
         theta_base = theta_base / ff[: n_dims // 2].astype(np.float32)[None, :]
     freq_scale = f32(p["freq_scale"])
