@@ -137,7 +137,7 @@ class GraphContext:
             q = ops.reshape(self.mm(layer.wq, cur, getattr(layer, "bq", None)), d_k, n_head, n_tokens)
             k = ops.reshape(self.mm(layer.wk, cur, getattr(layer, "bk", None)), d_k, n_head_kv, n_tokens)
             v = ops.reshape(self.mm(layer.wv, cur, getattr(layer, "bv", None)), d_v, n_head_kv, n_tokens)
-        return self.cb(q, "Qcur", il), self.cb(k, "Kcur", il), self.cb(v, "Vcur", il)
+        return self.cb(q, "Qcur_raw", il), self.cb(k, "Kcur_raw", il), self.cb(v, "Vcur", il)
 
     # q: [head_dim, n_head, n_tokens]  k: [head_dim, n_head_kv, n_tokens]  v: [head_dim_v, n_head_kv, n_tokens]
     # -> [n_embd_out, n_tokens] after the output projection wo

@@ -45,8 +45,8 @@ def build_graph(model, g, embd_scale: float = 0.0, residual_scale: float = 0.0, 
         inpSA = inpL
         cur = g.cb(g.norm(inpL, layer.attn_norm, il=il), "attn_norm", il)
         q, k, v = g.qkv(layer, cur, il)
-        q = g.rope(q, pos, il, model.rope_freqs)
-        k = g.rope(k, pos, il, model.rope_freqs)
+        q = g.cb(g.rope(q, pos, il, model.rope_freqs), "Qcur", il)
+        k = g.cb(g.rope(k, pos, il, model.rope_freqs), "Kcur", il)
         cur = g.cb(g.attn(il, layer.wo, layer.wo_b, q, k, v, kq_scale), "attn_out", il)
         if il == hp.n_layer - 1:
             cur, inpSA = g.select_outputs(cur, inpSA, out_ids=out_ids)

@@ -241,25 +241,12 @@ def rope_cache(pos: np.ndarray, p: dict, ff: np.ndarray | None, acc):
 
 
 def k_rope(node, dst, srcs, acc):
-    x = to_float(srcs[0], node.src[0].type, acc)          # (ne3, n_tokens, n_head, head_dim)
+    from .rope import rope
+    x = to_float(srcs[0], node.src[0].type, np.float32)   # (ne3, n_tokens, n_head, head_dim)
     pos = np.asarray(srcs[1]).reshape(-1)
     p = node.op_params
     ff = np.asarray(srcs[2]).reshape(-1) if p.get("has_freq_factors") else None
-    cos, sin = rope_cache(pos, p, ff, acc)                  # [n_tokens, n_dims/2]
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
-    n_dims = p["n_dims"]
-    out = x.copy()
-    if p["mode"] == 2:   # NEOX: pairs (i, i + n_dims/2)
-        h = n_dims // 2
-        x0, x1 = x[..., :h], x[..., h:n_dims]
-        out[..., :h] = x0 * cos - x1 * sin
-        out[..., h:n_dims] = x0 * sin + x1 * cos
-    else:                # NORM: adjacent pairs
-        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
-        out[..., 0:n_dims:2] = x0 * cos - x1 * sin
-        out[..., 1:n_dims:2] = x0 * sin + x1 * cos
-    store(dst, node.type, out)
+    store(dst, node.type, rope(x, pos, p, ff))
 
 
 # ------------------------------------------------------------------------------------------ rows, copies

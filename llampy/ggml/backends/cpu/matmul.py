@@ -16,7 +16,12 @@ from ...types import GGMLType, TYPE_TRAITS
 T = GGMLType
 TILE_BYTES = 4 << 20   # dequantized weight tile size for the BLAS path
 
-DECODE_MAX_ROWS = 4
+# Products of up to this many activation rows run on the integer kernels, which reproduce llama.cpp's arithmetic
+# bit for bit (SmolLM2's massive activations make its output sensitive to the last bit of every product, so
+# the exact path is the default at every batch size). LLAMPY_FAST_PROMPT=1 sends larger batches to BLAS.
+import os as _os
+
+DECODE_MAX_ROWS = 8 if _os.environ.get("LLAMPY_FAST_PROMPT") == "1" else 1 << 30
 
 
 def round_act(x: np.ndarray, vdt: GGMLType) -> np.ndarray:

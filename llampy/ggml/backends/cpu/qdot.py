@@ -24,22 +24,38 @@ def _f16(tab, b0, b1):
 
 
 # ------------------------------------------------------------------------------------------ dot kernels
+@njit(cache=True, inline="always")
+def _fma(a, b, c):
+    """float32 fused multiply-add: the exact product and sum, rounded once (through float64)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+@njit(cache=True, inline="always")
+def _hsum8(acc):
+    """ggml's hsum_float_8: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
+    return ((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))
+
+
+# ggml_vec_dot_q8_0_q8_0 as compiled for AVX2/AVX-512: per block, eight int32 lanes of four products each,
+# scaled by d_w * d_x and fused-multiply-added into eight float lanes, summed at the end by hsum_float_8
 @njit(parallel=True, cache=True)
 def _mv_q8_0(w, xq, xd, out, tab):
     rows = w.shape[0]
     n = xq.shape[0]
     nb = xq.shape[1] // 32
     for r in prange(rows):
+        acc = np.empty(8, np.float32)
         for i in range(n):
-            acc = np.float32(0.0)
+            acc[:] = 0
             for b in range(nb):
                 o = b * 34
-                d = _f16(tab, w[r, o], w[r, o + 1])
-                s = 0
-                for j in range(32):
-                    s += np.int32(np.int8(w[r, o + 2 + j])) * np.int32(xq[i, b * 32 + j])
-                acc += d * xd[i, b] * np.float32(s)
-            out[i, r] = acc
+                d = np.float32(_f16(tab, w[r, o], w[r, o + 1]) * xd[i, b])
+                for l in range(8):
+                    s = 0
+                    for e in range(4 * l, 4 * l + 4):
+                        s += np.int32(np.int8(w[r, o + 2 + e])) * np.int32(xq[i, b * 32 + e])
+                    acc[l] = _fma(d, np.float32(s), acc[l])
+            out[i, r] = _hsum8(acc)
 
 
 @njit(parallel=True, cache=True)
@@ -62,25 +78,31 @@ def _mv_q4_0(w, xq, xd, out, tab):
             out[i, r] = acc
 
 
+# ggml_vec_dot_q4_1_q8_1 (AVX2): lanes as for q8_0, plus the mins: summs += m_w * s_x (fused), added after the hsum
 @njit(parallel=True, cache=True)
 def _mv_q4_1(w, xq, xd, xs, out, tab):
     rows = w.shape[0]
     n = xq.shape[0]
     nb = xq.shape[1] // 32
     for r in prange(rows):
+        acc = np.empty(8, np.float32)
         for i in range(n):
-            acc = np.float32(0.0)
+            acc[:] = 0
+            summs = np.float32(0.0)
             for b in range(nb):
                 o = b * 20
-                d = _f16(tab, w[r, o], w[r, o + 1])
+                d0 = _f16(tab, w[r, o], w[r, o + 1])
                 m = _f16(tab, w[r, o + 2], w[r, o + 3])
-                s = 0
-                for j in range(16):
-                    q = w[r, o + 4 + j]
-                    s += np.int32(q & 15) * np.int32(xq[i, b * 32 + j])
-                    s += np.int32(q >> 4) * np.int32(xq[i, b * 32 + 16 + j])
-                acc += d * xd[i, b] * np.float32(s) + m * xs[i, b]
-            out[i, r] = acc
+                summs = _fma(m, xs[i, b], summs)
+                d = np.float32(d0 * xd[i, b])
+                for l in range(8):
+                    s = 0
+                    for e in range(4 * l, 4 * l + 4):
+                        q = w[r, o + 4 + (e % 16)]
+                        qv = (q & 15) if e < 16 else (q >> 4)
+                        s += np.int32(qv) * np.int32(xq[i, b * 32 + e])
+                    acc[l] = _fma(d, np.float32(s), acc[l])
+            out[i, r] = _hsum8(acc) + summs
 
 
 @njit(parallel=True, cache=True)

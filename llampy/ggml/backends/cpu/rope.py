@@ -1,0 +1,81 @@
+"""ROPE with ggml's exact float32 arithmetic: theta = pos, multiplied by theta_scale pair after pair; cosf/sinf
+(Numba's float32 math calls the C library's, as ggml does); the rotation with the compiler's fused multiply-add
+(x0*cos - x1*sin computed as fma(x0, cos, -(x1*sin)))."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True)
+def _ramp(low, high, i0):
+    y = (np.float32(i0 / 2) - low) / max(np.float32(0.001), high - low)
+    return np.float32(1.0) - min(np.float32(1.0), max(np.float32(0.0), y))
+
+
+@njit(cache=True)
+def rope_cache(pos, n_dims, theta_scale, freq_scale, ff, has_ff, ext_factor, mscale, corr0, corr1, cos_out, sin_out):
+    for t in range(pos.shape[0]):
+        theta = np.float32(pos[t])
+        for j in range(n_dims // 2):
+            f = ff[j] if has_ff else np.float32(1.0)
+            th_extrap = np.float32(theta / f)
+            th_interp = np.float32(freq_scale * th_extrap)
+            th = th_interp
+            ms = mscale
+            if ext_factor != 0.0:
+                mix = np.float32(_ramp(corr0, corr1, 2 * j) * ext_factor)
+                th = np.float32(th_interp * (np.float32(1.0) - mix) + th_extrap * mix)
+                ms = np.float32(mscale * (np.float32(1.0) + np.float32(0.1) * np.float32(math.log(np.float32(1.0) / freq_scale))))
+            cos_out[t, j] = np.float32(math.cos(th)) * ms
+            sin_out[t, j] = np.float32(math.sin(th)) * ms
+            theta = np.float32(theta * theta_scale)
+
+
+@njit(parallel=True, cache=True)
+def rope_apply(x, out, cos, sin, n_dims, neox):
+    # x, out: (ne3, n_tokens, n_head, head_dim) float32
+    ne3, nt, nh, hd = x.shape
+    half = n_dims // 2
+    for t in prange(nt):
+        for a in range(ne3):
+            for h in range(nh):
+                for j in range(half):
+                    if neox:
+                        i0, i1 = j, j + half
+                    else:
+                        i0, i1 = 2 * j, 2 * j + 1
+                    c = cos[t, j]
+                    s = sin[t, j]
+                    x0 = x[a, t, h, i0]
+                    x1 = x[a, t, h, i1]
+                    out[a, t, h, i0] = np.float32(np.float64(x0) * np.float64(c) - np.float64(np.float32(x1 * s)))
+                    out[a, t, h, i1] = np.float32(np.float64(x0) * np.float64(s) + np.float64(np.float32(x1 * c)))
+                for i in range(n_dims, hd):
+                    out[a, t, h, i] = x[a, t, h, i]
+
+
+def _corr_dim(n_dims, n_ctx_orig, n_rot, base):
+    return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None) -> np.ndarray:
+    n_dims = p["n_dims"]
+    f32 = np.float32
+    theta_scale = f32(math.pow(p["freq_base"], -2.0 / n_dims))
+    corr0 = corr1 = f32(0.0)
+    if p["ext_factor"] != 0.0:
+        corr0 = f32(max(0.0, math.floor(_corr_dim(n_dims, p["n_ctx_orig"], p["beta_fast"], p["freq_base"]))))
+        corr1 = f32(min(n_dims - 1.0, math.ceil(_corr_dim(n_dims, p["n_ctx_orig"], p["beta_slow"], p["freq_base"]))))
+    nt = len(pos)
+    cos = np.empty((nt, n_dims // 2), f32)
+    sin = np.empty((nt, n_dims // 2), f32)
+    ffa = np.ascontiguousarray(ff, dtype=f32) if ff is not None else np.ones(1, f32)
+    rope_cache(np.ascontiguousarray(pos, dtype=np.int32), n_dims, theta_scale, f32(p["freq_scale"]), ffa,
+               ff is not None, f32(p["ext_factor"]), f32(p["attn_factor"]), corr0, corr1, cos, sin)
+    xc = np.ascontiguousarray(x, dtype=f32)
+    out = np.empty_like(xc)
+    rope_apply(xc, out, cos, sin, n_dims, p["mode"] == 2)
+    return out
