@@ -91,6 +91,12 @@ def k_unary(node, dst, srcs, acc):
             r = np.exp(x)
         elif op is Op.TANH:
             r = np.tanh(x)
+        elif op is Op.SILU and acc == np.float32:
+            from .act import silu_rows
+            x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+            r = np.empty_like(x2)
+            silu_rows(x2, r)
+            r = r.reshape(x.shape)
         elif op is Op.SILU:
             r = silu(x, acc)
         elif op is Op.GELU:
@@ -132,6 +138,15 @@ def k_glu(node, dst, srcs, acc):
         g, u = a[..., :h], a[..., h:]
     if node.op_params.get("swapped"):
         g, u = u, g
+    if node.op is Op.SWIGLU and acc == np.float32:
+        from .act import swiglu_rows
+        ne0 = g.shape[-1]
+        g2 = np.ascontiguousarray(g, dtype=np.float32).reshape(-1, ne0)
+        u2 = np.ascontiguousarray(u, dtype=np.float32).reshape(-1, ne0)
+        out = np.empty_like(g2)
+        swiglu_rows(g2, u2, out)
+        store(dst, node.type, out.reshape(g.shape))
+        return
     with np.errstate(over="ignore"):
         act = silu(g, acc) if node.op is Op.SWIGLU else gelu(g, acc)
     store(dst, node.type, act * u)

@@ -1,0 +1,69 @@
+"""Activations with ggml's exact float32 arithmetic. ggml's CPU SiLU runs 16 lanes at a time through its own
+polynomial exp (ggml_v_expf, AVX-512 form: fused multiply-adds and a scalef), and the C library's expf for the
+leftover elements; the results differ from a correctly rounded exp in the last bit, which SmolLM2 notices."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+_R = np.float32(float.fromhex("0x1.8p23"))
+_LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = np.float32(float.fromhex("0x1.7f7d1cp-20"))
+_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
+_C4 = np.float32(float.fromhex("0x1.573e2ep-5"))
+_C3 = np.float32(float.fromhex("0x1.555e66p-3"))
+_C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
+_C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
+
+
+@njit(cache=True, inline="always")
+def _fma(a, b, c):
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+@njit(cache=True)
+def v_expf(x):
+    z = _fma(x, _LOG2E, _R)
+    n = np.float32(z - _R)
+    b = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
+    u = np.float32(b * b)
+    j = _fma(_fma(_fma(_C5, b, _C4), u, _fma(_C3, b, _C2)), u, _fma(_C1, b, np.float32(1.0)))
+    if abs(n) > 192:
+        return np.float32(0.0) if n <= 0 else np.float32(np.inf)
+    return np.float32(math.ldexp(np.float64(j), int(n)))
+
+
+@njit(cache=True, inline="always")
+def _silu_v(x):
+    return np.float32(x / np.float32(np.float32(1.0) + v_expf(np.float32(-x))))
+
+
+@njit(cache=True, inline="always")
+def _silu_s(x):
+    return np.float32(x / np.float32(np.float32(1.0) + np.float32(math.exp(np.float32(-x)))))
+
+
+@njit(parallel=True, cache=True)
+def swiglu_rows(g, u, out):
+    """out = silu(g) * u, row by row (g, u, out: float32 [rows, n]); lanes of 16, leftovers scalar."""
+    rows, n = g.shape
+    n16 = n - n % 16
+    for r in prange(rows):
+        for i in range(n16):
+            out[r, i] = np.float32(_silu_v(g[r, i]) * u[r, i])
+        for i in range(n16, n):
+            out[r, i] = np.float32(_silu_s(g[r, i]) * u[r, i])
+
+
+@njit(parallel=True, cache=True)
+def silu_rows(x, out):
+    rows, n = x.shape
+    n16 = n - n % 16
+    for r in prange(rows):
+        for i in range(n16):
+            out[r, i] = _silu_v(x[r, i])
+        for i in range(n16, n):
+            out[r, i] = _silu_s(x[r, i])
