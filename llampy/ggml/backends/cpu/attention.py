@@ -21,6 +21,8 @@ Q_TILE = 64
 @njit(cache=True, inline="always")
 def _r16(x):
     """Round a float32 to the nearest F16 value (Veltkamp split to 11 significant bits); F16 range assumed."""
+    if abs(x) < np.float32(6.103515625e-05):   # F16 subnormals: a fixed step of 2^-24
+        return np.float32(np.rint(np.float64(x) * 16777216.0) / 16777216.0)
     t = x * np.float32(8193.0)
     return t - (t - x)
 
@@ -71,7 +73,7 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
         for j in range(d):
             qr[j] = _r16(q[i3, h, i1, j])
         acc = np.zeros(dv, np.float32)
-        M = -np.inf
+        M = np.float32(-np.inf)
         S = np.float32(0.0)
         slope = slopes[h]
         for ic in range(n_kv):
@@ -98,7 +100,7 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
                 # ggml's multiply-add is fused (one rounding to float32), then stored as F16
                 val = np.float32(np.float64(acc[j]) + np.float64(tab[v[i3 % v.shape[0], hk, ic, j]]) * np.float64(vs))
                 acc[j] = _r16(val) if v_f16 else val
-            S = S * ms + vs
+            S = np.float32(np.float64(S) * np.float64(ms) + np.float64(vs))  # fused, as compiled
         inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
         for j in range(dv):
             out[i3, i1, h, j] = acc[j] * inv
