@@ -154,7 +154,13 @@ def k_glu(node, dst, srcs, acc):
 
 # ------------------------------------------------------------------------------------------ norms
 def _rms(x, eps, acc):
-    # ggml sums squares in double (ggml_float) and scales in float
+    if acc == np.float32:
+        from .norm import rms_norm_rows
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        out = np.empty_like(x2)
+        rms_norm_rows(x2, np.float32(eps), out)
+        return out.reshape(x.shape)
+    # the oracle: ggml's formula in double
     ms = (x.astype(np.float64) ** 2).mean(axis=-1, keepdims=True)
     return x * (acc(1.0) / np.sqrt(ms.astype(acc) + acc(eps)))
 
@@ -173,6 +179,13 @@ def k_rms_norm_mul(node, dst, srcs, acc):
 def k_norm(node, dst, srcs, acc):
     x = to_float(srcs[0], node.src[0].type, acc)
     eps = node.op_params["eps"]
+    if acc == np.float32:
+        from .norm import norm_rows
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        out = np.empty_like(x2)
+        norm_rows(x2, np.float32(eps), out)
+        store(dst, node.type, out.reshape(x.shape))
+        return
     mean = x.astype(np.float64).mean(axis=-1, keepdims=True).astype(acc)
     xc = x - mean
     var = (xc.astype(np.float64) ** 2).mean(axis=-1, keepdims=True).astype(acc)
