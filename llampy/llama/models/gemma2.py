@@ -43,7 +43,8 @@ def build_graph(model, g, qk_norm: bool = False):
         if qk_norm:
             q = g.cb(g.norm(q, layer.attn_q_norm, il=il), "Qcur_normed", il)
             k = g.cb(g.norm(k, layer.attn_k_norm, il=il), "Kcur_normed", il)
-        q, k = g.rope(q, pos, il), g.rope(k, pos, il)
+        q = g.cb(g.rope(q, pos, il), "Qcur", il)
+        k = g.cb(g.rope(k, pos, il), "Kcur", il)
         q = ops.scale(q, hp.f_attention_scale)
         cur = g.attn(il, layer.wo, None, q, k, v, 1.0, softcap=hp.attn_soft_cap)
         if il == hp.n_layer - 1:
@@ -51,7 +52,8 @@ def build_graph(model, g, qk_norm: bool = False):
         cur = g.cb(g.norm(cur, layer.attn_post_norm, il=il), "attn_post_norm", il)
         sa_out = g.cb(ops.add(cur, inpL), "sa_out", il)
         cur = g.cb(g.norm(sa_out, layer.ffn_norm, il=il), "ffn_norm", il)
-        cur = g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "gelu", il=il)
+        cur = g.cb(g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "gelu", il=il),
+                   "ffn_out", il)
         cur = g.cb(g.norm(cur, layer.ffn_post_norm, il=il), "ffn_post_norm", il)
         inpL = g.cb(ops.add(cur, sa_out), "l_out", il)
     cur = g.norm(inpL, model.output_norm)

@@ -105,28 +105,30 @@ def _mv_q4_1(w, xq, xd, xs, out, tab):
             out[i, r] = _hsum8(acc) + summs
 
 
+# ggml_vec_dot_q5_0_q8_0 (AVX2): the q8_0 lane structure over the signed 5-bit values
 @njit(parallel=True, cache=True)
 def _mv_q5_0(w, xq, xd, out, tab):
     rows = w.shape[0]
     n = xq.shape[0]
     nb = xq.shape[1] // 32
     for r in prange(rows):
+        acc = np.empty(8, np.float32)
         for i in range(n):
-            acc = np.float32(0.0)
+            acc[:] = 0
             for b in range(nb):
                 o = b * 22
-                d = _f16(tab, w[r, o], w[r, o + 1])
+                d = np.float32(_f16(tab, w[r, o], w[r, o + 1]) * xd[i, b])
                 qh = np.uint32(w[r, o + 2]) | (np.uint32(w[r, o + 3]) << 8) | (np.uint32(w[r, o + 4]) << 16) | \
                     (np.uint32(w[r, o + 5]) << 24)
-                s = 0
-                for j in range(16):
-                    q = w[r, o + 6 + j]
-                    lo = np.int32(q & 15) | np.int32(((qh >> j) & 1) << 4)
-                    hi = np.int32(q >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
-                    s += (lo - 16) * np.int32(xq[i, b * 32 + j])
-                    s += (hi - 16) * np.int32(xq[i, b * 32 + 16 + j])
-                acc += d * xd[i, b] * np.float32(s)
-            out[i, r] = acc
+                for l in range(8):
+                    s = 0
+                    for e in range(4 * l, 4 * l + 4):
+                        q = w[r, o + 6 + (e % 16)]
+                        lo = np.int32(q & 15) if e < 16 else np.int32(q >> 4)
+                        v = (lo | np.int32(((qh >> e) & 1) << 4)) - 16
+                        s += v * np.int32(xq[i, b * 32 + e])
+                    acc[l] = _fma(d, np.float32(s), acc[l])
+            out[i, r] = _hsum8(acc)
 
 
 @njit(cache=True)
@@ -138,6 +140,8 @@ def _scale_min(sc, o, j):
     return s, m
 
 
+# ggml_vec_dot_q4_K_q8_K (AVX2): eight int32 lanes of scaled sums per super-block, fma'd with d = d_x * d_w; the
+# mins through four lanes (pairs of 32-element sub-blocks) fma'd with -d_x * dmin_w; summed as the intrinsics do
 @njit(parallel=True, cache=True)
 def _mv_q4_k(w, xq, xd, bsums, out, tab):
     rows = w.shape[0]
@@ -145,34 +149,48 @@ def _mv_q4_k(w, xq, xd, bsums, out, tab):
     nb = xq.shape[1] // 256
     for r in prange(rows):
         row = w[r]
+        acc = np.empty(8, np.float32)
+        accm = np.empty(4, np.float32)
+        lane = np.empty(8, np.int32)
+        sc = np.empty(8, np.int32)
+        mn = np.empty(8, np.int32)
         for i in range(n):
-            acc = np.float32(0.0)
+            acc[:] = 0
+            accm[:] = 0
             for b in range(nb):
                 o = b * 144
-                d = _f16(tab, row[o], row[o + 1])
-                dmin = _f16(tab, row[o + 2], row[o + 3])
-                sumi = 0
-                summ = 0
+                d = np.float32(xd[i, b] * _f16(tab, row[o], row[o + 1]))
+                dmin = np.float32(-xd[i, b] * _f16(tab, row[o + 2], row[o + 3]))
+                for j in range(8):
+                    sc[j], mn[j] = _scale_min(row, o + 4, j)
+                for k in range(4):
+                    g = b * 16 + 4 * k
+                    p = mn[2 * k] * (np.int32(bsums[i, g]) + np.int32(bsums[i, g + 1])) + \
+                        mn[2 * k + 1] * (np.int32(bsums[i, g + 2]) + np.int32(bsums[i, g + 3]))
+                    accm[k] = _fma(dmin, np.float32(p), accm[k])
+                lane[:] = 0
                 for j2 in range(4):
-                    s1, m1 = _scale_min(row, o + 4, 2 * j2)
-                    s2, m2 = _scale_min(row, o + 4, 2 * j2 + 1)
-                    a1 = 0
-                    a2 = 0
                     base = b * 256 + j2 * 64
-                    for l in range(32):
-                        q = row[o + 16 + j2 * 32 + l]
-                        a1 += np.int32(q & 15) * np.int32(xq[i, base + l])
-                        a2 += np.int32(q >> 4) * np.int32(xq[i, base + 32 + l])
-                    sumi += s1 * a1 + s2 * a2
-                    g = b * 16 + j2 * 4
-                    summ += m1 * (np.int32(bsums[i, g]) + np.int32(bsums[i, g + 1])) + \
-                        m2 * (np.int32(bsums[i, g + 2]) + np.int32(bsums[i, g + 3]))
-                acc += xd[i, b] * d * np.float32(sumi) - xd[i, b] * dmin * np.float32(summ)
-            out[i, r] = acc
+                    for l in range(8):
+                        sl = 0
+                        sh = 0
+                        for e in range(4 * l, 4 * l + 4):
+                            q = row[o + 16 + j2 * 32 + e]
+                            sl += np.int32(q & 15) * np.int32(xq[i, base + e])
+                            sh += np.int32(q >> 4) * np.int32(xq[i, base + 32 + e])
+                        lane[l] += sc[2 * j2] * sl + sc[2 * j2 + 1] * sh
+                for l in range(8):
+                    acc[l] = _fma(d, np.float32(lane[l]), acc[l])
+            m0 = np.float32(accm[0] + accm[2])
+            m1 = np.float32(accm[1] + accm[3])
+            out[i, r] = _hsum8(acc) + np.float32(m0 + m1)
 
 
+# ggml_gemv/gemm_q4_K_8x8_q8_K (AVX2, the repacked layout llama.cpp uses when rows % 8 == 0): per row, exact
+# integer sums per super-block, then acc = fma(sum, d_w * d_x, acc) and the same for the mins; out = acc - mins
+# The batched form (ggml_gemm_*, activation rows in groups of four) fma's once per pair of sub-blocks instead.
 @njit(parallel=True, cache=True)
-def _mv_q6_k(w, xq, xd, out, tab):
+def _mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
     rows = w.shape[0]
     n = xq.shape[0]
     nb = xq.shape[1] // 256
@@ -180,28 +198,78 @@ def _mv_q6_k(w, xq, xd, out, tab):
         row = w[r]
         for i in range(n):
             acc = np.float32(0.0)
+            accm = np.float32(0.0)
+            for b in range(nb):
+                o = b * 144
+                isum = 0
+                imin = 0
+                dw = _f16(tab, row[o], row[o + 1])
+                dmw = _f16(tab, row[o + 2], row[o + 3])
+                for j in range(8):
+                    scj, mnj = _scale_min(row, o + 4, j)
+                    base = b * 256 + j * 32
+                    qo = o + 16 + (j // 2) * 32
+                    t = 0
+                    for e in range(32):
+                        q = row[qo + e]
+                        qv = (q & 15) if j % 2 == 0 else (q >> 4)
+                        t += np.int32(qv) * np.int32(xq[i, base + e])
+                    isum += scj * t
+                    imin += mnj * (np.int32(bsums[i, b * 16 + 2 * j]) + np.int32(bsums[i, b * 16 + 2 * j + 1]))
+                    if i < n_gemm and j % 2 == 1:
+                        acc = _fma(np.float32(isum), np.float32(dw * xd[i, b]), acc)
+                        accm = _fma(np.float32(imin), np.float32(dmw * xd[i, b]), accm)
+                        isum = 0
+                        imin = 0
+                if i >= n_gemm:
+                    acc = _fma(np.float32(isum), np.float32(dw * xd[i, b]), acc)
+                    accm = _fma(np.float32(imin), np.float32(dmw * xd[i, b]), accm)
+            out[i, r] = np.float32(acc - accm)
+
+
+# ggml_vec_dot_q6_K_q8_K (AVX2): unsigned 6-bit values in eight lanes, the -32 offset subtracted per lane through
+# the block sums (lane l: 16-element groups 2l and 2l+1), fma'd with d = d_x * d_w
+@njit(parallel=True, cache=True)
+def _mv_q6_k(w, xq, xd, bsums, out, tab):
+    rows = w.shape[0]
+    n = xq.shape[0]
+    nb = xq.shape[1] // 256
+    for r in prange(rows):
+        row = w[r]
+        acc = np.empty(8, np.float32)
+        lane = np.empty(8, np.int32)
+        for i in range(n):
+            acc[:] = 0
             for b in range(nb):
                 o = b * 210
-                d = _f16(tab, row[o + 208], row[o + 209])
-                sumi = 0
+                d = np.float32(xd[i, b] * _f16(tab, row[o + 208], row[o + 209]))
+                lane[:] = 0
                 for h in range(2):
                     ql = o + h * 64
                     qh = o + 128 + h * 32
-                    sc = o + 192 + h * 8
-                    base = b * 256 + h * 128
-                    for l in range(32):
-                        isc = l // 16
-                        hq = np.int32(row[qh + l])
-                        q1 = (np.int32(row[ql + l] & 15) | ((hq & 3) << 4)) - 32
-                        q2 = (np.int32(row[ql + 32 + l] & 15) | (((hq >> 2) & 3) << 4)) - 32
-                        q3 = (np.int32(row[ql + l] >> 4) | (((hq >> 4) & 3) << 4)) - 32
-                        q4 = (np.int32(row[ql + 32 + l] >> 4) | (((hq >> 6) & 3) << 4)) - 32
-                        sumi += np.int32(np.int8(row[sc + isc])) * q1 * np.int32(xq[i, base + l])
-                        sumi += np.int32(np.int8(row[sc + isc + 2])) * q2 * np.int32(xq[i, base + 32 + l])
-                        sumi += np.int32(np.int8(row[sc + isc + 4])) * q3 * np.int32(xq[i, base + 64 + l])
-                        sumi += np.int32(np.int8(row[sc + isc + 6])) * q4 * np.int32(xq[i, base + 96 + l])
-                acc += d * xd[i, b] * np.float32(sumi)
-            out[i, r] = acc
+                    for g in range(4):
+                        base = b * 256 + h * 128 + g * 32
+                        for l in range(8):
+                            s = 0
+                            for e in range(4 * l, 4 * l + 4):
+                                hb = np.int32(row[qh + e])
+                                if g == 0:
+                                    q = np.int32(row[ql + e] & 15) | ((hb & 3) << 4)
+                                elif g == 1:
+                                    q = np.int32(row[ql + 32 + e] & 15) | (((hb >> 2) & 3) << 4)
+                                elif g == 2:
+                                    q = np.int32(row[ql + e] >> 4) | (((hb >> 4) & 3) << 4)
+                                else:
+                                    q = np.int32(row[ql + 32 + e] >> 4) | (((hb >> 6) & 3) << 4)
+                                s += q * np.int32(xq[i, base + e])
+                            scl = np.int32(np.int8(row[o + 192 + 8 * h + 2 * g + (1 if l >= 4 else 0)]))
+                            lane[l] += scl * s
+                for l in range(8):
+                    g0 = b * 16 + 2 * l
+                    sub = (np.int32(bsums[i, g0]) * np.int32(np.int8(row[o + 192 + 2 * l])) +
+                           np.int32(bsums[i, g0 + 1]) * np.int32(np.int8(row[o + 192 + 2 * l + 1]))) << 5
+                    acc[l] = _fma(d, np.float32(lane[l] - sub), acc[l])
+            out[i, r] = _hsum8(acc)
 
 
 _Q8_0_TYPES = {T.Q8_0: _mv_q8_0, T.Q4_0: _mv_q4_0, T.Q5_0: _mv_q5_0}
@@ -240,10 +308,12 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray) -> N
     res = np.empty((n, w.shape[0]), np.float32)
     if wtype in (T.Q4_K, T.Q6_K):
         xq, xd, bs = act_q8(x, T.Q8_K)
-        if wtype == T.Q4_K:
+        if wtype == T.Q4_K and w.shape[0] % 8 == 0:
+            _mv_q4_k_x8(w, xq, xd, bs, res, F16_TABLE, n - n % 4 if n >= 4 else 0)
+        elif wtype == T.Q4_K:
             _mv_q4_k(w, xq, xd, bs, res, F16_TABLE)
         else:
-            _mv_q6_k(w, xq, xd, res, F16_TABLE)
+            _mv_q6_k(w, xq, xd, bs, res, F16_TABLE)
     elif wtype == T.Q4_1:
         xq, xd, xs = act_q8(x, T.Q8_1)
         _mv_q4_1(w, xq, xd, xs, res, F16_TABLE)
