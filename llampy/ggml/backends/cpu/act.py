@@ -67,3 +67,36 @@ def silu_rows(x, out):
             out[r, i] = _silu_v(x[r, i])
         for i in range(n16, n):
             out[r, i] = _silu_s(x[r, i])
+
+
+@njit(cache=True)
+def _gelu_table(xs):
+    a = np.float32(0.044715)
+    c = np.float32(0.79788456080286535587989211986876)
+    out = np.empty(xs.shape[0], np.float32)
+    for i in range(xs.shape[0]):
+        x = xs[i]
+        inner = _fma(np.float32(a * x), x, np.float32(1.0))     # the compiler fuses (a*x)*x + 1
+        t = np.float32(math.tanh(np.float32(np.float32(c * x) * inner)))
+        out[i] = np.float32(np.float32(np.float32(0.5) * x) * np.float32(np.float32(1.0) + t))
+    return out
+
+
+_GELU_F16 = None
+
+
+def gelu_table() -> np.ndarray:
+    """ggml_table_gelu_f16: GELU (tanh form, float32, tanhf) of every F16 value, rounded to F16, as float32."""
+    global _GELU_F16
+    if _GELU_F16 is None:
+        xs = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+        _GELU_F16 = _gelu_table(xs).astype(np.float16).astype(np.float32)
+    return _GELU_F16
+
+
+def gelu_f32(x: np.ndarray) -> np.ndarray:
+    """ggml's CPU GELU for float32: the F16 table for -10 < x < 10, 0 below, x above."""
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = gelu_table()[x.astype(np.float16).view(np.uint16)]
+    return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, v)).astype(np.float32)
