@@ -15,7 +15,7 @@ from .cpu import kernels as K
 T = GGMLType
 
 
-def _mul_mat_f64(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray) -> None:
+def _mul_mat_f64(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exact_max_rows=None) -> None:
     from .cpu.matmul import round_act
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     xr = round_act(np.ascontiguousarray(x, dtype=np.float32), vdt).astype(np.float64)

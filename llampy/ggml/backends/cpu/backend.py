@@ -45,6 +45,8 @@ class CPUBackend(Backend):
     def __init__(self, device: str | None = None, n_threads: int | None = None):
         super().__init__(device)
         self.n_threads = n_threads
+        # batches larger than this go to BLAS instead of the bit-exact integer kernels (None: matmul's default)
+        self.exact_max_rows = None
         if n_threads:
             import numba
             numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
@@ -90,7 +92,7 @@ class CPUBackend(Backend):
                 x = xb[i13, i12]
                 if btype != T.F32:
                     x = K.to_float(x, btype, np.float32)
-                mm(wa[i13 // r3, i12 // r2], wtype, x, dst[i13, i12])
+                mm(wa[i13 // r3, i12 // r2], wtype, x, dst[i13, i12], self.exact_max_rows)
         return run
 
     def _bind_mul_mat_id(self, node, dst, srcs):
@@ -106,7 +108,7 @@ class CPUBackend(Backend):
                 t_idx, u_idx = np.nonzero(sel == e)
                 x = np.asarray(xb[0, t_idx, u_idx % n_b1], dtype=np.float32)
                 o = np.empty((len(t_idx), as_.ne[1]), np.float32)
-                mm(wa[0, int(e)], wtype, x, o)
+                mm(wa[0, int(e)], wtype, x, o, self.exact_max_rows)
                 dst[0, t_idx, u_idx] = o
         return run
 

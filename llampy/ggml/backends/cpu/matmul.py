@@ -43,13 +43,14 @@ def _weights_f32(w: np.ndarray, wtype: GGMLType, r0: int, r1: int) -> np.ndarray
     return dequantize(w[r0:r1], wtype)
 
 
-def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray) -> None:
-    """out[n, rows] = x[n, k] · w[rows, k]^T with llama.cpp's CPU numerics (see module doc)."""
+def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exact_max_rows: int | None = None) -> None:
+    """out[n, rows] = x[n, k] · w[rows, k]^T with llama.cpp's CPU numerics (see module doc). Batches of more than
+    ``exact_max_rows`` rows take the BLAS path (same numbers up to float32 summation order)."""
     wtype = GGMLType(wtype)
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     n = x.shape[0]
     rows = w.shape[0]
-    if n <= DECODE_MAX_ROWS:
+    if n <= (DECODE_MAX_ROWS if exact_max_rows is None else exact_max_rows):
         from . import qdot
         if qdot.supports(wtype):
             qdot.mul_mat(w, wtype, x, out)
