@@ -261,8 +261,8 @@ def _roundf(v):
 
 
 def _q8_act(b):
-    """Activation blocks of 32 as ggml's x86 quantize_row_q8_0/q8_1 (what llama.cpp's CPU backend runs):
-    d = amax/127 and id = 127/amax in float, rounded half to even."""
+    """Activation blocks of 32 as ggml's x86 quantize_row_q8_0/q8_1 (what llama.cpp's CPU backend runs on
+    activations): d = amax/127 and id = 127/amax in float, rounded half to even."""
     amax = np.abs(b).max(axis=1)
     d = (amax / np.float32(127.0)).astype(np.float32)
     with np.errstate(divide="ignore"):
@@ -271,25 +271,44 @@ def _q8_act(b):
     return d, q
 
 
-def quantize_q8_0(x):
+def quantize_act_q8_0(x):
     b, lead = _to_blocks(x, 32)
     d, q = _q8_act(b)
     return _pack([d.astype(np.float16)[:, None], q], lead, x.shape[-1] // 32)
 
 
-def quantize_q8_1(x):
+def quantize_act_q8_1(x):
     b, lead = _to_blocks(x, 32)
     d, q = _q8_act(b)
     s = (q.astype(np.int32).sum(axis=1).astype(np.float32) * d).astype(np.float16)
     return _pack([d.astype(np.float16)[:, None], s[:, None], q], lead, x.shape[-1] // 32)
 
 
-def quantize_q8_0_ref(x):
+def quantize_q8_0(x):
     """ggml's quantize_row_q8_0_ref (what llama-quantize writes): id = 1/d, roundf."""
     b, lead = _to_blocks(x, 32)
     d, idv = _q8_scale(b)
     q = _roundf(b * idv[:, None]).astype(np.int8)
     return _pack([d.astype(np.float16)[:, None], q], lead, x.shape[-1] // 32)
+
+
+def quantize_q8_1(x):
+    """ggml's quantize_row_q8_1_ref."""
+    b, lead = _to_blocks(x, 32)
+    d, idv = _q8_scale(b)
+    q = _roundf(b * idv[:, None]).astype(np.int8)
+    s = (q.astype(np.int32).sum(axis=1).astype(np.float32) * d).astype(np.float16)
+    return _pack([d.astype(np.float16)[:, None], s[:, None], q], lead, x.shape[-1] // 32)
+
+
+def quantize_act(x, t):
+    """Activations rounded to a dot type as llama.cpp's x86 CPU backend does (Q8_K's is its reference)."""
+    t = GGMLType(t)
+    if t == T.Q8_0:
+        return quantize_act_q8_0(x)
+    if t == T.Q8_1:
+        return quantize_act_q8_1(x)
+    return quantize(x, t)
 
 
 def _nearest_int(v):

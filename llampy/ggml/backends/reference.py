@@ -17,10 +17,22 @@ T = GGMLType
 
 def _mul_mat_f64(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exact_max_rows=None) -> None:
     from .cpu.matmul import round_act
+    from ..quants import quantize_act
     vdt = TYPE_TRAITS[wtype].vec_dot_type
-    xr = round_act(np.ascontiguousarray(x, dtype=np.float32), vdt).astype(np.float64)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    xr = round_act(x, vdt).astype(np.float64)
     wf = K.to_float(w, wtype, np.float64)
-    out[...] = xr @ wf.T
+    res = xr @ wf.T
+    if vdt == T.Q8_1:
+        # llama.cpp adds each block's min times Q8_1's s, the block sum stored as F16
+        n, k = x.shape
+        q = quantize_act(x, T.Q8_1).reshape(n, k // 32, 36)
+        s = np.ascontiguousarray(q[:, :, 2:4]).view(np.float16).astype(np.float64).reshape(n, -1)
+        delta = s - xr.reshape(n, k // 32, 32).sum(axis=2)
+        blk = np.ascontiguousarray(w).reshape(w.shape[0], k // 32, TYPE_TRAITS[wtype].type_size)
+        mins = np.ascontiguousarray(blk[:, :, 2:4]).view(np.float16).astype(np.float64).reshape(w.shape[0], -1)
+        res += delta @ mins.T
+    out[...] = res
 
 
 class ReferenceBackend(CPUBackend):

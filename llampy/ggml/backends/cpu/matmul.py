@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...quants import dequantize, quantize
+from ...quants import dequantize, quantize_act as quantize
 from ...types import GGMLType, TYPE_TRAITS
 
 T = GGMLType

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ...quants import quantize
+from ...quants import quantize_act as quantize
 from ...types import GGMLType
 
 T = GGMLType

@@ -1,0 +1,167 @@
+"""One table of op cases, run on the cpu backend and on the float64 reference backend, compared; plus checks of
+the reference against direct NumPy formulas (the oracle must itself be right)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from llampy.ggml import ops
+from llampy.ggml.backend import backend_init
+from llampy.ggml.tensor import Op
+from llampy.ggml.types import GGMLType as T
+
+from .helpers import leaf, run
+
+CPU = backend_init("cpu")
+REF = backend_init("reference")
+F32, F16, I32 = T.F32, T.F16, T.I32
+
+
+def _ids(shape, hi, seed=1):
+    return np.random.default_rng(seed).integers(0, hi, shape).astype(np.int32)
+
+
+def causal_mask(n_kv, n_q):
+    m = np.full((n_q, n_kv), -np.inf, np.float32)
+    for i in range(n_q):
+        m[i, : n_kv - n_q + i + 1] = 0
+    return m
+
+
+# name -> (builder(B) returning the output tensor, tolerance). B(type, np_shape, value=None) places a leaf.
+CASES = {
+    "add_bcast": (lambda B: ops.add(B(F32, (3, 5, 7)), B(F32, (1, 1, 7))), 1e-6),
+    "sub_rows": (lambda B: ops.sub(B(F32, (4, 9)), B(F32, (1, 9))), 1e-6),
+    "mul_tile": (lambda B: ops.mul(B(F32, (4, 6)), B(F32, (2, 6))), 1e-6),
+    "div": (lambda B: ops.div(B(F32, (3, 8)), B(F32, (3, 8), np.random.default_rng(2).uniform(1, 2, (3, 8)))), 1e-6),
+    "scale": (lambda B: ops.scale(B(F32, (5, 11)), 0.37, 0.5), 1e-6),
+    "clamp": (lambda B: ops.clamp(B(F32, (5, 11)), -0.3, 0.4), 0),
+    "sqr": (lambda B: ops.sqr(B(F32, (7,))), 1e-6),
+    "sqrt": (lambda B: ops.sqrt(B(F32, (7,), np.arange(1, 8, dtype=np.float32))), 1e-6),
+    "exp": (lambda B: ops.exp(B(F32, (3, 9))), 1e-5),
+    "tanh": (lambda B: ops.tanh(B(F32, (3, 9))), 1e-6),
+    "silu": (lambda B: ops.silu(B(F32, (3, 40))), 1e-6),
+    "gelu": (lambda B: ops.gelu(B(F32, (3, 40))), 1e-6),
+    "gelu_erf": (lambda B: ops.gelu_erf(B(F32, (3, 40))), 1e-6),
+    "relu": (lambda B: ops.relu(B(F32, (3, 9))), 0),
+    "sigmoid": (lambda B: ops.sigmoid(B(F32, (3, 9))), 1e-6),
+    "softcap": (lambda B: ops.softcap(B(F32, (3, 9)), 0.2, 30.0), 1e-5),
+    "swiglu_split": (lambda B: ops.swiglu(B(F32, (4, 33)), B(F32, (4, 33))), 1e-6),
+    "swiglu_fused": (lambda B: ops.swiglu(B(F32, (4, 32))), 1e-6),
+    "geglu": (lambda B: ops.geglu(B(F32, (4, 33)), B(F32, (4, 33))), 1e-5),
+    "rms_norm": (lambda B: ops.rms_norm(B(F32, (6, 64)), 1e-6), 1e-6),
+    "rms_norm_mul": (lambda B: ops.rms_norm_mul(B(F32, (6, 64)), B(F32, (64,)), 1e-5), 1e-6),
+    "norm": (lambda B: ops.norm(B(F32, (6, 48)), 1e-5), 1e-5),
+    "l2_norm": (lambda B: ops.l2_norm(B(F32, (6, 48)), 1e-12), 1e-6),
+    "mul_mat_f32": (lambda B: ops.mul_mat(B(F32, (7, 64)), B(F32, (5, 64))), 1e-5),
+    "mul_mat_f16": (lambda B: ops.mul_mat(B(F16, (7, 64)), B(F32, (5, 64))), 1e-5),
+    "mul_mat_q4_0": (lambda B: ops.mul_mat(B(T.Q4_0, (9, 64)), B(F32, (3, 64))), 1e-4),
+    "mul_mat_q4_1": (lambda B: ops.mul_mat(B(T.Q4_1, (9, 64)), B(F32, (3, 64))), 1e-4),
+    "mul_mat_q5_0": (lambda B: ops.mul_mat(B(T.Q5_0, (9, 64)), B(F32, (17, 64))), 1e-4),
+    "mul_mat_q8_0": (lambda B: ops.mul_mat(B(T.Q8_0, (9, 64)), B(F32, (2, 64))), 1e-4),
+    "mul_mat_q4_k": (lambda B: ops.mul_mat(B(T.Q4_K, (16, 256)), B(F32, (6, 256))), 1e-4),
+    "mul_mat_q6_k": (lambda B: ops.mul_mat(B(T.Q6_K, (5, 256)), B(F32, (2, 256))), 1e-4),
+    "mul_mat_bcast": (lambda B: ops.mul_mat(B(F32, (2, 1, 6, 32)), B(F32, (2, 3, 4, 32))), 1e-5),
+    "mul_mat_transposed": (lambda B: ops.mul_mat(ops.transpose(B(F32, (32, 6))), B(F32, (4, 32))), 1e-5),
+    "mul_mat_id": (lambda B: ops.mul_mat_id(B(F32, (4, 8, 32)), B(F32, (5, 1, 32)), B(I32, (5, 2), _ids((5, 2), 4))), 1e-5),
+    "get_rows_f32": (lambda B: ops.get_rows(B(F32, (10, 8)), B(I32, (4,), _ids((4,), 10))), 0),
+    "get_rows_q8_0": (lambda B: ops.get_rows(B(T.Q8_0, (10, 64)), B(I32, (3,), _ids((3,), 10))), 1e-6),
+    "set_rows_f16": (lambda B: ops.set_rows(B(F16, (8, 16), np.zeros((8, 16))), B(F32, (3, 16)),
+                                            B(T.I64, (3,), np.array([5, 0, 2]))), 1e-3),
+    "soft_max": (lambda B: ops.soft_max(B(F32, (4, 10))), 1e-6),
+    "soft_max_ext_mask": (lambda B: ops.soft_max_ext(B(F32, (2, 3, 6)), B(F16, (3, 6), causal_mask(6, 3)), 0.5), 1e-6),
+    "soft_max_alibi": (lambda B: ops.soft_max_ext(B(F32, (4, 3, 6)), B(F32, (3, 6), causal_mask(6, 3)), 0.7, 8.0), 1e-6),
+    "rope_norm": (lambda B: ops.rope(B(F32, (5, 3, 16)), B(I32, (5,), np.arange(5) * 7), 16, 0, 10000.0), 1e-5),
+    "rope_neox_partial": (lambda B: ops.rope_ext(B(F32, (5, 3, 16)), B(I32, (5,), np.arange(5)), None, 8, 2, 4096,
+                                                 1e6, 1.0, 0.0, 1.0, 32.0, 1.0), 1e-5),
+    "rope_yarn": (lambda B: ops.rope_ext(B(F32, (4, 2, 16)), B(I32, (4,), np.arange(4) * 100), None, 16, 2, 64,
+                                         10000.0, 0.25, 1.0, 1.0, 32.0, 1.0), 1e-4),
+    "flash_attn_gqa": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (3, 4, 16)), 0, 2, 1, 3), B(F16, (2, 6, 16)), B(F16, (2, 6, 16)),
+        B(F16, (3, 6), causal_mask(6, 3)), 0.25), 2e-3),
+    "flash_attn_softcap": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (2, 2, 16)), 0, 2, 1, 3), B(F16, (2, 5, 16)), B(F16, (2, 5, 16)), None, 0.5, 0.0, 3.0), 2e-3),
+    "cpy_f32_f16": (lambda B: ops.cpy(B(F32, (3, 8)), B(F16, (3, 8), np.zeros((3, 8)))), 1e-3),
+    "cont_permuted": (lambda B: ops.cont(ops.permute(B(F32, (2, 3, 4)), 1, 0, 2, 3)), 0),
+    "dup": (lambda B: ops.dup(B(F32, (3, 4))), 0),
+    "view_strided": (lambda B: ops.cont(ops.view_2d(B(F32, (6, 8)), 4, 3, 64, 8)), 0),
+    "reshape": (lambda B: ops.cont(ops.reshape(B(F32, (4, 6)), 8, 3)), 0),
+    "concat": (lambda B: ops.concat(B(F32, (2, 3, 4)), B(F32, (2, 3, 5)), 0), 0),
+    "repeat": (lambda B: ops.repeat(B(F32, (1, 4)), B(F32, (3, 4))), 0),
+    "sum_rows": (lambda B: ops.sum_rows(B(F32, (4, 9))), 1e-5),
+    "mean": (lambda B: ops.mean(B(F32, (4, 9))), 1e-6),
+    "argmax": (lambda B: ops.argmax(B(F32, (4, 9))), 0),
+    "argsort": (lambda B: ops.argsort(B(F32, (4, 9)), ops.SORT_DESC), 0),
+    "top_k": (lambda B: ops.top_k(B(F32, (4, 9)), 3), 0),
+}
+
+
+def test_every_op_has_a_case():
+    covered = set()
+    for name, (build, _) in CASES.items():
+        t = build(lambda ty, shape, value=None: leaf(CPU, ty, shape, value))
+        stack = [t]
+        while stack:
+            x = stack.pop()
+            covered.add(x.op)
+            stack.extend(s for s in x.src if s is not None)
+    missing = set(Op) - covered - {Op.NONE}
+    assert not missing, f"ops without a test case: {sorted(o.value for o in missing)}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cpu_matches_reference(name):
+    build, tol = CASES[name]
+    outs = []
+    for be in (CPU, REF):
+        rng = np.random.default_rng(7)
+        B = lambda ty, shape, value=None: leaf(CPU, ty, shape, value, rng)
+        out = build(B)
+        assert be.supports_op(out)
+        outs.append(run(be, out)[0].astype(np.float64))
+    a, b = outs
+    scale = max(1.0, float(np.nanmax(np.abs(b)))) if b.size else 1.0
+    np.testing.assert_allclose(a, b, rtol=0, atol=tol * scale)
+
+
+def test_reference_softmax_rope_attention_against_numpy():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 5)).astype(np.float32)
+    sm = run(REF, ops.soft_max(leaf(CPU, F32, (2, 5), x)))[0].reshape(2, 5)
+    e = np.exp(x - x.max(1, keepdims=True))
+    np.testing.assert_allclose(sm, e / e.sum(1, keepdims=True), atol=1e-6)
+
+    # NEOX rope of one head at position p: pairs (i, i + d/2) rotated by p * base^(-2i/d)
+    d, p = 8, 3
+    v = rng.standard_normal((1, 1, d)).astype(np.float32)
+    (r,) = run(REF, ops.rope_ext(leaf(CPU, F32, (1, 1, d), v), leaf(CPU, I32, (1,), np.array([p])), None, d, 2,
+                                 4096, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0))
+    th = p * 10000.0 ** (-2 * np.arange(d // 2) / d)
+    x0, x1 = v[0, 0, : d // 2], v[0, 0, d // 2:]
+    want = np.concatenate([x0 * np.cos(th) - x1 * np.sin(th), x0 * np.sin(th) + x1 * np.cos(th)])
+    np.testing.assert_allclose(r.reshape(-1), want, atol=1e-5)
+
+    # attention: softmax(q k^T * scale + mask) v with F16-rounded inputs, in float64
+    q = rng.standard_normal((4, 2, 16)).astype(np.float32)      # (n_q, n_head, d)
+    k = rng.standard_normal((1, 6, 16)).astype(np.float32)      # (n_head_kv, n_kv, d)
+    v2 = rng.standard_normal((1, 6, 16)).astype(np.float32)
+    mask = causal_mask(6, 4)
+    (o,) = run(REF, ops.flash_attn_ext(ops.permute(leaf(CPU, F32, (4, 2, 16), q), 0, 2, 1, 3), leaf(CPU, F16, (1, 6, 16), k),
+                                       leaf(CPU, F16, (1, 6, 16), v2), leaf(CPU, F16, (4, 6), mask), 0.25))
+    qf = q.astype(np.float16).astype(np.float64)
+    kf, vf = k.astype(np.float16).astype(np.float64)[0], v2.astype(np.float16).astype(np.float64)[0]
+    for h in range(2):
+        s = qf[:, h] @ kf.T * 0.25 + mask
+        w = np.exp(s - s.max(1, keepdims=True))
+        w /= w.sum(1, keepdims=True)
+        np.testing.assert_allclose(o[0, :, h], w @ vf, atol=1e-3)
+
+
+def test_gelu_matches_ggml_table_definition():
+    x = np.linspace(-12, 12, 1001).astype(np.float32)
+    g = run(CPU, ops.gelu(leaf(CPU, F32, x.shape, x)))[0].reshape(-1)
+    exact = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(g, exact, atol=2e-2 * np.maximum(1, np.abs(x)).max())
+    assert (g[x <= -10] == 0).all() and (g[x >= 10] == x[x >= 10]).all()
