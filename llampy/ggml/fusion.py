@@ -22,7 +22,7 @@ def _consumers(g: Graph) -> dict[int, list[Tensor]]:
         for s in n.src:
             if s is not None:
                 users.setdefault(s.id, []).append(n)
-        if n.view_src is not None and n.op in (Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE):
+        if n.view_src is not None and n.view_src not in n.src:
             users.setdefault(n.view_src.id, []).append(n)
     return users
 
