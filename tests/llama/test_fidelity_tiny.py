@@ -16,9 +16,12 @@ from tests.paths import TINY
 
 MODELS = ["llama-F32", "qwen2-Q8_0", "qwen3-Q8_0", "gemma2-Q8_0", "gemma3-Q8_0", "phi3-Q8_0", "qwen3moe-Q8_0",
           "granite-Q8_0", "starcoder2-Q8_0"]
-# llampy mirrors llama.cpp's CPU numerics (8-bit activations, F16 KV cache, its flash-attention rounding), so the
-# log-probs agree far more tightly than the 0.5 a float forward pass would give on the Q8_0 models.
-TOL = 2e-3
+# llampy mirrors llama.cpp's CPU arithmetic (8-bit activations, its integer dot-product lanes, F16 KV cache and
+# flash-attention rounding), so the Q8_0 models agree to ~6e-5, far inside the README's 1e-3. The F32 model's
+# matrix products go through BLAS rather than llama.cpp's sgemm, which leaves 4.5e-3 (README: 0.05 for an
+# engine that does not mirror them).
+TOLS = {"llama-F32": 1e-2}
+TOL = 1e-3
 MARGIN = 0.05
 
 
@@ -57,10 +60,11 @@ def test_teacher_forced_logprobs(tiny):
             for tid, ref_lp in step["top"]:
                 worst = max(worst, abs(row[tid] - ref_lp))
             top = step["top"]
-            if top[0][1] - top[1][1] > max(MARGIN, 2 * TOL):
+            if top[0][1] - top[1][1] > max(MARGIN, 2 * TOLS.get(name, TOL)):
                 assert int(np.argmax(row)) == step["id"], f"{name} step {k}: argmax differs"
     print(f"{name}: max |dlogprob| = {worst:.2e}")
-    assert worst <= TOL, f"{name}: max |dlogprob| {worst:.4f} > {TOL}"
+    tol = TOLS.get(name, TOL)
+    assert worst <= tol, f"{name}: max |dlogprob| {worst:.4f} > {tol}"
 
 
 def test_greedy_free_running(tiny):
