@@ -19,13 +19,17 @@ from ..ggml.tensor import Tensor
 from ..ggml.types import GGMLType
 from .batch import Batch
 from .graph import build_graph
-from .kv_cache import CacheFull, KVCache
+from .kv_cache import CacheFull as _CacheFull, KVCache
 
 POOLING = ("none", "mean", "last", "cls")
 
 
 class ContextError(ValueError):
     pass
+
+
+class CacheFull(ContextError, _CacheFull):
+    """The KV cache has no room for the batch; the cache is left as it was."""
 
 
 class Context:
@@ -123,7 +127,10 @@ class Context:
     def _decode_ubatch(self, ub: Batch, out_idx: np.ndarray) -> np.ndarray:
         n = len(ub)
         n_outputs = len(out_idx)
-        idxs = self.kv.find_slot(n)
+        try:
+            idxs = self.kv.find_slot(n)
+        except _CacheFull as e:
+            raise CacheFull(str(e)) from None
         self.kv.apply(idxs, ub.pos, ub.seq_id)
         n_kv = self.kv.n_kv_for(self.kv.used_max_p1())
         gc = self._graph(n, max(n_outputs, 1), n_kv)

@@ -17,8 +17,8 @@ from ..ggml.types import GGMLType, row_size
 KV_PAD = 256  # n_kv is padded to this so that decode graphs are reused for 256 steps
 
 
-class CacheFull(RuntimeError):
-    pass
+class CacheFull(ValueError):
+    """No room in the KV cache for a batch (a ContextError too: see context.py)."""
 
 
 class KVCache:

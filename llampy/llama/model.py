@@ -60,8 +60,8 @@ class Model:
         self.reader = GGUFReader(self.path)
         md = self.reader.metadata
         self.metadata = md
+        self.arch = arch_mod.arch_module(str(md.get("general.architecture", "")))
         self.hparams = load_hparams(md)
-        self.arch = arch_mod.arch_module(self.hparams.arch)
         self.arch.load_hparams(self.hparams, md)
         from .vocab import Vocab
         self.vocab = Vocab.from_metadata(md)

@@ -1,0 +1,137 @@
+"""Context: micro-batches, several sequences in one cache, sequence edits, state, errors, embeddings."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llampy.llama.batch import Batch
+from llampy.llama.context import CacheFull, Context, ContextError
+from llampy.llama.model import Model, ModelLoadError
+
+from tests.paths import TINY
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(TINY / "qwen2-Q8_0.gguf")
+
+
+TOKS = [504, 3575, 282, 4649, 314, 1980, 253, 655, 28, 281]
+
+
+def last_logits(model, toks, **kw):
+    ctx = Context(model, n_ctx=64, **kw)
+    ctx.decode(Batch.from_tokens(toks))
+    return ctx.get_logits_ith(-1).copy()
+
+
+def test_micro_batches_and_graph_reuse(model):
+    a = last_logits(model, TOKS)
+    ctx = Context(model, n_ctx=64, n_batch=64, n_ubatch=3)
+    ctx.decode(Batch.from_tokens(TOKS))
+    np.testing.assert_allclose(ctx.get_logits_ith(-1), a, atol=1e-4)
+    builds = ctx.n_graph_builds
+    for i in range(4):
+        ctx.decode(Batch.from_tokens([TOKS[i]], pos0=len(TOKS) + i))
+    assert ctx.n_graph_builds == builds              # the single-token graph of the last micro-batch, reused
+    assert ctx.sched.n_replans == ctx.n_graph_builds
+
+
+def test_two_sequences_in_one_batch_equal_separate_runs(model):
+    a, b = TOKS[:6], TOKS[4:]
+    batch = Batch.empty()
+    for i, t in enumerate(a):
+        batch.add(t, i, [0], i == len(a) - 1)
+    for i, t in enumerate(b):
+        batch.add(t, i, [1], i == len(b) - 1)
+    ctx = Context(model, n_ctx=64, n_seq_max=2)
+    ctx.decode(batch)
+    np.testing.assert_allclose(ctx.get_logits_ith(len(a) - 1), last_logits(model, a), atol=1e-4)
+    np.testing.assert_allclose(ctx.get_logits_ith(len(batch) - 1), last_logits(model, b), atol=1e-4)
+
+
+def test_seq_rm_and_re_decode(model):
+    ctx = Context(model, n_ctx=64)
+    ctx.decode(Batch.from_tokens(TOKS))
+    ctx.seq_rm(0, 5, -1)
+    assert ctx.seq_pos_max(0) == 4
+    ctx.decode(Batch.from_tokens(TOKS[5:], pos0=5))
+    np.testing.assert_allclose(ctx.get_logits_ith(-1), last_logits(model, TOKS), atol=1e-4)
+
+
+def test_seq_cp_keep_and_state_round_trip(model):
+    ctx = Context(model, n_ctx=64, n_seq_max=2)
+    ctx.decode(Batch.from_tokens(TOKS[:6]))
+    ctx.seq_cp(0, 1)
+    ctx.seq_keep(1)
+    b = Batch.empty()
+    b.add(TOKS[6], 6, [1], True)
+    ctx.decode(b)
+    want = last_logits(model, TOKS[:7])
+    np.testing.assert_allclose(ctx.get_logits_ith(0), want, atol=1e-4)
+    state = ctx.state_save()
+    ctx2 = Context(model, n_ctx=64, n_seq_max=2)
+    ctx2.state_load(state)
+    b2 = Batch.empty()
+    b2.add(TOKS[7], 7, [1], True)
+    ctx.decode(b2)
+    ctx2.decode(b2)
+    np.testing.assert_array_equal(ctx.get_logits_ith(0), ctx2.get_logits_ith(0))
+    with pytest.raises(ContextError, match="invalid state"):
+        ctx2.state_load(b"garbage")
+
+
+def test_seq_add_shifts_keys(model):
+    """seq_add re-rotates the cached K by the shift (llama.cpp's K-shift): layer 0's K rows, which depend on the
+    token and its position only, then equal a fresh computation at the new positions (to F16 rounding)."""
+    from llampy.ggml.backend import tensor_data
+    ctx = Context(model, n_ctx=64)
+    ctx.decode(Batch.from_tokens(TOKS))
+    ctx.seq_rm(0, 0, 2)
+    ctx.seq_add(0, 2, -1, -2)
+    assert list(ctx.kv.pos[2:10]) == list(range(8))
+    fresh = Context(model, n_ctx=64)
+    fresh.decode(Batch.from_tokens(TOKS[2:]))
+    k_shifted = np.array(tensor_data(ctx.kv.k[0]))[0, :, 2:10].astype(np.float32)
+    k_fresh = np.array(tensor_data(fresh.kv.k[0]))[0, :, 0:8].astype(np.float32)
+    np.testing.assert_allclose(k_shifted, k_fresh, atol=2e-3 * np.abs(k_fresh).max())
+
+
+def test_errors(model):
+    ctx = Context(model, n_ctx=8)
+    with pytest.raises(ContextError, match="exceed"):
+        ctx.decode(Batch.from_tokens(TOKS))
+    ctx.decode(Batch.from_tokens(TOKS[:6]))
+    with pytest.raises(CacheFull, match="full"):
+        ctx.decode(Batch.from_tokens(TOKS[6:10], pos0=6))
+    assert ctx.kv.n_used() == 6                       # nothing was half-written
+    with pytest.raises(ContextError, match="outside the vocabulary"):
+        ctx.decode(Batch.from_tokens([10**6]))
+    with pytest.raises(ContextError, match="empty"):
+        ctx.decode(Batch.empty())
+
+
+def test_embeddings_pooling(model):
+    ctx = Context(model, n_ctx=64, embeddings=True, pooling="mean")
+    ctx.decode(Batch.from_tokens(TOKS, logits_all=True))
+    e = ctx.get_embeddings_seq(0)
+    assert e.shape == (64,)
+    last = Context(model, n_ctx=64, embeddings=True, pooling="last")
+    last.decode(Batch.from_tokens(TOKS, logits_all=True))
+    np.testing.assert_allclose(last.get_embeddings_seq(0), ctx.get_embeddings_ith(len(TOKS) - 1), atol=1e-6)
+
+
+def test_model_errors(tmp_path):
+    from llampy.gguf import GGUFReader, GGUFWriter
+    from llampy.llama.arch import UnknownArchitecture
+    r = GGUFReader(TINY / "qwen2-Q8_0.gguf")
+    w = GGUFWriter.from_reader(r, tmp_path / "m.gguf")
+    w.kv = [(k, "mamba9" if k == "general.architecture" else v, t) for k, v, t in w.kv]
+    w.write()
+    with pytest.raises(UnknownArchitecture, match="mamba9"):
+        Model(tmp_path / "m.gguf")
+    w = GGUFWriter.from_reader(r, tmp_path / "n.gguf")
+    w.tensors = [t for t in w.tensors if t[0] != "blk.1.attn_q.weight"]
+    w.write()
+    with pytest.raises(ModelLoadError, match="blk.1.attn_q.weight"):
+        Model(tmp_path / "n.gguf")
