@@ -37,72 +37,105 @@ def _hsum8(acc):
 
 
 # ggml_vec_dot_q8_0_q8_0 as compiled for AVX2/AVX-512: per block, eight int32 lanes of four products each,
-# scaled by d_w * d_x and fused-multiply-added into eight float lanes, summed at the end by hsum_float_8
-@njit(parallel=True, cache=True)
+# scaled by d_w * d_x and fused-multiply-added into eight float lanes, summed at the end by hsum_float_8.
+# fastmath "contract" lets LLVM emit the same fused multiply-adds (acc = d * s + acc) that ggml's code uses.
+ROW_CHUNK = 16
+
+
+@njit(parallel=True, cache=True, fastmath={"contract"})
 def _mv_q8_0(w, xq, xd, out, tab):
     rows = w.shape[0]
     n = xq.shape[0]
     nb = xq.shape[1] // 32
-    for r in prange(rows):
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        lane = np.empty(8, np.int32)
         acc = np.empty(8, np.float32)
-        for i in range(n):
-            acc[:] = 0
-            for b in range(nb):
-                o = b * 34
-                d = np.float32(_f16(tab, w[r, o], w[r, o + 1]) * xd[i, b])
-                for l in range(8):
-                    s = 0
-                    for e in range(4 * l, 4 * l + 4):
-                        s += np.int32(np.int8(w[r, o + 2 + e])) * np.int32(xq[i, b * 32 + e])
-                    acc[l] = _fma(d, np.float32(s), acc[l])
-            out[i, r] = _hsum8(acc)
+        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
+            wr = w[r]
+            for i in range(n):
+                xr = xq[i]
+                acc[:] = 0
+                for b in range(nb):
+                    o = b * 34 + 2
+                    xo = b * 32
+                    for l in range(8):
+                        e = 4 * l
+                        lane[l] = (np.int32(np.int8(wr[o + e])) * np.int32(xr[xo + e])
+                                   + np.int32(np.int8(wr[o + e + 1])) * np.int32(xr[xo + e + 1])
+                                   + np.int32(np.int8(wr[o + e + 2])) * np.int32(xr[xo + e + 2])
+                                   + np.int32(np.int8(wr[o + e + 3])) * np.int32(xr[xo + e + 3]))
+                    d = np.float32(tab[np.int32(wr[o - 2]) | (np.int32(wr[o - 1]) << 8)] * xd[i, b])
+                    for l in range(8):
+                        acc[l] = d * np.float32(lane[l]) + acc[l]
+                out[i, r] = _hsum8(acc)
 
 
-@njit(parallel=True, cache=True)
+# ggml_vec_dot_q4_0_q8_0 (AVX2): lanes as for q8_0 over the nibbles minus 8
+@njit(parallel=True, cache=True, fastmath={"contract"})
 def _mv_q4_0(w, xq, xd, out, tab):
     rows = w.shape[0]
     n = xq.shape[0]
     nb = xq.shape[1] // 32
-    for r in prange(rows):
-        for i in range(n):
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 18
-                d = _f16(tab, w[r, o], w[r, o + 1])
-                s = 0
-                for j in range(16):
-                    q = w[r, o + 2 + j]
-                    s += (np.int32(q & 15) - 8) * np.int32(xq[i, b * 32 + j])
-                    s += (np.int32(q >> 4) - 8) * np.int32(xq[i, b * 32 + 16 + j])
-                acc += d * xd[i, b] * np.float32(s)
-            out[i, r] = acc
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        lane = np.empty(8, np.int32)
+        acc = np.empty(8, np.float32)
+        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
+            wr = w[r]
+            for i in range(n):
+                xr = xq[i]
+                acc[:] = 0
+                for b in range(nb):
+                    o = b * 18 + 2
+                    xo = b * 32
+                    for l in range(8):
+                        s_ = 0
+                        for e in range(4 * l, 4 * l + 4):
+                            q = np.int32(wr[o + (e % 16)])
+                            v = ((q & 15) if e < 16 else (q >> 4)) - 8
+                            s_ += v * np.int32(xr[xo + e])
+                        lane[l] = s_
+                    d = np.float32(tab[np.int32(wr[o - 2]) | (np.int32(wr[o - 1]) << 8)] * xd[i, b])
+                    for l in range(8):
+                        acc[l] = d * np.float32(lane[l]) + acc[l]
+                out[i, r] = _hsum8(acc)
 
 
-# ggml_vec_dot_q4_1_q8_1 (AVX2): lanes as for q8_0, plus the mins: summs += m_w * s_x (fused), added after the hsum
-@njit(parallel=True, cache=True)
+# ggml_vec_dot_q4_1_q8_1 (AVX2): lanes as for q8_0, plus the mins: summs = m_w * s_x + summs (fused), added
+# after the hsum
+@njit(parallel=True, cache=True, fastmath={"contract"})
 def _mv_q4_1(w, xq, xd, xs, out, tab):
     rows = w.shape[0]
     n = xq.shape[0]
     nb = xq.shape[1] // 32
-    for r in prange(rows):
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        lane = np.empty(8, np.int32)
         acc = np.empty(8, np.float32)
-        for i in range(n):
-            acc[:] = 0
-            summs = np.float32(0.0)
-            for b in range(nb):
-                o = b * 20
-                d0 = _f16(tab, w[r, o], w[r, o + 1])
-                m = _f16(tab, w[r, o + 2], w[r, o + 3])
-                summs = _fma(m, xs[i, b], summs)
-                d = np.float32(d0 * xd[i, b])
-                for l in range(8):
-                    s = 0
-                    for e in range(4 * l, 4 * l + 4):
-                        q = w[r, o + 4 + (e % 16)]
-                        qv = (q & 15) if e < 16 else (q >> 4)
-                        s += np.int32(qv) * np.int32(xq[i, b * 32 + e])
-                    acc[l] = _fma(d, np.float32(s), acc[l])
-            out[i, r] = _hsum8(acc) + summs
+        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
+            wr = w[r]
+            for i in range(n):
+                xr = xq[i]
+                acc[:] = 0
+                summs = np.float32(0.0)
+                for b in range(nb):
+                    o = b * 20 + 4
+                    xo = b * 32
+                    for l in range(4):
+                        e = 4 * l
+                        q0 = np.int32(wr[o + e])
+                        q1 = np.int32(wr[o + e + 1])
+                        q2 = np.int32(wr[o + e + 2])
+                        q3 = np.int32(wr[o + e + 3])
+                        lane[l] = ((q0 & 15) * np.int32(xr[xo + e]) + (q1 & 15) * np.int32(xr[xo + e + 1])
+                                   + (q2 & 15) * np.int32(xr[xo + e + 2]) + (q3 & 15) * np.int32(xr[xo + e + 3]))
+                        lane[l + 4] = ((q0 >> 4) * np.int32(xr[xo + 16 + e]) + (q1 >> 4) * np.int32(xr[xo + 17 + e])
+                                       + (q2 >> 4) * np.int32(xr[xo + 18 + e]) + (q3 >> 4) * np.int32(xr[xo + 19 + e]))
+                    d0 = tab[np.int32(wr[o - 4]) | (np.int32(wr[o - 3]) << 8)]
+                    m = tab[np.int32(wr[o - 2]) | (np.int32(wr[o - 1]) << 8)]
+                    summs = m * xs[i, b] + summs
+                    d = np.float32(d0 * xd[i, b])
+                    for l in range(8):
+                        acc[l] = d * np.float32(lane[l]) + acc[l]
+                out[i, r] = _hsum8(acc) + summs
 
 
 # ggml_vec_dot_q5_0_q8_0 (AVX2): the q8_0 lane structure over the signed 5-bit values
