@@ -181,6 +181,10 @@ class GraphContext:
             outs = [self.t_logits]
         for t in outs:
             self.graph.expand(t)
+        # rewrite rms_norm·mul and the like into single nodes the backends run in one kernel
+        from ..ggml.fusion import fuse
+        backends = self.model.backends
+        self.graph, self.n_fused = fuse(self.graph, lambda node: all(b.supports_op(node) for b in backends))
         return self.graph
 
 

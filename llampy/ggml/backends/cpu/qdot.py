@@ -313,6 +313,40 @@ def supports(wtype: GGMLType) -> bool:
     return wtype in _SUPPORTED
 
 
+@njit(cache=True, inline="always")
+def _r16(x):
+    """float32 rounded to the nearest F16 value, returned as float32."""
+    if abs(x) < np.float32(6.103515625e-05):
+        return np.float32(np.rint(np.float64(x) * 16777216.0) / 16777216.0)
+    if abs(x) >= np.float32(65520.0):
+        return np.float32(np.inf) if x > 0 else np.float32(-np.inf)
+    t = x * np.float32(8193.0)
+    return t - (t - x)
+
+
+@njit(cache=True)
+def _act_q8_x86(x, xq, xd, xs):
+    """ggml's x86 quantize_row_q8_0 / q8_1: d = amax/127, id = 127/amax, round half to even; s = d * sum(q)."""
+    n, k = x.shape
+    for i in range(n):
+        for b in range(k // 32):
+            o = b * 32
+            amax = np.float32(0.0)
+            for j in range(32):
+                v = abs(x[i, o + j])
+                if v > amax:
+                    amax = v
+            d = amax / np.float32(127.0)
+            idv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+            tot = 0
+            for j in range(32):
+                q = np.int32(np.rint(x[i, o + j] * idv))
+                xq[i, o + j] = q
+                tot += q
+            xd[i, b] = _r16(d)
+            xs[i, b] = _r16(np.float32(d * np.float32(tot)))
+
+
 def act_q8(x: np.ndarray, vdt: GGMLType):
     """Activations quantized as ggml's quantize_row_q8_{0,1,K}: (xq int8 [n, k], xd float32 scales, extra)
     where extra is Q8_1's s per block or Q8_K's bsums."""
@@ -323,6 +357,12 @@ def act_q8(x: np.ndarray, vdt: GGMLType):
         xq = np.ascontiguousarray(b[:, :, 4:260]).view(np.int8).reshape(n, k)
         bs = np.ascontiguousarray(b[:, :, 260:292]).view(np.int16).reshape(n, -1)
         return xq, xd, bs
+    if vdt in (T.Q8_0, T.Q8_1):
+        xq = np.empty((n, k), np.int8)
+        xd = np.empty((n, k // 32), np.float32)
+        xs = np.empty((n, k // 32), np.float32)
+        _act_q8_x86(np.ascontiguousarray(x, dtype=np.float32), xq, xd, xs)
+        return xq, xd, (xs if vdt == T.Q8_1 else None)
     size = 36 if vdt == T.Q8_1 else 34
     b = quantize(x, vdt).reshape(n, k // 32, size)
     xd = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16).astype(np.float32).reshape(n, -1)
