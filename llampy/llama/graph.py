@@ -185,6 +185,10 @@ class GraphContext:
         from ..ggml.fusion import fuse
         backends = self.model.backends
         self.graph, self.n_fused = fuse(self.graph, lambda node: all(b.supports_op(node) for b in backends))
+        # the outputs may have been replaced by fused nodes, which keep their names
+        self.t_embd = self.graph.find("result_norm")
+        if self.t_logits is not None:
+            self.t_logits = self.graph.find("result_output")
         return self.graph
 
 
