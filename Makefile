@@ -28,6 +28,7 @@ run: $(STAMP)
 	$(BIN)/llampy run -p "The capital of France is" -n 32
 
 test: $(DEVSTAMP)
+	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q
 
 test-quick: $(DEVSTAMP)

@@ -60,7 +60,8 @@ class Server:
                                 f"shorten it or start the server with a larger --ctx-size", "prompt",
                            code="context_length_exceeded")
         max_tokens = p["max_tokens"] or (limit - len(tokens))
-        r = Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p), stop=p["stop"], n_probs=n_probs)
+        r = Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p), stop=p["stop"], n_probs=n_probs,
+                    ignore_eos=p.get("ignore_eos", False))
         return self.engine.submit(r)
 
     def tokenize_prompt(self, prompt) -> list:

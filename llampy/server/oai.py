@@ -55,7 +55,8 @@ def sampling_params(body: dict, n_vocab: int) -> dict:
         top_k=_num(body, "top_k", 40, 0, n_vocab, integer=True), min_p=_num(body, "min_p", 0.05, 0, 1),
         presence_penalty=_num(body, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2, 2),
-        repeat_penalty=_num(body, "repeat_penalty", 1.0, 0, 10), seed=seed, stop=stop, logit_bias=bias)
+        repeat_penalty=_num(body, "repeat_penalty", 1.0, 0, 10), seed=seed, stop=stop, logit_bias=bias,
+        ignore_eos=bool(body.get("ignore_eos", False)))
 
 
 def check_messages(body: dict) -> list:
