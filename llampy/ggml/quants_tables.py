@@ -1114,9 +1114,9 @@ assert len(iq1s_grid) == 2048
 
 
 # per-byte views used by the dequantizers
-IQ2XXS_GRID_BYTES = iq2xxs_grid.view(np.uint8).reshape(-1, 8)
-IQ2XS_GRID_BYTES = iq2xs_grid.view(np.uint8).reshape(-1, 8)
-IQ2S_GRID_BYTES = iq2s_grid.view(np.uint8).reshape(-1, 8)
-IQ3XXS_GRID_BYTES = iq3xxs_grid.view(np.uint8).reshape(-1, 4)
-IQ3S_GRID_BYTES = iq3s_grid.view(np.uint8).reshape(-1, 4)
-IQ1S_GRID_BYTES = iq1s_grid.view(np.int8).reshape(-1, 8)
+IQ2XXS_GRID_BYTES = iq2xxs_grid.astype('<u8').view(np.uint8).reshape(-1, 8)
+IQ2XS_GRID_BYTES = iq2xs_grid.astype('<u8').view(np.uint8).reshape(-1, 8)
+IQ2S_GRID_BYTES = iq2s_grid.astype('<u8').view(np.uint8).reshape(-1, 8)
+IQ3XXS_GRID_BYTES = iq3xxs_grid.astype('<u4').view(np.uint8).reshape(-1, 4)
+IQ3S_GRID_BYTES = iq3s_grid.astype('<u4').view(np.uint8).reshape(-1, 4)
+IQ1S_GRID_BYTES = iq1s_grid.astype('<u8').view(np.int8).reshape(-1, 8)
