@@ -115,16 +115,18 @@ def ensure_llamacpp() -> Path:
 
 
 def popen_rss(cmd, env=None) -> tuple[str, float, float]:
-    """Run a command, and read its own peak RSS with wait4 (not the sum over all children)."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    out = p.stdout.read()
-    err = p.stderr.read()
-    _, status, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0:
-        die(f"{' '.join(map(str, cmd))} failed:\n{err[-2000:]}")
+    """Run a command; return (stdout, wall seconds, its own peak RSS in MiB, read with wait4). stderr goes to a file
+    so that a chatty child (llama.cpp logs a lot) can never block on a full pipe."""
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+        out = p.stdout.read()
+        _, status, ru = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode != 0:
+            err.seek(0)
+            die(f"{' '.join(map(str, cmd))} failed:\n{err.read().decode(errors='replace')[-2000:]}")
     return out, wall, ru.ru_maxrss / 1024.0
 
 
