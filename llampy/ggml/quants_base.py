@@ -1,0 +1,91 @@
+"""Helpers shared by the block-format modules: splitting bytes into blocks, fp16 fields, packing, rounding.
+
+Every float computation in the quants modules is done in float32, in the order ggml's C code does it, so that the
+results are bit-identical to ggml's (C ``float`` arithmetic without fused multiply-add).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .types import GGMLType, TYPE_TRAITS
+
+F32 = np.float32
+
+
+def f16(b: np.ndarray) -> np.ndarray:
+    """uint8 [n, 2] (little-endian fp16 fields) -> float32 [n]"""
+    return np.ascontiguousarray(b).view("<f2")[:, 0].astype(F32)
+
+
+def to_f16_bytes(v: np.ndarray) -> np.ndarray:
+    """float32 [n] -> uint8 [n, 2], rounded to nearest even as GGML_FP32_TO_FP16."""
+    return np.asarray(v, F32).astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def round_f16(v: np.ndarray) -> np.ndarray:
+    """GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(v))"""
+    return np.asarray(v, F32).astype(np.float16).astype(F32)
+
+
+def as_bytes(data: np.ndarray) -> np.ndarray:
+    data = np.asarray(data)
+    if data.dtype != np.uint8:
+        data = np.ascontiguousarray(data)
+        data = data.view(np.uint8).reshape(data.shape[:-1] + (-1,)) if data.ndim else data.reshape(1).view(np.uint8)
+    return data
+
+
+def split_blocks(data: np.ndarray, t: GGMLType) -> tuple[np.ndarray, tuple]:
+    """bytes [..., nbytes] -> (blocks uint8 [n, type_size], the value shape [..., nvalues])"""
+    tt = TYPE_TRAITS[t]
+    data = as_bytes(data)
+    if data.ndim == 0 or data.shape[-1] % tt.type_size:
+        raise ValueError(f"{t.name}: last axis of {data.shape} is not whole blocks of {tt.type_size} bytes")
+    nb = data.shape[-1] // tt.type_size
+    return np.ascontiguousarray(data).reshape(-1, tt.type_size), data.shape[:-1] + (nb * tt.blck_size,)
+
+
+def to_blocks(x: np.ndarray, blck: int) -> tuple[np.ndarray, tuple]:
+    """float [..., k] -> (float32 [n, blck], leading shape)"""
+    x = np.ascontiguousarray(x, dtype=F32)
+    if x.ndim == 0 or x.shape[-1] % blck:
+        raise ValueError(f"row of {x.shape[-1:]} values is not a whole number of blocks of {blck}")
+    return x.reshape(-1, blck), x.shape[:-1]
+
+
+def pack(parts, lead: tuple, nblocks_per_row: int) -> np.ndarray:
+    """Concatenate per-block fields (each [n, ...], any dtype, little-endian) into uint8 [..., row bytes]."""
+    n = len(parts[0])
+    cols = [np.ascontiguousarray(p).view(np.uint8).reshape(n, -1) for p in parts]
+    out = np.concatenate(cols, axis=1)
+    return out.reshape(lead + (nblocks_per_row * out.shape[1],))
+
+
+def nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int: v + 1.5*2^23 in float32 rounds half to even, i.e. rint (for |v| < 2^22)."""
+    return np.rint(np.asarray(v, F32)).astype(np.int32)
+
+
+def roundf(v: np.ndarray) -> np.ndarray:
+    """C roundf: halves away from zero. (floor(|v| + 0.5) would round 0.49999997 up.)"""
+    a = np.abs(v)
+    fl = np.floor(a)
+    return np.copysign(fl + np.floor(2 * (a - fl)), v)
+
+
+def safe_inv(d: np.ndarray) -> np.ndarray:
+    """``d ? 1.0f/d : 0.0f``"""
+    d = np.asarray(d, F32)
+    with np.errstate(divide="ignore"):
+        return np.where(d != 0, F32(1) / np.where(d != 0, d, F32(1)), F32(0)).astype(F32)
+
+
+def signed_absmax(b: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude per row, the first one on ties (ggml's ``if (amax < fabsf(v))`` loops)."""
+    idx = np.abs(b).argmax(axis=1)
+    return b[np.arange(len(b)), idx]
+
+
+def nibbles(qs: np.ndarray) -> np.ndarray:
+    """uint8 [n, m] -> [n, 2m]: all low nibbles, then all high nibbles (the q4 layout)."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=1)
