@@ -78,7 +78,9 @@ def fuse(g: Graph, supports=None) -> tuple[Graph, int]:
     roots = [n for n in g.nodes if n.id not in users0 or n.flags & Flags.OUTPUT]
     n_fused = 0
     changed = True
-    while changed:
+    budget = len(g.nodes)        # every rewrite removes a node: never loop forever
+    while changed and budget > 0:
+        budget -= 1
         changed = False
         users = _consumers(g)
         for n in list(g.nodes):
@@ -89,6 +91,8 @@ def fuse(g: Graph, supports=None) -> tuple[Graph, int]:
             new.flags |= n.flags & Flags.OUTPUT
             for u in users.get(n.id, []):
                 u.src = [new if s is n else s for s in u.src]
+                if u.view_src is n:      # views (reshape, permute...) read the fused node's memory now
+                    u.view_src = new
             roots = [new if r is n else r for r in roots]
             n_fused += 1
             changed = True

@@ -26,12 +26,19 @@ KVALUES_IQ4NL = kvalues_iq4nl  # kept under its old name for callers
 
 # ------------------------------------------------------------------------------------------------ dequantize
 
+# The hot formats scale in place: a model's worth of float32 temporaries costs more than the arithmetic.
+
 def _dq_q4_0(b):
-    return f16(b[:, 0:2])[:, None] * (nibbles(b[:, 2:18]).astype(np.int8) - 8).astype(F32)
+    q = (nibbles(b[:, 2:18]).astype(np.int8) - 8).astype(F32)
+    q *= f16(b[:, 0:2])[:, None]
+    return q
 
 
 def _dq_q4_1(b):
-    return f16(b[:, 0:2])[:, None] * nibbles(b[:, 4:20]).astype(F32) + f16(b[:, 2:4])[:, None]
+    q = nibbles(b[:, 4:20]).astype(F32)
+    q *= f16(b[:, 0:2])[:, None]
+    q += f16(b[:, 2:4])[:, None]
+    return q
 
 
 def _q5_bits(qh_bytes, qs):
@@ -41,15 +48,22 @@ def _q5_bits(qh_bytes, qs):
 
 
 def _dq_q5_0(b):
-    return f16(b[:, 0:2])[:, None] * (_q5_bits(b[:, 2:6], b[:, 6:22]).astype(np.int8) - 16).astype(F32)
+    q = (_q5_bits(b[:, 2:6], b[:, 6:22]).astype(np.int8) - 16).astype(F32)
+    q *= f16(b[:, 0:2])[:, None]
+    return q
 
 
 def _dq_q5_1(b):
-    return f16(b[:, 0:2])[:, None] * _q5_bits(b[:, 4:8], b[:, 8:24]).astype(F32) + f16(b[:, 2:4])[:, None]
+    q = _q5_bits(b[:, 4:8], b[:, 8:24]).astype(F32)
+    q *= f16(b[:, 0:2])[:, None]
+    q += f16(b[:, 2:4])[:, None]
+    return q
 
 
 def _dq_q8_0(b):
-    return f16(b[:, 0:2])[:, None] * b[:, 2:34].view(np.int8).astype(F32)
+    q = b[:, 2:34].view(np.int8).astype(F32)
+    q *= f16(b[:, 0:2])[:, None]
+    return q
 
 
 def _dq_q8_1(b):
