@@ -14,7 +14,7 @@ import numpy as np
 
 from . import quants_iq as iq
 from . import quants_k as kq
-from .quants_base import (F32, as_bytes, f16, nibbles, pack, roundf, safe_inv, signed_absmax, split_blocks,
+from .quants_base import (F32, f16, nibbles, pack, roundf, safe_inv, signed_absmax, split_blocks,
                           to_blocks, to_f16_bytes)
 from .quants_tables import kvalues_iq4nl
 from .types import GGMLType, QK_K, TYPE_TRAITS
@@ -306,4 +306,4 @@ def quantize_act(x, t):
     return quantize(x, t)
 
 
-__all__ = ["dequantize", "quantize", "quantize_act", "DEQUANTIZE_TYPES", "QUANTIZE_TYPES", "as_bytes"]
+__all__ = ["dequantize", "quantize", "quantize_act", "DEQUANTIZE_TYPES", "QUANTIZE_TYPES"]
