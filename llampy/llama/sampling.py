@@ -1,55 +1,266 @@
-"""Samplers as in llama.cpp's sampling API: small objects that transform a candidate list, composed in a Chain.
+"""Samplers with the semantics of llama.cpp's sampler API (src/llama-sampler.cpp), composed in a Chain.
 
-A candidate list holds token ids and logits (and, once a sampler needs them, probabilities), optionally sorted by
-logit descending. Every step is vectorised NumPy: no Python loop over the vocabulary. ``Chain.from_params`` builds
-llama.cpp's default order: penalties, top-k, typical, top-p, min-p, temperature, then dist (or greedy at
-temperature 0, or mirostat). Seeded chains are reproducible (NumPy's PCG64, not llama.cpp's mt19937 stream).
+A sampler transforms a candidate array (``Candidates``: the C ``llama_token_data_array``): token ids (int32),
+logits (float32), probabilities (float32, None until a sampler computes them; like the C ``p`` field they go stale
+when a later sampler changes the logits), a ``sorted`` flag (logits descending) and ``selected``. Every step is
+vectorised NumPy; no Python loop runs over the vocabulary.
+
+Fidelity to llama.cpp, sampler by sampler:
+- Which tokens survive, their order, and the ``p`` each sampler leaves behind follow the C code, including its
+  float32 arithmetic: sums are sequential float32 (or float64 where C uses double), and ``expf``/``logf`` are
+  computed in float64 and rounded, which is what glibc returns in all but rare last-bit cases.
+- Ties: where C sorts with ``std::sort``/``std::partial_sort`` the order of equal logits is unspecified; here it is
+  always by position (stable), so results are deterministic.
+- Randomness: ``Dist``, ``Mirostat`` and ``MirostatV2`` draw from ``std::mt19937`` seeded as C++ does, through
+  libstdc++'s ``generate_canonical<double>`` (two 32-bit draws per number) and ``std::discrete_distribution``.
+  A seeded chain therefore picks the same tokens as llama.cpp built with GCC on the same logits. Seed ``None`` (or
+  0xFFFFFFFF, LLAMA_DEFAULT_SEED) draws a random seed.
+- Deliberate differences: ``Typical`` treats 0·log 0 as 0 (C gets NaN when a probability underflows, which scrambles
+  its ordering); ``LogitBias`` clears ``sorted`` when it changes a sorted array (C leaves the flag set);
+  ``Chain.sample`` does not call ``accept`` (llama_sampler_sample does): call ``Chain.accept(token)`` yourself.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
+import secrets
+from collections import Counter, deque
 
 import numpy as np
+from numba import njit
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+_F32 = np.float32
+_INT32_MIN = -(1 << 31)
 
 
+# ---------------------------------------------------------------------------------------------- float kernels
+# Numba's float32 math.exp/log/log2/pow call the C library's expf/logf/log2f/powf, so these loops round exactly as
+# llama.cpp's do (NumPy's float32 exp differs in the last bit for ~40% of inputs; float64-then-round for ~0.1%).
+# No fastmath: the running sums stay sequential, in C's order and precision.
+@njit(cache=True, error_model="numpy")
+def _logf(x):
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out[i] = math.log(x[i])
+    return out
+
+
+@njit(cache=True, error_model="numpy")
+def _scalar_logf(x):
+    return math.log(np.float32(x))
+
+
+@njit(cache=True, error_model="numpy")
+def _scalar_log2f(x):
+    return math.log2(np.float32(x))
+
+
+@njit(cache=True, error_model="numpy")
+def _scalar_powf(x, y):
+    return np.float32(x) ** np.float32(y)
+
+
+@njit(cache=True, error_model="numpy")
+def _softmax_f32(logits, max_l):
+    """llama_sampler_softmax_impl: p = expf(l - max), float sum, p /= sum."""
+    p = np.empty_like(logits)
+    s = np.float32(0)
+    for i in range(logits.size):
+        p[i] = math.exp(logits[i] - max_l)
+        s += p[i]
+    for i in range(logits.size):
+        p[i] = p[i] / s
+    return p
+
+
+@njit(cache=True, error_model="numpy")
+def _dist_f32(logits, max_l, u):
+    """llama_sampler_dist_apply: expf weights, double running sum; the first index reaching u * total."""
+    p = np.empty_like(logits)
+    total = 0.0
+    for i in range(logits.size):
+        p[i] = math.exp(logits[i] - max_l)
+        total += np.float64(p[i])
+    target, run, sel = total * u, 0.0, -1
+    for i in range(logits.size):
+        if sel < 0:
+            run += np.float64(p[i])
+            if run >= target:
+                sel = i
+        p[i] = np.float32(np.float64(p[i]) / total)
+    return (sel if sel >= 0 else logits.size - 1), p
+
+
+@njit(cache=True, error_model="numpy")
+def _softmax_f64(logits):
+    """temp_ext's second softmax, in double from the first (largest) logit."""
+    e = np.empty(logits.size, np.float64)
+    s = 0.0
+    for i in range(logits.size):
+        e[i] = math.exp(np.float64(logits[i]) - np.float64(logits[0]))
+        s += e[i]
+    p = np.empty_like(logits)
+    for i in range(logits.size):
+        p[i] = np.float32(np.float64(np.float32(e[i])) / s)
+    return p
+
+
+@njit(cache=True, error_model="numpy")
+def _entropy_f32(p):
+    """Sum of -p logf(p) in float, skipping p == 0 (temp_ext skips it; typical would get NaN: see module doc)."""
+    h = np.float32(0)
+    for i in range(p.size):
+        if p[i] > 0:
+            h -= p[i] * np.float32(math.log(p[i]))
+    return h
+
+
+@njit(cache=True, error_model="numpy")
+def _mirostat_k(p, m, mu, n_vocab):
+    """Mirostat 1.0: s_hat from the top m (sorted p), then k, all in float as the C code."""
+    sum_tb, sum_tt = np.float32(0), np.float32(0)
+    for i in range(min(m - 1, p.size - 1)):
+        t = np.float32(math.log(np.float32(i + 2) / np.float32(i + 1)))
+        b = np.float32(math.log(p[i] / p[i + 1]))
+        sum_tb += t * b
+        sum_tt += t * t
+    s_hat = sum_tb / sum_tt
+    eps = s_hat - np.float32(1)
+    num = eps * np.float32(2) ** mu
+    return (num / (np.float32(1) - np.float32(n_vocab) ** -eps)) ** (np.float32(1) / s_hat)
+
+
+@njit(cache=True, error_model="numpy")
+def _first_surprise_over(p, mu):
+    """Mirostat 2.0: the first index whose surprise -log2f(p) exceeds mu (p sorted descending), else the size."""
+    for i in range(p.size):
+        if -math.log2(p[i]) > mu:
+            return i
+    return p.size
+
+
+def _order_desc(keys: np.ndarray, k: int | None = None) -> np.ndarray:
+    """Positions of the k largest float32 keys (all if k is None), largest first, ties by position.
+
+    One sort of uint64 composite keys (order-preserving bits of the float, then the position): as fast as NumPy's
+    SIMD sort and, unlike a stable argsort of floats, a few times quicker on a 262k vocabulary."""
+    n = len(keys)
+    if k is not None and k < n:
+        kth = np.partition(keys, n - k)[n - k]          # the k-th largest value
+        above = np.flatnonzero(keys > kth)
+        at = np.flatnonzero(keys == kth)[:k - len(above)]
+        pos = np.concatenate([above, at])
+        return pos[_order_desc(keys[pos])]
+    u = np.ascontiguousarray(keys, dtype=_F32).view(np.uint32)
+    asc = np.where(u >> 31, ~u, u | np.uint32(0x80000000))   # unsigned order == float order
+    comp = ((~asc).astype(np.uint64) << np.uint64(32)) | np.arange(n, dtype=np.uint64)
+    return (np.sort(comp) & np.uint64(0xFFFFFFFF)).astype(np.intp)
+
+
+def _c_int(x: np.float32) -> int:
+    """C's float -> int conversion on x86 (cvttss2si): NaN and out-of-range values become INT_MIN."""
+    if not math.isfinite(float(x)) or not (-2.0 ** 31 <= float(x) < 2.0 ** 31):
+        return _INT32_MIN
+    return int(float(x))
+
+
+# ------------------------------------------------------------------------------------------------ randomness
+class MT19937:
+    """std::mt19937 with C++'s seeding, and the uniform doubles of libstdc++'s uniform_real_distribution<double>.
+
+    NumPy's legacy RandomState seeds MT19937 with init_genrand, exactly as std::mt19937(seed) does; its raw 32-bit
+    outputs are therefore the C++ stream."""
+
+    def __init__(self, seed: int):
+        self.bitgen = np.random.MT19937()
+        self.bitgen.state = np.random.RandomState(seed & 0xFFFFFFFF).get_state(legacy=False)
+
+    def uniform(self) -> float:
+        """generate_canonical<double, 53>: (a + b * 2^32) / 2^64 from two draws, kept below 1."""
+        a, b = self.bitgen.random_raw(2)
+        r = (float(a) + float(b) * 4294967296.0) / 18446744073709551616.0
+        return r if r < 1.0 else math.nextafter(1.0, 0.0)
+
+    def discrete(self, p: np.ndarray) -> int:
+        """std::discrete_distribution<int>(p)(rng) as libstdc++ implements it."""
+        if len(p) < 2:                     # a single weight: index 0, and no draw
+            return 0
+        w = p.astype(np.float64)
+        cp = np.cumsum(w / np.cumsum(w)[-1])
+        cp[-1] = 1.0
+        return int(np.searchsorted(cp, self.uniform(), side="left"))
+
+
+def _rng_seed(seed: int | None) -> int:
+    """get_rng_seed: the default seed (None or 0xFFFFFFFF) means a random one."""
+    if seed is None or (seed & 0xFFFFFFFF) == LLAMA_DEFAULT_SEED:
+        return secrets.randbits(32)
+    return seed & 0xFFFFFFFF
+
+
+# ------------------------------------------------------------------------------------------------ candidates
 class Candidates:
-    __slots__ = ("ids", "logits", "p", "sorted", "selected")
+    """llama_token_data_array. `identity` records that ids[i] == i for every i (the fresh full-vocabulary array, or
+    a prefix of it), which lets id-addressed samplers (penalties, logit bias) index directly."""
 
-    def __init__(self, logits: np.ndarray):
-        self.logits = np.asarray(logits, dtype=np.float32).copy()
-        self.ids = np.arange(len(self.logits), dtype=np.int32)
-        self.p = None
-        self.sorted = False
+    __slots__ = ("ids", "logits", "p", "sorted", "selected", "identity")
+
+    def __init__(self, logits, ids=None, p=None, sorted: bool = False):
+        self.logits = np.array(logits, dtype=_F32, copy=True).reshape(-1)
+        self.identity = ids is None
+        self.ids = np.arange(len(self.logits), dtype=np.int32) if ids is None else np.array(ids, dtype=np.int32)
+        self.p = None if p is None else np.array(p, dtype=_F32)
+        self.sorted = sorted
         self.selected = -1
 
-    def sort(self) -> None:
-        if not self.sorted:
-            o = np.argsort(-self.logits, kind="stable")
-            self.ids, self.logits = self.ids[o], self.logits[o]
-            if self.p is not None:
-                self.p = self.p[o]
-            self.sorted = True
+    @property
+    def size(self) -> int:
+        return len(self.logits)
 
-    def softmax(self) -> None:
-        """Sort and set p = softmax(logits) (llama_sampler_softmax_impl)."""
-        self.sort()
-        x = self.logits.astype(np.float64)
-        e = np.exp(x - x[0]) if len(x) else x
-        self.p = (e / e.sum()).astype(np.float32) if len(x) else e
+    def take(self, pos: np.ndarray) -> None:
+        """Keep the candidates at positions `pos`, in that order."""
+        self.ids, self.logits = self.ids[pos], self.logits[pos]
+        if self.p is not None:
+            self.p = self.p[pos]
+        self.identity = False
 
-    def keep(self, n: int) -> None:
+    def truncate(self, n: int) -> None:
+        """cur_p->size = n: keep the first n (order, and so `identity` and `sorted`, unchanged)."""
         self.ids, self.logits = self.ids[:n], self.logits[:n]
         if self.p is not None:
             self.p = self.p[:n]
 
-    def mask(self, m: np.ndarray) -> None:
-        self.ids, self.logits = self.ids[m], self.logits[m]
-        if self.p is not None:
-            self.p = self.p[m]
+    def sort_top(self, k: int | None = None) -> None:
+        """llama_token_data_array_partial_sort_inplace: keep the k best (all if None), sorted descending."""
+        self.take(_order_desc(self.logits, k))
+        self.sorted = True
+
+    def softmax(self, do_sort: bool) -> None:
+        """llama_sampler_softmax_impl: p = softmax(logits) in float32, sequential sum, sorting first if asked."""
+        assert self.size > 0, "softmax of an empty candidate array"
+        if do_sort and not self.sorted:
+            self.sort_top()
+        max_l = self.logits[0] if self.sorted else self.logits.max()
+        self.p = _softmax_f32(self.logits, _F32(max_l))
+
+    def positions_of(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For distinct token ids, (positions in this array, index into `tokens`) of those present."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if self.identity:
+            ok = np.flatnonzero((tokens >= 0) & (tokens < self.size))
+            return tokens[ok], ok
+        hi = int(max(int(self.ids.max(initial=-1)), int(tokens.max(initial=-1)))) + 1
+        slot = np.full(hi, -1, dtype=np.int64)          # dense id -> index-into-tokens table
+        valid = tokens >= 0
+        slot[tokens[valid]] = np.flatnonzero(valid)
+        which = slot[self.ids]
+        pos = np.flatnonzero(which >= 0)
+        return pos, which[pos]
 
 
 class Sampler:
+    """The llama_sampler interface: apply() transforms candidates; accept() sees each chosen token."""
+
     def apply(self, c: Candidates) -> None:
         raise NotImplementedError
 
@@ -59,256 +270,305 @@ class Sampler:
     def reset(self) -> None:
         pass
 
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "rng")
+        return f"{type(self).__name__}({args})"
+
+
+# -------------------------------------------------------------------------------------------------- samplers
+def _temp_impl(c: Candidates, temp) -> None:
+    if c.size == 0:
+        return
+    if temp <= 0:                     # keep the (first) largest logit, every other one becomes -inf
+        i = int(np.argmax(c.logits))
+        keep = c.logits[i]
+        c.logits = np.full(c.size, -np.inf, dtype=_F32)
+        c.logits[i] = keep
+        return
+    c.logits = c.logits / _F32(temp)
+
 
 class Greedy(Sampler):
     def apply(self, c):
-        c.selected = int(np.argmax(c.logits)) if len(c.logits) else -1
+        c.selected = int(np.argmax(c.logits)) if c.size else -1
 
 
 class Dist(Sampler):
+    """Sample from softmax(logits) in the current order (no sort): the first index whose running float64 sum of
+    expf(logit - max) reaches u * total; leaves p normalised."""
+
     def __init__(self, seed: int | None = None):
         self.seed = seed
-        self.rng = np.random.default_rng(seed)
+        self.seed_cur = _rng_seed(seed)
+        self.rng = MT19937(self.seed_cur)
 
     def apply(self, c):
-        c.softmax()
-        u = self.rng.random()
-        cdf = np.cumsum(c.p, dtype=np.float64)
-        c.selected = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
+        n = c.size
+        if n == 0:
+            c.selected = -1
+            return
+        c.selected = 0
+        if n == 1:
+            self.rng.uniform()           # C draws once per output even here (keeps streams aligned)
+            c.p = np.ones(1, dtype=_F32)
+            return
+        max_l = c.logits[0] if c.sorted else c.logits.max()
+        sel, c.p = _dist_f32(c.logits, _F32(max_l), self.rng.uniform())
+        c.selected = int(sel)
 
     def reset(self):
-        self.rng = np.random.default_rng(self.seed)
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng = MT19937(self.seed_cur)
 
 
 class Temp(Sampler):
-    """t <= 0 keeps only the most likely token (llama.cpp's temp_impl)."""
+    """logits /= t; t <= 0 keeps only the largest logit (the rest become -inf), as llama.cpp."""
 
     def __init__(self, t: float):
         self.t = t
 
     def apply(self, c):
-        if self.t <= 0:
-            i = int(np.argmax(c.logits))
-            m = np.full(len(c.logits), -np.inf, np.float32)
-            m[i] = c.logits[i]
-            c.logits = m
-            c.p = None
-            return
-        c.logits = c.logits / np.float32(self.t)
-        c.p = None
+        _temp_impl(c, _F32(self.t))
 
 
 class TempExt(Sampler):
-    """Dynamic temperature: t in [t - delta, t + delta] by normalised entropy ** exponent."""
+    """Dynamic temperature (arXiv 2309.02772): t in [t - delta, t + delta] by normalised entropy ** exponent;
+    delta <= 0 is plain Temp(t)."""
 
-    def __init__(self, t: float, delta: float, exponent: float):
+    def __init__(self, t: float, delta: float = 0.0, exponent: float = 1.0):
         self.t, self.delta, self.exponent = t, delta, exponent
 
     def apply(self, c):
-        if self.delta <= 0:
-            return Temp(self.t).apply(c)
-        lo, hi = max(0.0, self.t - self.delta), self.t + self.delta
-        if len(c.logits) <= 1:
+        t, delta = _F32(self.t), _F32(self.delta)
+        if not delta > 0:
+            return _temp_impl(c, t)
+        min_t, max_t = max(_F32(0), _F32(t - delta)), _F32(t + delta)
+        if c.size <= 1:
             return
-        c.softmax()
-        p = c.p.astype(np.float64)
-        ent = float(-(p[p > 0] * np.log(p[p > 0])).sum())
-        max_ent = math.log(len(p))
-        t = lo + (hi - lo) * (ent / max_ent) ** self.exponent if max_ent > 0 else lo
-        c.logits = c.logits / np.float32(max(t, 1e-8))
-        c.softmax()
+        max_entropy = -_F32(_scalar_logf(_F32(1) / _F32(c.size)))
+        c.softmax(do_sort=True)
+        norm = _F32(_F32(_entropy_f32(c.p)) / max_entropy)
+        dyn = _F32(min_t + _F32((max_t - min_t) * _F32(_scalar_powf(norm, self.exponent))))
+        _temp_impl(c, dyn)
+        c.p = _softmax_f64(c.logits)          # C redoes the softmax in double here
 
 
 class TopK(Sampler):
+    """Keep the k largest logits, sorted; k <= 0 is a no-op; k >= size sorts everything (as C does)."""
+
     def __init__(self, k: int):
         self.k = k
 
     def apply(self, c):
-        if self.k <= 0 or self.k >= len(c.logits):
+        if self.k <= 0:
             return
+        k = min(self.k, c.size)
         if not c.sorted:
-            part = np.argpartition(-c.logits, self.k - 1)[:self.k]
-            o = part[np.argsort(-c.logits[part], kind="stable")]
-            # stable among ties by original position, as a stable sort of the whole list would be
-            c.ids, c.logits = c.ids[o], c.logits[o]
-            c.p = c.p[o] if c.p is not None else None
-            c.sorted = True
-        else:
-            c.keep(self.k)
+            c.sort_top(k)
+        c.truncate(k)
 
 
 class TopP(Sampler):
+    """Nucleus: softmax over the current candidates, then keep the shortest sorted prefix whose float32 running
+    sum reaches p (and at least min_keep). p is left as computed before the cut (not renormalised)."""
+
     def __init__(self, p: float, min_keep: int = 1):
         self.p, self.min_keep = p, min_keep
 
     def apply(self, c):
         if self.p >= 1.0:
             return
-        c.softmax()
-        cum = np.cumsum(c.p, dtype=np.float64)
-        n = int(np.searchsorted(cum, self.p, side="left")) + 1
-        c.keep(max(min(n, len(cum)), self.min_keep))
+        c.softmax(do_sort=False)
+        p = _F32(self.p)
+        if not c.sorted and c.size > 1024:
+            # C's adaptive path: the best 256 usually hold the nucleus; sort everything only if they don't
+            head = _order_desc(c.logits, 256)
+            last = self._cut(np.cumsum(c.p[head], dtype=_F32), p)
+            if last is not None:
+                c.take(head[:last])
+                c.sorted = True
+                return
+        if not c.sorted:
+            c.sort_top()
+        last = self._cut(np.cumsum(c.p, dtype=_F32), p)
+        c.truncate(c.size if last is None else last)
+
+    def _cut(self, cum: np.ndarray, p) -> int | None:
+        i = max(int(np.searchsorted(cum, p, side="left")), self.min_keep - 1)   # first cum >= p, i + 1 >= min_keep
+        return i + 1 if i < len(cum) else None
 
 
 class MinP(Sampler):
+    """Keep tokens with logit >= max + log(p) (p_i >= p * p_max), at least min_keep. Unsorted input keeps its
+    order when that leaves enough tokens; otherwise the sorted prefix rule applies."""
+
     def __init__(self, p: float, min_keep: int = 1):
         self.p, self.min_keep = p, min_keep
 
     def apply(self, c):
-        if self.p <= 0 or not len(c.logits):
+        if self.p <= 0 or c.size == 0:
             return
-        c.sort()
-        thr = c.logits[0] + np.float32(math.log(self.p))
-        n = int((c.logits >= thr).sum())
-        c.keep(max(n, self.min_keep))
+        log_p = _F32(_scalar_logf(self.p))
+        if not c.sorted:
+            keep = c.logits >= _F32(c.logits.max() + log_p)
+            n = int(np.count_nonzero(keep))
+            if n > 0 and n >= self.min_keep:
+                if n < c.size:
+                    c.take(np.flatnonzero(keep))
+                return
+            c.sort_top()
+        min_logit = _F32(c.logits[0] + log_p)
+        first_out = 1 + int(np.count_nonzero(c.logits[1:] >= min_logit))    # the first token always stays
+        c.truncate(min(c.size, max(first_out, self.min_keep)))
 
 
 class Typical(Sampler):
+    """Locally typical sampling (arXiv 2202.00666): order by |-log p - H|, keep the prefix whose float32 running
+    sum of p exceeds p (strictly), at least min_keep. Leaves the candidates unsorted, p not renormalised."""
+
     def __init__(self, p: float, min_keep: int = 1):
         self.p, self.min_keep = p, min_keep
 
     def apply(self, c):
         if self.p >= 1.0:
             return
-        c.softmax()
-        p = c.p.astype(np.float64)
-        logp = np.log(np.maximum(p, 1e-45))
-        ent = -(p * logp).sum()
-        shifted = np.abs(-logp - ent)
-        o = np.argsort(shifted, kind="stable")
-        cum = np.cumsum(p[o])
-        n = int(np.searchsorted(cum, self.p, side="left")) + 1
-        n = max(min(n, len(o)), self.min_keep)
-        keep = o[:n]
-        c.ids, c.logits, c.p = c.ids[keep], c.logits[keep], c.p[keep]
+        c.softmax(do_sort=True)
+        entropy = _F32(_entropy_f32(c.p))
+        shifted = np.abs(-_logf(c.p) - entropy)
+        order = _order_desc(-shifted)                       # ascending shifted score, ties by position
+        cum = np.cumsum(c.p[order], dtype=_F32)
+        i = max(int(np.searchsorted(cum, _F32(self.p), side="right")), self.min_keep - 1, 0)
+        c.take(order[:i + 1] if i < len(cum) else order)
         c.sorted = False
 
 
 class Penalties(Sampler):
-    """Repeat (divide positive / multiply negative logits), frequency and presence penalties over the last n tokens."""
+    """Repetition (divide a positive logit, multiply a non-positive one), frequency (× count) and presence
+    penalties over the last `last_n` accepted tokens. last_n == 0 disables; last_n < 0 keeps the whole history
+    (llama.cpp's common layer maps -1 to the context size)."""
 
     def __init__(self, last_n: int = 64, repeat: float = 1.0, freq: float = 0.0, present: float = 0.0):
         self.last_n, self.repeat, self.freq, self.present = last_n, repeat, freq, present
-        self.hist: deque = deque(maxlen=max(last_n, 0) or None)
-        if last_n == 0:
-            self.hist = deque(maxlen=0)
+        self._prev: deque = deque(maxlen=None if last_n < 0 else last_n)
+        self._count: Counter = Counter()
+
+    @property
+    def disabled(self) -> bool:
+        return self.last_n == 0 or (self.repeat == 1.0 and self.freq == 0.0 and self.present == 0.0)
 
     def accept(self, token):
-        if self.last_n != 0:
-            self.hist.append(int(token))
+        if self.last_n == 0:
+            return
+        token = int(token)
+        if self._prev.maxlen is not None and len(self._prev) >= self._prev.maxlen:
+            old = self._prev[0]
+            self._count[old] -= 1
+            if self._count[old] == 0:
+                del self._count[old]
+        self._prev.append(token)
+        self._count[token] += 1
 
     def reset(self):
-        self.hist.clear()
+        self._prev.clear()
+        self._count.clear()
 
     def apply(self, c):
-        if not self.hist or (self.repeat == 1.0 and self.freq == 0.0 and self.present == 0.0):
+        if self.disabled:
             return
-        toks, counts = np.unique(np.fromiter(self.hist, dtype=np.int64), return_counts=True)
-        if c.sorted or len(c.ids) != len(c.logits) or not np.array_equal(c.ids[:1], [0]):
-            pos = {int(t): i for i, t in enumerate(c.ids)}
-            idx = np.array([pos.get(int(t), -1) for t in toks])
-        else:
-            idx = toks
-        ok = (idx >= 0) & (idx < len(c.logits))
-        idx, counts = idx[ok], counts[ok]
-        lg = c.logits[idx]
-        lg = np.where(lg <= 0, lg * self.repeat, lg / self.repeat)
-        lg = lg - counts * self.freq - (counts > 0) * self.present
-        c.logits[idx] = lg.astype(np.float32)
+        if self._count:
+            toks = np.fromiter(self._count.keys(), dtype=np.int64, count=len(self._count))
+            counts = np.fromiter(self._count.values(), dtype=np.int64, count=len(self._count))
+            pos, which = c.positions_of(toks)
+            n = counts[which]
+            lg = c.logits[pos]
+            lg = np.where(lg <= 0, lg * _F32(self.repeat), lg / _F32(self.repeat)).astype(_F32)
+            lg = lg - (n.astype(_F32) * _F32(self.freq) + (n > 0).astype(_F32) * _F32(self.present))
+            c.logits[pos] = lg
         c.sorted = False
-        c.p = None
 
 
 class LogitBias(Sampler):
-    def __init__(self, n_vocab: int, bias: dict):
-        self.bias = {int(k): float(v) for k, v in (bias or {}).items() if 0 <= int(k) < n_vocab}
+    """Add a bias to the logits of given token ids (-inf bans a token)."""
+
+    def __init__(self, n_vocab: int, bias: dict | None):
+        self.n_vocab = n_vocab
+        self.bias = {int(k): float(v) for k, v in (bias or {}).items()}
+        self._toks = np.fromiter(self.bias.keys(), dtype=np.int64, count=len(self.bias))
+        self._vals = np.fromiter(self.bias.values(), dtype=np.float64, count=len(self.bias)).astype(_F32)
 
     def apply(self, c):
         if not self.bias:
             return
-        pos = {int(t): i for i, t in enumerate(c.ids)} if c.sorted else None
-        for t, b in self.bias.items():
-            i = pos.get(t, -1) if pos is not None else t
-            if 0 <= i < len(c.logits):
-                c.logits[i] += b
-        c.sorted = False
-        c.p = None
+        pos, which = c.positions_of(self._toks)
+        if len(pos):
+            c.logits[pos] = c.logits[pos] + self._vals[which]
+            c.sorted = False
 
 
 class Mirostat(Sampler):
-    """Mirostat v1 (Basu et al.): estimate s_hat from the top m, pick k from it, sample, update mu."""
+    """Mirostat 1.0 (arXiv 2007.14966): estimate the Zipf exponent s_hat from the top m, choose k from it and mu,
+    sample from the top k, then mu -= eta * (surprise - tau). mu starts at 2 * tau."""
 
-    def __init__(self, n_vocab: int, seed=None, tau: float = 5.0, eta: float = 0.1, m: int = 100):
-        self.n_vocab, self.tau, self.eta, self.m = n_vocab, tau, eta, m
-        self.mu = 2.0 * tau
-        self.seed = seed
-        self.rng = np.random.default_rng(seed)
-
-    def apply(self, c):
-        c.softmax()
-        p = c.p.astype(np.float64)
-        m = min(self.m, len(p) - 1)
-        if m >= 1:
-            i = np.arange(m)
-            t_i = np.log((i + 2) / (i + 1))
-            b_i = np.log(p[:m] / np.maximum(p[1:m + 1], 1e-45))
-            s_hat = (t_i * b_i).sum() / (t_i * t_i).sum()
-        else:
-            s_hat = 1.0
-        eps = s_hat - 1
-        k = int(((eps * 2 ** self.mu) / (1 - self.n_vocab ** (-eps))) ** (1 / s_hat)) if eps > 0 else len(p)
-        c.keep(max(1, min(k, len(p))))
-        c.softmax()
-        cdf = np.cumsum(c.p, dtype=np.float64)
-        j = int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
-        c.selected = j
-        self.mu -= self.eta * (-math.log2(max(float(c.p[j]), 1e-45)) - self.tau)
+    def __init__(self, n_vocab: int, seed: int | None = None, tau: float = 5.0, eta: float = 0.1, m: int = 100):
+        self.n_vocab, self.seed, self.tau, self.eta, self.m = n_vocab, seed, tau, eta, m
+        self.reset()
 
     def reset(self):
-        self.mu = 2.0 * self.tau
-        self.rng = np.random.default_rng(self.seed)
-
-
-class MirostatV2(Sampler):
-    def __init__(self, seed=None, tau: float = 5.0, eta: float = 0.1):
-        self.tau, self.eta = tau, eta
-        self.mu = 2.0 * tau
-        self.seed = seed
-        self.rng = np.random.default_rng(seed)
+        self.mu = _F32(2.0) * _F32(self.tau)
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng = MT19937(self.seed_cur)
 
     def apply(self, c):
-        c.softmax()
-        surprise = -np.log2(np.maximum(c.p.astype(np.float64), 1e-45))
-        n = int((surprise <= self.mu).sum())
-        c.keep(max(n, 1))
-        c.softmax()
-        cdf = np.cumsum(c.p, dtype=np.float64)
-        j = int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
-        c.selected = j
-        self.mu -= self.eta * (-math.log2(max(float(c.p[j]), 1e-45)) - self.tau)
+        c.softmax(do_sort=True)
+        k = _F32(_mirostat_k(c.p, self.m, self.mu, self.n_vocab))
+        c.truncate(min(max(_c_int(k), 1), c.size))       # top_k_impl on the sorted array
+        c.softmax(do_sort=True)
+        c.selected = self.rng.discrete(c.p)
+        self._update(c.p[c.selected])
 
-    def reset(self):
-        self.mu = 2.0 * self.tau
-        self.rng = np.random.default_rng(self.seed)
+    def _update(self, p_sel) -> None:
+        surprise = -_F32(_scalar_log2f(p_sel))
+        self.mu = _F32(self.mu - _F32(_F32(self.eta) * _F32(surprise - _F32(self.tau))))
 
 
+class MirostatV2(Mirostat):
+    """Mirostat 2.0: drop tokens whose surprise -log2 p exceeds mu (keep at least one), sample, update mu."""
+
+    def __init__(self, seed: int | None = None, tau: float = 5.0, eta: float = 0.1):
+        self.seed, self.tau, self.eta = seed, tau, eta
+        self.reset()
+
+    def apply(self, c):
+        c.softmax(do_sort=True)
+        c.truncate(max(int(_first_surprise_over(c.p, self.mu)), 1))
+        c.softmax(do_sort=True)
+        c.selected = self.rng.discrete(c.p)
+        self._update(c.p[c.selected])
+
+
+# ------------------------------------------------------------------------------------------------------ chain
 class Chain(Sampler):
+    """Samplers applied in order to one candidate array; the last must select (Greedy, Dist, Mirostat...)."""
+
     def __init__(self, samplers: list):
         self.samplers = list(samplers)
 
-    def sample(self, logits: np.ndarray) -> int:
-        c = Candidates(logits)
-        for s in self.samplers:
-            s.apply(c)
-            if c.selected >= 0:
-                break
-        if c.selected < 0:   # no terminal sampler: take the best remaining
-            c.selected = int(np.argmax(c.logits))
-        return int(c.ids[c.selected])
+    def add(self, s: Sampler) -> "Chain":
+        self.samplers.append(s)
+        return self
 
     def apply(self, c):
         for s in self.samplers:
             s.apply(c)
+
+    def sample(self, logits: np.ndarray) -> int:
+        """The token this chain picks from a row of logits (over the whole vocabulary). Does not accept it."""
+        c = Candidates(logits)
+        self.apply(c)
+        if not 0 <= c.selected < c.size:
+            raise ValueError(f"sampler chain selected no token (selected={c.selected}, {c.size} candidates); "
+                             "end the chain with Greedy, Dist, Mirostat or MirostatV2")
+        return int(c.ids[c.selected])
 
     def accept(self, token):
         for s in self.samplers:
@@ -318,36 +578,47 @@ class Chain(Sampler):
         for s in self.samplers:
             s.reset()
 
+    def __repr__(self) -> str:
+        return f"Chain({self.samplers!r})"
+
     @classmethod
     def from_params(cls, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                     repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, mirostat=0, mirostat_tau=5.0,
                     mirostat_eta=0.1, logit_bias=None, seed=None, n_vocab=0, dynatemp_range=0.0,
-                    dynatemp_exponent=1.0) -> "Chain":
-        s: list = []
+                    dynatemp_exponent=1.0, min_keep=0) -> "Chain":
+        """llama.cpp's default chain (common/sampling.cpp): logit bias, penalties, (dry), top-k, typical, top-p,
+        min-p, (xtc), temperature, dist; mirostat 1/2 replaces everything after the logit bias with temp +
+        mirostat. Temperature <= 0 is greedy: the argmax after logit bias and penalties (and the filters, when
+        typical_p < 1, the one filter that can drop the top token), which is the token llama.cpp's temp-0 chain
+        picks, without the RNG draw."""
+        head: list = []
         if logit_bias:
-            s.append(LogitBias(n_vocab, logit_bias))
-        if repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
-            s.append(Penalties(repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty))
+            head.append(LogitBias(n_vocab, logit_bias))
         if temperature is not None and temperature <= 0:
-            s.append(Greedy())
-            return cls(s)
+            pen = Penalties(repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty)
+            filters = [TopK(top_k), Typical(typical_p, min_keep), TopP(top_p, min_keep), MinP(min_p, min_keep)]
+            return cls(head + ([] if pen.disabled else [pen]) + (filters if typical_p < 1.0 else []) + [Greedy()])
         if mirostat == 1:
-            return cls(s + [Temp(temperature), Mirostat(n_vocab, seed, mirostat_tau, mirostat_eta)])
+            return cls(head + [Temp(temperature), Mirostat(n_vocab, seed, mirostat_tau, mirostat_eta, 100)])
         if mirostat == 2:
-            return cls(s + [Temp(temperature), MirostatV2(seed, mirostat_tau, mirostat_eta)])
-        s += [TopK(top_k), Typical(typical_p), TopP(top_p), MinP(min_p),
-              TempExt(temperature, dynatemp_range, dynatemp_exponent), Dist(seed)]
-        return cls(s)
+            return cls(head + [Temp(temperature), MirostatV2(seed, mirostat_tau, mirostat_eta)])
+        if mirostat not in (0, None):
+            raise ValueError(f"unknown mirostat version {mirostat!r} (0, 1 or 2)")
+        pen = Penalties(repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty)
+        return cls(head + ([] if pen.disabled else [pen]) + [
+            TopK(top_k), Typical(typical_p, min_keep), TopP(top_p, min_keep), MinP(min_p, min_keep),
+            TempExt(temperature, dynatemp_range, dynatemp_exponent), Dist(seed)])
 
 
 def top_logprobs(logits: np.ndarray, k: int) -> list:
-    """The k most likely tokens with their log-probabilities over the whole vocabulary (raw logits)."""
-    x = np.asarray(logits, np.float64)
-    m = x.max()
-    lse = m + math.log(np.exp(x - m).sum())
-    k = min(k, len(x))
+    """The k most likely tokens with their log-probabilities under softmax of the raw logits over the whole
+    vocabulary (float64), most likely first, ties by id."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    k = min(int(k), len(x))
     if k <= 0:
         return []
-    idx = np.argpartition(-x, k - 1)[:k]
+    m = x.max()
+    lse = m + math.log(np.exp(x - m).sum())
+    idx = _order_desc(x.astype(_F32), k)          # logits are float32 in practice; order exactly in float64 below
     idx = idx[np.lexsort((idx, -x[idx]))]
     return [(int(i), float(x[i] - lse)) for i in idx]
