@@ -2,22 +2,26 @@
 
 A sampler transforms a candidate array (``Candidates``: the C ``llama_token_data_array``): token ids (int32),
 logits (float32), probabilities (float32, None until a sampler computes them; like the C ``p`` field they go stale
-when a later sampler changes the logits), a ``sorted`` flag (logits descending) and ``selected``. Every step is
-vectorised NumPy; no Python loop runs over the vocabulary.
+when a later sampler changes the logits), a ``sorted`` flag (logits descending) and ``selected``. Work over the
+vocabulary is vectorised NumPy or a small Numba loop; no Python loop runs over it.
 
-Fidelity to llama.cpp, sampler by sampler:
-- Which tokens survive, their order, and the ``p`` each sampler leaves behind follow the C code, including its
-  float32 arithmetic: sums are sequential float32 (or float64 where C uses double), and ``expf``/``logf`` are
-  computed in float64 and rounded, which is what glibc returns in all but rare last-bit cases.
+Fidelity: on the same logits and seed, every sampler leaves the same ids in the same order, the same logits and
+the same ``p`` bit for bit as llama.cpp (checked step by step against libllama.so in the tests), and a chain picks
+the same token:
+- The C code's float32 arithmetic is kept: sums are sequential, float32 or float64 as in C, and expf/logf/log2f/
+  powf are the C library's (Numba calls them).
 - Ties: where C sorts with ``std::sort``/``std::partial_sort`` the order of equal logits is unspecified; here it is
   always by position (stable), so results are deterministic.
 - Randomness: ``Dist``, ``Mirostat`` and ``MirostatV2`` draw from ``std::mt19937`` seeded as C++ does, through
-  libstdc++'s ``generate_canonical<double>`` (two 32-bit draws per number) and ``std::discrete_distribution``.
-  A seeded chain therefore picks the same tokens as llama.cpp built with GCC on the same logits. Seed ``None`` (or
-  0xFFFFFFFF, LLAMA_DEFAULT_SEED) draws a random seed.
+  libstdc++'s ``generate_canonical<double>`` (two 32-bit draws per number) and ``std::discrete_distribution``
+  (so: llama.cpp built with GCC's libstdc++). Seed ``None`` (or 0xFFFFFFFF, LLAMA_DEFAULT_SEED) draws a random
+  seed.
 - Deliberate differences: ``Typical`` treats 0·log 0 as 0 (C gets NaN when a probability underflows, which scrambles
   its ordering); ``LogitBias`` clears ``sorted`` when it changes a sorted array (C leaves the flag set);
-  ``Chain.sample`` does not call ``accept`` (llama_sampler_sample does): call ``Chain.accept(token)`` yourself.
+  ``Penalties`` with last_n < 0 keeps the whole history (C clamps it to 0, off; its common layer maps -1 to the
+  context size); ``Chain.from_params`` at temperature <= 0 ends in ``Greedy`` (the same token as C's temp-0 +
+  dist, without the random draw); ``Chain.sample`` does not call ``accept`` (llama_sampler_sample does): call
+  ``Chain.accept(token)`` yourself.
 """
 from __future__ import annotations
 

@@ -369,6 +369,8 @@ CHAINS = {
     "mirostat": lambda n: Chain.from_params(mirostat=1, temperature=0.9, seed=21, n_vocab=n, mirostat_tau=3.0),
     "mirostat2": lambda n: Chain.from_params(mirostat=2, temperature=0.9, seed=22, n_vocab=n, mirostat_tau=3.0),
     "greedy-temp0": lambda n: Chain([Penalties(8, 1.5, 0.0, 0.0), TopK(10), Temp(0.0), Dist(3)]),
+    "min-keep": lambda n: Chain([TopP(0.5, 300), Typical(0.3, 5), MinP(0.9, 50), TempExt(0.8, 0.7, 2.0), Dist(77)]),
+    "min-p-fallback": lambda n: Chain([LogitBias(n, {0: 5.0, 2999: 4.0}), MinP(0.9, 40), Greedy()]),
 }
 
 
