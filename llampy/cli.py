@@ -9,59 +9,15 @@ import argparse
 import json
 import sys
 
-import numpy as np
-
-
-def _summ(v, limit: int = 8):
-    if isinstance(v, np.ndarray):
-        v = v.tolist()
-    if isinstance(v, list):
-        if len(v) <= limit:
-            return v
-        head = ", ".join(json.dumps(x, ensure_ascii=False)[:40] for x in v[:3])
-        kind = "strings" if v and isinstance(v[0], str) else "values"
-        return f"[{len(v)} {kind}: {head}, ...]"
-    if isinstance(v, str) and len(v) > 200:
-        return v[:200] + f"... ({len(v)} chars)"
-    return v
-
-
-def inspect_report(path) -> dict:
-    from .gguf import GGUFReader
-    r = GGUFReader(path)
-    try:
-        tensors = [{"name": t.name, "type": t.type.name, "shape": list(t.ne), "bytes": t.nbytes}
-                   for t in r.tensors.values()]
-        totals: dict = {}
-        for t in tensors:
-            e = totals.setdefault(t["type"], {"count": 0, "bytes": 0})
-            e["count"] += 1
-            e["bytes"] += t["bytes"]
-        md = {k: _summ(v) for k, v in r.metadata.items()}
-        return {"path": str(path), "version": r.version, "alignment": r.alignment, "file_size": r.file_size,
-                "metadata": md, "tensors": tensors, "totals": totals,
-                "n_params": int(sum(int(np.prod(t["shape"])) for t in tensors))}
-    finally:
-        r.close()
-
 
 def cmd_inspect(args) -> int:
+    from .gguf.inspect import format_report, inspect_report
     from .models import resolve_model
     rep = inspect_report(resolve_model(args.model))
     if args.json:
-        print(json.dumps(rep, ensure_ascii=False, indent=1, default=str))
-        return 0
-    print(f"{rep['path']}: GGUF v{rep['version']}, {rep['file_size'] / 2**20:.1f} MiB, "
-          f"{len(rep['tensors'])} tensors, {rep['n_params'] / 1e6:.1f}M parameters")
-    print("\nmetadata:")
-    for k, v in rep["metadata"].items():
-        print(f"  {k:<44} {v}")
-    print("\ntensors:")
-    for t in rep["tensors"]:
-        print(f"  {t['name']:<40} {t['type']:<8} {str(t['shape']):<22} {t['bytes']:>12}")
-    print("\ntotals per type:")
-    for ty, e in sorted(rep["totals"].items(), key=lambda kv: -kv[1]["bytes"]):
-        print(f"  {ty:<8} {e['count']:>5} tensors {e['bytes'] / 2**20:>10.2f} MiB")
+        print(json.dumps(rep, ensure_ascii=False))
+    else:
+        print(format_report(rep))
     return 0
 
 

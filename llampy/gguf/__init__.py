@@ -1,4 +1,4 @@
-"""GGUF: the file format only (reader with strict validation, writer)."""
+"""GGUF: the file format only (reader with strict validation, writer, the inspect report)."""
 from .constants import GGUFValueType
 from .reader import GGUFError, GGUFReader, TensorInfo
 from .writer import GGUFWriter, copy_gguf

@@ -1,7 +1,20 @@
-"""GGUF writer: metadata with explicit or inferred value types, tensors with alignment.
+"""GGUF writer: metadata with explicit or inferred value types, tensors laid out with alignment.
 
-``GGUFWriter.from_reader(reader)`` carries every key with its original value type and order and every tensor's
-bytes, so reading a file and writing it back gives the same bytes.
+    w = GGUFWriter(path)                       # or an open binary file object
+    w.add("general.architecture", "llama")     # type inferred: str -> STRING, int -> INT32/INT64, float -> FLOAT32
+    w.add("llama.context_length", 2048, GGUFValueType.UINT32)
+    w.add("tokenizer.ggml.scores", np.zeros(10, np.float32))   # ndarray -> ARRAY of its dtype
+    w.add_tensor("token_embd.weight", np.ones((10, 64), np.float32))    # NumPy shape (10, 64) -> ne (64, 10)
+    w.add_tensor_raw("blk.0.attn_q.weight", GGMLType.Q8_0, (64, 64), raw_bytes)
+    w.write()
+
+Tensors are written in the order added, each at the next multiple of the alignment — the only layout ggml's
+reader accepts — so ``GGUFWriter.from_reader(reader, dst)`` (or ``copy_gguf``), which carries every key with its
+original value type and order and every tensor's bytes, writes back any file ggml can read byte for byte.
+
+A value type is a signature tuple as ``GGUFReader.value_types`` gives it: ``(UINT32,)``, ``(ARRAY, STRING)``,
+``(ARRAY, ARRAY, INT32)`` for an array of INT32 arrays, or ``(ARRAY, ARRAY, [sig, sig, ...])`` for an array of
+arrays whose elements differ in type (one full signature per element). A bare GGUFValueType means ``(vt,)``.
 """
 from __future__ import annotations
 
@@ -10,115 +23,297 @@ import struct
 
 import numpy as np
 
-from ..ggml.types import GGMLType, TYPE_TRAITS, type_from_dtype
-from .constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, SCALAR_DTYPES, GGUFValueType as VT
+from ..ggml.types import TYPE_TRAITS, GGMLType, type_from_dtype
+from .constants import (GGUF_DEFAULT_ALIGNMENT, GGUF_KEY_ALIGNMENT, GGUF_MAGIC, GGUF_VERSIONS, MAX_DIMS, MAX_NAME,
+                        SCALAR_DTYPES, SCALAR_FORMATS, GGUFValueType as VT)
+
+_U64 = struct.Struct("<Q")
+_SCALARS = {vt: struct.Struct(fmt) for vt, fmt in SCALAR_FORMATS.items()}
+_INT_RANGES = {vt: (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for vt, dt in SCALAR_DTYPES.items()
+               if dt.kind in "iu" and vt != VT.BOOL}
 
 
-def _infer(value) -> tuple:
-    if isinstance(value, bool):
+def infer_value_type(value) -> tuple:
+    """The signature a value gets when none is given (what gguf-py's writer would pick for Python values)."""
+    if isinstance(value, (bool, np.bool_)):
         return (VT.BOOL,)
+    if isinstance(value, np.generic):
+        return (_dtype_vt(value.dtype),)
     if isinstance(value, int):
-        return (VT.INT32,) if -2**31 <= value < 2**31 else (VT.INT64,)
+        if -2**31 <= value < 2**31:
+            return (VT.INT32,)
+        return (VT.INT64,) if -2**63 <= value < 2**63 else (VT.UINT64,)
     if isinstance(value, float):
         return (VT.FLOAT32,)
     if isinstance(value, str):
         return (VT.STRING,)
     if isinstance(value, np.ndarray):
-        for vt, dt in SCALAR_DTYPES.items():
-            if dt == value.dtype and vt != VT.BOOL:
-                return (VT.ARRAY, vt)
-        if value.dtype == np.bool_:
-            return (VT.ARRAY, VT.BOOL)
-        raise ValueError(f"no GGUF type for array dtype {value.dtype}")
+        if value.ndim != 1:
+            raise ValueError(f"metadata arrays are 1-D; got shape {value.shape}")
+        return (VT.ARRAY, _dtype_vt(value.dtype))
     if isinstance(value, (list, tuple)):
         if not value:
             return (VT.ARRAY, VT.INT32)
-        return (VT.ARRAY,) + _infer(value[0])
-    raise ValueError(f"no GGUF type for {type(value).__name__}")
+        if all(isinstance(v, str) for v in value):
+            return (VT.ARRAY, VT.STRING)
+        if all(isinstance(v, (bool, np.bool_)) for v in value):
+            return (VT.ARRAY, VT.BOOL)
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+            lo, hi = min(value), max(value)
+            return (VT.ARRAY, VT.INT32 if -2**31 <= lo and hi < 2**31 else VT.INT64)
+        if all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in value):
+            return (VT.ARRAY, VT.FLOAT32)
+        if all(isinstance(v, (list, tuple, np.ndarray)) for v in value):
+            sigs = [infer_value_type(v) for v in value]
+            return (VT.ARRAY,) + sigs[0] if all(s == sigs[0] for s in sigs) else (VT.ARRAY, VT.ARRAY, sigs)
+        raise ValueError(f"cannot infer one GGUF type for a list of {sorted({type(v).__name__ for v in value})}")
+    raise ValueError(f"no GGUF value type for {type(value).__name__}")
+
+
+def _dtype_vt(dtype) -> VT:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return VT.BOOL
+    for vt, dt in SCALAR_DTYPES.items():
+        if vt != VT.BOOL and dt == dtype.newbyteorder("<"):
+            return vt
+    raise ValueError(f"no GGUF value type for dtype {dtype}")
+
+
+def _normalise_sig(vtype) -> tuple:
+    if isinstance(vtype, (int, VT)):
+        return (VT(vtype),)
+    sig = tuple(vtype)
+    if not sig:
+        raise ValueError("empty value type")
+    return sig
+
+
+def _check_sig(sig: tuple, depth: int = 0) -> None:
+    vt = VT(sig[0])
+    if vt != VT.ARRAY:
+        if len(sig) != 1:
+            raise ValueError(f"value type {sig}: only an ARRAY has an element type")
+        return
+    if len(sig) < 2:
+        raise ValueError("an ARRAY value type needs its element type, e.g. (ARRAY, INT32)")
+    if VT(sig[1]) != VT.ARRAY:
+        if len(sig) != 2:
+            raise ValueError(f"value type {sig}: too many element types")
+        return
+    if len(sig) == 2:
+        return  # an array of arrays with no more said: only an empty one, or elements typed by inference
+    if isinstance(sig[2], list):
+        for s in sig[2]:
+            _check_sig(tuple(s), depth + 1)
+    else:
+        _check_sig(sig[1:], depth + 1)
 
 
 class GGUFWriter:
-    def __init__(self, path, alignment: int = GGUF_DEFAULT_ALIGNMENT, version: int = 3):
-        self.path = os.fspath(path)
+    def __init__(self, path_or_fileobj, alignment: int = GGUF_DEFAULT_ALIGNMENT, version: int = 3):
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        if version not in GGUF_VERSIONS:
+            raise ValueError(f"GGUF version {version} is not writable (only {GGUF_VERSIONS})")
+        self.target = path_or_fileobj
         self.alignment = alignment
         self.version = version
-        self.kv: list[tuple[str, object, tuple]] = []
-        self.tensors: list[tuple[str, GGMLType, tuple, np.ndarray]] = []
+        self.kv: list[tuple[str, object, tuple]] = []                      # (key, value, signature), in order
+        self.tensors: list[tuple[str, GGMLType, tuple, np.ndarray]] = []   # (name, type, ne, uint8 bytes)
 
     @classmethod
-    def from_reader(cls, reader, path) -> "GGUFWriter":
-        w = cls(path, reader.alignment, reader.version)
+    def from_reader(cls, reader, path_or_fileobj) -> "GGUFWriter":
+        """Everything the reader read: keys in order with their value types, tensors in order with their bytes."""
+        w = cls(path_or_fileobj, reader.alignment, reader.version)
         for k, v in reader.metadata.items():
             w.add(k, v, reader.value_types[k])
         for t in reader.tensors.values():
             w.add_tensor_raw(t.name, t.type, t.ne, t.data)
         return w
 
-    def add(self, key: str, value, vtype: tuple | None = None) -> None:
-        if key == "general.alignment":
-            self.alignment = int(value)
-            vtype = vtype or (VT.UINT32,)
-        self.kv.append((key, value, tuple(vtype) if vtype else _infer(value)))
+    # ------------------------------------------------------------------ building
+    def add(self, key: str, value, vtype=None) -> None:
+        """One key/value; ``vtype`` a GGUFValueType or a signature tuple, inferred from the value when None."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"metadata keys are non-empty strings, got {key!r}")
+        if any(k == key for k, _, _ in self.kv):
+            raise ValueError(f"duplicate metadata key {key!r}")
+        sig = _normalise_sig(vtype) if vtype is not None else \
+            ((VT.UINT32,) if key == GGUF_KEY_ALIGNMENT else infer_value_type(value))
+        _check_sig(sig)
+        self._encode(value, sig, key)  # fail now, with the key's name, rather than at write()
+        if key == GGUF_KEY_ALIGNMENT:
+            a = int(value)
+            if sig != (VT.UINT32,) or a <= 0 or a & (a - 1):
+                raise ValueError(f"{GGUF_KEY_ALIGNMENT} must be a power-of-two UINT32, got {value!r} as {sig}")
+            self.alignment = a
+        self.kv.append((key, value, sig))
 
-    def add_tensor_raw(self, name: str, type: GGMLType, ne, data: np.ndarray) -> None:
+    add_key_value = add
+
+    def add_tensor_raw(self, name: str, type: GGMLType | int, ne, data) -> None:
+        """A tensor from its raw bytes (bytes, memoryview or any contiguous ndarray) and its ggml shape ``ne``."""
         type = GGMLType(type)
         ne = tuple(int(n) for n in ne)
-        n = int(np.prod(ne))
+        if not name or len(name.encode("utf-8")) >= MAX_NAME:
+            raise ValueError(f"tensor name {name!r} must be 1 to {MAX_NAME - 1} bytes")
+        if any(t[0] == name for t in self.tensors):
+            raise ValueError(f"duplicate tensor name {name!r}")
+        if not 1 <= len(ne) <= MAX_DIMS or any(n < 0 for n in ne):
+            raise ValueError(f"tensor {name!r}: bad shape {list(ne)}")
         tt = TYPE_TRAITS[type]
+        if ne[0] % tt.blck_size:
+            raise ValueError(f"tensor {name!r}: ne[0] = {ne[0]} is not a whole number of {type.name} blocks")
+        n = 1
+        for x in ne:
+            n *= x
         nbytes = n // tt.blck_size * tt.type_size
-        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if isinstance(data, np.ndarray):
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        else:
+            raw = np.frombuffer(data, dtype=np.uint8)
         if raw.nbytes != nbytes:
-            raise ValueError(f"tensor {name!r}: {raw.nbytes} bytes for {type.name} {list(ne)} (expected {nbytes})")
+            raise ValueError(f"tensor {name!r}: {raw.nbytes} bytes given for {type.name} {list(ne)}, "
+                             f"which takes {nbytes}")
         self.tensors.append((name, type, ne, raw))
 
-    def add_tensor(self, name: str, array: np.ndarray, type: GGMLType | None = None) -> None:
-        """A plain NumPy array (shape in NumPy order: the GGUF ne is reversed), typed from its dtype."""
+    def add_tensor(self, name: str, array: np.ndarray, type: GGMLType | int | None = None) -> None:
+        """A NumPy array in NumPy order (ne is the reversed shape). The type comes from the dtype (float32 -> F32,
+        float16 -> F16, int32 -> I32, ...) unless given. With a block type, ``array`` holds the raw blocks as
+        ``GGUFReader.tensor_array`` returns them: uint8 [n_rows, row_bytes] (or more leading dims); with BF16,
+        the uint16 bits."""
         array = np.ascontiguousarray(array)
-        self.add_tensor_raw(name, type if type is not None else type_from_dtype(array.dtype),
-                            tuple(reversed(array.shape)), array)
+        if type is None:
+            type = type_from_dtype(array.dtype)
+        type = GGMLType(type)
+        tt = TYPE_TRAITS[type]
+        if array.ndim == 0:
+            array = array.reshape(1)
+        if tt.is_quantized:
+            if array.dtype != np.uint8 or array.shape[-1] % tt.type_size:
+                raise ValueError(f"tensor {name!r}: {type.name} data must be uint8 rows of whole blocks")
+            ne = (array.shape[-1] // tt.type_size * tt.blck_size,) + tuple(reversed(array.shape[:-1]))
+        else:
+            if array.dtype.itemsize != tt.type_size:
+                raise ValueError(f"tensor {name!r}: dtype {array.dtype} does not hold {type.name} elements")
+            ne = tuple(reversed(array.shape))
+        self.add_tensor_raw(name, type, ne, array)
 
     # ------------------------------------------------------------------ encoding
-    @staticmethod
-    def _str(s: str) -> bytes:
-        b = s.encode("utf-8")
-        return struct.pack("<Q", len(b)) + b
+    def _encode(self, value, sig: tuple, key: str) -> bytes:
+        try:
+            return b"".join(_encode_value(value, sig))
+        except (struct.error, OverflowError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"metadata {key!r}: cannot write {_short(value)} as "
+                             f"{_sig_name(sig)}: {e}") from None
 
-    def _value(self, value, sig: tuple) -> bytes:
-        vt = sig[0]
-        if vt == VT.STRING:
-            return self._str(value)
-        if vt != VT.ARRAY:
-            dt = SCALAR_DTYPES[vt]
-            return np.array(value, dtype=dt if vt != VT.BOOL else np.uint8).tobytes()
-        et = sig[1]
-        head = struct.pack("<IQ", int(et), len(value))
-        if et == VT.STRING:
-            return head + b"".join(self._str(s) for s in value)
-        if et == VT.ARRAY:
-            return head + b"".join(self._value(v, sig[1:]) for v in value)
-        dt = SCALAR_DTYPES[et]
-        return head + np.asarray(value).astype(dt if et != VT.BOOL else np.uint8).tobytes()
-
-    def write(self) -> None:
+    def header_bytes(self) -> bytes:
+        """Everything before the data section, padding included."""
         a = self.alignment
         out = [GGUF_MAGIC, struct.pack("<IQQ", self.version, len(self.tensors), len(self.kv))]
         for k, v, sig in self.kv:
-            out.append(self._str(k) + struct.pack("<I", int(sig[0])) + self._value(v, sig))
-        offs = 0
-        layout = []
+            out += [_string(k), struct.pack("<I", int(sig[0])), self._encode(v, sig, k)]
+        off = 0
         for name, t, ne, raw in self.tensors:
-            layout.append(offs)
-            out.append(self._str(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
-                       + struct.pack("<IQ", int(t), offs))
-            offs += (raw.nbytes + a - 1) // a * a
+            out += [_string(name), struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, int(t), off)]
+            off += raw.nbytes + (-raw.nbytes) % a
         head = b"".join(out)
-        with open(self.path, "wb") as f:
-            f.write(head)
-            f.write(b"\0" * ((-len(head)) % a))
-            for (name, t, ne, raw), off in zip(self.tensors, layout):
-                f.write(raw.tobytes())
-                f.write(b"\0" * ((-raw.nbytes) % a))
+        return head + b"\0" * ((-len(head)) % a)
+
+    def write(self) -> None:
+        head = self.header_bytes()
+        if hasattr(self.target, "write"):
+            self._write_to(self.target, head)
+        else:
+            with open(os.fspath(self.target), "wb") as f:
+                self._write_to(f, head)
+
+    def _write_to(self, f, head: bytes) -> None:
+        f.write(head)
+        for _, _, _, raw in self.tensors:
+            f.write(memoryview(raw))  # no copy of the (possibly mmap-backed) bytes
+            f.write(b"\0" * ((-raw.nbytes) % self.alignment))
 
 
-def copy_gguf(reader, path) -> None:
-    GGUFWriter.from_reader(reader, path).write()
+def copy_gguf(reader, path_or_fileobj) -> None:
+    """Writes back what ``reader`` read; byte-identical for every file ggml's own reader accepts."""
+    GGUFWriter.from_reader(reader, path_or_fileobj).write()
+
+
+def _string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return _U64.pack(len(b)) + b
+
+
+def _encode_value(value, sig: tuple):
+    """Yields the bytes of one value (without its leading type tag)."""
+    vt = VT(sig[0])
+    if vt == VT.STRING:
+        if not isinstance(value, str):
+            raise TypeError(f"a STRING must be str, not {type(value).__name__}")
+        yield _string(value)
+        return
+    if vt != VT.ARRAY:
+        yield _scalar_bytes(vt, value)
+        return
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"an ARRAY must be a list or 1-D ndarray, not {type(value).__name__}")
+    n = len(value)
+    if len(sig) == 2 and VT(sig[1]) == VT.ARRAY and n:
+        sig = (VT.ARRAY, VT.ARRAY, [infer_value_type(v) for v in value])
+    et = VT(sig[1])
+    yield struct.pack("<IQ", int(et), n)
+    if et == VT.STRING:
+        if not all(isinstance(s, str) for s in value):
+            raise TypeError("an array of STRING holds str only")
+        yield b"".join([_U64.pack(len(b)) + b for b in (s.encode("utf-8") for s in value)])
+    elif et == VT.ARRAY:
+        sigs = sig[2] if isinstance(sig[2], list) else [sig[1:]] * n
+        if len(sigs) != n:
+            raise ValueError(f"{len(sigs)} element types for {n} elements")
+        for v, s in zip(value, sigs):
+            yield from _encode_value(v, tuple(s))
+    else:
+        yield _numeric_array_bytes(et, value)
+
+
+def _scalar_bytes(vt: VT, value) -> bytes:
+    if vt == VT.BOOL:
+        if not isinstance(value, (bool, np.bool_)) and value not in (0, 1):
+            raise ValueError(f"a BOOL is True/False, not {value!r}")
+        return b"\1" if value else b"\0"
+    if vt in (VT.FLOAT32, VT.FLOAT64):
+        if isinstance(value, (str, bytes)):
+            raise TypeError("a float is needed")
+        return _SCALARS[vt].pack(float(value))
+    if isinstance(value, (float, np.floating, str, bytes)):
+        raise TypeError(f"an integer is needed for {vt.name}")
+    return _SCALARS[vt].pack(int(value))
+
+
+def _numeric_array_bytes(et: VT, value) -> bytes:
+    dt = SCALAR_DTYPES[et]
+    arr = np.asarray(value)
+    if arr.ndim != 1 and arr.size:
+        raise ValueError(f"metadata arrays are 1-D; got shape {arr.shape}")
+    if et == VT.BOOL:
+        if arr.size and arr.dtype != np.bool_ and not np.isin(arr, (0, 1)).all():
+            raise ValueError("a BOOL array holds 0/1 only")
+        return arr.astype(np.uint8).tobytes()
+    if et in _INT_RANGES:
+        if arr.size and arr.dtype.kind not in "iub":
+            raise TypeError(f"an array of {et.name} needs integers, got dtype {arr.dtype}")
+        lo, hi = _INT_RANGES[et]
+        if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+            raise OverflowError(f"values outside {et.name}'s range")
+    return arr.astype(dt).tobytes()
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) < 60 else r[:57] + "..."
+
+
+def _sig_name(sig) -> str:
+    return "/".join(str(s) if isinstance(s, list) else VT(s).name for s in sig)
