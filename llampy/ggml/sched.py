@@ -1,8 +1,19 @@
-"""The graph scheduler (ggml_backend_sched): places each node on a backend, cuts the graph into splits, copies
-tensors that cross devices, allocates one compute buffer per backend, and keeps the whole plan while the graph holds.
+"""The graph scheduler (ggml_backend_sched): places each node on a backend, cuts the graph into splits, copies the
+tensors that cross devices, allocates one compute buffer per buffer type, and keeps all of it while the graph holds.
 
-Backends come in priority order (the first is preferred; the CPU is usually last). ``LLAMPY_SCHED_DEBUG=1`` prints
-each node with its backend and the cause of the choice.
+Backends come in priority order: the first is preferred, the last is usually the CPU. The passes are numbered as in
+``_split_graph``. A split's nodes read the *copies* of their inputs from other devices: the scheduler rewrites
+``node.src`` to point at the copy, a DUP tensor marked ``sched_copy`` whose source is the original, so the
+rewritten graph still says what it computes, and a later plan can undo the rewrite. Copies are refreshed before
+their split on every run. ``LLAMPY_SCHED_DEBUG=1`` prints each split, each node's backend and the cause of the
+choice (ggml's GGML_SCHED_DEBUG); causes:
+  1.dst / 1.vsrc   the node's own memory (a KV-cache write, a view of a weight) lives in the backend's buffer
+  1.wgt<j>         source j is a weight in the backend's buffer          1.off   offloaded from the CPU (offload_op)
+  2.<up|down>      expanded from a neighbour (2.gpu-*: from a non-last backend, first)
+  3.prio           the highest-priority backend that supports the op
+  inp.user / inp.last   an input lives with its first reader when that backend's memory is host memory, else on
+                   the last backend (ggml always uses the last: llampy writes inputs through host arrays)
+  leaf.user / view   a storage-less leaf goes with its first reader; a view goes with its memory's owner
 """
 from __future__ import annotations
 
@@ -10,245 +21,401 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from .alloc import GraphAllocator
-from .backend import Backend, tensor_data
+from .alloc import GraphAllocator, collect, has_own_storage, owner
+from .backend import Backend, BufferUsage, tensor_data
 from .graph import Graph
 from .tensor import Flags, Op, Tensor, VIEW_OPS
+
+
+def _name(t: Tensor) -> str:
+    return t.name or f"#{t.id}"
+
+
+def is_sched_copy(t: Tensor) -> bool:
+    return t.op is Op.DUP and bool(t.op_params.get("sched_copy"))
 
 
 @dataclass
 class Split:
     backend: Backend
-    nodes: list = field(default_factory=list)
-    copies: list = field(default_factory=list)      # (src tensor, copy tensor) refreshed before the split runs
-    plan: object = None
+    backend_id: int
+    nodes: list = field(default_factory=list)     # in graph order, views included
+    inputs: list = field(default_factory=list)    # original tensors copied in before this split runs
+    copies: list = field(default_factory=list)    # (src, copy) pairs of the current copy set
+    step0: int = 0                                # index of the split's first step in the allocation order
+    plan: object = None                           # graph_plan_create's result (or the node list)
 
 
 @dataclass
 class SchedPlan:
     splits: list
-    assignment: dict        # node id -> backend index
-    causes: dict            # node id -> why
-    allocators: list
+    assignment: dict            # tensor id -> backend index (nodes, leafs, views, copies)
+    causes: dict                # tensor id -> cause of the choice
+    n_copies: int               # copy tensors per copy set
+    steps: list                 # allocation order: each split's copies, then its nodes
+    allocators: list            # one per distinct buffer type
     alloc_plans: list
-    n_copies: int = 0
+    orders: list                # per allocator, the tensor order its plan's positions refer to
+    buffers: list               # per allocator, the buffer the tensors were placed in
+    copy_sets: list             # per copy index: {(src id, backend id): copy tensor}
+    rewrites: list              # (node, src index, src, backend id): node.src[j] reads the copy of src
+    split_plans: dict           # copy index -> [plan per split]
+    signature: tuple = ()
 
 
 class Scheduler:
-    def __init__(self, backends: list[Backend], debug: bool | None = None):
+    def __init__(self, backends: list[Backend], n_copies: int = 1, debug: bool | None = None):
         if not backends:
             raise ValueError("the scheduler needs at least one backend")
+        if n_copies < 1:
+            raise ValueError("n_copies must be >= 1")
         self.backends = list(backends)
-        self.debug = bool(int(os.environ.get("LLAMPY_SCHED_DEBUG", "0"))) if debug is None else debug
-        self._plans: dict[int, SchedPlan] = {}
-        self._graphs: dict[int, Graph] = {}
-        self._allocators = [GraphAllocator(b.get_default_buffer_type()) for b in self.backends]
+        self.n_copies = int(n_copies)
+        self.debug = bool(int(os.environ.get("LLAMPY_SCHED_DEBUG", "0") or 0)) if debug is None else debug
+        self.bufts = [b.get_default_buffer_type() for b in self.backends]
+        # one allocator per distinct buffer type: backends sharing memory share a compute buffer
+        self._alloc_index: list[int] = []
+        self._allocators: list[GraphAllocator] = []
+        for bt in self.bufts:
+            for k, al in enumerate(self._allocators):
+                if al.buft is bt:
+                    self._alloc_index.append(k)
+                    break
+            else:
+                self._alloc_index.append(len(self._allocators))
+                self._allocators.append(GraphAllocator(bt))
+        self._plans: dict[int, tuple[Graph, SchedPlan]] = {}
+        self._last: SchedPlan | None = None
+        self.cur_copy = 0
         self.n_replans = 0
 
-    # ------------------------------------------------------------------ assignment
-    def _backend_of_storage(self, t: Tensor) -> int | None:
-        buf = t.storage.buffer
-        if buf is None:
-            return None
-        for i, b in enumerate(self.backends):
-            if b.supports_buffer(buf):
-                return i
+    # ------------------------------------------------------------------ backend helpers (defaults for fakes)
+    def _supports_op(self, b: int, node: Tensor) -> bool:
+        return node.op in VIEW_OPS or bool(self.backends[b].supports_op(node))
+
+    def _supports_buft(self, b: int, buft) -> bool:
+        f = getattr(self.backends[b], "supports_buft", None)
+        return f(buft) if f else buft is self.bufts[b] or getattr(buft, "device", None) == self.bufts[b].device
+
+    def _backend_of_buffer(self, buf, node: Tensor | None) -> int | None:
+        """The first backend that can use ``buf`` (and run ``node``, if given)."""
+        for b in range(len(self.backends)):
+            if self._supports_buft(b, buf.buft) and (node is None or self._supports_op(b, node)):
+                return b
         return None
 
+    # ------------------------------------------------------------------ assignment (passes 1-3)
     def _assign(self, g: Graph):
-        nodes = g.nodes
+        nb = len(self.backends)
+        last = nb - 1
         assign: dict[int, int] = {}
         cause: dict[int, str] = {}
-        # 1. nodes whose weights (or own memory: KV cache writes, views of weights) live on a backend go there
-        for n in nodes:
-            cands = []
-            if n.view_src is not None:
-                cands.append(n.view_src)
-            cands += [s for s in n.src if s is not None and s.storage.flags & Flags.WEIGHT]
-            for s in cands:
-                bi = self._backend_of_storage(s)
-                if bi is not None and (n.op in VIEW_OPS or self.backends[bi].supports_op(n)):
-                    assign[n.id] = bi
-                    cause[n.id] = f"1.storage of {s.storage.name or '#%d' % s.storage.id}"
-                    break
-        # 2. expand to neighbours: down, then up, where the backend supports the op
-        for order, tag in ((nodes, "2.down"), (list(reversed(nodes)), "2.up")):
+        compute = [n for n in g.nodes if n.op not in VIEW_OPS]
+
+        # 1. pre-assign nodes whose own memory or whose weights live in a backend's buffer (if it runs the op)
+        for n in compute:
+            if has_own_storage(n):
+                b = self._backend_of_buffer(owner(n).buffer, n)
+                if b is None:
+                    raise RuntimeError(f"{n!r} writes into {owner(n).buffer!r}, whose backends cannot run {n.op.value}")
+                assign[n.id], cause[n.id] = b, "1.dst" if n.view_src is None else "1.vsrc"
+                continue
+            if n.op in (Op.ROPE, Op.FLASH_ATTN_EXT):   # their small side tensors say nothing about placement
+                continue
+            for j, s in enumerate(n.src):
+                if s is None or not has_own_storage(s):
+                    continue
+                o = owner(s)
+                if not (o.flags & Flags.WEIGHT or o.buffer.usage == BufferUsage.WEIGHTS):
+                    continue
+                b = self._backend_of_buffer(o.buffer, n)
+                if b is None:
+                    continue
+                if b == last and nb > 1 and getattr(o.buffer.buft, "is_host", True):
+                    for hb in range(last):
+                        if self._supports_op(hb, n) and getattr(self.backends[hb], "offload_op", lambda _: False)(n):
+                            b, cause[n.id] = hb, "1.off"
+                            break
+                assign[n.id] = b
+                cause.setdefault(n.id, f"1.wgt{j}")
+                break
+
+        # 2. expand to neighbours where the backend runs the op, to keep splits few: first the non-last
+        #    backends down then up (the CPU never spreads over accelerator work), then all backends
+        def expand(order, tag, skip_last):
             cur = None
             for n in order:
                 if n.id in assign:
-                    cur = assign[n.id]
-                elif cur is not None and (n.op in VIEW_OPS or self.backends[cur].supports_op(n)):
-                    assign[n.id] = cur
-                    cause[n.id] = tag
-        # 3. the rest: the first backend that supports the op
-        for n in nodes:
+                    cur = None if (skip_last and assign[n.id] == last) else assign[n.id]
+                elif cur is not None and self._supports_op(cur, n):
+                    assign[n.id], cause[n.id] = cur, tag
+        if nb > 1:
+            expand(compute, "2.gpu-down", True)
+            expand(reversed(compute), "2.gpu-up", True)
+        expand(compute, "2.down", False)
+        expand(reversed(compute), "2.up", False)
+
+        # 3. the rest: the highest-priority backend that supports the op
+        for n in compute:
             if n.id not in assign:
-                for i, b in enumerate(self.backends):
-                    if n.op in VIEW_OPS or b.supports_op(n):
-                        assign[n.id] = i
-                        cause[n.id] = "3.supports_op"
+                for b in range(nb):
+                    if self._supports_op(b, n):
+                        assign[n.id], cause[n.id] = b, "3.prio"
                         break
                 else:
                     raise RuntimeError(f"no backend supports {n!r}")
-        # a node its backend cannot run goes to one that can (expansion only picks supporting backends)
-        for n in nodes:
-            if n.op not in VIEW_OPS and not self.backends[assign[n.id]].supports_op(n):
-                for i, b in enumerate(self.backends):
-                    if b.supports_op(n):
-                        assign[n.id], cause[n.id] = i, "3.fallback"
-                        break
+
+        # leafs: storage decides; an input without storage lives with its first reader if that memory is host
+        # memory (llampy writes inputs through host arrays), else on the last backend; other leafs with their reader
+        first_reader: dict[int, int] = {}
+        for n in compute:
+            for s in n.src:
+                if s is not None:
+                    first_reader.setdefault(owner(s).id, assign[n.id])
+            if n.view_src is not None:
+                first_reader.setdefault(n.view_src.id, assign[n.id])
+        for t in g.leafs:
+            if has_own_storage(t):
+                b = self._backend_of_buffer(t.buffer, None)
+                assign[t.id], cause[t.id] = (last if b is None else b), "leaf.buf"
+            elif t.flags & Flags.INPUT:
+                b = first_reader.get(t.id, last)
+                if getattr(self.bufts[b], "is_host", True):
+                    assign[t.id], cause[t.id] = b, "inp.user"
+                else:
+                    assign[t.id], cause[t.id] = last, "inp.last"
+            else:
+                assign[t.id], cause[t.id] = first_reader.get(t.id, last), "leaf.user"
+        # views belong to the backend of the memory they view
+        for n in g.nodes:
+            if n.op in VIEW_OPS:
+                o = owner(n)
+                if o.id not in assign:       # a view of something outside the graph
+                    b = self._backend_of_buffer(o.buffer, None) if has_own_storage(o) else None
+                    assign[o.id] = last if b is None else b
+                assign[n.id], cause[n.id] = assign[o.id], "view"
         return assign, cause
 
-    # ------------------------------------------------------------------ planning
-    def _plan(self, g: Graph) -> SchedPlan:
+    # ------------------------------------------------------------------ splits, copies, allocation (passes 4-5)
+    def _home_buft(self, s: Tensor, assign):
+        o = owner(s)
+        if has_own_storage(o):
+            return o.buffer.buft
+        return self.bufts[assign[o.id]]
+
+    def _split_graph(self, g: Graph) -> SchedPlan:
+        self._undo_rewrites(g)
         assign, cause = self._assign(g)
+
+        # 4. cut into splits (maximal runs of non-view nodes on one backend; views ride along), and give each
+        #    split a copy of every input that lives where its backend cannot read
         splits: list[Split] = []
+        pending_views = []
         for n in g.nodes:
-            bi = assign[n.id]
-            if n.op in VIEW_OPS and splits:   # views compute nothing: keep them in the current split
-                splits[-1].nodes.append(n)
+            if n.op in VIEW_OPS:
+                (splits[-1].nodes if splits else pending_views).append(n)
                 continue
-            if not splits or splits[-1].backend is not self.backends[bi]:
-                splits.append(Split(self.backends[bi]))
+            b = assign[n.id]
+            if not splits or splits[-1].backend_id != b:
+                splits.append(Split(self.backends[b], b))
+            if pending_views:
+                splits[-1].nodes.extend(pending_views)
+                pending_views = []
             splits[-1].nodes.append(n)
-        # 4. copies for sources living on (or produced by) another device
-        producer = {n.id: assign[n.id] for n in g.nodes}
-        n_copies = 0
-        leaf_home: dict[int, int] = {}
+        if not splits:
+            splits.append(Split(self.backends[-1], len(self.backends) - 1, pending_views))
+
+        copy_sets: list[dict] = [{} for _ in range(self.n_copies)]
+        rewrites = []
         for sp in splits:
-            bi = self.backends.index(sp.backend)
-            made: dict[int, Tensor] = {}
+            b = sp.backend_id
             for n in sp.nodes:
                 if n.op in VIEW_OPS:
                     continue
                 for j, s in enumerate(n.src):
                     if s is None:
                         continue
-                    home = self._home(s, producer, leaf_home, bi)
-                    if home == bi or self._shares_memory(home, bi):
+                    if self._supports_buft(b, self._home_buft(s, assign)):
                         continue
-                    if s.id not in made:
-                        c = Tensor(s.type, s.ne, name=f"{s.name or '#%d' % s.id}#copy@{sp.backend.device}")
-                        made[s.id] = c
-                        sp.copies.append((s, c))
-                        n_copies += 1
-                    n.src[j] = made[s.id]
-        # 5. allocate one compute buffer per backend; plans per split
-        allocs, aplans = [], []
-        keep_ids = frozenset(src.storage.id for sp in splits for src, _ in sp.copies)
-        for bi, b in enumerate(self.backends):
-            mine = [n for sp in splits if sp.backend is b for n in [c for _, c in sp.copies] + sp.nodes]
-            leafs = [t for t in g.leafs if leaf_home.get(t.id, self._first_user(t, g, assign)) == bi]
-            al = self._allocators[bi]
-            aplans.append(al.alloc_graph(mine, leafs, keep_ids))
-            allocs.append(al)
+                    if n.view_src is not None and owner(s) is n.view_src:
+                        raise RuntimeError(f"{n!r} on {self.backends[b]!r} writes into memory of another device")
+                    key = (s.id, b)
+                    if key not in copy_sets[0]:
+                        for k in range(self.n_copies):
+                            c = Tensor(s.type, s.ne, op=Op.DUP, src=[s], op_params={"sched_copy": True},
+                                       name=f"{self.backends[b].device}#{_name(s)}#{k}")
+                            if self.n_copies > 1:      # each set must survive until its next use
+                                c.flags |= Flags.OUTPUT
+                            copy_sets[k][key] = c
+                            assign[c.id], cause[c.id] = b, "copy"
+                        sp.inputs.append(s)
+                    rewrites.append((n, j, s, b))
+        n_copies = len(copy_sets[0])
+        self._apply_rewrites(rewrites, copy_sets[0])
+        self.cur_copy = 0
+
+        # 5. allocate: one order of steps (each split's copies, then its nodes), one plan per buffer type over it
+        steps = []
         for sp in splits:
-            create = getattr(sp.backend, "graph_plan_create", None)
-            sp.plan = create(sp.nodes) if create else sp.nodes
-        plan = SchedPlan(splits, assign, cause, allocs, aplans, n_copies)
+            sp.step0 = len(steps)
+            sp.copies = [(s, copy_sets[0][(s.id, sp.backend_id)]) for s in sp.inputs]
+            steps.extend(c for _, c in sp.copies)
+            steps.extend(sp.nodes)
+        extra_copies = [c for cs in copy_sets[1:] for c in cs.values()]   # the other sets: allocated as leafs
+        alloc_plans, orders, buffers = [], [], []
+        for k, al in enumerate(self._allocators):
+            def owns(t, k=k):
+                b = assign.get(owner(t).id)
+                return b is not None and self._alloc_index[b] == k
+            leafs = list(g.leafs) + extra_copies
+            alloc_plans.append(al.alloc_graph(steps, leafs, owns=owns))
+            orders.append(collect(steps, leafs))
+            buffers.append(al.buffer)
+        plan = SchedPlan(splits, assign, cause, n_copies, steps, list(self._allocators), alloc_plans, orders,
+                         buffers, copy_sets, rewrites, {}, self._signature(g))
+        self._create_split_plans(plan)
         if self.debug:
-            self._print(g, plan)
+            print(self.dump(g, plan), file=sys.stderr)
         return plan
 
-    def _home(self, s: Tensor, producer, leaf_home, default) -> int:
-        st = s.storage
-        if st.buffer is not None:
-            bi = self._backend_of_storage(st)
-            return default if bi is None else bi
-        if st.id in producer:
-            return producer[st.id]
-        leaf_home.setdefault(st.id, default)
-        return leaf_home[st.id]
+    def _apply_rewrites(self, rewrites, copies: dict) -> None:
+        for n, j, s, b in rewrites:
+            n.src[j] = copies[(s.id, b)]
 
-    def _shares_memory(self, a: int, b: int) -> bool:
-        return self.backends[a].get_default_buffer_type().device == self.backends[b].get_default_buffer_type().device
-
-    def _first_user(self, t: Tensor, g: Graph, assign) -> int:
+    @staticmethod
+    def _undo_rewrites(g: Graph) -> None:
+        """Point nodes back at the originals of the copies an earlier plan (of any scheduler) made them read."""
         for n in g.nodes:
-            if any(s is t for s in n.src):
-                return assign[n.id]
-        return len(self.backends) - 1
+            for j, s in enumerate(n.src):
+                if s is not None and is_sched_copy(s):
+                    n.src[j] = s.src[0]
 
-    def _print(self, g: Graph, plan: SchedPlan) -> None:
-        print(f"sched: {len(plan.splits)} splits, {plan.n_copies} copies", file=sys.stderr)
-        for n in g.nodes:
-            b = self.backends[plan.assignment[n.id]]
-            print(f"  {n.op.value:<14} {n.name or '#%d' % n.id:<28} {b.device:<10} {plan.causes.get(n.id, '')}",
-                  file=sys.stderr)
+    def _create_split_plans(self, p: SchedPlan) -> None:
+        if self.n_copies > 1:      # the plans bind the sources the nodes read now: the current copy set
+            self._apply_rewrites(p.rewrites, p.copy_sets[self.cur_copy])
+        plans = []
+        for sp in p.splits:
+            create = getattr(sp.backend, "graph_plan_create", None)
+            plans.append(create(sp.nodes) if create else sp.nodes)
+        p.split_plans[self.cur_copy] = plans
+        for sp, pl in zip(p.splits, plans):
+            sp.plan = pl
+
+    @staticmethod
+    def _signature(g: Graph) -> tuple:
+        # cheap: a Graph object only changes by growing (expand); a rebuilt graph is a new object
+        return (len(g.nodes), len(g.leafs), g.nodes[-1].id if g.nodes else -1)
 
     # ------------------------------------------------------------------ public
     def alloc_graph(self, g: Graph) -> SchedPlan:
-        """Plan the graph (once per Graph object) and place its tensors."""
-        p = self._plans.get(id(g))
-        if p is None or self._graphs.get(id(g)) is not g:
-            p = self._plan(g)
-            self._plans[id(g)] = p
-            self._graphs[id(g)] = g
+        """Plan the graph on first use (or when its structure changed) and make sure its tensors are placed."""
+        entry = self._plans.get(id(g))
+        if entry is None or entry[0] is not g or entry[1].signature != self._signature(g):
+            p = self._split_graph(g)
+            self._plans[id(g)] = (g, p)
             self.n_replans += 1
         else:
-            # another graph may have re-placed shared allocators' tensors: re-place this graph's tensors
-            for al, ap, bi in zip(p.allocators, p.alloc_plans, range(len(self.backends))):
-                self._replace(al, ap, g, p)
+            p = entry[1]
+            # another graph made an allocator's buffer grow: move this graph's tensors into the new buffer
+            moved = False
+            for k, al in enumerate(p.allocators):
+                if al.buffer is not p.buffers[k]:
+                    p.buffers[k] = al.place(p.alloc_plans[k], p.orders[k])
+                    moved = True
+            if moved:
+                p.split_plans.clear()
+                self._create_split_plans(p)
+        self._last = p
         return p
-
-    def _replace(self, al, ap, g, p):
-        if al.plan_ is ap:
-            return
-        # the allocator's buffer may have been replaced by a bigger one: tensors must follow
-        from .backend import tensor_alloc
-        if al.buffer is None or al.buffer.size < ap.size:
-            al.buffer = al.buft.alloc_buffer(ap.size)
-        tensors = {t.id: t for sp in p.splits for t in sp.nodes + [c for _, c in sp.copies]}
-        tensors.update({t.id: t for t in g.leafs})
-        for tid, off in ap.offsets.items():
-            if tid in tensors:
-                tensor_alloc(al.buffer, tensors[tid], off)
-        al.plan_ = ap
-        for sp in p.splits:
-            create = getattr(sp.backend, "graph_plan_create", None)
-            sp.plan = create(sp.nodes) if create else sp.nodes
 
     def graph_compute(self, g: Graph) -> None:
         p = self.alloc_graph(g)
+        if self.n_copies > 1:
+            self._next_copy_set(p)
         debug_alloc = any(al.debug for al in p.allocators)
         for sp in p.splits:
-            for src, cpy in sp.copies:
-                tensor_data(cpy)[...] = tensor_data(src)
+            for src, c in sp.copies:
+                self._copy(sp.backend, src, c)
             if debug_alloc:
                 self._run_poisoning(sp, p)
                 continue
             run = getattr(sp.backend, "graph_plan_compute", None)
-            if run:
+            if run is not None and sp.plan is not sp.nodes:
                 run(sp.plan)
             else:
                 sp.backend.graph_compute(sp.nodes)
         for b in self.backends:
-            b.synchronize()
+            getattr(b, "synchronize", lambda: None)()
+
+    def _next_copy_set(self, p: SchedPlan) -> None:
+        """Pipeline copies (ggml's n_copies): each run reads the next set of input copies."""
+        self.cur_copy = (self.cur_copy + 1) % self.n_copies
+        cs = p.copy_sets[self.cur_copy]
+        self._apply_rewrites(p.rewrites, cs)
+        for sp in p.splits:
+            sp.copies = [(s, cs[(s.id, sp.backend_id)]) for s in sp.inputs]
+        if self.cur_copy not in p.split_plans:
+            self._create_split_plans(p)
+        for sp, pl in zip(p.splits, p.split_plans[self.cur_copy]):
+            sp.plan = pl
+
+    @staticmethod
+    def _copy(dst_backend: Backend, src: Tensor, dst: Tensor) -> None:
+        cpy = getattr(dst_backend, "cpy_tensor", None)
+        if cpy is not None:
+            cpy(src, dst)
+        else:
+            tensor_data(dst)[...] = tensor_data(src)
 
     def _run_poisoning(self, sp: Split, p: SchedPlan) -> None:
-        bi = self.backends.index(sp.backend)
-        al = p.allocators[bi]
-        nodes_all = [n for s in p.splits if s.backend is sp.backend for n in [c for _, c in s.copies] + s.nodes]
-        index = {n.id: i for i, n in enumerate(nodes_all)}
-        for n in sp.nodes:
+        """Debug: run node by node; after each step, poison what died there in every buffer."""
+        for i in range(sp.step0, sp.step0 + len(sp.copies)):
+            for al, ap in zip(p.allocators, p.alloc_plans):
+                al.poison_after(i, ap)
+        for i, n in enumerate(sp.nodes, start=sp.step0 + len(sp.copies)):
             if n.op not in VIEW_OPS:
                 sp.backend.graph_compute([n])
-            al.poison_after(index[n.id])
+            for al, ap in zip(p.allocators, p.alloc_plans):
+                al.poison_after(i, ap)
 
     def forget(self, g: Graph) -> None:
-        self._plans.pop(id(g), None)
-        self._graphs.pop(id(g), None)
+        """Drop the plan of ``g`` and point its nodes back at their original sources."""
+        entry = self._plans.pop(id(g), None)
+        if entry is not None and entry[0] is g:
+            self._undo_rewrites(g)
+            if self._last is entry[1]:
+                self._last = None
 
     # ------------------------------------------------------------------ introspection
-    def n_splits(self, g: Graph) -> int:
-        return len(self.alloc_graph(g).splits)
+    @property
+    def n_splits(self) -> int:
+        """Splits of the graph last planned or run."""
+        return len(self._last.splits) if self._last else 0
 
-    def n_copies(self, g: Graph) -> int:
-        return self.alloc_graph(g).n_copies
+    @property
+    def n_copies_made(self) -> int:
+        """Copy tensors (per copy set) of the graph last planned or run."""
+        return self._last.n_copies if self._last else 0
 
-    def get_backend(self, g: Graph, node: Tensor) -> Backend:
-        return self.backends[self.alloc_graph(g).assignment[node.id]]
+    def get_backend(self, node: Tensor, g: Graph | None = None) -> Backend:
+        p = self.alloc_graph(g) if g is not None else self._last
+        return self.backends[p.assignment[node.id]]
+
+    def dump(self, g: Graph, p: SchedPlan | None = None) -> str:
+        """The splits with their inputs, then every node with its backend and the cause (ggml's debug print)."""
+        p = p or self.alloc_graph(g)
+        out = [f"sched: {len(p.splits)} splits, {p.n_copies} copies, "
+               + ", ".join(f"{al.buft.name}: {ap.size} bytes (naive {ap.naive_size})"
+                           for al, ap in zip(p.allocators, p.alloc_plans))]
+        dev = lambda t: self.backends[p.assignment[t.id]].device if t.id in p.assignment else "?"
+        for i, sp in enumerate(p.splits):
+            ins = " ".join(f"[{_name(s)} {s.nbytes}B]" for s in sp.inputs)
+            out.append(f"## SPLIT #{i}: {sp.backend.device} # {len(sp.inputs)} inputs{': ' + ins if ins else ''}")
+            for n in sp.nodes:
+                srcs = " ".join(f"{_name(s)}@{dev(s)}" for s in n.src if s is not None)
+                out.append(f"  {n.op.value:<14} {_name(n):<28} {dev(n):<8} {p.causes.get(n.id, ''):<11} <- {srcs}")
+        return "\n".join(out)
 
     def dump_dot(self, g: Graph) -> str:
         p = self.alloc_graph(g)
-        return g.dump_dot(lambda n: self.backends[p.assignment[n.id]].device)
+        return g.dump_dot(lambda n: self.backends[p.assignment[n.id]].device if n.id in p.assignment else "?")
