@@ -1,300 +1,429 @@
-"""The tokenizer, built from the GGUF vocabulary as llama.cpp's llama-vocab.cpp does.
+"""The tokenizer, built from the GGUF vocabulary as llama.cpp's llama-vocab.cpp builds it.
 
-- BPE (``tokenizer.ggml.model`` = gpt2): GPT-2 byte-to-unicode mapping, the pre-tokenizer regexes llama.cpp uses
-  for ``tokenizer.ggml.pre``, merges by rank. The merging runs in HF's ``tokenizers`` (Rust) for speed.
-- SPM (``llama``, e.g. Gemma): spaces become U+2581, adjacent symbols merge by the best vocabulary score, pieces
-  missing from the vocabulary fall back to <0xXX> byte tokens.
-- Special tokens (control and user-defined) are split out first when ``parse_special`` is on (user-defined ones
-  always, as llama.cpp does); BOS/EOS are added per ``tokenizer.ggml.add_bos_token`` / ``add_eos_token``.
-Detokenization is streaming-safe through ``StreamDecoder``: it never emits half a UTF-8 character.
+- Loading follows ``llama_vocab::impl::load``: per-type defaults for BOS/EOS/UNK and add_bos/add_space_prefix,
+  overridden by the ``tokenizer.ggml.*`` keys; token attributes from the token types, then llama.cpp's text-based
+  fix-ups (EOT/EOM/FIM tokens forced to control, "unused" control tokens, the end-of-generation set, the phi-3
+  rstrip attributes).
+- ``tokenize`` splits out special tokens first (``tokenizer_st_partition``: longest token first, each one over all
+  remaining text; control and unknown tokens only with ``parse_special``, user-defined ones always), then runs the
+  model on each text fragment: byte-level BPE (vocab_bpe.py) or SPM (vocab_spm.py).
+- ``token_to_piece`` / ``detokenize`` give llama.cpp's bytes (``clean_spaces`` clean-up, leading-space removal).
+  ``StreamDecoder`` turns a stream of ids into text that never ends inside a UTF-8 character.
 """
 from __future__ import annotations
 
-import heapq
+import codecs
 import re
 
 import numpy as np
 
+from .vocab_bpe import PRE_TYPES, UNICODE_TO_BYTE, UNSUPPORTED_PRE, BpeMerger, byte_encode, pre_tokenizer
+from .vocab_spm import spm_tokenize
+
+# GGUF token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# llama_token_attr bits
+ATTR_UNKNOWN, ATTR_UNUSED, ATTR_NORMAL, ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_BYTE = 1, 2, 4, 8, 16, 32
+ATTR_LSTRIP, ATTR_RSTRIP = 128, 256
+_TYPE_TO_ATTR = np.array([0, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_UNUSED, ATTR_BYTE],
+                         np.int32)
 
-# llama.cpp's pre-tokenizer regexes, by tokenizer.ggml.pre
-_R_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_R_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_R_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_REGEXES = {
-    "default": [r"[\p{P}\$\+<=>\^~\|]+", _R_GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
-    "llama3": [_R_LLAMA3], "llama-bpe": [_R_LLAMA3], "llama-v3": [_R_LLAMA3], "falcon3": [_R_LLAMA3],
-    "pixtral": [_R_LLAMA3], "dbrx": [_R_LLAMA3], "smaug-bpe": [_R_LLAMA3],
-    "qwen2": [_R_QWEN2], "stablelm2": [_R_QWEN2], "hunyuan": [_R_QWEN2],
-    "gpt-2": [_R_GPT2], "gpt2": [_R_GPT2], "mpt": [_R_GPT2], "olmo": [_R_GPT2], "jais": [_R_GPT2],
-    "starcoder": [r"\p{N}", _R_GPT2], "refact": [r"\p{N}", _R_GPT2], "command-r": [r"\p{N}", _R_GPT2],
-    "smollm": [r"\p{N}", _R_GPT2], "codeshell": [r"\p{N}", _R_GPT2], "exaone": [r"\p{N}", _R_GPT2],
-    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _R_GPT2, "[0-9][0-9][0-9]"],
-    "deepseek-coder": ["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"],
+_K = "tokenizer.ggml."
+# llama.cpp's list of model types: the ones llampy implements, and the rest it knows by name
+_MODELS = {"llama": "spm", "gpt2": "bpe"}
+_KNOWN_MODELS = {"bert", "t5", "rwkv", "plamo2", "gemma4", "hybriddna", "whitespace", "no_vocab", "none", "test"}
+
+# token texts llama.cpp recognises (load(): "auto-detect special tokens by text")
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+              "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+_FIM_TEXTS = {
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
 }
-IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe"}
-EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|return|>", "<EOT>",
-             "_<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|eom_id|>", "<|call|>"}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-BYTE_TO_UNICODE = _bytes_to_unicode()
-UNICODE_TO_BYTE = {v: k for k, v in BYTE_TO_UNICODE.items()}
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+              "<｜end▁of▁sentence｜>", "[e~[")
+_C_SPACE = " \t\n\v\f\r"   # C isspace, for the lstrip/rstrip attributes
 
 
 class Vocab:
-    def __init__(self, tokens: list[str], types: np.ndarray, scores: np.ndarray | None, model: str, pre: str,
-                 merges: list[str] | None, bos, eos, eot, unk, pad, add_bos: bool, add_eos: bool,
-                 add_space_prefix: bool):
-        self.tokens = tokens
-        self.n_tokens = len(tokens)
-        self.types = np.asarray(types, dtype=np.int32)
-        self.scores = scores
-        self.type = model
-        self.pre = pre
-        self.bos, self.eos, self.eot, self.unk, self.pad = bos, eos, eot, unk, pad
-        self.add_bos, self.add_eos = add_bos, add_eos
-        self.add_space_prefix = add_space_prefix
-        self.token_to_id = {t: i for i, t in enumerate(tokens)}
-        self.eog = {t for t in (eos, eot) if t is not None}
-        for i in np.flatnonzero((self.types == CONTROL) | (self.types == USER_DEFINED)):
-            if tokens[i] in EOG_TEXTS:
-                self.eog.add(int(i))
-        # special tokens, longest first (tokenizer_st_partition)
-        sp = np.flatnonzero((self.types == CONTROL) | (self.types == USER_DEFINED) | (self.types == UNKNOWN))
-        sp = [int(i) for i in sp if tokens[i]]
-        sp.sort(key=lambda i: -len(tokens[i]))
-        self._special = sp
-        self._special_re = {}
-        self._piece_cache: dict[int, bytes] = {}
-        if model == "gpt2":
-            self._init_bpe(merges or [])
-        elif model == "llama":
-            self._byte_tokens = {}
-            for i in np.flatnonzero(self.types == BYTE):
-                t = tokens[i]
-                if len(t) == 6 and t.startswith("<0x"):
-                    self._byte_tokens[int(t[3:5], 16)] = int(i)
-        else:
-            raise ValueError(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model): supported gpt2, llama")
+    """A GGUF vocabulary. Build it with ``Vocab.from_metadata(reader.metadata)``."""
 
+    n_tokens: int
+    type: str               # 'spm' | 'bpe'
+    model: str              # tokenizer.ggml.model: 'llama' | 'gpt2'
+    pre: str
+    bos: int | None
+    eos: int | None
+    eot: int | None
+    eom: int | None
+    unk: int | None
+    pad: int | None
+    eog: set[int]
+    add_bos: bool
+    add_eos: bool
+
+    # ------------------------------------------------------------------------------------------------ loading
     @classmethod
     def from_metadata(cls, md: dict) -> "Vocab":
-        model = md.get("tokenizer.ggml.model")
+        self = cls()
+        model = md.get(_K + "model")
         if model is None:
-            raise ValueError("missing metadata key 'tokenizer.ggml.model'")
-        tokens = md.get("tokenizer.ggml.tokens")
+            raise ValueError(f"missing metadata key '{_K}model' (the tokenizer type)")
+        if model not in _MODELS:
+            what = "not implemented in llampy" if model in _KNOWN_MODELS else "unknown to llama.cpp"
+            raise ValueError(f"unsupported tokenizer model {model!r} in '{_K}model' ({what}; "
+                             f"llampy reads 'gpt2' (BPE) and 'llama' (SPM) vocabularies)")
+        self.model, self.type = str(model), _MODELS[model]
+        tokens = md.get(_K + "tokens")
         if tokens is None:
-            raise ValueError("missing metadata key 'tokenizer.ggml.tokens'")
-        n = len(tokens)
-        types = md.get("tokenizer.ggml.token_type")
-        types = np.asarray(types, dtype=np.int32) if types is not None else np.full(n, NORMAL, np.int32)
-        if len(types) != n:
-            raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
-        scores = md.get("tokenizer.ggml.scores")
-        pre = str(md.get("tokenizer.ggml.pre", "default"))
-        if model == "gpt2" and pre not in PRE_REGEXES:
-            pre = "default"   # llama.cpp warns and falls back to the default pre-tokenizer
-        get = lambda k: (int(md[k]) if k in md and 0 <= int(md[k]) < n else None)
-        default_bos = model == "llama"
-        return cls(list(tokens), types, None if scores is None else np.asarray(scores, np.float32), str(model), pre,
-                   md.get("tokenizer.ggml.merges"), get("tokenizer.ggml.bos_token_id"),
-                   get("tokenizer.ggml.eos_token_id"), get("tokenizer.ggml.eot_token_id"),
-                   get("tokenizer.ggml.unknown_token_id"), get("tokenizer.ggml.padding_token_id"),
-                   bool(md.get("tokenizer.ggml.add_bos_token", default_bos)),
-                   bool(md.get("tokenizer.ggml.add_eos_token", False)),
-                   bool(md.get("tokenizer.ggml.add_space_prefix", model == "llama")))
+            raise ValueError(f"missing metadata key '{_K}tokens' (the vocabulary)")
+        if not isinstance(tokens, (list, tuple)) or (len(tokens) and not isinstance(tokens[0], str)):
+            raise ValueError(f"'{_K}tokens' must be an array of strings")
+        tokens = list(tokens)
+        n = self.n_tokens = len(tokens)
+        if "" in tokens:       # llama.cpp renames empty tokens so that every text maps back to one id
+            tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.tokens = tokens
+        self.token_to_id = dict(zip(tokens, range(n)))       # a repeated text maps to its last id, as in llama.cpp
 
-    # ------------------------------------------------------------------ BPE
-    def _init_bpe(self, merges: list[str]) -> None:
-        from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-        pairs = []
-        for m in merges:
-            a, sep, b = m.partition(" ")
-            if sep:
-                pairs.append((a, b))
-        vocab = {t: i for i, t in enumerate(self.tokens) if self.types[i] in (NORMAL, UNUSED, BYTE, UNKNOWN)}
-        bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=self.pre in IGNORE_MERGES)
-        tk = Tokenizer(bpe)
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_REGEXES[self.pre]]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        self._hf = tk
+        types = md.get(_K + "token_type")
+        if types is None:
+            self.attr = np.full(n, ATTR_NORMAL, np.int32)
+        else:
+            types = np.asarray(types)
+            if types.ndim != 1 or len(types) < n or not np.issubdtype(types.dtype, np.integer):
+                raise ValueError(f"'{_K}token_type' must be an integer array with one entry per token ({n})")
+            types = types[:n].astype(np.int64)
+            self.attr = np.where((types >= 0) & (types < 7), _TYPE_TO_ATTR[np.clip(types, 0, 6)], 0).astype(np.int32)
+        scores = md.get(_K + "scores")
+        if scores is not None:
+            scores = np.asarray(scores)
+            if len(scores) < n:
+                raise ValueError(f"'{_K}scores' has {len(scores)} entries for {n} tokens")
+            scores = scores[:n].astype(np.float32)
+        self.scores = scores
 
-    def _bpe(self, text: str) -> list[int]:
-        if not text:
+        # per-type defaults (load(): "determine vocab type"), then the pre-tokenizer's own settings
+        self.add_eos = False
+        if self.type == "spm":
+            self.pre, opts = "default", {}
+            ids = dict(bos=1, eos=2, unk=0)
+            self.add_bos, self.add_space_prefix, self.clean_spaces = True, True, False
+        else:
+            pre = str(md.get(_K + "pre", "") or "default")     # llama.cpp warns and uses 'default' when empty
+            if pre in UNSUPPORTED_PRE:
+                raise ValueError(f"pre-tokenizer {pre!r} ('{_K}pre') is not implemented in llampy")
+            if pre not in PRE_TYPES:       # llama.cpp refuses the model: "unknown pre-tokenizer type"
+                raise ValueError(f"unknown pre-tokenizer type {pre!r} in '{_K}pre'")
+            self.pre, opts = pre, PRE_TYPES[pre][1]
+            ids = dict(bos=None if opts.get("no_bos") else 11, eos=11, unk=None)
+            self.add_bos, self.add_space_prefix = opts.get("add_bos", False), False
+            self.clean_spaces = opts.get("clean_spaces", True)
+        self.ignore_merges = opts.get("ignore_merges", False)
+        self.add_space_prefix = bool(md.get(_K + "add_space_prefix", self.add_space_prefix))
+
+        def special_id(key: str, default):
+            default = default if default is not None and 0 <= default < n else None
+            v = md.get(_K + key)
+            if v is None:
+                return default
+            v = int(v)
+            return v if 0 <= v < n else default          # llama.cpp: "bad special token ... using default id"
+
+        self.bos = special_id("bos_token_id", ids["bos"])
+        self.eos = special_id("eos_token_id", ids["eos"])
+        self.eot = special_id("eot_token_id", None)
+        self.eom = special_id("eom_token_id", None)
+        self.unk = special_id("unknown_token_id", ids["unk"])
+        self.sep = special_id("seperator_token_id", None)      # sic: the GGUF key is spelt so
+        self.pad = special_id("padding_token_id", None)
+        self.mask = special_id("mask_token_id", None)
+        fim = {k: special_id(k + "_token_id", None) for k in _FIM_TEXTS}
+        for old, new in (("prefix", "fim_pre"), ("suffix", "fim_suf"), ("middle", "fim_mid")):
+            fim[new] = special_id(old + "_token_id", fim[new])
+        if _K + "add_bos_token" in md:
+            self.add_bos = bool(md[_K + "add_bos_token"])
+        if _K + "add_eos_token" in md:
+            self.add_eos = bool(md[_K + "add_eos_token"])
+
+        self._detect_special_tokens(fim)
+        self._set_name_attrs(md)
+        self.fim = fim
+        self._build_special_cache()
+        self._piece_cache: dict[tuple[int, bool], bytes] = {}
+
+        if self.type == "bpe":
+            merges = md.get(_K + "merges")
+            if merges is None:
+                raise ValueError(f"missing metadata key '{_K}merges' (BPE merges)")
+            self._pre = pre_tokenizer(self.pre)
+            self._bpe = BpeMerger(self.token_to_id, list(merges), self.ignore_merges)
+        else:
+            self._spm_scores = None                             # a list of floats, made on first use
+            tid = self.token_to_id
+            self._byte_ids = [tid.get(f"<0x{b:02X}>", tid.get(chr(b)) if b < 0x80 else None) for b in range(256)]
+        return self
+
+    def _detect_special_tokens(self, fim: dict) -> None:
+        """llama.cpp finds EOT/EOM/FIM tokens by their text when the file names none, forces them to be control
+        tokens, and collects the end-of-generation set the same way. Where several texts match, llama.cpp takes
+        whichever its hash map yields first; we take the lowest id."""
+        tid, attr = self.token_to_id, self.attr
+
+        def find(texts):
+            found = sorted(tid[t] for t in texts if t in tid)
+            return found
+
+        def force_control(i):
+            attr[i] |= ATTR_CONTROL
+
+        if self.eot is None and (found := find(_EOT_TEXTS)):
+            self.eot = found[0]
+            force_control(self.eot)
+        if self.eom is None and "<|eom_id|>" in tid:
+            self.eom = tid["<|eom_id|>"]
+            force_control(self.eom)
+        for k, texts in _FIM_TEXTS.items():
+            if fim[k] is None and (found := find(texts)):
+                fim[k] = found[0]
+                force_control(fim[k])
+        for i in np.flatnonzero(attr & ATTR_CONTROL):            # control tokens named "unused..."
+            if "unused" in self.tokens[i]:
+                attr[i] |= ATTR_UNUSED
+
+        eog = {fim[k] for k in ("fim_pad", "fim_rep", "fim_sep") if fim[k] is not None}
+        for i in find(_EOG_TEXTS):
+            eog.add(i)
+            force_control(i)
+        for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # gpt-oss: always rendered
+            if t in tid:
+                attr[tid[t]] = ATTR_USER_DEFINED
+        eog |= {i for i in (self.eos, self.eot, self.eom) if i is not None}
+        texts = {self.tokens[i]: i for i in eog}
+        # o200k_harmony / solar-open: "<|end|>" ends a message, not the generation
+        if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts)
+                                   or (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)):
+            eog.discard(texts["<|end|>"])
+            attr[texts["<|end|>"]] = ATTR_USER_DEFINED
+        # gemma4 / plamo: "</s>" is a normal token there
+        if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+            eog.discard(texts["</s>"])
+            attr[texts["</s>"]] = ATTR_NORMAL
+        self.eog = eog
+
+    def _set_name_attrs(self, md: dict) -> None:
+        """llama.cpp's per-model token attributes, chosen by model name, pre-tokenizer or architecture."""
+        name = str(md.get("general.name", "")).lower()
+        pre, arch = str(md.get(_K + "pre", "")), str(md.get("general.architecture", ""))
+        tid, attr = self.token_to_id, self.attr
+        if any(s in pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or arch in ("nomic-bert-moe",
+                                                                                          "jina-bert-v3"):
+            if "<mask>" in tid:
+                attr[tid["<mask>"]] |= ATTR_LSTRIP
+        elif "phi-3" in name or "phi3" in name:
+            attr[(attr & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)) != 0] |= ATTR_RSTRIP
+            if "</s>" in tid:
+                attr[tid["</s>"]] |= ATTR_RSTRIP
+            for t in ("<unk>", "<s>", "<|endoftext|>"):
+                if t in tid:
+                    attr[tid[t]] &= ~ATTR_RSTRIP
+        elif "modern-bert" in name and "[MASK]" in tid:
+            attr[tid["[MASK]"]] |= ATTR_LSTRIP
+
+    def _build_special_cache(self) -> None:
+        """Special tokens (control, user-defined, unknown), longest first, indexed by their first two characters
+        so that a text is only searched for the tokens that can occur in it."""
+        ids = np.flatnonzero(self.attr & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN))
+        ids = sorted(ids.tolist(), key=lambda i: (-len(self.tokens[i]), i))
+        self._special_rank = {i: r for r, i in enumerate(ids)}
+        by_prefix: dict[str, list[int]] = {}
+        for i in ids:
+            by_prefix.setdefault(self.tokens[i][:2], []).append(i)
+        self._special_by_prefix = by_prefix
+        firsts = {p[0] for p in by_prefix}
+        self._special_first = re.compile("[" + "".join(re.escape(c) for c in sorted(firsts)) + "]") if firsts \
+            else None
+
+    # ------------------------------------------------------------------------------------------------ tokenize
+    def _specials_in(self, text: str, parse_special: bool) -> list[int]:
+        """The special tokens that occur in ``text`` (and apply), in llama.cpp's order: longest first."""
+        if self._special_first is None:
             return []
-        return self._hf.encode(text, add_special_tokens=False).ids
+        grams = {text[m.start():m.start() + 2] for m in self._special_first.finditer(text)}
+        keys = grams | {g[0] for g in grams}
+        skip = 0 if parse_special else (ATTR_CONTROL | ATTR_UNKNOWN)
+        found = set()
+        for k in keys:
+            for i in self._special_by_prefix.get(k, ()):
+                if not (self.attr[i] & skip) and self.tokens[i] in text:
+                    found.add(i)
+        return sorted(found, key=self._special_rank.__getitem__)
 
-    # ------------------------------------------------------------------ SPM
-    def _spm(self, text: str) -> list[int]:
-        if not text:
-            return []
-        text = text.replace(" ", "\u2581")
-        syms = list(text)
-        n = len(syms)
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        alive = [True] * n
-        heap = []
-        tid = self.token_to_id
-        scores = self.scores
-
-        def push(i, j):
-            s = syms[i] + syms[j]
-            t = tid.get(s)
-            if t is not None:
-                heapq.heappush(heap, (-float(scores[t]) if scores is not None else 0.0, i, s))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, i, s = heapq.heappop(heap)
-            j = nxt[i]
-            if not alive[i] or j < 0 or syms[i] + syms[j] != s:
-                continue
-            syms[i] = s
-            alive[j] = False
-            nxt[i] = nxt[j]
-            if nxt[j] >= 0:
-                prev[nxt[j]] = i
-            if prev[i] >= 0:
-                push(prev[i], i)
-            if nxt[i] >= 0:
-                push(i, nxt[i])
-        out = []
-        i = 0
-        while i >= 0 and i < n:
-            if alive[i]:
-                t = tid.get(syms[i])
-                if t is not None:
-                    out.append(t)
-                else:
-                    for b in syms[i].encode("utf-8"):
-                        bt = self._byte_tokens.get(b)
-                        if bt is None:
-                            if self.unk is not None:
-                                out.append(self.unk)
-                        else:
-                            out.append(bt)
-            i = nxt[i]
-        return out
-
-    # ------------------------------------------------------------------ public
     def _partition(self, text: str, parse_special: bool) -> list:
-        """Split text on special tokens: a list of str fragments and int ids."""
-        cands = [i for i in self._special if parse_special or self.types[i] == USER_DEFINED]
-        if not cands:
-            return [text]
-        key = parse_special
-        rx = self._special_re.get(key)
-        if rx is None:
-            rx = re.compile("|".join(re.escape(self.tokens[i]) for i in cands))
-            self._special_re[key] = rx
-        out, pos = [], 0
-        for m in rx.finditer(text):
-            if m.start() > pos:
-                out.append(text[pos:m.start()])
-            out.append(self.token_to_id[m.group(0)])
-            pos = m.end()
-        if pos < len(text):
-            out.append(text[pos:])
-        return out
+        """tokenizer_st_partition: each special token in turn (longest first) splits every remaining text
+        fragment at all its occurrences. Returns str fragments and int ids."""
+        frags: list = [text]
+        for sid in self._specials_in(text, parse_special):
+            tok, a = self.tokens[sid], int(self.attr[sid])
+            out = []
+            for f in frags:
+                if isinstance(f, int) or tok not in f:
+                    out.append(f)
+                    continue
+                pos = 0
+                while True:
+                    m = f.find(tok, pos)
+                    if m < 0:
+                        if pos < len(f):
+                            out.append(f[pos:])
+                        break
+                    left = f[pos:m]
+                    if a & ATTR_LSTRIP:
+                        left = left.rstrip(_C_SPACE)
+                    if left:
+                        out.append(left)
+                    out.append(sid)
+                    pos = m + len(tok)
+                    if a & ATTR_RSTRIP:
+                        while pos < len(f) and f[pos] in _C_SPACE:
+                            pos += 1
+            frags = out
+        return frags
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
-        ids: list[int] = []
-        if add_special and self.add_bos and self.bos is not None:
-            ids.append(self.bos)
-        encode = self._bpe if self.type == "gpt2" else self._spm
-        first = True
-        for frag in self._partition(text, parse_special):
-            if isinstance(frag, int):
-                ids.append(frag)
-            else:
-                if self.type == "llama" and self.add_space_prefix and first:
-                    frag = " " + frag
-                ids.extend(encode(frag))
-            first = False
-        if add_special and self.add_eos and self.eos is not None:
-            ids.append(self.eos)
-        return ids
+        """llama_tokenize: ``add_special`` adds BOS/EOS as the vocabulary asks; ``parse_special`` lets control
+        tokens written in the text become their ids."""
+        frags = self._partition(text, parse_special) if text else []
+        out: list[int] = []
+        if add_special and self.add_bos:
+            if self.bos is None:
+                raise ValueError("the vocabulary asks for a BOS token but has none")
+            out.append(self.bos)
+        if self.type == "spm":
+            if self._spm_scores is None:
+                self._spm_scores = self.scores.tolist() if self.scores is not None else [0.0] * self.n_tokens
+            prev_special = True             # a space prefix goes before the first text and after special tokens
+            for f in frags:
+                if isinstance(f, int):
+                    out.append(f)
+                    prev_special = True
+                    continue
+                if self.add_space_prefix and prev_special:
+                    f = " " + f
+                out += spm_tokenize(f.replace(" ", "\u2581"), self.token_to_id, self._spm_scores, self._byte_ids)
+                prev_special = False
+        else:
+            for f in frags:
+                if isinstance(f, int):
+                    out.append(f)
+                else:
+                    out += self._bpe.merge([byte_encode(w) for w in self._pre.split(f)])
+        if add_special and self.add_eos:
+            if self.eos is None:
+                raise ValueError("the vocabulary asks for an EOS token but has none")
+            out.append(self.eos)
+        return out
 
+    # ------------------------------------------------------------------------------------------------ detokenize
     def token_to_piece(self, id: int, special: bool = True) -> bytes:
-        id = int(id)
-        if not 0 <= id < self.n_tokens:
-            raise ValueError(f"token id {id} is outside the vocabulary (0..{self.n_tokens - 1})")
-        t = self.types[id]
-        text = self.tokens[id]
-        if t == CONTROL:
-            return text.encode("utf-8") if special else b""
-        if t == UNUSED:
-            return b""
-        if t == USER_DEFINED:
-            return text.encode("utf-8")
-        if self.type == "gpt2":
-            p = self._piece_cache.get(id)
-            if p is None:
-                try:
-                    p = bytes(UNICODE_TO_BYTE[c] for c in text)
-                except KeyError:
-                    p = text.encode("utf-8")
-                self._piece_cache[id] = p
+        """The bytes of one token (llama_token_to_piece with lstrip 0). Control and unknown tokens give their text
+        only when ``special``; unused/undefined tokens give nothing."""
+        key = (int(id), bool(special))
+        p = self._piece_cache.get(key)
+        if p is not None:
             return p
-        if t == BYTE and len(text) == 6:
-            return bytes([int(text[3:5], 16)])
-        return text.replace("\u2581", " ").encode("utf-8")
+        i = key[0]
+        if not 0 <= i < self.n_tokens:
+            raise ValueError(f"token id {i} is outside the vocabulary (0..{self.n_tokens - 1})")
+        a, text = int(self.attr[i]), self.tokens[i]
+        if not special and a & (ATTR_UNKNOWN | ATTR_CONTROL):
+            p = b""
+        elif a & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
+            p = text.encode("utf-8", "surrogatepass")
+        elif a & ATTR_NORMAL:
+            p = text.replace("\u2581", " ").encode("utf-8") if self.type == "spm" else _bpe_decode(text)
+        elif a & ATTR_BYTE:
+            p = bytes([int(text[3:5], 16)])
+        else:
+            p = b""
+        self._piece_cache[key] = p
+        return p
 
-    def detokenize(self, ids, special: bool = True) -> str:
-        return b"".join(self.token_to_piece(i, special) for i in ids).decode("utf-8", errors="replace")
+    def detokenize_bytes(self, ids, special: bool = True, remove_special: bool = False) -> bytes:
+        """llama_detokenize: pieces joined, the first one's leading space dropped where the vocabulary adds a space
+        prefix, BOS/EOS dropped with ``remove_special``, and BPE's ``clean_spaces`` tidy-up."""
+        ids = [int(i) for i in ids]
+        remove_space = self.add_space_prefix
+        if remove_special and self.add_bos and ids and ids[0] == self.bos:
+            remove_space = False
+            ids = ids[1:]
+        if remove_special and self.add_eos and ids and ids[-1] == self.eos:
+            ids = ids[:-1]
+        pieces = [self.token_to_piece(i, special) for i in ids]
+        if remove_space and pieces and pieces[0][:1] == b" ":
+            pieces[0] = pieces[0][1:]
+        text = b"".join(pieces)
+        if self.clean_spaces:
+            text = re.sub(rb" (?=[?!.,])", b"", text)           # " ?", " !", " .", " ,"
+            text = re.sub(rb" ' ", b"'", text)                   # a lone apostrophe between spaces
+            text = re.sub(rb" '(?=[sm]|re|ve)", b"'", text)       # " 's", " 'm", " 're", " 've"
+        return text
 
-    def is_eog(self, id: int) -> bool:
+    def detokenize(self, ids, special: bool = True, remove_special: bool = False) -> str:
+        return self.detokenize_bytes(ids, special, remove_special).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------------------------------------ queries
+    def is_eog(self, id) -> bool:
         return int(id) in self.eog
 
-    def is_control(self, id: int) -> bool:
-        return self.types[int(id)] == CONTROL
+    def is_control(self, id) -> bool:
+        return bool(self.attr[int(id)] & ATTR_CONTROL)
 
     def token_text(self, id: int) -> str:
         return self.tokens[int(id)]
 
+    def __repr__(self) -> str:
+        return (f"Vocab({self.model}/{self.pre}, {self.n_tokens} tokens, bos={self.bos}, eos={self.eos}, "
+                f"eog={sorted(self.eog)}, add_bos={self.add_bos})")
+
+
+def _bpe_decode(text: str) -> bytes:
+    """A byte-level BPE token back to bytes. A character outside GPT-2's byte map comes out as llama.cpp writes
+    it: ``[UNK_BYTE_0x<its utf-8 in hex><the token's text>]``."""
+    try:
+        return bytes(UNICODE_TO_BYTE[c] for c in text)
+    except KeyError:
+        out = bytearray()
+        for c in text:
+            b = UNICODE_TO_BYTE.get(c)
+            if b is not None:
+                out.append(b)
+            else:
+                out += b"[UNK_BYTE_0x" + c.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
+        return bytes(out)
+
 
 class StreamDecoder:
-    """Incremental detokenizer: feed ids, get text that never ends inside a UTF-8 character."""
+    """Incremental detokenizer: ``feed`` ids one at a time and get text that never ends inside a UTF-8 character
+    (an incomplete sequence waits for the next token); ``flush`` at the end. The pieces concatenate to the
+    token pieces decoded at once (llama.cpp's server streams the same way: pieces, no clean_spaces)."""
 
     def __init__(self, vocab: Vocab, special: bool = True):
         self.vocab = vocab
         self.special = special
-        self.pending = b""
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, id: int) -> str:
-        self.pending += self.vocab.token_to_piece(id, self.special)
-        b = self.pending
-        # keep back an incomplete trailing UTF-8 sequence
-        cut = len(b)
-        for k in range(1, min(4, len(b)) + 1):
-            c = b[-k]
-            if c & 0xC0 == 0x80:
-                continue
-            need = 1 if c < 0x80 else 2 if c >> 5 == 6 else 3 if c >> 4 == 14 else 4 if c >> 3 == 30 else 1
-            if need > k:
-                cut = len(b) - k
-            break
-        out, self.pending = b[:cut], b[cut:]
-        return out.decode("utf-8", errors="replace")
+        return self._dec.decode(self.vocab.token_to_piece(id, self.special))
 
     def flush(self) -> str:
-        out, self.pending = self.pending, b""
-        return out.decode("utf-8", errors="replace")
+        return self._dec.decode(b"", final=True)
