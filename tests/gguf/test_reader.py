@@ -1,165 +1,118 @@
-"""GGUF reader and writer: agreement with gguf-py, hostile files, fuzzing, byte-identical round trips."""
+"""GGUF reader: agreement with gguf-py (the oracle) on every key and tensor, zero-copy views, open times."""
 from __future__ import annotations
 
-import hashlib
-import struct
+import time
 
 import gguf
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
 
-from llampy.gguf import GGUFError, GGUFReader, GGUFWriter, copy_gguf
-from llampy.gguf.constants import GGUFValueType as VT
+from llampy.ggml.types import GGMLType
+from llampy.gguf import GGUFError, GGUFReader, GGUFValueType as VT, TensorInfo
 
-from tests.paths import TINY
-
-TINY_FILES = sorted(TINY.glob("*.gguf"))
+from .conftest import TINY_FILES
 
 
-def _plain(v):
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    return v
-
-
-@pytest.mark.parametrize("path", TINY_FILES[:3], ids=lambda p: p.name)
-def test_matches_gguf_py(path):
-    ours = GGUFReader(path)
-    theirs = gguf.GGUFReader(path)
-    for field in theirs.fields.values():
-        if field.name.startswith("GGUF."):
-            continue
-        v = field.contents()
-        assert _plain(ours.metadata[field.name]) == pytest.approx(v) if isinstance(v, float) else \
-            _plain(ours.metadata[field.name]) == v, field.name
+def assert_same_as_gguf_py(ours: GGUFReader, theirs: gguf.GGUFReader) -> None:
+    """Every key (value, value type, order) and every tensor (type, shape, offset, size, bytes, typed view)."""
+    fields = [f for f in theirs.fields.values() if not f.name.startswith("GGUF.")]
+    assert list(ours.metadata) == [f.name for f in fields]
+    for f in fields:
+        ov, tv = ours.metadata[f.name], f.contents()
+        assert ours.value_types[f.name] == tuple(VT(int(t)) for t in f.types), f.name
+        if isinstance(ov, np.ndarray):
+            assert ov.ndim == 1 and not ov.flags.writeable, f.name
+            assert ov.dtype.kind == ("b" if f.types[-1] == gguf.GGUFValueType.BOOL else ov.dtype.kind)
+            np.testing.assert_array_equal(ov, np.asarray(tv), err_msg=f.name)
+        else:
+            assert type(ov) is type(tv) and ov == tv, f.name
+    assert ours.version == theirs.fields["GGUF.version"].contents()
+    assert ours.alignment == theirs.alignment and ours.data_offset == theirs.data_offset
     assert list(ours.tensors) == [t.name for t in theirs.tensors]
     for t in theirs.tensors:
         o = ours.tensors[t.name]
-        assert int(o.type) == int(t.tensor_type) and list(o.ne) == [int(x) for x in t.shape]
-        assert o.offset == t.data_offset and o.nbytes == t.n_bytes
+        assert o.type == GGMLType(int(t.tensor_type)), t.name
+        assert o.ne == tuple(int(x) for x in t.shape), t.name
+        assert (o.offset, o.nbytes) == (t.data_offset, t.n_bytes), t.name
+        assert o.data.dtype == np.uint8 and o.data.shape == (o.nbytes,) and not o.data.flags.writeable
+        arr, expect = ours.tensor_array(t.name), t.data
+        if o.type == GGMLType.BF16:   # ours: the uint16 bits shaped reversed(ne); gguf-py: raw bytes
+            arr, expect = arr.reshape(-1).view(np.uint8), expect.reshape(-1).view(np.uint8)
+        elif o.type.name not in ("F32", "F16", "F64", "I8", "I16", "I32", "I64"):
+            # block types: gguf-py keeps the leading dims; ours is [n_rows, row_bytes] whatever n_dims
+            expect = expect.reshape(-1, expect.shape[-1])
+        assert arr.shape == expect.shape and arr.dtype == expect.dtype, t.name
+        np.testing.assert_array_equal(arr, expect, err_msg=t.name)
 
 
-def test_real_models_open_and_match_gguf_py_tensors(smollm2_path):
-    r = GGUFReader(smollm2_path)
-    theirs = gguf.GGUFReader(smollm2_path)
-    assert len(r.tensors) == len(theirs.tensors) == 272
-    for t in theirs.tensors:
-        np.testing.assert_array_equal(r.tensors[t.name].data, np.asarray(t.data).reshape(-1).view(np.uint8))
-    assert len(r.metadata["tokenizer.ggml.tokens"]) == 49152
+@pytest.mark.parametrize("path", TINY_FILES, ids=lambda p: p.name)
+def test_tiny_fixtures_match_gguf_py(path):
+    with GGUFReader(path) as ours:
+        assert_same_as_gguf_py(ours, gguf.GGUFReader(path))
 
 
-@pytest.mark.slow
-def test_gemma_opens_fast_and_round_trips(gemma3_path, tmp_path):
-    import time
-    t0 = time.perf_counter()
-    r = GGUFReader(gemma3_path)
-    assert time.perf_counter() - t0 < 3.0   # the benchmark asserts 0.3 s; here, a loose sanity bound
-    assert len(r.metadata["tokenizer.ggml.tokens"]) == 262144
-    copy_gguf(r, tmp_path / "g.gguf")
-    assert _sha(tmp_path / "g.gguf") == _sha(gemma3_path)
+def test_smollm2_matches_gguf_py(smollm2_file):
+    with GGUFReader(smollm2_file) as ours:
+        assert_same_as_gguf_py(ours, gguf.GGUFReader(smollm2_file))
+        assert len(ours.tensors) == 272 and len(ours.get("tokenizer.ggml.tokens")) == 49152
+        assert ours.get("tokenizer.ggml.merges")[0] == "Ġ t"
 
 
-def _sha(p):
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
+@pytest.mark.slow  # gguf-py alone takes ~9 s to open it
+def test_gemma3_matches_gguf_py(gemma3_file):
+    with GGUFReader(gemma3_file) as ours:
+        assert_same_as_gguf_py(ours, gguf.GGUFReader(gemma3_file))
+        assert {t.type for t in ours.tensors.values()} >= {GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K}
 
 
-def test_writer_round_trip_is_byte_identical(smollm2_path, tmp_path):
-    copy_gguf(GGUFReader(smollm2_path), tmp_path / "s.gguf")
-    assert _sha(tmp_path / "s.gguf") == _sha(smollm2_path)
+def _best_open_time(path, n=3) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        GGUFReader(path).close()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
-def test_writer_makes_readable_files(tmp_path):
-    w = GGUFWriter(tmp_path / "x.gguf")
-    w.add("general.architecture", "llama")
-    w.add("a.int", 7)
-    w.add("a.floats", np.array([1.5, 2.5], np.float32))
-    w.add("a.strings", ["x", "ünï"])
-    w.add("a.nested", [[1, 2], [3]], (VT.ARRAY, VT.ARRAY, VT.INT32))
-    w.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
-    w.write()
-    r = GGUFReader(tmp_path / "x.gguf")
-    assert r.metadata["a.int"] == 7 and r.metadata["a.strings"] == ["x", "ünï"]
-    assert _plain(r.metadata["a.nested"]) == [[1, 2], [3]]
-    assert r.tensors["t"].ne == (4, 3)
-    np.testing.assert_array_equal(r.tensor_array("t"), np.arange(12).reshape(3, 4))
+def test_open_is_fast(smollm2_file, gemma3_file):
+    # the brief's bound is 0.3 s for Gemma 3 (262k strings); measured ~0.09 s here, ~0.035 s for SmolLM2.
+    # Best of 3 keeps a busy shared machine from failing it.
+    assert _best_open_time(gemma3_file) < 0.3
+    assert _best_open_time(smollm2_file) < 0.15
 
 
-# ------------------------------------------------------------------------------ hostile files
-def header(n_tensors=0, n_kv=0, version=3, magic=b"GGUF"):
-    return magic + struct.pack("<IQQ", version, n_tensors, n_kv)
+def test_views_are_zero_copy_and_typed(smollm2_file):
+    with GGUFReader(smollm2_file) as r:
+        scores = r.get("tokenizer.ggml.token_type")
+        assert isinstance(scores, np.ndarray) and scores.dtype == np.int32 and not scores.flags.owndata
+        info = r.tensors["token_embd.weight"]
+        assert isinstance(info, TensorInfo) and info.type == GGMLType.Q8_0 and info.ne == (576, 49152)
+        q = r.tensor_array("token_embd.weight")
+        assert q.shape == (49152, 576 // 32 * 34) and q.dtype == np.uint8
+        assert np.shares_memory(q, info.data)
+        norm = r.tensor_array("blk.0.attn_norm.weight")
+        assert norm.dtype == np.float32 and norm.shape == (576,)
+        assert norm.ctypes.data == np.frombuffer(r._mm, np.uint8).ctypes.data + r.tensors["blk.0.attn_norm.weight"].offset
+        assert r.get("no.such.key", 7) == 7
+        assert isinstance(r.get("llama.block_count"), int) and isinstance(r.get("llama.rope.freq_base"), float)
+        assert r.get("tokenizer.ggml.add_bos_token") is False
+        assert r.data_offset % r.alignment == 0 and r.file_size == smollm2_file.stat().st_size
+        with pytest.raises(ValueError):
+            norm[0] = 1.0   # read-only mapping
 
 
-def gstr(s: bytes):
-    return struct.pack("<Q", len(s)) + s
+def test_close_keeps_handed_out_views_valid(smollm2_file):
+    r = GGUFReader(smollm2_file)
+    norm = r.tensor_array("blk.0.attn_norm.weight")
+    expect = norm.copy()
+    r.close()
+    np.testing.assert_array_equal(norm, expect)   # the mapping stays while a view holds it
+    assert r.tensors == {} or all(t.data is None for t in r.tensors.values())
 
 
-def write(tmp_path, data: bytes):
-    p = tmp_path / "bad.gguf"
-    p.write_bytes(data + b"\0" * 256)
-    return p
-
-
-@pytest.mark.parametrize("data,msg", [
-    (header(magic=b"GGML"), "bad magic"),
-    (header(version=7), "unsupported GGUF version 7"),
-    (header(n_kv=10**15), "metadata count"),
-    (header(n_tensors=10**15), "tensor count"),
-    (header(n_kv=1) + gstr(b"k") + struct.pack("<I", 99), "unknown value type 99"),
-    (header(n_kv=1) + struct.pack("<Q", 10**12) + b"k", "string length"),
-    (header(n_kv=1) + gstr(b"k") + struct.pack("<IIQ", 9, 4, 10**15), "runs past the end"),
-    (header(n_kv=1) + gstr(b"k") + struct.pack("<I", 8) + gstr(b"\xff\xfe"), "invalid UTF-8"),
-    (header(n_kv=2) + (gstr(b"k") + struct.pack("<II", 4, 1)) * 2, "duplicate metadata key"),
-    (header(n_tensors=1) + gstr(b"t") + struct.pack("<I", 9), "n_dims 9"),
-    (header(n_tensors=1) + gstr(b"t") + struct.pack("<IQIQ", 1, 8, 77, 0), "unknown tensor type 77"),
-    (header(n_tensors=1) + gstr(b"t") + struct.pack("<IQQIQ", 2, 2**40, 2**40, 0, 0), "overflows"),
-    (header(n_tensors=1) + gstr(b"t") + struct.pack("<IQIQ", 1, 33, 2, 0), "whole number"),
-    (header(n_tensors=1) + gstr(b"t") + struct.pack("<IQIQ", 1, 8, 0, 3), "not aligned"),
-    (header(n_tensors=1) + gstr(b"t") + struct.pack("<IQIQ", 1, 10**6, 0, 0), "outside the file"),
-    (header(n_tensors=2) + gstr(b"a") + struct.pack("<IQIQ", 1, 16, 0, 0) + gstr(b"b") + struct.pack("<IQIQ", 1, 16, 0, 32),
-     "overlap"),
-    (header(n_kv=1) + gstr(b"k") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 9, 1) * 20, "nested deeper"),
-])
-def test_hostile_files_raise_gguf_error(tmp_path, data, msg):
-    with pytest.raises(GGUFError, match=msg) as e:
-        GGUFReader(write(tmp_path, data))
-    assert "byte" in str(e.value) or "open" in str(e.value) or "count" in str(e.value)
-
-
-def test_truncated_real_file(tmp_path, smollm2_path):
-    raw = smollm2_path.read_bytes()
-    for cut in (10, 1000, 2_000_000, len(raw) - 10):
-        p = tmp_path / f"t{cut}.gguf"
-        p.write_bytes(raw[:cut])
-        with pytest.raises(GGUFError):
-            GGUFReader(p)
-
-
-def test_missing_file():
-    with pytest.raises(GGUFError, match="cannot open"):
-        GGUFReader("/nonexistent/model.gguf")
-
-
-SEED_FILE = (TINY / "llama-F32.gguf").read_bytes()[:600_000]
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(0, 200_000), st.integers(0, 255)), min_size=1, max_size=8),
-       st.integers(16, len(SEED_FILE)))
-def test_fuzz_mutated_and_truncated(tmp_path, edits, cut):
-    data = bytearray(SEED_FILE[:cut])
-    for pos, val in edits:
-        if pos < len(data):
-            data[pos] = val
-    p = tmp_path / "f.gguf"
-    p.write_bytes(bytes(data))
-    try:
-        GGUFReader(p).close()
-    except GGUFError:
-        pass
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(GGUFError, match="cannot open: No such file") as e:
+        GGUFReader(tmp_path / "nope.gguf")
+    assert str(e.value).startswith(str(tmp_path / "nope.gguf") + ": ")
+    with pytest.raises(GGUFError, match="not a regular file"):
+        GGUFReader(tmp_path)
