@@ -1,101 +1,158 @@
 """The fusion pass: rewrite known patterns into single nodes before scheduling.
 
-- rms_norm(x) · w                        -> RMS_NORM_MUL(x, w)
-- silu(g) · u, gelu(g) · u               -> SWIGLU(g, u), GEGLU(g, u)
-- scale(tanh(scale(x, a)), b)            -> SOFTCAP(x, a, b)
-- permute(mul_mat(vᵀ, soft_max_ext(mul_mat(k, q), mask, scale)), 0, 2, 1, 3)
-                                         -> FLASH_ATTN_EXT(q, k, v, mask, scale)
-A pattern fuses only when its intermediates have no other reader and are not outputs, and when ``supports``
-(a backend or a predicate on the new node) accepts the fused node. Results are unchanged up to float rounding
-(flash attention rounds Q, K and V to F16 as llama.cpp's CPU kernel does).
+  rms_norm(x) · w                                  -> RMS_NORM_MUL(x, w)        (w broadcast over x)
+  silu(g) · u,  gelu(g) · u                        -> SWIGLU(g, u), GEGLU(g, u) (same shapes)
+  scale(tanh(scale(x, a)), b)                      -> SOFTCAP(x, a, b)          (no offsets)
+  permute(mul_mat(vᵀ, soft_max_ext(kq, mask, s)), 0, 2, 1, 3), kq = mul_mat(k, q)
+                                                   -> FLASH_ATTN_EXT(q, k, v, mask, s)
+      the attention of llama.cpp without flash attention, with the shapes of ops.py:
+      q [d, n_q, n_head]  k [d, n_kv, n_head_kv]  vᵀ [n_kv, d_v, n_head_kv]  ->  kq [n_kv, n_q, n_head]
+      -> kqv [d_v, n_q, n_head] -> permuted [d_v, n_head, n_q], which is flash_attn_ext's own result layout.
+      A soft-capped kq (SOFTCAP(kq, a, b) under a softmax with scale 1, as gemma2 builds it) folds into the
+      flash-attention node's scale a·b and softcap b.
+
+A pattern fuses only when its intermediates have no other reader (nodes or views) and are not graph outputs or
+inputs, and when ``supports`` (a backend, or a predicate on the new node) accepts the fused node. The fused node
+takes the place, name and OUTPUT flag of the pattern's last node; the graph keeps its order otherwise. Results are
+unchanged up to float rounding (the CPU flash attention rounds Q, K and V to F16, as llama.cpp's does).
 """
 from __future__ import annotations
 
 from . import ops
 from .graph import Graph
-from .tensor import Flags, Op, Tensor
+from .tensor import Flags, Op, Tensor, VIEW_OPS
+
+_PINNED = Flags.OUTPUT | Flags.INPUT | Flags.WEIGHT
 
 
-def _consumers(g: Graph) -> dict[int, list[Tensor]]:
+def _readers(g: Graph) -> dict[int, list[Tensor]]:
+    """Tensor id -> the nodes that read it as a source or view its memory."""
     users: dict[int, list[Tensor]] = {}
     for n in g.nodes:
         for s in n.src:
             if s is not None:
                 users.setdefault(s.id, []).append(n)
-        if n.view_src is not None and n.view_src not in n.src:
+        if n.view_src is not None and all(s is not n.view_src for s in n.src):
             users.setdefault(n.view_src.id, []).append(n)
     return users
 
 
 def _private(t: Tensor, users, consumer: Tensor) -> bool:
-    """t is read only by ``consumer`` and is not a graph output."""
-    return not (t.flags & Flags.OUTPUT) and [u.id for u in users.get(t.id, [])] == [consumer.id]
+    """t is read by ``consumer`` alone (once or more) and is a plain intermediate."""
+    return (t.op is not Op.NONE and not (t.flags & _PINNED) and t.view_src is None
+            and all(u is consumer for u in users.get(t.id, ())))
 
 
 def _accepts(supports, node: Tensor) -> bool:
     if supports is None:
         return True
     if hasattr(supports, "supports_op"):
-        return supports.supports_op(node)
+        return bool(supports.supports_op(node))
     return bool(supports(node))
 
 
+def _no_offset_scale(t: Tensor) -> bool:
+    return t.op is Op.SCALE and t.op_params.get("b", 0.0) == 0.0
+
+
 def _match(n: Tensor, users):
-    """A fused replacement for node n, or None."""
-    if n.op == Op.MUL and len(n.src) == 2:
+    """(fused node, the intermediates it removes), or None."""
+    if n.op is Op.MUL:
         a, b = n.src
         for x, w in ((a, b), (b, a)):
-            if x.op == Op.RMS_NORM and _private(x, users, n) and ops._can_repeat(w, x) and x.ne == n.ne:
-                return ops.rms_norm_mul(x.src[0], w, x.op_params["eps"])
+            if x.op is Op.RMS_NORM and x.ne == n.ne and _private(x, users, n) and ops._can_repeat(w, x):
+                return ops.rms_norm_mul(x.src[0], w, x.op_params["eps"]), [x]
         for x, u in ((a, b), (b, a)):
-            if x.op in (Op.SILU, Op.GELU) and _private(x, users, n) and x.ne == u.ne == n.ne:
-                return (ops.swiglu if x.op == Op.SILU else ops.geglu)(x.src[0], u)
-    if n.op == Op.SCALE and n.op_params.get("b", 0.0) == 0.0:
+            if x.op in (Op.SILU, Op.GELU) and x.ne == u.ne == n.ne and x is not u and _private(x, users, n):
+                glu = ops.swiglu if x.op is Op.SILU else ops.geglu
+                return glu(x.src[0], u), [x]
+    if _no_offset_scale(n):
         t = n.src[0]
-        if t.op == Op.TANH and _private(t, users, n):
+        if t.op is Op.TANH and _private(t, users, n):
             s = t.src[0]
-            if s.op == Op.SCALE and s.op_params.get("b", 0.0) == 0.0 and _private(s, users, t):
-                return ops.softcap(s.src[0], s.op_params["s"], n.op_params["s"])
-    if n.op == Op.PERMUTE and n.op_params.get("axes") == (0, 2, 1, 3):
-        kqv = n.src[0]
-        if kqv.op == Op.MUL_MAT and _private(kqv, users, n):
-            vt, sm = kqv.src
-            if sm.op == Op.SOFT_MAX and _private(sm, users, kqv) and sm.op_params.get("max_bias", 0.0) == 0.0:
-                kq = sm.src[0]
-                if kq.op == Op.MUL_MAT and _private(kq, users, sm):
-                    k, q = kq.src
-                    mask = sm.src[1] if sm.op_params.get("has_mask") else None
-                    v = ops.transpose(vt)          # back to [d_v, n_kv, n_head_kv]
-                    if v.ne[1] != k.ne[1] or v.ne[2] != k.ne[2]:
-                        return None
-                    return ops.flash_attn_ext(q, k, v, mask, sm.op_params["scale"])
+            if _no_offset_scale(s) and _private(s, users, t):
+                return ops.softcap(s.src[0], s.op_params["s"], n.op_params["s"]), [t, s]
+    if n.op is Op.PERMUTE and n.op_params.get("axes") == (0, 2, 1, 3):
+        return _match_attention(n, users)
     return None
 
 
-def fuse(g: Graph, supports=None) -> tuple[Graph, int]:
-    """Returns (the fused graph, the number of rewrites). The input graph's nodes are rewired in place."""
-    users0 = _consumers(g)
-    roots = [n for n in g.nodes if n.id not in users0 or n.flags & Flags.OUTPUT]
+def _match_attention(n: Tensor, users):
+    kqv = n.view_src
+    if kqv is None or n.src[0] is not kqv or kqv.op is not Op.MUL_MAT or not _private(kqv, users, n):
+        return None
+    # the permuted result is replaced by a fresh tensor: its readers must read it as a node, not view its memory
+    if any(u.op in VIEW_OPS for u in users.get(n.id, ())):
+        return None
+    vt, sm = kqv.src
+    if sm.op is not Op.SOFT_MAX or not _private(sm, users, kqv):
+        return None
+    p = sm.op_params
+    kq = sm.src[0]
+    softcap, scale, removed = 0.0, p["scale"], [kqv, sm]
+    if kq.op is Op.SOFTCAP and p["scale"] == 1.0 and _private(kq, users, sm):
+        # softcap·tanh(kq·s_in) == c·tanh(kq·scale / c) with c = s_out, scale = s_in·s_out
+        softcap, scale = kq.op_params["s_out"], kq.op_params["s_in"] * kq.op_params["s_out"]
+        removed.append(kq)
+        kq = kq.src[0]
+    if kq.op is not Op.MUL_MAT or not _private(kq, users, sm) or softcap < 0:
+        return None
+    removed.append(kq)
+    k, q = kq.src
+    mask = sm.src[1] if p.get("has_mask") else None
+    if vt.ne[0] != k.ne[1] or vt.ne[2] != k.ne[2] or vt.ne[3] != k.ne[3] or q.ne[3] != k.ne[3]:
+        return None
+    if q.ne[2] % k.ne[2] or (mask is not None and (mask.ne[2] != 1 or mask.ne[3] != 1)):
+        return None
+    v = ops.transpose(vt)                     # [d_v, n_kv, n_head_kv], a view of the same memory
+    fa = ops.flash_attn_ext(q, k, v, mask, scale, p.get("max_bias", 0.0), softcap)
+    if fa.ne != n.ne:
+        return None
+    return fa, removed
+
+
+def fuse(g: Graph, supports=None, max_passes: int = 4) -> tuple[Graph, int]:
+    """Rewrite the patterns above. Returns (the fused graph, the number of rewrites); ``g`` is left as a graph
+    whose readers point at the fused nodes (build a new one from its outputs to use it)."""
     n_fused = 0
-    changed = True
-    budget = len(g.nodes)        # every rewrite removes a node: never loop forever
-    while changed and budget > 0:
-        budget -= 1
-        changed = False
-        users = _consumers(g)
-        for n in list(g.nodes):
-            new = _match(n, users)
-            if new is None or not _accepts(supports, new):
+    nodes = list(g.nodes)
+    for _ in range(max_passes):    # a rewrite can expose another (softcap inside attention): a few passes
+        cur = Graph()
+        cur.nodes, cur.leafs = nodes, list(g.leafs)
+        users = _readers(cur)
+        replaced: dict[int, Tensor] = {}
+        removed: set[int] = set()
+        fresh: set[int] = set()        # nodes made in this pass: the readers map does not know them yet
+        for n in nodes:
+            if n.id in removed:
+                continue
+            m = _match(n, users)
+            if m is None:
+                continue
+            new, gone = m
+            # a pattern overlapping one rewritten in this pass waits for the next pass
+            if any(t.id in removed or t.id in replaced or t.id in fresh for t in gone) or not _accepts(supports, new):
                 continue
             new.name = n.name
             new.flags |= n.flags & Flags.OUTPUT
-            for u in users.get(n.id, []):
+            for u in users.get(n.id, ()):
                 u.src = [new if s is n else s for s in u.src]
-                if u.view_src is n:      # views (reshape, permute...) read the fused node's memory now
+                if u.view_src is n:      # views (reshape, permute...) now read the fused node's memory
                     u.view_src = new
-            roots = [new if r is n else r for r in roots]
+            replaced[n.id] = new
+            fresh.add(new.id)
+            removed.update(t.id for t in gone)
             n_fused += 1
-            changed = True
-            g = Graph.build(*roots)
+        if not replaced:
             break
+        # keep the order: the fused node (after any helper views it made) takes its pattern's last node's place
+        out = Graph()
+        for t in g.leafs:
+            out.expand(t)
+        for n in nodes:
+            if n.id in removed:
+                continue
+            out.expand(replaced.get(n.id, n))
+        nodes = out.nodes
+        g = out
     return g, n_fused
