@@ -236,8 +236,11 @@ def bpe_merge_word(word: str, ranks: dict, token_to_id: dict, ignore_merges: boo
         if t is not None:
             out.append(t)
             continue
-        for b in s.encode("utf-8"):                    # llama.cpp looks each byte up as a one-byte string
-            t = token_to_id.get(chr(b) if b < 0x80 and byte_tokens else f"<0x{b:02X}>")
+        for b in s.encode("utf-8"):
+            if byte_tokens:     # llama.cpp looks each byte up as a one-byte string: only ASCII can match
+                t = token_to_id.get(chr(b)) if b < 0x80 else None
+            else:
+                t = token_to_id.get(f"<0x{b:02X}>")
             if t is not None:
                 out.append(t)
     return out
@@ -254,13 +257,15 @@ class BpeMerger:
         self.pairs = [split_merge(m) for m in merges]
         self._ranks = None
         self._cache: dict[str, list[int]] = {}
-        self.hf = None
-        if all(c in token_to_id for c in BYTE_TO_UNICODE.values()):
-            try:
-                from tokenizers import Tokenizer, models
-                self.hf = Tokenizer(models.BPE(vocab=token_to_id, merges=self.pairs, ignore_merges=ignore_merges))
-            except Exception:                       # a merge result outside the vocabulary: HF refuses, we don't
-                self.hf = None
+        # HF drops a character missing from the vocabulary and lets its neighbours merge; llama.cpp keeps it in
+        # place (and drops it only at the end). Words holding such a character go through bpe_merge_word.
+        missing = [c for c in BYTE_TO_UNICODE.values() if c not in token_to_id]
+        self._missing = re.compile("[" + "".join(re.escape(c) for c in missing) + "]") if missing else None
+        try:
+            from tokenizers import Tokenizer, models
+            self.hf = Tokenizer(models.BPE(vocab=token_to_id, merges=self.pairs, ignore_merges=ignore_merges))
+        except Exception:                           # a merge result outside the vocabulary: HF refuses, we don't
+            self.hf = None
 
     @property
     def ranks(self) -> dict:
@@ -272,10 +277,23 @@ class BpeMerger:
 
     def merge(self, words: list[str]) -> list[int]:
         """words are byte-encoded already."""
-        if not words:
-            return []
-        if self.hf is not None:
-            return self.hf.encode(words, is_pretokenized=True, add_special_tokens=False).ids
+        if self.hf is None:
+            return self._merge_py(words)
+        if self._missing is None or not self._missing.search("".join(words)):
+            return self._merge_hf(words)
+        out, run = [], []
+        for w in words:
+            if self._missing.search(w):
+                out += self._merge_hf(run) + self._merge_py([w])
+                run = []
+            else:
+                run.append(w)
+        return out + self._merge_hf(run)
+
+    def _merge_hf(self, words: list[str]) -> list[int]:
+        return self.hf.encode(words, is_pretokenized=True, add_special_tokens=False).ids if words else []
+
+    def _merge_py(self, words: list[str]) -> list[int]:
         out = []
         for w in words:
             ids = self._cache.get(w)
