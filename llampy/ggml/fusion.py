@@ -89,13 +89,13 @@ def _match_attention(n: Tensor, users):
         return None
     p = sm.op_params
     kq = sm.src[0]
-    softcap, scale, removed = 0.0, p["scale"], [kqv, sm]
+    softcap, scale, removed, reader = 0.0, p["scale"], [kqv, sm], sm
     if kq.op is Op.SOFTCAP and p["scale"] == 1.0 and _private(kq, users, sm):
         # softcap·tanh(kq·s_in) == c·tanh(kq·scale / c) with c = s_out, scale = s_in·s_out
         softcap, scale = kq.op_params["s_out"], kq.op_params["s_in"] * kq.op_params["s_out"]
         removed.append(kq)
-        kq = kq.src[0]
-    if kq.op is not Op.MUL_MAT or not _private(kq, users, sm) or softcap < 0:
+        reader, kq = kq, kq.src[0]
+    if kq.op is not Op.MUL_MAT or not _private(kq, users, reader) or softcap < 0:
         return None
     removed.append(kq)
     k, q = kq.src
