@@ -1,0 +1,161 @@
+"""GGUF writer: byte-identical round trips of real files, every value type, inference, gguf-py reads what we write."""
+from __future__ import annotations
+
+import io
+
+import gguf
+import numpy as np
+import pytest
+
+from llampy.ggml.types import GGMLType
+from llampy.gguf import GGUFReader, GGUFValueType as VT, GGUFWriter, copy_gguf
+from llampy.gguf.constants import SCALAR_DTYPES
+from llampy.gguf.writer import infer_value_type
+
+from .conftest import TINY_FILES, sha256
+
+
+def test_smollm2_round_trip_is_byte_identical(smollm2_file, tmp_path):
+    with GGUFReader(smollm2_file) as r:
+        copy_gguf(r, tmp_path / "s.gguf")
+    assert sha256(tmp_path / "s.gguf") == sha256(smollm2_file)
+
+
+def test_gemma3_round_trip_is_byte_identical(gemma3_file, tmp_path):
+    with GGUFReader(gemma3_file) as r:
+        GGUFWriter.from_reader(r, tmp_path / "g.gguf").write()
+    assert sha256(tmp_path / "g.gguf") == sha256(gemma3_file)
+
+
+@pytest.mark.parametrize("path", TINY_FILES, ids=lambda p: p.name)
+def test_tiny_fixtures_round_trip_to_a_file_object(path):
+    buf = io.BytesIO()
+    with GGUFReader(path) as r:
+        copy_gguf(r, buf)
+    assert buf.getvalue() == path.read_bytes()
+
+
+SCALARS = [(VT.UINT8, 255), (VT.INT8, -128), (VT.UINT16, 65535), (VT.INT16, -32768), (VT.UINT32, 2**32 - 1),
+           (VT.INT32, -2**31), (VT.FLOAT32, 0.1), (VT.BOOL, True), (VT.STRING, "naïve ✓"), (VT.UINT64, 2**64 - 1),
+           (VT.INT64, -2**63), (VT.FLOAT64, 0.1)]
+
+
+def test_every_value_type_round_trips_and_gguf_py_agrees(tmp_path):
+    p = tmp_path / "all.gguf"
+    w = GGUFWriter(p)
+    for vt, v in SCALARS:
+        w.add(f"s.{vt.name}", v, vt)
+        w.add(f"a.{vt.name}", [v, v, v] if vt != VT.BOOL else [True, False, True], (VT.ARRAY, vt))
+    w.add("a.empty", [], (VT.ARRAY, VT.STRING))
+    w.add("a.nested", [[1, 2], [3], []], (VT.ARRAY, VT.ARRAY, VT.INT32))
+    w.add("a.nested3", [[["x"], []], [["y", "z"]]], (VT.ARRAY, VT.ARRAY, VT.ARRAY, VT.STRING))
+    w.add("a.mixed", [np.array([1.5], np.float32), ["s"], [True]])
+    w.write()
+    with GGUFReader(p) as r:
+        for vt, v in SCALARS:
+            got = r.metadata[f"s.{vt.name}"]
+            expect = float(np.float32(v)) if vt == VT.FLOAT32 else v
+            assert got == expect and type(got) is type(expect) and r.value_types[f"s.{vt.name}"] == (vt,)
+            a = r.metadata[f"a.{vt.name}"]
+            assert r.value_types[f"a.{vt.name}"] == (VT.ARRAY, vt)
+            if vt == VT.STRING:
+                assert a == [v] * 3
+            else:
+                assert isinstance(a, np.ndarray) and a.dtype == (np.bool_ if vt == VT.BOOL else SCALAR_DTYPES[vt])
+                assert a.tolist() == ([True, False, True] if vt == VT.BOOL else [expect] * 3)
+        assert r.metadata["a.empty"] == [] and r.value_types["a.empty"] == (VT.ARRAY, VT.STRING)
+        assert [x.tolist() for x in r.metadata["a.nested"]] == [[1, 2], [3], []]
+        assert r.value_types["a.nested"] == (VT.ARRAY, VT.ARRAY, VT.INT32)
+        assert r.metadata["a.nested3"] == [[["x"], []], [["y", "z"]]]
+        assert r.value_types["a.mixed"] == (VT.ARRAY, VT.ARRAY, [(VT.ARRAY, VT.FLOAT32), (VT.ARRAY, VT.STRING),
+                                                                  (VT.ARRAY, VT.BOOL)])
+        # writing back what was read, nested and mixed arrays included, gives the same bytes
+        buf = io.BytesIO()
+        copy_gguf(r, buf)
+        assert buf.getvalue() == p.read_bytes()
+    theirs = gguf.GGUFReader(p)      # the oracle reads flat keys the same (it has no nested arrays)
+    for vt, v in SCALARS:
+        f = theirs.fields[f"s.{vt.name}"]
+        assert [VT(int(t)) for t in f.types] == [vt]
+        assert f.contents() == (float(np.float32(v)) if vt == VT.FLOAT32 else v)
+
+
+def test_value_type_inference():
+    assert infer_value_type(True) == (VT.BOOL,)
+    assert infer_value_type(5) == (VT.INT32,) and infer_value_type(2**40) == (VT.INT64,)
+    assert infer_value_type(2**63) == (VT.UINT64,)
+    assert infer_value_type(0.5) == (VT.FLOAT32,) and infer_value_type("x") == (VT.STRING,)
+    assert infer_value_type(np.uint16(3)) == (VT.UINT16,) and infer_value_type(np.float64(1)) == (VT.FLOAT64,)
+    assert infer_value_type(np.zeros(3, np.float32)) == (VT.ARRAY, VT.FLOAT32)
+    assert infer_value_type(np.zeros(3, bool)) == (VT.ARRAY, VT.BOOL)
+    assert infer_value_type(["a", "b"]) == (VT.ARRAY, VT.STRING)
+    assert infer_value_type([1, 2]) == (VT.ARRAY, VT.INT32) and infer_value_type([1, 2**40]) == (VT.ARRAY, VT.INT64)
+    assert infer_value_type([1, 2.5]) == (VT.ARRAY, VT.FLOAT32)
+    assert infer_value_type([[1], [2, 3]]) == (VT.ARRAY, VT.ARRAY, VT.INT32)
+    with pytest.raises(ValueError, match="cannot infer"):
+        infer_value_type([1, "a"])
+    with pytest.raises(ValueError):
+        infer_value_type({"a": 1})
+
+
+def test_writer_refuses_bad_input(tmp_path):
+    w = GGUFWriter(tmp_path / "x.gguf")
+    w.add("k", 1)
+    with pytest.raises(ValueError, match="duplicate metadata key 'k'"):
+        w.add("k", 2)
+    with pytest.raises(ValueError, match="'u8'.*UINT8"):
+        w.add("u8", 256, VT.UINT8)
+    with pytest.raises(ValueError, match="'s'"):
+        w.add("s", 5, VT.STRING)
+    with pytest.raises(ValueError, match="'a'"):
+        w.add("a", [1, -1], (VT.ARRAY, VT.UINT32))
+    with pytest.raises(ValueError, match="general.alignment"):
+        w.add("general.alignment", 48)
+    with pytest.raises(ValueError, match="non-empty"):
+        w.add("", 1)
+    with pytest.raises(ValueError, match="element type"):
+        w.add("arr", [1], VT.ARRAY)
+    with pytest.raises(ValueError, match="takes 68"):
+        w.add_tensor_raw("q", GGMLType.Q8_0, (32, 2), b"\0" * 67)
+    with pytest.raises(ValueError, match="whole number of Q8_0 blocks"):
+        w.add_tensor_raw("q", GGMLType.Q8_0, (33,), b"\0" * 34)
+    w.add_tensor("t", np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="duplicate tensor name 't'"):
+        w.add_tensor("t", np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="1 to 63 bytes"):
+        w.add_tensor("n" * 64, np.zeros(4, np.float32))
+    with pytest.raises(ValueError):
+        w.add_tensor("b", np.zeros(4, np.complex64))
+    with pytest.raises(ValueError, match="power of two"):
+        GGUFWriter(tmp_path / "y.gguf", alignment=48)
+
+
+def test_add_tensor_infers_types_and_lays_out_with_alignment(tmp_path):
+    rng = np.random.default_rng(1)
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)
+    f16 = rng.standard_normal((2, 3, 4)).astype(np.float16)
+    i32 = np.arange(7, dtype=np.int32)
+    q8 = rng.integers(0, 256, (6, 2 * 34), dtype=np.uint8)     # 6 rows of 64 Q8_0 values
+    p = tmp_path / "t.gguf"
+    w = GGUFWriter(p)
+    w.add("general.alignment", 64)
+    w.add_tensor("f32", f32)
+    w.add_tensor("f16", f16)
+    w.add_tensor("i32", i32)
+    w.add_tensor("q8", q8, GGMLType.Q8_0)
+    w.add_tensor("bf16", np.arange(6, dtype=np.uint16).reshape(2, 3), GGMLType.BF16)
+    w.write()
+    with GGUFReader(p) as r:
+        assert r.alignment == 64 and r.value_types["general.alignment"] == (VT.UINT32,)
+        assert [(t.type, t.ne) for t in r.tensors.values()] == [
+            (GGMLType.F32, (5, 3)), (GGMLType.F16, (4, 3, 2)), (GGMLType.I32, (7,)), (GGMLType.Q8_0, (64, 6)),
+            (GGMLType.BF16, (3, 2))]
+        assert all(t.offset % 64 == 0 for t in r.tensors.values())
+        for name, a in [("f32", f32), ("f16", f16), ("i32", i32), ("q8", q8)]:
+            got = r.tensor_array(name)
+            assert got.dtype == a.dtype and got.shape == a.shape
+            np.testing.assert_array_equal(got, a)
+        np.testing.assert_array_equal(r.tensor_array("bf16"), np.arange(6).reshape(2, 3))
+    g = gguf.GGUFReader(p)
+    assert [t.name for t in g.tensors] == ["f32", "f16", "i32", "q8", "bf16"]
+    np.testing.assert_array_equal(g.tensors[0].data, f32)
