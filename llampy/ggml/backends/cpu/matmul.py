@@ -1,80 +1,163 @@
 """Matrix products on the CPU with llama.cpp's numerics: the activations are rounded to the weight type's
-``vec_dot_type`` (Q8_0, Q8_1, Q8_K, F16) before the dot products, as ggml's CPU backend does.
+``vec_dot_type`` (Q8_0, Q8_1, Q8_K, F16, BF16) before the dot products, as ggml's CPU backend does.
 
-Two paths give the same numbers (up to float32 summation order):
-- decode (few rows of x): integer dot products straight on the GGUF blocks, in Numba (``qdot``);
-- prompt batches: x rounded through its dot type and back to float32, weight tiles dequantized to float32, and a
-  BLAS matrix product per tile.
+    # w: [rows, k] (uint8 blocks [rows, row_bytes] | float32/float16 [rows, k] | uint16 bits for BF16)
+    # x: float32 [n, k]   ->   out: float32 [n, rows];   out[i, r] = dot(w[r], x[i])
+    mul_mat(w, wtype, x, out)
+
+Two paths:
+- integer (``qdot``, ``qdot_k``): x quantized once per call (``act_quant``, buffers cached by shape), then Numba
+  integer dot products straight on the GGUF blocks in llama.cpp's float order: bit-identical to llama.cpp.
+- BLAS: x rounded through its dot type and back to float32 (exact values), tiles of w dequantized to float32 in
+  Numba (``TILE_BYTES`` at a time), ``np.matmul`` per tile. The same numbers up to float32 summation order
+  (relative ~1e-7 of |w|·|x|); the Q8_1 formats' min term is corrected to ggml's ``m_w * F16(s_x)`` (see
+  ``_q8_1_delta``), so the remaining difference is summation order only.
+
+Which path: at most ``exact_max_rows`` activation rows (default ``DECODE_MAX_ROWS``) take the integer path. The
+project keeps the bit-exact path the default at every batch size (docs/architecture.md: SmolLM2's outliers make
+its outputs sensitive to the last bit); ``LLAMPY_FAST_PROMPT=1`` (or ``CPUBackend.exact_max_rows``) sends larger
+batches to BLAS, from ``BLAS_MIN_ROWS`` rows on — the crossover measured by benchmarks/bench_matmul.py.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from ...quants import dequantize, quantize_act as quantize
 from ...types import GGMLType, TYPE_TRAITS
+from . import qdot, qdot_k
+from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, quantize_act, round_act
+from .qdot import F16_TABLE
 
 T = GGMLType
-TILE_BYTES = 4 << 20   # dequantized weight tile size for the BLAS path
 
-# Products of up to this many activation rows run on the integer kernels, which reproduce llama.cpp's arithmetic
-# bit for bit (SmolLM2's massive activations make its output sensitive to the last bit of every product, so
-# the exact path is the default at every batch size). LLAMPY_FAST_PROMPT=1 sends larger batches to BLAS.
-import os as _os
+SUPPORTED_DIRECT: frozenset = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
+                                         T.Q4_K, T.Q5_K, T.Q6_K})
 
-DECODE_MAX_ROWS = 8 if _os.environ.get("LLAMPY_FAST_PROMPT") == "1" else 1 << 30
+# integer kernels: weight type -> kernel(w, xq, xd, xs, out, tab)
+_KERNELS = {T.Q8_0: qdot.mv_q8_0, T.Q4_0: qdot.mv_q4_0, T.Q4_1: qdot.mv_q4_1, T.Q5_0: qdot.mv_q5_0,
+            T.Q5_1: qdot.mv_q5_1, T.Q5_K: qdot_k.mv_q5_k, T.Q6_K: qdot_k.mv_q6_k}
+_DQ_LEGACY = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4}
+_DQ_K = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 
+# Batches of more rows than this go to BLAS when exactness is waived; below it the integer kernels are faster
+# (measured on SmolLM2's matrices, 2 threads: benchmarks/bench_matmul.py).
+BLAS_MIN_ROWS = 8
+DECODE_MAX_ROWS = BLAS_MIN_ROWS if os.environ.get("LLAMPY_FAST_PROMPT") == "1" else 1 << 30
+TILE_BYTES = 2 << 20   # float32 bytes of one dequantized weight tile (stays in the large cache)
 
-def round_act(x: np.ndarray, vdt: GGMLType) -> np.ndarray:
-    """x (float32 [n, k]) rounded through the dot type: what the integer kernels effectively multiply by."""
-    if vdt == T.F32:
-        return x
-    if vdt == T.F16:
-        return x.astype(np.float16).astype(np.float32)
-    if vdt == T.BF16:
-        return dequantize(quantize(x, T.BF16), T.BF16)
-    return dequantize(quantize(np.ascontiguousarray(x), vdt), vdt)
+__all__ = ["SUPPORTED_DIRECT", "mul_mat", "quantize_act", "round_act", "BLAS_MIN_ROWS", "DECODE_MAX_ROWS"]
 
 
-def _weights_f32(w: np.ndarray, wtype: GGMLType, r0: int, r1: int) -> np.ndarray:
-    if wtype == T.F32:
-        return w[r0:r1]
-    if wtype == T.F16:
-        return w[r0:r1].astype(np.float32)
-    return dequantize(w[r0:r1], wtype)
+def _as_2d_rows(a: np.ndarray) -> np.ndarray:
+    """A view whose last axis is contiguous (Numba's kernels index it directly); copies only if it is not."""
+    return a if a.strides[-1] == a.itemsize else np.ascontiguousarray(a)
 
 
-def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exact_max_rows: int | None = None) -> None:
-    """out[n, rows] = x[n, k] · w[rows, k]^T with llama.cpp's CPU numerics (see module doc). Batches of more than
-    ``exact_max_rows`` rows take the BLAS path (same numbers up to float32 summation order)."""
+def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exact_max_rows: int | None = None,
+            scratch=None) -> None:
+    """out[n, rows] = x[n, k] · w[rows, k]^T with llama.cpp's CPU numerics (see module doc). ``scratch``: an
+    ``act_quant.ActScratch`` for x's shape, to reuse (else buffers are cached by shape)."""
     wtype = GGMLType(wtype)
-    vdt = TYPE_TRAITS[wtype].vec_dot_type
-    n = x.shape[0]
+    n, k = x.shape
     rows = w.shape[0]
-    if n <= (DECODE_MAX_ROWS if exact_max_rows is None else exact_max_rows):
-        from . import qdot
-        if qdot.supports(wtype):
-            qdot.mul_mat(w, wtype, x, out)
-            return
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    k = x.shape[1]
-    delta = None
-    if vdt == T.Q8_1:
-        # ggml adds each block's min times Q8_1's s = fp16(d * sum(q)); the float product below uses the exact
-        # block sums instead, so add back the difference: sum over blocks of min * (s - sum(x_rounded))
-        q = quantize(x, T.Q8_1).reshape(n, k // 32, 36)
-        xr = (np.ascontiguousarray(q[:, :, 4:]).view(np.int8).astype(np.float32)
-              * np.ascontiguousarray(q[:, :, 0:2]).view(np.float16).astype(np.float32)).reshape(n, k)
-        s = np.ascontiguousarray(q[:, :, 2:4]).view(np.float16).astype(np.float32).reshape(n, -1)
-        delta = s - xr.reshape(n, k // 32, 32).sum(axis=2)
+    if out.shape != (n, rows):
+        raise ValueError(f"out has shape {out.shape}, expected {(n, rows)}")
+    if n == 0 or rows == 0:
+        return
+    limit = DECODE_MAX_ROWS if exact_max_rows is None else exact_max_rows
+    if n <= limit and (wtype in _KERNELS or wtype == T.Q4_K):
+        _mul_mat_int(_as_2d_rows(w), wtype, x, out, scratch)
+        return
+    if wtype in SUPPORTED_DIRECT:
+        _mul_mat_blas(w, wtype, x, out)
+        return
+    _mul_mat_fallback(w, wtype, x, out)
+
+
+def _mul_mat_int(w, wtype, x, out, scratch):
+    vdt = TYPE_TRAITS[wtype].vec_dot_type
+    s = act_split(x, vdt, scratch)
+    res = out if (out.dtype == np.float32 and out.strides[-1] == 4) else np.empty(out.shape, np.float32)
+    if wtype == T.Q4_K:
+        n = x.shape[0]
+        if w.shape[0] % 8 == 0:   # llama.cpp repacks these rows (8x8) and runs its gemv/gemm forms
+            qdot_k.mv_q4_k_x8(w, s.xq, s.xd, s.xs, res, F16_TABLE, n - n % 4 if n >= 4 else 0)
+        else:
+            qdot_k.mv_q4_k(w, s.xq, s.xd, s.xs, res, F16_TABLE)
     else:
-        xr = round_act(x, vdt)
-    step = max(16, TILE_BYTES // (4 * k))
+        _KERNELS[wtype](w, s.xq, s.xd, s.xs, res, F16_TABLE)
+    if res is not out:
+        out[...] = res
+
+
+# ------------------------------------------------------------------------------------------------ BLAS path
+
+def _q8_1_delta(x: np.ndarray, xr: np.ndarray) -> np.ndarray:
+    """ggml adds each block's min times Q8_1's s = F16(d * sum(q)); a float product over the dequantized values
+    gives min * sum(x_rounded) instead. Per (row of x, block): s - sum(x_rounded), to add back as delta @ mins^T
+    (|delta| is about one F16 rounding of the block sum: ~5e-4 relative)."""
+    n, k = x.shape
+    s = act_split(x, T.Q8_1)
+    return s.xs - xr.reshape(n, k // 32, 32).sum(axis=2, dtype=np.float32)
+
+
+def _weights_tile(w, wtype, r0, r1, k, buf):
+    """Rows r0..r1 of w as float32 [r1 - r0, k] (in buf where a kernel writes it)."""
+    if wtype == T.F32:
+        return np.asarray(w[r0:r1], dtype=np.float32)
+    t = buf[:r1 - r0]
+    if wtype == T.F16:
+        t[...] = w[r0:r1]
+    elif wtype == T.BF16:
+        t[...] = bf16_bits_to_f32(w[r0:r1])
+    elif wtype in _DQ_LEGACY:
+        qdot.dq_legacy(_as_2d_rows(w[r0:r1]), _DQ_LEGACY[wtype], t, F16_TABLE)
+    elif wtype in _DQ_K:
+        qdot_k.dq_k(_as_2d_rows(w[r0:r1]), _DQ_K[wtype], t, F16_TABLE)
+    else:
+        from ...quants import dequantize   # lazily: the library's vectorised reference for the other formats
+        t[...] = dequantize(np.ascontiguousarray(w[r0:r1]), wtype).reshape(r1 - r0, k)
+    return t
+
+
+def _round_x(x, vdt):
+    if vdt == T.BF16:
+        return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    return round_act(x, vdt)
+
+
+def _mul_mat_blas(w, wtype, x, out):
+    n, k = x.shape
+    rows = w.shape[0]
+    vdt = TYPE_TRAITS[wtype].vec_dot_type
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    xr = _round_x(x, vdt)
+    delta = _q8_1_delta(x, xr) if vdt == T.Q8_1 else None
+    step = max(8, min(rows, TILE_BYTES // (4 * k)))
+    buf = np.empty((step, k), np.float32)
+    res = np.empty((n, step), np.float32)
+    bs = TYPE_TRAITS[wtype].type_size
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        wt = _weights_f32(w, wtype, r0, r1)
-        res = xr @ wt.T
+        wt = _weights_tile(w, wtype, r0, r1, k, buf)
+        rt = res[:, :r1 - r0]
+        np.matmul(xr, wt.T, out=rt)
         if delta is not None:
-            blk = w[r0:r1].reshape(r1 - r0, k // 32, TYPE_TRAITS[wtype].type_size)
-            mins = np.ascontiguousarray(blk[:, :, 2:4]).view(np.float16).astype(np.float32).reshape(r1 - r0, -1)
-            res += delta @ mins.T
-        out[:, r0:r1] = res
+            mins = np.ascontiguousarray(w[r0:r1]).reshape(r1 - r0, k // 32, bs)[:, :, 2:4]
+            rt += delta @ F16_TABLE[mins[:, :, 0].astype(np.int32) | (mins[:, :, 1].astype(np.int32) << 8)].T
+        out[:, r0:r1] = rt
+
+
+def _mul_mat_fallback(w, wtype, x, out):
+    """Types without kernels: dequantized weights (llampy's reference dequantize) times x rounded through the
+    dot type, tile by tile."""
+    from ...quants import dequantize
+    n, k = x.shape
+    rows = w.shape[0]
+    xr = _round_x(np.ascontiguousarray(x, dtype=np.float32), TYPE_TRAITS[wtype].vec_dot_type)
+    step = max(8, min(rows, TILE_BYTES // (4 * k)))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        wt = dequantize(np.ascontiguousarray(w[r0:r1]), wtype).reshape(r1 - r0, k)
+        out[:, r0:r1] = xr @ wt.T
