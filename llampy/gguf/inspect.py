@@ -31,9 +31,11 @@ def summarize_value(value, sig: tuple):
     if sig == (VT.FLOAT32,):
         return float(str(np.float32(value)))  # 1e-05, not the double 9.999999747378752e-06
     if isinstance(value, np.ndarray):
-        value = [float(str(x)) for x in value[:ARRAY_SHOWN + 1]] if value.dtype == np.float32 else value.tolist()
-        if len(value) > ARRAY_SHOWN:
-            return _summary(value, sig, n=len(value))
+        n = len(value)
+        value = [float(str(x)) for x in value[:ARRAY_SHOWN + 1]] if value.dtype == np.float32 else \
+            value[:ARRAY_SHOWN + 1].tolist()
+        if n > ARRAY_SHOWN:
+            return _summary(value, sig, n)
     if isinstance(value, list):
         if len(value) <= ARRAY_SHOWN and not any(isinstance(v, list) for v in value):
             return value
