@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
@@ -29,7 +30,9 @@ def summarize_value(value, sig: tuple):
             return value
         return value[:STRING_SHOWN] + f"... ({len(value)} chars)"
     if sig == (VT.FLOAT32,):
-        return float(str(np.float32(value)))  # 1e-05, not the double 9.999999747378752e-06
+        return _float(float(str(np.float32(value))))  # 1e-05, not the double 9.999999747378752e-06
+    if isinstance(value, float):
+        return _float(value)
     if isinstance(value, np.ndarray):
         n = len(value)
         value = [float(str(x)) for x in value[:ARRAY_SHOWN + 1]] if value.dtype == np.float32 else \
@@ -38,9 +41,14 @@ def summarize_value(value, sig: tuple):
             return _summary(value, sig, n)
     if isinstance(value, list):
         if len(value) <= ARRAY_SHOWN and not any(isinstance(v, list) for v in value):
-            return value
+            return [_float(v) if isinstance(v, float) else v for v in value]
         return _summary(value, sig, len(value))
     return value
+
+
+def _float(x: float):
+    """Finite floats stay numbers; NaN and infinities become strings, so that --json stays strict JSON."""
+    return x if math.isfinite(x) else repr(x)
 
 
 def _summary(value: list, sig: tuple, n: int) -> str:

@@ -93,12 +93,12 @@ class GGUFReader:
             if not stat.S_ISREG(st.st_mode):     # a FIFO or device would block or never end
                 raise GGUFError("not a regular file")
             self._file = open(self.path, "rb")
-        except OSError as e:
-            raise GGUFError(f"cannot open: {e.strerror or e}") from None
-        self.file_size = os.fstat(self._file.fileno()).st_size
-        if self.file_size < 24:
-            raise GGUFError(f"file too small to be GGUF ({self.file_size} bytes; the header alone takes 24)", 0)
-        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            self.file_size = os.fstat(self._file.fileno()).st_size
+            if self.file_size < 24:
+                raise GGUFError(f"file too small to be GGUF ({self.file_size} bytes; the header alone takes 24)", 0)
+            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:   # ValueError: a NUL in the path
+            raise GGUFError(f"cannot open: {getattr(e, 'strerror', None) or e}") from None
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
 
     # ------------------------------------------------------------------ primitives (advance self._pos)

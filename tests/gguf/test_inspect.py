@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from llampy.cli import main
 from llampy.gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
@@ -95,3 +96,14 @@ def test_main_reports_errors_without_traceback(tmp_path, capsys):
     assert err.startswith(f"llampy: error: {p}: tensor 't': data [0, 12) lies outside the data section "
                           "(4 bytes from byte 128) (at byte 82)\n")
     assert err.count("\n") == 1
+
+
+def test_json_stays_strict_with_nan_and_inf(tmp_path, capsys):
+    p = tmp_path / "nan.gguf"
+    w = GGUFWriter(p)
+    w.add("x.nan", float("nan"))
+    w.add("x.inf", [1.0, float("-inf")], (VT.ARRAY, VT.FLOAT64))
+    w.write()
+    assert main(["inspect", str(p), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert rep["metadata"] == {"x.nan": "nan", "x.inf": [1.0, "-inf"]}
