@@ -97,6 +97,8 @@ class GGUFReader:
             if self.file_size < 24:
                 raise GGUFError(f"file too small to be GGUF ({self.file_size} bytes; the header alone takes 24)", 0)
             self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        except GGUFError:
+            raise
         except (OSError, ValueError) as e:   # ValueError: a NUL in the path
             raise GGUFError(f"cannot open: {getattr(e, 'strerror', None) or e}") from None
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
