@@ -1,0 +1,332 @@
+"""The cpu backend's matrix products (llampy/ggml/backends/cpu/{matmul,qdot,qdot_k,act_quant}.py).
+
+Oracles: gguf-py (``gguf.quants``) for the block formats and the Q8_0 activation bytes; NumPy transliterations of
+ggml's ``quantize_row_q8_1`` (x86) and ``quantize_row_q8_K_ref``; a float64 product of gguf-py's dequantized
+weights and x rounded through the dot type; and, for Q8_0 and Q4_1, a NumPy transliteration of ggml's AVX2
+``ggml_vec_dot`` lane order (the integer path must match it bit for bit).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gguf.quants as gq
+from gguf import GGMLQuantizationType as G
+
+from llampy.ggml import quants as lq
+from llampy.ggml.backends.cpu import matmul as mm
+from llampy.ggml.backends.cpu.act_quant import act_split, quantize_act
+from llampy.ggml.types import GGMLType as T, TYPE_TRAITS
+
+BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+
+
+# ------------------------------------------------------------------------------------------------ oracles
+
+def f16(v):
+    return np.asarray(v, np.float32).astype(np.float16).astype(np.float32)
+
+
+def ref_q8_x86(x):
+    """ggml x86 quantize_row_q8_0/q8_1: (q int8 [n, k], d F16 values [n, nb], s F16 values [n, nb])."""
+    n, k = x.shape
+    b = x.reshape(n, k // 32, 32)
+    amax = np.abs(b).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        idv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint((b * idv[:, :, None]).astype(np.float32)).astype(np.int8)
+    s = f16(d * q.astype(np.int32).sum(axis=2).astype(np.float32))
+    return q.reshape(n, k), f16(d), s
+
+
+def ref_q8_k(x):
+    """ggml quantize_row_q8_K_ref, block by block in plain Python/NumPy: bytes [n, nb * 292]."""
+    n, k = x.shape
+    out = np.zeros((n, k // 256, 292), np.uint8)
+    for i in range(n):
+        for b in range(k // 256):
+            v = x[i, b * 256:(b + 1) * 256]
+            j = int(np.argmax(np.abs(v)))           # first of the largest magnitudes, as the C loop's '>'
+            if v[j] == 0:
+                continue
+            iscale = np.float32(np.float32(-127.0) / v[j])
+            q = np.minimum(127, np.rint((iscale * v).astype(np.float32))).astype(np.int8)
+            out[i, b, 0:4] = np.array([np.float32(1.0) / iscale], np.float32).view(np.uint8)
+            out[i, b, 4:260] = q.view(np.uint8)
+            out[i, b, 260:292] = q.reshape(16, 16).astype(np.int16).sum(axis=1).astype(np.int16).view(np.uint8)
+    return out.reshape(n, -1)
+
+
+def x_rounded(x, vdt):
+    """x through the dot type and back, from the oracles above: float64 [n, k] (and Q8_1's s per block)."""
+    n, k = x.shape
+    if vdt == T.Q8_K:
+        b = ref_q8_k(x).reshape(n, k // 256, 292)
+        d = b[:, :, 0:4].copy().view(np.float32)
+        q = b[:, :, 4:260].copy().view(np.int8).astype(np.float64)
+        return (q * d).reshape(n, k), None
+    q, d, s = ref_q8_x86(x)
+    xr = q.reshape(n, k // 32, 32).astype(np.float64) * d[:, :, None]
+    return xr.reshape(n, k), (s if vdt == T.Q8_1 else None)
+
+
+# quant bytes of each type (the rest are scales and mins): zeroing them leaves each element's offset term
+QUANT_BYTES = {T.Q4_1: [(4, 20)], T.Q5_1: [(4, 24)], T.Q4_K: [(16, 144)], T.Q5_K: [(16, 176)],
+               T.Q6_K: [(0, 192)]}
+
+
+def magnitudes(wq, wtype, wd):
+    """Per element, the size of the terms ggml's arithmetic adds (not just of the weight): Q4_1/Q5_1 add
+    d*q and m separately, Q4_K/Q5_K d*sc*q and dmin*m, Q6_K d*sc*q and d*sc*32 (through the block sums), so a
+    float32 result carries the rounding of those larger terms when they cancel."""
+    if wtype not in QUANT_BYTES:
+        return np.abs(wd)
+    rows, k = wd.shape
+    b = np.ascontiguousarray(wq).reshape(rows, -1, TYPE_TRAITS[wtype].type_size).copy()
+    for lo, hi in QUANT_BYTES[wtype]:
+        b[:, :, lo:hi] = 0
+    off = gq.dequantize(b.reshape(rows, -1), G(int(wtype))).reshape(rows, k).astype(np.float64)
+    return np.abs(wd - off) + np.abs(off)
+
+
+def oracle(wq, wtype, x):
+    """float64 products as llama.cpp defines them: x rounded through the dot type; Q4_1/Q5_1 add m_w * s_x.
+    Also the scale of the terms summed, for tolerances."""
+    rows, k = wq.shape[0], x.shape[1]
+    wd = gq.dequantize(np.ascontiguousarray(wq), G(int(wtype))).reshape(rows, k).astype(np.float64)
+    xr, s = x_rounded(x, TYPE_TRAITS[wtype].vec_dot_type)
+    res = xr @ wd.T
+    if s is not None:
+        bs = TYPE_TRAITS[wtype].type_size
+        mins = np.ascontiguousarray(wq).reshape(rows, k // 32, bs)[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+        res += (s - xr.reshape(x.shape[0], k // 32, 32).sum(axis=2)) @ mins.astype(np.float64).T
+    scale = np.abs(xr) @ magnitudes(wq, wtype, wd).T + 1e-30
+    return res, scale
+
+
+def quantize_w(w, t):
+    if t in K_QUANTS:    # gguf-py has no k-quant quantizer; llampy's is bit-identical to libggml (test_quants)
+        return lq.quantize(w, t)
+    return gq.quantize(w, G(int(t)))
+
+
+def check(out, wq, wtype, x, tol=3e-6):
+    ref, scale = oracle(wq, wtype, x)
+    err = np.abs(out.astype(np.float64) - ref) / scale
+    assert err.max() < tol, (wtype.name, err.max())
+
+
+# ------------------------------------------------------------------------------------------------ activations
+
+def act_data(rng, n, k):
+    x = (rng.standard_normal((n, k)) * np.exp(rng.standard_normal((n, 1)) * 2)).astype(np.float32)
+    x[0, :32] = 0                       # an all-zero block
+    x[-1, 40] = 3e4                     # an outlier, as SmolLM2's residual stream carries
+    return x
+
+
+def test_quantize_act_q8_0_equals_gguf_py():
+    x = act_data(np.random.default_rng(1), 7, 512)
+    assert np.array_equal(quantize_act(x, T.Q8_0), gq.quantize(x, G.Q8_0))
+
+
+def test_quantize_act_q8_1_equals_x86_transliteration():
+    x = act_data(np.random.default_rng(2), 5, 256)
+    q, d, s = ref_q8_x86(x)
+    got = quantize_act(x, T.Q8_1).reshape(5, 8, 36)
+    assert np.array_equal(got[:, :, 0:2].copy().view(np.float16)[:, :, 0], d.astype(np.float16))
+    assert np.array_equal(got[:, :, 2:4].copy().view(np.float16)[:, :, 0], s.astype(np.float16))
+    assert np.array_equal(got[:, :, 4:].copy().view(np.int8).reshape(5, 256), q)
+
+
+def test_quantize_act_q8_k_equals_ref_transliteration():
+    x = act_data(np.random.default_rng(3), 4, 768)
+    x[1, 256:512] = 0
+    x[2, 10], x[2, 11] = 50.0, -50.0    # equal magnitudes: the first one sets the scale
+    assert np.array_equal(quantize_act(x, T.Q8_K), ref_q8_k(x))
+    assert np.array_equal(quantize_act(x, T.Q8_K), lq.quantize(x, T.Q8_K))
+
+
+# ------------------------------------------------------------------------------------------------ products
+
+@pytest.mark.parametrize("wtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_mul_mat_block_types_both_paths(wtype):
+    rng = np.random.default_rng(int(wtype))
+    k = 512
+    rows = 37                                   # odd, not a multiple of the row chunk or of 8
+    wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype)
+    for n in (1, 3, 17, 64, 300):
+        x = act_data(rng, n, k)
+        exact = np.empty((n, rows), np.float32)
+        mm.mul_mat(wq, wtype, x, exact, 1 << 30)
+        check(exact, wq, wtype, x)
+        blas = np.empty((n, rows), np.float32)
+        mm.mul_mat(wq, wtype, x, blas, 0)
+        check(blas, wq, wtype, x)
+        default = np.empty((n, rows), np.float32)
+        mm.mul_mat(wq, wtype, x, default)
+        assert np.array_equal(default, exact if n <= mm.DECODE_MAX_ROWS else blas)
+
+
+@pytest.mark.parametrize("wtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_mul_mat_strided_views(wtype):
+    """w rows inside a wider buffer, x and out as row-strided views: same results as contiguous arrays."""
+    rng = np.random.default_rng(7)
+    k, rows, n = 512, 24, 5
+    wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype)
+    wide = np.zeros((rows, wq.shape[1] + 40), np.uint8)
+    wide[:, 16:16 + wq.shape[1]] = wq
+    wv = wide[:, 16:16 + wq.shape[1]]
+    x = act_data(rng, n, k)
+    xwide = np.zeros((n, k + 64), np.float32)
+    xwide[:, 32:32 + k] = x
+    xv = xwide[:, 32:32 + k]
+    for limit in (1 << 30, 0):
+        ref = np.empty((n, rows), np.float32)
+        mm.mul_mat(wq, wtype, x, ref, limit)
+        owide = np.full((n, rows + 9), np.nan, np.float32)
+        ov = owide[:, 4:4 + rows]
+        mm.mul_mat(wv, wtype, xv, ov, limit)
+        assert np.array_equal(ov, ref)
+        assert np.isnan(owide[:, :4]).all() and np.isnan(owide[:, 4 + rows:]).all()
+
+
+def vec_dot_avx2(wq, wtype, x):
+    """ggml_vec_dot_{q8_0_q8_0, q4_1_q8_1} as the x86 build computes it, in NumPy over all rows at once:
+    lanes of four products, acc = fma(d_w * d_x, lane, acc) per block (float64 product + sum, rounded once),
+    hsum_float_8, then + summs for Q4_1 (summs = fma(m, s, summs))."""
+    rows, k = wq.shape[0], x.shape[1]
+    nb = k // 32
+    q, d, s = ref_q8_x86(x)
+    bs = TYPE_TRAITS[wtype].type_size
+    blk = np.ascontiguousarray(wq).reshape(rows, nb, bs)
+    dw = blk[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    if wtype == T.Q8_0:
+        vals = blk[:, :, 2:].copy().view(np.int8).astype(np.int64)
+    else:
+        nib = blk[:, :, 4:].astype(np.int64)
+        vals = np.concatenate([nib & 15, nib >> 4], axis=2)
+        mw = blk[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    out = np.empty((x.shape[0], rows), np.float32)
+    for i in range(x.shape[0]):
+        lanes = (vals * q[i].reshape(nb, 32).astype(np.int64)).reshape(rows, nb, 8, 4).sum(axis=3)
+        acc = np.zeros((rows, 8), np.float32)
+        summs = np.zeros(rows, np.float32)
+        for b in range(nb):
+            dd = (dw[:, b] * d[i, b]).astype(np.float32)
+            acc = (dd[:, None].astype(np.float64) * lanes[:, b].astype(np.float32) + acc).astype(np.float32)
+            if wtype == T.Q4_1:
+                summs = (mw[:, b].astype(np.float64) * s[i, b] + summs).astype(np.float32)
+        a = acc
+        out[i] = ((a[:, 4] + a[:, 0]) + (a[:, 6] + a[:, 2])) + ((a[:, 5] + a[:, 1]) + (a[:, 7] + a[:, 3]))
+        if wtype == T.Q4_1:
+            out[i] += summs
+    return out
+
+
+@pytest.mark.parametrize("wtype", [T.Q8_0, T.Q4_1], ids=lambda t: t.name)
+def test_integer_path_is_bit_identical_to_ggml_lane_order(wtype):
+    rng = np.random.default_rng(11)
+    k, rows, n = 576, 29, 3
+    wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype)
+    x = act_data(rng, n, k)
+    out = np.empty((n, rows), np.float32)
+    mm.mul_mat(wq, wtype, x, out, 1 << 30)
+    assert np.array_equal(out, vec_dot_avx2(wq, wtype, x))
+
+
+def test_mul_mat_float_types():
+    rng = np.random.default_rng(5)
+    k, rows, n = 96, 13, 4
+    w = rng.standard_normal((rows, k)).astype(np.float32)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    out = np.empty((n, rows), np.float32)
+    mm.mul_mat(w, T.F32, x, out)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+    # F16: x rounded to F16, as ggml's vec_dot_type for F16
+    w16 = w.astype(np.float16)
+    mm.mul_mat(w16, T.F16, x, out)
+    ref = f16(x).astype(np.float64) @ w16.astype(np.float64).T
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # BF16 (raw bits): both rounded to BF16 (round to nearest even)
+    wb = gq.quantize(w, G.BF16).view(np.uint16).reshape(rows, k)
+    mm.mul_mat(wb, T.BF16, x, out)
+    xb = gq.dequantize(gq.quantize(x, G.BF16), G.BF16).astype(np.float64)
+    wbf = gq.dequantize(wb.view(np.uint8), G.BF16).reshape(rows, k).astype(np.float64)
+    np.testing.assert_allclose(out, xb @ wbf.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("wtype", [T.Q3_K, T.IQ4_NL], ids=lambda t: t.name)
+def test_mul_mat_other_types_fall_back(wtype):
+    """Types without kernels: dequantized weights times x through the dot type."""
+    assert wtype not in mm.SUPPORTED_DIRECT
+    rng = np.random.default_rng(9)
+    k, rows, n = 256, 11, 2
+    wq = lq.quantize(rng.standard_normal((rows, k)).astype(np.float32), wtype)
+    x = act_data(rng, n, k)
+    out = np.empty((n, rows), np.float32)
+    mm.mul_mat(wq, wtype, x, out)
+    check(out, wq, wtype, x)
+
+
+def test_scratch_reuse_and_shape_check():
+    rng = np.random.default_rng(4)
+    wq = gq.quantize(rng.standard_normal((8, 64)).astype(np.float32), G.Q8_0)
+    x1, x2 = act_data(rng, 1, 64), act_data(rng, 1, 64)
+    o1, o2 = np.empty((1, 8), np.float32), np.empty((1, 8), np.float32)
+    mm.mul_mat(wq, T.Q8_0, x1, o1)
+    s = act_split(x2, T.Q8_0)
+    mm.mul_mat(wq, T.Q8_0, x2, o2, scratch=s)
+    check(o1, wq, T.Q8_0, x1)
+    check(o2, wq, T.Q8_0, x2)
+    with pytest.raises(ValueError):
+        mm.mul_mat(wq, T.Q8_0, x1, np.empty((1, 7), np.float32))
+
+
+# ------------------------------------------------------------------------------------------------ real weights
+
+def gguf_py_tensors(path, names):
+    from gguf import GGUFReader
+    r = GGUFReader(path)
+    out = {}
+    for t in r.tensors:
+        if t.name in names:
+            wt = T(int(t.tensor_type))
+            k = int(t.shape[0])
+            rows = int(np.prod(t.shape[1:]))
+            row_bytes = k // TYPE_TRAITS[wt].blck_size * TYPE_TRAITS[wt].type_size
+            raw = np.fromfile(path, np.uint8, count=rows * row_bytes, offset=int(t.data_offset))
+            out[t.name] = (raw.reshape(rows, row_bytes), wt, k)
+    return out
+
+
+def check_real(w, wt, k, rng, n_list=(1, 5)):
+    for n in n_list:
+        x = act_data(rng, n, k)
+        for limit in (1 << 30, 0):
+            out = np.empty((n, w.shape[0]), np.float32)
+            mm.mul_mat(w, wt, x, out, limit)
+            check(out, w, wt, x)
+
+
+def test_real_smollm2_q4_1_and_q8_0(smollm2_path):
+    ts = gguf_py_tensors(smollm2_path, {"blk.0.ffn_down.weight", "token_embd.weight"})
+    rng = np.random.default_rng(0)
+    w, wt, k = ts["blk.0.ffn_down.weight"]
+    assert wt == T.Q4_1 and w.shape == (576, 960)
+    check_real(w, wt, k, rng)
+    w, wt, k = ts["token_embd.weight"]
+    assert wt == T.Q8_0 and w.shape == (49152, 612)
+    check_real(w[::16], wt, k, rng, n_list=(2,))      # every 16th row: a strided view of the real matrix
+
+
+@pytest.mark.slow
+def test_real_gemma3_k_quants_and_q5_0(gemma3_path):
+    names = {"blk.0.attn_output.weight", "blk.0.ffn_down.weight", "blk.0.ffn_up.weight"}
+    ts = gguf_py_tensors(gemma3_path, names)
+    rng = np.random.default_rng(1)
+    assert {wt for _, wt, _ in ts.values()} == {T.Q4_K, T.Q6_K, T.Q5_0}
+    for w, wt, k in ts.values():
+        check_real(w[:256], wt, k, rng)
