@@ -1,288 +1,363 @@
-"""The OpenAI-compatible HTTP server: routes over one model and the continuous-batching engine (slots.py)."""
+"""The OpenAI-compatible HTTP server: routes over one model and the continuous-batching engine (slots.py).
+
+Request handlers only validate, tokenize and wait: all model work happens on the engine thread. Events come back
+through ``loop.call_soon_threadsafe`` into one asyncio queue per request."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
-import queue
-import threading
 import time
 from pathlib import Path
 
+import numpy as np
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama.batch import Batch
 from ..llama.chat import ChatTemplateError, template_from_metadata
 from ..llama.context import Context
 from ..llama.model import Model
 from ..llama.sampling import Chain
-from .oai import APIError, check_messages, new_id, now, sampling_params, usage
+from . import oai
+from .oai import APIError, check_messages, include_usage, new_id, now, openapi_body, sampling_params, usage
 from .slots import Engine, Event, Request
 
-MAX_BODY = 4 << 20
+MAX_BODY = 4 << 20          # bytes of one request body
+EMBD_CTX = 2048             # tokens of one embedding input
 STATIC = Path(__file__).parent / "static"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Server:
+    """One model, one engine, and what the routes need to turn requests into token lists."""
+
     def __init__(self, model_path, n_parallel: int = 4, n_ctx: int = 4096, api_key: str | None = None,
                  alias: str | None = None):
         self.model = Model(model_path)
-        self.model_id = alias or Path(model_path).name
-        self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, "default"}
+        self.model_id = alias or Path(model_path).stem
+        self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path), "default"}
         self.engine = Engine(self.model, n_parallel, n_ctx)
         self.api_key = api_key
         self.template = template_from_metadata(self.model.metadata)
+        self.n_vocab = self.model.hparams.n_vocab
         self._embed_ctx = None
-        self._embed_lock = threading.Lock()
         self.t_start = time.time()
 
-    # ------------------------------------------------------------------ helpers
     def check_model(self, body: dict) -> None:
         m = body.get("model")
         if m is not None and not isinstance(m, str):
             raise APIError(400, "'model' must be a string", "model")
         if m and m not in self.names:
-            raise APIError(404, f"the model '{m}' does not exist; this server serves '{self.model_id}'", "model",
+            raise APIError(404, f"The model '{m}' does not exist; this server serves '{self.model_id}'", "model",
                            code="model_not_found")
 
     def sampler(self, p: dict) -> Chain:
         return Chain.from_params(temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"], min_p=p["min_p"],
                                  repeat_penalty=p["repeat_penalty"], frequency_penalty=p["frequency_penalty"],
                                  presence_penalty=p["presence_penalty"], logit_bias=p["logit_bias"], seed=p["seed"],
-                                 n_vocab=self.model.hparams.n_vocab)
+                                 n_vocab=self.n_vocab)
 
-    def make_request(self, tokens: list, p: dict, n_probs: int = 0) -> Request:
+    def make_request(self, tokens: list, p: dict, n_probs: int = 0, logprobs: bool = False,
+                     param: str = "prompt") -> Request:
         if not tokens:
-            raise APIError(400, "the prompt is empty", "prompt")
-        limit = self.engine.slots[0].n_ctx
+            raise APIError(400, "the prompt is empty", param)
+        limit = self.engine.n_ctx_slot
         if len(tokens) >= limit:
-            raise APIError(400, f"the prompt has {len(tokens)} tokens, more than the context of a slot ({limit}); "
-                                f"shorten it or start the server with a larger --ctx-size", "prompt",
+            raise APIError(400, f"the prompt has {len(tokens)} tokens, more than fit in the context of a slot "
+                                f"({limit}); shorten it or start the server with a larger --ctx-size", param,
                            code="context_length_exceeded")
         max_tokens = p["max_tokens"] or (limit - len(tokens))
-        r = Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p), stop=p["stop"], n_probs=n_probs,
-                    ignore_eos=p.get("ignore_eos", False))
-        return self.engine.submit(r)
+        return Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p), stop=p["stop"],
+                       n_probs=n_probs, logprobs=logprobs or n_probs > 0, ignore_eos=p["ignore_eos"])
 
     def tokenize_prompt(self, prompt) -> list:
         v = self.model.vocab
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(oai._is_int(t) for t in prompt):
             if any(not 0 <= t < v.n_tokens for t in prompt):
                 raise APIError(400, "the prompt holds token ids outside the vocabulary", "prompt")
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise APIError(400, "'prompt' must be a string or a list of token ids", "prompt")
+            raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                           "prompt")
         return v.tokenize(prompt, add_special=True, parse_special=True)
 
     def chat_tokens(self, messages: list) -> list:
         try:
             text = self.template.render(messages, add_generation_prompt=True)
         except ChatTemplateError as e:
-            raise APIError(400, str(e), "messages") from None
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         v = self.model.vocab
         toks = v.tokenize(text, add_special=False, parse_special=True)
         if v.add_bos and v.bos is not None and (not toks or toks[0] != v.bos):
             toks = [v.bos] + toks
         return toks
 
-    def piece(self, tok: int) -> str:
-        return self.model.vocab.token_to_piece(tok).decode("utf-8", errors="replace")
+    def piece(self, tok: int) -> bytes:
+        return self.model.vocab.token_to_piece(tok)
 
-    def embed(self, texts: list) -> tuple[list, int]:
-        with self._embed_lock:
-            if self._embed_ctx is None:
-                self._embed_ctx = Context(self.model, n_ctx=2048, n_batch=2048, n_ubatch=2048, embeddings=True,
-                                          pooling="mean")
-            out, n = [], 0
-            for t in texts:
-                toks = self.model.vocab.tokenize(t, add_special=True, parse_special=True)
-                if not toks:
-                    raise APIError(400, "cannot embed an empty input", "input")
-                if len(toks) >= 2048:
-                    raise APIError(400, f"the input has {len(toks)} tokens, more than 2048", "input")
-                n += len(toks)
-                self._embed_ctx.kv_clear()
-                self._embed_ctx.decode(Batch.from_tokens(toks, logits_all=True))
-                e = self._embed_ctx.get_embeddings_seq(0).astype("float64")
-                out.append((e / max(float((e ** 2).sum()) ** 0.5, 1e-12)).tolist())
-            return out, n
+    def text(self, tok: int) -> str:
+        return self.piece(tok).decode("utf-8", errors="replace")
+
+    def embed(self, toks_list: list) -> list:
+        """Mean-pooled, L2-normalised embeddings. Runs on the engine thread (Engine.run_job)."""
+        if self._embed_ctx is None:
+            self._embed_ctx = Context(self.model, n_ctx=EMBD_CTX, n_batch=EMBD_CTX, n_ubatch=EMBD_CTX,
+                                      embeddings=True, pooling="mean")
+        out = []
+        for toks in toks_list:
+            self._embed_ctx.kv_clear()
+            self._embed_ctx.decode(Batch.from_tokens(toks, logits_all=True))
+            e = self._embed_ctx.get_embeddings_seq(0).astype("float64")
+            out.append((e / max(float((e ** 2).sum()) ** 0.5, 1e-12)).tolist())
+        return out
 
 
-async def events(req: Request, http: HTTPRequest):
-    """Yields the engine's events for one request; cancels it if the client disconnects."""
-    while True:
-        try:
-            ev = req.events.get_nowait()
-        except queue.Empty:
-            if await http.is_disconnected():
-                req.cancel()
+class Guard:
+    """ASGI middleware: the API key (every path but /health and the chat page's files) and the declared body size.
+    Plain ASGI rather than BaseHTTPMiddleware, which would sit between streaming responses and disconnects."""
+
+    OPEN = ("/health", "/", "/index.html", "/favicon.ico")
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            path = scope["path"]
+            err = None
+            if self.api_key and path not in self.OPEN and not path.startswith("/static/") \
+                    and headers.get("authorization", "") != f"Bearer {self.api_key}":
+                err = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               type="authentication_error", code="invalid_api_key")
+            cl = headers.get("content-length", "")
+            if err is None and cl.isdigit() and int(cl) > MAX_BODY:
+                err = APIError(413, f"the request body ({cl} bytes) is larger than {MAX_BODY} bytes",
+                               code="request_too_large")
+            if err is not None:
+                await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
                 return
-            await asyncio.sleep(0.004)
-            continue
-        yield ev
-        if ev.finish_reason is not None:
-            return
+        await self.app(scope, receive, send)
+
+
+async def read_json(http: HTTPRequest) -> dict:
+    """The body as a JSON object; read in pieces so that an undeclared (chunked) oversized body stops early."""
+    raw = bytearray()
+    async for part in http.stream():
+        raw += part
+        if len(raw) > MAX_BODY:
+            raise APIError(413, f"the request body is larger than {MAX_BODY} bytes", code="request_too_large")
+    try:
+        body = json.loads(bytes(raw))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def submit(server: Server, req: Request) -> asyncio.Queue:
+    """Hand the request to the engine; its events arrive on the returned queue, in this event loop."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    req.emit = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+    try:
+        server.engine.submit(req)
+    except ValueError as e:
+        raise APIError(400, str(e), "prompt") from None
+    return q
+
+
+async def events(req: Request, q: asyncio.Queue, http: HTTPRequest):
+    """The engine's events for one request. If the client goes away (or the response is cancelled), the request is
+    cancelled and its slot freed at the engine's next step."""
+    done = False
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(q.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return
+                continue
+            done = ev.finish_reason is not None
+            yield ev
+            if done:
+                return
+    finally:
+        if not done:
+            req.cancel()
 
 
 def sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="llampy", version="0.1.0", description="OpenAI-compatible server of llampy")
+def error_event(ev: Event) -> dict:
+    return {"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}}
+
+
+def create_app(server: Server, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="llampy", version="0.1.0",
+                  description="OpenAI-compatible server of llampy: continuous batching over parallel slots")
     app.state.server = server
+    app.add_middleware(Guard, api_key=api_key if api_key is not None else server.api_key)
 
-    @app.middleware("http")
-    async def guard(http: HTTPRequest, call_next):
-        if server.api_key and http.url.path not in ("/health", "/", "/index.html"):
-            if http.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                return JSONResponse(APIError(401, "invalid or missing API key", type="authentication_error",
-                                             code="invalid_api_key").body(), status_code=401)
-        cl = http.headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > MAX_BODY:
-            return JSONResponse(APIError(413, f"the request body is larger than {MAX_BODY} bytes").body(),
-                                status_code=413)
-        try:
-            return await call_next(http)
-        except APIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        except Exception as e:  # a bug must not become a bare 500 without a body
-            return JSONResponse(APIError(500, f"internal error: {e}", type="server_error").body(), status_code=500)
-
-    async def body_of(http: HTTPRequest) -> dict:
-        raw = await http.body()
-        if len(raw) > MAX_BODY:
-            raise APIError(413, f"the request body is larger than {MAX_BODY} bytes")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        return body
-
-    def error_response(e: APIError):
+    @app.exception_handler(APIError)
+    async def on_api_error(_, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_bug(_, e: Exception):  # last resort: a bug still answers with a body, in OpenAI's shape
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(),
+                            status_code=500)
+
     # ------------------------------------------------------------------ OpenAI
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body("chat"))
     async def chat_completions(http: HTTPRequest):
-        try:
-            body = await body_of(http)
-            server.check_model(body)
-            msgs = check_messages(body)
-            p = sampling_params(body, server.model.hparams.n_vocab)
-            want_lp = bool(body.get("logprobs"))
-            n_top = body.get("top_logprobs") or 0
-            if not isinstance(n_top, int) or isinstance(n_top, bool) or not 0 <= n_top <= 20:
-                raise APIError(400, "'top_logprobs' must be an integer between 0 and 20", "top_logprobs")
-            req = server.make_request(server.chat_tokens(msgs), p, n_top if want_lp else 0)
-        except APIError as e:
-            return error_response(e)
+        body = await read_json(http)
+        server.check_model(body)
+        msgs = check_messages(body)
+        p = sampling_params(body, server.n_vocab)
+        want_lp = oai.flag(body, "logprobs")
+        n_top = body.get("top_logprobs") or 0
+        if not oai._is_int(n_top) or not 0 <= n_top <= 20:
+            raise APIError(400, "'top_logprobs' must be an integer between 0 and 20", "top_logprobs")
+        stream, with_usage = oai.flag(body, "stream"), include_usage(body)
+        req = server.make_request(server.chat_tokens(msgs), p, n_top if want_lp else 0, want_lp, "messages")
+        q = submit(server, req)
         cid, created = new_id("chatcmpl"), now()
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        def lp_entry(ev: Event):
-            return {"token": server.piece(ev.token), "logprob": ev.logprob, "bytes": None,
-                    "top_logprobs": [{"token": server.piece(i), "logprob": l, "bytes": None} for i, l in ev.top]}
+        def lp_entry(ev: Event) -> dict:
+            return oai.chat_logprob(server.piece(ev.token), ev.logprob, [(server.piece(i), l) for i, l in ev.top])
 
-        if body.get("stream"):
+        def chunk(choices, **extra) -> dict:
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": server.model_id,
+                    "system_fingerprint": "llampy", "choices": choices, **extra}
+
+        if stream:
             async def gen():
-                first = True
-                async for ev in events(req, http):
+                yield sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}]))
+                async for ev in events(req, q, http):
                     if ev.error:
-                        yield sse({"error": {"message": ev.error, "type": "server_error"}})
+                        yield sse(error_event(ev))
                         break
-                    delta = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
-                    first = False
-                    ch = {"index": 0, "delta": delta, "finish_reason": ev.finish_reason,
-                          "logprobs": {"content": [lp_entry(ev)]} if want_lp and ev.token is not None else None}
-                    chunk = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                             "model": server.model_id, "choices": [ch]}
-                    if ev.finish_reason is not None and include_usage:
-                        yield sse(chunk)
-                        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                                 "model": server.model_id, "choices": [], "usage": usage(ev.n_prompt, ev.n_gen)}
-                    yield sse(chunk)
+                    if ev.text or ev.finish_reason or (want_lp and ev.token is not None):
+                        lp = {"content": [lp_entry(ev)]} if want_lp and ev.token is not None else None
+                        yield sse(chunk([{"index": 0, "delta": {"content": ev.text} if ev.text else {},
+                                          "logprobs": lp, "finish_reason": ev.finish_reason}]))
+                    if ev.finish_reason is not None and with_usage:
+                        yield sse(chunk([], usage=usage(ev.n_prompt, ev.n_gen, ev.n_cached)))
                 yield b"data: [DONE]\n\n"
-            return StreamingResponse(gen(), media_type="text/event-stream")
+            return StreamingResponse(gen(), media_type="text/event-stream", headers=SSE_HEADERS)
+
         text, lps, last = "", [], None
-        async for ev in events(req, http):
+        async for ev in events(req, q, http):
             if ev.error:
-                return error_response(APIError(500, ev.error, type="server_error"))
+                raise APIError(500, ev.error, type="server_error")
             text += ev.text
             if want_lp and ev.token is not None:
                 lps.append(lp_entry(ev))
             last = ev
+        if last is None:        # the client went away; nobody reads this
+            return JSONResponse({}, status_code=499)
         return {"id": cid, "object": "chat.completion", "created": created, "model": server.model_id,
+                "system_fingerprint": "llampy",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "logprobs": {"content": lps} if want_lp else None,
-                             "finish_reason": last.finish_reason if last else "stop"}],
-                "usage": usage(last.n_prompt if last else len(req.tokens), last.n_gen if last else 0)}
+                             "finish_reason": last.finish_reason}],
+                "usage": usage(last.n_prompt, last.n_gen, last.n_cached)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body("completion"))
     async def completions(http: HTTPRequest):
-        try:
-            body = await body_of(http)
-            server.check_model(body)
-            if "prompt" not in body:
-                raise APIError(400, "'prompt' is required", "prompt")
-            p = sampling_params(body, server.model.hparams.n_vocab)
-            n_lp = body.get("logprobs") or 0
-            if not isinstance(n_lp, int) or isinstance(n_lp, bool) or not 0 <= n_lp <= 20:
-                raise APIError(400, "'logprobs' must be an integer between 0 and 20", "logprobs")
-            req = server.make_request(server.tokenize_prompt(body["prompt"]), p, n_lp)
-        except APIError as e:
-            return error_response(e)
+        body = await read_json(http)
+        server.check_model(body)
+        if "prompt" not in body:
+            raise APIError(400, "'prompt' is required", "prompt")
+        p = sampling_params(body, server.n_vocab)
+        n_lp = body.get("logprobs")
+        n_lp = 0 if n_lp is None else n_lp
+        if not oai._is_int(n_lp) or not 0 <= n_lp <= 20:
+            raise APIError(400, "'logprobs' must be an integer between 0 and 20", "logprobs")
+        want_lp = body.get("logprobs") is not None
+        stream, with_usage = oai.flag(body, "stream"), include_usage(body)
+        if oai.flag(body, "echo"):
+            raise APIError(400, "'echo' is not supported", "echo")
+        req = server.make_request(server.tokenize_prompt(body["prompt"]), p, n_lp, want_lp)
+        q = submit(server, req)
         cid, created = new_id("cmpl"), now()
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        def lp_obj(evs):
-            return {"tokens": [server.piece(e.token) for e in evs], "token_logprobs": [e.logprob for e in evs],
-                    "top_logprobs": [{server.piece(i): l for i, l in e.top} for e in evs], "text_offset": []}
+        def lp_obj(evs, offset0=0):
+            return oai.completion_logprobs([server.text(e.token) for e in evs], [e.logprob for e in evs],
+                                           [[(server.text(i), l) for i, l in e.top] for e in evs], offset0)
 
-        if body.get("stream"):
+        def chunk(choices, **extra) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": server.model_id,
+                    "system_fingerprint": "llampy", "choices": choices, **extra}
+
+        if stream:
             async def gen():
-                async for ev in events(req, http):
+                offset = 0
+                async for ev in events(req, q, http):
                     if ev.error:
-                        yield sse({"error": {"message": ev.error, "type": "server_error"}})
+                        yield sse(error_event(ev))
                         break
-                    ch = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
-                          "logprobs": lp_obj([ev]) if n_lp and ev.token is not None else None}
-                    yield sse({"id": cid, "object": "text_completion", "created": created, "model": server.model_id,
-                               "choices": [ch]})
-                    if ev.finish_reason is not None and include_usage:
-                        yield sse({"id": cid, "object": "text_completion", "created": created,
-                                   "model": server.model_id, "choices": [], "usage": usage(ev.n_prompt, ev.n_gen)})
+                    if ev.text or ev.finish_reason or (want_lp and ev.token is not None):
+                        lp = lp_obj([ev], offset) if want_lp and ev.token is not None else None
+                        yield sse(chunk([{"index": 0, "text": ev.text, "logprobs": lp,
+                                          "finish_reason": ev.finish_reason}]))
+                        offset += len(ev.text)
+                    if ev.finish_reason is not None and with_usage:
+                        yield sse(chunk([], usage=usage(ev.n_prompt, ev.n_gen, ev.n_cached)))
                 yield b"data: [DONE]\n\n"
-            return StreamingResponse(gen(), media_type="text/event-stream")
+            return StreamingResponse(gen(), media_type="text/event-stream", headers=SSE_HEADERS)
+
         text, evs, last = "", [], None
-        async for ev in events(req, http):
+        async for ev in events(req, q, http):
             if ev.error:
-                return error_response(APIError(500, ev.error, type="server_error"))
+                raise APIError(500, ev.error, type="server_error")
             text += ev.text
             if ev.token is not None:
                 evs.append(ev)
             last = ev
-        return {"id": cid, "object": "text_completion", "created": created, "model": server.model_id,
-                "choices": [{"index": 0, "text": text, "logprobs": lp_obj(evs) if n_lp else None,
-                             "finish_reason": last.finish_reason if last else "stop"}],
-                "usage": usage(len(req.tokens), last.n_gen if last else 0)}
+        if last is None:
+            return JSONResponse({}, status_code=499)
+        return chunk([{"index": 0, "text": text, "logprobs": lp_obj(evs) if want_lp else None,
+                       "finish_reason": last.finish_reason}],
+                     usage=usage(last.n_prompt, last.n_gen, last.n_cached))
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", openapi_extra=openapi_body("embeddings"))
     async def embeddings(http: HTTPRequest):
-        try:
-            body = await body_of(http)
-            server.check_model(body)
-            inp = body.get("input")
-            texts = [inp] if isinstance(inp, str) else inp
-            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-                raise APIError(400, "'input' must be a string or a non-empty list of strings", "input")
-            vecs, n = await asyncio.get_running_loop().run_in_executor(None, server.embed, texts)
-        except APIError as e:
-            return error_response(e)
+        body = await read_json(http)
+        server.check_model(body)
+        inp = body.get("input")
+        texts = [inp] if isinstance(inp, str) else inp
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise APIError(400, "'input' must be a string or a non-empty list of strings", "input")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise APIError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
+        toks = [server.model.vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
+        for i, t in enumerate(toks):
+            if not t:
+                raise APIError(400, f"input[{i}] is empty", "input")
+            if len(t) > EMBD_CTX:
+                raise APIError(400, f"input[{i}] has {len(t)} tokens, more than {EMBD_CTX}", "input",
+                               code="context_length_exceeded")
+        vecs = await asyncio.wrap_future(server.engine.run_job(lambda: server.embed(toks)))
+        n = sum(len(t) for t in toks)
+        if fmt == "base64":     # what the openai client asks for by default: little-endian float32 bytes
+            vecs = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() for v in vecs]
         return {"object": "list", "model": server.model_id,
                 "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vecs)],
                 "usage": {"prompt_tokens": n, "total_tokens": n}}
@@ -290,90 +365,147 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": int(server.t_start),
-                                            "owned_by": "llampy"}]}
+                                            "owned_by": "llampy",
+                                            "meta": {"n_ctx": server.engine.n_ctx, "n_vocab": server.n_vocab,
+                                                     "n_parallel": server.engine.n_parallel}}]}
 
     # ------------------------------------------------------------------ llama.cpp's native routes
-    @app.post("/completion")
+    @app.post("/completion", openapi_extra=openapi_body("native"))
     async def completion(http: HTTPRequest):
-        try:
-            body = await body_of(http)
-            if "prompt" not in body:
-                raise APIError(400, "'prompt' is required", "prompt")
-            p = sampling_params(body, server.model.hparams.n_vocab)
-            n_probs = body.get("n_probs", 0)
-            if not isinstance(n_probs, int) or isinstance(n_probs, bool) or n_probs < 0:
-                raise APIError(400, "'n_probs' must be a non-negative integer", "n_probs")
-            req = server.make_request(server.tokenize_prompt(body["prompt"]), p, n_probs)
-        except APIError as e:
-            return error_response(e)
+        body = await read_json(http)
+        if "prompt" not in body:
+            raise APIError(400, "'prompt' is required", "prompt")
+        p = sampling_params(body, server.n_vocab)
+        n_probs = body.get("n_probs", 0)
+        if not oai._is_int(n_probs) or not 0 <= n_probs <= 100:
+            raise APIError(400, "'n_probs' must be an integer between 0 and 100", "n_probs")
+        stream, return_tokens = oai.flag(body, "stream"), oai.flag(body, "return_tokens")
+        req = server.make_request(server.tokenize_prompt(body["prompt"]), p, n_probs, n_probs > 0)
+        q = submit(server, req)
         t0 = time.perf_counter()
+
+        def prob(ev: Event) -> dict:
+            b = server.piece(ev.token)
+            return {"id": ev.token, "token": b.decode("utf-8", errors="replace"), "bytes": list(b),
+                    "logprob": ev.logprob,
+                    "top_logprobs": [{"id": i, "token": server.text(i), "bytes": list(server.piece(i)),
+                                      "logprob": l} for i, l in ev.top]}
+
+        def final(text: str, toks: list, probs: list, last: Event) -> dict:
+            out = {"content": text, "stop": True, "model": server.model_id, "tokens_predicted": last.n_gen,
+                   "tokens_evaluated": len(req.tokens), "tokens_cached": last.n_cached,
+                   "stop_type": "limit" if last.finish_reason == "length" else "eos",
+                   "timings": {"predicted_ms": (time.perf_counter() - t0) * 1e3, "predicted_n": last.n_gen}}
+            if return_tokens:
+                out["tokens"] = toks
+            if n_probs:
+                out["completion_probabilities"] = probs
+            return out
+
+        if stream:
+            async def gen():
+                async for ev in events(req, q, http):
+                    if ev.error:
+                        yield sse(error_event(ev))
+                        return
+                    part = {"content": ev.text, "stop": False}
+                    if ev.token is not None:
+                        if return_tokens:
+                            part["tokens"] = [ev.token]
+                        if n_probs:
+                            part["completion_probabilities"] = [prob(ev)]
+                    if ev.finish_reason is not None:
+                        part = final(ev.text, [], [], ev)
+                    yield sse(part)
+            return StreamingResponse(gen(), media_type="text/event-stream", headers=SSE_HEADERS)
+
         text, toks, probs, last = "", [], [], None
-        async for ev in events(req, http):
+        async for ev in events(req, q, http):
+            if ev.error:
+                raise APIError(500, ev.error, type="server_error")
             text += ev.text
             if ev.token is not None:
                 toks.append(ev.token)
-                probs.append({"id": ev.token, "token": server.piece(ev.token), "logprob": ev.logprob,
-                              "top_logprobs": [{"id": i, "token": server.piece(i), "logprob": l} for i, l in ev.top]})
+                if n_probs:
+                    probs.append(prob(ev))
             last = ev
-        out = {"content": text, "stop": True, "stop_type": "limit" if last and last.finish_reason == "length" else "eos",
-               "tokens_predicted": len(toks), "tokens_evaluated": len(req.tokens), "model": server.model_id,
-               "timings": {"predicted_ms": (time.perf_counter() - t0) * 1e3}}
-        if body.get("return_tokens"):
-            out["tokens"] = toks
-        if n_probs:
-            out["completion_probabilities"] = probs
-        return out
+        if last is None:
+            return JSONResponse({}, status_code=499)
+        return final(text, toks, probs, last)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body("tokenize"))
     async def tokenize(http: HTTPRequest):
-        try:
-            body = await body_of(http)
-            content = body.get("content")
-            if not isinstance(content, str):
-                raise APIError(400, "'content' must be a string", "content")
-        except APIError as e:
-            return error_response(e)
-        ids = server.model.vocab.tokenize(content, add_special=bool(body.get("add_special", False)),
-                                          parse_special=bool(body.get("parse_special", True)))
+        body = await read_json(http)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise APIError(400, "'content' must be a string", "content")
+        ids = server.model.vocab.tokenize(content, add_special=oai.flag(body, "add_special"),
+                                          parse_special=body.get("parse_special", True) is not False)
+        if oai.flag(body, "with_pieces"):
+            return {"tokens": [{"id": i, "piece": server.text(i)} for i in ids]}
         return {"tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi_body("detokenize"))
     async def detokenize(http: HTTPRequest):
-        try:
-            body = await body_of(http)
-            toks = body.get("tokens")
-            v = server.model.vocab
-            if not isinstance(toks, list) or not all(isinstance(t, int) and 0 <= t < v.n_tokens for t in toks):
-                raise APIError(400, "'tokens' must be a list of token ids", "tokens")
-        except APIError as e:
-            return error_response(e)
+        body = await read_json(http)
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(oai._is_int(t) and 0 <= t < server.n_vocab for t in toks):
+            raise APIError(400, "'tokens' must be a list of token ids of the vocabulary", "tokens")
         return {"content": server.model.vocab.detokenize(toks)}
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        if not server.engine.alive():
+            return JSONResponse({"status": "error", "error": "the engine thread stopped"}, status_code=503)
+        return {"status": "ok", "slots_idle": server.engine.n_parallel - server.engine.busy_slots(),
+                "slots_processing": server.engine.busy_slots()}
 
     @app.get("/metrics")
     async def metrics():
-        m = server.engine.metrics
-        tps = m["generated_tokens_total"] / m["decode_seconds_total"] if m["decode_seconds_total"] else 0.0
-        lines = [
-            "# HELP llampy_requests_total Requests received.", "# TYPE llampy_requests_total counter",
-            f"llampy_requests_total {m['requests_total']}",
-            "# TYPE llampy_prompt_tokens_total counter", f"llampy_prompt_tokens_total {m['prompt_tokens_total']}",
-            "# TYPE llampy_tokens_predicted_total counter",
-            f"llampy_tokens_predicted_total {m['generated_tokens_total']}",
-            "# TYPE llampy_predicted_tokens_seconds gauge", f"llampy_predicted_tokens_seconds {tps:.3f}",
-            "# TYPE llampy_requests_deferred gauge", f"llampy_requests_deferred {server.engine.queue_depth()}",
-            "# TYPE llampy_requests_processing gauge", f"llampy_requests_processing {server.engine.busy_slots()}",
-            "# TYPE llampy_kv_cache_tokens gauge", f"llampy_kv_cache_tokens {server.engine.kv_used()}",
-            "# TYPE llampy_kv_cache_usage_ratio gauge",
-            f"llampy_kv_cache_usage_ratio {server.engine.kv_used() / server.engine.n_ctx:.4f}",
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus(server), media_type="text/plain; version=0.0.4")
 
-    @app.get("/", response_class=HTMLResponse)
+    # ------------------------------------------------------------------ the chat page
+    @app.get("/", include_in_schema=False)
     async def index():
-        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str):
+        f = STATIC / name
+        if "/" in name or name.startswith(".") or not f.is_file():
+            raise APIError(404, f"no file {name!r}", type="not_found_error")
+        return FileResponse(f)
 
     return app
+
+
+def prometheus(server: Server) -> str:
+    e = server.engine
+    m = e.metrics
+    gen_tps = m["generated_tokens_total"] / m["gen_seconds_total"] if m["gen_seconds_total"] else 0.0
+    pp_tps = m["prompt_tokens_total"] / m["prompt_seconds_total"] if m["prompt_seconds_total"] else 0.0
+    rows = [
+        ("requests_total", "counter", "Completion requests accepted.", m["requests_total"]),
+        ("requests_finished_total", "counter", "Requests that ended with stop or length.", m["requests_finished"]),
+        ("requests_cancelled_total", "counter", "Requests whose client went away.", m["requests_cancelled"]),
+        ("prompt_tokens_total", "counter", "Prompt tokens decoded.", m["prompt_tokens_total"]),
+        ("prompt_tokens_cached_total", "counter", "Prompt tokens reused from a slot's cache.",
+         m["prompt_tokens_cached"]),
+        ("tokens_predicted_total", "counter", "Tokens generated.", m["generated_tokens_total"]),
+        ("prompt_tokens_seconds", "gauge", "Prompt tokens per second of decode time.", round(pp_tps, 3)),
+        ("predicted_tokens_seconds", "gauge", "Generated tokens per second of decode time.", round(gen_tps, 3)),
+        ("predicted_tokens_seconds_recent", "gauge", "Generated tokens per second of wall time, last 10 s.",
+         round(e.tokens_per_second(), 3)),
+        ("n_decode_total", "counter", "Batches decoded.", m["steps_total"]),
+        ("n_busy_slots_per_decode", "gauge", "Mean busy slots per decoded batch.",
+         round(m["busy_slot_steps"] / m["steps_total"], 4) if m["steps_total"] else 0.0),
+        ("requests_deferred", "gauge", "Requests waiting for a slot (queue depth).", e.queue_depth()),
+        ("requests_processing", "gauge", "Busy slots.", e.busy_slots()),
+        ("slots_total", "gauge", "Slots (--parallel).", e.n_parallel),
+        ("kv_cache_tokens", "gauge", "KV cache cells in use.", e.kv_used()),
+        ("kv_cache_usage_ratio", "gauge", "KV cache cells in use / ctx-size.", round(e.kv_used() / e.n_ctx, 4)),
+    ]
+    out = []
+    for name, kind, help_, v in rows:
+        out += [f"# HELP llampy_{name} {help_}", f"# TYPE llampy_{name} {kind}", f"llampy_{name} {v}"]
+    return "\n".join(out) + "\n"

@@ -1,5 +1,8 @@
 """OpenAI request validation and response shapes. Every bad input becomes an ``APIError`` with an HTTP status and
-an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``.
+
+Requests are validated by hand rather than by pydantic models so that each error names the offending field the
+way OpenAI's API does (``param``) and unknown fields pass through, as clients send many we do not use."""
 from __future__ import annotations
 
 import time
@@ -16,39 +19,78 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _num(body, key, default, lo=None, hi=None, integer=False):
     v = body.get(key, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise APIError(400, f"'{key}' must be {'an integer' if integer else 'a number'}", key)
-    if lo is not None and v < lo or hi is not None and v > hi:
+        raise APIError(400, f"'{key}' must be {'an integer' if integer else 'a number'}, got {v!r}", key)
+    if v != v or (lo is not None and v < lo) or (hi is not None and v > hi):
         raise APIError(400, f"'{key}' must be between {lo} and {hi}, got {v}", key)
     return v
 
 
+def flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise APIError(400, f"'{key}' must be a boolean, got {v!r}", key)
+    return v
+
+
+def include_usage(body: dict) -> bool:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise APIError(400, "'stream_options' must be an object", "stream_options")
+    return flag(so, "include_usage")
+
+
 def sampling_params(body: dict, n_vocab: int) -> dict:
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", body.get("n_predict")))
+    """The sampling fields of a completion request, checked; names as Chain.from_params takes them."""
+    key = next((k for k in ("max_tokens", "max_completion_tokens", "n_predict") if body.get(k) is not None), None)
+    max_tokens = body.get(key) if key else None
     if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise APIError(400, "'max_tokens' must be an integer", "max_tokens")
-        if max_tokens <= 0 and "n_predict" not in body:
-            raise APIError(400, f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
-    stop = body.get("stop") or []
+        if not _is_int(max_tokens):
+            raise APIError(400, f"'{key}' must be an integer, got {max_tokens!r}", key)
+        # llama.cpp's native n_predict = -1 means "until the context is full"; OpenAI's fields must be >= 1
+        if max_tokens <= 0 and not (key == "n_predict" and max_tokens == -1):
+            raise APIError(400, f"'{key}' must be at least 1, got {max_tokens}", key)
+    n = body.get("n", 1)
+    if n is not None and (not _is_int(n) or n != 1):
+        raise APIError(400, "only 'n': 1 is supported (one choice per request)", "n")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, "'stop' must be a string or a list of strings", "stop")
-    bias = body.get("logit_bias") or {}
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise APIError(400, "'stop' must be a non-empty string or a list of up to 16 of them", "stop")
+    bias = body.get("logit_bias")
+    if bias is None:
+        bias = {}
     if not isinstance(bias, dict):
-        raise APIError(400, "'logit_bias' must be an object of token id to bias", "logit_bias")
+        raise APIError(400, "'logit_bias' must be an object mapping token ids to biases", "logit_bias")
     try:
-        bias = {int(k): float(v) for k, v in bias.items()}
+        bias = {int(k): float(v) for k, v in bias.items() if not isinstance(v, bool)}
     except (TypeError, ValueError):
-        raise APIError(400, "'logit_bias' keys must be token ids and values numbers", "logit_bias") from None
+        raise APIError(400, "'logit_bias' keys must be token ids and its values numbers", "logit_bias") from None
+    if any(not 0 <= k < n_vocab for k in bias):
+        raise APIError(400, f"'logit_bias' names a token id outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, "'seed' must be an integer", "seed")
+    if seed is not None and not _is_int(seed):
+        raise APIError(400, f"'seed' must be an integer, got {seed!r}", "seed")
+    rf = body.get("response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+        raise APIError(400, "only 'response_format': {'type': 'text'} is supported", "response_format")
+    if body.get("tools"):
+        raise APIError(400, "tool calls are not supported by this server", "tools")
     return dict(
         max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else None,
         temperature=_num(body, "temperature", 0.8, 0, 2), top_p=_num(body, "top_p", 0.95, 0, 1),
@@ -56,7 +98,7 @@ def sampling_params(body: dict, n_vocab: int) -> dict:
         presence_penalty=_num(body, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2, 2),
         repeat_penalty=_num(body, "repeat_penalty", 1.0, 0, 10), seed=seed, stop=stop, logit_bias=bias,
-        ignore_eos=bool(body.get("ignore_eos", False)))
+        ignore_eos=flag(body, "ignore_eos"))
 
 
 def check_messages(body: dict) -> list:
@@ -69,12 +111,20 @@ def check_messages(body: dict) -> list:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}].role must be system, user or assistant, got {m['role']!r}",
+                           f"messages[{i}].role")
         content = m.get("content", "")
-        if isinstance(content, list):   # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if isinstance(content, list):   # OpenAI content parts: text parts only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                               f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
         if content is not None and not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content or ""})
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content or ""})
     return out
 
 
@@ -86,5 +136,64 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(n_prompt: int, n_gen: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+def usage(n_prompt: int, n_gen: int, n_cached: int = 0) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": n_cached}}
+
+
+def chat_logprob(piece: bytes, logprob: float, top: list) -> dict:
+    """One token of a chat completion's ``logprobs.content``; ``top`` is [(piece bytes, logprob)]."""
+    def entry(b: bytes, lp: float) -> dict:
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+    return {**entry(piece, logprob), "top_logprobs": [entry(b, lp) for b, lp in top]}
+
+
+def completion_logprobs(pieces: list, logprobs: list, tops: list, offset0: int = 0) -> dict:
+    """A text completion's ``logprobs`` object: tokens, token_logprobs, top_logprobs (dicts), text_offset."""
+    offs, o = [], offset0
+    for p in pieces:
+        offs.append(o)
+        o += len(p)
+    return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": [dict(t) for t in tops],
+            "text_offset": offs}
+
+
+# ---------------------------------------------------------------------- request schemas, for /openapi.json only
+_SAMPLING = {
+    "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": 0},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": {"type": "integer"},
+    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "presence_penalty": {"type": "number"}, "frequency_penalty": {"type": "number"},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number"}},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array"}]}}}
+_PROMPT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}
+
+SCHEMAS = {
+    "chat": {"type": "object", "required": ["messages"], "properties": {
+        **_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
+    "completion": {"type": "object", "required": ["prompt"], "properties": {
+        **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
+    "native": {"type": "object", "required": ["prompt"], "properties": {
+        **_SAMPLING, "prompt": _PROMPT, "n_predict": {"type": "integer"}, "n_probs": {"type": "integer"},
+        "return_tokens": {"type": "boolean"}}},
+    "embeddings": {"type": "object", "required": ["input"], "properties": {
+        "model": {"type": "string"},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}},
+    "tokenize": {"type": "object", "required": ["content"], "properties": {
+        "content": {"type": "string"}, "add_special": {"type": "boolean"}, "parse_special": {"type": "boolean"},
+        "with_pieces": {"type": "boolean"}}},
+    "detokenize": {"type": "object", "required": ["tokens"], "properties": {
+        "tokens": {"type": "array", "items": {"type": "integer"}}}},
+}
+
+
+def openapi_body(name: str) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": SCHEMAS[name]}}}}

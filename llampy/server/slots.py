@@ -1,15 +1,19 @@
 """Continuous batching: N slots share one KV cache through sequence ids; one engine thread decodes, every step, one
-batch holding the next token of every generating slot and a chunk of the prompt of newly admitted requests.
+batch holding the next token of every generating slot and chunks of the prompts of newly admitted requests.
 
 A request arriving while others generate starts at the next step. A slot keeps its prompt's KV and reuses the
 common prefix with the next request it serves. A cancelled request (client gone) frees its slot at the next step.
+The engine thread is the only one that touches the Context; everything else talks to it through queues, and
+every failure ends in an event for the request concerned, so no request waits forever and no slot stays busy.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -18,24 +22,9 @@ from ..llama.context import Context
 from ..llama.sampling import Chain, top_logprobs
 from ..llama.vocab import StreamDecoder
 
-PROMPT_CHUNK = 64   # prompt tokens per slot per step, so that one long prompt does not stall the others
-
-
-@dataclass
-class Request:
-    tokens: list
-    max_tokens: int
-    sampler: Chain
-    stop: list = field(default_factory=list)
-    n_probs: int = 0
-    ignore_eos: bool = False
-    # filled by the engine; read by the HTTP side through ``events``
-    events: "queue.Queue" = field(default_factory=queue.Queue)
-    cancelled: bool = False
-    t_arrival: float = field(default_factory=time.perf_counter)
-
-    def cancel(self) -> None:
-        self.cancelled = True
+# Prompt tokens decoded per step, over all slots together: a long prompt is cut into chunks so that the slots
+# already generating get a token every step (at most this many prompt tokens' worth of delay each step).
+PROMPT_BUDGET = 64
 
 
 @dataclass
@@ -45,175 +34,299 @@ class Event:
     token: int | None = None
     logprob: float | None = None
     top: list = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None        # "stop" | "length" on the last event, "error" with ``error``
     n_prompt: int = 0
     n_gen: int = 0
+    n_cached: int = 0                       # prompt tokens whose KV was reused from the slot's previous request
     error: str | None = None
+
+
+@dataclass
+class Request:
+    tokens: list
+    max_tokens: int
+    sampler: Chain
+    stop: list = field(default_factory=list)
+    n_probs: int = 0                        # top log-probs per token
+    logprobs: bool = False                  # the sampled token's log-prob
+    ignore_eos: bool = False
+    # How events reach the client. The HTTP side replaces it with a thread-safe hand-off to its event loop;
+    # the default queue serves synchronous callers (tests, scripts).
+    emit: Callable[[Event], None] | None = None
+    events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
+    cancelled: bool = False
+    t_arrival: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        if self.emit is None:
+            self.emit = self.events.put
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 class Slot:
     def __init__(self, sid: int, n_ctx_slot: int):
         self.id = sid
         self.n_ctx = n_ctx_slot
-        self.cached: list[int] = []     # tokens whose K/V are in the cache for this sequence
+        self.cached: list[int] = []     # tokens whose K/V are in the cache for this sequence, in order
         self.req: Request | None = None
         self.pending: list[int] = []    # prompt tokens still to decode
+        self.next_token = -1            # sampled, not yet decoded
         self.n_gen = 0
-        self.last_logits = None
-        self.dec = None
+        self.n_reused = 0
+        self.dec: StreamDecoder | None = None
         self.text = ""
-        self.emitted = 0
+        self.emitted = 0                # chars of ``text`` already sent
 
 
 class Engine:
-    def __init__(self, model, n_parallel: int = 4, n_ctx: int = 4096):
+    def __init__(self, model, n_parallel: int = 4, n_ctx: int = 4096, prompt_budget: int = PROMPT_BUDGET):
+        if n_parallel < 1:
+            raise ValueError(f"parallel must be at least 1, got {n_parallel}")
+        if n_ctx // n_parallel < 8:
+            raise ValueError(f"ctx-size {n_ctx} leaves fewer than 8 tokens per slot with {n_parallel} slots")
         self.model = model
         self.vocab = model.vocab
         self.n_parallel = n_parallel
         self.n_ctx = n_ctx
-        self.ctx = Context(model, n_ctx=n_ctx, n_batch=max(512, n_parallel * PROMPT_CHUNK),
-                           n_ubatch=max(512, n_parallel * PROMPT_CHUNK), n_seq_max=n_parallel)
+        self.prompt_budget = max(1, prompt_budget)
+        n_batch = self.prompt_budget + n_parallel
+        # graphs are cached per (tokens, outputs, kv) shape; batches here vary in all three, so keep more
+        self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_parallel,
+                           max_graphs=64)
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
-        self.queue: "queue.Queue[Request]" = queue.Queue()
+        self.inbox: "queue.Queue" = queue.Queue()   # Requests, and jobs (callables) to run on this thread
         self.waiting: list[Request] = []
-        self.lock = threading.Lock()
-        self.metrics = {"requests_total": 0, "prompt_tokens_total": 0, "generated_tokens_total": 0,
-                        "decode_seconds_total": 0.0, "steps_total": 0}
+        self.metrics = {"requests_total": 0, "requests_finished": 0, "requests_cancelled": 0,
+                        "prompt_tokens_total": 0, "prompt_tokens_cached": 0, "generated_tokens_total": 0,
+                        "decode_seconds_total": 0.0, "prompt_seconds_total": 0.0, "gen_seconds_total": 0.0,
+                        "steps_total": 0, "busy_slot_steps": 0}
+        self._recent: list[tuple[float, int]] = []   # (time, tokens generated) per step, for a live tokens/s
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name="llampy-engine", daemon=True)
         self.thread.start()
 
-    # ------------------------------------------------------------------ public
+    # ------------------------------------------------------------------ public (any thread)
+    @property
+    def n_ctx_slot(self) -> int:
+        return self.slots[0].n_ctx
+
     def submit(self, req: Request) -> Request:
-        if len(req.tokens) >= self.slots[0].n_ctx:
+        if not req.tokens:
+            raise ValueError("the prompt is empty")
+        if len(req.tokens) >= self.n_ctx_slot:
             raise ValueError(f"the prompt has {len(req.tokens)} tokens, but a slot's context holds "
-                             f"{self.slots[0].n_ctx} (ctx-size {self.n_ctx} / parallel {self.n_parallel})")
+                             f"{self.n_ctx_slot} (ctx-size {self.n_ctx} / parallel {self.n_parallel})")
         self.metrics["requests_total"] += 1
-        self.queue.put(req)
+        self.inbox.put(req)
         return req
+
+    def run_job(self, fn: Callable) -> cf.Future:
+        """Run fn() on the engine thread between two steps (the Context and the model's kernels are not shared
+        between threads); the future holds its result or exception."""
+        fut: cf.Future = cf.Future()
+        self.inbox.put((fn, fut))
+        return fut
 
     def stop(self) -> None:
         self._stop = True
-        self.queue.put(None)
-        self.thread.join(timeout=5)
+        self.inbox.put(None)
+        self.thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
 
     def busy_slots(self) -> int:
         return sum(1 for s in self.slots if s.req is not None)
 
     def queue_depth(self) -> int:
-        return self.queue.qsize() + len(self.waiting)
+        return self.inbox.qsize() + len(self.waiting)
 
     def kv_used(self) -> int:
-        return self.ctx.kv.n_used()
+        return int(self.ctx.kv.n_used())
 
-    # ------------------------------------------------------------------ loop
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last ``window`` seconds of wall time."""
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= window]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    # ------------------------------------------------------------------ the loop (engine thread only)
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                self._admit()
+                self._drop_cancelled()
+                if any(s.req is not None for s in self.slots):
+                    self._step_all()
+            except Exception as e:  # a bug here must not kill the thread: fail the requests in flight, go on
+                for s in self.slots:
+                    if s.req is not None:
+                        self._fail(s, f"internal error: {type(e).__name__}: {e}")
+        for s in self.slots:
+            if s.req is not None:
+                self._fail(s, "the server is shutting down")
+
     def _admit(self) -> None:
+        idle = not self.waiting and all(s.req is None for s in self.slots)
         while True:
             try:
-                r = self.queue.get_nowait() if any(s.req is not None for s in self.slots) or self.waiting \
-                    else self.queue.get(timeout=0.05)
+                item = self.inbox.get(timeout=0.05) if idle else self.inbox.get_nowait()
             except queue.Empty:
                 break
-            if r is None:
+            idle = False
+            if item is None:
                 return
-            self.waiting.append(r)
+            if isinstance(item, tuple):
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # handed to the caller, who turns it into an HTTP error
+                        fut.set_exception(e)
+                continue
+            self.waiting.append(item)
         for r in list(self.waiting):
             if r.cancelled:
                 self.waiting.remove(r)
+                self.metrics["requests_cancelled"] += 1
                 continue
             free = [s for s in self.slots if s.req is None]
             if not free:
                 break
-            # prefer the free slot whose cached tokens share the longest prefix with this prompt
-            slot = max(free, key=lambda s: _common(s.cached, r.tokens))
+            # the free slot whose cache shares the longest prefix with this prompt (ties: the emptiest)
+            slot = max(free, key=lambda s: (_common(s.cached, r.tokens), -len(s.cached)))
             self.waiting.remove(r)
             self._start(slot, r)
 
     def _start(self, slot: Slot, r: Request) -> None:
+        # keep at least the last prompt token to decode: its logits give the first generated token
         n_common = min(_common(slot.cached, r.tokens), len(r.tokens) - 1)
         self.ctx.seq_rm(slot.id, n_common, -1)
         slot.cached = list(r.tokens[:n_common])
         slot.pending = list(r.tokens[n_common:])
-        slot.req, slot.n_gen, slot.text, slot.emitted = r, 0, "", 0
+        slot.req, slot.n_gen, slot.n_reused, slot.text, slot.emitted = r, 0, n_common, "", 0
         slot.dec = StreamDecoder(self.vocab, special=False)
         self.metrics["prompt_tokens_total"] += len(slot.pending)
+        self.metrics["prompt_tokens_cached"] += n_common
 
-    def _finish(self, slot: Slot, reason: str, text: str = "") -> None:
-        r = slot.req
-        r.events.put(Event(text=text, finish_reason=reason, n_prompt=len(r.tokens), n_gen=slot.n_gen))
-        slot.req = None
+    def _drop_cancelled(self) -> None:
+        for s in self.slots:
+            if s.req is not None and s.req.cancelled:
+                # the client went away: free the slot; its KV stays valid for prefix reuse
+                s.req = None
+                self.metrics["requests_cancelled"] += 1
 
-    def _loop(self) -> None:
-        while not self._stop:
-            self._admit()
-            for s in self.slots:
-                if s.req is not None and s.req.cancelled:
-                    s.req = None            # the client went away: free the slot
-            active = [s for s in self.slots if s.req is not None]
-            if not active:
-                continue
-            batch = Batch.empty()
-            rows = {}
-            for s in active:
-                if s.pending:
-                    chunk, s.pending = s.pending[:PROMPT_CHUNK], s.pending[PROMPT_CHUNK:]
-                    for j, t in enumerate(chunk):
-                        last = not s.pending and j == len(chunk) - 1
-                        batch.add(t, len(s.cached) + j, [s.id], last)
-                        if last:
-                            rows[s.id] = len(batch) - 1
-                    s.cached.extend(chunk)
-                else:
-                    batch.add(s.next_token, len(s.cached), [s.id], True)
+    def _step_all(self) -> None:
+        active = [s for s in self.slots if s.req is not None]
+        batch = Batch.empty()
+        rows: dict[int, int] = {}       # slot id -> batch position whose logits it samples from
+        took: dict[int, int] = {}       # slot id -> prompt tokens of it in this batch
+        # generating slots first: one token each
+        for s in active:
+            if not s.pending:
+                batch.add(s.next_token, len(s.cached), [s.id], True)
+                rows[s.id] = len(batch) - 1
+        # then prompt chunks, oldest request first, within the step's budget
+        budget = self.prompt_budget
+        for s in sorted((s for s in active if s.pending), key=lambda s: s.req.t_arrival):
+            if budget <= 0:
+                break
+            chunk = s.pending[:budget]
+            for j, t in enumerate(chunk):
+                last = j == len(chunk) - 1 and len(chunk) == len(s.pending)
+                batch.add(t, len(s.cached) + j, [s.id], last)
+                if last:
                     rows[s.id] = len(batch) - 1
-                    s.cached.append(s.next_token)
-            t0 = time.perf_counter()
-            try:
-                self.ctx.decode(batch)
-            except Exception as e:  # never leave a request hanging: fail the ones in this batch
-                for s in active:
-                    s.req.events.put(Event(error=f"decode failed: {e}", finish_reason="error"))
-                    s.req = None
-                    s.cached = []
-                    self.ctx.seq_rm(s.id, -1, -1)
-                continue
-            self.metrics["decode_seconds_total"] += time.perf_counter() - t0
-            self.metrics["steps_total"] += 1
+            took[s.id] = len(chunk)
+            budget -= len(chunk)
+        t0 = time.perf_counter()
+        try:
+            self.ctx.decode(batch)
+        except Exception as e:  # never leave a request hanging: fail the ones in this batch, clear their KV
             for s in active:
-                if s.id in rows:
+                self._fail(s, f"decode failed: {e}")
+                s.cached = []
+                self.ctx.seq_rm(s.id, -1, -1)
+            return
+        dt = time.perf_counter() - t0
+        # the batch is in the cache: commit what each slot decoded
+        for s in active:
+            if s.id in took:
+                n = took[s.id]
+                s.cached.extend(s.pending[:n])
+                s.pending = s.pending[n:]
+            elif not s.pending:
+                s.cached.append(s.next_token)
+        m = self.metrics
+        m["decode_seconds_total"] += dt
+        m["steps_total"] += 1
+        m["busy_slot_steps"] += len(active)
+        share = sum(took.values()) / len(batch)
+        m["prompt_seconds_total"] += dt * share
+        m["gen_seconds_total"] += dt * (1 - share)
+        for s in active:
+            if s.id in rows:
+                try:
                     self._step(s, self.ctx.get_logits_ith(rows[s.id]))
+                except Exception as e:  # a sampler or detokenizer failure ends this request only
+                    self._fail(s, f"sampling failed: {type(e).__name__}: {e}")
+        now = time.perf_counter()
+        self._recent.append((now, len(rows)))
+        if now - self._recent[0][0] > 30:
+            self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
+
+    def _fail(self, s: Slot, msg: str) -> None:
+        r = s.req
+        s.req = None
+        if r is not None:
+            r.emit(Event(error=msg, finish_reason="error", n_prompt=len(r.tokens), n_gen=s.n_gen))
+
+    def _finish(self, s: Slot, reason: str, text: str = "") -> None:
+        r = s.req
+        s.req = None
+        self.metrics["requests_finished"] += 1
+        r.emit(Event(text=text, finish_reason=reason, n_prompt=len(r.tokens), n_gen=s.n_gen, n_cached=s.n_reused))
 
     def _step(self, s: Slot, logits: np.ndarray) -> None:
         r = s.req
+        logits = np.array(logits, dtype=np.float32)   # samplers may edit their candidates; keep the raw row
         tok = int(r.sampler.sample(logits))
         r.sampler.accept(tok)
-        x = logits.astype(np.float64)
-        lse = x.max() + np.log(np.exp(x - x.max()).sum())
-        lp = float(x[tok] - lse)
-        top = top_logprobs(logits, r.n_probs) if r.n_probs else []
-        s.n_gen += 1
+        lp, top = None, []
+        if r.logprobs or r.n_probs:
+            x = logits.astype(np.float64)
+            mx = x.max()
+            lp = float(x[tok] - (mx + np.log(np.exp(x - mx).sum())))
+            top = top_logprobs(logits, r.n_probs) if r.n_probs else []
         self.metrics["generated_tokens_total"] += 1
         if self.vocab.is_eog(tok) and not r.ignore_eos:
-            s.n_gen -= 1
             self._finish(s, "stop", s.text[s.emitted:] + s.dec.flush())
             return
+        s.n_gen += 1
         s.text += s.dec.feed(tok)
+        # a stop string ends the text just before it; the search starts where an earlier match could begin
         hit = -1
         for st in r.stop:
-            p = s.text.find(st, max(0, s.emitted - len(st)))
+            p = s.text.find(st, max(0, s.emitted - len(st) + 1))
             if p >= 0 and (hit < 0 or p < hit):
                 hit = p
         if hit >= 0:
-            r.events.put(Event(text=s.text[s.emitted:hit], token=tok, logprob=lp, top=top))
+            r.emit(Event(text=s.text[s.emitted:hit], token=tok, logprob=lp, top=top))
             self._finish(s, "stop")
             return
+        # hold back a tail that could be the start of a stop string
         safe = len(s.text)
         for st in r.stop:
-            for k in range(min(len(st) - 1, len(s.text)), 0, -1):
+            for k in range(min(len(st) - 1, len(s.text) - s.emitted), 0, -1):
                 if s.text.endswith(st[:k]):
                     safe = min(safe, len(s.text) - k)
                     break
-        r.events.put(Event(text=s.text[s.emitted:safe], token=tok, logprob=lp, top=top))
+        r.emit(Event(text=s.text[s.emitted:safe], token=tok, logprob=lp, top=top))
         s.emitted = safe
         if s.n_gen >= r.max_tokens or len(s.cached) + 1 >= s.n_ctx:
             self._finish(s, "length", s.text[s.emitted:] + s.dec.flush())

@@ -1,0 +1,148 @@
+"""Continuous batching: concurrent requests share decode steps and still give each one its own exact output; a
+late request starts while others generate; a slot reuses its cached prefix; a client that leaves frees its slot;
+32 concurrent streams all complete."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import N_PARALLEL, load_ref, metric, sse_datas, wait_metric
+
+REF = load_ref()
+
+
+def native(url, prompt_ids, n, **kw):
+    r = httpx.post(url + "/completion", timeout=300, json={"prompt": prompt_ids, "n_predict": n, "temperature": 0,
+                                                           "return_tokens": True, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def collect(req):
+    toks = []
+    while True:
+        ev = req.events.get(timeout=300)
+        assert ev.error is None, ev.error
+        if ev.token is not None:
+            toks.append(ev.token)
+        if ev.finish_reason:
+            return toks, ev
+
+
+def test_batched_greedy_runs_are_llamacpps(llama_server):
+    """Four of llama.cpp's greedy references at once in a fresh engine of four slots: prompts and generation
+    share every decode step, and each output is still llama.cpp's, token for token. (A fresh engine: in a cache
+    where other requests have left holes, new cells land out of position order, and flash attention's F16
+    accumulation, as ggml's, then rounds differently.)"""
+    from llampy.llama.sampling import Chain
+    from llampy.server.slots import Engine, Request
+    eng = Engine(llama_server.model, n_parallel=4, n_ctx=1024)
+    try:
+        refs = REF["greedy"][:4]
+        reqs = [eng.submit(Request(tokens=list(g["prompt_ids"]), max_tokens=12,
+                                   sampler=Chain.from_params(temperature=0, n_vocab=llama_server.n_vocab)))
+                for g in refs]
+        outs = [collect(r) for r in reqs]
+        for g, (got, last) in zip(refs, outs):
+            want = g["ids"][:12]
+            # the chat reference ends with the end-of-turn token, which ends generation instead of being returned
+            assert got == want[:len(got)] and (len(got) == 12 or eng.vocab.is_eog(want[len(got)])), g["prompt"]
+            assert last.finish_reason == ("length" if len(got) == 12 else "stop")
+        m = eng.metrics
+        assert m["steps_total"] < sum(len(o[0]) for o in outs) and m["busy_slot_steps"] / m["steps_total"] > 3
+    finally:
+        eng.stop()
+
+
+def test_concurrent_http_requests_share_steps(server_url):
+    steps0 = metric(server_url, "n_decode_total")
+    with cf.ThreadPoolExecutor(6) as ex:
+        outs = list(ex.map(lambda g: native(server_url, g["prompt_ids"], 6), REF["greedy"] + REF["greedy"][:1]))
+    assert all(1 <= o["tokens_predicted"] <= 8 for o in outs)
+    # 6 requests on 4 slots: they shared steps (fewer decodes than tokens taken one request at a time)
+    assert metric(server_url, "n_decode_total") - steps0 < sum(o["tokens_predicted"] for o in outs)
+
+
+def test_late_request_starts_while_others_generate(server_url):
+    long_done = threading.Event()
+    order = []
+
+    def long():
+        native(server_url, "Once upon a time", 60, ignore_eos=True)
+        order.append("long")
+        long_done.set()
+
+    t = threading.Thread(target=long)
+    t.start()
+    time.sleep(1.0)                 # the long request is generating by now
+    assert not long_done.is_set()
+    out = native(server_url, "The capital of France is", 3)
+    order.append("short")
+    t.join(timeout=120)
+    assert out["tokens_predicted"] == 3 and order == ["short", "long"]
+
+
+def test_slot_reuses_the_common_prefix(server_url):
+    prompt = "In a quiet town by the sea there lived an old lighthouse keeper who"
+    native(server_url, prompt, 2)
+    again = native(server_url, prompt + " loved", 2)
+    n_prompt = len(httpx.post(server_url + "/tokenize", json={"content": prompt + " loved"}).json()["tokens"])
+    # everything but the new tail came from the slot's cache
+    assert again["tokens_cached"] >= n_prompt - 2 and again["tokens_evaluated"] == n_prompt
+    assert metric(server_url, "prompt_tokens_cached_total") >= again["tokens_cached"]
+
+
+def test_disconnect_frees_the_slot(server_url):
+    assert wait_metric(server_url, "requests_processing", 0) == 0
+    cancelled0 = metric(server_url, "requests_cancelled_total")
+    with httpx.stream("POST", server_url + "/v1/completions", timeout=60, json={
+            "prompt": "Tell me a very long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break               # one token arrived: the slot is busy; now hang up
+        assert metric(server_url, "requests_processing") == 1
+    # 400 tokens would take far longer than this; the slot must be free again within a few steps
+    assert wait_metric(server_url, "requests_processing", 0, timeout=10) == 0
+    assert metric(server_url, "requests_cancelled_total") == cancelled0 + 1
+
+
+@pytest.mark.slow
+def test_32_concurrent_streams_all_complete(server_url):
+    def one(i):
+        kind = "chat" if i % 2 else "completion"
+        body = {"max_tokens": 4, "temperature": 0.7, "seed": i, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if kind == "chat":
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": f"Say {i}."}]
+        else:
+            path, body["prompt"] = "/v1/completions", f"Item {i}: the"
+        with httpx.stream("POST", server_url + path, timeout=300, json=body) as r:
+            assert r.status_code == 200
+            datas = sse_datas(r.iter_lines())
+        assert datas[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in datas[:-1]]
+        assert not any("error" in c for c in chunks)
+        finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]
+                  and c["choices"][0]["finish_reason"]]
+        assert len(finals) == 1 and finals[0] in ("length", "stop")
+        u = chunks[-1]["usage"]
+        assert 1 <= u["completion_tokens"] <= 4 and u["prompt_tokens"] > 0
+        key = "delta" if kind == "chat" else None
+        return "".join((c["choices"][0]["delta"].get("content") or "") if key else c["choices"][0]["text"]
+                       for c in chunks if c["choices"]), u["completion_tokens"]
+
+    done0 = metric(server_url, "requests_finished_total")
+    with cf.ThreadPoolExecutor(32) as ex:
+        outs = list(ex.map(one, range(32)))
+    assert len(outs) == 32 and sum(n for _, n in outs) >= 32
+    assert metric(server_url, "requests_finished_total") == done0 + 32
+    # the slots were shared: on average more than one busy slot per decoded batch, and none is left busy
+    assert metric(server_url, "n_busy_slots_per_decode") > 1
+    assert wait_metric(server_url, "requests_processing", 0) == 0
+    assert metric(server_url, "requests_deferred") == 0
+    assert N_PARALLEL == metric(server_url, "slots_total")
