@@ -93,6 +93,33 @@ def q8_k_split(x, xq, xd, bsums):
             xd[i, b] = np.float32(np.float32(1.0) / iscale)
 
 
+@njit(cache=True)
+def q8_round_rows(x, xr, delta, with_delta):
+    """x [n, k] rounded through Q8_0/Q8_1 and back in one pass: xr = q * F16(d) (the values the integer kernels
+    multiply by); for Q8_1 also delta = F16(d * sum(q)) - F16(d) * sum(q) per block (what ggml's s adds beyond
+    the block sum of xr). Same rounding as ``q8_0_split``."""
+    n, k = x.shape
+    for i in range(n):
+        for b in range(k // 32):
+            o = b * 32
+            amax = np.float32(0.0)
+            for j in range(32):
+                v = abs(x[i, o + j])
+                if v > amax:
+                    amax = v
+            d = np.float32(amax / np.float32(127.0))
+            idv = np.float32(np.float32(127.0) / amax) if amax != 0 else np.float32(0.0)
+            d16 = round_f16(d)
+            tot = 0
+            for j in range(32):
+                q = np.rint(np.float32(x[i, o + j] * idv))
+                xr[i, o + j] = np.float32(q) * d16
+                tot += np.int32(q)
+            if with_delta:
+                delta[i, b] = np.float32(np.float64(round_f16(np.float32(d * np.float32(tot))))
+                                         - np.float64(d16) * tot)
+
+
 class ActScratch:
     """Buffers for one shape of quantized activations, reused call after call (decode allocates nothing)."""
     __slots__ = ("xq", "xd", "xs", "x32")

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
 from . import qdot, qdot_k
-from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, quantize_act, round_act
+from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
 from .qdot import F16_TABLE
 
 T = GGMLType
@@ -42,8 +42,8 @@ _DQ_K = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 
 # Batches of more rows than this go to BLAS when exactness is waived; below it the integer kernels are faster
 # (measured on SmolLM2's matrices, 2 threads: benchmarks/bench_matmul.py).
-BLAS_MIN_ROWS = 8
-DECODE_MAX_ROWS = BLAS_MIN_ROWS if os.environ.get("LLAMPY_FAST_PROMPT") == "1" else 1 << 30
+BLAS_MIN_ROWS = 6
+DECODE_MAX_ROWS = BLAS_MIN_ROWS - 1 if os.environ.get("LLAMPY_FAST_PROMPT") == "1" else 1 << 30
 TILE_BYTES = 2 << 20   # float32 bytes of one dequantized weight tile (stays in the large cache)
 
 __all__ = ["SUPPORTED_DIRECT", "mul_mat", "quantize_act", "round_act", "BLAS_MIN_ROWS", "DECODE_MAX_ROWS"]
@@ -93,13 +93,26 @@ def _mul_mat_int(w, wtype, x, out, scratch):
 
 # ------------------------------------------------------------------------------------------------ BLAS path
 
-def _q8_1_delta(x: np.ndarray, xr: np.ndarray) -> np.ndarray:
-    """ggml adds each block's min times Q8_1's s = F16(d * sum(q)); a float product over the dequantized values
-    gives min * sum(x_rounded) instead. Per (row of x, block): s - sum(x_rounded), to add back as delta @ mins^T
-    (|delta| is about one F16 rounding of the block sum: ~5e-4 relative)."""
+def _round_x(x, vdt):
+    """x rounded through the dot type, as float32 [n, k]; for Q8_1 also the min-term correction ``delta``
+    [n, k/32]: ggml adds each block's min times Q8_1's s = F16(d * sum(q)), a float product over the rounded
+    values gives min * d * sum(q) instead, so add back delta @ mins^T with delta = s - d * sum(q) (about one
+    F16 rounding of the block sum, ~5e-4 relative; without it the results differ by that much where mins are
+    large)."""
+    if vdt == T.BF16:
+        return bf16_bits_to_f32(f32_to_bf16_bits(x)), None
+    if vdt not in (T.Q8_0, T.Q8_1, T.Q8_K):
+        return round_act(x, vdt), None
     n, k = x.shape
-    s = act_split(x, T.Q8_1)
-    return s.xs - xr.reshape(n, k // 32, 32).sum(axis=2, dtype=np.float32)
+    if vdt == T.Q8_K:
+        s = act_split(x, vdt)
+        xr = s.xq.reshape(n, k // 256, 256).astype(np.float32)
+        xr *= s.xd[:, :, None]
+        return xr.reshape(n, k), None
+    xr = np.empty((n, k), np.float32)
+    delta = np.empty((n, k // 32), np.float32) if vdt == T.Q8_1 else None
+    q8_round_rows(x, xr, delta if delta is not None else xr, delta is not None)
+    return xr, delta
 
 
 def _weights_tile(w, wtype, r0, r1, k, buf):
@@ -121,32 +134,99 @@ def _weights_tile(w, wtype, r0, r1, k, buf):
     return t
 
 
-def _round_x(x, vdt):
-    if vdt == T.BF16:
-        return bf16_bits_to_f32(f32_to_bf16_bits(x))
-    return round_act(x, vdt)
+def _blas_rows(w, wtype, xr, delta, out, r0, r1, step):
+    """out[:, r0:r1] through float32 tiles of step rows (one worker's share)."""
+    k = xr.shape[1]
+    buf = np.empty((step, k), np.float32)
+    direct = out.dtype == np.float32 and out.strides[1] == 4
+    bs = TYPE_TRAITS[wtype].type_size
+    for a in range(r0, r1, step):
+        b = min(r1, a + step)
+        wt = _weights_tile(w, wtype, a, b, k, buf)
+        if direct:     # BLAS writes straight into out's columns (a row-strided view is fine for it)
+            rt = out[:, a:b]
+            np.matmul(xr, wt.T, out=rt)
+        else:
+            rt = xr @ wt.T
+        if delta is not None:
+            mins = np.ascontiguousarray(w[a:b].reshape(b - a, k // 32, bs)[:, :, 2:4]).view(np.float16)
+            rt += delta @ mins[:, :, 0].astype(np.float32).T
+        if not direct:
+            out[:, a:b] = rt
 
 
 def _mul_mat_blas(w, wtype, x, out):
     n, k = x.shape
     rows = w.shape[0]
-    vdt = TYPE_TRAITS[wtype].vec_dot_type
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    xr = _round_x(x, vdt)
-    delta = _q8_1_delta(x, xr) if vdt == T.Q8_1 else None
-    step = max(8, min(rows, TILE_BYTES // (4 * k)))
-    buf = np.empty((step, k), np.float32)
-    res = np.empty((n, step), np.float32)
-    bs = TYPE_TRAITS[wtype].type_size
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        wt = _weights_tile(w, wtype, r0, r1, k, buf)
-        rt = res[:, :r1 - r0]
-        np.matmul(xr, wt.T, out=rt)
-        if delta is not None:
-            mins = np.ascontiguousarray(w[r0:r1]).reshape(r1 - r0, k // 32, bs)[:, :, 2:4]
-            rt += delta @ F16_TABLE[mins[:, :, 0].astype(np.int32) | (mins[:, :, 1].astype(np.int32) << 8)].T
-        out[:, r0:r1] = rt
+    if x.dtype != np.float32 or x.strides[1] != 4:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    xr, delta = _round_x(x, TYPE_TRAITS[wtype].vec_dot_type)
+    nt = _blas_workers() if rows >= 64 else 1
+    step = max(8, min(-(-rows // nt), TILE_BYTES // (4 * k)))
+    if nt <= 1:
+        _blas_rows(w, wtype, xr, delta, out, 0, rows, step)
+        return
+    # coarse split: each worker owns a contiguous range of rows (whole tiles), dequantizes (Numba, nogil) and
+    # multiplies (single-threaded OpenBLAS) on its own; the only synchronisation is the join at the end
+    cut = [rows * i // nt for i in range(nt + 1)]
+    futs = [_POOL.submit(_blas_rows, w, wtype, xr, delta, out, cut[i], cut[i + 1], step) for i in range(1, nt)]
+    _blas_rows(w, wtype, xr, delta, out, cut[0], cut[1], step)
+    for f in futs:
+        f.result()
+
+
+# Threads for the BLAS path. OpenBLAS's own threads spin after each GEMM and synchronise finely; on this 2-core,
+# shared machine that stalled the Numba kernels that followed (OpenMP regions waiting for a spinning core) and
+# made 2-thread GEMMs slower than one under load. So OpenBLAS runs single-threaded and the BLAS path splits the
+# rows over Python threads instead (measured: 3.8 ms vs 4.4 ms with OpenBLAS's 2 threads, 7.2 ms with one).
+_POOL = None
+_POOL_N = 0
+
+
+def _blas_workers() -> int:
+    global _POOL, _POOL_N
+    import numba
+    n = numba.get_num_threads()
+    if n != _POOL_N:
+        from concurrent.futures import ThreadPoolExecutor
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
+        _POOL = ThreadPoolExecutor(max(1, n - 1), thread_name_prefix="llampy-blas") if n > 1 else None
+        _POOL_N = n
+        set_blas_threads(1)
+    return n
+
+
+def set_blas_threads(n: int) -> bool:
+    """Thread count of numpy's OpenBLAS (its C API through ctypes); False where it cannot be found."""
+    global _BLAS_SET
+    if _BLAS_SET is None:
+        _BLAS_SET = _find_blas_setter()
+    if _BLAS_SET is False:
+        return False
+    _BLAS_SET(int(n))
+    return True
+
+
+_BLAS_SET = None
+
+
+def _find_blas_setter():
+    import ctypes
+    import glob
+    libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
+    for path in glob.glob(os.path.join(libdir, "*openblas*.so*")):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                return fn
+    return False
 
 
 def _mul_mat_fallback(w, wtype, x, out):
@@ -155,7 +235,8 @@ def _mul_mat_fallback(w, wtype, x, out):
     from ...quants import dequantize
     n, k = x.shape
     rows = w.shape[0]
-    xr = _round_x(np.ascontiguousarray(x, dtype=np.float32), TYPE_TRAITS[wtype].vec_dot_type)
+    xr, delta = _round_x(np.ascontiguousarray(x, dtype=np.float32), TYPE_TRAITS[wtype].vec_dot_type)
+    assert delta is None     # the Q8_1 formats (Q4_1, Q5_1) have kernels
     step = max(8, min(rows, TILE_BYTES // (4 * k)))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)

@@ -15,12 +15,43 @@ handed to the threads in chunks of ``ROW_CHUNK``.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 ROW_CHUNK = 16
+PREFETCH_ROWS = 4   # rows ahead to prefetch: a kernel this slow leaves the hardware prefetchers idle otherwise
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """llvm.prefetch (read, keep in all cache levels) of &arr[idx]."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, fnty, "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def prefetch_row(w, r):
+    """Ask for row r + PREFETCH_ROWS of w while row r is computed. Measured on SmolLM2's 28 MiB output matrix
+    (Q8_0, 1 thread): 1.7 GB/s without, 3.6 GB/s with; matrices that sit in the cache are unaffected."""
+    rn = r + PREFETCH_ROWS
+    if rn < w.shape[0]:
+        wn = w[rn]
+        for p in range(0, wn.shape[0], 64):
+            prefetch(wn, p)
 
 
 @njit(cache=True, inline="always")
@@ -42,6 +73,7 @@ def mv_q8_0(w, xq, xd, xs, out, tab):
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
             wr = w[r]
+            prefetch_row(w, r)
             for i in range(n):
                 xr = xq[i]
                 a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
@@ -126,6 +158,7 @@ def mv_q4_0(w, xq, xd, xs, out, tab):
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
             wr = w[r]
+            prefetch_row(w, r)
             for i in range(n):
                 xr = xq[i]
                 a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
@@ -154,6 +187,7 @@ def mv_q4_1(w, xq, xd, xs, out, tab):
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
             wr = w[r]
+            prefetch_row(w, r)
             for i in range(n):
                 xr = xq[i]
                 a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
@@ -183,6 +217,7 @@ def mv_q5_0(w, xq, xd, xs, out, tab):
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
             wr = w[r]
+            prefetch_row(w, r)
             for i in range(n):
                 xr = xq[i]
                 a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
@@ -210,6 +245,7 @@ def mv_q5_1(w, xq, xd, xs, out, tab):
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
             wr = w[r]
+            prefetch_row(w, r)
             for i in range(n):
                 xr = xq[i]
                 a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
@@ -232,14 +268,16 @@ def mv_q5_1(w, xq, xd, xs, out, tab):
 
 # ------------------------------------------------------------------------------------------ tile dequantization
 # For the BLAS path: rows of blocks -> float32 [rows, k], exactly ggml's dequantize_row_* values
-# (d * q, or d * q + m), written into a caller's tile so that no temporaries are allocated.
+# (d * q, or d * q + m), written into a caller's tile so that no temporaries are allocated. Serial on purpose:
+# OpenBLAS's threads spin for a while after each GEMM, and an OpenMP region started meanwhile on a 2-core machine
+# waits for them (measured: a 150 us matvec took 1-3 ms right after a GEMM); the GEMM dominates anyway.
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def dq_legacy(w, kind, out, tab):
     """kind: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0."""
     rows, k = out.shape
     nb = k // 32
-    for r in prange(rows):
+    for r in range(rows):
         wr = w[r]
         for b in range(nb):
             xo = b * 32

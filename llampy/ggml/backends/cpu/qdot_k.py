@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .qdot import _f16
+from .qdot import _f16, prefetch_row
 
 
 @njit(cache=True, inline="always")
@@ -44,6 +44,7 @@ def mv_q4_k(w, xq, xd, bsums, out, tab):
     nb = xq.shape[1] // 256
     for r in prange(rows):
         row = w[r]
+        prefetch_row(w, r)
         acc = np.empty(8, np.float32)
         accm = np.empty(4, np.float32)
         lane = np.empty(8, np.int32)
@@ -91,6 +92,7 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
     nb = xq.shape[1] // 256
     for r in prange(rows):
         row = w[r]
+        prefetch_row(w, r)
         for i in range(n):
             acc = np.float32(0.0)
             accm = np.float32(0.0)
@@ -131,6 +133,7 @@ def mv_q6_k(w, xq, xd, bsums, out, tab):
     nb = xq.shape[1] // 256
     for r in prange(rows):
         row = w[r]
+        prefetch_row(w, r)
         acc = np.empty(8, np.float32)
         lane = np.empty(8, np.int32)
         for i in range(n):
@@ -178,6 +181,7 @@ def mv_q5_k(w, xq, xd, bsums, out, tab):
     nb = xq.shape[1] // 256
     for r in prange(rows):
         row = w[r]
+        prefetch_row(w, r)
         acc = np.empty(8, np.float32)
         lane = np.empty(8, np.int64)
         sc = np.empty(8, np.int32)
@@ -215,12 +219,12 @@ def mv_q5_k(w, xq, xd, bsums, out, tab):
 # ------------------------------------------------------------------------------------------ tile dequantization
 # For the BLAS path: float32 [rows, k] tiles with ggml's dequantize_row_q{4,5,6}_K values.
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def dq_k(w, kind, out, tab):
     """kind: 4 Q4_K, 5 Q5_K, 6 Q6_K."""
     rows, k = out.shape
     nb = k // 256
-    for r in prange(rows):
+    for r in range(rows):
         row = w[r]
         for b in range(nb):
             xo = b * 256
