@@ -117,7 +117,7 @@ def test_cpu_matches_reference(name):
     outs = []
     for be in (CPU, REF):
         rng = np.random.default_rng(7)
-        B = lambda ty, shape, value=None: leaf(CPU, ty, shape, value, rng)
+        B = lambda ty, shape, value=None, be=be, rng=rng: leaf(be, ty, shape, value, rng)
         out = build(B)
         assert be.supports_op(out)
         outs.append(run(be, out)[0].astype(np.float64))
