@@ -95,7 +95,83 @@ CASES = {
     "argmax": (lambda B: ops.argmax(B(F32, (4, 9))), 0),
     "argsort": (lambda B: ops.argsort(B(F32, (4, 9)), ops.SORT_DESC), 0),
     "top_k": (lambda B: ops.top_k(B(F32, (4, 9)), 3), 0),
+    # ---- broadcasting, odd sizes, non-contiguous sources, other types
+    "add_4d_bcast_odd": (lambda B: ops.add(B(F32, (2, 3, 5, 37)), B(F32, (1, 3, 1, 37))), 1e-6),
+    "mul_bcast_ne0": (lambda B: ops.mul(B(F32, (3, 4, 12)), B(F32, (3, 1, 4))), 1e-6),
+    "add_permuted_src": (lambda B: ops.add(ops.permute(B(F32, (3, 4, 5)), 2, 1, 0, 3), B(F32, (5, 4, 3))), 1e-6),
+    "sub_transposed_b": (lambda B: ops.sub(B(F32, (6, 5)), ops.transpose(B(F32, (5, 6)))), 1e-6),
+    "mul_f16_src": (lambda B: ops.mul(B(F16, (3, 17)), B(F32, (1, 17))), 1e-6),
+    "div_f16_b": (lambda B: ops.div(B(F32, (3, 17)), B(F16, (3, 17), np.random.default_rng(4).uniform(1, 3, (3, 17)))), 1e-6),
+    "scale_no_bias_view": (lambda B: ops.scale(ops.view_2d(B(F32, (6, 8)), 5, 3, 64, 12), 1.5), 1e-6),
+    "silu_transposed": (lambda B: ops.silu(ops.transpose(B(F32, (37, 5)))), 1e-6),
+    "gelu_odd": (lambda B: ops.gelu(B(F32, (2, 3, 19), np.random.default_rng(5).uniform(-12, 12, (2, 3, 19)))), 1e-6),
+    "swiglu_fused_swapped": (lambda B: ops.swiglu(B(F32, (3, 34)), None, True), 1e-6),
+    "geglu_fused": (lambda B: ops.geglu(B(F32, (3, 50))), 1e-5),
+    "rms_norm_odd_permuted": (lambda B: ops.rms_norm(ops.permute(B(F32, (3, 5, 37)), 0, 2, 1, 3), 1e-5), 1e-6),
+    "rms_norm_mul_bcast": (lambda B: ops.rms_norm_mul(B(F32, (2, 3, 40)), B(F32, (2, 1, 40)), 1e-6), 1e-6),
+    "norm_odd": (lambda B: ops.norm(B(F32, (2, 3, 23)), 1e-5), 1e-5),
+    "soft_max_long_f32_mask_bcast": (lambda B: ops.soft_max_ext(B(F32, (3, 2, 100)), B(F32, (1, 4, 100), _soft_mask(4, 100)), 0.125), 1e-6),
+    "soft_max_f16_mask_alibi_odd": (lambda B: ops.soft_max_ext(B(F32, (5, 3, 33)), B(F16, (3, 33), causal_mask(33, 3)), 1.0, 4.0), 1e-6),
+    "soft_max_transposed": (lambda B: ops.soft_max(ops.transpose(B(F32, (20, 3)))), 1e-6),
+    "rope_freq_factors": (lambda B: ops.rope_ext(B(F32, (3, 2, 32)), B(I32, (3,), np.array([0, 5, 1000])),
+                                                 B(F32, (16,), np.random.default_rng(6).uniform(1, 4, 16)), 32, 2, 8192,
+                                                 500000.0, 1.0, 0.0, 1.0, 32.0, 1.0), 1e-5),
+    "rope_norm_permuted_src": (lambda B: ops.rope(ops.permute(B(F32, (4, 6, 16)), 0, 2, 1, 3), B(I32, (6,), np.arange(6) * 3), 12), 1e-5),
+    "rope_yarn_norm_4d": (lambda B: ops.rope_ext(B(F32, (2, 3, 2, 24)), B(I32, (3,), np.array([7, 70, 700])), None, 24, 0,
+                                                 128, 10000.0, 0.5, 1.0, 1.2, 32.0, 1.0), 1e-4),
+    "get_rows_f16_3d": (lambda B: ops.get_rows(B(F16, (2, 10, 8)), B(I32, (2, 4), _ids((2, 4), 10))), 0),
+    "get_rows_i32": (lambda B: ops.get_rows(B(I32, (10, 3), _ids((10, 3), 99)), B(I32, (5,), _ids((5,), 10))), 0),
+    "get_rows_q4_1": (lambda B: ops.get_rows(B(T.Q4_1, (7, 64)), B(I32, (3,), _ids((3,), 7))), 1e-6),
+    "get_rows_q4_k": (lambda B: ops.get_rows(B(T.Q4_K, (5, 256)), B(I32, (4,), _ids((4,), 5))), 1e-6),
+    "get_rows_q6_k": (lambda B: ops.get_rows(B(T.Q6_K, (5, 256)), B(I32, (2,), _ids((2,), 5))), 1e-6),
+    "get_rows_iq4_nl": (lambda B: ops.get_rows(B(T.IQ4_NL, (5, 64)), B(I32, (2,), _ids((2,), 5))), 1e-6),
+    "set_rows_f32_i32": (lambda B: ops.set_rows(B(F32, (6, 9), np.zeros((6, 9))), B(F32, (2, 9)), B(I32, (2,), np.array([4, 1]))), 0),
+    "set_rows_f16_3d_bcast": (lambda B: ops.set_rows(B(F16, (3, 8, 16), np.zeros((3, 8, 16))), B(F32, (3, 2, 16)),
+                                                      B(T.I64, (1, 2), np.array([[7, 3]]))), 1e-3),
+    "set_rows_q8_0": (lambda B: ops.set_rows(B(T.Q8_0, (8, 64), np.zeros((8, 64))), B(F32, (3, 64)),
+                                             B(T.I64, (3,), np.array([6, 2, 0]))), 1e-6),
+    "mul_mat_q5_1": (lambda B: ops.mul_mat(B(T.Q5_1, (9, 64)), B(F32, (2, 64))), 1e-4),
+    "mul_mat_q5_k": (lambda B: ops.mul_mat(B(T.Q5_K, (4, 256)), B(F32, (3, 256))), 1e-4),
+    "mul_mat_q2_k": (lambda B: ops.mul_mat(B(T.Q2_K, (4, 256)), B(F32, (2, 256))), 1e-4),
+    "mul_mat_q3_k": (lambda B: ops.mul_mat(B(T.Q3_K, (4, 256)), B(F32, (2, 256))), 1e-4),
+    "mul_mat_iq4_nl": (lambda B: ops.mul_mat(B(T.IQ4_NL, (4, 64)), B(F32, (2, 64))), 1e-4),
+    "mul_mat_f32_odd_k": (lambda B: ops.mul_mat(B(F32, (5, 37)), B(F32, (3, 37))), 1e-5),
+    "mul_mat_permuted_b": (lambda B: ops.mul_mat(B(F16, (2, 5, 32)), ops.permute(B(F32, (3, 2, 32)), 0, 2, 1, 3)), 1e-5),
+    "mul_mat_id_per_used": (lambda B: ops.mul_mat_id(B(T.Q8_0, (6, 8, 64)), B(F32, (4, 3, 64)), B(I32, (4, 3), _perm_ids(4, 3, 6))), 1e-4),
+    "flash_attn_tiled_f16": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (64, 2, 32)), 0, 2, 1, 3), B(F16, (1, 70, 32)), B(F16, (1, 70, 32)),
+        B(F16, (64, 70), causal_mask(70, 64)), 0.2), 2e-3),
+    "flash_attn_f32_kv_alibi": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (2, 4, 16)), 0, 2, 1, 3), B(F32, (2, 7, 16)), B(F32, (2, 7, 16)),
+        B(F32, (2, 7), causal_mask(7, 2)), 0.25, 8.0), 1e-5),
+    "flash_attn_q8_0_kv": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (1, 2, 32)), 0, 2, 1, 3), B(T.Q8_0, (1, 9, 32)), B(T.Q8_0, (1, 9, 32)), None, 0.2), 2e-3),
+    "flash_attn_decode_long": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (1, 4, 64)), 0, 2, 1, 3), B(F16, (2, 300, 64)), B(F16, (2, 300, 64)),
+        B(F16, (1, 300), np.where(np.arange(300) < 290, 0, -np.inf)[None, :]), 0.125), 2e-3),
+    "cpy_f16_f32": (lambda B: ops.cpy(B(F16, (3, 8)), B(F32, (3, 8), np.zeros((3, 8)))), 0),
+    "cpy_f32_q8_0": (lambda B: ops.cpy(B(F32, (2, 64)), B(T.Q8_0, (2, 64), np.zeros((2, 64)))), 1e-6),
+    "cpy_permuted_to_f16": (lambda B: ops.cpy(ops.permute(B(F32, (4, 5)), 1, 0, 2, 3), B(F16, (4, 5), np.zeros((4, 5)))), 1e-3),
+    "cont_reshape": (lambda B: ops.cont(ops.transpose(B(F32, (3, 8))), 4, 6), 0),
+    "concat_dim1_odd": (lambda B: ops.concat(B(F32, (2, 3, 7)), B(F32, (2, 5, 7)), 1), 0),
+    "concat_dim2": (lambda B: ops.concat(B(F32, (3, 4)), B(F32, (1, 3, 4)), 2), 0),
+    "repeat_3d": (lambda B: ops.repeat(B(F32, (1, 3, 1)), B(F32, (2, 3, 5))), 0),
+    "sum_rows_permuted": (lambda B: ops.sum_rows(ops.permute(B(F32, (3, 4, 33)), 1, 0, 2, 3)), 1e-5),
+    "argsort_asc_odd": (lambda B: ops.argsort(B(F32, (3, 2, 17))), 0),
+    "top_k_large": (lambda B: ops.top_k(B(F32, (2, 100)), 17), 0),
+    "argmax_long": (lambda B: ops.argmax(B(F32, (3, 300))), 0),
 }
+
+
+def _soft_mask(rows, n):
+    m = np.random.default_rng(9).uniform(-2, 0, (rows, n)).astype(np.float32)
+    m[:, ::7] = -np.inf
+    return m
+
+
+def _perm_ids(n_tok, n_used, n_expert):
+    rng = np.random.default_rng(11)
+    return np.stack([rng.permutation(n_expert)[:n_used] for _ in range(n_tok)]).astype(np.int32)
 
 
 def test_every_op_has_a_case():

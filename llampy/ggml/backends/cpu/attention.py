@@ -106,21 +106,33 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
             out[i3, i1, h, j] = acc[j] * inv
 
 
+def use_tiled(k_type, v_type, n_q: int, dv: int) -> bool:
+    """ggml's choice of its tiled path: F16/F32 K and V of one type, at least Q_TILE queries, dv a multiple of 16."""
+    from ...types import GGMLType as T
+    return k_type in (T.F16, T.F32) and k_type == v_type and n_q >= Q_TILE and dv % 16 == 0
+
+
 def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, out: np.ndarray,
-               scale: float, max_bias: float, softcap: float, k_f16: bool, v_f16: bool) -> None:
+               scale: float, max_bias: float, softcap: float, k_f16: bool, v_f16: bool, tiled: bool = False,
+               q_dot_type=None) -> None:
     """q (ne3, n_head, n_q, d) float32; k, v (.., n_head_kv, n_kv, d) as F16 bits (uint16) when k_f16/v_f16 else
-    float32; mask (m3, m2, >= n_q, n_kv) float32 or None; out (ne3, n_q, n_head, dv) float32."""
+    float32; mask (m3, m2, >= n_q, n_kv) float32 or None; out (ne3, n_q, n_head, dv) float32. ``tiled``: ggml's
+    tiled path (float32 Q); else its one_chunk path, Q rounded through K's dot type ``q_dot_type``."""
     n_head, n_q = q.shape[1], q.shape[2]
     slopes = alibi_slopes(n_head, max_bias, np.float32)
     sc = np.float32(scale / softcap) if softcap else np.float32(scale)
-    if n_q < Q_TILE and k_f16 and v_f16:
+    if not tiled and k_f16 and v_f16:
         m = mask if mask is not None else np.zeros((1, 1, 1, 0), np.float32)
         res = np.empty(out.shape, np.float32)
         _fa_vec(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
                 np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, F16_TABLE, True)
         out[...] = res
         return
-    # tiled numerics: float32 products, exact softmax per row
+    # tiled numerics (and one_chunk with other K/V types, up to float32 summation order): float32 products,
+    # exact softmax per row
+    if not tiled and q_dot_type is not None:
+        from .act_quant import round_act
+        q = round_act(np.ascontiguousarray(q.reshape(-1, q.shape[-1]), np.float32), q_dot_type).reshape(q.shape)
     kf = F16_TABLE[k] if k_f16 else k.astype(np.float32)
     vf = F16_TABLE[v] if v_f16 else v.astype(np.float32)
     n_head_kv = kf.shape[1]

@@ -12,6 +12,7 @@ from ...backend import Backend, tensor_data
 from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
 from . import kernels as K
+from .fast import BINDERS
 
 T = GGMLType
 
@@ -74,6 +75,10 @@ class CPUBackend(Backend):
             return self._bind_mul_mat_id(node, dst, srcs)
         if op == Op.FLASH_ATTN_EXT:
             return self._bind_flash_attn(node, dst, srcs)
+        binder = BINDERS.get(op)
+        call = binder(node, dst, srcs) if binder is not None else None
+        if call is not None:
+            return call
         fn = _TABLE[op]
         return lambda: fn(node, dst, srcs, acc)
 
@@ -113,8 +118,10 @@ class CPUBackend(Backend):
         return run
 
     def _bind_flash_attn(self, node, dst, srcs):
-        from .attention import flash_attn
+        from .attention import flash_attn, use_tiled
         q, k, v = node.src[:3]
+        tiled = use_tiled(k.type, v.type, q.ne[1], v.ne[0])
+        vdt = TYPE_TRAITS[k.type].vec_dot_type
         p = node.op_params
         qa, ka, va = srcs[:3]
         ma = srcs[3] if p["has_mask"] else None
@@ -130,7 +137,7 @@ class CPUBackend(Backend):
             kk, kf16 = kv(ka, k.type)
             vv, vf16 = kv(va, v.type)
             mask = K.to_float(ma, node.src[3].type, np.float32) if ma is not None else None
-            flash_attn(qa, kk, vv, mask, dst, p["scale"], p["max_bias"], p["softcap"], kf16, vf16)
+            flash_attn(qa, kk, vv, mask, dst, p["scale"], p["max_bias"], p["softcap"], kf16, vf16, tiled, vdt)
         return run
 
     # ------------------------------------------------------------ plans

@@ -1,0 +1,97 @@
+"""GET_ROWS and SET_ROWS for the plain types in Numba (token embeddings, KV-cache writes); block types go through
+``llampy.ggml.quants`` on just the selected rows (backend.py). ``f32_to_f16_bits`` is ggml's GGML_FP32_TO_FP16
+(round to nearest even, subnormals, overflow to inf) with integer bit operations: Numba has no float16."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, inline="always")
+def f32_to_f16_bits(bits):
+    """The F16 bit pattern nearest to the float32 of bit pattern ``bits`` (ties to even), as uint16."""
+    u = np.int64(bits)
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    if a >= 0x7F800000:                       # inf, nan (kept quiet)
+        h = 0x7E00 if a > 0x7F800000 else 0x7C00
+    elif a >= 0x477FF000:                     # >= 65520 rounds to inf
+        h = 0x7C00
+    elif a < 0x38800000:                      # below 2^-14: an F16 subnormal, a multiple of 2^-24
+        # the float32 value is m * 2^(e - 150); shift right with round-to-nearest-even
+        e = a >> 23
+        m = (a & 0x7FFFFF) | (0x800000 if e > 0 else 0)
+        shift = 126 - e if e > 0 else 125
+        if shift > 31:
+            h = 0
+        else:
+            h = m >> shift
+            rem = m & ((1 << shift) - 1)
+            half = 1 << (shift - 1)
+            if rem > half or (rem == half and (h & 1) == 1):
+                h += 1
+    else:
+        h = (a - 0x38000000) >> 13
+        rem = a & 0x1FFF
+        if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
+            h += 1
+    return np.uint16(sign | h)
+
+
+@njit(parallel=True, cache=True)
+def get_rows_plain(a, idx, out):
+    """a: (ne3, ne2, n_rows, ne0) float32/int32; idx: int (ne3', ne2', n), ne2' == ne2; out (ne3', ne2', n, ne0)."""
+    n3, n2, n = idx.shape
+    for r in prange(n3 * n2 * n):
+        i3 = r // (n2 * n)
+        i2 = (r // n) % n2
+        i = r % n
+        out[i3, i2, i, :] = a[i3 % a.shape[0], i2, idx[i3, i2, i], :]
+
+
+@njit(parallel=True, cache=True)
+def get_rows_f16(a, idx, tab, out):
+    """As get_rows_plain from F16 bits (uint16) through tab, the F16 -> float32 table."""
+    n3, n2, n = idx.shape
+    ne0 = a.shape[3]
+    for r in prange(n3 * n2 * n):
+        i3 = r // (n2 * n)
+        i2 = (r // n) % n2
+        i = r % n
+        src = a[i3 % a.shape[0], i2, idx[i3, i2, i]]
+        o = out[i3, i2, i]
+        for j in range(ne0):
+            o[j] = tab[src[j]]
+
+
+@njit(parallel=True, cache=True)
+def set_rows_f16(src, idx, dst):
+    """src: float32 bit patterns (uint32) (s3, s2, s1, ne0); idx int (i3, i2, s1) broadcast over dims 3, 2; dst uint16 F16 bits (d3, d2, rows, ne0)."""
+    s3, s2, s1, ne0 = src.shape
+    for r in prange(s3 * s2 * s1):
+        j3 = r // (s2 * s1)
+        j2 = (r // s1) % s2
+        j1 = r % s1
+        row = idx[j3 % idx.shape[0], j2 % idx.shape[1], j1]
+        o = dst[j3 % dst.shape[0], j2 % dst.shape[1], row]
+        for j in range(ne0):
+            o[j] = f32_to_f16_bits(src[j3, j2, j1, j])
+
+
+@njit(parallel=True, cache=True)
+def set_rows_same(src, idx, dst):
+    """As set_rows_f16 without conversion (F32 into F32, F16 bits into F16 bits)."""
+    s3, s2, s1, ne0 = src.shape
+    for r in prange(s3 * s2 * s1):
+        j3 = r // (s2 * s1)
+        j2 = (r // s1) % s2
+        j1 = r % s1
+        row = idx[j3 % idx.shape[0], j2 % idx.shape[1], j1]
+        o = dst[j3 % dst.shape[0], j2 % dst.shape[1], row]
+        for j in range(ne0):
+            o[j] = src[j3, j2, j1, j]
+
+
+def check_index(idx: np.ndarray, n_rows: int, what: str) -> None:
+    if idx.size and (idx.min() < 0 or idx.max() >= n_rows):
+        raise IndexError(f"{what}: row index out of range 0..{n_rows - 1}")
