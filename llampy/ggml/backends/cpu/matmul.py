@@ -11,12 +11,18 @@ Two paths:
 - BLAS: x rounded through its dot type and back to float32 (exact values), tiles of w dequantized to float32 in
   Numba (``TILE_BYTES`` at a time), ``np.matmul`` per tile. The same numbers up to float32 summation order
   (relative ~1e-7 of |w|·|x|); the Q8_1 formats' min term is corrected to ggml's ``m_w * F16(s_x)`` (see
-  ``_q8_1_delta``), so the remaining difference is summation order only.
+  ``_round_x``), so the remaining difference is summation order only.
 
 Which path: at most ``exact_max_rows`` activation rows (default ``DECODE_MAX_ROWS``) take the integer path. The
 project keeps the bit-exact path the default at every batch size (docs/architecture.md: SmolLM2's outliers make
 its outputs sensitive to the last bit); ``LLAMPY_FAST_PROMPT=1`` (or ``CPUBackend.exact_max_rows``) sends larger
 batches to BLAS, from ``BLAS_MIN_ROWS`` rows on — the crossover measured by benchmarks/bench_matmul.py.
+
+Threads: the integer kernels are Numba ``prange`` loops (threading layer: OpenMP here, ``numba.set_num_threads``
+sets their count); the BLAS path runs the same number of Python threads over row ranges, OpenBLAS itself
+single-threaded (see ``_blas_workers``). On a loaded 2-core machine libgomp's default spin-waiting makes a 2-thread
+region wait for a descheduled worker for milliseconds (a 150 us matvec took ~7 ms, median); ``OMP_WAIT_POLICY=
+PASSIVE`` (set before Numba starts its pool) bounds that at the price of a futex wake per region.
 """
 from __future__ import annotations
 
@@ -40,8 +46,8 @@ _KERNELS = {T.Q8_0: qdot.mv_q8_0, T.Q4_0: qdot.mv_q4_0, T.Q4_1: qdot.mv_q4_1, T.
 _DQ_LEGACY = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4}
 _DQ_K = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 
-# Batches of more rows than this go to BLAS when exactness is waived; below it the integer kernels are faster
-# (measured on SmolLM2's matrices, 2 threads: benchmarks/bench_matmul.py).
+# Batches of this many rows or more go to BLAS when exactness is waived; below it the integer kernels are faster
+# (SmolLM2 gate 1536x576 Q4_1, 2 threads: n=4 integer 1.0 ms vs BLAS 1.25 ms; n=8 2.0 ms vs 1.4 ms).
 BLAS_MIN_ROWS = 6
 DECODE_MAX_ROWS = BLAS_MIN_ROWS - 1 if os.environ.get("LLAMPY_FAST_PROMPT") == "1" else 1 << 30
 TILE_BYTES = 2 << 20   # float32 bytes of one dequantized weight tile (stays in the large cache)
