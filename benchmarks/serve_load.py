@@ -6,6 +6,7 @@ concurrent streaming clients on the default model.
 
 The server runs as a subprocess on 127.0.0.1 with --parallel = the largest stream count. If llama-cpp-python's
 server (`python -m llama_cpp.server`) is importable in benchmarks/.llamacpp-venv, it runs under the same load.
+Each server runs in its own process; the server's log goes to benchmarks/.serve_load.log.
 """
 from __future__ import annotations
 
@@ -48,17 +49,23 @@ def one_stream(url: str, i: int, n_tokens: int, model: str) -> tuple[float, floa
     t0 = time.perf_counter()
     ttft, n = None, 0
     body = {"model": model, "prompt": f"Write a short story about the number {i}.", "max_tokens": n_tokens,
-            "temperature": 0.8, "seed": i, "stream": True, "ignore_eos": True}
+            "temperature": 0.8, "seed": i, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    used = None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             ch = json.loads(line[5:])
-            if ch.get("choices") and ch["choices"][0].get("text") is not None:
+            if ch.get("usage"):
+                used = ch["usage"]["completion_tokens"]
+            if ch.get("choices") and ch["choices"][0].get("text"):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 n += 1
-    return ttft or 0.0, time.perf_counter() - t0, n
+    # a chunk per token, unless the server reports usage (llampy holds back text that may start a stop string)
+    return ttft or 0.0, time.perf_counter() - t0, used if used is not None else n
 
 
 def run_load(url: str, streams: int, requests: int, n_tokens: int, model: str) -> dict:
@@ -67,70 +74,83 @@ def run_load(url: str, streams: int, requests: int, n_tokens: int, model: str) -
         res = list(ex.map(lambda i: one_stream(url, i, n_tokens, model), range(requests)))
     wall = time.perf_counter() - t0
     ttfts = sorted(r[0] for r in res)
+    lats = sorted(r[1] for r in res)
     toks = sum(r[2] for r in res)
-    q = lambda p: ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))]
+
+    def p95(xs):
+        return xs[min(len(xs) - 1, int(0.95 * len(xs)))]
     return {"streams": streams, "requests": requests, "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
-            "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": q(0.95)}
+            "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": p95(ttfts),
+            "lat_p50_s": statistics.median(lats), "lat_p95_s": p95(lats)}
+
+
+def serve(cmd: list, port: int, log) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent)
+    try:
+        wait_up(f"http://127.0.0.1:{port}", proc, timeout=300)
+    except RuntimeError:
+        proc.terminate()
+        raise
+    return proc
+
+
+def load_levels(name: str, url: str, args) -> list:
+    run_load(url, 1, 1, 4, "default")       # warm-up: kernels compiled or loaded, graphs built
+    return [(name, run_load(url, s, max(args.requests, s), args.tokens, "default")) for s in args.streams]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=8, help="requests per load level")
+    ap.add_argument("--requests", type=int, default=8, help="requests per load level (at least the streams)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip llama-cpp-python's server")
     args = ap.parse_args(argv)
-    import threading
-
-    import uvicorn
-
     sys.path.insert(0, str(HERE.parent))
     from llampy.models import smollm2_path
-    from llampy.server.app import Server, create_app
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = Server(smollm2_path(), max(args.streams), 512 * max(args.streams))
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=uv.run, daemon=True)
-    th.start()
+    n_par = max(args.streams)
     rows = []
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        run_load(url, 1, 1, 4, "default")       # warm-up: kernels compiled, graphs built
-        for s in args.streams:
-            rows.append(("llampy", run_load(url, s, max(args.requests, s), args.tokens, "default")))
-    finally:
-        uv.should_exit = True
-        th.join(timeout=10)
-        server.engine.stop()
-    lc_py = HERE / ".llamacpp-venv" / "bin" / "python"
-    if lc_py.exists() and subprocess.run([lc_py, "-c", "import llama_cpp.server"], capture_output=True).returncode == 0:
-        from llampy.models import smollm2_path
+    # each server in its own process, as in production: the load generator's threads must not share its GIL
+    with open(HERE / ".serve_load.log", "w") as log:
         port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([lc_py, "-m", "llama_cpp.server", "--model", str(smollm2_path()), "--port", str(port),
-                                 "--n_threads", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = serve([sys.executable, "-m", "llampy", "serve", "--port", str(port), "--parallel", str(n_par),
+                      "--ctx-size", str(512 * n_par)], port, log)
         try:
-            wait_up(url, proc)
-            for s in args.streams:
-                rows.append(("llama-cpp-python", run_load(url, s, max(args.requests, s), args.tokens, "default")))
-        except RuntimeError as e:
-            print(f"(llama-cpp-python's server could not run here: {e}; its extras are not installed)\n")
+            rows += load_levels("llampy", f"http://127.0.0.1:{port}", args)
         finally:
             proc.terminate()
-    else:
-        print("(llama-cpp-python's server is not installed in benchmarks/.llamacpp-venv: llampy only)\n")
-    print("| server | streams | requests | generated tok/s | TTFT p50 | TTFT p95 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+            proc.wait(timeout=20)
+        lc_py = HERE / ".llamacpp-venv" / "bin" / "python"
+        if args.no_llamacpp:
+            pass
+        elif lc_py.exists() and subprocess.run([lc_py, "-c", "import llama_cpp.server, uvicorn"],
+                                               capture_output=True).returncode == 0:
+            port = free_port()
+            # llama-cpp-python's server: one llama.cpp context, requests served one at a time
+            try:
+                proc = serve([str(lc_py), "-m", "llama_cpp.server", "--model", str(smollm2_path()), "--port",
+                              str(port), "--n_threads", "2", "--n_ctx", "2048"], port, log)
+            except RuntimeError as e:
+                print(f"(llama-cpp-python's server did not start: {e}; see benchmarks/.serve_load.log)\n")
+            else:
+                try:
+                    rows += load_levels("llama-cpp-python", f"http://127.0.0.1:{port}", args)
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=20)
+        else:
+            print("(llama-cpp-python's server is not installed in benchmarks/.llamacpp-venv, "
+                  "pip install 'llama-cpp-python[server]' there: llampy only)\n")
+    print(f"{args.tokens} generated tokens per request; --parallel {max(args.streams)} for llampy\n")
+    print("| server | streams | requests | generated tok/s (vs 1 stream) | TTFT p50 | TTFT p95 | latency p50 "
+          "| latency p95 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = {}
     for name, r in rows:
         base.setdefault(name, r["tok_s"])
         print(f"| {name} | {r['streams']} | {r['requests']} | {r['tok_s']:.1f} (x{r['tok_s'] / base[name]:.2f}) "
-              f"| {r['ttft_p50_s']:.2f} s | {r['ttft_p95_s']:.2f} s |")
+              f"| {r['ttft_p50_s']:.2f} s | {r['ttft_p95_s']:.2f} s | {r['lat_p50_s']:.2f} s "
+              f"| {r['lat_p95_s']:.2f} s |")
     return 0
 
 

@@ -43,7 +43,18 @@ class Server:
         self.template = template_from_metadata(self.model.metadata)
         self.n_vocab = self.model.hparams.n_vocab
         self._embed_ctx = None
+        self.engine.run_job(self._warmup).result()
         self.t_start = time.time()
+
+    def _warmup(self) -> None:
+        """One prompt batch and one decode step before the first request (as llama-server does): kernels are
+        compiled or loaded from Numba's cache and the common graphs built, so no client pays for it."""
+        ctx, sid = self.engine.ctx, 0
+        toks = self.model.vocab.tokenize("Hello, world. This warms the kernels up.", add_special=True,
+                                         parse_special=False)
+        ctx.decode(Batch.from_tokens(toks, 0, sid))
+        ctx.decode(Batch.from_tokens([toks[-1]], len(toks), sid))
+        ctx.seq_rm(sid, -1, -1)
 
     def check_model(self, body: dict) -> None:
         m = body.get("model")

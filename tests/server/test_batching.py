@@ -118,7 +118,8 @@ def test_32_concurrent_streams_all_complete(server_url):
         body = {"max_tokens": 4, "temperature": 0.7, "seed": i, "stream": True,
                 "stream_options": {"include_usage": True}}
         if kind == "chat":
-            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": f"Say {i}."}]
+            path, body["messages"] = "/v1/chat/completions", [{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": f"Say {i}."}]
         else:
             path, body["prompt"] = "/v1/completions", f"Item {i}: the"
         with httpx.stream("POST", server_url + path, timeout=300, json=body) as r:
