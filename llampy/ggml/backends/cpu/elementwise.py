@@ -1,6 +1,9 @@
 """ADD, SUB, MUL, DIV of float32 tensors with ggml's broadcast (b repeated over a's shape, each dim of b dividing
 a's), straight over the strided views: no tiled copy of b, no temporary. float32 arithmetic is exact per element,
-so the result is ggml's bit for bit."""
+so the result is ggml's bit for bit.
+Kernels come in two builds: ``name`` (one thread: small tensors, where starting the thread team costs more
+than the work) and ``name_par`` (prange over rows); the binders pick one by size.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +12,7 @@ from numba import njit, prange
 OP_ADD, OP_SUB, OP_MUL, OP_DIV = 0, 1, 2, 3
 
 
-@njit(parallel=True, cache=True)
-def binary_f32(a, b, out, op):
+def _binary_f32(a, b, out, op):
     """a, out: float32 (ne3, ne2, ne1, ne0); b: float32 (b3, b2, b1, b0) with a.shape[i] % b.shape[i] == 0."""
     ne3, ne2, ne1, ne0 = a.shape
     b3, b2, b1, b0 = b.shape
@@ -45,3 +47,7 @@ def binary_f32(a, b, out, op):
                     o[i] = ar[i] - bv
                 else:
                     o[i] = ar[i] / bv
+
+
+binary_f32_par = njit(parallel=True, cache=True)(_binary_f32)
+binary_f32 = njit(cache=True)(_binary_f32)

@@ -10,11 +10,16 @@ from ...types import GGMLType, TYPE_TRAITS
 from . import elementwise, rows
 from .kernels import alibi_slopes
 from .qdot import F16_TABLE
-from .softmax import soft_max_rows
+from . import softmax
 
 T = GGMLType
 _BIN = {Op.ADD: elementwise.OP_ADD, Op.SUB: elementwise.OP_SUB, Op.MUL: elementwise.OP_MUL, Op.DIV: elementwise.OP_DIV}
 _NO_MASK = np.zeros((1, 1, 1, 0), np.float32)
+PAR_MIN_ELEMENTS = 1 << 16   # below this, one thread: a parallel region costs more than the work
+
+
+def _pick(module, name, n_elements):
+    return getattr(module, name + "_par" if n_elements >= PAR_MIN_ELEMENTS else name)
 
 
 def bind_binary(node, dst, srcs):
@@ -22,7 +27,8 @@ def bind_binary(node, dst, srcs):
         return None
     a, b = srcs
     code = _BIN[node.op]
-    return lambda: elementwise.binary_f32(a, b, dst, code)
+    fn = _pick(elementwise, "binary_f32", node.nelements)
+    return lambda: fn(a, b, dst, code)
 
 
 def bind_soft_max(node, dst, srcs):
@@ -32,6 +38,7 @@ def bind_soft_max(node, dst, srcs):
     x = srcs[0]
     slopes = alibi_slopes(node.ne[2], p["max_bias"], np.float32)
     scale = np.float32(p["scale"])
+    soft_max_rows = _pick(softmax, "soft_max_rows", node.nelements)
     if not p["has_mask"]:
         return lambda: soft_max_rows(x, _NO_MASK, slopes, scale, dst)
     m, mtype = srcs[1], node.src[1].type
@@ -48,10 +55,12 @@ def bind_get_rows(node, dst, srcs):
         return None
     n_rows = node.src[0].ne[1]
     if t in (T.F32, T.I32):
-        kernel = lambda: rows.get_rows_plain(a, idx, dst)
+        fn = _pick(rows, "get_rows_plain", node.nelements)
+        kernel = lambda: fn(a, idx, dst)
     elif t == T.F16:
         a16 = a.view(np.uint16)
-        kernel = lambda: rows.get_rows_f16(a16, idx, F16_TABLE, dst)
+        fn = _pick(rows, "get_rows_f16", node.nelements)
+        kernel = lambda: fn(a16, idx, F16_TABLE, dst)
     else:
         from ...quants import dequantize
 
@@ -74,9 +83,9 @@ def bind_set_rows(node, dst, srcs):
         return None
     n_rows = node.ne[1]
     if t == T.F16:
-        fn, d, src = rows.set_rows_f16, dst.view(np.uint16), src.view(np.uint32)
+        fn, d, src = _pick(rows, "set_rows_f16", src.size), dst.view(np.uint16), src.view(np.uint32)
     else:
-        fn, d = rows.set_rows_same, dst
+        fn, d = _pick(rows, "set_rows_same", src.size), dst
 
     def run():
         rows.check_index(idx, n_rows, "set_rows")

@@ -38,8 +38,7 @@ def f32_to_f16_bits(bits):
     return np.uint16(sign | h)
 
 
-@njit(parallel=True, cache=True)
-def get_rows_plain(a, idx, out):
+def _get_rows_plain(a, idx, out):
     """a: (ne3, ne2, n_rows, ne0) float32/int32; idx: int (ne3', ne2', n), ne2' == ne2; out (ne3', ne2', n, ne0)."""
     n3, n2, n = idx.shape
     for r in prange(n3 * n2 * n):
@@ -49,8 +48,7 @@ def get_rows_plain(a, idx, out):
         out[i3, i2, i, :] = a[i3 % a.shape[0], i2, idx[i3, i2, i], :]
 
 
-@njit(parallel=True, cache=True)
-def get_rows_f16(a, idx, tab, out):
+def _get_rows_f16(a, idx, tab, out):
     """As get_rows_plain from F16 bits (uint16) through tab, the F16 -> float32 table."""
     n3, n2, n = idx.shape
     ne0 = a.shape[3]
@@ -64,8 +62,7 @@ def get_rows_f16(a, idx, tab, out):
             o[j] = tab[src[j]]
 
 
-@njit(parallel=True, cache=True)
-def set_rows_f16(src, idx, dst):
+def _set_rows_f16(src, idx, dst):
     """src: float32 bit patterns (uint32) (s3, s2, s1, ne0); idx int (i3, i2, s1) broadcast over dims 3, 2; dst uint16 F16 bits (d3, d2, rows, ne0)."""
     s3, s2, s1, ne0 = src.shape
     for r in prange(s3 * s2 * s1):
@@ -78,8 +75,7 @@ def set_rows_f16(src, idx, dst):
             o[j] = f32_to_f16_bits(src[j3, j2, j1, j])
 
 
-@njit(parallel=True, cache=True)
-def set_rows_same(src, idx, dst):
+def _set_rows_same(src, idx, dst):
     """As set_rows_f16 without conversion (F32 into F32, F16 bits into F16 bits)."""
     s3, s2, s1, ne0 = src.shape
     for r in prange(s3 * s2 * s1):
@@ -95,3 +91,19 @@ def set_rows_same(src, idx, dst):
 def check_index(idx: np.ndarray, n_rows: int, what: str) -> None:
     if idx.size and (idx.min() < 0 or idx.max() >= n_rows):
         raise IndexError(f"{what}: row index out of range 0..{n_rows - 1}")
+
+
+get_rows_plain_par = njit(parallel=True, cache=True)(_get_rows_plain)
+get_rows_plain = njit(cache=True)(_get_rows_plain)
+
+
+get_rows_f16_par = njit(parallel=True, cache=True)(_get_rows_f16)
+get_rows_f16 = njit(cache=True)(_get_rows_f16)
+
+
+set_rows_f16_par = njit(parallel=True, cache=True)(_set_rows_f16)
+set_rows_f16 = njit(cache=True)(_set_rows_f16)
+
+
+set_rows_same_par = njit(parallel=True, cache=True)(_set_rows_same)
+set_rows_same = njit(cache=True)(_set_rows_same)

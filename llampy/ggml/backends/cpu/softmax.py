@@ -17,8 +17,7 @@ def _fma(a, b, c):
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
 
-@njit(parallel=True, cache=True)
-def soft_max_rows(x, mask, slopes, scale, out):
+def _soft_max_rows(x, mask, slopes, scale, out):
     """x, out: float32 (ne3, ne2, ne1, ne0); mask: float32 (m3, m2, >= ne1, ne0), or shape (1, 1, 1, 0) for none;
     slopes: float32 [ne2] (ALiBi, ones without max_bias)."""
     ne3, ne2, ne1, n = x.shape
@@ -41,7 +40,7 @@ def soft_max_rows(x, mask, slopes, scale, out):
             if w[i] > mx:
                 mx = w[i]
         total = 0.0
-        lanes = np.empty(16, np.float32)
+        lanes = np.empty(16, np.float32)   # hoisted out of the row loop by Numba's allocation hoisting
         for i0 in range(0, n16, 16):
             for l in range(16):
                 lanes[l] = v_expf(np.float32(w[i0 + l] - mx))
@@ -60,3 +59,7 @@ def soft_max_rows(x, mask, slopes, scale, out):
         inv = np.float32(1.0 / total)
         for i in range(n):
             w[i] = np.float32(w[i] * inv)
+
+
+soft_max_rows_par = njit(parallel=True, cache=True)(_soft_max_rows)
+soft_max_rows = njit(cache=True)(_soft_max_rows)
