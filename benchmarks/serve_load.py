@@ -37,7 +37,8 @@ def wait_up(url: str, proc, timeout: float = 120) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            # llama-cpp-python's server has no /health; both answer /v1/models once the model is loaded
+            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             time.sleep(0.2)
@@ -68,11 +69,21 @@ def one_stream(url: str, i: int, n_tokens: int, model: str) -> tuple[float, floa
     return ttft or 0.0, time.perf_counter() - t0, used if used is not None else n
 
 
+def safe_stream(url: str, i: int, n_tokens: int, model: str):
+    """one_stream, or None when the server drops or refuses the request (counted as failed)."""
+    try:
+        return one_stream(url, i, n_tokens, model)
+    except httpx.HTTPError:
+        return None
+
+
 def run_load(url: str, streams: int, requests: int, n_tokens: int, model: str) -> dict:
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(streams) as ex:
-        res = list(ex.map(lambda i: one_stream(url, i, n_tokens, model), range(requests)))
+        res = list(ex.map(lambda i: safe_stream(url, i, n_tokens, model), range(requests)))
     wall = time.perf_counter() - t0
+    failed = sum(r is None for r in res)
+    res = [r for r in res if r is not None] or [(0.0, 0.0, 0)]
     ttfts = sorted(r[0] for r in res)
     lats = sorted(r[1] for r in res)
     toks = sum(r[2] for r in res)
@@ -81,7 +92,7 @@ def run_load(url: str, streams: int, requests: int, n_tokens: int, model: str) -
         return xs[min(len(xs) - 1, int(0.95 * len(xs)))]
     return {"streams": streams, "requests": requests, "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
             "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": p95(ttfts),
-            "lat_p50_s": statistics.median(lats), "lat_p95_s": p95(lats)}
+            "lat_p50_s": statistics.median(lats), "lat_p95_s": p95(lats), "failed": failed}
 
 
 def serve(cmd: list, port: int, log) -> subprocess.Popen:
@@ -96,7 +107,13 @@ def serve(cmd: list, port: int, log) -> subprocess.Popen:
 
 def load_levels(name: str, url: str, args) -> list:
     run_load(url, 1, 1, 4, "default")       # warm-up: kernels compiled or loaded, graphs built
-    return [(name, run_load(url, s, max(args.requests, s), args.tokens, "default")) for s in args.streams]
+    rows = []
+    for s in args.streams:
+        r = run_load(url, s, max(args.requests, s), args.tokens, "default")
+        print(f"{name}: {s} streams, {r['tok_s']:.1f} generated tok/s, TTFT p50 {r['ttft_p50_s']:.2f} s, "
+              f"{r['failed']} failed", flush=True)
+        rows.append((name, r))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -126,10 +143,13 @@ def main(argv=None) -> int:
         elif lc_py.exists() and subprocess.run([lc_py, "-c", "import llama_cpp.server, uvicorn"],
                                                capture_output=True).returncode == 0:
             port = free_port()
-            # llama-cpp-python's server: one llama.cpp context, requests served one at a time
+            # llama-cpp-python's server: one llama.cpp context, requests served one at a time; it ignores
+            # ignore_eos, so its requests may end early (its tokens are counted from its usage)
             try:
                 proc = serve([str(lc_py), "-m", "llama_cpp.server", "--model", str(smollm2_path()), "--port",
-                              str(port), "--n_threads", "2", "--n_ctx", "2048"], port, log)
+                              str(port), "--n_threads", "2", "--n_ctx", "2048",
+                              # queue concurrent requests instead of aborting the running one (its default)
+                              "--interrupt_requests", "False"], port, log)
             except RuntimeError as e:
                 print(f"(llama-cpp-python's server did not start: {e}; see benchmarks/.serve_load.log)\n")
             else:
@@ -142,13 +162,13 @@ def main(argv=None) -> int:
             print("(llama-cpp-python's server is not installed in benchmarks/.llamacpp-venv, "
                   "pip install 'llama-cpp-python[server]' there: llampy only)\n")
     print(f"{args.tokens} generated tokens per request; --parallel {max(args.streams)} for llampy\n")
-    print("| server | streams | requests | generated tok/s (vs 1 stream) | TTFT p50 | TTFT p95 | latency p50 "
-          "| latency p95 |")
+    print("| server | streams | requests (failed) | generated tok/s (vs 1 stream) | TTFT p50 | TTFT p95 "
+          "| latency p50 | latency p95 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = {}
     for name, r in rows:
         base.setdefault(name, r["tok_s"])
-        print(f"| {name} | {r['streams']} | {r['requests']} | {r['tok_s']:.1f} (x{r['tok_s'] / base[name]:.2f}) "
+        print(f"| {name} | {r['streams']} | {r['requests']} ({r['failed']}) | {r['tok_s']:.1f} (x{r['tok_s'] / base[name]:.2f}) "
               f"| {r['ttft_p50_s']:.2f} s | {r['ttft_p95_s']:.2f} s | {r['lat_p50_s']:.2f} s "
               f"| {r['lat_p95_s']:.2f} s |")
     return 0

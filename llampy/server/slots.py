@@ -226,12 +226,11 @@ class Engine:
         batch = Batch.empty()
         rows: dict[int, int] = {}       # slot id -> batch position whose logits it samples from
         took: dict[int, int] = {}       # slot id -> prompt tokens of it in this batch
-        # generating slots first: one token each
-        for s in active:
-            if not s.pending:
-                batch.add(s.next_token, len(s.cached), [s.id], True)
-                rows[s.id] = len(batch) - 1
-        # then prompt chunks, oldest request first, within the step's budget
+        # Prompt chunks first, oldest request first, within the step's budget. The cache gives a batch the first
+        # free cells in batch order, and the free cells are mostly the holes a restarted slot left: filled by a new
+        # prompt, they stay in position order for its sequence. (A running sequence whose next token lands in a
+        # hole below its earlier cells gets its attention summed in another order; with ggml's F16 accumulation
+        # that changes the last bits, which SmolLM2 amplifies.)
         budget = self.prompt_budget
         for s in sorted((s for s in active if s.pending), key=lambda s: s.req.t_arrival):
             if budget <= 0:
@@ -244,6 +243,11 @@ class Engine:
                     rows[s.id] = len(batch) - 1
             took[s.id] = len(chunk)
             budget -= len(chunk)
+        # then one token for each generating slot
+        for s in active:
+            if not s.pending:
+                batch.add(s.next_token, len(s.cached), [s.id], True)
+                rows[s.id] = len(batch) - 1
         t0 = time.perf_counter()
         try:
             self.ctx.decode(batch)

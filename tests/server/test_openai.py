@@ -2,6 +2,7 @@
 and llama.cpp's native routes through raw HTTP."""
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -9,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from .conftest import load_ref
+from .conftest import load_ref, sse_datas
 
 REF = load_ref()
 
@@ -108,8 +109,7 @@ def test_native_completion_with_n_probs_and_tokens(server_url):
     # the same, streamed: one event per token, the last one with the totals
     with httpx.stream("POST", server_url + "/completion", timeout=60, json={
             "prompt": g["prompt"], "n_predict": 4, "temperature": 0, "stream": True, "return_tokens": True}) as s:
-        evs = [__import__("json").loads(d) for d in
-               [line[5:] for line in s.iter_lines() if line.startswith("data:")]]
+        evs = [json.loads(d) for d in sse_datas(s.iter_lines())]
     assert [t for e in evs[:-1] for t in e["tokens"]] == g["ids"][:4] and evs[-1]["stop"] is True
     assert "".join(e["content"] for e in evs) == out["content"]
 
