@@ -20,13 +20,16 @@ def load_hparams(hp, md):
     hp.f_attention_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
 
 
-def load_tensors(model, ld):
+def load_tensors(model, ld, qk_norm: bool = False):
     hp = model.hparams
     load_embd_and_output(model, ld)
     for il, layer in enumerate(model.layers):
         layer.attn_norm = ld.create("attn_norm", (hp.n_embd,), il)
         load_qkv(model, ld, layer, il)
         layer.attn_post_norm = ld.create("attn_post_norm", (hp.n_embd,), il)
+        if qk_norm:
+            layer.attn_q_norm = ld.create("attn_q_norm", (hp.n_embd_head_k,), il)
+            layer.attn_k_norm = ld.create("attn_k_norm", (hp.n_embd_head_k,), il)
         layer.ffn_norm = ld.create("ffn_norm", (hp.n_embd,), il)
         load_ffn(model, ld, layer, il)
         layer.ffn_post_norm = ld.create("ffn_post_norm", (hp.n_embd,), il)

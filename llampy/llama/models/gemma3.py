@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 from . import gemma2
-from ._common import load_embd_and_output, load_ffn, load_qkv
 
 
 def load_hparams(hp, md):
@@ -22,17 +21,7 @@ def load_hparams(hp, md):
 
 
 def load_tensors(model, ld):
-    hp = model.hparams
-    load_embd_and_output(model, ld)
-    for il, layer in enumerate(model.layers):
-        layer.attn_norm = ld.create("attn_norm", (hp.n_embd,), il)
-        load_qkv(model, ld, layer, il)
-        layer.attn_post_norm = ld.create("attn_post_norm", (hp.n_embd,), il)
-        layer.attn_q_norm = ld.create("attn_q_norm", (hp.n_embd_head_k,), il)
-        layer.attn_k_norm = ld.create("attn_k_norm", (hp.n_embd_head_k,), il)
-        layer.ffn_norm = ld.create("ffn_norm", (hp.n_embd,), il)
-        load_ffn(model, ld, layer, il)
-        layer.ffn_post_norm = ld.create("ffn_post_norm", (hp.n_embd,), il)
+    gemma2.load_tensors(model, ld, qk_norm=True)
 
 
 def build_graph(model, g):

@@ -21,6 +21,7 @@ _C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
 
 @njit(cache=True, inline="always")
 def _fma(a, b, c):
+    """float32 fused multiply-add: the exact product and sum, rounded once (through float64)."""
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
 

@@ -11,13 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .act import _fma
 from .qdot import _f16, prefetch_row
-
-
-@njit(cache=True, inline="always")
-def _fma(a, b, c):
-    """float32 fused multiply-add: the exact product and sum, rounded once (through float64)."""
-    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
 
 @njit(cache=True, inline="always")

@@ -9,12 +9,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .act import v_expf
-
-
-@njit(cache=True, inline="always")
-def _fma(a, b, c):
-    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+from .act import _fma, v_expf
 
 
 def _soft_max_rows(x, mask, slopes, scale, out):
