@@ -132,7 +132,7 @@ class ActScratch:
         if vdt == T.Q8_K:
             self.xs = np.empty((n, k // 16), np.int16)
         else:
-            self.xs = np.empty((n, k // 32 if vdt == T.Q8_1 else 1), np.float32)
+            self.xs = np.zeros((n, k // 32), np.float32)   # Q8_0: unused by the kernels, read as 0
         self.x32 = None
 
 

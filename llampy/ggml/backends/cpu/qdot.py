@@ -19,6 +19,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .simd import dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
+
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
@@ -60,210 +62,108 @@ def _f16(tab, row, o):
 
 
 @njit(cache=True, inline="always")
-def _hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
-    """ggml's hsum_float_8: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
-    return ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))
-
-
-@njit(parallel=True, cache=True, fastmath={"contract"})
-def mv_q8_0(w, xq, xd, xs, out, tab):
-    rows = w.shape[0]
-    n, k = xq.shape
-    nb = k // 32
-    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
-            wr = w[r]
-            prefetch_row(w, r)
-            for i in range(n):
-                xr = xq[i]
-                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 34 + 2
-                    xo = b * 32
-                    l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = 0
-                    for j in range(4):
-                        l0 += np.int32(np.int8(wr[o + j])) * np.int32(xr[xo + j])
-                        l1 += np.int32(np.int8(wr[o + 4 + j])) * np.int32(xr[xo + 4 + j])
-                        l2 += np.int32(np.int8(wr[o + 8 + j])) * np.int32(xr[xo + 8 + j])
-                        l3 += np.int32(np.int8(wr[o + 12 + j])) * np.int32(xr[xo + 12 + j])
-                        l4 += np.int32(np.int8(wr[o + 16 + j])) * np.int32(xr[xo + 16 + j])
-                        l5 += np.int32(np.int8(wr[o + 20 + j])) * np.int32(xr[xo + 20 + j])
-                        l6 += np.int32(np.int8(wr[o + 24 + j])) * np.int32(xr[xo + 24 + j])
-                        l7 += np.int32(np.int8(wr[o + 28 + j])) * np.int32(xr[xo + 28 + j])
-                    d = np.float32(_f16(tab, wr, o - 2) * xd[i, b])
-                    a0 = d * np.float32(l0) + a0
-                    a1 = d * np.float32(l1) + a1
-                    a2 = d * np.float32(l2) + a2
-                    a3 = d * np.float32(l3) + a3
-                    a4 = d * np.float32(l4) + a4
-                    a5 = d * np.float32(l5) + a5
-                    a6 = d * np.float32(l6) + a6
-                    a7 = d * np.float32(l7) + a7
-                out[i, r] = _hsum8(a0, a1, a2, a3, a4, a5, a6, a7)
-
-
-@njit(cache=True, inline="always")
-def _nib_lanes(wr, o, xr, xo, off):
-    """Lanes of a nibble block: element e < 16 is byte e's low nibble, element 16 + e its high nibble; ``off``
-    is subtracted from every value (8 for Q4_0, 0 for Q4_1)."""
-    l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = 0
-    for j in range(4):
-        q = np.int32(wr[o + j])
-        l0 += ((q & 15) - off) * np.int32(xr[xo + j])
-        l4 += ((q >> 4) - off) * np.int32(xr[xo + 16 + j])
-        q = np.int32(wr[o + 4 + j])
-        l1 += ((q & 15) - off) * np.int32(xr[xo + 4 + j])
-        l5 += ((q >> 4) - off) * np.int32(xr[xo + 20 + j])
-        q = np.int32(wr[o + 8 + j])
-        l2 += ((q & 15) - off) * np.int32(xr[xo + 8 + j])
-        l6 += ((q >> 4) - off) * np.int32(xr[xo + 24 + j])
-        q = np.int32(wr[o + 12 + j])
-        l3 += ((q & 15) - off) * np.int32(xr[xo + 12 + j])
-        l7 += ((q >> 4) - off) * np.int32(xr[xo + 28 + j])
-    return l0, l1, l2, l3, l4, l5, l6, l7
-
-
-@njit(cache=True, inline="always")
-def _nib5_lanes(wr, o, qh, xr, xo, off):
-    """Lanes of a 5-bit block: the nibble as in ``_nib_lanes`` plus bit e of ``qh`` as bit 4 of element e."""
-    l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = 0
-    for j in range(4):
-        q = np.int32(wr[o + j])
-        l0 += (((q & 15) | ((qh >> j) & 1) << 4) - off) * np.int32(xr[xo + j])
-        l4 += (((q >> 4) | ((qh >> (16 + j)) & 1) << 4) - off) * np.int32(xr[xo + 16 + j])
-        q = np.int32(wr[o + 4 + j])
-        l1 += (((q & 15) | ((qh >> (4 + j)) & 1) << 4) - off) * np.int32(xr[xo + 4 + j])
-        l5 += (((q >> 4) | ((qh >> (20 + j)) & 1) << 4) - off) * np.int32(xr[xo + 20 + j])
-        q = np.int32(wr[o + 8 + j])
-        l2 += (((q & 15) | ((qh >> (8 + j)) & 1) << 4) - off) * np.int32(xr[xo + 8 + j])
-        l6 += (((q >> 4) | ((qh >> (24 + j)) & 1) << 4) - off) * np.int32(xr[xo + 24 + j])
-        q = np.int32(wr[o + 12 + j])
-        l3 += (((q & 15) | ((qh >> (12 + j)) & 1) << 4) - off) * np.int32(xr[xo + 12 + j])
-        l7 += (((q >> 4) | ((qh >> (28 + j)) & 1) << 4) - off) * np.int32(xr[xo + 28 + j])
-    return l0, l1, l2, l3, l4, l5, l6, l7
-
-
-@njit(cache=True, inline="always")
 def _qh(wr, o):
     return (np.int64(wr[o]) | (np.int64(wr[o + 1]) << 8) | (np.int64(wr[o + 2]) << 16)
             | (np.int64(wr[o + 3]) << 24))
 
 
-# ggml_vec_dot_q4_0_q8_0 (AVX2): the q8_0 lanes over the nibbles minus 8
-@njit(parallel=True, cache=True, fastmath={"contract"})
+# Block formats of the kernel below (``kind``: loop-invariant, so LLVM unswitches the loops on it)
+K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0 = 0, 1, 2, 3, 4
+
+
+@njit(cache=True, inline="always")
+def _block(kind, tab, wr, b, xr, xdb, xsb, acc, summs):
+    """One block of ggml_vec_dot_<kind>_q8_{0,1} (AVX2 form): the eight int32 lanes (exact integers), then
+    acc = fma(d_w * d_x, lanes, acc); for the formats with a min, summs = fma(m_w, s_x, summs)."""
+    xo = b * 32
+    if kind == K_Q8_0:
+        o = b * 34
+        lanes = dot_s8_s8(wr, o + 2, xr, xo)
+    elif kind == K_Q4_0:           # nibbles - 8
+        o = b * 18
+        lanes = dot_u4_s8(wr, o + 2, xr, xo, 8)
+    elif kind == K_Q4_1:           # unsigned nibbles
+        o = b * 20
+        lanes = dot_u4_s8(wr, o + 4, xr, xo, 0)
+        summs = fma32(_f16(tab, wr, o + 2), xsb, summs)
+    elif kind == K_Q5_0:           # (nibble | qh bit << 4) - 16
+        o = b * 22
+        lanes = dot_u5_s8(wr, o + 6, _qh(wr, o + 2), xr, xo, 16)
+    else:                          # Q5_1: unsigned 5-bit values
+        o = b * 24
+        lanes = dot_u5_s8(wr, o + 8, _qh(wr, o + 4), xr, xo, 0)
+        summs = fma32(_f16(tab, wr, o + 2), xsb, summs)
+    d = np.float32(_f16(tab, wr, o) * xdb)
+    return f8_fma(d, i8_to_f8(lanes), acc), summs
+
+
+@njit(cache=True, inline="always")
+def _mv_legacy(w, xq, xd, xs, out, tab, kind):
+    """out[i, r] = dot(w[r], x[i]) for the 32-value formats. Four weight rows at a time: four independent fma
+    chains keep the core busy while each waits on its previous block (one chain alone is latency-bound).
+    Inlined into one parallel kernel per format, where ``kind`` is a constant and LLVM drops the other formats'
+    branches (a run-time ``kind`` left them in the inner loop: 3x slower)."""
+    rows = w.shape[0]
+    n, k = xq.shape
+    nb = k // 32
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r1 = min(rows, (c + 1) * ROW_CHUNK)
+        r = c * ROW_CHUNK
+        while r + 4 <= r1:
+            w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+            prefetch_row(w, r + 3)
+            for i in range(n):
+                xr = xq[i]
+                a0 = a1 = a2 = a3 = f8_zero()
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for b in range(nb):
+                    xdb = xd[i, b]
+                    xsb = xs[i, b]
+                    a0, s0 = _block(kind, tab, w0, b, xr, xdb, xsb, a0, s0)
+                    a1, s1 = _block(kind, tab, w1, b, xr, xdb, xsb, a1, s1)
+                    a2, s2 = _block(kind, tab, w2, b, xr, xdb, xsb, a2, s2)
+                    a3, s3 = _block(kind, tab, w3, b, xr, xdb, xsb, a3, s3)
+                out[i, r] = f8_hsum(a0) + s0
+                out[i, r + 1] = f8_hsum(a1) + s1
+                out[i, r + 2] = f8_hsum(a2) + s2
+                out[i, r + 3] = f8_hsum(a3) + s3
+            r += 4
+        while r < r1:
+            wr = w[r]
+            for i in range(n):
+                xr = xq[i]
+                a0 = f8_zero()
+                s0 = np.float32(0.0)
+                for b in range(nb):
+                    a0, s0 = _block(kind, tab, wr, b, xr, xd[i, b], xs[i, b], a0, s0)
+                out[i, r] = f8_hsum(a0) + s0
+            r += 1
+
+
+# ggml's Q8_0/Q4_0/Q5_0 have no min: their summs stays 0 and ``hsum + 0`` is the hsum itself
+@njit(parallel=True, cache=True)
+def mv_q8_0(w, xq, xd, xs, out, tab):
+    _mv_legacy(w, xq, xd, xs, out, tab, K_Q8_0)
+
+
+@njit(parallel=True, cache=True)
 def mv_q4_0(w, xq, xd, xs, out, tab):
-    rows = w.shape[0]
-    n, k = xq.shape
-    nb = k // 32
-    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
-            wr = w[r]
-            prefetch_row(w, r)
-            for i in range(n):
-                xr = xq[i]
-                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 18
-                    l0, l1, l2, l3, l4, l5, l6, l7 = _nib_lanes(wr, o + 2, xr, b * 32, 8)
-                    d = np.float32(_f16(tab, wr, o) * xd[i, b])
-                    a0 = d * np.float32(l0) + a0
-                    a1 = d * np.float32(l1) + a1
-                    a2 = d * np.float32(l2) + a2
-                    a3 = d * np.float32(l3) + a3
-                    a4 = d * np.float32(l4) + a4
-                    a5 = d * np.float32(l5) + a5
-                    a6 = d * np.float32(l6) + a6
-                    a7 = d * np.float32(l7) + a7
-                out[i, r] = _hsum8(a0, a1, a2, a3, a4, a5, a6, a7)
+    _mv_legacy(w, xq, xd, xs, out, tab, K_Q4_0)
 
 
-# ggml_vec_dot_q4_1_q8_1 (AVX2): unsigned nibbles; the mins through Q8_1's F16 s, summs = fma(m, s, summs),
-# added after the hsum
-@njit(parallel=True, cache=True, fastmath={"contract"})
+@njit(parallel=True, cache=True)
 def mv_q4_1(w, xq, xd, xs, out, tab):
-    rows = w.shape[0]
-    n, k = xq.shape
-    nb = k // 32
-    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
-            wr = w[r]
-            prefetch_row(w, r)
-            for i in range(n):
-                xr = xq[i]
-                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-                summs = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 20
-                    l0, l1, l2, l3, l4, l5, l6, l7 = _nib_lanes(wr, o + 4, xr, b * 32, 0)
-                    summs = _f16(tab, wr, o + 2) * xs[i, b] + summs
-                    d = np.float32(_f16(tab, wr, o) * xd[i, b])
-                    a0 = d * np.float32(l0) + a0
-                    a1 = d * np.float32(l1) + a1
-                    a2 = d * np.float32(l2) + a2
-                    a3 = d * np.float32(l3) + a3
-                    a4 = d * np.float32(l4) + a4
-                    a5 = d * np.float32(l5) + a5
-                    a6 = d * np.float32(l6) + a6
-                    a7 = d * np.float32(l7) + a7
-                out[i, r] = _hsum8(a0, a1, a2, a3, a4, a5, a6, a7) + summs
+    _mv_legacy(w, xq, xd, xs, out, tab, K_Q4_1)
 
 
-# ggml_vec_dot_q5_0_q8_0 (AVX2): the q8_0 lanes over the signed 5-bit values (nibble | qh bit << 4) - 16
-@njit(parallel=True, cache=True, fastmath={"contract"})
+@njit(parallel=True, cache=True)
 def mv_q5_0(w, xq, xd, xs, out, tab):
-    rows = w.shape[0]
-    n, k = xq.shape
-    nb = k // 32
-    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
-            wr = w[r]
-            prefetch_row(w, r)
-            for i in range(n):
-                xr = xq[i]
-                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 22
-                    l0, l1, l2, l3, l4, l5, l6, l7 = _nib5_lanes(wr, o + 6, _qh(wr, o + 2), xr, b * 32, 16)
-                    d = np.float32(_f16(tab, wr, o) * xd[i, b])
-                    a0 = d * np.float32(l0) + a0
-                    a1 = d * np.float32(l1) + a1
-                    a2 = d * np.float32(l2) + a2
-                    a3 = d * np.float32(l3) + a3
-                    a4 = d * np.float32(l4) + a4
-                    a5 = d * np.float32(l5) + a5
-                    a6 = d * np.float32(l6) + a6
-                    a7 = d * np.float32(l7) + a7
-                out[i, r] = _hsum8(a0, a1, a2, a3, a4, a5, a6, a7)
+    _mv_legacy(w, xq, xd, xs, out, tab, K_Q5_0)
 
 
-# ggml_vec_dot_q5_1_q8_1 (AVX2): unsigned 5-bit values, the mins as for Q4_1; acc = fma(lane, d_w * d_x, acc)
-@njit(parallel=True, cache=True, fastmath={"contract"})
+@njit(parallel=True, cache=True)
 def mv_q5_1(w, xq, xd, xs, out, tab):
-    rows = w.shape[0]
-    n, k = xq.shape
-    nb = k // 32
-    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
-            wr = w[r]
-            prefetch_row(w, r)
-            for i in range(n):
-                xr = xq[i]
-                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-                summs = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 24
-                    l0, l1, l2, l3, l4, l5, l6, l7 = _nib5_lanes(wr, o + 8, _qh(wr, o + 4), xr, b * 32, 0)
-                    summs = _f16(tab, wr, o + 2) * xs[i, b] + summs
-                    d = np.float32(_f16(tab, wr, o) * xd[i, b])
-                    a0 = d * np.float32(l0) + a0
-                    a1 = d * np.float32(l1) + a1
-                    a2 = d * np.float32(l2) + a2
-                    a3 = d * np.float32(l3) + a3
-                    a4 = d * np.float32(l4) + a4
-                    a5 = d * np.float32(l5) + a5
-                    a6 = d * np.float32(l6) + a6
-                    a7 = d * np.float32(l7) + a7
-                out[i, r] = _hsum8(a0, a1, a2, a3, a4, a5, a6, a7) + summs
+    _mv_legacy(w, xq, xd, xs, out, tab, K_Q5_1)
 
 
 # ------------------------------------------------------------------------------------------ tile dequantization

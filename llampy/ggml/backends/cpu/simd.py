@@ -1,0 +1,249 @@
+"""SIMD vectors inside Numba: two vector types and the handful of operations ggml's x86 dot products are made of.
+
+Numba has no vector types; these are registered here as first-class Numba types whose LLVM representation is a
+vector register (``<8 x float>``, ``<8 x i32>``), with ``@intrinsic`` operations that emit plain, target-neutral
+LLVM vector IR. A kernel written with them reads like ggml's intrinsics code and compiles to the same kind of
+instructions (LLVM picks ``vpdpbusd`` / ``vpmaddubsw`` / ``vfmadd231ps`` on x86, their counterparts elsewhere):
+
+    acc = f8_zero()
+    for b in range(nb):
+        lanes = dot_u4_s8(w, wo, x, xo)              # eight int32 lanes of four products (exact integers)
+        acc = f8_fma(d_w * d_x, i8_to_f8(lanes), acc)  # one rounding per lane, as _mm256_fmadd_ps
+    out = f8_hsum(acc)                               # ggml's hsum_float_8 order
+
+Only the integer lane sums are reassociated (exact in any order); every float operation is one IEEE operation in
+ggml's order, so kernels built from these stay bit-identical to llama.cpp.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_I16 = ir.IntType(16)
+_I8 = ir.IntType(8)
+_F8 = ir.VectorType(_F32, 8)
+_I8x8 = ir.VectorType(_I32, 8)
+
+
+class F8(types.Type):
+    """Eight float32 lanes (an AVX register)."""
+    def __init__(self):
+        super().__init__(name="f32x8")
+
+
+class I8(types.Type):
+    """Eight int32 lanes."""
+    def __init__(self):
+        super().__init__(name="i32x8")
+
+
+f8 = F8()
+i8 = I8()
+
+
+@register_model(F8)
+class _F8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _F8)
+
+
+@register_model(I8)
+class _I8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _I8x8)
+
+
+def _ptr(context, builder, aryty, ary, off, elty):
+    """Pointer to byte ``off`` of a C-contiguous array's data, cast to ``elty*``."""
+    a = context.make_array(aryty)(context, builder, ary)
+    p = builder.bitcast(a.data, _I8.as_pointer())
+    p = builder.gep(p, [off])
+    return builder.bitcast(p, elty.as_pointer())
+
+
+def _load(builder, ptr):
+    ld = builder.load(ptr)
+    ld.align = 1
+    return ld
+
+
+def _host_features():
+    try:
+        import llvmlite.binding as llvm
+        f = llvm.get_host_cpu_features()
+        return {k for k, v in f.items() if v}
+    except Exception:       # a host llvmlite cannot describe: the target-neutral forms
+        return set()
+
+
+_FEATS = _host_features()
+VNNI = "avxvnni" in _FEATS or {"avx512vnni", "avx512vl"} <= _FEATS
+AVX2 = "avx2" in _FEATS
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _udot(builder, a, b):
+    """<32 x i8> unsigned a, <32 x i8> signed b -> <8 x i32>, lane l = sum of a[e] * b[e] over e = 4l..4l+3:
+    vpdpbusd where the CPU has VNNI, vpmaddubsw + vpmaddwd on AVX2 (no saturation for |a| <= 128, |b| <= 127),
+    else target-neutral IR. The integers are the same on every path."""
+    if VNNI:
+        zero = ir.Constant(_I8x8, [0] * 8)
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _I8x8,
+                     [zero, builder.bitcast(a, _I8x8), builder.bitcast(b, _I8x8)])
+    if AVX2:
+        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), [a, b])
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8x8, [p16, ir.Constant(ir.VectorType(_I16, 16), [1] * 16)])
+    w32 = ir.VectorType(_I32, 32)
+    return _lanes4(builder, builder.mul(builder.zext(a, w32), builder.sext(b, w32)))
+
+
+def _sdot(builder, a, b):
+    """As ``_udot`` with signed a: ggml's sign trick, |a| times b with a's sign (exact for b > -128)."""
+    v32 = ir.VectorType(_I8, 32)
+    zero = ir.Constant(v32, [0] * 32)
+    neg = builder.icmp_signed("<", a, zero)
+    absa = builder.select(neg, builder.sub(zero, a), a)
+    sb = builder.select(neg, builder.sub(zero, b), b)
+    sb = builder.select(builder.icmp_signed("==", a, zero), zero, sb)
+    return _udot(builder, absa, sb)
+
+
+def _lanes4(builder, prod32):
+    """<32 x i32> -> <8 x i32>: lane l = p[4l] + p[4l+1] + p[4l+2] + p[4l+3] (ggml's madd/dpbusd grouping)."""
+    parts = []
+    for j in range(4):
+        idx = ir.Constant(ir.VectorType(_I32, 8), [4 * l + j for l in range(8)])
+        parts.append(builder.shuffle_vector(prod32, prod32, idx))
+    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+
+
+def _nibbles32(builder, q16):
+    """16 bytes -> <32 x i8>: the low nibbles (elements 0..15), then the high nibbles (16..31)."""
+    lo = builder.and_(q16, ir.Constant(ir.VectorType(_I8, 16), [15] * 16))
+    hi = builder.lshr(q16, ir.Constant(ir.VectorType(_I8, 16), [4] * 16))
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+
+
+@intrinsic
+def f8_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_F8, [0.0] * 8)
+    return f8(), codegen
+
+
+@intrinsic
+def f8_fma(typingctx, d, v, acc):
+    """acc + d * v per lane, rounded once (llvm.fma: _mm256_fmadd_ps(broadcast(d), v, acc))."""
+    if not (isinstance(d, types.Float) and v == f8 and acc == f8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dv = context.cast(builder, args[0], sig.args[0], types.float32)
+        splat = builder.insert_element(ir.Constant(_F8, None), dv, ir.Constant(_I32, 0))
+        splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+        return _call(builder, "llvm.fma.v8f32", _F8, [splat, args[1], args[2]])
+    return f8(d, f8, f8), codegen
+
+
+@intrinsic
+def i8_to_f8(typingctx, v):
+    """int32 lanes -> float32 lanes (round to nearest, as _mm256_cvtepi32_ps)."""
+    if v != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _F8)
+    return f8(i8), codegen
+
+
+@intrinsic
+def f8_hsum(typingctx, v):
+    """ggml's hsum_float_8: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
+    if v != f8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = [builder.extract_element(args[0], ir.Constant(_I32, i)) for i in range(8)]
+        fa = builder.fadd
+        return fa(fa(fa(a[4], a[0]), fa(a[6], a[2])), fa(fa(a[5], a[1]), fa(a[7], a[3])))
+    return types.float32(f8), codegen
+
+
+@intrinsic
+def i8_add(typingctx, a, b):
+    if a != i8 or b != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return i8(i8, i8), codegen
+
+
+@intrinsic
+def dot_s8_s8(typingctx, w, wo, x, xo):
+    """32 int8 weights at byte wo of w times 32 int8 activations at byte xo of x: eight int32 lanes, lane l the sum
+    of the products of elements 4l..4l+3 (ggml's mul_sum_i8_pairs_float before its conversion)."""
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+        a = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32))
+        b = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], v32))
+        return _sdot(builder, a, b)
+    return i8(w, types.intp, x, types.intp), codegen
+
+
+@intrinsic
+def dot_u4_s8(typingctx, w, wo, x, xo, off):
+    """(``off``: a literal integer.) 16 bytes of nibbles at byte wo of w (element e < 16: byte e's low nibble, 16 + e: its high nibble), minus
+    ``off`` (8 for Q4_0, 0 for Q4_1), times 32 int8 activations at byte xo of x: eight int32 lanes of four."""
+    def codegen(context, builder, sig, args):
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16)))
+        a = _nibbles32(builder, q)
+        b = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], ir.VectorType(_I8, 32)))
+        if off.literal_value == 0:
+            return _udot(builder, a, b)
+        return _sdot(builder, builder.sub(a, ir.Constant(a.type, [off.literal_value] * 32)), b)
+    if not isinstance(off, types.IntegerLiteral):
+        return None
+    return i8(w, types.intp, x, types.intp, off), codegen
+
+
+def _splat32(builder, s):
+    v = builder.insert_element(ir.Constant(ir.VectorType(_I32, 32), None), s, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+
+
+@intrinsic
+def dot_u5_s8(typingctx, w, wo, qh, x, xo, off):
+    """As ``dot_u4_s8`` with bit e of the 32-bit ``qh`` as bit 4 of element e (Q5_0: off 16, Q5_1: off 0)."""
+    def codegen(context, builder, sig, args):
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16)))
+        a = _nibbles32(builder, q)
+        w32 = ir.VectorType(_I32, 32)
+        h = _splat32(builder, context.cast(builder, args[2], sig.args[2], types.int32))
+        h = builder.lshr(h, ir.Constant(w32, list(range(32))))
+        h = builder.shl(builder.and_(h, ir.Constant(w32, [1] * 32)), ir.Constant(w32, [4] * 32))
+        a = builder.or_(a, builder.trunc(h, a.type))
+        b = _load(builder, _ptr(context, builder, sig.args[3], args[3], args[4], ir.VectorType(_I8, 32)))
+        if off.literal_value == 0:
+            return _udot(builder, a, b)
+        return _sdot(builder, builder.sub(a, ir.Constant(a.type, [off.literal_value] * 32)), b)
+    if not isinstance(off, types.IntegerLiteral):
+        return None
+    return i8(w, types.intp, types.int64, x, types.intp, off), codegen
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """float32 a * b + c rounded once (llvm.fma.f32: the vfmadd ggml's compiled C gets from contraction)."""
+    def codegen(context, builder, sig, args):
+        v = [context.cast(builder, x, t, types.float32) for x, t in zip(args, sig.args)]
+        return _call(builder, "llvm.fma.f32", _F32, v)
+    return types.float32(a, b, c), codegen
