@@ -14,6 +14,7 @@ from numba import njit, prange
 
 from .kernels import alibi_slopes
 from .qdot import F16_TABLE
+from .simd import fma32, v16_add, v16_fma, v16_load, v16_reduce, v16_round_f16, v16_scale, v16_store, v16_zero
 
 Q_TILE = 64
 
@@ -106,6 +107,67 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
             out[i3, i1, h, j] = acc[j] * inv
 
 
+@njit(parallel=True, cache=True)
+def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes):
+    """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0, in sixteen-lane vectors as ggml's AVX-512
+    build runs it: ggml_vec_dot_f16 (four accumulators over each 64 elements, GGML_F32x16_REDUCE), and the F16
+    accumulator's ggml_vec_scale_f16 / ggml_vec_mad_f16 (float32 multiply or fma, rounded to F16 per lane)."""
+    ne3, n_head, n_q, d = q.shape
+    n_head_kv = k.shape[1]
+    n_kv = k.shape[2]
+    dv = v.shape[3]
+    rk = n_head // n_head_kv
+    has_mask = mask.shape[3] > 0
+    for idx in prange(ne3 * n_head * n_q):
+        i3 = idx // (n_head * n_q)
+        h = (idx // n_q) % n_head
+        i1 = idx % n_q
+        hk = h // rk
+        qr = np.empty(d, np.float32)
+        for j in range(0, d, 16):
+            v16_store(qr, j, v16_round_f16(v16_load(q[i3, h, i1], j)))
+        acc = np.zeros(dv, np.float32)
+        M = np.float32(-np.inf)
+        S = np.float32(0.0)
+        slope = slopes[h]
+        kh = k[i3 % k.shape[0], hk]
+        vh = v[i3 % v.shape[0], hk]
+        for ic in range(n_kv):
+            mv = np.float32(0.0)
+            if has_mask:
+                mv = slope * mask[i3 % mask.shape[0], h % mask.shape[1], i1, ic]
+                if mv == -np.inf:
+                    continue
+            kr = kh[ic]
+            s0 = s1 = s2 = s3 = v16_zero()
+            for j in range(0, d, 64):
+                s0 = v16_fma(v16_load(qr, j), v16_load(kr, j), s0)
+                s1 = v16_fma(v16_load(qr, j + 16), v16_load(kr, j + 16), s1)
+                s2 = v16_fma(v16_load(qr, j + 32), v16_load(kr, j + 32), s2)
+                s3 = v16_fma(v16_load(qr, j + 48), v16_load(kr, j + 48), s3)
+            s = v16_reduce(v16_add(v16_add(s0, s2), v16_add(s1, s3))) * scale
+            if softcap != 0.0:
+                s = softcap * np.float32(math.tanh(s))
+            s += mv
+            ms = np.float32(1.0)
+            vs = np.float32(1.0)
+            if s > M:
+                Mold = M
+                M = s
+                ms = np.float32(math.exp(Mold - M))
+                for j in range(0, dv, 16):
+                    v16_store(acc, j, v16_round_f16(v16_scale(v16_load(acc, j), ms)))
+            else:
+                vs = np.float32(math.exp(s - M))
+            vr = vh[ic]
+            for j in range(0, dv, 16):
+                v16_store(acc, j, v16_round_f16(v16_fma(v16_load(vr, j), vs, v16_load(acc, j))))
+            S = fma32(S, ms, vs)
+        inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
+        for j in range(dv):
+            out[i3, i1, h, j] = acc[j] * inv
+
+
 def use_tiled(k_type, v_type, n_q: int, dv: int) -> bool:
     """ggml's choice of its tiled path: F16/F32 K and V of one type, at least Q_TILE queries, dv a multiple of 16."""
     from ...types import GGMLType as T
@@ -124,6 +186,11 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     if not tiled and k_f16 and v_f16:
         m = mask if mask is not None else np.zeros((1, 1, 1, 0), np.float32)
         res = np.empty(out.shape, np.float32)
+        if q.shape[3] % 64 == 0 and v.shape[3] % 16 == 0:
+            _fa_vec16(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                      np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes)
+            out[...] = res
+            return
         _fa_vec(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
                 np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, F16_TABLE, True)
         out[...] = res

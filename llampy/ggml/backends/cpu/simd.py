@@ -247,3 +247,132 @@ def fma32(typingctx, a, b, c):
         v = [context.cast(builder, x, t, types.float32) for x, t in zip(args, sig.args)]
         return _call(builder, "llvm.fma.f32", _F32, v)
     return types.float32(a, b, c), codegen
+
+
+# ----------------------------------------------------------------------------- sixteen float32 lanes (AVX-512)
+_F16x = ir.VectorType(_F32, 16)
+_H16 = ir.VectorType(ir.HalfType(), 16)
+
+
+class F16L(types.Type):
+    """Sixteen float32 lanes (a ``__m512``: ggml's F16/F32 vector ops on AVX-512)."""
+    def __init__(self):
+        super().__init__(name="f32x16")
+
+
+f16l = F16L()
+
+
+@register_model(F16L)
+class _F16LModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _F16x)
+
+
+def _elem_ptr(context, builder, aryty, ary, idx, vecty):
+    """Pointer to element ``idx`` of a contiguous 1-d array, cast to ``vecty*``."""
+    a = context.make_array(aryty)(context, builder, ary)
+    return builder.bitcast(builder.gep(a.data, [idx]), vecty.as_pointer())
+
+
+@intrinsic
+def v16_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_F16x, [0.0] * 16)
+    return f16l(), codegen
+
+
+@intrinsic
+def v16_load(typingctx, arr, i):
+    """arr[i:i+16] of a float32 array, or of F16 bits (uint16) widened to float32 (_mm512_cvtph_ps)."""
+    if not isinstance(arr, types.Array) or arr.dtype not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if sig.args[0].dtype == types.float32:
+            return _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], _F16x))
+        h = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 16)))
+        return builder.fpext(builder.bitcast(h, _H16), _F16x)
+    return f16l(arr, types.intp), codegen
+
+
+@intrinsic
+def v16_store(typingctx, arr, i, v):
+    """arr[i:i+16] = v (float32 array)."""
+    if v != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        st = builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], _F16x))
+        st.align = 4
+        return context.get_dummy_value()
+    return types.void(arr, types.intp, f16l), codegen
+
+
+def _splat16(builder, s):
+    v = builder.insert_element(ir.Constant(_F16x, None), s, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+
+
+@intrinsic
+def v16_fma(typingctx, a, b, c):
+    """a * b + c per lane, rounded once; a or b may be a float32 scalar (broadcast)."""
+    if c != f16l or not (a == f16l or b == f16l):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ops = []
+        for x, t in zip(args[:2], sig.args[:2]):
+            ops.append(x if t == f16l else _splat16(builder, context.cast(builder, x, t, types.float32)))
+        return _call(builder, "llvm.fma.v16f32", _F16x, [ops[0], ops[1], args[2]])
+    return f16l(a, b, c), codegen
+
+
+@intrinsic
+def v16_scale(typingctx, a, s):
+    """a * s per lane (s a float32 scalar)."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], _splat16(builder, context.cast(builder, args[1], sig.args[1], types.float32)))
+    return f16l(f16l, s), codegen
+
+
+@intrinsic
+def v16_add(typingctx, a, b):
+    if a != f16l or b != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+    return f16l(f16l, f16l), codegen
+
+
+@intrinsic
+def v16_round_f16(typingctx, a):
+    """Each lane rounded to the nearest F16 value (to nearest even, subnormals and overflow as the hardware's
+    _mm512_cvtps_ph does) and widened back: a store to an F16 array and a load."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], _H16), _F16x)
+    return f16l(f16l), codegen
+
+
+@intrinsic
+def v16_reduce(typingctx, a):
+    """_mm512_reduce_add_ps as GCC expands it: lanes l + l+8, then l + l+4, l + l+2, l + l+1."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        for half in (8, 4, 2, 1):
+            idx = ir.Constant(ir.VectorType(_I32, half), [half + l for l in range(half)])
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, idx)
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+    return types.float32(f16l), codegen
