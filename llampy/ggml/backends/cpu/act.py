@@ -8,6 +8,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .simd import v16_load, v16_mul, v16_silu, v16_store
+
 _R = np.float32(float.fromhex("0x1.8p23"))
 _LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
 _LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
@@ -47,27 +49,30 @@ def _silu_s(x):
     return np.float32(x / np.float32(np.float32(1.0) + np.float32(math.exp(np.float32(-x)))))
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def swiglu_rows(g, u, out):
-    """out = silu(g) * u, row by row (g, u, out: float32 [rows, n]); lanes of 16, leftovers scalar."""
+    """out = silu(g) * u, row by row (g, u, out: float32 [rows, n], rows contiguous): ggml_vec_swiglu_f32, lanes of
+    16 through ggml_v_silu, leftovers scalar with expf."""
     rows, n = g.shape
     n16 = n - n % 16
-    for r in prange(rows):
-        for i in range(n16):
-            out[r, i] = np.float32(_silu_v(g[r, i]) * u[r, i])
+    for r in range(rows):
+        gr, ur, orow = g[r], u[r], out[r]
+        for i in range(0, n16, 16):
+            v16_store(orow, i, v16_mul(v16_silu(v16_load(gr, i)), v16_load(ur, i)))
         for i in range(n16, n):
-            out[r, i] = np.float32(_silu_s(g[r, i]) * u[r, i])
+            orow[i] = np.float32(_silu_s(gr[i]) * ur[i])
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def silu_rows(x, out):
     rows, n = x.shape
     n16 = n - n % 16
-    for r in prange(rows):
-        for i in range(n16):
-            out[r, i] = _silu_v(x[r, i])
+    for r in range(rows):
+        xr, orow = x[r], out[r]
+        for i in range(0, n16, 16):
+            v16_store(orow, i, v16_silu(v16_load(xr, i)))
         for i in range(n16, n):
-            out[r, i] = _silu_s(x[r, i])
+            orow[i] = _silu_s(xr[i])
 
 
 @njit(cache=True)

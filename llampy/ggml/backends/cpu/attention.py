@@ -202,24 +202,70 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
         q = round_act(np.ascontiguousarray(q.reshape(-1, q.shape[-1]), np.float32), q_dot_type).reshape(q.shape)
     kf = F16_TABLE[k] if k_f16 else k.astype(np.float32)
     vf = F16_TABLE[v] if v_f16 else v.astype(np.float32)
+    _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes)
+
+
+Q_CHUNK = 128   # queries per BLAS product: a causal mask hides the rest of the cache from each chunk
+
+
+def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
+    """Softmax attention through float32 matrix products, per (batch, chunk of queries, KV head): each chunk only
+    multiplies the span of cells its mask leaves visible (about half the work under a causal mask), and the
+    items run on the BLAS path's threads."""
+    ne3, n_head, n_q = q.shape[:3]
     n_head_kv = kf.shape[1]
     rk = n_head // n_head_kv
-    for i3 in range(q.shape[0]):
-        for hk in range(n_head_kv):
-            qh = q[i3, hk * rk:(hk + 1) * rk].astype(np.float32)          # (rk, n_q, d)
-            kk = kf[i3 % kf.shape[0], hk]                                   # (n_kv, d)
-            vv = vf[i3 % vf.shape[0], hk]                                   # (n_kv, dv)
-            s = (qh @ kk.T) * sc                                            # (rk, n_q, n_kv)
-            if softcap:
-                s = np.float32(softcap) * np.tanh(s)
+    items = []
+    for i3 in range(ne3):
+        for q0 in range(0, n_q, Q_CHUNK):
+            q1 = min(n_q, q0 + Q_CHUNK)
+            lo, hi = 0, kf.shape[2]
+            mm = None
             if mask is not None:
+                mm = mask[i3 % mask.shape[0], :, q0:q1, :]               # (m2, qc, n_kv)
+                vis = np.flatnonzero((mm > -np.inf).any(axis=(0, 1)))
+                if vis.size == 0:
+                    out[i3, q0:q1] = 0
+                    continue
+                lo, hi = int(vis[0]), int(vis[-1]) + 1
+                mm = mm[:, :, lo:hi]
+            for hk in range(n_head_kv):
+                items.append((i3, q0, q1, hk, lo, hi, mm))
+
+    def work(chunk):
+        for i3, q0, q1, hk, lo, hi, mm in chunk:
+            qh = q[i3, hk * rk:(hk + 1) * rk, q0:q1]                       # (rk, qc, d)
+            kk = kf[i3 % kf.shape[0], hk, lo:hi]                           # (L, d)
+            vv = vf[i3 % vf.shape[0], hk, lo:hi]                           # (L, dv)
+            s = np.matmul(qh, kk.T)                                        # (rk, qc, L)
+            s *= sc
+            if softcap:
+                np.tanh(s, out=s)
+                s *= np.float32(softcap)
+            if mm is not None:
                 heads = np.arange(hk * rk, (hk + 1) * rk)
-                mm = mask[i3 % mask.shape[0]][heads % mask.shape[1]][:, :n_q, :]
-                s = s + slopes[heads][:, None, None] * mm
+                sl = slopes[heads]
+                mh = mm[heads % mm.shape[0]]                               # (rk, qc, L)
+                if np.all(sl == 1):
+                    s += mh
+                else:
+                    s += sl[:, None, None] * mh
             mx = s.max(axis=-1, keepdims=True)
-            with np.errstate(invalid="ignore"):
-                e = np.exp(s - mx)
-                e = np.nan_to_num(e, nan=0.0)
-                den = e.sum(axis=-1, keepdims=True)
-                o = (e @ vv) / np.where(den == 0, 1, den)                   # (rk, n_q, dv)
-            out[i3, :, hk * rk:(hk + 1) * rk, :] = o.transpose(1, 0, 2)
+            mx[mx == -np.inf] = 0
+            s -= mx
+            np.exp(s, out=s)
+            den = s.sum(axis=-1, keepdims=True)
+            den[den == 0] = 1
+            o = np.matmul(s, vv)
+            o /= den
+            out[i3, q0:q1, hk * rk:(hk + 1) * rk, :] = o.transpose(1, 0, 2)
+
+    from . import matmul
+    nt = min(matmul._blas_workers(), len(items))
+    if nt <= 1:
+        work(items)
+        return
+    futs = [matmul._POOL.submit(work, items[i::nt]) for i in range(1, nt)]
+    work(items[0::nt])
+    for f in futs:
+        f.result()

@@ -93,5 +93,58 @@ def bind_set_rows(node, dst, srcs):
     return run
 
 
+def _rows2d(a):
+    """a as [rows, ne0] without copying, or None (the kernels need each row contiguous and rows evenly spaced)."""
+    if a.dtype != np.float32 or a.strides[-1] != 4:
+        return None
+    try:
+        v = a.view()
+        v.shape = (-1, a.shape[-1])      # raises instead of copying
+    except AttributeError:
+        return None
+    return v
+
+
+def bind_glu(node, dst, srcs):
+    if node.op is not Op.SWIGLU or len(srcs) != 2 or node.type != T.F32 or \
+            node.src[0].type != T.F32 or node.src[1].type != T.F32 or node.src[0].ne != node.src[1].ne:
+        return None
+    g, u, d = _rows2d(srcs[0]), _rows2d(srcs[1]), _rows2d(dst)
+    if g is None or u is None or d is None:
+        return None
+    if node.op_params.get("swapped"):
+        g, u = u, g
+    from .act import swiglu_rows
+    return lambda: swiglu_rows(g, u, d)
+
+
+def bind_rms_norm_mul(node, dst, srcs):
+    if not (node.type == node.src[0].type == node.src[1].type == T.F32):
+        return None
+    w = node.src[1]
+    x, d = _rows2d(srcs[0]), _rows2d(dst)
+    if x is None or d is None or w.ne[0] != node.ne[0] or w.nelements != w.ne[0]:
+        return None          # only a weight row broadcast over every row here; the rest in kernels.py
+    wr = _rows2d(srcs[1])
+    if wr is None:
+        return None
+    from . import norm
+    fn = norm.rms_norm_mul_rows_par if node.nelements >= PAR_MIN_ELEMENTS else norm.rms_norm_mul_rows
+    eps = np.float32(node.op_params["eps"])
+    return lambda: fn(x, wr, eps, d)
+
+
+def bind_rope(node, dst, srcs):
+    if node.type != T.F32 or node.src[0].type != T.F32 or dst.strides[-1] != 4 or not dst.flags.c_contiguous:
+        return None
+    from .rope import rope
+    x = srcs[0]
+    pos = srcs[1].reshape(-1)
+    p = node.op_params
+    ff = srcs[2].reshape(-1) if p.get("has_freq_factors") else None
+    return lambda: rope(x, pos, p, ff, dst)
+
+
 BINDERS = {Op.SOFT_MAX: bind_soft_max, Op.GET_ROWS: bind_get_rows, Op.SET_ROWS: bind_set_rows,
+           Op.SWIGLU: bind_glu, Op.RMS_NORM_MUL: bind_rms_norm_mul, Op.ROPE: bind_rope,
            **{op: bind_binary for op in _BIN}}

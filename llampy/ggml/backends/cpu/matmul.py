@@ -13,10 +13,12 @@ Two paths:
   (relative ~1e-7 of |w|·|x|); the Q8_1 formats' min term is corrected to ggml's ``m_w * F16(s_x)`` (see
   ``_round_x``), so the remaining difference is summation order only.
 
-Which path: at most ``exact_max_rows`` activation rows (default ``DECODE_MAX_ROWS``) take the integer path. The
-project keeps the bit-exact path the default at every batch size (docs/architecture.md: SmolLM2's outliers make
-its outputs sensitive to the last bit); ``LLAMPY_FAST_PROMPT=1`` (or ``CPUBackend.exact_max_rows``) sends larger
-batches to BLAS, from ``BLAS_MIN_ROWS`` rows on — the crossover measured by benchmarks/bench_matmul.py.
+Which path: at most ``exact_max_rows`` activation rows (default ``DECODE_MAX_ROWS``: all) take the integer path.
+The integer kernels are the default at every batch size: they are bit-identical to llama.cpp (docs/architecture.md:
+SmolLM2's outliers make its outputs sensitive to the last bit) and, tiled 4 weight rows x 2 activation rows, as
+fast as the BLAS path for prompts (SmolLM2 pp512: 410 tok/s integer, 368 BLAS). ``LLAMPY_FAST_PROMPT=1`` (or
+``CPUBackend.exact_max_rows``) sends batches from ``BLAS_MIN_ROWS`` rows on to BLAS instead — for the formats
+without integer kernels it is the only path.
 
 Threads: the integer kernels are Numba ``prange`` loops (threading layer: OpenMP here, ``numba.set_num_threads``
 sets their count); the BLAS path runs the same number of Python threads over row ranges, OpenBLAS itself

@@ -100,7 +100,11 @@ def _block(kind, tab, wr, b, xr, xdb, xsb, acc, summs):
 @njit(cache=True, inline="always")
 def _mv_legacy(w, xq, xd, xs, out, tab, kind):
     """out[i, r] = dot(w[r], x[i]) for the 32-value formats. Four weight rows at a time: four independent fma
-    chains keep the core busy while each waits on its previous block (one chain alone is latency-bound).
+    chains keep the core busy while each waits on its previous block (one chain alone is latency-bound); with
+    two or more activation rows, tiles of 4 weight rows x 2 activation rows (eight chains; LLVM decodes each
+    weight block once for both). Every (r, i) still accumulates its own blocks in ggml's order. Measured
+    (Q4_1 1536x576, 2 threads): 0.86 ns per block product at n = 1, 0.68 with 4x1 tiles at n = 512, 0.47 with
+    4x2 (4x3 and 4x4 tiles spill registers: 0.49 and 1.2).
     Inlined into one parallel kernel per format, where ``kind`` is a constant and LLVM drops the other formats'
     branches (a run-time ``kind`` left them in the inner loop: 3x slower)."""
     rows = w.shape[0]
@@ -111,8 +115,33 @@ def _mv_legacy(w, xq, xd, xs, out, tab, kind):
         r = c * ROW_CHUNK
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
-            prefetch_row(w, r + 3)
-            for i in range(n):
+            for p in range(4):
+                prefetch_row(w, r + p)   # rows r + 4 .. r + 7: the next quad
+            n2 = n - n % 2
+            for i in range(0, n2, 2):      # two activation rows: eight chains, each weight block decoded once
+                x0, x1 = xq[i], xq[i + 1]
+                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
+                s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
+                for b in range(nb):
+                    d0, d1 = xd[i, b], xd[i + 1, b]
+                    m0, m1 = xs[i, b], xs[i + 1, b]
+                    a00, s00 = _block(kind, tab, w0, b, x0, d0, m0, a00, s00)
+                    a01, s01 = _block(kind, tab, w0, b, x1, d1, m1, a01, s01)
+                    a10, s10 = _block(kind, tab, w1, b, x0, d0, m0, a10, s10)
+                    a11, s11 = _block(kind, tab, w1, b, x1, d1, m1, a11, s11)
+                    a20, s20 = _block(kind, tab, w2, b, x0, d0, m0, a20, s20)
+                    a21, s21 = _block(kind, tab, w2, b, x1, d1, m1, a21, s21)
+                    a30, s30 = _block(kind, tab, w3, b, x0, d0, m0, a30, s30)
+                    a31, s31 = _block(kind, tab, w3, b, x1, d1, m1, a31, s31)
+                out[i, r] = f8_hsum(a00) + s00
+                out[i + 1, r] = f8_hsum(a01) + s01
+                out[i, r + 1] = f8_hsum(a10) + s10
+                out[i + 1, r + 1] = f8_hsum(a11) + s11
+                out[i, r + 2] = f8_hsum(a20) + s20
+                out[i + 1, r + 2] = f8_hsum(a21) + s21
+                out[i, r + 3] = f8_hsum(a30) + s30
+                out[i + 1, r + 3] = f8_hsum(a31) + s31
+            for i in range(n2, n):
                 xr = xq[i]
                 a0 = a1 = a2 = a3 = f8_zero()
                 s0 = s1 = s2 = s3 = np.float32(0.0)

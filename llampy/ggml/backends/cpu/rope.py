@@ -34,12 +34,11 @@ def rope_cache(pos, n_dims, theta_scale, freq_scale, ff, has_ff, ext_factor, msc
             theta = np.float32(theta * theta_scale)
 
 
-@njit(parallel=True, cache=True)
-def rope_apply(x, out, cos, sin, n_dims, neox):
-    # x, out: (ne3, n_tokens, n_head, head_dim) float32
+@njit(cache=True, inline="always")
+def _rope_token(x, out, cos, sin, n_dims, neox, t):
     ne3, nt, nh, hd = x.shape
     half = n_dims // 2
-    for t in prange(nt):
+    if True:
         for a in range(ne3):
             for h in range(nh):
                 for j in range(half):
@@ -57,11 +56,26 @@ def rope_apply(x, out, cos, sin, n_dims, neox):
                     out[a, t, h, i] = x[a, t, h, i]
 
 
+@njit(parallel=True, cache=True)
+def rope_apply(x, out, cos, sin, n_dims, neox):
+    """x, out: (ne3, n_tokens, n_head, head_dim) float32."""
+    for t in prange(x.shape[1]):
+        _rope_token(x, out, cos, sin, n_dims, neox, t)
+
+
+@njit(cache=True)
+def rope_apply_1(x, out, cos, sin, n_dims, neox):
+    """``rope_apply`` on one thread (decode-sized inputs: a parallel region costs more than the work)."""
+    for t in range(x.shape[1]):
+        _rope_token(x, out, cos, sin, n_dims, neox, t)
+
+
 def _corr_dim(n_dims, n_ctx_orig, n_rot, base):
     return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
 
-def rope(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None) -> np.ndarray:
+def rope(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray | None = None):
+    """x rotated by positions pos; into ``out`` (float32, x's shape, contiguous) when given, else a new array."""
     n_dims = p["n_dims"]
     f32 = np.float32
     theta_scale = f32(math.pow(p["freq_base"], -2.0 / n_dims))
@@ -76,6 +90,8 @@ def rope(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None) -> np.n
     rope_cache(np.ascontiguousarray(pos, dtype=np.int32), n_dims, theta_scale, f32(p["freq_scale"]), ffa,
                ff is not None, f32(p["ext_factor"]), f32(p["attn_factor"]), corr0, corr1, cos, sin)
     xc = np.ascontiguousarray(x, dtype=f32)
-    out = np.empty_like(xc)
-    rope_apply(xc, out, cos, sin, n_dims, p["mode"] == 2)
+    if out is None:
+        out = np.empty_like(xc)
+    apply = rope_apply if xc.size >= (1 << 15) else rope_apply_1
+    apply(xc, out, cos, sin, n_dims, p["mode"] == 2)
     return out

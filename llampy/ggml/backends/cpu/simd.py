@@ -376,3 +376,70 @@ def v16_reduce(typingctx, a):
             v = builder.fadd(lo, hi)
         return builder.extract_element(v, ir.Constant(_I32, 0))
     return types.float32(f16l), codegen
+
+
+AVX512F = "avx512f" in _FEATS
+
+
+def _c16(v):
+    return ir.Constant(_F16x, [float(v)] * 16)
+
+
+def _fma16(builder, a, b, c):
+    return _call(builder, "llvm.fma.v16f32", _F16x, [a, b, c])
+
+
+def _v_expf(builder, x):
+    """ggml_v_expf (AVX-512 form): 2^n * p(b) with n = round(x / ln 2), b the reduced argument in two fnmadd
+    steps, p a degree-5 polynomial in fmas, _mm512_scalef_ps; |n| > 192 gives +inf or 0. The constants and the
+    operation order are ggml's; without AVX-512 the scaling is a multiply by 2^n built from its bits (the same
+    value wherever the result is a normal float)."""
+    f = float.fromhex
+    r = _c16(f("0x1.8p23"))
+    z = _fma16(builder, x, _c16(f("0x1.715476p+0")), r)
+    n = builder.fsub(z, r)
+    negn = builder.fneg(n)
+    b = _fma16(builder, negn, _c16(f("0x1.7f7d1cp-20")), _fma16(builder, negn, _c16(f("0x1.62e4p-1")), x))
+    u = builder.fmul(b, b)
+    j = _fma16(builder,
+               _fma16(builder, _fma16(builder, _c16(f("0x1.0e4020p-7")), b, _c16(f("0x1.573e2ep-5"))), u,
+                      _fma16(builder, _c16(f("0x1.555e66p-3")), b, _c16(f("0x1.fffdb6p-2")))),
+               u, _fma16(builder, _c16(f("0x1.ffffecp-1")), b, _c16(1.0)))
+    if AVX512F:
+        res = _call(builder, "llvm.x86.avx512.mask.scalef.ps.512", _F16x,
+                    [j, n, ir.Constant(_F16x, None), ir.Constant(_I16, -1), ir.Constant(_I32, 4)])
+    else:
+        i16 = ir.VectorType(_I32, 16)
+        ni = builder.fptosi(n, i16)
+        lo, hi = ir.Constant(i16, [-126] * 16), ir.Constant(i16, [127] * 16)
+        nc = builder.select(builder.icmp_signed("<", ni, lo), lo, builder.select(builder.icmp_signed(">", ni, hi),
+                                                                                 hi, ni))
+        p2 = builder.bitcast(builder.shl(builder.add(nc, ir.Constant(i16, [127] * 16)), ir.Constant(i16, [23] * 16)),
+                             _F16x)
+        res = builder.fmul(j, p2)
+    absn = _call(builder, "llvm.fabs.v16f32", _F16x, [n])
+    big = builder.fcmp_ordered(">", absn, _c16(192.0))
+    alt = builder.select(builder.fcmp_ordered("<=", n, _c16(0.0)), _c16(0.0), _c16(float("inf")))
+    return builder.select(big, alt, res)
+
+
+@intrinsic
+def v16_silu(typingctx, x):
+    """ggml_v_silu: x / (1 + ggml_v_expf(-x)), sixteen lanes."""
+    if x != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        e = _v_expf(builder, builder.fneg(args[0]))
+        return builder.fdiv(args[0], builder.fadd(_c16(1.0), e))
+    return f16l(f16l), codegen
+
+
+@intrinsic
+def v16_mul(typingctx, a, b):
+    if a != f16l or b != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], args[1])
+    return f16l(f16l, f16l), codegen
