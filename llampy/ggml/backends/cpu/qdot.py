@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
+from .simd import f16_at, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -85,15 +85,15 @@ def _block(kind, tab, wr, b, xr, xdb, xsb, acc, summs):
     elif kind == K_Q4_1:           # unsigned nibbles
         o = b * 20
         lanes = dot_u4_s8(wr, o + 4, xr, xo, 0)
-        summs = fma32(_f16(tab, wr, o + 2), xsb, summs)
+        summs = fma32(f16_at(wr, o + 2), xsb, summs)
     elif kind == K_Q5_0:           # (nibble | qh bit << 4) - 16
         o = b * 22
         lanes = dot_u5_s8(wr, o + 6, _qh(wr, o + 2), xr, xo, 16)
     else:                          # Q5_1: unsigned 5-bit values
         o = b * 24
         lanes = dot_u5_s8(wr, o + 8, _qh(wr, o + 4), xr, xo, 0)
-        summs = fma32(_f16(tab, wr, o + 2), xsb, summs)
-    d = np.float32(_f16(tab, wr, o) * xdb)
+        summs = fma32(f16_at(wr, o + 2), xsb, summs)
+    d = np.float32(f16_at(wr, o) * xdb)
     return f8_fma(d, i8_to_f8(lanes), acc), summs
 
 

@@ -443,3 +443,12 @@ def v16_mul(typingctx, a, b):
     def codegen(context, builder, sig, args):
         return builder.fmul(args[0], args[1])
     return f16l(f16l, f16l), codegen
+
+
+@intrinsic
+def f16_at(typingctx, arr, off):
+    """The F16 value stored at byte ``off`` of a uint8 array, as float32 (one vcvtph2ps on F16C hardware; exact)."""
+    def codegen(context, builder, sig, args):
+        h = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _I16))
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), _F32)
+    return types.float32(arr, types.intp), codegen
