@@ -16,6 +16,8 @@ ggml's order, so kernels built from these stay bit-identical to llama.cpp.
 """
 from __future__ import annotations
 
+import os
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -80,8 +82,11 @@ def _host_features():
         return set()
 
 
-_FEATS = _host_features()
-VNNI = "avxvnni" in _FEATS or {"avx512vnni", "avx512vl"} <= _FEATS
+# LLAMPY_SIMD=generic|avx2 forces a lesser instruction path (the tests check that every path gives the same numbers;
+# use it with a fresh NUMBA_CACHE_DIR, since Numba's cache does not know about this switch)
+_FORCE = os.environ.get("LLAMPY_SIMD", "")
+_FEATS = _host_features() if _FORCE != "generic" else set()
+VNNI = _FORCE not in ("avx2", "generic") and ("avxvnni" in _FEATS or {"avx512vnni", "avx512vl"} <= _FEATS)
 AVX2 = "avx2" in _FEATS
 
 
@@ -378,7 +383,7 @@ def v16_reduce(typingctx, a):
     return types.float32(f16l), codegen
 
 
-AVX512F = "avx512f" in _FEATS
+AVX512F = _FORCE not in ("avx2", "generic") and "avx512f" in _FEATS
 
 
 def _c16(v):

@@ -1,0 +1,67 @@
+"""The SIMD layer's instruction paths (VNNI, AVX2, target-neutral IR; cpu/simd.py) give the same numbers: each
+kernel built on it runs in a fresh process with a lesser path forced (``LLAMPY_SIMD``) and a fresh Numba cache, and
+its results must equal this process's bit for bit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+SCRIPT = r'''
+import sys
+import numpy as np
+from llampy.ggml import quants
+from llampy.ggml.types import GGMLType as T
+from llampy.ggml.backends.cpu import qdot, act, attention
+from llampy.ggml.backends.cpu.act_quant import act_split
+from llampy.ggml.backends.cpu.kernels import alibi_slopes
+
+def run():
+    rng = np.random.default_rng(5)
+    res = {}
+    w32 = rng.standard_normal((13, 96)).astype(np.float32)
+    for name, vdt in (("q4_0", T.Q8_0), ("q4_1", T.Q8_1), ("q5_0", T.Q8_0), ("q5_1", T.Q8_1), ("q8_0", T.Q8_0)):
+        w = np.asarray(getattr(quants, "quantize_" + name)(w32)).reshape(13, -1)
+        for n in (1, 3):
+            x = (rng.standard_normal((n, 96)) * 4).astype(np.float32)
+            s = act_split(x, vdt)
+            out = np.empty((n, 13), np.float32)
+            getattr(qdot, "mv_" + name)(w, s.xq, s.xd, s.xs, out, qdot.F16_TABLE)
+            res[f"{name}_{n}"] = out
+    g = (rng.standard_normal((2, 40)) * 20).astype(np.float32)
+    u = rng.standard_normal((2, 40)).astype(np.float32)
+    o = np.empty_like(g)
+    act.swiglu_rows(g, u, o)
+    res["swiglu"] = o
+    q = rng.standard_normal((1, 4, 2, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 50, 64)).astype(np.float16).view(np.uint16)
+    v = rng.standard_normal((1, 2, 50, 64)).astype(np.float16).view(np.uint16)
+    m = np.zeros((1, 1, 2, 50), np.float32)
+    m[..., 40:] = -np.inf
+    fo = np.empty((1, 2, 4, 64), np.float32)
+    attention._fa_vec16(q, k, v, m, fo, np.float32(0.125), np.float32(0.0), alibi_slopes(4, 0.0, np.float32))
+    res["fa"] = fo
+    return res
+
+if __name__ == "__main__":
+    np.savez(sys.argv[1], **run())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["avx2", "generic"])
+def test_simd_paths_agree(path, tmp_path):
+    script = tmp_path / "simd_run.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, LLAMPY_SIMD=path, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, str(script), str(tmp_path / f"{path}.npz")], env=env, check=True, timeout=900)
+    here = {}
+    exec(compile(SCRIPT.split('if __name__')[0], "simd_run", "exec"), here)
+    want = here["run"]()
+    got = np.load(tmp_path / f"{path}.npz")
+    assert set(got.files) == set(want)
+    for key, arr in want.items():
+        assert np.array_equal(got[key], arr), key
