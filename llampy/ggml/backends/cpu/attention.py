@@ -168,6 +168,10 @@ def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes):
             out[i3, i1, h, j] = acc[j] * inv
 
 
+def fa_vec16_supported(d: int, dv: int) -> bool:
+    return d % 64 == 0 and dv % 16 == 0
+
+
 def use_tiled(k_type, v_type, n_q: int, dv: int) -> bool:
     """ggml's choice of its tiled path: F16/F32 K and V of one type, at least Q_TILE queries, dv a multiple of 16."""
     from ...types import GGMLType as T
@@ -186,7 +190,7 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     if not tiled and k_f16 and v_f16:
         m = mask if mask is not None else np.zeros((1, 1, 1, 0), np.float32)
         res = np.empty(out.shape, np.float32)
-        if q.shape[3] % 64 == 0 and v.shape[3] % 16 == 0:
+        if fa_vec16_supported(q.shape[3], v.shape[3]):
             _fa_vec16(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
                       np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes)
             out[...] = res

@@ -133,6 +133,10 @@ class CPUBackend(Backend):
                 return K.to_float(arr, t, np.float32), False
             return arr, False
 
+        fast = _fa_fast_path(node, qa, ka, va, dst, tiled)
+        if fast is not None:
+            return fast
+
         def run():
             kk, kf16 = kv(ka, k.type)
             vv, vf16 = kv(va, v.type)
@@ -151,3 +155,39 @@ class CPUBackend(Backend):
 
     def graph_compute(self, nodes: list[Tensor]) -> None:
         self.graph_plan_compute(self.graph_plan_create(nodes))
+
+
+def _rows_contiguous(a, itemsize) -> bool:
+    """The last axis contiguous and the one before it packed: what the vector kernels index directly."""
+    return a.strides[-1] == itemsize and (a.shape[-2] <= 1 or a.strides[-2] == itemsize * a.shape[-1])
+
+
+def _fa_fast_path(node, qa, ka, va, dst, tiled):
+    """Decode-sized flash attention over F16 K/V views of the cache, bound once: the kernel reads the cache views
+    and writes the destination in place (no copies of K, V or the result per call)."""
+    from .attention import fa_vec16_supported, _fa_vec16
+    q, k, v = node.src[:3]
+    p = node.op_params
+    if tiled or k.type != T.F16 or v.type != T.F16 or q.type != T.F32 or node.type != T.F32:
+        return None
+    if not fa_vec16_supported(k.ne[0], v.ne[0]) or not dst.flags.c_contiguous:
+        return None
+    if not (_rows_contiguous(ka, 2) and _rows_contiguous(va, 2) and qa.strides[-1] == 4):
+        return None
+    kk, vv = ka.view(np.uint16), va.view(np.uint16)
+    from .kernels import alibi_slopes
+    slopes = alibi_slopes(q.ne[2], p["max_bias"], np.float32)
+    softcap = p["softcap"]
+    sc = np.float32(p["scale"] / softcap) if softcap else np.float32(p["scale"])
+    cap = np.float32(softcap)
+    if p["has_mask"]:
+        ma, mtype = tensor_data(node.src[3]), node.src[3].type
+        if mtype == T.F16:
+            from .qdot import F16_TABLE
+            m16 = ma.view(np.uint16)[:, :, :q.ne[1]]     # the rows of the queries (the rest is padding)
+            return lambda: _fa_vec16(qa, kk, vv, F16_TABLE[m16], dst, sc, cap, slopes)
+        if mtype == T.F32:
+            return lambda: _fa_vec16(qa, kk, vv, ma, dst, sc, cap, slopes)
+        return None
+    nomask = np.zeros((1, 1, 1, 0), np.float32)
+    return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes)
