@@ -139,17 +139,23 @@ class ActScratch:
 _SCRATCH: dict = {}
 
 
+def scratch_for(n: int, k: int, vdt: GGMLType) -> ActScratch:
+    """The shared buffers for activations of this shape (one set per shape: calls run one after another)."""
+    key = (n, k, int(vdt))
+    scratch = _SCRATCH.get(key)
+    if scratch is None:
+        if len(_SCRATCH) > 64:
+            _SCRATCH.clear()
+        scratch = _SCRATCH[key] = ActScratch(n, k, vdt)
+    return scratch
+
+
 def act_split(x: np.ndarray, vdt: GGMLType, scratch: ActScratch | None = None) -> ActScratch:
     """x float32 [n, k] quantized to vdt (Q8_0, Q8_1 or Q8_K) in split form; buffers cached by shape when
     no scratch is given (the returned object is overwritten by the next call of the same shape)."""
     n, k = x.shape
     if scratch is None:
-        key = (n, k, int(vdt))
-        scratch = _SCRATCH.get(key)
-        if scratch is None:
-            if len(_SCRATCH) > 64:
-                _SCRATCH.clear()
-            scratch = _SCRATCH[key] = ActScratch(n, k, vdt)
+        scratch = scratch_for(n, k, vdt)
     if x.dtype != np.float32 or x.strides[1] != 4:
         x = np.ascontiguousarray(x, dtype=np.float32)
     if vdt == T.Q8_K:

@@ -91,6 +91,11 @@ class CPUBackend(Backend):
         r3 = b.ne[3] // a.ne[3]
         pairs = [(i13, i12) for i13 in range(b.ne[3]) for i12 in range(b.ne[2])]
         btype = b.type
+        if len(pairs) == 1 and btype == T.F32:
+            from .matmul import bind_mul_mat
+            fast = bind_mul_mat(wa[0, 0], wtype, xb[0, 0], dst[0, 0], lambda: self.exact_max_rows)
+            if fast is not None:
+                return fast
 
         def run():
             for i13, i12 in pairs:

@@ -137,12 +137,10 @@ def bind_rms_norm_mul(node, dst, srcs):
 def bind_rope(node, dst, srcs):
     if node.type != T.F32 or node.src[0].type != T.F32 or dst.strides[-1] != 4 or not dst.flags.c_contiguous:
         return None
-    from .rope import rope
-    x = srcs[0]
-    pos = srcs[1].reshape(-1)
+    from . import rope
     p = node.op_params
     ff = srcs[2].reshape(-1) if p.get("has_freq_factors") else None
-    return lambda: rope(x, pos, p, ff, dst)
+    return rope.bind(srcs[0], srcs[1].reshape(-1), p, ff, dst)
 
 
 BINDERS = {Op.SOFT_MAX: bind_soft_max, Op.GET_ROWS: bind_get_rows, Op.SET_ROWS: bind_set_rows,

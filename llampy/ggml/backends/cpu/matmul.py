@@ -83,6 +83,30 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     _mul_mat_fallback(w, wtype, x, out)
 
 
+def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, limit_fn):
+    """A plan's matrix product, bound once: when the integer path applies (a kernel for wtype, the batch within
+    ``limit_fn()``'s row limit, x and out float32 with contiguous rows), the call made on every run with its own
+    activation buffers, skipping ``mul_mat``'s checks and lookups; else None (the caller uses ``mul_mat``)."""
+    wtype = GGMLType(wtype)
+    n, k = x.shape
+    if not (wtype in _KERNELS or wtype == T.Q4_K) or n == 0 or w.shape[0] == 0:
+        return None
+    if x.dtype != np.float32 or x.strides[-1] != 4 or out.dtype != np.float32 or out.strides[-1] != 4:
+        return None
+    if out.shape != (n, w.shape[0]) or w.strides[-1] != 1:
+        return None
+    from .act_quant import scratch_for
+    scratch = scratch_for(n, k, TYPE_TRAITS[wtype].vec_dot_type)
+
+    def run():
+        limit = limit_fn()
+        if n <= (DECODE_MAX_ROWS if limit is None else limit):
+            _mul_mat_int(w, wtype, x, out, scratch)
+        else:
+            mul_mat(w, wtype, x, out, limit)
+    return run
+
+
 def _mul_mat_int(w, wtype, x, out, scratch):
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     s = act_split(x, vdt, scratch)

@@ -74,8 +74,9 @@ def _corr_dim(n_dims, n_ctx_orig, n_rot, base):
     return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
 
-def rope(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray | None = None):
-    """x rotated by positions pos; into ``out`` (float32, x's shape, contiguous) when given, else a new array."""
+def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray):
+    """The rotation of x by positions pos into out (float32, x's shape, contiguous), set up once: the constants
+    and the cos/sin buffers are made here, and the returned call only fills them and rotates."""
     n_dims = p["n_dims"]
     f32 = np.float32
     theta_scale = f32(math.pow(p["freq_base"], -2.0 / n_dims))
@@ -87,11 +88,23 @@ def rope(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     cos = np.empty((nt, n_dims // 2), f32)
     sin = np.empty((nt, n_dims // 2), f32)
     ffa = np.ascontiguousarray(ff, dtype=f32) if ff is not None else np.ones(1, f32)
-    rope_cache(np.ascontiguousarray(pos, dtype=np.int32), n_dims, theta_scale, f32(p["freq_scale"]), ffa,
-               ff is not None, f32(p["ext_factor"]), f32(p["attn_factor"]), corr0, corr1, cos, sin)
-    xc = np.ascontiguousarray(x, dtype=f32)
+    has_ff = ff is not None
+    freq_scale, ext, attn = f32(p["freq_scale"]), f32(p["ext_factor"]), f32(p["attn_factor"])
+    neox = p["mode"] == 2
+    apply = rope_apply if x.size >= (1 << 15) else rope_apply_1
+    direct = x.dtype == f32 and x.flags.c_contiguous
+
+    def run():
+        pi = pos if pos.dtype == np.int32 and pos.flags.c_contiguous else np.ascontiguousarray(pos, dtype=np.int32)
+        fa = ffa if not has_ff or ff is None else np.ascontiguousarray(ff, dtype=f32)
+        rope_cache(pi, n_dims, theta_scale, freq_scale, fa, has_ff, ext, attn, corr0, corr1, cos, sin)
+        apply(x if direct else np.ascontiguousarray(x, dtype=f32), out, cos, sin, n_dims, neox)
+    return run
+
+
+def rope(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray | None = None):
+    """x rotated by positions pos; into ``out`` (float32, x's shape, contiguous) when given, else a new array."""
     if out is None:
-        out = np.empty_like(xc)
-    apply = rope_apply if xc.size >= (1 << 15) else rope_apply_1
-    apply(xc, out, cos, sin, n_dims, p["mode"] == 2)
+        out = np.empty(x.shape, np.float32)
+    bind(x, pos, p, ff, out)()
     return out
