@@ -74,6 +74,20 @@ def _corr_dim(n_dims, n_ctx_orig, n_rot, base):
     return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
 
+_TRIG: dict = {}
+
+
+def _trig_buffers(nt: int, half: int):
+    """cos/sin buffers shared by every RoPE of this shape (calls run one after another, each fills them first)."""
+    key = (nt, half)
+    bufs = _TRIG.get(key)
+    if bufs is None:
+        if len(_TRIG) > 64:
+            _TRIG.clear()
+        bufs = _TRIG[key] = (np.empty((nt, half), np.float32), np.empty((nt, half), np.float32))
+    return bufs
+
+
 def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray):
     """The rotation of x by positions pos into out (float32, x's shape, contiguous), set up once: the constants
     and the cos/sin buffers are made here, and the returned call only fills them and rotates."""
@@ -85,8 +99,7 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
         corr0 = f32(max(0.0, math.floor(_corr_dim(n_dims, p["n_ctx_orig"], p["beta_fast"], p["freq_base"]))))
         corr1 = f32(min(n_dims - 1.0, math.ceil(_corr_dim(n_dims, p["n_ctx_orig"], p["beta_slow"], p["freq_base"]))))
     nt = len(pos)
-    cos = np.empty((nt, n_dims // 2), f32)
-    sin = np.empty((nt, n_dims // 2), f32)
+    cos, sin = _trig_buffers(nt, n_dims // 2)
     ffa = np.ascontiguousarray(ff, dtype=f32) if ff is not None else np.ones(1, f32)
     has_ff = ff is not None
     freq_scale, ext, attn = f32(p["freq_scale"]), f32(p["ext_factor"]), f32(p["attn_factor"])
