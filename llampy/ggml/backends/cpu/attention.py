@@ -14,7 +14,8 @@ from numba import njit, prange
 
 from .kernels import alibi_slopes
 from .qdot import F16_TABLE
-from .simd import fma32, v16_add, v16_fma, v16_load, v16_reduce, v16_round_f16, v16_scale, v16_store, v16_zero
+from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_load, v16_max, v16_reduce, v16_round_f16,
+                   v16_scale, v16_splat, v16_store, v16_sum, v16_zero)
 
 Q_TILE = 64
 
@@ -204,12 +205,73 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     if not tiled and q_dot_type is not None:
         from .act_quant import round_act
         q = round_act(np.ascontiguousarray(q.reshape(-1, q.shape[-1]), np.float32), q_dot_type).reshape(q.shape)
-    kf = F16_TABLE[k] if k_f16 else k.astype(np.float32)
-    vf = F16_TABLE[v] if v_f16 else v.astype(np.float32)
+    kf = _f16_to_f32(k) if k_f16 else k.astype(np.float32)
+    vf = _f16_to_f32(v) if v_f16 else v.astype(np.float32)
     _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes)
 
 
+def _f16_to_f32(a: np.ndarray) -> np.ndarray:
+    """F16 bits (uint16, any leading shape, rows contiguous) as float32, sixteen values per vcvtph2ps."""
+    if a.strides[-1] != 2 or a.shape[-1] % 16:
+        return F16_TABLE[a]
+    rows = a.reshape(-1, a.shape[-1]) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1, a.shape[-1])
+    out = np.empty(rows.shape, np.float32)
+    _f16_rows(rows, out)
+    return out.reshape(a.shape)
+
+
+@njit(cache=True, nogil=True)
+def _f16_rows(a, out):
+    for r in range(a.shape[0]):
+        ar, orow = a[r], out[r]
+        for j in range(0, a.shape[1], 16):
+            v16_store(orow, j, v16_load(ar, j))
+
+
 Q_CHUNK = 128   # queries per BLAS product: a causal mask hides the rest of the cache from each chunk
+
+
+@njit(cache=True, nogil=True)
+def _softmax_rows(s, m, slopes, qc, den):
+    """Row-wise exp(s + slope * mask - max) in place over s (rows, L) float32, row r belonging to head r // qc and
+    query r % qc (mask row r % qc, or no mask when m is empty); den[r] = the row's sum (1 for a fully masked row,
+    whose values become 0). The exponentials are ggml_v_expf in sixteen lanes."""
+    rows, L = s.shape
+    has_mask = m.shape[1] > 0
+    L16 = L - L % 16
+    for r in range(rows):
+        row = s[r]
+        vm = v16_splat(-np.inf)
+        if has_mask:
+            mrow = m[r % qc]
+            sl = slopes[r // qc]
+            for j in range(0, L16, 16):
+                v = v16_add(v16_load(row, j), v16_scale(v16_load(mrow, j), sl))
+                v16_store(row, j, v)
+                vm = v16_max(vm, v)
+            for j in range(L16, L):
+                row[j] = row[j] + sl * mrow[j]
+        else:
+            for j in range(0, L16, 16):
+                vm = v16_max(vm, v16_load(row, j))
+        mx = v16_hmax(vm)
+        for j in range(L16, L):
+            if row[j] > mx:
+                mx = row[j]
+        if mx == -np.inf:
+            row[:] = 0
+            den[r] = 1
+            continue
+        tot = np.float32(0.0)
+        for j in range(0, L16, 16):
+            e = v16_exp_shifted(v16_load(row, j), mx)
+            v16_store(row, j, e)
+            tot += v16_sum(e)
+        for j in range(L16, L):
+            e = np.float32(math.exp(row[j] - mx))
+            row[j] = e
+            tot += e
+        den[r] = tot
 
 
 def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
@@ -246,22 +308,17 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
             if softcap:
                 np.tanh(s, out=s)
                 s *= np.float32(softcap)
-            if mm is not None:
-                heads = np.arange(hk * rk, (hk + 1) * rk)
-                sl = slopes[heads]
-                mh = mm[heads % mm.shape[0]]                               # (rk, qc, L)
-                if np.all(sl == 1):
-                    s += mh
-                else:
-                    s += sl[:, None, None] * mh
-            mx = s.max(axis=-1, keepdims=True)
-            mx[mx == -np.inf] = 0
-            s -= mx
-            np.exp(s, out=s)
-            den = s.sum(axis=-1, keepdims=True)
-            den[den == 0] = 1
+            heads = np.arange(hk * rk, (hk + 1) * rk)
+            qc, L = s.shape[1], s.shape[2]
+            den = np.empty(rk * qc, np.float32)
+            if mm is None or mm.shape[0] == 1:
+                m2 = mm[0] if mm is not None else np.zeros((1, 0), np.float32)
+                _softmax_rows(s.reshape(rk * qc, L), m2, slopes[heads], qc, den)
+            else:                                                          # a mask per head
+                s += slopes[heads][:, None, None] * mm[heads % mm.shape[0]]
+                _softmax_rows(s.reshape(rk * qc, L), np.zeros((1, 0), np.float32), slopes[heads], qc, den)
             o = np.matmul(s, vv)
-            o /= den
+            o /= den.reshape(rk, qc, 1)
             out[i3, q0:q1, hk * rk:(hk + 1) * rk, :] = o.transpose(1, 0, 2)
 
     from . import matmul

@@ -123,7 +123,7 @@ class CPUBackend(Backend):
         return run
 
     def _bind_flash_attn(self, node, dst, srcs):
-        from .attention import flash_attn, use_tiled
+        from .attention import _f16_to_f32, flash_attn, use_tiled
         q, k, v = node.src[:3]
         tiled = use_tiled(k.type, v.type, q.ne[1], v.ne[0])
         vdt = TYPE_TRAITS[k.type].vec_dot_type
@@ -145,7 +145,12 @@ class CPUBackend(Backend):
         def run():
             kk, kf16 = kv(ka, k.type)
             vv, vf16 = kv(va, v.type)
-            mask = K.to_float(ma, node.src[3].type, np.float32) if ma is not None else None
+            if ma is None:
+                mask = None
+            elif node.src[3].type == T.F16:      # only the queries' rows (the rest is padding), vcvtph2ps
+                mask = _f16_to_f32(ma.view(np.uint16)[:, :, :q.ne[1]])
+            else:
+                mask = K.to_float(ma, node.src[3].type, np.float32)
             flash_attn(qa, kk, vv, mask, dst, p["scale"], p["max_bias"], p["softcap"], kf16, vf16, tiled, vdt)
         return run
 

@@ -457,3 +457,68 @@ def f16_at(typingctx, arr, off):
         h = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _I16))
         return builder.fpext(builder.bitcast(h, ir.HalfType()), _F32)
     return types.float32(arr, types.intp), codegen
+
+
+@intrinsic
+def v16_exp_shifted(typingctx, x, m):
+    """ggml_v_expf(x - m) per lane (m a float32 scalar): the softmax numerator."""
+    if x != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        mv = _splat16(builder, context.cast(builder, args[1], sig.args[1], types.float32))
+        return _v_expf(builder, builder.fsub(args[0], mv))
+    return f16l(f16l, m), codegen
+
+
+@intrinsic
+def v16_sum(typingctx, a):
+    """The sum of the sixteen lanes (pairwise halving; for float32 softmax sums where no ggml order applies)."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        for half in (8, 4, 2, 1):
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), [half + l for l in range(half)]))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+    return types.float32(f16l), codegen
+
+
+@intrinsic
+def v16_max(typingctx, a, b):
+    """Lane-wise maximum (llvm.maxnum)."""
+    if a != f16l or b != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.maxnum.v16f32", _F16x, [args[0], args[1]])
+    return f16l(f16l, f16l), codegen
+
+
+@intrinsic
+def v16_hmax(typingctx, a):
+    """The largest of the sixteen lanes."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        for half in (8, 4, 2, 1):
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), [half + l for l in range(half)]))
+            v = _call(builder, f"llvm.maxnum.v{half}f32" if half > 1 else "llvm.maxnum.f32",
+                      ir.VectorType(_F32, half) if half > 1 else _F32,
+                      [lo if half > 1 else builder.extract_element(lo, ir.Constant(_I32, 0)),
+                       hi if half > 1 else builder.extract_element(hi, ir.Constant(_I32, 0))])
+        return v
+    return types.float32(f16l), codegen
+
+
+@intrinsic
+def v16_splat(typingctx, s):
+    def codegen(context, builder, sig, args):
+        return _splat16(builder, context.cast(builder, args[0], sig.args[0], types.float32))
+    return f16l(s), codegen
