@@ -25,7 +25,7 @@ def run():
     w32 = rng.standard_normal((13, 96)).astype(np.float32)
     for name, vdt in (("q4_0", T.Q8_0), ("q4_1", T.Q8_1), ("q5_0", T.Q8_0), ("q5_1", T.Q8_1), ("q8_0", T.Q8_0)):
         w = np.asarray(getattr(quants, "quantize_" + name)(w32)).reshape(13, -1)
-        for n in (1, 3):
+        for n in (1, 3, 9):
             x = (rng.standard_normal((n, 96)) * 4).astype(np.float32)
             s = act_split(x, vdt)
             out = np.empty((n, 13), np.float32)

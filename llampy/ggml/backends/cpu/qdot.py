@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import f16_at, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
+from .simd import f16_at, f8_fma_lane, f8_fma_s, f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -98,6 +98,69 @@ def _block(kind, tab, wr, b, xr, xdb, xsb, acc, summs):
 
 
 @njit(cache=True, inline="always")
+def _row8(kind, wr, b, xq, i, xdb, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
+    """One block of one weight row against eight activation rows i..i+7: the block decoded once, the eight scales
+    d_w * d_x as one vector product, the eight mins (Q4_1, Q5_1) as one vector fma; each pair's lanes fma'd with
+    its own scale (lane k of the vector, broadcast) exactly as the one-pair form does."""
+    xo = b * 32
+    if kind == K_Q8_0:
+        o = b * 34
+        q = wbytes(wr, o + 2, 0, 4)
+    elif kind == K_Q4_0:
+        o = b * 18
+        q = wbytes(wr, o + 2, 0, 0)
+    elif kind == K_Q4_1:
+        o = b * 20
+        q = wbytes(wr, o + 4, 0, 1)
+        sv = f8_fma_s(f16_at(wr, o + 2), xsb, sv)
+    elif kind == K_Q5_0:
+        o = b * 22
+        q = wbytes(wr, o + 6, _qh(wr, o + 2), 2)
+    else:
+        o = b * 24
+        q = wbytes(wr, o + 8, _qh(wr, o + 4), 3)
+        sv = f8_fma_s(f16_at(wr, o + 2), xsb, sv)
+    sg = kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
+    dv = f8_scale(xdb, f16_at(wr, o))
+    if sg:
+        a0 = f8_fma_lane(dv, 0, i8_to_f8(wdot(q, xq[i], xo, True)), a0)
+        a1 = f8_fma_lane(dv, 1, i8_to_f8(wdot(q, xq[i + 1], xo, True)), a1)
+        a2 = f8_fma_lane(dv, 2, i8_to_f8(wdot(q, xq[i + 2], xo, True)), a2)
+        a3 = f8_fma_lane(dv, 3, i8_to_f8(wdot(q, xq[i + 3], xo, True)), a3)
+        a4 = f8_fma_lane(dv, 4, i8_to_f8(wdot(q, xq[i + 4], xo, True)), a4)
+        a5 = f8_fma_lane(dv, 5, i8_to_f8(wdot(q, xq[i + 5], xo, True)), a5)
+        a6 = f8_fma_lane(dv, 6, i8_to_f8(wdot(q, xq[i + 6], xo, True)), a6)
+        a7 = f8_fma_lane(dv, 7, i8_to_f8(wdot(q, xq[i + 7], xo, True)), a7)
+    else:
+        a0 = f8_fma_lane(dv, 0, i8_to_f8(wdot(q, xq[i], xo, False)), a0)
+        a1 = f8_fma_lane(dv, 1, i8_to_f8(wdot(q, xq[i + 1], xo, False)), a1)
+        a2 = f8_fma_lane(dv, 2, i8_to_f8(wdot(q, xq[i + 2], xo, False)), a2)
+        a3 = f8_fma_lane(dv, 3, i8_to_f8(wdot(q, xq[i + 3], xo, False)), a3)
+        a4 = f8_fma_lane(dv, 4, i8_to_f8(wdot(q, xq[i + 4], xo, False)), a4)
+        a5 = f8_fma_lane(dv, 5, i8_to_f8(wdot(q, xq[i + 5], xo, False)), a5)
+        a6 = f8_fma_lane(dv, 6, i8_to_f8(wdot(q, xq[i + 6], xo, False)), a6)
+        a7 = f8_fma_lane(dv, 7, i8_to_f8(wdot(q, xq[i + 7], xo, False)), a7)
+    return a0, a1, a2, a3, a4, a5, a6, a7, sv
+
+
+@njit(cache=True, inline="always")
+def _tile8(kind, wr, r, xq, xdT, xsT, i, nb, out):
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f8_zero()
+    sv = f8_zero()
+    for b in range(nb):
+        a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xq, i, f8_load(xdT[b], i), f8_load(xsT[b], i),
+                                                   a0, a1, a2, a3, a4, a5, a6, a7, sv)
+    out[i, r] = f8_hsum(a0) + f8_lane(sv, 0)
+    out[i + 1, r] = f8_hsum(a1) + f8_lane(sv, 1)
+    out[i + 2, r] = f8_hsum(a2) + f8_lane(sv, 2)
+    out[i + 3, r] = f8_hsum(a3) + f8_lane(sv, 3)
+    out[i + 4, r] = f8_hsum(a4) + f8_lane(sv, 4)
+    out[i + 5, r] = f8_hsum(a5) + f8_lane(sv, 5)
+    out[i + 6, r] = f8_hsum(a6) + f8_lane(sv, 6)
+    out[i + 7, r] = f8_hsum(a7) + f8_lane(sv, 7)
+
+
+@njit(cache=True, inline="always")
 def _mv_legacy(w, xq, xd, xs, out, tab, kind):
     """out[i, r] = dot(w[r], x[i]) for the 32-value formats. Four weight rows at a time: four independent fma
     chains keep the core busy while each waits on its previous block (one chain alone is latency-bound); with
@@ -110,15 +173,24 @@ def _mv_legacy(w, xq, xd, xs, out, tab, kind):
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
+    n8 = n - n % 8
+    xdT = np.ascontiguousarray(xd.T)      # (nb, n): the eight activations' scales of a block side by side
+    xsT = np.ascontiguousarray(xs.T)
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         r = c * ROW_CHUNK
+        if n8:                             # eight activation rows at a time (prompts, parallel decode)
+            for rr in range(r, r1):
+                prefetch_row(w, rr)
+                wr = w[rr]
+                for i in range(0, n8, 8):
+                    _tile8(kind, wr, rr, xq, xdT, xsT, i, nb, out)
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
             for p in range(4):
                 prefetch_row(w, r + p)   # rows r + 4 .. r + 7: the next quad
-            n2 = n - n % 2
-            for i in range(0, n2, 2):      # two activation rows: eight chains, each weight block decoded once
+            n2 = n8 + (n - n8) // 2 * 2
+            for i in range(n8, n2, 2):     # two activation rows: eight chains, each weight block decoded once
                 x0, x1 = xq[i], xq[i + 1]
                 a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
                 s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
@@ -159,7 +231,7 @@ def _mv_legacy(w, xq, xd, xs, out, tab, kind):
             r += 4
         while r < r1:
             wr = w[r]
-            for i in range(n):
+            for i in range(n8, n):
                 xr = xq[i]
                 a0 = f8_zero()
                 s0 = np.float32(0.0)

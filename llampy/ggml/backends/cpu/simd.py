@@ -522,3 +522,134 @@ def v16_splat(typingctx, s):
     def codegen(context, builder, sig, args):
         return _splat16(builder, context.cast(builder, args[0], sig.args[0], types.float32))
     return f16l(s), codegen
+
+
+@intrinsic
+def f8_load(typingctx, arr, i):
+    """arr[i:i+8] of a float32 array as eight lanes."""
+    if not isinstance(arr, types.Array) or arr.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], _F8))
+    return f8(arr, types.intp), codegen
+
+
+@intrinsic
+def f8_scale(typingctx, v, s):
+    """v * s per lane (s a float32 scalar, broadcast)."""
+    if v != f8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        sv = builder.insert_element(ir.Constant(_F8, None), context.cast(builder, args[1], sig.args[1], types.float32),
+                                    ir.Constant(_I32, 0))
+        sv = builder.shuffle_vector(sv, sv, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+        return builder.fmul(args[0], sv)
+    return f8(f8, s), codegen
+
+
+@intrinsic
+def f8_fma_s(typingctx, s, v, acc):
+    """s * v + acc per lane, rounded once (s a float32 scalar, broadcast; v, acc vectors)."""
+    if v != f8 or acc != f8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        sv = builder.insert_element(ir.Constant(_F8, None), context.cast(builder, args[0], sig.args[0], types.float32),
+                                    ir.Constant(_I32, 0))
+        sv = builder.shuffle_vector(sv, sv, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+        return _call(builder, "llvm.fma.v8f32", _F8, [sv, args[1], args[2]])
+    return f8(s, f8, f8), codegen
+
+
+@intrinsic
+def f8_fma_lane(typingctx, dv, k, v, acc):
+    """fma(lane k of dv broadcast, v, acc): the per-pair scale taken from a vector of eight scales (one vpermps)."""
+    if dv != f8 or v != f8 or acc != f8 or not isinstance(k, types.IntegerLiteral):
+        return None
+    lane = k.literal_value
+
+    def codegen(context, builder, sig, args):
+        sv = builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(_I32, 8), [lane] * 8))
+        return _call(builder, "llvm.fma.v8f32", _F8, [sv, args[2], args[3]])
+    return f8(f8, k, f8, f8), codegen
+
+
+@intrinsic
+def f8_lane(typingctx, v, k):
+    """Lane k (a literal) of v."""
+    if v != f8 or not isinstance(k, types.IntegerLiteral):
+        return None
+    lane = k.literal_value
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], ir.Constant(_I32, lane))
+    return types.float32(f8, k), codegen
+
+
+@intrinsic
+def nib32(typingctx, w, wo):
+    """16 bytes of nibbles at byte wo of w as 32 unsigned bytes (low nibbles, then high): a decoded Q4 block to
+    reuse against several activations (``udot``)."""
+    def codegen(context, builder, sig, args):
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16)))
+        return builder.bitcast(_nibbles32(builder, q), _I8x8)
+    return i8(w, types.intp), codegen
+
+
+@intrinsic
+def udot(typingctx, a, x, xo):
+    """Eight int32 lanes of four products: the 32 unsigned bytes held in ``a`` (an i32x8 from ``nib32``) times 32
+    int8 activations at byte xo of x."""
+    if a != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = _load(builder, _ptr(context, builder, sig.args[1], args[1], args[2], ir.VectorType(_I8, 32)))
+        return _udot(builder, builder.bitcast(args[0], ir.VectorType(_I8, 32)), b)
+    return i8(i8, x, types.intp), codegen
+
+
+@intrinsic
+def wbytes(typingctx, w, wo, qh, kind):
+    """The 32 values of one weight block as bytes (an i32x8 to reuse against several activations with ``wdot``):
+    kind 0 Q4_0 (nibbles - 8), 1 Q4_1 (nibbles), 2 Q5_0 (5-bit - 16), 3 Q5_1 (5-bit), 4 Q8_0 (int8 as stored);
+    ``qh`` the 32 high bits of the 5-bit formats (ignored otherwise)."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    kv = kind.literal_value
+
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+        if kv == 4:
+            return builder.bitcast(_load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32)), _I8x8)
+        a = _nibbles32(builder, _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1],
+                                                  ir.VectorType(_I8, 16))))
+        if kv in (2, 3):
+            w32 = ir.VectorType(_I32, 32)
+            h = _splat32(builder, context.cast(builder, args[2], sig.args[2], types.int32))
+            h = builder.lshr(h, ir.Constant(w32, list(range(32))))
+            h = builder.shl(builder.and_(h, ir.Constant(w32, [1] * 32)), ir.Constant(w32, [4] * 32))
+            a = builder.or_(a, builder.trunc(h, v32))
+        off = {0: 8, 1: 0, 2: 16, 3: 0}[kv]
+        if off:
+            a = builder.sub(a, ir.Constant(v32, [off] * 32))
+        return builder.bitcast(a, _I8x8)
+    return i8(w, types.intp, types.int64, kind), codegen
+
+
+@intrinsic
+def wdot(typingctx, a, x, xo, signed):
+    """Eight int32 lanes of four products: the 32 weight bytes in ``a`` (from ``wbytes``; signed a literal bool:
+    int8 values, else unsigned) times 32 int8 activations at byte xo of x."""
+    if a != i8 or not isinstance(signed, types.BooleanLiteral):
+        return None
+    sg = signed.literal_value
+
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+        b = _load(builder, _ptr(context, builder, sig.args[1], args[1], args[2], v32))
+        av = builder.bitcast(args[0], v32)
+        return _sdot(builder, av, b) if sg else _udot(builder, av, b)
+    return i8(i8, x, types.intp, signed), codegen
