@@ -299,11 +299,19 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
                 items.append((i3, q0, q1, hk, lo, hi, mm))
 
     def work(chunk):
+        # one score and one output buffer per worker, reused item after item (fresh arrays of this size are
+        # mmap'd, page-faulted and unmapped each time: that was a fifth of the attention's time)
+        big = max((rk * (q1 - q0) * (hi - lo) for _, q0, q1, _, lo, hi, _ in chunk), default=0)
+        sbuf = np.empty(big, np.float32)
+        obuf = np.empty(rk * Q_CHUNK * vf.shape[-1], np.float32)
         for i3, q0, q1, hk, lo, hi, mm in chunk:
             qh = q[i3, hk * rk:(hk + 1) * rk, q0:q1]                       # (rk, qc, d)
             kk = kf[i3 % kf.shape[0], hk, lo:hi]                           # (L, d)
             vv = vf[i3 % vf.shape[0], hk, lo:hi]                           # (L, dv)
-            s = np.matmul(qh, kk.T)                                        # (rk, qc, L)
+            # the group's heads stacked into one product: (rk * qc, d) x (d, L)
+            qs = np.ascontiguousarray(qh).reshape(rk * (q1 - q0), qh.shape[-1])
+            s = np.matmul(qs, kk.T, out=sbuf[:rk * (q1 - q0) * (hi - lo)].reshape(rk * (q1 - q0), hi - lo))
+            s = s.reshape(rk, q1 - q0, hi - lo)
             s *= sc
             if softcap:
                 np.tanh(s, out=s)
@@ -317,8 +325,9 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
             else:                                                          # a mask per head
                 s += slopes[heads][:, None, None] * mm[heads % mm.shape[0]]
                 _softmax_rows(s.reshape(rk * qc, L), np.zeros((1, 0), np.float32), slopes[heads], qc, den)
-            o = np.matmul(s, vv)
-            o /= den.reshape(rk, qc, 1)
+            o = np.matmul(s.reshape(rk * qc, L), vv, out=obuf[:rk * qc * vv.shape[1]].reshape(rk * qc, vv.shape[1]))
+            o /= den.reshape(rk * qc, 1)
+            o = o.reshape(rk, qc, vv.shape[1])
             out[i3, q0:q1, hk * rk:(hk + 1) * rk, :] = o.transpose(1, 0, 2)
 
     from . import matmul
