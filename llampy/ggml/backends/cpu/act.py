@@ -8,7 +8,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .simd import v16_load, v16_mul, v16_silu, v16_store
+from .simd import f16_bits, v16_load, v16_mul, v16_silu, v16_store
 
 _R = np.float32(float.fromhex("0x1.8p23"))
 _LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
@@ -106,3 +106,20 @@ def gelu_f32(x: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         v = gelu_table()[x.astype(np.float16).view(np.uint16)]
     return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, v)).astype(np.float32)
+
+
+@njit(cache=True)
+def geglu_rows(g, u, table, out):
+    """out = gelu(g) * u, row by row: ggml_vec_geglu_f32 with GGML_GELU_FP16, i.e. 0 for g <= -10, g * u for
+    g >= 10, else the F16 GELU table at g's F16 value (``table``: ``gelu_table()``) times u."""
+    rows, n = g.shape
+    for r in range(rows):
+        gr, ur, orow = g[r], u[r], out[r]
+        for i in range(n):
+            x = gr[i]
+            if x <= np.float32(-10.0):
+                orow[i] = np.float32(0.0)
+            elif x >= np.float32(10.0):
+                orow[i] = x * ur[i]
+            else:
+                orow[i] = table[f16_bits(x)] * ur[i]

@@ -106,7 +106,7 @@ def _rows2d(a):
 
 
 def bind_glu(node, dst, srcs):
-    if node.op is not Op.SWIGLU or len(srcs) != 2 or node.type != T.F32 or \
+    if node.op not in (Op.SWIGLU, Op.GEGLU) or len(srcs) != 2 or node.type != T.F32 or \
             node.src[0].type != T.F32 or node.src[1].type != T.F32 or node.src[0].ne != node.src[1].ne:
         return None
     g, u, d = _rows2d(srcs[0]), _rows2d(srcs[1]), _rows2d(dst)
@@ -114,6 +114,10 @@ def bind_glu(node, dst, srcs):
         return None
     if node.op_params.get("swapped"):
         g, u = u, g
+    if node.op is Op.GEGLU:
+        from .act import geglu_rows, gelu_table
+        table = gelu_table()
+        return lambda: geglu_rows(g, u, table, d)
     from .act import swiglu_rows
     return lambda: swiglu_rows(g, u, d)
 
@@ -144,5 +148,5 @@ def bind_rope(node, dst, srcs):
 
 
 BINDERS = {Op.SOFT_MAX: bind_soft_max, Op.GET_ROWS: bind_get_rows, Op.SET_ROWS: bind_set_rows,
-           Op.SWIGLU: bind_glu, Op.RMS_NORM_MUL: bind_rms_norm_mul, Op.ROPE: bind_rope,
+           Op.SWIGLU: bind_glu, Op.GEGLU: bind_glu, Op.RMS_NORM_MUL: bind_rms_norm_mul, Op.ROPE: bind_rope,
            **{op: bind_binary for op in _BIN}}

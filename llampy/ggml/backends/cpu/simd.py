@@ -653,3 +653,13 @@ def wdot(typingctx, a, x, xo, signed):
         av = builder.bitcast(args[0], v32)
         return _sdot(builder, av, b) if sg else _udot(builder, av, b)
     return i8(i8, x, types.intp, signed), codegen
+
+
+@intrinsic
+def f16_bits(typingctx, x):
+    """The F16 bit pattern of float32 x rounded to nearest even (vcvtps2ph), as an int32 in 0..65535."""
+    def codegen(context, builder, sig, args):
+        xv = context.cast(builder, args[0], sig.args[0], types.float32)
+        h = builder.bitcast(builder.fptrunc(xv, ir.HalfType()), _I16)
+        return builder.zext(h, _I32)
+    return types.int32(x), codegen
