@@ -104,8 +104,10 @@ def test_disconnect_frees_the_slot(server_url):
             "prompt": "Tell me a very long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
-                break               # one token arrived: the slot is busy; now hang up
-        assert metric(server_url, "requests_processing") == 1
+                # one token arrived: the slot is busy (checked while the stream is still being read: leaving the
+                # loop closes httpx's line iterator and with it the connection); now hang up
+                assert metric(server_url, "requests_processing") == 1
+                break
     # 400 tokens would take far longer than this; the slot must be free again within a few steps
     assert wait_metric(server_url, "requests_processing", 0, timeout=10) == 0
     assert metric(server_url, "requests_cancelled_total") == cancelled0 + 1
