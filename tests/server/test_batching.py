@@ -73,13 +73,13 @@ def test_late_request_starts_while_others_generate(server_url):
     order = []
 
     def long():
-        native(server_url, "Once upon a time", 60, ignore_eos=True)
+        native(server_url, "Once upon a time", 400, ignore_eos=True)
         order.append("long")
         long_done.set()
 
     t = threading.Thread(target=long)
     t.start()
-    time.sleep(1.0)                 # the long request is generating by now
+    wait_metric(server_url, "requests_processing", 1)     # the long request holds a slot: it is generating
     assert not long_done.is_set()
     out = native(server_url, "The capital of France is", 3)
     order.append("short")
