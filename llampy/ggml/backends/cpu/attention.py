@@ -108,7 +108,7 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
             out[i3, i1, h, j] = acc[j] * inv
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes):
     """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0, in sixteen-lane vectors as ggml's AVX-512
     build runs it: ggml_vec_dot_f16 (four accumulators over each 64 elements, GGML_F32x16_REDUCE), and the F16

@@ -242,27 +242,27 @@ def _mv_legacy(w, xq, xd, xs, out, tab, kind):
 
 
 # ggml's Q8_0/Q4_0/Q5_0 have no min: their summs stays 0 and ``hsum + 0`` is the hsum itself
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def mv_q8_0(w, xq, xd, xs, out, tab):
     _mv_legacy(w, xq, xd, xs, out, tab, K_Q8_0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def mv_q4_0(w, xq, xd, xs, out, tab):
     _mv_legacy(w, xq, xd, xs, out, tab, K_Q4_0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def mv_q4_1(w, xq, xd, xs, out, tab):
     _mv_legacy(w, xq, xd, xs, out, tab, K_Q4_1)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def mv_q5_0(w, xq, xd, xs, out, tab):
     _mv_legacy(w, xq, xd, xs, out, tab, K_Q5_0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def mv_q5_1(w, xq, xd, xs, out, tab):
     _mv_legacy(w, xq, xd, xs, out, tab, K_Q5_1)
 
