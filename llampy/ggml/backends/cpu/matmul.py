@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
-from . import qdot, qdot_k
+from . import qdot, qdot_k, qdot_kx
 from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
 from .qdot import F16_TABLE
 
@@ -114,7 +114,7 @@ def _mul_mat_int(w, wtype, x, out, scratch):
     if wtype == T.Q4_K:
         n = x.shape[0]
         if w.shape[0] % 8 == 0:   # llama.cpp repacks these rows (8x8) and runs its gemv/gemm forms
-            qdot_k.mv_q4_k_x8(w, s.xq, s.xd, s.xs, res, F16_TABLE, n - n % 4 if n >= 4 else 0)
+            qdot_kx.mv_q4_k_x8(w, s.xq, s.xd, s.xs, res, F16_TABLE, n - n % 4 if n >= 4 else 0)
         else:
             qdot_k.mv_q4_k(w, s.xq, s.xd, s.xs, res, F16_TABLE)
     else:

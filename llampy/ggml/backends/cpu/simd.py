@@ -663,3 +663,45 @@ def f16_bits(typingctx, x):
         h = builder.bitcast(builder.fptrunc(xv, ir.HalfType()), _I16)
         return builder.zext(h, _I32)
     return types.int32(x), codegen
+
+
+@intrinsic
+def q4k_pair(typingctx, w, wo, x, xo, sc_lo, sc_hi):
+    """One 64-element span of a Q4_K super-block: the 32 bytes at byte wo of w hold sub-block 2j in their low
+    nibbles and 2j+1 in their high nibbles; against the 64 int8 activations at byte xo of x, the eight int32 lanes
+    sc_lo * (low-nibble products) + sc_hi * (high-nibble products), each lane four products of each (exact)."""
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32))
+        lo = builder.and_(q, ir.Constant(v32, [15] * 32))
+        hi = builder.lshr(q, ir.Constant(v32, [4] * 32))
+        xa = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], v32))
+        xb = _load(builder, _ptr(context, builder, sig.args[2], args[2], builder.add(args[3], ir.Constant(
+            args[3].type, 32)), v32))
+        sl = _splat8i(builder, context.cast(builder, args[4], sig.args[4], types.int32))
+        sh = _splat8i(builder, context.cast(builder, args[5], sig.args[5], types.int32))
+        return builder.add(builder.mul(_udot(builder, lo, xa), sl), builder.mul(_udot(builder, hi, xb), sh))
+    return i8(w, types.intp, x, types.intp, sc_lo, sc_hi), codegen
+
+
+def _splat8i(builder, s):
+    v = builder.insert_element(ir.Constant(_I8x8, None), s, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+
+
+@intrinsic
+def i8_hsum(typingctx, v):
+    """The sum of the eight int32 lanes (exact: the callers' sums stay within int32)."""
+    if v != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [args[0]])
+    return types.int32(i8), codegen
+
+
+@intrinsic
+def i8_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_I8x8, [0] * 8)
+    return i8(), codegen
