@@ -1,6 +1,6 @@
-"""The SIMD Q4_K kernel (cpu/qdot_kx.py) against the scalar transliteration of llama.cpp's repacked 8x8 forms
-(cpu/qdot_k.py): the same bits for every batch size (gemv rows and gemm groups of four), on random weights and
-on a real Gemma 3 tensor."""
+"""The SIMD k-quant kernels (cpu/qdot_kx.py) against the scalar transliterations of llama.cpp's x86 forms
+(cpu/qdot_k.py): Q4_K's repacked 8x8 gemv/gemm (every batch size: gemv rows and gemm groups of four) and Q6_K's
+AVX2 vec_dot give the same bits, on random weights and on a real Gemma 3 tensor."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,3 +46,19 @@ def test_q4_k_simd_on_gemma3(gemma3_path):
     for n in (1, 4, 6):
         got, want = both(w, (rng.standard_normal((n, info.ne[0])) * 2).astype(np.float32))
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("rows,k", [(8, 256), (40, 1024), (24, 768)])
+def test_q6_k_simd_equals_scalar(rows, k):
+    from llampy.ggml.quants_k import quantize_q6_k
+    rng = np.random.default_rng(rows * k)
+    w = np.asarray(quantize_q6_k(rng.standard_normal((rows, k)).astype(np.float32))).reshape(rows, -1)
+    for n in (1, 2, 5):
+        x = (rng.standard_normal((n, k)) * 3).astype(np.float32)
+        x[0, :4] = [60, -60, 1e-3, 0]
+        s = act_split(x, T.Q8_K)
+        want = np.empty((n, rows), np.float32)
+        got = np.empty_like(want)
+        qdot_k.mv_q6_k(w, s.xq, s.xd, s.xs, want, F16_TABLE)
+        qdot_kx.mv_q6_k(w, s.xq, s.xd, s.xs, got, F16_TABLE)
+        assert np.array_equal(got, want), n

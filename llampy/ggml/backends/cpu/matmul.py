@@ -44,7 +44,7 @@ SUPPORTED_DIRECT: frozenset = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T
 
 # integer kernels: weight type -> kernel(w, xq, xd, xs, out, tab)
 _KERNELS = {T.Q8_0: qdot.mv_q8_0, T.Q4_0: qdot.mv_q4_0, T.Q4_1: qdot.mv_q4_1, T.Q5_0: qdot.mv_q5_0,
-            T.Q5_1: qdot.mv_q5_1, T.Q5_K: qdot_k.mv_q5_k, T.Q6_K: qdot_k.mv_q6_k}
+            T.Q5_1: qdot.mv_q5_1, T.Q5_K: qdot_k.mv_q5_k, T.Q6_K: qdot_kx.mv_q6_k}
 _DQ_LEGACY = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4}
 _DQ_K = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 

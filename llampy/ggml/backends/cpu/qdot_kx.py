@@ -13,7 +13,8 @@ from numba import njit, prange
 
 from .qdot import ROW_CHUNK, prefetch_row
 from .qdot_k import _scale_min
-from .simd import f16_at, fma32, i8_add, i8_hsum, i8_zero, q4k_pair
+from .simd import (f8_fma, f8_hsum, f8_zero, f16_at, fma32, i8_add, i8_hsum, i8_scale2, i8_sub, i8_to_f8, i8_zero,
+                   q4k_pair, q6k_group, q6k_offset)
 
 
 @njit(cache=True, inline="always")
@@ -109,3 +110,42 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
                     acc = fma32(np.float32(isum), np.float32(f16_at(row, o) * xd[i, b]), acc)
                     accm = fma32(np.float32(imin), np.float32(f16_at(row, o + 2) * xd[i, b]), accm)
                 out[i, r] = np.float32(acc - accm)
+
+
+# ggml_vec_dot_q6_K_q8_K (AVX2 form; x86 does not repack Q6_K): per super-block eight int32 lanes, lane l the
+# four products of elements 4l..4l+3 of every 32-value group times the group half's scale, minus ggml's q8sclsub
+# (the -32 offset through the block sums); acc = fma(d_x * d_w, lanes, acc); out = hsum_float_8(acc).
+@njit(cache=True, inline="always")
+def _q6k_half(row, o, h, xr, xo, sumi):
+    ql = o + 64 * h
+    qh = o + 128 + 32 * h
+    so = o + 192 + 8 * h
+    sumi = i8_add(sumi, i8_scale2(q6k_group(row, ql, qh, 0, xr, xo), np.int8(row[so]), np.int8(row[so + 1])))
+    sumi = i8_add(sumi, i8_scale2(q6k_group(row, ql, qh, 1, xr, xo + 32), np.int8(row[so + 2]), np.int8(row[so + 3])))
+    sumi = i8_add(sumi, i8_scale2(q6k_group(row, ql, qh, 2, xr, xo + 64), np.int8(row[so + 4]), np.int8(row[so + 5])))
+    sumi = i8_add(sumi, i8_scale2(q6k_group(row, ql, qh, 3, xr, xo + 96), np.int8(row[so + 6]), np.int8(row[so + 7])))
+    return sumi
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mv_q6_k(w, xq, xd, bsums, out, tab):
+    """Same arguments and results as qdot_k.mv_q6_k (``tab`` unused)."""
+    rows = w.shape[0]
+    n = xq.shape[0]
+    nb = xq.shape[1] // 256
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        for r in range(c * ROW_CHUNK, min(rows, (c + 1) * ROW_CHUNK)):
+            row = w[r]
+            prefetch_row(w, r)
+            for i in range(n):
+                xr = xq[i]
+                bs = bsums[i]
+                acc = f8_zero()
+                for b in range(nb):
+                    o = b * 210
+                    d = np.float32(xd[i, b] * f16_at(row, o + 208))
+                    sumi = _q6k_half(row, o, 0, xr, b * 256, i8_zero())
+                    sumi = _q6k_half(row, o, 1, xr, b * 256 + 128, sumi)
+                    sumi = i8_sub(sumi, q6k_offset(row, o + 192, bs, b * 16))
+                    acc = f8_fma(d, i8_to_f8(sumi), acc)
+                out[i, r] = f8_hsum(acc)

@@ -705,3 +705,67 @@ def i8_zero(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_I8x8, [0] * 8)
     return i8(), codegen
+
+
+@intrinsic
+def q6k_group(typingctx, w, ql, qh, g, x, xo):
+    """One 32-value group of a Q6_K half-block (ggml_vec_dot_q6_K_q8_K's q4_0..q4_3): the unsigned 6-bit values
+    built from the low/high nibbles at byte ql (+32 for groups 1 and 3) and bit pair g of the 32 bytes at qh, times
+    the 32 int8 activations at byte xo of x: eight int32 lanes of four products."""
+    if not isinstance(g, types.IntegerLiteral):
+        return None
+    gv = g.literal_value
+
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+        qo = args[1] if gv in (0, 2) else builder.add(args[1], ir.Constant(args[1].type, 32))
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], qo, v32))
+        h = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[2], v32))
+        lo = builder.and_(q, ir.Constant(v32, [15] * 32)) if gv < 2 else builder.lshr(q, ir.Constant(v32, [4] * 32))
+        hb = builder.and_(builder.lshr(h, ir.Constant(v32, [2 * gv] * 32)), ir.Constant(v32, [3] * 32))
+        a = builder.or_(lo, builder.shl(hb, ir.Constant(v32, [4] * 32)))
+        b = _load(builder, _ptr(context, builder, sig.args[4], args[4], args[5], v32))
+        return _udot(builder, a, b)
+    return i8(w, types.intp, types.intp, g, x, types.intp), codegen
+
+
+@intrinsic
+def i8_scale2(typingctx, v, sa, sb):
+    """Lanes 0..3 of v times sa, lanes 4..7 times sb (int32)."""
+    if v != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.int32)
+        b = context.cast(builder, args[2], sig.args[2], types.int32)
+        s = ir.Constant(_I8x8, None)
+        for l in range(8):
+            s = builder.insert_element(s, a if l < 4 else b, ir.Constant(_I32, l))
+        return builder.mul(args[0], s)
+    return i8(i8, sa, sb), codegen
+
+
+@intrinsic
+def q6k_offset(typingctx, w, so, bs, bo):
+    """ggml's q8sclsub for one Q6_K super-block: lane l = 32 * (bsums[2l] * sc[2l] + bsums[2l+1] * sc[2l+1]) with
+    sc the 16 int8 scales at byte so of w and bsums the 16 int16 activation block sums at element bo of bs."""
+    def codegen(context, builder, sig, args):
+        i16x16 = ir.VectorType(_I16, 16)
+        w32x16 = ir.VectorType(_I32, 16)
+        sc = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16)))
+        bsv = _load(builder, _elem_ptr(context, builder, sig.args[2], args[2], args[3], i16x16))
+        p = builder.mul(builder.sext(sc, w32x16), builder.sext(bsv, w32x16))
+        ev = builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, 8), [2 * l for l in range(8)]))
+        od = builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, 8), [2 * l + 1 for l in range(8)]))
+        return builder.shl(builder.add(ev, od), ir.Constant(_I8x8, [5] * 8))
+    return i8(w, types.intp, bs, types.intp), codegen
+
+
+@intrinsic
+def i8_sub(typingctx, a, b):
+    if a != i8 or b != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sub(args[0], args[1])
+    return i8(i8, i8), codegen
