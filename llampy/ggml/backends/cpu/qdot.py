@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import f16_at, f8_fma_lane, f8_fma_s, f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
+from .simd import UNSIGNED_OFFSET, wdot_off, f16_at, f8_fma_lane, f8_fma_s, f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -97,6 +97,44 @@ def _block(kind, tab, wr, b, xr, xdb, xsb, acc, summs):
     return f8_fma(d, i8_to_f8(lanes), acc), summs
 
 
+@njit(cache=True)
+def lane_sums(xq, off, out):
+    """out[i, 8b + l] = off * (the sum of activations 32b + 4l .. 32b + 4l + 3 of row i): what the unsigned-offset
+    form of the signed formats subtracts (simd.UNSIGNED_OFFSET)."""
+    n, k = xq.shape
+    for i in range(n):
+        for g in range(k // 4):
+            o = 4 * g
+            out[i, g] = off * (np.int32(xq[i, o]) + np.int32(xq[i, o + 1]) + np.int32(xq[i, o + 2]) +
+                               np.int32(xq[i, o + 3]))
+
+
+@njit(cache=True, inline="always")
+def _row8_off(kind, wr, b, xq, i, xdb, xls, a0, a1, a2, a3, a4, a5, a6, a7):
+    """``_row8`` for the signed formats (Q4_0, Q5_0, Q8_0) in the unsigned-offset form: the same integer lanes."""
+    xo = b * 32
+    so = b * 8
+    if kind == K_Q8_0:
+        o = b * 34
+        q = wbytes(wr, o + 2, 0, 5)
+    elif kind == K_Q4_0:
+        o = b * 18
+        q = wbytes(wr, o + 2, 0, 1)
+    else:
+        o = b * 22
+        q = wbytes(wr, o + 6, _qh(wr, o + 2), 3)
+    dv = f8_scale(xdb, f16_at(wr, o))
+    a0 = f8_fma_lane(dv, 0, i8_to_f8(wdot_off(q, xq[i], xo, xls[i], so)), a0)
+    a1 = f8_fma_lane(dv, 1, i8_to_f8(wdot_off(q, xq[i + 1], xo, xls[i + 1], so)), a1)
+    a2 = f8_fma_lane(dv, 2, i8_to_f8(wdot_off(q, xq[i + 2], xo, xls[i + 2], so)), a2)
+    a3 = f8_fma_lane(dv, 3, i8_to_f8(wdot_off(q, xq[i + 3], xo, xls[i + 3], so)), a3)
+    a4 = f8_fma_lane(dv, 4, i8_to_f8(wdot_off(q, xq[i + 4], xo, xls[i + 4], so)), a4)
+    a5 = f8_fma_lane(dv, 5, i8_to_f8(wdot_off(q, xq[i + 5], xo, xls[i + 5], so)), a5)
+    a6 = f8_fma_lane(dv, 6, i8_to_f8(wdot_off(q, xq[i + 6], xo, xls[i + 6], so)), a6)
+    a7 = f8_fma_lane(dv, 7, i8_to_f8(wdot_off(q, xq[i + 7], xo, xls[i + 7], so)), a7)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
 @njit(cache=True, inline="always")
 def _row8(kind, wr, b, xq, i, xdb, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
     """One block of one weight row against eight activation rows i..i+7: the block decoded once, the eight scales
@@ -144,12 +182,17 @@ def _row8(kind, wr, b, xq, i, xdb, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
 
 
 @njit(cache=True, inline="always")
-def _tile8(kind, wr, r, xq, xdT, xsT, i, nb, out):
+def _tile8(kind, wr, r, xq, xdT, xsT, xls, i, nb, out):
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f8_zero()
     sv = f8_zero()
+    signed = kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
     for b in range(nb):
-        a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xq, i, f8_load(xdT[b], i), f8_load(xsT[b], i),
-                                                   a0, a1, a2, a3, a4, a5, a6, a7, sv)
+        if signed and UNSIGNED_OFFSET:
+            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xq, i, f8_load(xdT[b], i), xls,
+                                                       a0, a1, a2, a3, a4, a5, a6, a7)
+        else:
+            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xq, i, f8_load(xdT[b], i), f8_load(xsT[b], i),
+                                                       a0, a1, a2, a3, a4, a5, a6, a7, sv)
     out[i, r] = f8_hsum(a0) + f8_lane(sv, 0)
     out[i + 1, r] = f8_hsum(a1) + f8_lane(sv, 1)
     out[i + 2, r] = f8_hsum(a2) + f8_lane(sv, 2)
@@ -176,6 +219,12 @@ def _mv_legacy(w, xq, xd, xs, out, tab, kind):
     n8 = n - n % 8
     xdT = np.ascontiguousarray(xd.T)      # (nb, n): the eight activations' scales of a block side by side
     xsT = np.ascontiguousarray(xs.T)
+    signed = kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
+    if n8 and signed and UNSIGNED_OFFSET:
+        xls = np.empty((n, k // 4), np.int32)
+        lane_sums(xq, 128 if kind == K_Q8_0 else (8 if kind == K_Q4_0 else 16), xls)
+    else:
+        xls = np.empty((1, 0), np.int32)
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         r = c * ROW_CHUNK
@@ -184,7 +233,7 @@ def _mv_legacy(w, xq, xd, xs, out, tab, kind):
                 prefetch_row(w, rr)
                 wr = w[rr]
                 for i in range(0, n8, 8):
-                    _tile8(kind, wr, rr, xq, xdT, xsT, i, nb, out)
+                    _tile8(kind, wr, rr, xq, xdT, xsT, xls, i, nb, out)
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
             for p in range(4):
