@@ -250,6 +250,7 @@ class Context:
             used = int(z["used"][0])
             self.kv.pos[:] = z["pos"]
             self.kv.seq[:] = z["seq"]
+            self.kv.head = 0
             for il, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
                 tensor_data(k)[..., :used, :] = z[f"k{il}"]
                 tensor_data(v)[..., :used, :] = z[f"v{il}"]

@@ -33,6 +33,7 @@ class KVCache:
         for t, d in ((self.type_k, hp.n_embd_head_k), (self.type_v, hp.n_embd_head_v)):
             row_size(t, d)  # raises if the head size is not whole blocks of the cache type
         self.pos = np.full(self.size, -1, dtype=np.int32)        # -1: empty
+        self.head = 0                                             # where find_slot starts looking
         self.seq = np.zeros((self.size, self.n_seq_max), dtype=bool)
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
@@ -76,18 +77,32 @@ class KVCache:
         return min(self.size, (n + KV_PAD - 1) // KV_PAD * KV_PAD)
 
     def find_slot(self, n_tokens: int) -> np.ndarray:
-        """Cell indices for n new tokens: the first empty cells. Raises CacheFull if there are not enough."""
+        """Cell indices for n new tokens, as llama.cpp's llama_kv_cache::find_slot picks them: the empty cells met
+        scanning from ``head`` (the cell after the previous batch's last, or the lowest one a removal freed), wrapping
+        to cell 0; the scan starts at 0 when head is beyond used + 2 n. Raises CacheFull if there are not enough.
+        (Where cells land decides the order flash attention sums them in, so this is part of matching llama.cpp
+        when several sequences share the cache.)"""
         free = np.flatnonzero(self.pos < 0)
         if len(free) < n_tokens:
             raise CacheFull(f"the KV cache is full: {n_tokens} new tokens need cells but only {len(free)} of "
                             f"{self.size} are free (raise n_ctx, or remove sequences with seq_rm)")
-        return free[:n_tokens].astype(np.int64)
+        head = self.head if self.head <= (self.size - len(free)) + 2 * n_tokens else 0
+        order = np.concatenate([free[free >= head], free[free < head]])
+        return order[:n_tokens].astype(np.int64)
 
     def apply(self, idxs: np.ndarray, pos: np.ndarray, seq_ids: list) -> None:
         self.pos[idxs] = pos
         self.seq[idxs] = False
         for i, s in zip(idxs, seq_ids):
             self.seq[i, list(s)] = True
+        if len(idxs):
+            self.head = int(idxs[-1]) + 1
+
+    def _freed(self, was_used: np.ndarray, lower_only: bool = True) -> None:
+        """llama.cpp's head after a removal: the lowest freed cell, if below the current head."""
+        freed = np.flatnonzero(was_used & (self.pos < 0))
+        if len(freed) and (not lower_only or freed[0] < self.head):
+            self.head = int(freed[0])
 
     def mask(self, n_kv: int, pos: np.ndarray, seq_ids: list, swa: int = 0, causal: bool = True) -> np.ndarray:
         """F16 [n_tokens, n_kv] (row-major, i.e. ggml [n_kv, n_tokens]): 0 where token i may see cell j, -inf elsewhere."""
@@ -113,11 +128,13 @@ class KVCache:
     def seq_rm(self, seq_id: int, p0: int | None = None, p1: int | None = None) -> bool:
         """Remove positions [p0, p1) of seq_id (-1: of every sequence)."""
         r = self._range(p0, p1)
+        used = self.pos >= 0
         if seq_id < 0:
             self.seq[r] = False
         else:
             self.seq[r, seq_id] = False
         self.pos[~self.seq.any(axis=1)] = -1
+        self._freed(used)
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int | None = None, p1: int | None = None) -> None:
@@ -126,9 +143,11 @@ class KVCache:
 
     def seq_keep(self, seq_id: int) -> None:
         keep = self.seq[:, seq_id].copy()
+        used = self.pos >= 0
         self.seq[:] = False
         self.seq[keep, seq_id] = True
         self.pos[~keep] = -1
+        self._freed(used)
 
     def seq_pos_max(self, seq_id: int) -> int:
         p = self.pos[self.seq[:, seq_id]]
@@ -149,11 +168,14 @@ class KVCache:
         self.seq[gone] = False
         self.pos[gone] = -1
         shift[gone] = 0
+        g = np.flatnonzero(gone)
+        self.head = int(g[0]) if len(g) else 0     # llama.cpp: the first removed cell, else start over
         return shift
 
     def clear(self) -> None:
         self.pos[:] = -1
         self.seq[:] = False
+        self.head = 0
 
     # ------------------------------------------------------------------ graph views
     # k: [n_embd_head_k, n_kv, n_head_kv] — contiguous per head

@@ -74,3 +74,31 @@ def test_q8_0_cache_needs_whole_blocks():
                  n_embd_head_v=24)
     with pytest.raises(ValueError, match="whole number"):
         KVCache(hp, 8, 1, [Backend("host")], GGMLType.Q8_0)
+
+
+def test_find_slot_follows_llamacpps_head():
+    """llama_kv_cache's head: the next search starts after the last batch's cells; a removal that frees a lower
+    cell moves it there; a shift starts it over; a head beyond used + 2 n is ignored."""
+    kv = make(size=16, n_seq=2)
+
+    def put(n, seq, p0):
+        idx = kv.find_slot(n)
+        kv.apply(idx, np.arange(p0, p0 + n, dtype=np.int32), [(seq,)] * n)
+        return list(idx)
+
+    assert put(4, 0, 0) == [0, 1, 2, 3] and kv.head == 4
+    assert put(4, 1, 0) == [4, 5, 6, 7] and kv.head == 8
+    kv.seq_rm(1, 2, -1)                       # frees cells 6, 7: below the head, which moves there
+    assert kv.head == 6
+    assert put(1, 0, 4) == [6] and kv.head == 7
+    kv.seq_rm(0, 0, 1)                        # frees cell 0
+    assert kv.head == 0
+    assert put(3, 1, 2) == [0, 7, 8] and kv.head == 9
+    kv.seq_rm(1, 3, -1)                       # frees cells 7 and 8: 7 is below the head (9)
+    assert kv.head == 7
+    kv.head = 15                              # a head far past used (7) + 2 n (as after a batch was rolled back)
+    assert put(1, 0, 5) == [7]                # the search starts over from cell 0 (from 15 it would take 15)
+    kv.seq_add_cells(1, 0, -1, 1)             # a shift: the next search starts from 0
+    assert kv.head == 0
+    kv.clear()
+    assert kv.head == 0 and put(2, 0, 0) == [0, 1]
