@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from numba import njit, prange
@@ -274,6 +275,19 @@ def _softmax_rows(s, m, slopes, qc, den):
         den[r] = tot
 
 
+_TLS = threading.local()
+
+
+def _thread_buffer(name: str, n: int) -> np.ndarray:
+    """A float32 scratch buffer of at least n values, kept per thread across calls (a fresh array this size is
+    mmap'd and page-faulted every time)."""
+    buf = getattr(_TLS, name, None)
+    if buf is None or buf.size < n:
+        buf = np.empty(max(n, 1), np.float32)
+        setattr(_TLS, name, buf)
+    return buf
+
+
 def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
     """Softmax attention through float32 matrix products, per (batch, chunk of queries, KV head): each chunk only
     multiplies the span of cells its mask leaves visible (about half the work under a causal mask), and the
@@ -302,8 +316,8 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
         # one score and one output buffer per worker, reused item after item (fresh arrays of this size are
         # mmap'd, page-faulted and unmapped each time: that was a fifth of the attention's time)
         big = max((rk * (q1 - q0) * (hi - lo) for _, q0, q1, _, lo, hi, _ in chunk), default=0)
-        sbuf = np.empty(big, np.float32)
-        obuf = np.empty(rk * Q_CHUNK * vf.shape[-1], np.float32)
+        sbuf = _thread_buffer("s", big)
+        obuf = _thread_buffer("o", rk * Q_CHUNK * vf.shape[-1])
         for i3, q0, q1, hk, lo, hi, mm in chunk:
             qh = q[i3, hk * rk:(hk + 1) * rk, q0:q1]                       # (rk, qc, d)
             kk = kf[i3 % kf.shape[0], hk, lo:hi]                           # (L, d)
