@@ -16,7 +16,7 @@ from numba import njit, prange
 from .kernels import alibi_slopes
 from .qdot import F16_TABLE
 from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_load, v16_max, v16_reduce, v16_round_f16,
-                   v16_scale, v16_splat, v16_store, v16_sum, v16_zero)
+                   v16_scale, v16_splat, v16_store, v16_zero)
 
 Q_TILE = 64
 
@@ -267,7 +267,7 @@ def _softmax_rows(s, m, slopes, qc, den):
         for j in range(0, L16, 16):
             e = v16_exp_shifted(v16_load(row, j), mx)
             v16_store(row, j, e)
-            tot += v16_sum(e)
+            tot += v16_reduce(e)
         for j in range(L16, L):
             e = np.float32(math.exp(row[j] - mx))
             row[j] = e

@@ -369,6 +369,15 @@ def v16_round_f16(typingctx, a):
     return f16l(f16l), codegen
 
 
+def _halving(builder, v, combine):
+    """Lanes l and l + 8 combined, then l and l + 4, l + 2, l + 1 (GCC's _mm512_reduce_*_ps order); lane 0."""
+    for half in (8, 4, 2, 1):
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), [half + l for l in range(half)]))
+        v = combine(lo, hi, half)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
 @intrinsic
 def v16_reduce(typingctx, a):
     """_mm512_reduce_add_ps as GCC expands it: lanes l + l+8, then l + l+4, l + l+2, l + l+1."""
@@ -376,13 +385,7 @@ def v16_reduce(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        v = args[0]
-        for half in (8, 4, 2, 1):
-            idx = ir.Constant(ir.VectorType(_I32, half), [half + l for l in range(half)])
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
-            hi = builder.shuffle_vector(v, v, idx)
-            v = builder.fadd(lo, hi)
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        return _halving(builder, args[0], lambda lo, hi, half: builder.fadd(lo, hi))
     return types.float32(f16l), codegen
 
 
@@ -475,22 +478,6 @@ def v16_exp_shifted(typingctx, x, m):
 
 
 @intrinsic
-def v16_sum(typingctx, a):
-    """The sum of the sixteen lanes (pairwise halving; for float32 softmax sums where no ggml order applies)."""
-    if a != f16l:
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        for half in (8, 4, 2, 1):
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), [half + l for l in range(half)]))
-            v = builder.fadd(lo, hi)
-        return builder.extract_element(v, ir.Constant(_I32, 0))
-    return types.float32(f16l), codegen
-
-
-@intrinsic
 def v16_max(typingctx, a, b):
     """Lane-wise maximum (llvm.maxnum)."""
     if a != f16l or b != f16l:
@@ -508,15 +495,9 @@ def v16_hmax(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        v = args[0]
-        for half in (8, 4, 2, 1):
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), [half + l for l in range(half)]))
-            v = _call(builder, f"llvm.maxnum.v{half}f32" if half > 1 else "llvm.maxnum.f32",
-                      ir.VectorType(_F32, half) if half > 1 else _F32,
-                      [lo if half > 1 else builder.extract_element(lo, ir.Constant(_I32, 0)),
-                       hi if half > 1 else builder.extract_element(hi, ir.Constant(_I32, 0))])
-        return v
+        def vmax(lo, hi, half):
+            return _call(builder, f"llvm.maxnum.v{half}f32", ir.VectorType(_F32, half), [lo, hi])
+        return _halving(builder, args[0], vmax)
     return types.float32(f16l), codegen
 
 
