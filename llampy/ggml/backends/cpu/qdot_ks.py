@@ -1,0 +1,427 @@
+"""The k-quant dot products (Q4_K, Q5_K, Q6_K against Q8_K activations) in SIMD, tiled over weight rows.
+
+Same arguments and bits as the scalar transliterations in ``qdot_k`` (the tests' references), with the integer
+work done as ggml's AVX2 k-quant code does it: ``maddubs`` (unsigned weight bytes times int8 activations, pairs
+summed to int16; no saturation: |q| <= 63, |x| <= 128) then ``madd`` with the sub-block's scale broadcast to int16
+lanes, which widens to eight int32 lanes of four products times the scale — the lane structure of
+``ggml_vec_dot_q{4,5,6}_K_q8_K`` (lane l: elements 4l..4l+3 of every 32-value group), exact in any order.
+
+- ``mv_q4_k_x8`` (llama.cpp's repacked ``gemv/gemm_q4_K_8x8_q8_K``, rows % 8 == 0): eight weight rows per tile,
+  the rows as the eight lanes of the float accumulators, as the repacked kernels hold them. Per super-block (gemv)
+  or pair of sub-blocks (gemm, activation rows below ``n_gemm``), each row's lanes are reduced (``_hsum8x``: eight
+  vectors to one vector of eight sums) and one vector fma does the eight rows' ``acc = fma(isum, d_w * d_x,
+  acc)``; the mins likewise, from the scales transposed to rows-as-lanes and the activation block sums packed in
+  pairs (``_bs_pairs``). ``out = acc - mins`` is one 8-float store.
+- ``mv_q6_k``, ``mv_q4_k``, ``mv_q5_k`` (``ggml_vec_dot_*_q8_K`` AVX2 forms): per (row, activation) one f32x8
+  accumulator in ggml's lane order; tiles of 4 weight rows x 1 or 2 activation rows so that several independent
+  fma chains overlap and each decoded weight block serves both activations.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .qdot import ROW_CHUNK, prefetch_row
+from .qdot_k import _scale_min
+from .simd import (AVX2, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
+                   f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8)
+
+_V32 = ir.VectorType(_I8, 32)
+_W16 = ir.VectorType(_I16, 16)
+_W32 = ir.VectorType(_I32, 16)
+
+
+def _const(ty, v):
+    return ir.Constant(ty, [v] * ty.count)
+
+
+def _shuf(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), list(idx)))
+
+
+def _maddubs(builder, a, b):
+    """<32 x i8> unsigned a, signed b -> <16 x i16>: a[2m] * b[2m] + a[2m+1] * b[2m+1] (_mm256_maddubs_epi16;
+    exact here: a <= 63, |b| <= 128)."""
+    if AVX2:
+        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [a, b])
+    w = ir.VectorType(_I16, 32)
+    p = builder.mul(builder.zext(a, w), builder.sext(b, w))
+    return builder.add(_shuf(builder, p, p, range(0, 32, 2)), _shuf(builder, p, p, range(1, 32, 2)))
+
+
+def _madd(builder, a, b):
+    """<16 x i16> a, b -> <8 x i32>: a[2l] * b[2l] + a[2l+1] * b[2l+1] (_mm256_madd_epi16)."""
+    if AVX2:
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8x8, [a, b])
+    p = builder.mul(builder.sext(a, _W32), builder.sext(b, _W32))
+    return builder.add(_shuf(builder, p, p, range(0, 16, 2)), _shuf(builder, p, p, range(1, 16, 2)))
+
+
+def _bcast16(builder, s16, j):
+    """Element j of a <16 x i16> in all sixteen lanes."""
+    return _shuf(builder, s16, s16, [j] * 16)
+
+
+def _load32(context, builder, aryty, ary, off, add=0):
+    if add:
+        off = builder.add(off, ir.Constant(off.type, add))
+    return _load(builder, _ptr(context, builder, aryty, ary, off, _V32))
+
+
+def _scales16(context, builder, aryty, ary, off):
+    """The 12 scale bytes of the Q4_K/Q5_K super-block at byte ``off`` (bytes off+4..off+15) -> <16 x i16>: the eight 6-bit scales, then
+    the eight mins (ggml's kmask1..3 unpacking of ``utmp``; the values of ``_scale_min``)."""
+    u = [_load(builder, _ptr(context, builder, aryty, ary, builder.add(off, ir.Constant(off.type, 4 + 4 * t)), _I32))
+         for t in range(3)]
+    k1, k2, k3 = (ir.Constant(_I32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+    six, four = ir.Constant(_I32, 6), ir.Constant(_I32, 4)
+    s_lo = builder.and_(u[0], k1)
+    s_hi = builder.or_(builder.and_(u[2], k2), builder.shl(builder.and_(builder.lshr(u[0], six), k3), four))
+    m_lo = builder.and_(u[1], k1)
+    m_hi = builder.or_(builder.and_(builder.lshr(u[2], four), k2),
+                       builder.shl(builder.and_(builder.lshr(u[1], six), k3), four))
+    v = ir.Constant(ir.VectorType(_I32, 4), None)
+    for t, x in enumerate((s_lo, s_hi, m_lo, m_hi)):
+        v = builder.insert_element(v, x, ir.Constant(_I32, t))
+    return builder.zext(builder.bitcast(v, ir.VectorType(_I8, 16)), _W16)
+
+
+@intrinsic
+def k_scales(typingctx, w, o):
+    """The scales and mins of the Q4_K/Q5_K super-block at byte o of w, as sixteen int16 (an i32x8 to pass on)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(_scales16(context, builder, sig.args[0], args[0], args[1]), _I8x8)
+    return i8(w, types.intp), codegen
+
+
+def _scaled(builder, q, xv, s16, j):
+    """madd(scale j broadcast, maddubs(q, x)): eight int32 lanes of four products times scale j."""
+    return _madd(builder, _bcast16(builder, s16, j), _maddubs(builder, q, xv))
+
+
+@intrinsic
+def q4k_pdot(typingctx, w, qo, x, xo, s, j):
+    """One pair of Q4_K sub-blocks (2j in the low nibbles, 2j+1 in the high nibbles of the 32 bytes at byte qo of
+    w) times the 64 activations at byte xo of x, scaled by scales 2j and 2j+1 of ``s`` (from ``k_scales``): eight
+    int32 lanes, lane l = sc[2j] * (products 4l..4l+3 of sub-block 2j) + sc[2j+1] * (the same of 2j+1)."""
+    if s != i8 or not isinstance(j, types.IntegerLiteral):
+        return None
+    jv = j.literal_value
+
+    def codegen(context, builder, sig, args):
+        q = _load32(context, builder, sig.args[0], args[0], args[1])
+        lo = builder.and_(q, _const(_V32, 15))
+        hi = builder.lshr(q, _const(_V32, 4))
+        xa = _load32(context, builder, sig.args[2], args[2], args[3])
+        xb = _load32(context, builder, sig.args[2], args[2], args[3], 32)
+        s16 = builder.bitcast(args[4], _W16)
+        return builder.add(_scaled(builder, lo, xa, s16, 2 * jv), _scaled(builder, hi, xb, s16, 2 * jv + 1))
+    return i8(w, types.intp, x, types.intp, s, j), codegen
+
+
+@intrinsic
+def q5k_pdot(typingctx, w, qo, ho, x, xo, s, j):
+    """As ``q4k_pdot`` for Q5_K: bit 2j (low nibbles) and 2j+1 (high nibbles) of the 32 bytes at byte ho of w are
+    bit 4 of the values."""
+    if s != i8 or not isinstance(j, types.IntegerLiteral):
+        return None
+    jv = j.literal_value
+
+    def codegen(context, builder, sig, args):
+        q = _load32(context, builder, sig.args[0], args[0], args[1])
+        h = _load32(context, builder, sig.args[0], args[0], args[2])
+        one = _const(_V32, 1)
+        hl = builder.shl(builder.and_(builder.lshr(h, _const(_V32, 2 * jv)), one), _const(_V32, 4))
+        hh = builder.shl(builder.and_(builder.lshr(h, _const(_V32, 2 * jv + 1)), one), _const(_V32, 4))
+        lo = builder.or_(builder.and_(q, _const(_V32, 15)), hl)
+        hi = builder.or_(builder.lshr(q, _const(_V32, 4)), hh)
+        xa = _load32(context, builder, sig.args[3], args[3], args[4])
+        xb = _load32(context, builder, sig.args[3], args[3], args[4], 32)
+        s16 = builder.bitcast(args[5], _W16)
+        return builder.add(_scaled(builder, lo, xa, s16, 2 * jv), _scaled(builder, hi, xb, s16, 2 * jv + 1))
+    return i8(w, types.intp, types.intp, x, types.intp, s, j), codegen
+
+
+@intrinsic
+def k_min_lanes(typingctx, s, bs, bo):
+    """Lane j: min_j * (bsums[bo + 2j] + bsums[bo + 2j + 1]) (``s`` from ``k_scales``; bs int16 block sums)."""
+    if s != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        s16 = builder.bitcast(args[0], _W16)
+        md = _shuf(builder, s16, s16, [8 + l // 2 for l in range(16)])
+        b = _load(builder, _elem_ptr(context, builder, sig.args[1], args[1], args[2], _W16))
+        return _madd(builder, md, b)
+    return i8(s, bs, types.intp), codegen
+
+
+@intrinsic
+def k_mins_t(typingctx, s0, s1, s2, s3, s4, s5, s6, s7):
+    """The mins of eight rows' ``k_scales`` transposed to rows-as-lanes, in pairs: four i32x8, vector p lane k =
+    (min 2p of row k, min 2p+1 of row k) as two int16 (for ``k_mins_dot``)."""
+    if any(a != i8 for a in (s0, s1, s2, s3, s4, s5, s6, s7)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = [builder.bitcast(a, _W16) for a in args]
+        c = [_shuf(builder, v[2 * t], v[2 * t + 1], range(32)) for t in range(4)]
+        c = [_shuf(builder, c[2 * t], c[2 * t + 1], range(64)) for t in range(2)]
+        c = _shuf(builder, c[0], c[1], range(128))
+        res = [builder.bitcast(_shuf(builder, c, c, [16 * k + 8 + 2 * p + t for k in range(8) for t in range(2)]),
+                               _I8x8) for p in range(4)]
+        return context.make_tuple(builder, sig.return_type, res)
+    return types.UniTuple(i8, 4)(i8, i8, i8, i8, i8, i8, i8, i8), codegen
+
+
+@intrinsic
+def k_mins_dot(typingctx, m, bp):
+    """madd of ``k_mins_t``'s vector with the packed pair of block-sum pairs ``bp`` (``_bs_pairs``): lane k =
+    min_2p(row k) * (bs[g] + bs[g+1]) + min_2p+1(row k) * (bs[g+2] + bs[g+3])."""
+    if m != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = context.cast(builder, args[1], sig.args[1], types.int32)
+        bv = builder.insert_element(ir.Constant(_I8x8, None), b, ir.Constant(_I32, 0))
+        bv = _shuf(builder, bv, bv, [0] * 8)
+        return _madd(builder, builder.bitcast(args[0], _W16), builder.bitcast(bv, _W16))
+    return i8(i8, bp), codegen
+
+
+def _hadd(builder, a, b):
+    """vphaddd: within each 128-bit half, adjacent pairs of a, then of b."""
+    ev = [0, 2, 8, 10, 4, 6, 12, 14]
+    return builder.add(_shuf(builder, a, b, ev), _shuf(builder, a, b, [e + 1 for e in ev]))
+
+
+@intrinsic
+def hsum8x(typingctx, v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight i32x8 -> one i32x8, lane k the sum of v_k's lanes (exact)."""
+    if any(a != i8 for a in (v0, v1, v2, v3, v4, v5, v6, v7)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = [_hadd(builder, args[2 * t], args[2 * t + 1]) for t in range(4)]
+        lo, hi = _hadd(builder, h[0], h[1]), _hadd(builder, h[2], h[3])
+        return builder.add(_shuf(builder, lo, hi, [0, 1, 2, 3, 8, 9, 10, 11]),
+                           _shuf(builder, lo, hi, [4, 5, 6, 7, 12, 13, 14, 15]))
+    return i8(i8, i8, i8, i8, i8, i8, i8, i8), codegen
+
+
+@intrinsic
+def i8_sum(typingctx, v):
+    """The sum of the eight lanes (exact)."""
+    if v != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [args[0]])
+    return types.int32(i8), codegen
+
+
+@intrinsic
+def i8_lane(typingctx, v, k):
+    """Lane k (run-time) of v."""
+    if v != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
+    return types.int32(i8, k), codegen
+
+
+@intrinsic
+def i8_pairs4(typingctx, v):
+    """Lanes 0..3: v[2k] + v[2k+1]; lanes 4..7: 0."""
+    if v != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        z = ir.Constant(_I8x8, [0] * 8)
+        return builder.add(_shuf(builder, args[0], z, [0, 2, 4, 6, 8, 8, 8, 8]),
+                           _shuf(builder, args[0], z, [1, 3, 5, 7, 8, 8, 8, 8]))
+    return i8(i8), codegen
+
+
+@intrinsic
+def f16_rows8(typingctx, w, r, o):
+    """The F16 values at byte o of rows r..r+7 of a 2-d uint8 array, as eight float32 lanes (exact)."""
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        s0 = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+        base = builder.bitcast(a.data, _I8.as_pointer())
+        v = ir.Constant(ir.VectorType(_I16, 8), None)
+        for k in range(8):
+            off = builder.add(builder.mul(builder.add(args[1], ir.Constant(args[1].type, k)), s0), args[2])
+            p = builder.bitcast(builder.gep(base, [off]), _I16.as_pointer())
+            v = builder.insert_element(v, _load(builder, p), ir.Constant(_I32, k))
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), _F8)
+    return f8(w, types.intp, types.intp), codegen
+
+
+@intrinsic
+def f8_mul_s(typingctx, v, s):
+    """v * s per lane (s a float32 scalar)."""
+    if v != f8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        sv = builder.insert_element(ir.Constant(_F8, None), context.cast(builder, args[1], sig.args[1], types.float32),
+                                    ir.Constant(_I32, 0))
+        return builder.fmul(args[0], _shuf(builder, sv, sv, [0] * 8))
+    return f8(f8, s), codegen
+
+
+@intrinsic
+def f8_fmav(typingctx, a, b, c):
+    """a * b + c per lane, rounded once."""
+    if a != f8 or b != f8 or c != f8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fma.v8f32", _F8, list(args))
+    return f8(f8, f8, f8), codegen
+
+
+@intrinsic
+def f8_store_diff(typingctx, arr, i, a, b):
+    """arr[i:i+8] = a - b (float32 array)."""
+    if a != f8 or b != f8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        st = builder.store(builder.fsub(args[2], args[3]), _elem_ptr(context, builder, sig.args[0], args[0],
+                                                                    args[1], _F8))
+        st.align = 4
+        return context.get_dummy_value()
+    return types.void(arr, types.intp, f8, f8), codegen
+
+
+# ---------------------------------------------------------------------------------------- Q4_K, repacked 8x8
+@njit(cache=True)
+def _bs_pairs(bsums, out):
+    """out[i, 4b + p] = (bs[g] + bs[g+1]) | (bs[g+2] + bs[g+3]) << 16 with g = 16b + 4p: the two block-sum pairs
+    of sub-blocks 2p and 2p+1 as two int16 (each |sum| <= 4096), for ``k_mins_dot``."""
+    n, m = bsums.shape
+    for i in range(n):
+        for t in range(m // 4):
+            g = 4 * t
+            a = np.int32(bsums[i, g]) + np.int32(bsums[i, g + 1])
+            b = np.int32(bsums[i, g + 2]) + np.int32(bsums[i, g + 3])
+            out[i, t] = (a & 0xFFFF) | (b << 16)
+
+
+@njit(cache=True, inline="always")
+def _x8_pair(w0, w1, w2, w3, w4, w5, w6, w7, o, s0, s1, s2, s3, s4, s5, s6, s7, xr, xo, p):
+    """Pair p (0..3, non-literal) of the super-block at byte o for eight rows: the eight rows' sums as lanes."""
+    qo = o + 16 + 32 * p
+    xp = xo + 64 * p
+    if p == 0:
+        return hsum8x(q4k_pdot(w0, qo, xr, xp, s0, 0), q4k_pdot(w1, qo, xr, xp, s1, 0),
+                      q4k_pdot(w2, qo, xr, xp, s2, 0), q4k_pdot(w3, qo, xr, xp, s3, 0),
+                      q4k_pdot(w4, qo, xr, xp, s4, 0), q4k_pdot(w5, qo, xr, xp, s5, 0),
+                      q4k_pdot(w6, qo, xr, xp, s6, 0), q4k_pdot(w7, qo, xr, xp, s7, 0))
+    if p == 1:
+        return hsum8x(q4k_pdot(w0, qo, xr, xp, s0, 1), q4k_pdot(w1, qo, xr, xp, s1, 1),
+                      q4k_pdot(w2, qo, xr, xp, s2, 1), q4k_pdot(w3, qo, xr, xp, s3, 1),
+                      q4k_pdot(w4, qo, xr, xp, s4, 1), q4k_pdot(w5, qo, xr, xp, s5, 1),
+                      q4k_pdot(w6, qo, xr, xp, s6, 1), q4k_pdot(w7, qo, xr, xp, s7, 1))
+    if p == 2:
+        return hsum8x(q4k_pdot(w0, qo, xr, xp, s0, 2), q4k_pdot(w1, qo, xr, xp, s1, 2),
+                      q4k_pdot(w2, qo, xr, xp, s2, 2), q4k_pdot(w3, qo, xr, xp, s3, 2),
+                      q4k_pdot(w4, qo, xr, xp, s4, 2), q4k_pdot(w5, qo, xr, xp, s5, 2),
+                      q4k_pdot(w6, qo, xr, xp, s6, 2), q4k_pdot(w7, qo, xr, xp, s7, 2))
+    return hsum8x(q4k_pdot(w0, qo, xr, xp, s0, 3), q4k_pdot(w1, qo, xr, xp, s1, 3),
+                  q4k_pdot(w2, qo, xr, xp, s2, 3), q4k_pdot(w3, qo, xr, xp, s3, 3),
+                  q4k_pdot(w4, qo, xr, xp, s4, 3), q4k_pdot(w5, qo, xr, xp, s5, 3),
+                  q4k_pdot(w6, qo, xr, xp, s6, 3), q4k_pdot(w7, qo, xr, xp, s7, 3))
+
+
+@njit(cache=True, inline="always")
+def _q4k_all(w, o, xr, xo, s):
+    """The whole super-block of one row: lane l = sum over sub-blocks j of sc_j * (products 4l..4l+3 of j)."""
+    v = i8_add(q4k_pdot(w, o + 16, xr, xo, s, 0), q4k_pdot(w, o + 48, xr, xo + 64, s, 1))
+    return i8_add(v, i8_add(q4k_pdot(w, o + 80, xr, xo + 128, s, 2), q4k_pdot(w, o + 112, xr, xo + 192, s, 3)))
+
+
+@njit(cache=True, inline="always")
+def _x8_tile(w, r, xq, xd, bp, out, i0, i1, n_gemm, nb):
+    """Rows r..r+7 against activation rows i0..i1 (all gemm, i.e. below n_gemm, or all gemv)."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = w[r], w[r + 1], w[r + 2], w[r + 3], w[r + 4], w[r + 5], w[r + 6], w[r + 7]
+    for i in range(i0, i1):
+        xr = xq[i]
+        acc = f8_zero()
+        accm = f8_zero()
+        for b in range(nb):
+            o = b * 144
+            xo = b * 256
+            s0, s1, s2, s3 = k_scales(w0, o), k_scales(w1, o), k_scales(w2, o), k_scales(w3, o)
+            s4, s5, s6, s7 = k_scales(w4, o), k_scales(w5, o), k_scales(w6, o), k_scales(w7, o)
+            m0, m1, m2, m3 = k_mins_t(s0, s1, s2, s3, s4, s5, s6, s7)
+            d = f8_mul_s(f16_rows8(w, r, o), xd[i, b])
+            dm = f8_mul_s(f16_rows8(w, r, o + 2), xd[i, b])
+            t = 4 * b
+            if i < n_gemm:     # gemm: one fma per pair of sub-blocks
+                for p in range(4):
+                    isum = _x8_pair(w0, w1, w2, w3, w4, w5, w6, w7, o, s0, s1, s2, s3, s4, s5, s6, s7, xr, xo, p)
+                    mp = m0 if p == 0 else (m1 if p == 1 else (m2 if p == 2 else m3))
+                    acc = f8_fmav(i8_to_f8(isum), d, acc)
+                    accm = f8_fmav(i8_to_f8(k_mins_dot(mp, bp[i, t + p])), dm, accm)
+            else:              # gemv: one fma per super-block
+                isum = hsum8x(_q4k_all(w0, o, xr, xo, s0), _q4k_all(w1, o, xr, xo, s1),
+                              _q4k_all(w2, o, xr, xo, s2), _q4k_all(w3, o, xr, xo, s3),
+                              _q4k_all(w4, o, xr, xo, s4), _q4k_all(w5, o, xr, xo, s5),
+                              _q4k_all(w6, o, xr, xo, s6), _q4k_all(w7, o, xr, xo, s7))
+                imin = i8_add(i8_add(k_mins_dot(m0, bp[i, t]), k_mins_dot(m1, bp[i, t + 1])),
+                              i8_add(k_mins_dot(m2, bp[i, t + 2]), k_mins_dot(m3, bp[i, t + 3])))
+                acc = f8_fmav(i8_to_f8(isum), d, acc)
+                accm = f8_fmav(i8_to_f8(imin), dm, accm)
+        f8_store_diff(out[i], r, acc, accm)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
+    """Same arguments and results as qdot_k.mv_q4_k_x8 (``tab`` unused: the F16 scales convert in hardware)."""
+    rows = w.shape[0]
+    n = xq.shape[0]
+    nb = xq.shape[1] // 256
+    bp = np.empty((n, nb * 4), np.int32)
+    _bs_pairs(bsums, bp)
+    r8 = rows - rows % 8
+    for c in prange((r8 // 8 + 1) // 2):
+        for r in range(16 * c, min(r8, 16 * c + 16), 8):
+            for p in range(8):
+                prefetch_row(w, r + p)
+            _x8_tile(w, r, xq, xd, bp, out, 0, n_gemm, n_gemm, nb)
+            _x8_tile(w, r, xq, xd, bp, out, n_gemm, n, n_gemm, nb)
+    for r in range(r8, rows):          # rows beyond the eights (not a repacked shape; kept for completeness)
+        row = w[r]
+        for i in range(n):
+            acc = np.float32(0.0)
+            accm = np.float32(0.0)
+            for b in range(nb):
+                o = b * 144
+                s = k_scales(row, o)
+                ml = k_min_lanes(s, bsums[i], b * 16)
+                dd = np.float32(f16_at(row, o) * xd[i, b])
+                de = np.float32(f16_at(row, o + 2) * xd[i, b])
+                if i < n_gemm:
+                    for p in range(4):
+                        if p == 0:
+                            v = q4k_pdot(row, o + 16, xq[i], b * 256, s, 0)
+                        elif p == 1:
+                            v = q4k_pdot(row, o + 48, xq[i], b * 256 + 64, s, 1)
+                        elif p == 2:
+                            v = q4k_pdot(row, o + 80, xq[i], b * 256 + 128, s, 2)
+                        else:
+                            v = q4k_pdot(row, o + 112, xq[i], b * 256 + 192, s, 3)
+                        acc = fma32(np.float32(i8_sum(v)), dd, acc)
+                        accm = fma32(np.float32(i8_lane(i8_pairs4(ml), p)), de, accm)
+                else:
+                    acc = fma32(np.float32(i8_sum(_q4k_all(row, o, xq[i], b * 256, s))), dd, acc)
+                    accm = fma32(np.float32(i8_sum(ml)), de, accm)
+            out[i, r] = np.float32(acc - accm)
