@@ -425,3 +425,166 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
                     acc = fma32(np.float32(i8_sum(_q4k_all(row, o, xq[i], b * 256, s))), dd, acc)
                     accm = fma32(np.float32(i8_sum(ml)), de, accm)
             out[i, r] = np.float32(acc - accm)
+
+
+# ------------------------------------------------------------------------ Q6_K, Q4_K, Q5_K: the vec_dot forms
+@intrinsic
+def q6k_lanes(typingctx, w, o, x, xo, bs, bo):
+    """One Q6_K super-block (byte o of w) against 256 activations (byte xo of x; their block sums from element bo
+    of the int16 ``bs``): ggml_vec_dot_q6_K_q8_K's eight int32 lanes before the conversion: per 32-value group,
+    maddubs of the unsigned 6-bit values with the activations, madd with the group's two scales (lanes 0..3, 4..7),
+    summed; minus q8sclsub = 32 * madd(scales, bsums)."""
+    def codegen(context, builder, sig, args):
+        wt, row, o = sig.args[0], args[0], args[1]
+        sc8 = _load(builder, _ptr(context, builder, wt, row, builder.add(o, ir.Constant(o.type, 192)),
+                                  ir.VectorType(_I8, 16)))
+        sc = builder.sext(sc8, _W16)
+        acc = None
+        for h in range(2):
+            qa = _load32(context, builder, wt, row, o, 64 * h)
+            qb = _load32(context, builder, wt, row, o, 64 * h + 32)
+            qh = _load32(context, builder, wt, row, o, 128 + 32 * h)
+            for g in range(4):
+                src = qa if g % 2 == 0 else qb
+                lo = builder.and_(src, _const(_V32, 15)) if g < 2 else builder.lshr(src, _const(_V32, 4))
+                hb = builder.and_(builder.lshr(qh, _const(_V32, 2 * g)), _const(_V32, 3))
+                q = builder.or_(lo, builder.shl(hb, _const(_V32, 4)))
+                xv = _load32(context, builder, sig.args[2], args[2], args[3], 128 * h + 32 * g)
+                j = 8 * h + 2 * g
+                v = _madd(builder, _shuf(builder, sc, sc, [j] * 8 + [j + 1] * 8), _maddubs(builder, q, xv))
+                acc = v if acc is None else builder.add(acc, v)
+        b = _load(builder, _elem_ptr(context, builder, sig.args[4], args[4], args[5], _W16))
+        sub = builder.shl(_madd(builder, sc, b), _const(_I8x8, 5))
+        return builder.sub(acc, sub)
+    return i8(w, types.intp, x, types.intp, bs, types.intp), codegen
+
+
+@njit(cache=True, inline="always")
+def _q5k_all(w, o, xr, xo, s):
+    v = i8_add(q5k_pdot(w, o + 48, o + 16, xr, xo, s, 0), q5k_pdot(w, o + 80, o + 16, xr, xo + 64, s, 1))
+    return i8_add(v, i8_add(q5k_pdot(w, o + 112, o + 16, xr, xo + 128, s, 2),
+                            q5k_pdot(w, o + 144, o + 16, xr, xo + 192, s, 3)))
+
+
+K_Q4_K, K_Q5_K, K_Q6_K = 4, 5, 6
+
+
+@njit(cache=True, inline="always")
+def _kblock(kind, wr, b, xr, xdb, bsr, acc, accm, summs):
+    """Super-block b of one (weight row, activation row) pair in ggml_vec_dot_<kind>_q8_K's float order:
+    acc = fma(d_x * d_w, lanes, acc); Q4_K's mins in four lanes, accm = fma(-d_x * dmin_w, pair sums, accm);
+    Q5_K's summs = fma(-d_x * dmin_w, sum of mins * bsums, summs)."""
+    xo = b * 256
+    if kind == K_Q6_K:
+        o = b * 210
+        d = np.float32(xdb * f16_at(wr, o + 208))
+        acc = f8_fma(d, i8_to_f8(q6k_lanes(wr, o, xr, xo, bsr, b * 16)), acc)
+    elif kind == K_Q4_K:
+        o = b * 144
+        s = k_scales(wr, o)
+        d = np.float32(xdb * f16_at(wr, o))
+        dmin = np.float32(-xdb * f16_at(wr, o + 2))
+        accm = f8_fma(dmin, i8_to_f8(i8_pairs4(k_min_lanes(s, bsr, b * 16))), accm)
+        acc = f8_fma(d, i8_to_f8(_q4k_all(wr, o, xr, xo, s)), acc)
+    else:
+        o = b * 176
+        s = k_scales(wr, o)
+        d = np.float32(xdb * f16_at(wr, o))
+        dmin = np.float32(-xdb * f16_at(wr, o + 2))
+        summs = fma32(dmin, np.float32(i8_sum(k_min_lanes(s, bsr, b * 16))), summs)
+        acc = f8_fma(d, i8_to_f8(_q5k_all(wr, o, xr, xo, s)), acc)
+    return acc, accm, summs
+
+
+@njit(cache=True, inline="always")
+def _kfinal(kind, acc, accm, summs):
+    if kind == K_Q6_K:
+        return f8_hsum(acc)
+    if kind == K_Q4_K:
+        m0 = np.float32(f8_lane(accm, 0) + f8_lane(accm, 2))
+        m1 = np.float32(f8_lane(accm, 1) + f8_lane(accm, 3))
+        return f8_hsum(acc) + np.float32(m0 + m1)
+    return f8_hsum(acc) + summs
+
+
+@njit(cache=True, inline="always")
+def _mv_k(w, xq, xd, bsums, out, kind):
+    """out[i, r] = dot(w[r], x[i]): tiles of 4 weight rows x 2 activation rows (eight independent fma chains, each
+    weight block decoded once for both), then 4 x 1, then single rows; each pair in its own accumulators."""
+    rows = w.shape[0]
+    n = xq.shape[0]
+    nb = xq.shape[1] // 256
+    n2 = n - n % 2
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r1 = min(rows, (c + 1) * ROW_CHUNK)
+        r = c * ROW_CHUNK
+        while r + 4 <= r1:
+            w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+            for p in range(4):
+                prefetch_row(w, r + p)
+            for i in range(0, n2, 2):
+                x0, x1, b0, b1 = xq[i], xq[i + 1], bsums[i], bsums[i + 1]
+                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
+                m00 = m01 = m10 = m11 = m20 = m21 = m30 = m31 = f8_zero()
+                s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
+                for b in range(nb):
+                    d0, d1 = xd[i, b], xd[i + 1, b]
+                    a00, m00, s00 = _kblock(kind, w0, b, x0, d0, b0, a00, m00, s00)
+                    a01, m01, s01 = _kblock(kind, w0, b, x1, d1, b1, a01, m01, s01)
+                    a10, m10, s10 = _kblock(kind, w1, b, x0, d0, b0, a10, m10, s10)
+                    a11, m11, s11 = _kblock(kind, w1, b, x1, d1, b1, a11, m11, s11)
+                    a20, m20, s20 = _kblock(kind, w2, b, x0, d0, b0, a20, m20, s20)
+                    a21, m21, s21 = _kblock(kind, w2, b, x1, d1, b1, a21, m21, s21)
+                    a30, m30, s30 = _kblock(kind, w3, b, x0, d0, b0, a30, m30, s30)
+                    a31, m31, s31 = _kblock(kind, w3, b, x1, d1, b1, a31, m31, s31)
+                out[i, r] = _kfinal(kind, a00, m00, s00)
+                out[i + 1, r] = _kfinal(kind, a01, m01, s01)
+                out[i, r + 1] = _kfinal(kind, a10, m10, s10)
+                out[i + 1, r + 1] = _kfinal(kind, a11, m11, s11)
+                out[i, r + 2] = _kfinal(kind, a20, m20, s20)
+                out[i + 1, r + 2] = _kfinal(kind, a21, m21, s21)
+                out[i, r + 3] = _kfinal(kind, a30, m30, s30)
+                out[i + 1, r + 3] = _kfinal(kind, a31, m31, s31)
+            for i in range(n2, n):
+                xr, br = xq[i], bsums[i]
+                a0 = a1 = a2 = a3 = f8_zero()
+                m0 = m1 = m2 = m3 = f8_zero()
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for b in range(nb):
+                    db = xd[i, b]
+                    a0, m0, s0 = _kblock(kind, w0, b, xr, db, br, a0, m0, s0)
+                    a1, m1, s1 = _kblock(kind, w1, b, xr, db, br, a1, m1, s1)
+                    a2, m2, s2 = _kblock(kind, w2, b, xr, db, br, a2, m2, s2)
+                    a3, m3, s3 = _kblock(kind, w3, b, xr, db, br, a3, m3, s3)
+                out[i, r] = _kfinal(kind, a0, m0, s0)
+                out[i, r + 1] = _kfinal(kind, a1, m1, s1)
+                out[i, r + 2] = _kfinal(kind, a2, m2, s2)
+                out[i, r + 3] = _kfinal(kind, a3, m3, s3)
+            r += 4
+        while r < r1:
+            wr = w[r]
+            for i in range(n):
+                a0 = m0 = f8_zero()
+                s0 = np.float32(0.0)
+                for b in range(nb):
+                    a0, m0, s0 = _kblock(kind, wr, b, xq[i], xd[i, b], bsums[i], a0, m0, s0)
+                out[i, r] = _kfinal(kind, a0, m0, s0)
+            r += 1
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mv_q6_k(w, xq, xd, bsums, out, tab):
+    """Same arguments and results as qdot_k.mv_q6_k (``tab`` unused)."""
+    _mv_k(w, xq, xd, bsums, out, K_Q6_K)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mv_q4_k(w, xq, xd, bsums, out, tab):
+    """Same arguments and results as qdot_k.mv_q4_k (``tab`` unused)."""
+    _mv_k(w, xq, xd, bsums, out, K_Q4_K)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mv_q5_k(w, xq, xd, bsums, out, tab):
+    """Same arguments and results as qdot_k.mv_q5_k (``tab`` unused)."""
+    _mv_k(w, xq, xd, bsums, out, K_Q5_K)
