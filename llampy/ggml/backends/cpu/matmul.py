@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
-from . import qdot, qdot_k, qdot_kx
+from . import qdot, qdot_k, qdot_ks
 from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
 from .qdot import F16_TABLE
 
@@ -44,7 +44,7 @@ SUPPORTED_DIRECT: frozenset = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T
 
 # integer kernels: weight type -> kernel(w, xq, xd, xs, out, tab)
 _KERNELS = {T.Q8_0: qdot.mv_q8_0, T.Q4_0: qdot.mv_q4_0, T.Q4_1: qdot.mv_q4_1, T.Q5_0: qdot.mv_q5_0,
-            T.Q5_1: qdot.mv_q5_1, T.Q5_K: qdot_k.mv_q5_k, T.Q6_K: qdot_kx.mv_q6_k}
+            T.Q5_1: qdot.mv_q5_1, T.Q5_K: qdot_ks.mv_q5_k, T.Q6_K: qdot_ks.mv_q6_k}
 _DQ_LEGACY = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4}
 _DQ_K = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 
@@ -114,9 +114,9 @@ def _mul_mat_int(w, wtype, x, out, scratch):
     if wtype == T.Q4_K:
         n = x.shape[0]
         if w.shape[0] % 8 == 0:   # llama.cpp repacks these rows (8x8) and runs its gemv/gemm forms
-            qdot_kx.mv_q4_k_x8(w, s.xq, s.xd, s.xs, res, F16_TABLE, n - n % 4 if n >= 4 else 0)
+            qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, res, F16_TABLE, n - n % 4 if n >= 4 else 0)
         else:
-            qdot_k.mv_q4_k(w, s.xq, s.xd, s.xs, res, F16_TABLE)
+            qdot_ks.mv_q4_k(w, s.xq, s.xd, s.xs, res, F16_TABLE)
     else:
         _KERNELS[wtype](w, s.xq, s.xd, s.xs, res, F16_TABLE)
     if res is not out:
