@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from .qdot import ROW_CHUNK, prefetch_row
 from .qdot_k import _scale_min
-from .simd import (AVX2, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
+from .simd import (AVX2, VNNI, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
                    f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8)
 
 _V32 = ir.VectorType(_I8, 32)
@@ -58,6 +58,16 @@ def _madd(builder, a, b):
         return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8x8, [a, b])
     p = builder.mul(builder.sext(a, _W32), builder.sext(b, _W32))
     return builder.add(_shuf(builder, p, p, range(0, 16, 2)), _shuf(builder, p, p, range(1, 16, 2)))
+
+
+def _madd_acc(builder, acc, a, b):
+    """acc + _madd(a, b): one vpdpwssd where the CPU has VNNI (exact: no saturation in the non-``s`` form)."""
+    if acc is None:
+        return _madd(builder, a, b)
+    if VNNI:
+        return _call(builder, "llvm.x86.avx512.vpdpwssd.256", _I8x8,
+                     [acc, builder.bitcast(a, _I8x8), builder.bitcast(b, _I8x8)])
+    return builder.add(acc, _madd(builder, a, b))
 
 
 def _bcast16(builder, s16, j):
@@ -120,6 +130,53 @@ def q4k_pdot(typingctx, w, qo, x, xo, s, j):
         s16 = builder.bitcast(args[4], _W16)
         return builder.add(_scaled(builder, lo, xa, s16, 2 * jv), _scaled(builder, hi, xb, s16, 2 * jv + 1))
     return i8(w, types.intp, x, types.intp, s, j), codegen
+
+
+def _k_sb(context, builder, sig, args, five):
+    """The eight lanes of a whole Q4_K (Q5_K: ``five``) super-block: lane l = sum over sub-blocks j of
+    sc_j * (products 4l..4l+3 of j); the scale products accumulated through ``_madd_acc``."""
+    wt, row, o = sig.args[0], args[0], args[1]
+    xt, x, xo = sig.args[2], args[2], args[3]
+    s16 = builder.bitcast(args[4], _W16)
+    qs = 48 if five else 16
+    h = _load32(context, builder, wt, row, o, 16) if five else None
+    acc = None
+    for p in range(4):
+        q = _load32(context, builder, wt, row, o, qs + 32 * p)
+        lo = builder.and_(q, _const(_V32, 15))
+        hi = builder.lshr(q, _const(_V32, 4))
+        if five:
+            one = _const(_V32, 1)
+            lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(h, _const(_V32, 2 * p)), one), _const(_V32, 4)))
+            hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(h, _const(_V32, 2 * p + 1)), one),
+                                             _const(_V32, 4)))
+        xa = _load32(context, builder, xt, x, xo, 64 * p)
+        xb = _load32(context, builder, xt, x, xo, 64 * p + 32)
+        acc = _madd_acc(builder, acc, _bcast16(builder, s16, 2 * p), _maddubs(builder, lo, xa))
+        acc = _madd_acc(builder, acc, _bcast16(builder, s16, 2 * p + 1), _maddubs(builder, hi, xb))
+    return acc
+
+
+@intrinsic
+def q4k_sb(typingctx, w, o, x, xo, s):
+    """The whole Q4_K super-block at byte o of w against the 256 activations at byte xo of x (scales ``s``)."""
+    if s != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _k_sb(context, builder, sig, args, False)
+    return i8(w, types.intp, x, types.intp, s), codegen
+
+
+@intrinsic
+def q5k_sb(typingctx, w, o, x, xo, s):
+    """As ``q4k_sb`` for a Q5_K super-block."""
+    if s != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _k_sb(context, builder, sig, args, True)
+    return i8(w, types.intp, x, types.intp, s), codegen
 
 
 @intrinsic
@@ -344,8 +401,7 @@ def _x8_pair(w0, w1, w2, w3, w4, w5, w6, w7, o, s0, s1, s2, s3, s4, s5, s6, s7, 
 @njit(cache=True, inline="always")
 def _q4k_all(w, o, xr, xo, s):
     """The whole super-block of one row: lane l = sum over sub-blocks j of sc_j * (products 4l..4l+3 of j)."""
-    v = i8_add(q4k_pdot(w, o + 16, xr, xo, s, 0), q4k_pdot(w, o + 48, xr, xo + 64, s, 1))
-    return i8_add(v, i8_add(q4k_pdot(w, o + 80, xr, xo + 128, s, 2), q4k_pdot(w, o + 112, xr, xo + 192, s, 3)))
+    return q4k_sb(w, o, xr, xo, s)
 
 
 @njit(cache=True, inline="always")
@@ -451,8 +507,7 @@ def q6k_lanes(typingctx, w, o, x, xo, bs, bo):
                 q = builder.or_(lo, builder.shl(hb, _const(_V32, 4)))
                 xv = _load32(context, builder, sig.args[2], args[2], args[3], 128 * h + 32 * g)
                 j = 8 * h + 2 * g
-                v = _madd(builder, _shuf(builder, sc, sc, [j] * 8 + [j + 1] * 8), _maddubs(builder, q, xv))
-                acc = v if acc is None else builder.add(acc, v)
+                acc = _madd_acc(builder, acc, _shuf(builder, sc, sc, [j] * 8 + [j + 1] * 8), _maddubs(builder, q, xv))
         b = _load(builder, _elem_ptr(context, builder, sig.args[4], args[4], args[5], _W16))
         sub = builder.shl(_madd(builder, sc, b), _const(_I8x8, 5))
         return builder.sub(acc, sub)
@@ -461,9 +516,7 @@ def q6k_lanes(typingctx, w, o, x, xo, bs, bo):
 
 @njit(cache=True, inline="always")
 def _q5k_all(w, o, xr, xo, s):
-    v = i8_add(q5k_pdot(w, o + 48, o + 16, xr, xo, s, 0), q5k_pdot(w, o + 80, o + 16, xr, xo + 64, s, 1))
-    return i8_add(v, i8_add(q5k_pdot(w, o + 112, o + 16, xr, xo + 128, s, 2),
-                            q5k_pdot(w, o + 144, o + 16, xr, xo + 192, s, 3)))
+    return q5k_sb(w, o, xr, xo, s)
 
 
 K_Q4_K, K_Q5_K, K_Q6_K = 4, 5, 6

@@ -1,0 +1,57 @@
+"""The tiled k-quant kernels (cpu/qdot_ks.py) on every instruction path of cpu/simd.py: in a fresh process with a
+lesser path forced (``LLAMPY_SIMD=avx2``: maddubs + madd without vpdpwssd; ``generic``: target-neutral IR) and a
+fresh Numba cache, each kernel must give this process's results bit for bit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+SCRIPT = r'''
+import sys
+import numpy as np
+from llampy.ggml.quants_k import quantize_q4_k, quantize_q5_k, quantize_q6_k
+from llampy.ggml.types import GGMLType as T
+from llampy.ggml.backends.cpu import qdot_ks
+from llampy.ggml.backends.cpu.act_quant import act_split
+from llampy.ggml.backends.cpu.qdot import F16_TABLE
+
+def run():
+    rng = np.random.default_rng(11)
+    res = {}
+    w32 = rng.standard_normal((16, 512)).astype(np.float32)
+    for name, q in (("q4_k", quantize_q4_k), ("q5_k", quantize_q5_k), ("q6_k", quantize_q6_k)):
+        w = np.asarray(q(w32)).reshape(16, -1)
+        for n in (1, 3, 4, 9):
+            s = act_split((rng.standard_normal((n, 512)) * 4).astype(np.float32), T.Q8_K)
+            out = np.empty((n, 16), np.float32)
+            getattr(qdot_ks, "mv_" + name)(w, s.xq, s.xd, s.xs, out, F16_TABLE)
+            res[f"{name}_{n}"] = out
+            if name == "q4_k":
+                out = np.empty((n, 16), np.float32)
+                qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, out, F16_TABLE, n - n % 4 if n >= 4 else 0)
+                res[f"q4_k_x8_{n}"] = out
+    return res
+
+if __name__ == "__main__":
+    np.savez(sys.argv[1], **run())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["avx2", "generic"])
+def test_qdot_ks_paths_agree(path, tmp_path):
+    script = tmp_path / "ks_run.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, LLAMPY_SIMD=path, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, str(script), str(tmp_path / f"{path}.npz")], env=env, check=True, timeout=900)
+    here = {}
+    exec(compile(SCRIPT.split('if __name__')[0], "ks_run", "exec"), here)
+    want = here["run"]()
+    got = np.load(tmp_path / f"{path}.npz")
+    assert set(got.files) == set(want)
+    for key, arr in want.items():
+        assert np.array_equal(got[key], arr), key
