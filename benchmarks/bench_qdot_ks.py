@@ -1,6 +1,6 @@
 """The k-quant matrix-product kernels at Gemma 3 270M's shapes (hidden 640, ffn 2048): the scalar references
-(cpu/qdot_k.py), the first SIMD forms (cpu/qdot_kx.py) and the tiled ones (cpu/qdot_ks.py), in GB/s of weight
-blocks read per call (best of several timing rounds; 2 threads unless -t).
+(cpu/qdot_k.py, with --scalar) and the SIMD ones (cpu/qdot_ks.py), in GB/s of weight blocks read per call (best
+of several timing rounds; 2 threads unless -t). At n > 1 each call reads the weights once for n activation rows.
 
     python benchmarks/bench_qdot_ks.py [-t 2] [--scalar]
 """
@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from llampy.ggml.backends.cpu import qdot_k, qdot_kx, qdot_ks
+from llampy.ggml.backends.cpu import qdot_k, qdot_ks
 from llampy.ggml.backends.cpu.act_quant import act_split
 from llampy.ggml.backends.cpu.qdot import F16_TABLE
 from llampy.ggml.quants_k import quantize_q4_k, quantize_q5_k, quantize_q6_k
@@ -34,14 +34,11 @@ def _kernels(fmt, rows, scalar):
     if x8:
         if scalar:
             ks["qdot_k"] = lambda w, s, o, n: qdot_k.mv_q4_k_x8(w, s.xq, s.xd, s.xs, o, F16_TABLE, gemm(n))
-        ks["qdot_kx"] = lambda w, s, o, n: qdot_kx.mv_q4_k_x8(w, s.xq, s.xd, s.xs, o, F16_TABLE, gemm(n))
         ks["qdot_ks"] = lambda w, s, o, n: qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, o, F16_TABLE, gemm(n))
         return ks
     name = "mv_" + fmt
     if scalar:
         ks["qdot_k"] = lambda w, s, o, n: getattr(qdot_k, name)(w, s.xq, s.xd, s.xs, o, F16_TABLE)
-    if fmt == "q6_k":
-        ks["qdot_kx"] = lambda w, s, o, n: qdot_kx.mv_q6_k(w, s.xq, s.xd, s.xs, o, F16_TABLE)
     ks["qdot_ks"] = lambda w, s, o, n: getattr(qdot_ks, name)(w, s.xq, s.xd, s.xs, o, F16_TABLE)
     return ks
 

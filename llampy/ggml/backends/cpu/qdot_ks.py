@@ -404,6 +404,116 @@ def _q4k_all(w, o, xr, xo, s):
     return q4k_sb(w, o, xr, xo, s)
 
 
+def _row_ptr(context, builder, aryty, ary, r, k, off):
+    """Pointer to byte ``off`` of row r + k (k a Python int) of a 2-d uint8 array, as <32 x i8>*."""
+    a = context.make_array(aryty)(context, builder, ary)
+    s0 = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    base = builder.bitcast(a.data, _I8.as_pointer())
+    at = builder.add(builder.mul(builder.add(r, ir.Constant(r.type, k)), s0), off)
+    return builder.bitcast(builder.gep(base, [at]), _V32.as_pointer())
+
+
+@intrinsic
+def q4k_pair8x4(typingctx, w, r, qo, xq, i, xo, s0, s1, s2, s3, s4, s5, s6, s7, p):
+    """Pair p (a literal) of the super-blocks at byte qo - 16 - 32p of rows r..r+7 of w against activation rows
+    i..i+3 of xq (their 64 values from byte xo): four i32x8, vector a lane k = row k's pair sum for activation
+    i + a (the gemm form's isum, exact). Each row's 32 weight bytes are decoded once for the four activations;
+    rows are reduced two by two (vphaddd tree) to keep few vectors live."""
+    if not isinstance(p, types.IntegerLiteral) or any(t != i8 for t in (s0, s1, s2, s3, s4, s5, s6, s7)):
+        return None
+    pv = p.literal_value
+
+    def codegen(context, builder, sig, args):
+        wt, wa, rr, qo = sig.args[0], args[0], args[1], args[2]
+        xt, xa, ii, xo = sig.args[3], args[3], args[4], args[5]
+        xa_ = context.make_array(xt)(context, builder, xa)
+        xs0 = cgutils.unpack_tuple(builder, xa_.strides, 2)[0]
+        xbase = builder.bitcast(xa_.data, _I8.as_pointer())
+        xl, xh = [], []
+        for a in range(4):
+            at = builder.add(builder.mul(builder.add(ii, ir.Constant(ii.type, a)), xs0), xo)
+            pl = builder.bitcast(builder.gep(xbase, [at]), _V32.as_pointer())
+            ph = builder.bitcast(builder.gep(xbase, [builder.add(at, ir.Constant(at.type, 32))]), _V32.as_pointer())
+            xl.append(_load(builder, pl))
+            xh.append(_load(builder, ph))
+
+        def rowvecs(k):
+            q = _load(builder, _row_ptr(context, builder, wt, wa, rr, k, qo))
+            lo = builder.and_(q, _const(_V32, 15))
+            hi = builder.lshr(q, _const(_V32, 4))
+            s16 = builder.bitcast(args[6 + k], _W16)
+            sl, sh = _bcast16(builder, s16, 2 * pv), _bcast16(builder, s16, 2 * pv + 1)
+            return [_madd_acc(builder, _madd(builder, sl, _maddubs(builder, lo, xl[a])), sh,
+                              _maddubs(builder, hi, xh[a])) for a in range(4)]
+
+        quads = []
+        for half in range(2):
+            pairs = []
+            for t in range(2):
+                v0, v1 = rowvecs(4 * half + 2 * t), rowvecs(4 * half + 2 * t + 1)
+                pairs.append([_hadd(builder, v0[a], v1[a]) for a in range(4)])
+            quads.append([_hadd(builder, pairs[0][a], pairs[1][a]) for a in range(4)])
+        lo, hi = quads
+        res = [builder.add(_shuf(builder, lo[a], hi[a], [0, 1, 2, 3, 8, 9, 10, 11]),
+                           _shuf(builder, lo[a], hi[a], [4, 5, 6, 7, 12, 13, 14, 15])) for a in range(4)]
+        return context.make_tuple(builder, sig.return_type, res)
+    sig = types.UniTuple(i8, 4)(w, types.intp, types.intp, xq, types.intp, types.intp,
+                                i8, i8, i8, i8, i8, i8, i8, i8, p)
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _gemm4_step(v0, v1, v2, v3, m, bp, i, t, d0, d1, d2, d3, e0, e1, e2, e3, a0, a1, a2, a3, c0, c1, c2, c3):
+    """One pair of sub-blocks for four activation rows: acc = fma(isum, d, acc), mins = fma(imin, dmin, mins)."""
+    a0 = f8_fmav(i8_to_f8(v0), d0, a0)
+    c0 = f8_fmav(i8_to_f8(k_mins_dot(m, bp[i, t])), e0, c0)
+    a1 = f8_fmav(i8_to_f8(v1), d1, a1)
+    c1 = f8_fmav(i8_to_f8(k_mins_dot(m, bp[i + 1, t])), e1, c1)
+    a2 = f8_fmav(i8_to_f8(v2), d2, a2)
+    c2 = f8_fmav(i8_to_f8(k_mins_dot(m, bp[i + 2, t])), e2, c2)
+    a3 = f8_fmav(i8_to_f8(v3), d3, a3)
+    c3 = f8_fmav(i8_to_f8(k_mins_dot(m, bp[i + 3, t])), e3, c3)
+    return a0, a1, a2, a3, c0, c1, c2, c3
+
+
+@njit(cache=True, inline="always")
+def _x8_gemm4(w, r, xq, xd, bp, out, i, nb):
+    """Rows r..r+7 against activation rows i..i+3 (gemm form): per super-block the scales, mins and F16 factors
+    of the eight rows unpacked once for the four activations."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = w[r], w[r + 1], w[r + 2], w[r + 3], w[r + 4], w[r + 5], w[r + 6], w[r + 7]
+    a0 = a1 = a2 = a3 = f8_zero()
+    c0 = c1 = c2 = c3 = f8_zero()
+    for b in range(nb):
+        o = b * 144
+        xo = b * 256
+        t = 4 * b
+        s0, s1, s2, s3 = k_scales(w0, o), k_scales(w1, o), k_scales(w2, o), k_scales(w3, o)
+        s4, s5, s6, s7 = k_scales(w4, o), k_scales(w5, o), k_scales(w6, o), k_scales(w7, o)
+        m0, m1, m2, m3 = k_mins_t(s0, s1, s2, s3, s4, s5, s6, s7)
+        dr = f16_rows8(w, r, o)
+        er = f16_rows8(w, r, o + 2)
+        d0, d1, d2, d3 = f8_mul_s(dr, xd[i, b]), f8_mul_s(dr, xd[i + 1, b]), f8_mul_s(dr, xd[i + 2, b]), \
+            f8_mul_s(dr, xd[i + 3, b])
+        e0, e1, e2, e3 = f8_mul_s(er, xd[i, b]), f8_mul_s(er, xd[i + 1, b]), f8_mul_s(er, xd[i + 2, b]), \
+            f8_mul_s(er, xd[i + 3, b])
+        v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 16, xq, i, xo, s0, s1, s2, s3, s4, s5, s6, s7, 0)
+        a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, m0, bp, i, t, d0, d1, d2, d3, e0, e1, e2, e3,
+                                                     a0, a1, a2, a3, c0, c1, c2, c3)
+        v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 48, xq, i, xo + 64, s0, s1, s2, s3, s4, s5, s6, s7, 1)
+        a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, m1, bp, i, t + 1, d0, d1, d2, d3, e0, e1, e2,
+                                                     e3, a0, a1, a2, a3, c0, c1, c2, c3)
+        v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 80, xq, i, xo + 128, s0, s1, s2, s3, s4, s5, s6, s7, 2)
+        a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, m2, bp, i, t + 2, d0, d1, d2, d3, e0, e1, e2,
+                                                     e3, a0, a1, a2, a3, c0, c1, c2, c3)
+        v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 112, xq, i, xo + 192, s0, s1, s2, s3, s4, s5, s6, s7, 3)
+        a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, m3, bp, i, t + 3, d0, d1, d2, d3, e0, e1, e2,
+                                                     e3, a0, a1, a2, a3, c0, c1, c2, c3)
+    f8_store_diff(out[i], r, a0, c0)
+    f8_store_diff(out[i + 1], r, a1, c1)
+    f8_store_diff(out[i + 2], r, a2, c2)
+    f8_store_diff(out[i + 3], r, a3, c3)
+
+
 @njit(cache=True, inline="always")
 def _x8_tile(w, r, xq, xd, bp, out, i0, i1, n_gemm, nb):
     """Rows r..r+7 against activation rows i0..i1 (all gemm, i.e. below n_gemm, or all gemv)."""
@@ -452,7 +562,8 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
         for r in range(16 * c, min(r8, 16 * c + 16), 8):
             for p in range(8):
                 prefetch_row(w, r + p)
-            _x8_tile(w, r, xq, xd, bp, out, 0, n_gemm, n_gemm, nb)
+            for i in range(0, n_gemm, 4):
+                _x8_gemm4(w, r, xq, xd, bp, out, i, nb)
             _x8_tile(w, r, xq, xd, bp, out, n_gemm, n, n_gemm, nb)
     for r in range(r8, rows):          # rows beyond the eights (not a repacked shape; kept for completeness)
         row = w[r]
