@@ -84,18 +84,16 @@ def _load32(context, builder, aryty, ary, off, add=0):
 def _scales16(context, builder, aryty, ary, off):
     """The 12 scale bytes of the Q4_K/Q5_K super-block at byte ``off`` (bytes off+4..off+15) -> <16 x i16>: the eight 6-bit scales, then
     the eight mins (ggml's kmask1..3 unpacking of ``utmp``; the values of ``_scale_min``)."""
-    u = [_load(builder, _ptr(context, builder, aryty, ary, builder.add(off, ir.Constant(off.type, 4 + 4 * t)), _I32))
-         for t in range(3)]
-    k1, k2, k3 = (ir.Constant(_I32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
-    six, four = ir.Constant(_I32, 6), ir.Constant(_I32, 4)
-    s_lo = builder.and_(u[0], k1)
-    s_hi = builder.or_(builder.and_(u[2], k2), builder.shl(builder.and_(builder.lshr(u[0], six), k3), four))
-    m_lo = builder.and_(u[1], k1)
-    m_hi = builder.or_(builder.and_(builder.lshr(u[2], four), k2),
-                       builder.shl(builder.and_(builder.lshr(u[1], six), k3), four))
-    v = ir.Constant(ir.VectorType(_I32, 4), None)
-    for t, x in enumerate((s_lo, s_hi, m_lo, m_hi)):
-        v = builder.insert_element(v, x, ir.Constant(_I32, t))
+    # u = the words u0, u1, u2 (and the next block's first, unused) in one 16-byte load; the four results as lanes
+    # [s_lo, s_hi, m_lo, m_hi] = [u0 & k1, (u2 & k2) | ((u0 >> 6) & k3) << 4, u1 & k1, ((u2 >> 4) & k2) | ...]
+    v4 = ir.VectorType(_I32, 4)
+    u = _load(builder, _ptr(context, builder, aryty, ary, builder.add(off, ir.Constant(off.type, 4)), v4))
+    a = builder.and_(_shuf(builder, u, u, [0, 0, 1, 1]), ir.Constant(v4, [0x3F3F3F3F, 0, 0x3F3F3F3F, 0]))
+    hi2 = builder.and_(builder.lshr(_shuf(builder, u, u, [2, 2, 2, 2]), ir.Constant(v4, [0, 0, 4, 4])),
+                       ir.Constant(v4, [0, 0x0F0F0F0F, 0, 0x0F0F0F0F]))
+    top = builder.shl(builder.and_(builder.lshr(_shuf(builder, u, u, [0, 0, 1, 1]), ir.Constant(v4, [6] * 4)),
+                                   ir.Constant(v4, [0, 0x03030303, 0, 0x03030303])), ir.Constant(v4, [4] * 4))
+    v = builder.or_(builder.or_(a, hi2), top)
     return builder.zext(builder.bitcast(v, ir.VectorType(_I8, 16)), _W16)
 
 
