@@ -303,19 +303,22 @@ def i8_pairs4(typingctx, v):
 
 
 @intrinsic
-def f16_rows8(typingctx, w, r, o):
-    """The F16 values at byte o of rows r..r+7 of a 2-d uint8 array, as eight float32 lanes (exact)."""
+def f16_rows8x2(typingctx, w, r, o):
+    """The F16 pairs at byte o of rows r..r+7 of a 2-d uint8 array (Q4_K's d and dmin): two f32x8 (exact)."""
     def codegen(context, builder, sig, args):
         a = context.make_array(sig.args[0])(context, builder, args[0])
         s0 = cgutils.unpack_tuple(builder, a.strides, 2)[0]
         base = builder.bitcast(a.data, _I8.as_pointer())
-        v = ir.Constant(ir.VectorType(_I16, 8), None)
+        v = ir.Constant(_I8x8, None)
         for k in range(8):
             off = builder.add(builder.mul(builder.add(args[1], ir.Constant(args[1].type, k)), s0), args[2])
-            p = builder.bitcast(builder.gep(base, [off]), _I16.as_pointer())
+            p = builder.bitcast(builder.gep(base, [off]), _I32.as_pointer())
             v = builder.insert_element(v, _load(builder, p), ir.Constant(_I32, k))
-        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), _F8)
-    return f8(w, types.intp, types.intp), codegen
+        h = builder.bitcast(v, ir.VectorType(ir.HalfType(), 16))
+        d = builder.fpext(_shuf(builder, h, h, range(0, 16, 2)), _F8)
+        m = builder.fpext(_shuf(builder, h, h, range(1, 16, 2)), _F8)
+        return context.make_tuple(builder, sig.return_type, [d, m])
+    return types.UniTuple(f8, 2)(w, types.intp, types.intp), codegen
 
 
 @intrinsic
@@ -488,8 +491,7 @@ def _x8_gemm4(w, r, xq, xd, bp, out, i, nb):
         s0, s1, s2, s3 = k_scales(w0, o), k_scales(w1, o), k_scales(w2, o), k_scales(w3, o)
         s4, s5, s6, s7 = k_scales(w4, o), k_scales(w5, o), k_scales(w6, o), k_scales(w7, o)
         m0, m1, m2, m3 = k_mins_t(s0, s1, s2, s3, s4, s5, s6, s7)
-        dr = f16_rows8(w, r, o)
-        er = f16_rows8(w, r, o + 2)
+        dr, er = f16_rows8x2(w, r, o)
         d0, d1, d2, d3 = f8_mul_s(dr, xd[i, b]), f8_mul_s(dr, xd[i + 1, b]), f8_mul_s(dr, xd[i + 2, b]), \
             f8_mul_s(dr, xd[i + 3, b])
         e0, e1, e2, e3 = f8_mul_s(er, xd[i, b]), f8_mul_s(er, xd[i + 1, b]), f8_mul_s(er, xd[i + 2, b]), \
@@ -526,8 +528,9 @@ def _x8_tile(w, r, xq, xd, bp, out, i0, i1, n_gemm, nb):
             s0, s1, s2, s3 = k_scales(w0, o), k_scales(w1, o), k_scales(w2, o), k_scales(w3, o)
             s4, s5, s6, s7 = k_scales(w4, o), k_scales(w5, o), k_scales(w6, o), k_scales(w7, o)
             m0, m1, m2, m3 = k_mins_t(s0, s1, s2, s3, s4, s5, s6, s7)
-            d = f8_mul_s(f16_rows8(w, r, o), xd[i, b])
-            dm = f8_mul_s(f16_rows8(w, r, o + 2), xd[i, b])
+            dr, er = f16_rows8x2(w, r, o)
+            d = f8_mul_s(dr, xd[i, b])
+            dm = f8_mul_s(er, xd[i, b])
             t = 4 * b
             if i < n_gemm:     # gemm: one fma per pair of sub-blocks
                 for p in range(4):
