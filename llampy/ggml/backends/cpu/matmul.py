@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
-from . import qdot, qdot_k, qdot_ks
+from . import qdot, qdot_k, qdot_ks, qdot_kt
 from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
 from .qdot import F16_TABLE
 
@@ -111,7 +111,10 @@ def _mul_mat_int(w, wtype, x, out, scratch):
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     s = act_split(x, vdt, scratch)
     res = out if (out.dtype == np.float32 and out.strides[-1] == 4) else np.empty(out.shape, np.float32)
-    if wtype == T.Q4_K:
+    if (wtype.name in qdot_kt.KINDS and x.shape[0] >= qdot_kt.TILED_MIN_ROWS
+            and not (wtype == T.Q4_K and w.shape[0] % 8 == 0)):   # llama.cpp's tiled path (see qdot_kt)
+        qdot_kt.mm_k_tiled(w, qdot_kt.KINDS[wtype.name], s.xq, s.xd, s.xs, res, F16_TABLE)
+    elif wtype == T.Q4_K:
         n = x.shape[0]
         if w.shape[0] % 8 == 0:   # llama.cpp repacks these rows (8x8) and runs its gemv/gemm forms
             qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, res, F16_TABLE, n - n % 4 if n >= 4 else 0)

@@ -1,0 +1,124 @@
+"""llama.cpp's tiled k-quant matrix product (ggml-cpu/tiled/), bit for bit: the path its CPU backend takes for
+Q4_K, Q5_K and Q6_K weights that are not repacked (on x86: all Q5_K and Q6_K, Q4_K with rows % 8 != 0) when the
+batch has at least ``TILED_MIN_ROWS`` activation rows. Below that, and for one-token decode, llama.cpp runs
+``ggml_vec_dot_*_q8_K`` per row (``qdot_k``/``qdot_ks``).
+
+The float order differs from vec_dot's, so the two give different last bits; Gemma 3's Q6_K ``ffn_down`` in a
+prompt of eight or more tokens goes through this path in llama.cpp. Per (weight row, activation row) and per
+256-value super-block, in k order (ggml's AVX-512 VNNI microkernel ``tiled_run_micro_vnni_8x16``, which x86 builds
+with AVX512-VNNI/VL/DQ use):
+
+    s1 = sum over sub-blocks of scale * (the sub-block's products)        exact int32
+    s2 = sum over sub-blocks of min * (the activation's sub-block sum)    exact int32 (Q4_K, Q5_K)
+    r  = float(s1) * d_w                        (Q6_K: the weight codes less 32; no min)
+    r  = fma(-dmin_w, float(s2), r)             (Q4_K, Q5_K: _mm512_fnmadd_ps)
+    out = fma(r, d_x, out)                      out starts at 0; GCC contracts the epilogue's add(mul) to an fma
+
+(Checked against llama.cpp's own ``ffn_out`` of Gemma 3 layer 0 through its eval callback: identical; with an
+unfused mul and add, half the values differ.) The integer sums are exact in any order; the kernel decodes each
+super-block of a few weight rows once and reuses it for every activation row.
+
+    # w: uint8 [rows, row_bytes] GGUF blocks; xq int8 [n, k], xd float32 [n, k/256], bsums int16 [n, k/16]
+    # (``act_quant.act_split(x, Q8_K)``)  ->  out float32 [n, rows]
+    mm_k_tiled(w, kind, xq, xd, bsums, out, tab)    # kind: 4 (Q4_K), 5 (Q5_K), 6 (Q6_K)
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .qdot import _f16
+from .qdot_k import _scale_min
+from .simd import fma32
+
+# ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
+TILED_MIN_ROWS = 8
+KINDS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+_R = 8   # weight rows decoded together (one prange item)
+
+
+@njit(cache=True, inline="always")
+def _decode_q6_k(row, b, wq):
+    """Super-block b of a Q6_K row: wq[e] = scale(e) * (q[e] - 32) (no mins)."""
+    o = b * 210
+    for h in range(2):
+        ql = o + h * 64
+        qh = o + 128 + h * 32
+        for l in range(32):
+            hb = np.int32(row[qh + l])
+            lo = np.int32(row[ql + l])
+            hi = np.int32(row[ql + 32 + l])
+            e = h * 128 + l
+            wq[e] = (lo & 15) | ((hb & 3) << 4)
+            wq[e + 32] = (hi & 15) | (((hb >> 2) & 3) << 4)
+            wq[e + 64] = (lo >> 4) | (((hb >> 4) & 3) << 4)
+            wq[e + 96] = (hi >> 4) | (((hb >> 6) & 3) << 4)
+    for e in range(256):
+        wq[e] = np.int32(np.int8(row[o + 192 + e // 16])) * (np.int32(wq[e]) - 32)
+
+
+@njit(cache=True, inline="always")
+def _decode_q45_k(row, b, wq, mins, five):
+    """Super-block b of a Q4_K (five=False) or Q5_K row: wq[e] = scale(e) * q[e], mins[s] per 32-value sub-block."""
+    o = b * (176 if five else 144)
+    qs = o + (48 if five else 16)
+    for j in range(4):
+        for l in range(32):
+            v = np.int32(row[qs + j * 32 + l])
+            lo = v & 15
+            hi = v >> 4
+            if five:
+                hb = np.int32(row[o + 16 + l])
+                lo |= ((hb >> (2 * j)) & 1) << 4
+                hi |= ((hb >> (2 * j + 1)) & 1) << 4
+            wq[j * 64 + l] = lo
+            wq[j * 64 + 32 + l] = hi
+    for s in range(8):
+        sc, m = _scale_min(row, o + 4, s)
+        mins[s] = m
+        for e in range(s * 32, s * 32 + 32):
+            wq[e] = sc * np.int32(wq[e])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mm_k_tiled(w, kind, xq, xd, bsums, out, tab):
+    rows = w.shape[0]
+    n = xq.shape[0]
+    nb = xq.shape[1] // 256
+    for c in prange((rows + _R - 1) // _R):
+        r0 = c * _R
+        nr = min(_R, rows - r0)
+        wq = np.empty((_R, 256), np.int16)
+        mins = np.zeros((_R, 8), np.int32)
+        dw = np.empty(_R, np.float32)
+        mw = np.empty(_R, np.float32)
+        for i in range(n):
+            for t in range(nr):
+                out[i, r0 + t] = 0
+        for b in range(nb):
+            for t in range(nr):
+                row = w[r0 + t]
+                if kind == 6:
+                    _decode_q6_k(row, b, wq[t])
+                    dw[t] = _f16(tab, row, b * 210 + 208)
+                else:
+                    o = b * (176 if kind == 5 else 144)
+                    _decode_q45_k(row, b, wq[t], mins[t], kind == 5)
+                    dw[t] = _f16(tab, row, o)
+                    mw[t] = _f16(tab, row, o + 2)
+            xo = b * 256
+            for i in range(n):
+                xi = xq[i, xo:xo + 256]
+                for t in range(nr):
+                    wt = wq[t]
+                    s1 = np.int32(0)
+                    for e in range(256):
+                        s1 += np.int32(wt[e]) * np.int32(xi[e])
+                    r = np.float32(np.float32(s1) * dw[t])
+                    if kind != 6:
+                        s2 = np.int32(0)
+                        for s in range(8):
+                            s2 += mins[t, s] * (np.int32(bsums[i, b * 16 + 2 * s]) +
+                                                np.int32(bsums[i, b * 16 + 2 * s + 1]))
+                        r = fma32(-mw[t], np.float32(s2), r)
+                    out[i, r0 + t] = fma32(r, xd[i, b], out[i, r0 + t])
