@@ -25,16 +25,46 @@ super-block of a few weight rows once and reuses it for every activation row.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from .qdot import _f16
 from .qdot_k import _scale_min
-from .simd import fma32
+from .simd import AVX2, _call, _load, _ptr, fma32
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
 TILED_MIN_ROWS = 8
 KINDS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 _R = 8   # weight rows decoded together (one prange item)
+
+_I32 = ir.IntType(32)
+_H16 = ir.VectorType(ir.IntType(16), 16)
+_L8 = ir.VectorType(_I32, 8)
+
+
+@intrinsic
+def dot256_i16(typingctx, w, wo, x, xo):
+    """The int32 sum of 256 int16 products: w's elements from element wo, x's from element xo (flat, C-contiguous).
+    vpmaddwd pairs summed in eight lanes (exact: |w| <= 4096, |x| <= 128), reduced at the end."""
+    def codegen(context, builder, sig, args):
+        acc = None
+        wb = builder.mul(args[1], ir.Constant(args[1].type, 2))   # byte offsets
+        xb = builder.mul(args[3], ir.Constant(args[3].type, 2))
+        for c in range(16):
+            step = ir.Constant(wb.type, 32 * c)
+            a = _load(builder, _ptr(context, builder, sig.args[0], args[0], builder.add(wb, step), _H16))
+            b = _load(builder, _ptr(context, builder, sig.args[2], args[2], builder.add(xb, step), _H16))
+            if AVX2:
+                p = _call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [a, b])
+            else:
+                w32 = ir.VectorType(_I32, 16)
+                q = builder.mul(builder.sext(a, w32), builder.sext(b, w32))
+                p = builder.add(builder.shuffle_vector(q, q, ir.Constant(_L8, list(range(0, 16, 2)))),
+                                builder.shuffle_vector(q, q, ir.Constant(_L8, list(range(1, 16, 2)))))
+            acc = p if acc is None else builder.add(acc, p)
+        return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [acc])
+    return types.int32(w, types.intp, x, types.intp), codegen
 
 
 @njit(cache=True, inline="always")
@@ -84,7 +114,9 @@ def _decode_q45_k(row, b, wq, mins, five):
 def mm_k_tiled(w, kind, xq, xd, bsums, out, tab):
     rows = w.shape[0]
     n = xq.shape[0]
-    nb = xq.shape[1] // 256
+    k = xq.shape[1]
+    nb = k // 256
+    x16 = xq.astype(np.int16)
     for c in prange((rows + _R - 1) // _R):
         r0 = c * _R
         nr = min(_R, rows - r0)
@@ -106,14 +138,9 @@ def mm_k_tiled(w, kind, xq, xd, bsums, out, tab):
                     _decode_q45_k(row, b, wq[t], mins[t], kind == 5)
                     dw[t] = _f16(tab, row, o)
                     mw[t] = _f16(tab, row, o + 2)
-            xo = b * 256
             for i in range(n):
-                xi = xq[i, xo:xo + 256]
                 for t in range(nr):
-                    wt = wq[t]
-                    s1 = np.int32(0)
-                    for e in range(256):
-                        s1 += np.int32(wt[e]) * np.int32(xi[e])
+                    s1 = dot256_i16(wq, t * 256, x16, i * k + b * 256)
                     r = np.float32(np.float32(s1) * dw[t])
                     if kind != 6:
                         s2 = np.int32(0)

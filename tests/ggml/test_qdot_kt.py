@@ -1,0 +1,105 @@
+"""llama.cpp's tiled k-quant product (cpu/qdot_kt.py) against an independent NumPy statement of its arithmetic, and
+``mul_mat``'s choice between it and vec_dot as llama.cpp's CPU backend makes it (tiled from 8 activation rows,
+except Q4_K whose rows llama.cpp repacks). Bit-equality with llama.cpp itself is checked end to end by
+tests/llama/test_fidelity_real.py (Gemma 3's Q6_K ffn_down)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llampy.ggml.backends.cpu import matmul, qdot_k, qdot_ks, qdot_kt
+from llampy.ggml.backends.cpu.act_quant import act_split
+from llampy.ggml.backends.cpu.qdot import F16_TABLE
+from llampy.ggml.quants import dequantize
+from llampy.ggml.quants_k import quantize_q4_k, quantize_q5_k, quantize_q6_k
+from llampy.ggml.types import GGMLType as T
+
+QUANT = {T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k, T.Q6_K: quantize_q6_k}
+BLOCK = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+D_AT = {T.Q4_K: 0, T.Q5_K: 0, T.Q6_K: 208}   # byte of the F16 d in a block (dmin follows for Q4_K/Q5_K)
+F16_ONE, F16_ZERO = np.array([1], np.float16).view(np.uint8), np.array([0], np.float16).view(np.uint8)
+
+
+def case(wtype, rows, k, n, seed):
+    rng = np.random.default_rng(seed)
+    w32 = rng.standard_normal((rows, k)).astype(np.float32)
+    w32[0, :32] *= 50
+    w = np.asarray(QUANT[wtype](w32)).reshape(rows, -1)
+    x = (rng.standard_normal((n, k)) * 3).astype(np.float32)
+    x[0, :5] = [40, -40, 0, 1e-3, 7]
+    if k >= 512:
+        x[-1, 256:512] = 0                  # a zero super-block: d_x = 0
+    return w, x
+
+
+def with_scales(w, wtype, d, dmin):
+    """A copy of the blocks with every d (and dmin) replaced: dequantizing it gives the integer parts."""
+    b = w.reshape(w.shape[0], -1, BLOCK[wtype]).copy()
+    b[:, :, D_AT[wtype]:D_AT[wtype] + 2] = d
+    if wtype != T.Q6_K:
+        b[:, :, 2:4] = dmin
+    return b.reshape(w.shape)
+
+
+def reference(w, wtype, x):
+    """ggml-cpu/tiled's VNNI microkernel in NumPy: per super-block, in order, r = f32(s1) * d_w
+    [r = fma(-dmin_w, f32(s2), r)], out = fma(r, d_x, out); s1 = sum of scale * q * x_q, s2 = sum of min * x_q
+    (exact integers, here through float64); fma through float64 (the product is exact)."""
+    rows, k = w.shape[0], x.shape[1]
+    s = act_split(x, T.Q8_K)
+    xq = s.xq.astype(np.float64)
+    sq = dequantize(with_scales(w, wtype, F16_ONE, F16_ZERO), wtype, k).reshape(rows, k).astype(np.float64)
+    blocks = w.reshape(rows, -1, BLOCK[wtype])
+    dw = blocks[:, :, D_AT[wtype]:D_AT[wtype] + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if wtype != T.Q6_K:
+        mq = -dequantize(with_scales(w, wtype, F16_ZERO, F16_ONE), wtype, k).reshape(rows, k).astype(np.float64)
+        dmin = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    out = np.zeros((x.shape[0], rows), np.float32)
+    for b in range(k // 256):
+        sl = slice(b * 256, b * 256 + 256)
+        r = ((xq[:, sl] @ sq[:, sl].T).astype(np.float32) * dw[None, :, b]).astype(np.float32)
+        if wtype != T.Q6_K:
+            s2 = (xq[:, sl] @ mq[:, sl].T).astype(np.float32)
+            r = (-dmin[None, :, b].astype(np.float64) * s2 + r).astype(np.float32)
+        out = (r.astype(np.float64) * s.xd[:, b, None] + out).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("wtype", [T.Q6_K, T.Q5_K, T.Q4_K])
+@pytest.mark.parametrize("rows,k,n", [(13, 512, 8), (40, 1024, 9), (24, 768, 17), (7, 256, 12)])
+def test_tiled_equals_reference(wtype, rows, k, n):
+    w, x = case(wtype, rows, k, n, rows * k + n)
+    s = act_split(x, T.Q8_K)
+    got = np.full((n, rows), np.nan, np.float32)
+    qdot_kt.mm_k_tiled(w, qdot_kt.KINDS[wtype.name], s.xq, s.xd, s.xs, got, F16_TABLE)
+    assert np.array_equal(got, reference(w, wtype, x))
+
+
+def test_tiled_differs_from_vec_dot():
+    """The two float orders are not the same function: they part in the last bits (which is why the path matters)."""
+    w, x = case(T.Q6_K, 64, 2048, 8, 1)
+    s = act_split(x, T.Q8_K)
+    tiled, vec = np.empty((8, 64), np.float32), np.empty((8, 64), np.float32)
+    qdot_kt.mm_k_tiled(w, 6, s.xq, s.xd, s.xs, tiled, F16_TABLE)
+    qdot_k.mv_q6_k(w, s.xq, s.xd, s.xs, vec, F16_TABLE)
+    assert np.allclose(tiled, vec, rtol=1e-4, atol=1e-3) and not np.array_equal(tiled, vec)
+
+
+@pytest.mark.parametrize("wtype,rows", [(T.Q6_K, 24), (T.Q5_K, 24), (T.Q4_K, 13), (T.Q4_K, 16)])
+def test_mul_mat_takes_llamacpps_path(wtype, rows):
+    """Below 8 activation rows vec_dot (or Q4_K's repacked forms); from 8 rows the tiled kernel, unless llama.cpp
+    repacks the weights (Q4_K, rows % 8 == 0)."""
+    for n in (1, 7, 8, 11):
+        w, x = case(wtype, rows, 512, n, n + rows)
+        s = act_split(x, T.Q8_K)
+        got = np.empty((n, rows), np.float32)
+        matmul.mul_mat(w, wtype, x, got)
+        want = np.empty_like(got)
+        repacked = wtype == T.Q4_K and rows % 8 == 0
+        if n >= qdot_kt.TILED_MIN_ROWS and not repacked:
+            qdot_kt.mm_k_tiled(w, qdot_kt.KINDS[wtype.name], s.xq, s.xd, s.xs, want, F16_TABLE)
+        elif repacked:
+            qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, want, F16_TABLE, n - n % 4 if n >= 4 else 0)
+        else:
+            getattr(qdot_k, "mv_" + wtype.name.lower())(w, s.xq, s.xd, s.xs, want, F16_TABLE)
+        assert np.array_equal(got, want), n
