@@ -65,7 +65,7 @@ def reference(w, wtype, x):
     return out
 
 
-@pytest.mark.parametrize("wtype", [T.Q6_K, T.Q5_K, T.Q4_K])
+@pytest.mark.parametrize("wtype", [T.Q6_K, T.Q5_K, T.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,k,n", [(13, 512, 8), (40, 1024, 9), (24, 768, 17), (7, 256, 12)])
 def test_tiled_equals_reference(wtype, rows, k, n):
     w, x = case(wtype, rows, k, n, rows * k + n)
@@ -103,3 +103,14 @@ def test_mul_mat_takes_llamacpps_path(wtype, rows):
         else:
             getattr(qdot_k, "mv_" + wtype.name.lower())(w, s.xq, s.xd, s.xs, want, F16_TABLE)
         assert np.array_equal(got, want), n
+
+
+@pytest.mark.slow
+def test_target_neutral_path(tmp_path):
+    """Without AVX2 (``LLAMPY_SIMD=generic``, a fresh Numba cache) the kernel still equals the reference."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, LLAMPY_SIMD="generic", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                    "-k", "equals_reference and (Q6_K or Q4_K) and 13-512"], env=env, check=True, timeout=900)
