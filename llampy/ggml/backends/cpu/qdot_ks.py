@@ -680,6 +680,61 @@ def _kfinal(kind, acc, accm, summs):
 
 
 @njit(cache=True, inline="always")
+def _tile2x4(kind, u0, u1, r, xq, xd, bsums, out, i, nb):
+    """Weight rows r, r + 1 against activation rows i..i+3: eight chains, each weight block decoded once for four
+    activation rows."""
+    x0, x1, x2, x3 = xq[i], xq[i + 1], xq[i + 2], xq[i + 3]
+    b0, b1, b2, b3 = bsums[i], bsums[i + 1], bsums[i + 2], bsums[i + 3]
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = f8_zero()
+    m00 = m01 = m02 = m03 = m10 = m11 = m12 = m13 = f8_zero()
+    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0.0)
+    for b in range(nb):
+        d0, d1, d2, d3 = xd[i, b], xd[i + 1, b], xd[i + 2, b], xd[i + 3, b]
+        a00, m00, s00 = _kblock(kind, u0, b, x0, d0, b0, a00, m00, s00)
+        a01, m01, s01 = _kblock(kind, u0, b, x1, d1, b1, a01, m01, s01)
+        a02, m02, s02 = _kblock(kind, u0, b, x2, d2, b2, a02, m02, s02)
+        a03, m03, s03 = _kblock(kind, u0, b, x3, d3, b3, a03, m03, s03)
+        a10, m10, s10 = _kblock(kind, u1, b, x0, d0, b0, a10, m10, s10)
+        a11, m11, s11 = _kblock(kind, u1, b, x1, d1, b1, a11, m11, s11)
+        a12, m12, s12 = _kblock(kind, u1, b, x2, d2, b2, a12, m12, s12)
+        a13, m13, s13 = _kblock(kind, u1, b, x3, d3, b3, a13, m13, s13)
+    out[i, r] = _kfinal(kind, a00, m00, s00)
+    out[i + 1, r] = _kfinal(kind, a01, m01, s01)
+    out[i + 2, r] = _kfinal(kind, a02, m02, s02)
+    out[i + 3, r] = _kfinal(kind, a03, m03, s03)
+    out[i, r + 1] = _kfinal(kind, a10, m10, s10)
+    out[i + 1, r + 1] = _kfinal(kind, a11, m11, s11)
+    out[i + 2, r + 1] = _kfinal(kind, a12, m12, s12)
+    out[i + 3, r + 1] = _kfinal(kind, a13, m13, s13)
+
+
+@njit(cache=True, inline="always")
+def _mv_k4(w, xq, xd, bsums, out, kind):
+    """``_mv_k`` for activation rows in fours (n % 4 == 0): tiles of 2 weight rows x 4 activation rows."""
+    rows = w.shape[0]
+    n = xq.shape[0]
+    nb = xq.shape[1] // 256
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r1 = min(rows, (c + 1) * ROW_CHUNK)
+        r = c * ROW_CHUNK
+        while r + 2 <= r1:
+            prefetch_row(w, r)
+            prefetch_row(w, r + 1)
+            u0, u1 = w[r], w[r + 1]
+            for i in range(0, n, 4):
+                _tile2x4(kind, u0, u1, r, xq, xd, bsums, out, i, nb)
+            r += 2
+        if r < r1:
+            wr = w[r]
+            for i in range(n):
+                a0 = m0 = f8_zero()
+                s0 = np.float32(0.0)
+                for b in range(nb):
+                    a0, m0, s0 = _kblock(kind, wr, b, xq[i], xd[i, b], bsums[i], a0, m0, s0)
+                out[i, r] = _kfinal(kind, a0, m0, s0)
+
+
+@njit(cache=True, inline="always")
 def _mv_k(w, xq, xd, bsums, out, kind):
     """out[i, r] = dot(w[r], x[i]): tiles of 4 weight rows x 2 activation rows (eight independent fma chains, each
     weight block decoded once for both), then 4 x 1, then single rows; each pair in its own accumulators."""
@@ -744,19 +799,57 @@ def _mv_k(w, xq, xd, bsums, out, kind):
             r += 1
 
 
+# Each format: one parallel kernel for activation rows in fours (prompts, parallel decode), one for the rest; in one
+# kernel, the larger tiles made LLVM's code for n = 1 and 2 about 15% slower.
 @njit(parallel=True, cache=True, nogil=True)
-def mv_q6_k(w, xq, xd, bsums, out, tab):
-    """Same arguments and results as qdot_k.mv_q6_k (``tab`` unused)."""
+def _q6_k4(w, xq, xd, bsums, out):
+    _mv_k4(w, xq, xd, bsums, out, K_Q6_K)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _q6_k(w, xq, xd, bsums, out):
     _mv_k(w, xq, xd, bsums, out, K_Q6_K)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def mv_q4_k(w, xq, xd, bsums, out, tab):
-    """Same arguments and results as qdot_k.mv_q4_k (``tab`` unused)."""
+def _q4_k4(w, xq, xd, bsums, out):
+    _mv_k4(w, xq, xd, bsums, out, K_Q4_K)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _q4_k(w, xq, xd, bsums, out):
     _mv_k(w, xq, xd, bsums, out, K_Q4_K)
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _q5_k4(w, xq, xd, bsums, out):
+    _mv_k4(w, xq, xd, bsums, out, K_Q5_K)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _q5_k(w, xq, xd, bsums, out):
+    _mv_k(w, xq, xd, bsums, out, K_Q5_K)
+
+
+def _split4(k4, k1, w, xq, xd, bsums, out):
+    n = xq.shape[0]
+    n4 = n - n % 4
+    if n4:
+        k4(w, xq[:n4], xd[:n4], bsums[:n4], out[:n4])
+    if n4 < n:
+        k1(w, xq[n4:], xd[n4:], bsums[n4:], out[n4:])
+
+
+def mv_q6_k(w, xq, xd, bsums, out, tab):
+    """Same arguments and results as qdot_k.mv_q6_k (``tab`` unused)."""
+    _split4(_q6_k4, _q6_k, w, xq, xd, bsums, out)
+
+
+def mv_q4_k(w, xq, xd, bsums, out, tab):
+    """Same arguments and results as qdot_k.mv_q4_k (``tab`` unused)."""
+    _split4(_q4_k4, _q4_k, w, xq, xd, bsums, out)
+
+
 def mv_q5_k(w, xq, xd, bsums, out, tab):
     """Same arguments and results as qdot_k.mv_q5_k (``tab`` unused)."""
-    _mv_k(w, xq, xd, bsums, out, K_Q5_K)
+    _split4(_q5_k4, _q5_k, w, xq, xd, bsums, out)
