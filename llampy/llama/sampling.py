@@ -149,16 +149,53 @@ def _order_desc(keys: np.ndarray, k: int | None = None) -> np.ndarray:
     One sort of uint64 composite keys (order-preserving bits of the float, then the position): as fast as NumPy's
     SIMD sort and, unlike a stable argsort of floats, a few times quicker on a 262k vocabulary."""
     n = len(keys)
-    if k is not None and k < n:
-        kth = np.partition(keys, n - k)[n - k]          # the k-th largest value
-        above = np.flatnonzero(keys > kth)
-        at = np.flatnonzero(keys == kth)[:k - len(above)]
-        pos = np.concatenate([above, at])
-        return pos[_order_desc(keys[pos])]
     u = np.ascontiguousarray(keys, dtype=_F32).view(np.uint32)
+    if k is not None and k < n:
+        return _select_desc(u, max(int(k), 0))
     asc = np.where(u >> 31, ~u, u | np.uint32(0x80000000))   # unsigned order == float order
     comp = ((~asc).astype(np.uint64) << np.uint64(32)) | np.arange(n, dtype=np.uint64)
     return (np.sort(comp) & np.uint64(0xFFFFFFFF)).astype(np.intp)
+
+
+@njit(cache=True)
+def _select_desc(u, k):
+    """``_order_desc`` for k < len(u) (u: the keys' float32 bits): one pass keeping the k smallest composite keys
+    (the same keys as the full sort's) in a max-heap; most keys fail the comparison with its top, so a 49k
+    vocabulary takes ~50 us where np.partition took ~250 (the server samples once per stream per step)."""
+    heap = np.empty(k, np.uint64)
+    m = 0
+    for i in range(u.size):
+        x = np.uint64(u[i])
+        asc = (~x & np.uint64(0xFFFFFFFF)) if x >> np.uint64(31) else (x | np.uint64(0x80000000))
+        c = ((~asc & np.uint64(0xFFFFFFFF)) << np.uint64(32)) | np.uint64(i)
+        if m < k:                       # sift up
+            j = m
+            m += 1
+            while j > 0:
+                parent = (j - 1) // 2
+                if heap[parent] >= c:
+                    break
+                heap[j] = heap[parent]
+                j = parent
+            heap[j] = c
+        elif k > 0 and c < heap[0]:     # replace the largest kept, sift down
+            j = 0
+            while True:
+                a = 2 * j + 1
+                if a >= k:
+                    break
+                if a + 1 < k and heap[a + 1] > heap[a]:
+                    a += 1
+                if heap[a] <= c:
+                    break
+                heap[j] = heap[a]
+                j = a
+            heap[j] = c
+    heap = np.sort(heap)
+    out = np.empty(k, np.intp)
+    for j in range(k):
+        out[j] = np.intp(heap[j] & np.uint64(0xFFFFFFFF))
+    return out
 
 
 def _c_int(x: np.float32) -> int:

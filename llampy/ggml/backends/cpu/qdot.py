@@ -231,9 +231,9 @@ def _mv_legacy(w, xq, xd, xs, out, tab, kind):
         if n8:                             # eight activation rows at a time (prompts, parallel decode)
             for rr in range(r, r1):
                 prefetch_row(w, rr)
-                wr = w[rr]
-                for i in range(0, n8, 8):
-                    _tile8(kind, wr, rr, xq, xdT, xsT, xls, i, nb, out)
+            for i in range(0, n8, 8):
+                for rr in range(r, r1):
+                    _tile8(kind, w[rr], rr, xq, xdT, xsT, xls, i, nb, out)
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
             for p in range(4):
