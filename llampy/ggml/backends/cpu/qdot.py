@@ -99,13 +99,13 @@ def _block(kind, tab, wr, b, xr, xdb, xsb, acc, summs):
 
 @njit(cache=True)
 def lane_sums(xq, off, out):
-    """out[i, 8b + l] = off * (the sum of activations 32b + 4l .. 32b + 4l + 3 of row i): what the unsigned-offset
-    form of the signed formats subtracts (simd.UNSIGNED_OFFSET)."""
+    """out[i, 8b + l] = -off * (the sum of activations 32b + 4l .. 32b + 4l + 3 of row i): what the unsigned-offset
+    form of the signed formats adds (simd.UNSIGNED_OFFSET, ``wdot_off``)."""
     n, k = xq.shape
     for i in range(n):
         for g in range(k // 4):
             o = 4 * g
-            out[i, g] = off * (np.int32(xq[i, o]) + np.int32(xq[i, o + 1]) + np.int32(xq[i, o + 2]) +
+            out[i, g] = -off * (np.int32(xq[i, o]) + np.int32(xq[i, o + 1]) + np.int32(xq[i, o + 2]) +
                                np.int32(xq[i, o + 3]))
 
 

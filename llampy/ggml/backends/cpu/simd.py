@@ -98,19 +98,22 @@ def _call(builder, name, ret, args):
     return builder.call(fn, args)
 
 
-def _udot(builder, a, b):
-    """<32 x i8> unsigned a, <32 x i8> signed b -> <8 x i32>, lane l = sum of a[e] * b[e] over e = 4l..4l+3:
-    vpdpbusd where the CPU has VNNI, vpmaddubsw + vpmaddwd on AVX2 (no saturation for |a| <= 128, |b| <= 127),
-    else target-neutral IR. The integers are the same on every path."""
+def _udot(builder, a, b, acc=None):
+    """<32 x i8> unsigned a, <32 x i8> signed b -> <8 x i32>, lane l = sum of a[e] * b[e] over e = 4l..4l+3
+    (plus lane l of ``acc``, an <8 x i32>, when given): vpdpbusd where the CPU has VNNI (it accumulates into acc
+    itself), vpmaddubsw + vpmaddwd on AVX2 (no saturation for |a| <= 128, |b| <= 127), else target-neutral IR.
+    The integers are the same on every path."""
     if VNNI:
-        zero = ir.Constant(_I8x8, [0] * 8)
+        start = ir.Constant(_I8x8, [0] * 8) if acc is None else acc
         return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _I8x8,
-                     [zero, builder.bitcast(a, _I8x8), builder.bitcast(b, _I8x8)])
+                     [start, builder.bitcast(a, _I8x8), builder.bitcast(b, _I8x8)])
     if AVX2:
         p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), [a, b])
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8x8, [p16, ir.Constant(ir.VectorType(_I16, 16), [1] * 16)])
-    w32 = ir.VectorType(_I32, 32)
-    return _lanes4(builder, builder.mul(builder.zext(a, w32), builder.sext(b, w32)))
+        r = _call(builder, "llvm.x86.avx2.pmadd.wd", _I8x8, [p16, ir.Constant(ir.VectorType(_I16, 16), [1] * 16)])
+    else:
+        w32 = ir.VectorType(_I32, 32)
+        r = _lanes4(builder, builder.mul(builder.zext(a, w32), builder.sext(b, w32)))
+    return r if acc is None else builder.add(r, acc)
 
 
 def _sdot(builder, a, b):
@@ -223,9 +226,13 @@ def dot_u4_s8(typingctx, w, wo, x, xo, off):
     return i8(w, types.intp, x, types.intp, off), codegen
 
 
-def _splat32(builder, s):
-    v = builder.insert_element(ir.Constant(ir.VectorType(_I32, 32), None), s, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+def _high_bits(builder, qh):
+    """<32 x i8>: element e is 16 where bit e of the i32 ``qh`` is set, else 0 (the 5-bit formats' fifth bit).
+    As a <32 x i1> mask: one kmov + a masked byte move on AVX-512BW (a shift-and-mask per lane of 32 int32
+    lanes before: ~15 instructions per weight block)."""
+    v32 = ir.VectorType(_I8, 32)
+    mask = builder.bitcast(qh, ir.VectorType(ir.IntType(1), 32))
+    return builder.select(mask, ir.Constant(v32, [16] * 32), ir.Constant(v32, [0] * 32))
 
 
 @intrinsic
@@ -233,12 +240,8 @@ def dot_u5_s8(typingctx, w, wo, qh, x, xo, off):
     """As ``dot_u4_s8`` with bit e of the 32-bit ``qh`` as bit 4 of element e (Q5_0: off 16, Q5_1: off 0)."""
     def codegen(context, builder, sig, args):
         q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16)))
-        a = _nibbles32(builder, q)
-        w32 = ir.VectorType(_I32, 32)
-        h = _splat32(builder, context.cast(builder, args[2], sig.args[2], types.int32))
-        h = builder.lshr(h, ir.Constant(w32, list(range(32))))
-        h = builder.shl(builder.and_(h, ir.Constant(w32, [1] * 32)), ir.Constant(w32, [4] * 32))
-        a = builder.or_(a, builder.trunc(h, a.type))
+        a = builder.or_(_nibbles32(builder, q), _high_bits(builder, context.cast(builder, args[2], sig.args[2],
+                                                                                  types.int32)))
         b = _load(builder, _ptr(context, builder, sig.args[3], args[3], args[4], ir.VectorType(_I8, 32)))
         if off.literal_value == 0:
             return _udot(builder, a, b)
@@ -592,11 +595,7 @@ def wbytes(typingctx, w, wo, qh, kind):
         a = _nibbles32(builder, _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1],
                                                   ir.VectorType(_I8, 16))))
         if kv in (2, 3):
-            w32 = ir.VectorType(_I32, 32)
-            h = _splat32(builder, context.cast(builder, args[2], sig.args[2], types.int32))
-            h = builder.lshr(h, ir.Constant(w32, list(range(32))))
-            h = builder.shl(builder.and_(h, ir.Constant(w32, [1] * 32)), ir.Constant(w32, [4] * 32))
-            a = builder.or_(a, builder.trunc(h, v32))
+            a = builder.or_(a, _high_bits(builder, context.cast(builder, args[2], sig.args[2], types.int32)))
         off = {0: 8, 1: 0, 2: 16, 3: 0}[kv]
         if off:
             a = builder.sub(a, ir.Constant(v32, [off] * 32))
@@ -639,14 +638,14 @@ UNSIGNED_OFFSET = VNNI or not AVX2
 @intrinsic
 def wdot_off(typingctx, a, x, xo, xs, so):
     """Eight int32 lanes: the unsigned weight bytes in ``a`` (the signed values plus an offset) times the 32 int8
-    activations at byte xo of x, minus the offset times the activations' lane sums xs[so:so+8]."""
+    activations at byte xo of x, plus xs[so:so+8]: minus the offset times the activations' lane sums, as
+    ``lane_sums`` stores them. On VNNI they are vpdpbusd's accumulator, so the correction costs no instruction."""
     if a != i8:
         return None
 
     def codegen(context, builder, sig, args):
         v32 = ir.VectorType(_I8, 32)
         b = _load(builder, _ptr(context, builder, sig.args[1], args[1], args[2], v32))
-        u = _udot(builder, builder.bitcast(args[0], v32), b)
         s = _load(builder, _elem_ptr(context, builder, sig.args[3], args[3], args[4], _I8x8))
-        return builder.sub(u, s)
+        return _udot(builder, builder.bitcast(args[0], v32), b, s)
     return i8(i8, x, types.intp, xs, types.intp), codegen
