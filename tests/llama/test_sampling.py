@@ -163,6 +163,25 @@ def test_top_k_ties_by_position_and_partial_path():
     assert list(c.ids) == list(np.argsort(-y, kind="stable")[:40])
 
 
+def test_partial_selection_is_the_full_sorts_prefix():
+    """The bounded-heap top-k (``_order_desc`` with k) keeps exactly the full sort's first k positions: ties by
+    position, -inf, -0.0 against 0.0, k of 0 and n - 1."""
+    from llampy.llama.sampling import _order_desc
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        n = int(rng.integers(1, 2000))
+        keys = rng.standard_normal(n).astype(np.float32)
+        if trial % 3 == 0:
+            keys = np.round(keys * 2).astype(np.float32)
+        if trial % 5 == 0:
+            keys[rng.integers(0, n, 5)] = -np.inf
+        if trial % 7 == 0:
+            keys[rng.integers(0, n, 3)] = -0.0
+        full = _order_desc(keys)
+        for k in {0, n // 3, max(n - 1, 0)}:
+            assert np.array_equal(_order_desc(keys, k), full[:k]), (trial, n, k)
+
+
 def test_top_p_adaptive_path_equals_full_sort():
     rng = np.random.default_rng(3)
     for scale in (0.5, 4.0):                                   # flat: nucleus beyond 256; peaked: inside
