@@ -25,8 +25,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VENV = HERE / ".llamacpp-venv"
 WHEELS = Path.home() / ".cache" / "llampy" / "wheels"
+# No AVX-VNNI (-DGGML_AVX_VNNI): these AMD cores have AVX512-VNNI only, and llama-cpp-python 0.3.36's ggml emits the
+# VEX-encoded vpdpbusd under it (SIGILL in ggml_vec_dot_q4_1_q8_1); with AVX512_VNNI + AVX512VL it uses the EVEX form.
 CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-              "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF "
+              "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF "
               "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
 
 # Runs inside the llama.cpp environment: the pp and tg tests through llama_decode, as llama-bench does.
@@ -126,7 +128,13 @@ def popen_rss(cmd, env=None) -> tuple[str, float, float]:
         p.returncode = os.waitstatus_to_exitcode(status)
         if p.returncode != 0:
             err.seek(0)
-            die(f"{' '.join(map(str, cmd))} failed:\n{err.read().decode(errors='replace')[-2000:]}")
+            why = ""
+            if p.returncode < 0:
+                import signal
+                sig = signal.Signals(-p.returncode).name
+                why = f" (killed by {sig}" + (": an instruction this CPU lacks; see CMAKE_ARGS" if sig == "SIGILL"
+                                              else "") + ")"
+            die(f"{' '.join(map(str, cmd[:2]))} ... failed{why}:\n{err.read().decode(errors='replace')[-2000:]}")
     return out, wall, ru.ru_maxrss / 1024.0
 
 
