@@ -254,7 +254,7 @@ class BpeMerger:
         self.ignore_merges = ignore_merges
         if len(set(merges)) != len(merges):       # llama.cpp keeps the first rank of a repeated merge
             merges = list(dict.fromkeys(merges))
-        self.pairs = [split_merge(m) for m in merges]
+        self._merges = merges       # split again into pairs only if the Python merger needs ranks
         self._ranks = None
         self._cache: dict[str, list[int]] = {}
         # HF drops a character missing from the vocabulary and lets its neighbours merge; llama.cpp keeps it in
@@ -263,7 +263,8 @@ class BpeMerger:
         self._missing = re.compile("[" + "".join(re.escape(c) for c in missing) + "]") if missing else None
         try:
             from tokenizers import Tokenizer, models
-            self.hf = Tokenizer(models.BPE(vocab=token_to_id, merges=self.pairs, ignore_merges=ignore_merges))
+            self.hf = Tokenizer(models.BPE(vocab=token_to_id, merges=[split_merge(m) for m in merges],
+                                           ignore_merges=ignore_merges))
         except Exception:                           # a merge result outside the vocabulary: HF refuses, we don't
             self.hf = None
 
@@ -271,8 +272,8 @@ class BpeMerger:
     def ranks(self) -> dict:
         if self._ranks is None:
             self._ranks = {}
-            for i, p in enumerate(self.pairs):
-                self._ranks.setdefault(p, i)
+            for i, m in enumerate(self._merges):
+                self._ranks.setdefault(split_merge(m), i)
         return self._ranks
 
     def merge(self, words: list[str]) -> list[int]:

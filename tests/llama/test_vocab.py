@@ -322,3 +322,13 @@ def test_matches_libllama(tmp_path):
             got = [v.detokenize_bytes(ids, special=us, remove_special=rs).hex()
                    for rs, us in ((False, True), (False, False), (True, True))]
             assert got == want, (name, ids)
+
+
+def test_tokenizer_tables_made_on_first_tokenize():
+    """Loading keeps neither the text -> id map nor the BPE merger (llampy bench never tokenizes); the first
+    tokenize makes them, with the same ids as a map built from all tokens (a repeated text: its last id)."""
+    v = Vocab.from_metadata(metadata("smollm2"))
+    assert v._token_to_id is None and v._bpe_merger is None
+    assert v.tokenize("Hello world", add_special=True) == [19556, 905]
+    assert v._bpe_merger is not None
+    assert v.token_to_id == {t: i for i, t in enumerate(v.tokens)}
