@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -130,7 +131,6 @@ def popen_rss(cmd, env=None) -> tuple[str, float, float]:
             err.seek(0)
             why = ""
             if p.returncode < 0:
-                import signal
                 sig = signal.Signals(-p.returncode).name
                 why = f" (killed by {sig}" + (": an instruction this CPU lacks; see CMAKE_ARGS" if sig == "SIGILL"
                                               else "") + ")"
