@@ -19,7 +19,7 @@ from ..ggml.tensor import Tensor
 from ..ggml.types import GGMLType
 from .batch import Batch
 from .graph import build_graph
-from .kv_cache import CacheFull as _CacheFull, KVCache
+from .kv_cache import KV_PAD, CacheFull as _CacheFull, KVCache
 
 POOLING = ("none", "mean", "last", "cls")
 
@@ -35,7 +35,7 @@ class CacheFull(ContextError, _CacheFull):
 class Context:
     def __init__(self, model, n_ctx: int | None = None, n_batch: int = 2048, n_ubatch: int = 512,
                  n_seq_max: int = 1, type_k=GGMLType.F16, type_v=GGMLType.F16, embeddings: bool = False,
-                 pooling: str = "mean", max_graphs: int = 8):
+                 pooling: str = "mean", max_graphs: int = 8, kv_pad: int = KV_PAD, kv_pad_decode: int | None = None):
         hp = model.hparams
         self.model = model
         self.n_ctx = int(n_ctx or min(hp.n_ctx_train, 4096))
@@ -54,6 +54,13 @@ class Context:
         self.sched = Scheduler(model.backends)
         self._graphs: OrderedDict = OrderedDict()
         self.max_graphs = max_graphs
+        # n_kv (the cells a graph's attention reads) is rounded up to kv_pad: a graph is built per shape, so a
+        # larger pad means fewer builds. Micro-batches of at most n_seq_max tokens (a decode step of every
+        # sequence) may use a pad of their own: their attention walks only the visible cells, so a pad as large as
+        # the cache costs them little, and their graphs then never change with the cache's fill. Prompt batches
+        # convert and scan their mask whole, so they keep the small pad.
+        self.kv_pad = max(1, int(kv_pad))
+        self.kv_pad_decode = max(1, int(kv_pad_decode)) if kv_pad_decode else self.kv_pad
         self.n_graph_builds = 0
         self._logits = np.zeros((0, hp.n_vocab), np.float32)
         self._embd = np.zeros((0, hp.n_embd), np.float32)
@@ -79,6 +86,22 @@ class Context:
             _, old = self._graphs.popitem(last=False)
             self.sched.forget(old.graph)
         return gc
+
+    def reserve(self, n_tokens: int, n_outputs: int) -> bool:
+        """Build and plan, ahead of use, the graph a micro-batch of this shape would take with the cache as it is
+        now (llama.cpp's graph_reserve): True if it was not there yet. A caller with idle time (the server) spends
+        it here so that a first batch of a new shape does not wait for its graph."""
+        n_tokens = min(max(1, int(n_tokens)), self.n_ubatch)
+        n_outputs = min(max(1, int(n_outputs)), n_tokens)
+        n_kv = self._n_kv(n_tokens)
+        if (n_tokens, n_outputs, n_kv) in self._graphs:
+            return False
+        self.sched.alloc_graph(self._graph(n_tokens, n_outputs, n_kv).graph)
+        return True
+
+    def _n_kv(self, n_tokens: int) -> int:
+        pad = self.kv_pad_decode if n_tokens <= self.n_seq_max else self.kv_pad
+        return self.kv.n_kv_for(self.kv.used_max_p1(), pad)
 
     def _set(self, t: Tensor, value: np.ndarray) -> None:
         tensor_data(t)[...] = value.reshape(tensor_data(t).shape)
@@ -132,7 +155,7 @@ class Context:
         except _CacheFull as e:
             raise CacheFull(str(e)) from None
         self.kv.apply(idxs, ub.pos, ub.seq_id)
-        n_kv = self.kv.n_kv_for(self.kv.used_max_p1())
+        n_kv = self._n_kv(n)
         gc = self._graph(n, max(n_outputs, 1), n_kv)
         self.sched.alloc_graph(gc.graph)
         inp = gc.inputs

@@ -71,10 +71,10 @@ class KVCache:
         used = np.flatnonzero(self.pos >= 0)
         return int(used[-1]) + 1 if len(used) else 0
 
-    def n_kv_for(self, n_needed_p1: int) -> int:
+    def n_kv_for(self, n_needed_p1: int, pad: int = KV_PAD) -> int:
         """The number of cells the attention reads: padded so graphs are reused (llama.cpp pads to 256)."""
         n = max(n_needed_p1, 1)
-        return min(self.size, (n + KV_PAD - 1) // KV_PAD * KV_PAD)
+        return min(self.size, (n + pad - 1) // pad * pad)
 
     def find_slot(self, n_tokens: int) -> np.ndarray:
         """Cell indices for n new tokens, as llama.cpp's llama_kv_cache::find_slot picks them: the empty cells met

@@ -464,6 +464,17 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             raise APIError(400, "'tokens' must be a list of token ids of the vocabulary", "tokens")
         return {"content": server.model.vocab.detokenize(toks)}
 
+    @app.post("/slots/{slot_id}")
+    async def slot_action(slot_id: int, action: str = ""):
+        """llama-server's slot actions; ``erase`` forgets an idle slot's cached prompt."""
+        if action != "erase":
+            raise APIError(400, f"unknown slot action {action!r}: this server supports 'erase'", "action")
+        try:
+            n = await asyncio.wrap_future(server.engine.run_job(lambda: server.engine.erase_slot(slot_id)))
+        except ValueError as e:
+            raise APIError(400, str(e), "id_slot") from None
+        return {"id_slot": slot_id, "n_erased": n}
+
     @app.get("/health")
     async def health():
         if not server.engine.alive():

@@ -93,9 +93,13 @@ class Engine:
         self.prompt_budget = max(1, prompt_budget)
         n_batch = self.prompt_budget + n_parallel
         # graphs are cached per (tokens, outputs, kv) shape; batches here vary in all three, so keep more
+        # decode steps read the whole cache (n_kv padded to it): their graphs differ only in the batch size
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_parallel,
-                           max_graphs=64)
+                           max_graphs=64, kv_pad_decode=n_ctx)
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
+        # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
+        # would otherwise move them), then a decode step of every number of generating slots
+        self._to_reserve = [(n_batch, n_parallel)] + [(k, k) for k in range(n_parallel, 0, -1)]
         self.inbox: "queue.Queue" = queue.Queue()   # Requests, and jobs (callables) to run on this thread
         self.waiting: list[Request] = []
         self.metrics = {"requests_total": 0, "requests_finished": 0, "requests_cancelled": 0,
@@ -128,6 +132,19 @@ class Engine:
         fut: cf.Future = cf.Future()
         self.inbox.put((fn, fut))
         return fut
+
+    def erase_slot(self, sid: int) -> int:
+        """Forget the cache of an idle slot (llama-server's /slots/{id}?action=erase); the number of tokens
+        erased. Call through run_job: it touches the Context."""
+        if not 0 <= sid < self.n_parallel:
+            raise ValueError(f"there is no slot {sid} (the server has {self.n_parallel})")
+        s = self.slots[sid]
+        if s.req is not None:
+            raise ValueError(f"slot {sid} is processing a request")
+        n = len(s.cached)
+        self.ctx.seq_rm(sid, -1, -1)
+        s.cached = []
+        return n
 
     def stop(self) -> None:
         self._stop = True
@@ -175,8 +192,17 @@ class Engine:
         idle = not self.waiting and all(s.req is None for s in self.slots)
         while True:
             try:
-                item = self.inbox.get(timeout=0.05) if idle else self.inbox.get_nowait()
+                if idle and self._to_reserve:
+                    try:
+                        self.ctx.reserve(*self._to_reserve[0])
+                    finally:
+                        self._to_reserve.pop(0)
+                    item = self.inbox.get_nowait()
+                else:
+                    item = self.inbox.get(timeout=0.05) if idle else self.inbox.get_nowait()
             except queue.Empty:
+                if idle and self._to_reserve:
+                    continue
                 break
             idle = False
             if item is None:

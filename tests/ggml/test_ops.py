@@ -298,3 +298,39 @@ def test_reference_norms_and_masked_softmax_against_numpy():
     z = a * 0.5 + (2.0 ** (-8.0 * (np.arange(4) + 1) / 4))[:, None, None] * m
     e = np.exp(z - z.max(-1, keepdims=True))
     np.testing.assert_allclose(sm.reshape(a.shape), e / e.sum(-1, keepdims=True), atol=1e-6)
+
+
+def test_flash_attn_walks_only_the_visible_cells():
+    """Eight sequences interleaved in one cache, as a server's decode batch has them: each query sees every eighth
+    cell. The decode kernel must give, bit for bit, what it gives over only those cells (compacted, no mask), for a
+    float32 mask and for F16 mask bits, and with a few of the visible cells scattered as a hole-filled cache has."""
+    from llampy.ggml.backends.cpu.attention import _fa_vec16
+    from llampy.ggml.backends.cpu.kernels import alibi_slopes
+    rng = np.random.default_rng(3)
+    n_seq, n_kv, n_head, n_head_kv, d = 8, 403, 6, 2, 64
+    q = rng.standard_normal((1, n_head, n_seq, d)).astype(np.float32)
+    k = rng.standard_normal((1, n_head_kv, n_kv, d)).astype(np.float16).view(np.uint16)
+    v = rng.standard_normal((1, n_head_kv, n_kv, d)).astype(np.float16).view(np.uint16)
+    owner = np.arange(n_kv) % n_seq
+    owner[[5, 77, 300]] = 2
+    mask = np.where(owner[None, :] == np.arange(n_seq)[:, None], 0.0, -np.inf).astype(np.float32)
+    mask[:, 10] = np.where(owner[10] == np.arange(n_seq), -1.5, -np.inf)   # a finite bias on one visible cell
+    slopes = alibi_slopes(n_head, 0.0, np.float32)
+    sc, cap = np.float32(0.125), np.float32(0.0)
+    got32 = np.empty((1, n_seq, n_head, d), np.float32)
+    _fa_vec16(q, k, v, mask[None, None], got32, sc, cap, slopes)
+    got16 = np.empty_like(got32)
+    _fa_vec16(q, k, v, mask.astype(np.float16).view(np.uint16)[None, None], got16, sc, cap, slopes)
+    assert np.array_equal(got32, got16)
+    for s in range(n_seq):
+        cells = np.flatnonzero(owner == s)
+        want = np.empty((1, 1, n_head, d), np.float32)
+        _fa_vec16(np.ascontiguousarray(q[:, :, s:s + 1]), np.ascontiguousarray(k[:, :, cells]),
+                  np.ascontiguousarray(v[:, :, cells]), mask[None, None, s:s + 1, cells].copy(), want, sc, cap, slopes)
+        assert np.array_equal(got32[:, s:s + 1], want), s
+        nomask = np.empty_like(want)
+        if not (mask[s, cells] != 0).any():
+            _fa_vec16(np.ascontiguousarray(q[:, :, s:s + 1]), np.ascontiguousarray(k[:, :, cells]),
+                      np.ascontiguousarray(v[:, :, cells]), np.zeros((1, 1, 1, 0), np.float32), nomask, sc, cap,
+                      slopes)
+            assert np.array_equal(nomask, want), s

@@ -171,3 +171,22 @@ def test_q8_0_kv_cache_end_to_end(smollm2_path):
     assert b8 * 64 == b16 * 34
     assert t8 == t16
     assert np.abs(lp8 - lp16).max() < 0.25
+
+
+def test_reserve_builds_the_graph_before_its_first_batch(model):
+    ctx = Context(model, n_ctx=64, n_seq_max=2, kv_pad=16, kv_pad_decode=64)
+    ctx.decode(Batch.from_tokens(TOKS[:4]))
+    assert ctx.reserve(2, 2) and not ctx.reserve(2, 2)       # built once, then found
+    builds = ctx.n_graph_builds
+    batch = Batch.empty()
+    batch.add(TOKS[4], 4, [0], True)
+    batch.add(TOKS[0], 0, [1], True)
+    ctx.decode(batch)
+    assert ctx.n_graph_builds == builds
+    # with the cache padded to its whole size, growing the cache does not ask for new graphs
+    for i in range(5, 9):
+        ctx.decode(Batch.from_tokens([TOKS[i]], pos0=i))
+    one = ctx.n_graph_builds
+    for i in range(9, 40):
+        ctx.decode(Batch.from_tokens([TOKS[i % 10]], pos0=i))
+    assert ctx.n_graph_builds == one

@@ -97,6 +97,32 @@ def test_slot_reuses_the_common_prefix(server_url):
     assert metric(server_url, "prompt_tokens_cached_total") >= again["tokens_cached"]
 
 
+def test_erase_slot_forgets_its_cached_prompt(server_url):
+    prompt = "A slot to erase: the prompt of this request stays cached after it"
+    native(server_url, prompt, 2)
+    assert wait_metric(server_url, "requests_processing", 0) == 0
+    erased = [httpx.post(f"{server_url}/slots/{i}", params={"action": "erase"}).json() for i in range(N_PARALLEL)]
+    assert all(e["id_slot"] == i for i, e in enumerate(erased)) and max(e["n_erased"] for e in erased) > 10
+    again = native(server_url, prompt, 2)
+    assert again["tokens_cached"] == 0
+    for url, params in ((f"{server_url}/slots/{N_PARALLEL}", {"action": "erase"}), (f"{server_url}/slots/0", {})):
+        r = httpx.post(url, params=params)
+        assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_engine_builds_decode_graphs_while_idle(llama_server):
+    from llampy.server.slots import Engine
+    eng = Engine(llama_server.model, n_parallel=3, n_ctx=384)
+    try:
+        t0 = time.time()
+        while eng._to_reserve and time.time() - t0 < 60:
+            time.sleep(0.05)
+        shapes = set(eng.ctx._graphs)
+        assert {(k, k, 384) for k in (1, 2, 3)} <= shapes and (eng.ctx.n_batch, 3, 256) in shapes
+    finally:
+        eng.stop()
+
+
 def test_disconnect_frees_the_slot(server_url):
     assert wait_metric(server_url, "requests_processing", 0) == 0
     cancelled0 = metric(server_url, "requests_cancelled_total")

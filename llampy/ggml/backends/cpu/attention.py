@@ -109,22 +109,91 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
             out[i3, i1, h, j] = acc[j] * inv
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
+def _visible_f32(mask, n_q):
+    """The cells each mask row leaves visible, in cell order: rows (m3, m2, i1 < n_q) flattened; idx[r, :cnt[r]]
+    the cells, val[r, :cnt[r]] their mask values. A decode batch of several sequences sees a few cells in each
+    row; walking only those keeps the kernel's cost independent of the masked ones."""
+    m3, m2, n_kv = mask.shape[0], mask.shape[1], mask.shape[3]
+    idx = np.empty((m3 * m2 * n_q, n_kv), np.int32)
+    val = np.empty((m3 * m2 * n_q, n_kv), np.float32)
+    cnt = np.zeros(m3 * m2 * n_q, np.int32)
+    for a in range(m3):
+        for b in range(m2):
+            for i1 in range(n_q):
+                r = (a * m2 + b) * n_q + i1
+                row = mask[a, b, i1]
+                c = 0
+                for ic in range(n_kv):
+                    x = row[ic]
+                    idx[r, c] = ic
+                    val[r, c] = x
+                    c += x != -np.inf          # branch-free: visible cells are scattered in a batch of sequences
+                cnt[r] = c
+    return idx, val, cnt
+
+
+@njit(cache=True, nogil=True)
+def _visible_f16(mask, n_q, tab):
+    """``_visible_f32`` over an F16 mask given as its bits (uint16), converted through ``tab``."""
+    m3, m2, n_kv = mask.shape[0], mask.shape[1], mask.shape[3]
+    idx = np.empty((m3 * m2 * n_q, n_kv), np.int32)
+    val = np.empty((m3 * m2 * n_q, n_kv), np.float32)
+    cnt = np.zeros(m3 * m2 * n_q, np.int32)
+    for a in range(m3):
+        for b in range(m2):
+            for i1 in range(n_q):
+                r = (a * m2 + b) * n_q + i1
+                row = mask[a, b, i1]
+                c = 0
+                for ic in range(n_kv):
+                    x = row[ic]
+                    idx[r, c] = ic
+                    val[r, c] = tab[x]
+                    c += x != 0xFC00             # F16 -inf
+                cnt[r] = c
+    return idx, val, cnt
+
+
 def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes):
+    """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0 (see ``_fa_vec16_kernel``). mask: float32, or
+    F16 bits as uint16, (m3, m2, >= n_q, n_kv); an empty last axis for none."""
+    n_q = q.shape[2]
+    if mask.shape[3] == 0:
+        idx, val, cnt = _all_visible(k.shape[2])
+        m3 = m2 = 1
+        n_qm = 1
+    else:
+        if mask.dtype == np.uint16:
+            idx, val, cnt = _visible_f16(mask, n_q, F16_TABLE)
+        else:
+            idx, val, cnt = _visible_f32(mask, n_q)
+        m3, m2, n_qm = mask.shape[0], mask.shape[1], n_q
+    _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes)
+
+
+def _all_visible(n_kv):
+    return (np.arange(n_kv, dtype=np.int32)[None, :], np.zeros((1, n_kv), np.float32),
+            np.array([n_kv], np.int32))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes):
     """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0, in sixteen-lane vectors as ggml's AVX-512
     build runs it: ggml_vec_dot_f16 (four accumulators over each 64 elements, GGML_F32x16_REDUCE), and the F16
-    accumulator's ggml_vec_scale_f16 / ggml_vec_mad_f16 (float32 multiply or fma, rounded to F16 per lane)."""
+    accumulator's ggml_vec_scale_f16 / ggml_vec_mad_f16 (float32 multiply or fma, rounded to F16 per lane).
+    Only the visible cells of each query's mask row are visited (``_visible_*``), in cell order as ggml's loop
+    meets them when it skips the -inf ones; n_qm 1 with m3 = m2 = 1: one row for every query (no mask)."""
     ne3, n_head, n_q, d = q.shape
     n_head_kv = k.shape[1]
-    n_kv = k.shape[2]
     dv = v.shape[3]
     rk = n_head // n_head_kv
-    has_mask = mask.shape[3] > 0
-    for idx in prange(ne3 * n_head * n_q):
-        i3 = idx // (n_head * n_q)
-        h = (idx // n_q) % n_head
-        i1 = idx % n_q
+    for it in prange(ne3 * n_head * n_q):
+        i3 = it // (n_head * n_q)
+        h = (it // n_q) % n_head
+        i1 = it % n_q
         hk = h // rk
+        r = ((i3 % m3) * m2 + h % m2) * n_qm + (i1 if n_qm > 1 else 0)
         qr = np.empty(d, np.float32)
         for j in range(0, d, 16):
             v16_store(qr, j, v16_round_f16(v16_load(q[i3, h, i1], j)))
@@ -134,12 +203,13 @@ def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes):
         slope = slopes[h]
         kh = k[i3 % k.shape[0], hk]
         vh = v[i3 % v.shape[0], hk]
-        for ic in range(n_kv):
-            mv = np.float32(0.0)
-            if has_mask:
-                mv = slope * mask[i3 % mask.shape[0], h % mask.shape[1], i1, ic]
-                if mv == -np.inf:
-                    continue
+        ridx = idx[r]
+        rval = val[r]
+        for t in range(cnt[r]):
+            ic = ridx[t]
+            mv = slope * rval[t]
+            if mv == -np.inf:          # a finite mask value that the ALiBi slope took to -inf
+                continue
             kr = kh[ic]
             s0 = s1 = s2 = s3 = v16_zero()
             for j in range(0, d, 64):

@@ -193,9 +193,8 @@ def _fa_fast_path(node, qa, ka, va, dst, tiled):
     if p["has_mask"]:
         ma, mtype = tensor_data(node.src[3]), node.src[3].type
         if mtype == T.F16:
-            from .qdot import F16_TABLE
-            m16 = ma.view(np.uint16)[:, :, :q.ne[1]]     # the rows of the queries (the rest is padding)
-            return lambda: _fa_vec16(qa, kk, vv, F16_TABLE[m16], dst, sc, cap, slopes)
+            m16 = ma.view(np.uint16)                      # read as bits; rows past the queries' are padding
+            return lambda: _fa_vec16(qa, kk, vv, m16, dst, sc, cap, slopes)
         if mtype == T.F32:
             return lambda: _fa_vec16(qa, kk, vv, ma, dst, sc, cap, slopes)
         return None
