@@ -2,7 +2,7 @@
 """Load on `llampy serve`: aggregate generated tokens/s and latency (time to first token p50/p95) with 1, 4 and 8
 concurrent streaming clients on the default model.
 
-    python benchmarks/serve_load.py [--tokens 32] [--requests 8] [--streams 1 4 8]
+    python benchmarks/serve_load.py [--tokens 32] [--requests 8] [--streams 1 4 8] [--rounds 3]
 
 The server runs as a subprocess on 127.0.0.1 with --parallel = the largest stream count. If llama-cpp-python's
 server (`python -m llama_cpp.server`) is importable in benchmarks/.llamacpp-venv, it runs under the same load.
@@ -105,14 +105,23 @@ def serve(cmd: list, port: int, log) -> subprocess.Popen:
     return proc
 
 
-def load_levels(name: str, url: str, args) -> list:
+def load_levels(name: str, url: str, args, rounds: int) -> list:
+    """Each round runs every level once, so that a slow spell of a shared machine hits all levels alike; a level's
+    row is its median round (by tokens/s), with the failures of all rounds."""
     run_load(url, 1, 1, 4, "default")       # warm-up: kernels compiled or loaded, graphs built
+    runs: dict = {s: [] for s in args.streams}
+    for k in range(rounds):
+        for s in args.streams:
+            r = run_load(url, s, max(args.requests, s), args.tokens, "default")
+            print(f"{name} (round {k + 1}/{rounds}): {s} streams, {r['tok_s']:.1f} generated tok/s, "
+                  f"TTFT p50 {r['ttft_p50_s']:.2f} s, {r['failed']} failed", flush=True)
+            runs[s].append(r)
     rows = []
     for s in args.streams:
-        r = run_load(url, s, max(args.requests, s), args.tokens, "default")
-        print(f"{name}: {s} streams, {r['tok_s']:.1f} generated tok/s, TTFT p50 {r['ttft_p50_s']:.2f} s, "
-              f"{r['failed']} failed", flush=True)
-        rows.append((name, r))
+        rs = sorted(runs[s], key=lambda r: r["tok_s"])
+        med = dict(rs[(len(rs) - 1) // 2], failed=sum(r["failed"] for r in rs), rounds=len(rs),
+                   requests=sum(r["requests"] for r in rs))
+        rows.append((name, med))
     return rows
 
 
@@ -121,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=8, help="requests per load level (at least the streams)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all levels for llampy (median reported)")
+    ap.add_argument("--llamacpp-rounds", type=int, default=1, help="rounds for llama-cpp-python's server")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip llama-cpp-python's server")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
@@ -133,7 +144,7 @@ def main(argv=None) -> int:
         proc = serve([sys.executable, "-m", "llampy", "serve", "--port", str(port), "--parallel", str(n_par),
                       "--ctx-size", str(512 * n_par)], port, log)
         try:
-            rows += load_levels("llampy", f"http://127.0.0.1:{port}", args)
+            rows += load_levels("llampy", f"http://127.0.0.1:{port}", args, max(1, args.rounds))
         finally:
             proc.terminate()
             proc.wait(timeout=20)
@@ -154,21 +165,23 @@ def main(argv=None) -> int:
                 print(f"(llama-cpp-python's server did not start: {e}; see benchmarks/.serve_load.log)\n")
             else:
                 try:
-                    rows += load_levels("llama-cpp-python", f"http://127.0.0.1:{port}", args)
+                    rows += load_levels("llama-cpp-python", f"http://127.0.0.1:{port}", args,
+                                       max(1, args.llamacpp_rounds))
                 finally:
                     proc.terminate()
                     proc.wait(timeout=20)
         else:
             print("(llama-cpp-python's server is not installed in benchmarks/.llamacpp-venv, "
                   "pip install 'llama-cpp-python[server]' there: llampy only)\n")
-    print(f"{args.tokens} generated tokens per request; --parallel {max(args.streams)} for llampy\n")
-    print("| server | streams | requests (failed) | generated tok/s (vs 1 stream) | TTFT p50 | TTFT p95 "
+    print(f"{args.tokens} generated tokens per request; --parallel {max(args.streams)} for llampy; each row the "
+          f"median of its rounds\n")
+    print("| server | streams | rounds | requests (failed) | generated tok/s (vs 1 stream) | TTFT p50 | TTFT p95 "
           "| latency p50 | latency p95 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     base = {}
     for name, r in rows:
         base.setdefault(name, r["tok_s"])
-        print(f"| {name} | {r['streams']} | {r['requests']} ({r['failed']}) | {r['tok_s']:.1f} (x{r['tok_s'] / base[name]:.2f}) "
+        print(f"| {name} | {r['streams']} | {r['rounds']} | {r['requests']} ({r['failed']}) | {r['tok_s']:.1f} (x{r['tok_s'] / base[name]:.2f}) "
               f"| {r['ttft_p50_s']:.2f} s | {r['ttft_p95_s']:.2f} s | {r['lat_p50_s']:.2f} s "
               f"| {r['lat_p95_s']:.2f} s |")
     return 0
