@@ -334,3 +334,23 @@ def test_flash_attn_walks_only_the_visible_cells():
                       np.ascontiguousarray(v[:, :, cells]), np.zeros((1, 1, 1, 0), np.float32), nomask, sc, cap,
                       slopes)
             assert np.array_equal(nomask, want), s
+
+
+def test_products_share_a_quantized_input_until_it_is_written():
+    """Products reading one x (q, k, v) quantize it once per run; a node that writes into x's memory in between
+    (SET_ROWS into it) makes the next product quantize it again, or it would read the old values."""
+    rng = np.random.default_rng(12)
+    xv = rng.standard_normal((2, 64)).astype(np.float32)
+    x = leaf(CPU, F32, (2, 64), xv)
+    w1, w2, w3 = (leaf(CPU, T.Q8_0, (8, 64), rng.standard_normal((8, 64))) for _ in range(3))
+    new_row = rng.standard_normal((1, 64)).astype(np.float32)
+    y1 = ops.mul_mat(w1, x)
+    y2 = ops.mul_mat(w2, x)
+    s = ops.set_rows(x, leaf(CPU, F32, (1, 64), new_row), leaf(CPU, I32, (1,), np.array([1])))
+    y3 = ops.mul_mat(w3, x)
+    got = run(CPU, y1, y2, s, y3)
+    written = xv.copy()
+    written[1] = new_row[0]
+    for w, x_val, res in ((w1, xv, got[0]), (w2, xv, got[1]), (w3, written, got[3])):
+        (want,) = run(CPU, ops.mul_mat(w, leaf(CPU, F32, (2, 64), x_val)))
+        np.testing.assert_array_equal(res, want)

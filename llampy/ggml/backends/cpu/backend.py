@@ -46,6 +46,7 @@ class CPUBackend(Backend):
     def __init__(self, device: str | None = None, n_threads: int | None = None):
         super().__init__(device)
         self.n_threads = n_threads
+        self._quantized: dict = {}
         # batches larger than this go to BLAS instead of the bit-exact integer kernels (None: matmul's default)
         self.exact_max_rows = None
         if n_threads:
@@ -92,9 +93,15 @@ class CPUBackend(Backend):
         pairs = [(i13, i12) for i13 in range(b.ne[3]) for i12 in range(b.ne[2])]
         btype = b.type
         if len(pairs) == 1 and btype == T.F32:
-            from .matmul import bind_mul_mat
-            fast = bind_mul_mat(wa[0, 0], wtype, xb[0, 0], dst[0, 0], lambda: self.exact_max_rows)
+            from .matmul import act_scratch, bind_mul_mat
+            x2 = xb[0, 0]
+            key = id(act_scratch(x2.shape[0], x2.shape[1], wtype)) if x2.ndim == 2 else None
+            held = self._quantized.get(key)
+            reuse = held is not None and held == (b.id, id(self._owner(b)))
+            fast = bind_mul_mat(wa[0, 0], wtype, x2, dst[0, 0], lambda: self.exact_max_rows, reuse)
             if fast is not None:
+                if key is not None:
+                    self._quantized[key] = (b.id, id(self._owner(b)))
                 return fast
 
         def run():
@@ -155,8 +162,25 @@ class CPUBackend(Backend):
         return run
 
     # ------------------------------------------------------------ plans
+    @staticmethod
+    def _owner(t: Tensor) -> Tensor:
+        return t.view_src if t.view_src is not None else t
+
     def graph_plan_create(self, nodes: list[Tensor]) -> Plan:
-        calls = [self._bind(n) for n in nodes if n.op not in VIEW_OPS]
+        # activation buffers (by id) -> (tensor id, memory owner id) of the x last quantized into them, in plan
+        # order: a product reading the same x next reuses the quantization (see matmul.bind_mul_mat)
+        self._quantized: dict = {}
+        calls = []
+        for n in nodes:
+            if n.op in VIEW_OPS:
+                continue
+            calls.append(self._bind(n))
+            if self._quantized:
+                # a node writing into the memory of a quantized x (SET_ROWS or CPY into a view of it, an op in
+                # place) makes that quantization stale
+                o = id(self._owner(n))
+                self._quantized = {k: v for k, v in self._quantized.items() if v[1] != o}
+        self._quantized = {}
         return Plan(calls, nodes)
 
     def graph_plan_compute(self, plan: Plan) -> None:

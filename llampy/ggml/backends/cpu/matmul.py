@@ -45,6 +45,10 @@ SUPPORTED_DIRECT: frozenset = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T
 # integer kernels: weight type -> kernel(w, xq, xd, xs, out, tab)
 _KERNELS = {T.Q8_0: qdot.mv_q8_0, T.Q4_0: qdot.mv_q4_0, T.Q4_1: qdot.mv_q4_1, T.Q5_0: qdot.mv_q5_0,
             T.Q5_1: qdot.mv_q5_1, T.Q5_K: qdot_ks.mv_q5_k, T.Q6_K: qdot_ks.mv_q6_k}
+# the 32-value formats' two kernels (eight-row tiles, the rest: see qdot._mv_legacy)
+_LEGACY_SPLIT = {T.Q8_0: (qdot._tiles_q8_0, qdot._rest_q8_0), T.Q4_0: (qdot._tiles_q4_0, qdot._rest_q4_0),
+                 T.Q4_1: (qdot._tiles_q4_1, qdot._rest_q4_1), T.Q5_0: (qdot._tiles_q5_0, qdot._rest_q5_0),
+                 T.Q5_1: (qdot._tiles_q5_1, qdot._rest_q5_1)}
 _DQ_LEGACY = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4}
 _DQ_K = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 
@@ -83,10 +87,12 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     _mul_mat_fallback(w, wtype, x, out)
 
 
-def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, limit_fn):
+def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, limit_fn, reuse: bool = False):
     """A plan's matrix product, bound once: when the integer path applies (a kernel for wtype, the batch within
     ``limit_fn()``'s row limit, x and out float32 with contiguous rows), the call made on every run with its own
-    activation buffers, skipping ``mul_mat``'s checks and lookups; else None (the caller uses ``mul_mat``)."""
+    activation buffers, skipping ``mul_mat``'s checks and lookups; else None (the caller uses ``mul_mat``).
+    ``reuse``: the plan's previous product quantized this same x into the same buffers (``act_scratch``), and
+    nothing wrote x since: skip quantizing it again (q, k and v, or gate and up, read one x)."""
     wtype = GGMLType(wtype)
     n, k = x.shape
     if not (wtype in _KERNELS or wtype == T.Q4_K) or n == 0 or w.shape[0] == 0:
@@ -95,21 +101,51 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
         return None
     if out.shape != (n, w.shape[0]) or w.strides[-1] != 1:
         return None
-    from .act_quant import scratch_for
-    scratch = scratch_for(n, k, TYPE_TRAITS[wtype].vec_dot_type)
+    vdt = TYPE_TRAITS[wtype].vec_dot_type
+    scratch = act_scratch(n, k, wtype)
+
+    def fallback(limit):
+        mul_mat(w, wtype, x, out, limit)
+
+    legacy = _LEGACY_SPLIT.get(wtype)
+    if legacy is not None and vdt in (T.Q8_0, T.Q8_1):
+        # the 32-value formats: the quantizer and the kernels called directly, their arguments bound here
+        from .act_quant import q8_0_split
+        tiles, rest = legacy
+        xq, xd, xs, with_s, tab = scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1, F16_TABLE
+        n8 = n - n % 8
+
+        def run():
+            limit = limit_fn()
+            if n > (DECODE_MAX_ROWS if limit is None else limit):
+                return fallback(limit)
+            if not reuse:
+                q8_0_split(x, xq, xd, xs, with_s)
+            if n8:
+                tiles(w, xq, xd, xs, out, tab)
+            if n8 < n:
+                rest(w, xq, xd, xs, out, tab, n8)
+        return run
 
     def run():
         limit = limit_fn()
         if n <= (DECODE_MAX_ROWS if limit is None else limit):
-            _mul_mat_int(w, wtype, x, out, scratch)
+            _mul_mat_int(w, wtype, x, out, scratch, quantized=reuse)
         else:
-            mul_mat(w, wtype, x, out, limit)
+            fallback(limit)
     return run
 
 
-def _mul_mat_int(w, wtype, x, out, scratch):
+def act_scratch(n: int, k: int, wtype: GGMLType):
+    """The activation buffers a bound product of this weight type and shape quantizes x into (shared by every
+    product of the same shape and dot type: the calls run one after another)."""
+    from .act_quant import scratch_for
+    return scratch_for(n, k, TYPE_TRAITS[GGMLType(wtype)].vec_dot_type)
+
+
+def _mul_mat_int(w, wtype, x, out, scratch, quantized: bool = False):
     vdt = TYPE_TRAITS[wtype].vec_dot_type
-    s = act_split(x, vdt, scratch)
+    s = scratch if quantized else act_split(x, vdt, scratch)
     res = out if (out.dtype == np.float32 and out.strides[-1] == 4) else np.empty(out.shape, np.float32)
     if (wtype.name in qdot_kt.KINDS and x.shape[0] >= qdot_kt.TILED_MIN_ROWS
             and not (wtype == T.Q4_K and w.shape[0] % 8 == 0)):   # llama.cpp's tiled path (see qdot_kt)
