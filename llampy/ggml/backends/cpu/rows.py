@@ -45,7 +45,10 @@ def _get_rows_plain(a, idx, out):
         i3 = r // (n2 * n)
         i2 = (r // n) % n2
         i = r % n
-        out[i3, i2, i, :] = a[i3 % a.shape[0], i2, idx[i3, i2, i], :]
+        src = a[i3 % a.shape[0], i2, idx[i3, i2, i]]
+        o = out[i3, i2, i]
+        for j in range(src.shape[0]):   # a loop, not a slice assignment: 0.3 s to compile instead of 3 s
+            o[j] = src[j]
 
 
 def _get_rows_f16(a, idx, tab, out):
