@@ -31,6 +31,16 @@ def bind_binary(node, dst, srcs):
     return lambda: fn(a, b, dst, code)
 
 
+def bind_scale(node, dst, srcs):
+    """SCALE of float32 into float32 without a bias: one float32 multiply per value into dst (k_scale's numbers,
+    without its temporaries: Gemma runs 19 of these per token)."""
+    p = node.op_params
+    if node.src[0].type != T.F32 or node.type != T.F32 or p["b"] or srcs[0].shape != dst.shape:
+        return None
+    x, sv = srcs[0], np.float32(p["s"])
+    return lambda: np.multiply(x, sv, out=dst)
+
+
 def bind_soft_max(node, dst, srcs):
     if node.src[0].type != T.F32:
         return None
@@ -147,6 +157,6 @@ def bind_rope(node, dst, srcs):
     return rope.bind(srcs[0], srcs[1].reshape(-1), p, ff, dst)
 
 
-BINDERS = {Op.SOFT_MAX: bind_soft_max, Op.GET_ROWS: bind_get_rows, Op.SET_ROWS: bind_set_rows,
+BINDERS = {Op.SCALE: bind_scale, Op.SOFT_MAX: bind_soft_max, Op.GET_ROWS: bind_get_rows, Op.SET_ROWS: bind_set_rows,
            Op.SWIGLU: bind_glu, Op.GEGLU: bind_glu, Op.RMS_NORM_MUL: bind_rms_norm_mul, Op.ROPE: bind_rope,
            **{op: bind_binary for op in _BIN}}
