@@ -11,7 +11,8 @@ import math
 import threading
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .kernels import alibi_slopes
 from .qdot import F16_TABLE
@@ -109,11 +110,23 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
             out[i3, i1, h, j] = acc[j] * inv
 
 
+def _mask_value(x, tab):
+    """A mask entry as float32: F16 bits (uint16) through the table, a float as it is."""
+
+
+@overload(_mask_value, inline="always")
+def _mask_value_impl(x, tab):
+    if isinstance(x, types.Integer):
+        return lambda x, tab: tab[x]
+    return lambda x, tab: np.float32(x)
+
+
 @njit(cache=True, nogil=True)
-def _visible_f32(mask, n_q):
+def _visible(mask, n_q, tab):
     """The cells each mask row leaves visible, in cell order: rows (m3, m2, i1 < n_q) flattened; idx[r, :cnt[r]]
-    the cells, val[r, :cnt[r]] their mask values. A decode batch of several sequences sees a few cells in each
-    row; walking only those keeps the kernel's cost independent of the masked ones."""
+    the cells, val[r, :cnt[r]] their mask values. mask: float32, or F16 bits (uint16) read through ``tab``. A
+    decode batch of several sequences sees a few cells in each row; walking only those keeps the kernel's cost
+    independent of the masked ones."""
     m3, m2, n_kv = mask.shape[0], mask.shape[1], mask.shape[3]
     idx = np.empty((m3 * m2 * n_q, n_kv), np.int32)
     val = np.empty((m3 * m2 * n_q, n_kv), np.float32)
@@ -125,32 +138,10 @@ def _visible_f32(mask, n_q):
                 row = mask[a, b, i1]
                 c = 0
                 for ic in range(n_kv):
-                    x = row[ic]
+                    x = _mask_value(row[ic], tab)
                     idx[r, c] = ic
                     val[r, c] = x
                     c += x != -np.inf          # branch-free: visible cells are scattered in a batch of sequences
-                cnt[r] = c
-    return idx, val, cnt
-
-
-@njit(cache=True, nogil=True)
-def _visible_f16(mask, n_q, tab):
-    """``_visible_f32`` over an F16 mask given as its bits (uint16), converted through ``tab``."""
-    m3, m2, n_kv = mask.shape[0], mask.shape[1], mask.shape[3]
-    idx = np.empty((m3 * m2 * n_q, n_kv), np.int32)
-    val = np.empty((m3 * m2 * n_q, n_kv), np.float32)
-    cnt = np.zeros(m3 * m2 * n_q, np.int32)
-    for a in range(m3):
-        for b in range(m2):
-            for i1 in range(n_q):
-                r = (a * m2 + b) * n_q + i1
-                row = mask[a, b, i1]
-                c = 0
-                for ic in range(n_kv):
-                    x = row[ic]
-                    idx[r, c] = ic
-                    val[r, c] = tab[x]
-                    c += x != 0xFC00             # F16 -inf
                 cnt[r] = c
     return idx, val, cnt
 
@@ -164,10 +155,7 @@ def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes):
         m3 = m2 = 1
         n_qm = 1
     else:
-        if mask.dtype == np.uint16:
-            idx, val, cnt = _visible_f16(mask, n_q, F16_TABLE)
-        else:
-            idx, val, cnt = _visible_f32(mask, n_q)
+        idx, val, cnt = _visible(mask, n_q, F16_TABLE)
         m3, m2, n_qm = mask.shape[0], mask.shape[1], n_q
     _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes)
 
@@ -182,7 +170,7 @@ def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, 
     """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0, in sixteen-lane vectors as ggml's AVX-512
     build runs it: ggml_vec_dot_f16 (four accumulators over each 64 elements, GGML_F32x16_REDUCE), and the F16
     accumulator's ggml_vec_scale_f16 / ggml_vec_mad_f16 (float32 multiply or fma, rounded to F16 per lane).
-    Only the visible cells of each query's mask row are visited (``_visible_*``), in cell order as ggml's loop
+    Only the visible cells of each query's mask row are visited (``_visible``), in cell order as ggml's loop
     meets them when it skips the -inf ones; n_qm 1 with m3 = m2 = 1: one row for every query (no mask)."""
     ne3, n_head, n_q, d = q.shape
     n_head_kv = k.shape[1]
