@@ -92,8 +92,8 @@ class Engine:
         self.n_ctx = n_ctx
         self.prompt_budget = max(1, prompt_budget)
         n_batch = self.prompt_budget + n_parallel
-        # graphs are cached per (tokens, outputs, kv) shape; batches here vary in all three, so keep more
-        # decode steps read the whole cache (n_kv padded to it): their graphs differ only in the batch size
+        # graphs are cached per (tokens, outputs, kv) shape, so keep more; decode steps read the whole cache
+        # (n_kv padded to it), so theirs differ only in the batch size
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_parallel,
                            max_graphs=64, kv_pad_decode=n_ctx)
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]

@@ -95,13 +95,12 @@ class CPUBackend(Backend):
         if len(pairs) == 1 and btype == T.F32:
             from .matmul import act_scratch, bind_mul_mat
             x2 = xb[0, 0]
-            key = id(act_scratch(x2.shape[0], x2.shape[1], wtype)) if x2.ndim == 2 else None
-            held = self._quantized.get(key)
-            reuse = held is not None and held == (b.id, id(self._owner(b)))
+            key = id(act_scratch(x2.shape[0], x2.shape[1], wtype))
+            this_x = (b.id, id(self._owner(b)))
+            reuse = self._quantized.get(key) == this_x
             fast = bind_mul_mat(wa[0, 0], wtype, x2, dst[0, 0], lambda: self.exact_max_rows, reuse)
             if fast is not None:
-                if key is not None:
-                    self._quantized[key] = (b.id, id(self._owner(b)))
+                self._quantized[key] = this_x
                 return fast
 
         def run():

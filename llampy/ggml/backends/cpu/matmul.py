@@ -45,10 +45,6 @@ SUPPORTED_DIRECT: frozenset = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T
 # integer kernels: weight type -> kernel(w, xq, xd, xs, out, tab)
 _KERNELS = {T.Q8_0: qdot.mv_q8_0, T.Q4_0: qdot.mv_q4_0, T.Q4_1: qdot.mv_q4_1, T.Q5_0: qdot.mv_q5_0,
             T.Q5_1: qdot.mv_q5_1, T.Q5_K: qdot_ks.mv_q5_k, T.Q6_K: qdot_ks.mv_q6_k}
-# the 32-value formats' two kernels (eight-row tiles, the rest: see qdot._mv_legacy)
-_LEGACY_SPLIT = {T.Q8_0: (qdot._tiles_q8_0, qdot._rest_q8_0), T.Q4_0: (qdot._tiles_q4_0, qdot._rest_q4_0),
-                 T.Q4_1: (qdot._tiles_q4_1, qdot._rest_q4_1), T.Q5_0: (qdot._tiles_q5_0, qdot._rest_q5_0),
-                 T.Q5_1: (qdot._tiles_q5_1, qdot._rest_q5_1)}
 _DQ_LEGACY = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4}
 _DQ_K = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 
@@ -107,13 +103,11 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
     def fallback(limit):
         mul_mat(w, wtype, x, out, limit)
 
-    legacy = _LEGACY_SPLIT.get(wtype)
-    if legacy is not None and vdt in (T.Q8_0, T.Q8_1):
-        # the 32-value formats: the quantizer and the kernels called directly, their arguments bound here
+    kernel = _KERNELS.get(wtype)
+    if kernel is not None and vdt in (T.Q8_0, T.Q8_1):
+        # the 32-value formats: the quantizer and the kernel called directly, their arguments bound here
         from .act_quant import q8_0_split
-        tiles, rest = legacy
         xq, xd, xs, with_s, tab = scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1, F16_TABLE
-        n8 = n - n % 8
 
         def run():
             limit = limit_fn()
@@ -121,10 +115,7 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
                 return fallback(limit)
             if not reuse:
                 q8_0_split(x, xq, xd, xs, with_s)
-            if n8:
-                tiles(w, xq, xd, xs, out, tab)
-            if n8 < n:
-                rest(w, xq, xd, xs, out, tab, n8)
+            kernel(w, xq, xd, xs, out, tab)
         return run
 
     def run():
