@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot import ROW_CHUNK, prefetch_row
+from .qdot import ROW_CHUNK, prefetch_plan, prefetch_row, prefetch_to
 from .qdot_k import _scale_min
 from .simd import (AVX2, VNNI, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
                    f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8)
@@ -522,11 +522,14 @@ def _x8_tile(w, r, xq, xd, bp, out, i0, i1, n_gemm, nb):
     mv_q4_k_x8 sends only gemv rows here (``_x8_gemm4`` takes the gemm rows four at a time); a gemv-only copy of
     this function measured 8% slower at n = 1, so the general form stays."""
     w0, w1, w2, w3, w4, w5, w6, w7 = w[r], w[r + 1], w[r + 2], w[r + 3], w[r + 4], w[r + 5], w[r + 6], w[r + 7]
+    pf, pend, step = prefetch_plan(w, r, 8, nb)
+    pf0 = pf
     for i in range(i0, i1):
         xr = xq[i]
         acc = f8_zero()
         accm = f8_zero()
         for b in range(nb):
+            pf = prefetch_to(w, pf, min(pend, pf0 + (b + 1) * step))
             o = b * 144
             xo = b * 256
             s0, s1, s2, s3 = k_scales(w0, o), k_scales(w1, o), k_scales(w2, o), k_scales(w3, o)
@@ -568,8 +571,9 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
     r8 = rows - rows % 8
     for c in prange((r8 // 8 + 1) // 2):
         for r in range(16 * c, min(r8, 16 * c + 16), 8):
-            for p in range(8):
-                prefetch_row(w, r + p)
+            if n_gemm:         # the gemv rows prefetch as they go (``_x8_tile``)
+                for p in range(8):
+                    prefetch_row(w, r + p)
             for i in range(0, n_gemm, 4):
                 _x8_gemm4(w, r, xq, xd, bp, out, i, nb)
             _x8_tile(w, r, xq, xd, bp, out, n_gemm, n, n_gemm, nb)
@@ -747,14 +751,15 @@ def _mv_k(w, xq, xd, bsums, out, kind):
         r = c * ROW_CHUNK
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
-            for p in range(4):
-                prefetch_row(w, r + p)
+            pf, pend, step = prefetch_plan(w, r, 4, nb)
+            pf0 = pf
             for i in range(0, n2, 2):
                 x0, x1, b0, b1 = xq[i], xq[i + 1], bsums[i], bsums[i + 1]
                 a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
                 m00 = m01 = m10 = m11 = m20 = m21 = m30 = m31 = f8_zero()
                 s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
                 for b in range(nb):
+                    pf = prefetch_to(w, pf, min(pend, pf0 + (b + 1) * step))
                     d0, d1 = xd[i, b], xd[i + 1, b]
                     a00, m00, s00 = _kblock(kind, w0, b, x0, d0, b0, a00, m00, s00)
                     a01, m01, s01 = _kblock(kind, w0, b, x1, d1, b1, a01, m01, s01)
@@ -778,6 +783,7 @@ def _mv_k(w, xq, xd, bsums, out, kind):
                 m0 = m1 = m2 = m3 = f8_zero()
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for b in range(nb):
+                    pf = prefetch_to(w, pf, min(pend, pf0 + (b + 1) * step))
                     db = xd[i, b]
                     a0, m0, s0 = _kblock(kind, w0, b, xr, db, br, a0, m0, s0)
                     a1, m1, s1 = _kblock(kind, w1, b, xr, db, br, a1, m1, s1)
