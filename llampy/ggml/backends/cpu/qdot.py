@@ -58,29 +58,27 @@ def prefetch_row(w, r):
 
 
 # Decode kernels stream the weights once; the rows PREFETCH_AHEAD ahead of the ones being computed are asked for a
-# piece per block step (``prefetch_to``), so the requests are spread over the compute instead of issued in one
+# piece per block step (``prefetch_step``), so the requests are spread over the compute instead of issued in one
 # burst per row group. Measured on Gemma 3's 178 MB Q8_0 output matrix (benchmarks/README.md, entry 27): 2 threads
 # 10.6 -> 29 GB/s; 4 rows ahead 25.6, 8 rows 29.1, 16 rows 23.9.
 PREFETCH_AHEAD = 8
 
 
 @njit(cache=True, inline="always")
-def prefetch_to(w, pf, end):
-    """Prefetch w's bytes from byte offset pf up to end, one cache line at a time; returns where it stopped."""
-    while pf < end:
-        prefetch_byte(w, pf)
-        pf += 64
-    return pf
+def prefetch_base(w, r):
+    """(byte offset of row r + PREFETCH_AHEAD, offset of w's last byte): the arguments of ``prefetch_step``."""
+    s0 = w.strides[0]
+    last = w.shape[0] * s0 - 1
+    return min(last, (r + PREFETCH_AHEAD) * s0), last
 
 
 @njit(cache=True, inline="always")
-def prefetch_plan(w, r, nrows, nb):
-    """(first byte, last byte, bytes per block step) of the prefetch for the nrows rows PREFETCH_AHEAD past row r,
-    spread over a loop of nb block steps."""
-    s0 = w.strides[0]
-    total = w.shape[0] * s0
-    pf = min(total, (r + PREFETCH_AHEAD) * s0)
-    return pf, min(total, pf + nrows * s0), (nrows * s0 + nb - 1) // nb
+def prefetch_step(w, base, b, step):
+    """Block step b's piece of the prefetch: the cache lines of bytes base + b * step .. + step (step: the bytes a
+    step computes on, a compile-time constant, so that this unrolls to a few prefetch instructions)."""
+    a = base[0] + b * step
+    for j in range((step + 63) // 64 + 1):
+        prefetch_byte(w, min(base[1], a + 64 * j))
 
 
 @njit(cache=True, inline="always")
@@ -99,56 +97,35 @@ K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0 = 0, 1, 2, 3, 4
 
 
 @njit(cache=True, inline="always")
-def _block(kind, tab, wr, b, xr, xdb, xsb, acc, summs):
+def _block_bytes(kind):
+    return 34 if kind == K_Q8_0 else (18 if kind == K_Q4_0 else (20 if kind == K_Q4_1 else (22 if kind == K_Q5_0 else 24)))
+
+
+@njit(cache=True, inline="always")
+def _block(kind, tab, wr, b, xr, xdb, xsb, xlr, acc, summs):
     """One block of ggml_vec_dot_<kind>_q8_{0,1} (AVX2 form): the eight int32 lanes (exact integers), then
-    acc = fma(d_w * d_x, lanes, acc); for the formats with a min, summs = fma(m_w, s_x, summs)."""
+    acc = fma(d_w * d_x, lanes, acc); for the formats with a min, summs = fma(m_w, s_x, summs). xlr: the
+    activation row's ``lane_sums`` (the signed formats' offset form, see simd._signed_lanes)."""
     xo = b * 32
     if kind == K_Q8_0:
         o = b * 34
-        lanes = dot_s8_s8(wr, o + 2, xr, xo)
+        lanes = dot_s8_s8(wr, o + 2, xr, xo, xlr, b * 8)
     elif kind == K_Q4_0:           # nibbles - 8
         o = b * 18
-        lanes = dot_u4_s8(wr, o + 2, xr, xo, 8)
+        lanes = dot_u4_s8(wr, o + 2, xr, xo, 8, xlr, b * 8)
     elif kind == K_Q4_1:           # unsigned nibbles
         o = b * 20
-        lanes = dot_u4_s8(wr, o + 4, xr, xo, 0)
+        lanes = dot_u4_s8(wr, o + 4, xr, xo, 0, xlr, 0)
         summs = fma32(f16_at(wr, o + 2), xsb, summs)
     elif kind == K_Q5_0:           # (nibble | qh bit << 4) - 16
         o = b * 22
-        lanes = dot_u5_s8(wr, o + 6, _qh(wr, o + 2), xr, xo, 16)
+        lanes = dot_u5_s8(wr, o + 6, _qh(wr, o + 2), xr, xo, 16, xlr, b * 8)
     else:                          # Q5_1: unsigned 5-bit values
         o = b * 24
-        lanes = dot_u5_s8(wr, o + 8, _qh(wr, o + 4), xr, xo, 0)
+        lanes = dot_u5_s8(wr, o + 8, _qh(wr, o + 4), xr, xo, 0, xlr, 0)
         summs = fma32(f16_at(wr, o + 2), xsb, summs)
     d = np.float32(f16_at(wr, o) * xdb)
     return f8_fma(d, i8_to_f8(lanes), acc), summs
-
-
-@njit(cache=True, inline="always")
-def _block_off(kind, wr, b, xr, xdb, xlr, acc):
-    """``_block`` for the signed formats (Q4_0, Q5_0, Q8_0) in the unsigned-offset form (``wdot_off``; xlr: the
-    activation row's ``lane_sums``): the same integer lanes in fewer instructions than the sign trick."""
-    xo = b * 32
-    if kind == K_Q8_0:
-        o = b * 34
-        q = wbytes(wr, o + 2, 0, 5)
-    elif kind == K_Q4_0:
-        o = b * 18
-        q = wbytes(wr, o + 2, 0, 1)
-    else:
-        o = b * 22
-        q = wbytes(wr, o + 6, _qh(wr, o + 2), 3)
-    d = np.float32(f16_at(wr, o) * xdb)
-    return f8_fma(d, i8_to_f8(wdot_off(q, xr, xo, xlr, b * 8)), acc)
-
-
-@njit(cache=True, inline="always")
-def _block2(kind, tab, wr, b, xr, xdb, xsb, xlr, acc, summs):
-    """One block of one weight row and one activation row: ``_block_off`` for the signed formats where the offset
-    form is exact and cheaper (``UNSIGNED_OFFSET``), else ``_block``."""
-    if (kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0) and UNSIGNED_OFFSET:
-        return _block_off(kind, wr, b, xr, xdb, xlr, acc), summs
-    return _block(kind, tab, wr, b, xr, xdb, xsb, acc, summs)
 
 
 @njit(cache=True)
@@ -291,7 +268,7 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
 @njit(cache=True, inline="always")
 def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
     """The activation rows n8 .. n of ``_mv_legacy``: pairs, then one. The rows PREFETCH_AHEAD ahead are
-    prefetched a piece per block step (``prefetch_to``)."""
+    prefetched a piece per block step (``prefetch_step``)."""
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
@@ -305,25 +282,25 @@ def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
         r = c * ROW_CHUNK
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
-            pf, pend, step = prefetch_plan(w, r, 4, nb)
-            pf0 = pf
+            pb = prefetch_base(w, r)
+            step = 4 * _block_bytes(kind)
             n2 = n8 + (n - n8) // 2 * 2
             for i in range(n8, n2, 2):     # two activation rows: eight chains, each weight block decoded once
                 x0, x1, l0, l1 = xq[i], xq[i + 1], xls[i], xls[i + 1]
                 a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
                 s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
                 for b in range(nb):
-                    pf = prefetch_to(w, pf, min(pend, pf0 + (b + 1) * step))
+                    prefetch_step(w, pb, b, step)
                     d0, d1 = xd[i, b], xd[i + 1, b]
                     m0, m1 = xs[i, b], xs[i + 1, b]
-                    a00, s00 = _block2(kind, tab, w0, b, x0, d0, m0, l0, a00, s00)
-                    a01, s01 = _block2(kind, tab, w0, b, x1, d1, m1, l1, a01, s01)
-                    a10, s10 = _block2(kind, tab, w1, b, x0, d0, m0, l0, a10, s10)
-                    a11, s11 = _block2(kind, tab, w1, b, x1, d1, m1, l1, a11, s11)
-                    a20, s20 = _block2(kind, tab, w2, b, x0, d0, m0, l0, a20, s20)
-                    a21, s21 = _block2(kind, tab, w2, b, x1, d1, m1, l1, a21, s21)
-                    a30, s30 = _block2(kind, tab, w3, b, x0, d0, m0, l0, a30, s30)
-                    a31, s31 = _block2(kind, tab, w3, b, x1, d1, m1, l1, a31, s31)
+                    a00, s00 = _block(kind, tab, w0, b, x0, d0, m0, l0, a00, s00)
+                    a01, s01 = _block(kind, tab, w0, b, x1, d1, m1, l1, a01, s01)
+                    a10, s10 = _block(kind, tab, w1, b, x0, d0, m0, l0, a10, s10)
+                    a11, s11 = _block(kind, tab, w1, b, x1, d1, m1, l1, a11, s11)
+                    a20, s20 = _block(kind, tab, w2, b, x0, d0, m0, l0, a20, s20)
+                    a21, s21 = _block(kind, tab, w2, b, x1, d1, m1, l1, a21, s21)
+                    a30, s30 = _block(kind, tab, w3, b, x0, d0, m0, l0, a30, s30)
+                    a31, s31 = _block(kind, tab, w3, b, x1, d1, m1, l1, a31, s31)
                 out[i, r] = f8_hsum(a00) + s00
                 out[i + 1, r] = f8_hsum(a01) + s01
                 out[i, r + 1] = f8_hsum(a10) + s10
@@ -337,13 +314,13 @@ def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
                 a0 = a1 = a2 = a3 = f8_zero()
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for b in range(nb):
-                    pf = prefetch_to(w, pf, min(pend, pf0 + (b + 1) * step))
+                    prefetch_step(w, pb, b, step)
                     xdb = xd[i, b]
                     xsb = xs[i, b]
-                    a0, s0 = _block2(kind, tab, w0, b, xr, xdb, xsb, lr, a0, s0)
-                    a1, s1 = _block2(kind, tab, w1, b, xr, xdb, xsb, lr, a1, s1)
-                    a2, s2 = _block2(kind, tab, w2, b, xr, xdb, xsb, lr, a2, s2)
-                    a3, s3 = _block2(kind, tab, w3, b, xr, xdb, xsb, lr, a3, s3)
+                    a0, s0 = _block(kind, tab, w0, b, xr, xdb, xsb, lr, a0, s0)
+                    a1, s1 = _block(kind, tab, w1, b, xr, xdb, xsb, lr, a1, s1)
+                    a2, s2 = _block(kind, tab, w2, b, xr, xdb, xsb, lr, a2, s2)
+                    a3, s3 = _block(kind, tab, w3, b, xr, xdb, xsb, lr, a3, s3)
                 out[i, r] = f8_hsum(a0) + s0
                 out[i, r + 1] = f8_hsum(a1) + s1
                 out[i, r + 2] = f8_hsum(a2) + s2
@@ -356,7 +333,7 @@ def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
                 a0 = f8_zero()
                 s0 = np.float32(0.0)
                 for b in range(nb):
-                    a0, s0 = _block2(kind, tab, wr, b, xr, xd[i, b], xs[i, b], lr, a0, s0)
+                    a0, s0 = _block(kind, tab, wr, b, xr, xd[i, b], xs[i, b], lr, a0, s0)
                 out[i, r] = f8_hsum(a0) + s0
             r += 1
 

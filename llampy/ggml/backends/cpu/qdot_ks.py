@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot import ROW_CHUNK, prefetch_plan, prefetch_row, prefetch_to
+from .qdot import ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step
 from .qdot_k import _scale_min
 from .simd import (AVX2, VNNI, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
                    f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8)
@@ -522,14 +522,13 @@ def _x8_tile(w, r, xq, xd, bp, out, i0, i1, n_gemm, nb):
     mv_q4_k_x8 sends only gemv rows here (``_x8_gemm4`` takes the gemm rows four at a time); a gemv-only copy of
     this function measured 8% slower at n = 1, so the general form stays."""
     w0, w1, w2, w3, w4, w5, w6, w7 = w[r], w[r + 1], w[r + 2], w[r + 3], w[r + 4], w[r + 5], w[r + 6], w[r + 7]
-    pf, pend, step = prefetch_plan(w, r, 8, nb)
-    pf0 = pf
+    pb = prefetch_base(w, r)
     for i in range(i0, i1):
         xr = xq[i]
         acc = f8_zero()
         accm = f8_zero()
         for b in range(nb):
-            pf = prefetch_to(w, pf, min(pend, pf0 + (b + 1) * step))
+            prefetch_step(w, pb, b, 8 * 144)
             o = b * 144
             xo = b * 256
             s0, s1, s2, s3 = k_scales(w0, o), k_scales(w1, o), k_scales(w2, o), k_scales(w3, o)
@@ -646,6 +645,12 @@ K_Q4_K, K_Q5_K, K_Q6_K = 4, 5, 6
 
 
 @njit(cache=True, inline="always")
+def _kbytes(kind):
+    """Bytes of one super-block."""
+    return 210 if kind == K_Q6_K else (144 if kind == K_Q4_K else 176)
+
+
+@njit(cache=True, inline="always")
 def _kblock(kind, wr, b, xr, xdb, bsr, acc, accm, summs):
     """Super-block b of one (weight row, activation row) pair in ggml_vec_dot_<kind>_q8_K's float order:
     acc = fma(d_x * d_w, lanes, acc); Q4_K's mins in four lanes, accm = fma(-d_x * dmin_w, pair sums, accm);
@@ -751,15 +756,15 @@ def _mv_k(w, xq, xd, bsums, out, kind):
         r = c * ROW_CHUNK
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
-            pf, pend, step = prefetch_plan(w, r, 4, nb)
-            pf0 = pf
+            pb = prefetch_base(w, r)
+            step = 4 * _kbytes(kind)
             for i in range(0, n2, 2):
                 x0, x1, b0, b1 = xq[i], xq[i + 1], bsums[i], bsums[i + 1]
                 a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
                 m00 = m01 = m10 = m11 = m20 = m21 = m30 = m31 = f8_zero()
                 s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
                 for b in range(nb):
-                    pf = prefetch_to(w, pf, min(pend, pf0 + (b + 1) * step))
+                    prefetch_step(w, pb, b, step)
                     d0, d1 = xd[i, b], xd[i + 1, b]
                     a00, m00, s00 = _kblock(kind, w0, b, x0, d0, b0, a00, m00, s00)
                     a01, m01, s01 = _kblock(kind, w0, b, x1, d1, b1, a01, m01, s01)
@@ -783,7 +788,7 @@ def _mv_k(w, xq, xd, bsums, out, kind):
                 m0 = m1 = m2 = m3 = f8_zero()
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for b in range(nb):
-                    pf = prefetch_to(w, pf, min(pend, pf0 + (b + 1) * step))
+                    prefetch_step(w, pb, b, step)
                     db = xd[i, b]
                     a0, m0, s0 = _kblock(kind, w0, b, xr, db, br, a0, m0, s0)
                     a1, m1, s1 = _kblock(kind, w1, b, xr, db, br, a1, m1, s1)

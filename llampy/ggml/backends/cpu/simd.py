@@ -198,32 +198,45 @@ def i8_add(typingctx, a, b):
     return i8(i8, i8), codegen
 
 
+def _signed_lanes(context, builder, sig, args, au, b, off, il, iso):
+    """Eight int32 lanes of signed weights times int8 activations b, from ``au``: the weights plus ``off`` as
+    unsigned bytes. Where the offset form is exact (``UNSIGNED_OFFSET``, below): vpdpbusd of au and b accumulating
+    into the activations' negated lane sums times off (``qdot.lane_sums``: args[il] at element args[iso]), one
+    instruction; else ggml's sign trick on au - off. The same integers either way."""
+    if UNSIGNED_OFFSET:
+        acc = _load(builder, _elem_ptr(context, builder, sig.args[il], args[il], args[iso], _I8x8))
+        return _udot(builder, au, b, acc)
+    return _sdot(builder, builder.sub(au, ir.Constant(au.type, [off] * 32)), b)
+
+
 @intrinsic
-def dot_s8_s8(typingctx, w, wo, x, xo):
+def dot_s8_s8(typingctx, w, wo, x, xo, xl, so):
     """32 int8 weights at byte wo of w times 32 int8 activations at byte xo of x: eight int32 lanes, lane l the sum
-    of the products of elements 4l..4l+3 (ggml's mul_sum_i8_pairs_float before its conversion)."""
+    of the products of elements 4l..4l+3 (ggml's mul_sum_i8_pairs_float before its conversion); xl[so:so+8]: the
+    activations' ``lane_sums`` for an offset of 128."""
     def codegen(context, builder, sig, args):
         v32 = ir.VectorType(_I8, 32)
         a = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32))
         b = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], v32))
-        return _sdot(builder, a, b)
-    return i8(w, types.intp, x, types.intp), codegen
+        return _signed_lanes(context, builder, sig, args, builder.xor(a, ir.Constant(v32, [-128] * 32)), b, 128, 4, 5)
+    return i8(w, types.intp, x, types.intp, xl, types.intp), codegen
 
 
 @intrinsic
-def dot_u4_s8(typingctx, w, wo, x, xo, off):
-    """(``off``: a literal integer.) 16 bytes of nibbles at byte wo of w (element e < 16: byte e's low nibble, 16 + e: its high nibble), minus
-    ``off`` (8 for Q4_0, 0 for Q4_1), times 32 int8 activations at byte xo of x: eight int32 lanes of four."""
+def dot_u4_s8(typingctx, w, wo, x, xo, off, xl, so):
+    """(``off``: a literal integer.) 16 bytes of nibbles at byte wo of w (element e < 16: byte e's low nibble, 16 + e:
+    its high nibble), minus ``off`` (8 for Q4_0, 0 for Q4_1), times 32 int8 activations at byte xo of x: eight int32
+    lanes of four. xl[so:so+8]: the activations' ``lane_sums`` for ``off`` (unused when it is 0)."""
     def codegen(context, builder, sig, args):
         q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16)))
         a = _nibbles32(builder, q)
         b = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], ir.VectorType(_I8, 32)))
         if off.literal_value == 0:
             return _udot(builder, a, b)
-        return _sdot(builder, builder.sub(a, ir.Constant(a.type, [off.literal_value] * 32)), b)
+        return _signed_lanes(context, builder, sig, args, a, b, off.literal_value, 5, 6)
     if not isinstance(off, types.IntegerLiteral):
         return None
-    return i8(w, types.intp, x, types.intp, off), codegen
+    return i8(w, types.intp, x, types.intp, off, xl, types.intp), codegen
 
 
 def _high_bits(builder, qh):
@@ -236,7 +249,7 @@ def _high_bits(builder, qh):
 
 
 @intrinsic
-def dot_u5_s8(typingctx, w, wo, qh, x, xo, off):
+def dot_u5_s8(typingctx, w, wo, qh, x, xo, off, xl, so):
     """As ``dot_u4_s8`` with bit e of the 32-bit ``qh`` as bit 4 of element e (Q5_0: off 16, Q5_1: off 0)."""
     def codegen(context, builder, sig, args):
         q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16)))
@@ -245,10 +258,10 @@ def dot_u5_s8(typingctx, w, wo, qh, x, xo, off):
         b = _load(builder, _ptr(context, builder, sig.args[3], args[3], args[4], ir.VectorType(_I8, 32)))
         if off.literal_value == 0:
             return _udot(builder, a, b)
-        return _sdot(builder, builder.sub(a, ir.Constant(a.type, [off.literal_value] * 32)), b)
+        return _signed_lanes(context, builder, sig, args, a, b, off.literal_value, 6, 7)
     if not isinstance(off, types.IntegerLiteral):
         return None
-    return i8(w, types.intp, types.int64, x, types.intp, off), codegen
+    return i8(w, types.intp, types.int64, x, types.intp, off, xl, types.intp), codegen
 
 
 @intrinsic
