@@ -1,7 +1,8 @@
 """The cpu backend (NumPy + Numba). Importing it registers it as "cpu"."""
-from . import nrt_cache
+from . import llvm_pages, nrt_cache
 
 nrt_cache.install()     # before any kernel runs: Numba's runtime module from the cache (see nrt_cache.py)
+llvm_pages.install()    # LLVM's code pages dropped from the resident set after each kernel load (llvm_pages.py)
 
 from ...backend import register_backend  # noqa: E402
 from .backend import CPUBackend  # noqa: E402
