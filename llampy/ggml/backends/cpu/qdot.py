@@ -98,7 +98,9 @@ K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0 = 0, 1, 2, 3, 4
 
 @njit(cache=True, inline="always")
 def _block_bytes(kind):
-    return 34 if kind == K_Q8_0 else (18 if kind == K_Q4_0 else (20 if kind == K_Q4_1 else (22 if kind == K_Q5_0 else 24)))
+    if kind == K_Q8_0:
+        return 34
+    return 18 if kind == K_Q4_0 else (20 if kind == K_Q4_1 else (22 if kind == K_Q5_0 else 24))
 
 
 @njit(cache=True, inline="always")
