@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import UNSIGNED_OFFSET, wdot_off, f16_at, f8_fma_lane, f8_fma_s, f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
+from .simd import UNSIGNED_OFFSET, wdot_off, f16_at, f8_fma_s, f8_store, f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -149,7 +149,7 @@ def _offset(kind):
 
 
 @njit(cache=True, inline="always")
-def _row8_off(kind, wr, b, xq, i, xdb, xls, a0, a1, a2, a3, a4, a5, a6, a7):
+def _row8_off(kind, wr, b, xq, i, dvr, xls, a0, a1, a2, a3, a4, a5, a6, a7):
     """``_row8`` for the signed formats (Q4_0, Q5_0, Q8_0) in the unsigned-offset form: the same integer lanes."""
     xo = b * 32
     so = b * 8
@@ -162,20 +162,19 @@ def _row8_off(kind, wr, b, xq, i, xdb, xls, a0, a1, a2, a3, a4, a5, a6, a7):
     else:
         o = b * 22
         q = wbytes(wr, o + 6, _qh(wr, o + 2), 3)
-    dv = f8_scale(xdb, f16_at(wr, o))
-    a0 = f8_fma_lane(dv, 0, i8_to_f8(wdot_off(q, xq[i], xo, xls[i], so)), a0)
-    a1 = f8_fma_lane(dv, 1, i8_to_f8(wdot_off(q, xq[i + 1], xo, xls[i + 1], so)), a1)
-    a2 = f8_fma_lane(dv, 2, i8_to_f8(wdot_off(q, xq[i + 2], xo, xls[i + 2], so)), a2)
-    a3 = f8_fma_lane(dv, 3, i8_to_f8(wdot_off(q, xq[i + 3], xo, xls[i + 3], so)), a3)
-    a4 = f8_fma_lane(dv, 4, i8_to_f8(wdot_off(q, xq[i + 4], xo, xls[i + 4], so)), a4)
-    a5 = f8_fma_lane(dv, 5, i8_to_f8(wdot_off(q, xq[i + 5], xo, xls[i + 5], so)), a5)
-    a6 = f8_fma_lane(dv, 6, i8_to_f8(wdot_off(q, xq[i + 6], xo, xls[i + 6], so)), a6)
-    a7 = f8_fma_lane(dv, 7, i8_to_f8(wdot_off(q, xq[i + 7], xo, xls[i + 7], so)), a7)
+    a0 = f8_fma(dvr[0], i8_to_f8(wdot_off(q, xq[i], xo, xls[i], so)), a0)
+    a1 = f8_fma(dvr[1], i8_to_f8(wdot_off(q, xq[i + 1], xo, xls[i + 1], so)), a1)
+    a2 = f8_fma(dvr[2], i8_to_f8(wdot_off(q, xq[i + 2], xo, xls[i + 2], so)), a2)
+    a3 = f8_fma(dvr[3], i8_to_f8(wdot_off(q, xq[i + 3], xo, xls[i + 3], so)), a3)
+    a4 = f8_fma(dvr[4], i8_to_f8(wdot_off(q, xq[i + 4], xo, xls[i + 4], so)), a4)
+    a5 = f8_fma(dvr[5], i8_to_f8(wdot_off(q, xq[i + 5], xo, xls[i + 5], so)), a5)
+    a6 = f8_fma(dvr[6], i8_to_f8(wdot_off(q, xq[i + 6], xo, xls[i + 6], so)), a6)
+    a7 = f8_fma(dvr[7], i8_to_f8(wdot_off(q, xq[i + 7], xo, xls[i + 7], so)), a7)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @njit(cache=True, inline="always")
-def _row8(kind, wr, b, xq, i, xdb, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
+def _row8(kind, wr, b, xq, i, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
     """One block of one weight row against eight activation rows i..i+7: the block decoded once, the eight scales
     d_w * d_x as one vector product, the eight mins (Q4_1, Q5_1) as one vector fma; each pair's lanes fma'd with
     its own scale (lane k of the vector, broadcast) exactly as the one-pair form does."""
@@ -198,39 +197,44 @@ def _row8(kind, wr, b, xq, i, xdb, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
         q = wbytes(wr, o + 8, _qh(wr, o + 4), 3)
         sv = f8_fma_s(f16_at(wr, o + 2), xsb, sv)
     sg = kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
-    dv = f8_scale(xdb, f16_at(wr, o))
     if sg:
-        a0 = f8_fma_lane(dv, 0, i8_to_f8(wdot(q, xq[i], xo, True)), a0)
-        a1 = f8_fma_lane(dv, 1, i8_to_f8(wdot(q, xq[i + 1], xo, True)), a1)
-        a2 = f8_fma_lane(dv, 2, i8_to_f8(wdot(q, xq[i + 2], xo, True)), a2)
-        a3 = f8_fma_lane(dv, 3, i8_to_f8(wdot(q, xq[i + 3], xo, True)), a3)
-        a4 = f8_fma_lane(dv, 4, i8_to_f8(wdot(q, xq[i + 4], xo, True)), a4)
-        a5 = f8_fma_lane(dv, 5, i8_to_f8(wdot(q, xq[i + 5], xo, True)), a5)
-        a6 = f8_fma_lane(dv, 6, i8_to_f8(wdot(q, xq[i + 6], xo, True)), a6)
-        a7 = f8_fma_lane(dv, 7, i8_to_f8(wdot(q, xq[i + 7], xo, True)), a7)
+        a0 = f8_fma(dvr[0], i8_to_f8(wdot(q, xq[i], xo, True)), a0)
+        a1 = f8_fma(dvr[1], i8_to_f8(wdot(q, xq[i + 1], xo, True)), a1)
+        a2 = f8_fma(dvr[2], i8_to_f8(wdot(q, xq[i + 2], xo, True)), a2)
+        a3 = f8_fma(dvr[3], i8_to_f8(wdot(q, xq[i + 3], xo, True)), a3)
+        a4 = f8_fma(dvr[4], i8_to_f8(wdot(q, xq[i + 4], xo, True)), a4)
+        a5 = f8_fma(dvr[5], i8_to_f8(wdot(q, xq[i + 5], xo, True)), a5)
+        a6 = f8_fma(dvr[6], i8_to_f8(wdot(q, xq[i + 6], xo, True)), a6)
+        a7 = f8_fma(dvr[7], i8_to_f8(wdot(q, xq[i + 7], xo, True)), a7)
     else:
-        a0 = f8_fma_lane(dv, 0, i8_to_f8(wdot(q, xq[i], xo, False)), a0)
-        a1 = f8_fma_lane(dv, 1, i8_to_f8(wdot(q, xq[i + 1], xo, False)), a1)
-        a2 = f8_fma_lane(dv, 2, i8_to_f8(wdot(q, xq[i + 2], xo, False)), a2)
-        a3 = f8_fma_lane(dv, 3, i8_to_f8(wdot(q, xq[i + 3], xo, False)), a3)
-        a4 = f8_fma_lane(dv, 4, i8_to_f8(wdot(q, xq[i + 4], xo, False)), a4)
-        a5 = f8_fma_lane(dv, 5, i8_to_f8(wdot(q, xq[i + 5], xo, False)), a5)
-        a6 = f8_fma_lane(dv, 6, i8_to_f8(wdot(q, xq[i + 6], xo, False)), a6)
-        a7 = f8_fma_lane(dv, 7, i8_to_f8(wdot(q, xq[i + 7], xo, False)), a7)
+        a0 = f8_fma(dvr[0], i8_to_f8(wdot(q, xq[i], xo, False)), a0)
+        a1 = f8_fma(dvr[1], i8_to_f8(wdot(q, xq[i + 1], xo, False)), a1)
+        a2 = f8_fma(dvr[2], i8_to_f8(wdot(q, xq[i + 2], xo, False)), a2)
+        a3 = f8_fma(dvr[3], i8_to_f8(wdot(q, xq[i + 3], xo, False)), a3)
+        a4 = f8_fma(dvr[4], i8_to_f8(wdot(q, xq[i + 4], xo, False)), a4)
+        a5 = f8_fma(dvr[5], i8_to_f8(wdot(q, xq[i + 5], xo, False)), a5)
+        a6 = f8_fma(dvr[6], i8_to_f8(wdot(q, xq[i + 6], xo, False)), a6)
+        a7 = f8_fma(dvr[7], i8_to_f8(wdot(q, xq[i + 7], xo, False)), a7)
     return a0, a1, a2, a3, a4, a5, a6, a7, sv
 
 
 @njit(cache=True, inline="always")
-def _tile8(kind, wr, r, xq, xdT, xsT, xls, i, nb, out):
+def _tile8(kind, wr, r, xq, xdT, xsT, xls, i, nb, out, dvb):
+    """Weight row r against activation rows i..i+7. The eight scales d_w * d_x of every block are computed first
+    into dvb (nb, 8), so that each pair's scale is then a broadcast load, folded into its fma, instead of a lane
+    shuffle per pair and block."""
+    bb = _block_bytes(kind)
+    for b in range(nb):
+        f8_store(dvb[b], 0, f8_scale(f8_load(xdT[b], i), f16_at(wr, b * bb)))
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f8_zero()
     sv = f8_zero()
     signed = kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
     for b in range(nb):
         if signed and UNSIGNED_OFFSET:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xq, i, f8_load(xdT[b], i), xls,
+            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xq, i, dvb[b], xls,
                                                        a0, a1, a2, a3, a4, a5, a6, a7)
         else:
-            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xq, i, f8_load(xdT[b], i), f8_load(xsT[b], i),
+            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xq, i, dvb[b], f8_load(xsT[b], i),
                                                        a0, a1, a2, a3, a4, a5, a6, a7, sv)
     out[i, r] = f8_hsum(a0) + f8_lane(sv, 0)
     out[i + 1, r] = f8_hsum(a1) + f8_lane(sv, 1)
@@ -260,11 +264,12 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         r = c * ROW_CHUNK
+        dvb = np.empty((nb, 8), np.float32)
         for rr in range(r, r1):
             prefetch_row(w, rr)
         for i in range(0, n8, 8):
             for rr in range(r, r1):
-                _tile8(kind, w[rr], rr, xq, xdT, xsT, xls, i, nb, out)
+                _tile8(kind, w[rr], rr, xq, xdT, xsT, xls, i, nb, out, dvb)
 
 
 @njit(cache=True, inline="always")

@@ -536,6 +536,19 @@ def f8_load(typingctx, arr, i):
 
 
 @intrinsic
+def f8_store(typingctx, arr, i, v):
+    """arr[i:i+8] = v (a float32 array)."""
+    if not isinstance(arr, types.Array) or arr.dtype != types.float32 or v != f8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        st = builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], _F8))
+        st.align = 4
+        return context.get_dummy_value()
+    return types.void(arr, types.intp, f8), codegen
+
+
+@intrinsic
 def f8_scale(typingctx, v, s):
     """v * s per lane (s a float32 scalar, broadcast)."""
     if v != f8:
