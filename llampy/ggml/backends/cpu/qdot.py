@@ -174,10 +174,25 @@ def _row8_off(kind, wr, b, xq, i, dvr, xls, a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 @njit(cache=True, inline="always")
+def _pairs8(q, xq, i, xo, dvr, signed, a0, a1, a2, a3, a4, a5, a6, a7):
+    """The decoded weight block q against activation rows i..i+7, each pair's lanes fma'd with its scale dvr[k]
+    (``signed``: a literal, the block's values are int8 rather than unsigned)."""
+    a0 = f8_fma(dvr[0], i8_to_f8(wdot(q, xq[i], xo, signed)), a0)
+    a1 = f8_fma(dvr[1], i8_to_f8(wdot(q, xq[i + 1], xo, signed)), a1)
+    a2 = f8_fma(dvr[2], i8_to_f8(wdot(q, xq[i + 2], xo, signed)), a2)
+    a3 = f8_fma(dvr[3], i8_to_f8(wdot(q, xq[i + 3], xo, signed)), a3)
+    a4 = f8_fma(dvr[4], i8_to_f8(wdot(q, xq[i + 4], xo, signed)), a4)
+    a5 = f8_fma(dvr[5], i8_to_f8(wdot(q, xq[i + 5], xo, signed)), a5)
+    a6 = f8_fma(dvr[6], i8_to_f8(wdot(q, xq[i + 6], xo, signed)), a6)
+    a7 = f8_fma(dvr[7], i8_to_f8(wdot(q, xq[i + 7], xo, signed)), a7)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@njit(cache=True, inline="always")
 def _row8(kind, wr, b, xq, i, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
-    """One block of one weight row against eight activation rows i..i+7: the block decoded once, the eight scales
-    d_w * d_x as one vector product, the eight mins (Q4_1, Q5_1) as one vector fma; each pair's lanes fma'd with
-    its own scale (lane k of the vector, broadcast) exactly as the one-pair form does."""
+    """One block of one weight row against eight activation rows i..i+7: the block decoded once, the eight mins
+    (Q4_1, Q5_1) as one vector fma; each pair's lanes fma'd with its own scale dvr[k] = d_w * d_x (``_tile8``)
+    exactly as the one-pair form does."""
     xo = b * 32
     if kind == K_Q8_0:
         o = b * 34
@@ -196,25 +211,10 @@ def _row8(kind, wr, b, xq, i, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
         o = b * 24
         q = wbytes(wr, o + 8, _qh(wr, o + 4), 3)
         sv = f8_fma_s(f16_at(wr, o + 2), xsb, sv)
-    sg = kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
-    if sg:
-        a0 = f8_fma(dvr[0], i8_to_f8(wdot(q, xq[i], xo, True)), a0)
-        a1 = f8_fma(dvr[1], i8_to_f8(wdot(q, xq[i + 1], xo, True)), a1)
-        a2 = f8_fma(dvr[2], i8_to_f8(wdot(q, xq[i + 2], xo, True)), a2)
-        a3 = f8_fma(dvr[3], i8_to_f8(wdot(q, xq[i + 3], xo, True)), a3)
-        a4 = f8_fma(dvr[4], i8_to_f8(wdot(q, xq[i + 4], xo, True)), a4)
-        a5 = f8_fma(dvr[5], i8_to_f8(wdot(q, xq[i + 5], xo, True)), a5)
-        a6 = f8_fma(dvr[6], i8_to_f8(wdot(q, xq[i + 6], xo, True)), a6)
-        a7 = f8_fma(dvr[7], i8_to_f8(wdot(q, xq[i + 7], xo, True)), a7)
+    if kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xq, i, xo, dvr, True, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
-        a0 = f8_fma(dvr[0], i8_to_f8(wdot(q, xq[i], xo, False)), a0)
-        a1 = f8_fma(dvr[1], i8_to_f8(wdot(q, xq[i + 1], xo, False)), a1)
-        a2 = f8_fma(dvr[2], i8_to_f8(wdot(q, xq[i + 2], xo, False)), a2)
-        a3 = f8_fma(dvr[3], i8_to_f8(wdot(q, xq[i + 3], xo, False)), a3)
-        a4 = f8_fma(dvr[4], i8_to_f8(wdot(q, xq[i + 4], xo, False)), a4)
-        a5 = f8_fma(dvr[5], i8_to_f8(wdot(q, xq[i + 5], xo, False)), a5)
-        a6 = f8_fma(dvr[6], i8_to_f8(wdot(q, xq[i + 6], xo, False)), a6)
-        a7 = f8_fma(dvr[7], i8_to_f8(wdot(q, xq[i + 7], xo, False)), a7)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xq, i, xo, dvr, False, a0, a1, a2, a3, a4, a5, a6, a7)
     return a0, a1, a2, a3, a4, a5, a6, a7, sv
 
 

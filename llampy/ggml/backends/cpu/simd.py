@@ -320,17 +320,21 @@ def v16_load(typingctx, arr, i):
     return f16l(arr, types.intp), codegen
 
 
+def _store_lanes(vecty):
+    """codegen of ``arr[i:i + lanes] = v`` for a float32 array and a vector of type vecty."""
+    def codegen(context, builder, sig, args):
+        st = builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], vecty))
+        st.align = 4
+        return context.get_dummy_value()
+    return codegen
+
+
 @intrinsic
 def v16_store(typingctx, arr, i, v):
     """arr[i:i+16] = v (float32 array)."""
     if v != f16l:
         return None
-
-    def codegen(context, builder, sig, args):
-        st = builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], _F16x))
-        st.align = 4
-        return context.get_dummy_value()
-    return types.void(arr, types.intp, f16l), codegen
+    return types.void(arr, types.intp, f16l), _store_lanes(_F16x)
 
 
 def _splat16(builder, s):
@@ -540,12 +544,7 @@ def f8_store(typingctx, arr, i, v):
     """arr[i:i+8] = v (a float32 array)."""
     if not isinstance(arr, types.Array) or arr.dtype != types.float32 or v != f8:
         return None
-
-    def codegen(context, builder, sig, args):
-        st = builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], _F8))
-        st.align = 4
-        return context.get_dummy_value()
-    return types.void(arr, types.intp, f8), codegen
+    return types.void(arr, types.intp, f8), _store_lanes(_F8)
 
 
 @intrinsic
