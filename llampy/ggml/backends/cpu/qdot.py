@@ -48,8 +48,8 @@ def prefetch_byte(typingctx, arr, off):
 
 @njit(cache=True, inline="always")
 def prefetch_row(w, r):
-    """Ask for row r + PREFETCH_ROWS of w while row r is computed. Measured on SmolLM2's 28 MiB output matrix
-    (Q8_0, 1 thread): 1.7 GB/s without, 3.6 GB/s with; matrices that sit in the cache are unaffected."""
+    """Ask for row r + PREFETCH_ROWS of w, all of it at once, while row r is computed: the prompt tiles' form,
+    which reuse each row for many activation rows (decode kernels spread theirs: ``prefetch_step``)."""
     rn = r + PREFETCH_ROWS
     if rn < w.shape[0]:
         s0 = w.strides[0]
@@ -143,9 +143,27 @@ def lane_sums(xq, off, out):
 
 
 @njit(cache=True, inline="always")
+def _signed(kind):
+    """The formats whose values are signed (no min): Q8_0, Q4_0, Q5_0."""
+    return kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
+
+
+@njit(cache=True, inline="always")
 def _offset(kind):
     """What the unsigned-offset form adds to a signed format's values (``lane_sums``)."""
     return 128 if kind == K_Q8_0 else (8 if kind == K_Q4_0 else 16)
+
+
+@njit(cache=True, inline="always")
+def _offset_lane_sums(kind, xq):
+    """The activations' ``lane_sums`` where the kernels use the unsigned-offset form (a signed format on a CPU
+    where it is exact: ``UNSIGNED_OFFSET``), else an unused (n, 1) placeholder."""
+    n, k = xq.shape
+    if _signed(kind) and UNSIGNED_OFFSET:
+        xls = np.empty((n, k // 4), np.int32)
+        lane_sums(xq, _offset(kind), xls)
+        return xls
+    return np.empty((n, 1), np.int32)
 
 
 @njit(cache=True, inline="always")
@@ -211,7 +229,7 @@ def _row8(kind, wr, b, xq, i, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
         o = b * 24
         q = wbytes(wr, o + 8, _qh(wr, o + 4), 3)
         sv = f8_fma_s(f16_at(wr, o + 2), xsb, sv)
-    if kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0:
+    if _signed(kind):
         a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xq, i, xo, dvr, True, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
         a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xq, i, xo, dvr, False, a0, a1, a2, a3, a4, a5, a6, a7)
@@ -228,9 +246,8 @@ def _tile8(kind, wr, r, xq, xdT, xsT, xls, i, nb, out, dvb):
         f8_store(dvb[b], 0, f8_scale(f8_load(xdT[b], i), f16_at(wr, b * bb)))
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f8_zero()
     sv = f8_zero()
-    signed = kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
     for b in range(nb):
-        if signed and UNSIGNED_OFFSET:
+        if _signed(kind) and UNSIGNED_OFFSET:
             a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xq, i, dvb[b], xls,
                                                        a0, a1, a2, a3, a4, a5, a6, a7)
         else:
@@ -255,12 +272,7 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
     n8 = n - n % 8
     xdT = np.ascontiguousarray(xd.T)      # (nb, n): the eight activations' scales of a block side by side
     xsT = np.ascontiguousarray(xs.T)
-    signed = kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0
-    if signed and UNSIGNED_OFFSET:
-        xls = np.empty((n, k // 4), np.int32)
-        lane_sums(xq, _offset(kind), xls)
-    else:
-        xls = np.empty((1, 0), np.int32)
+    xls = _offset_lane_sums(kind, xq)
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         r = c * ROW_CHUNK
@@ -279,18 +291,14 @@ def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
-    if (kind == K_Q8_0 or kind == K_Q4_0 or kind == K_Q5_0) and UNSIGNED_OFFSET:
-        xls = np.empty((n, k // 4), np.int32)
-        lane_sums(xq, _offset(kind), xls)
-    else:
-        xls = np.empty((n, 1), np.int32)
+    xls = _offset_lane_sums(kind, xq)
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         r = c * ROW_CHUNK
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
             pb = prefetch_base(w, r)
-            step = 4 * _block_bytes(kind)
+            step = 4 * _block_bytes(kind)   # inside the parallel loop: a constant there (prefetch_step unrolls)
             n2 = n8 + (n - n8) // 2 * 2
             for i in range(n8, n2, 2):     # two activation rows: eight chains, each weight block decoded once
                 x0, x1, l0, l1 = xq[i], xq[i + 1], xls[i], xls[i + 1]

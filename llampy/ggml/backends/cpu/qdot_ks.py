@@ -757,7 +757,7 @@ def _mv_k(w, xq, xd, bsums, out, kind):
         while r + 4 <= r1:
             w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
             pb = prefetch_base(w, r)
-            step = 4 * _kbytes(kind)
+            step = 4 * _kbytes(kind)        # inside the parallel loop: a constant there (prefetch_step unrolls)
             for i in range(0, n2, 2):
                 x0, x1, b0, b1 = xq[i], xq[i + 1], bsums[i], bsums[i + 1]
                 a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
