@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import UNSIGNED_OFFSET, wdot_off, f16_at, f8_fma_s, f8_store, f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
+from .simd import UNSIGNED_OFFSET, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store, f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -167,27 +167,38 @@ def _offset_lane_sums(kind, xq):
 
 
 @njit(cache=True, inline="always")
-def _row8_off(kind, wr, b, xq, i, dvr, xls, a0, a1, a2, a3, a4, a5, a6, a7):
-    """``_row8`` for the signed formats (Q4_0, Q5_0, Q8_0) in the unsigned-offset form: the same integer lanes."""
+def _offset_activations(kind, xq):
+    """The activations plus 128 as unsigned bytes (x ^ 0x80) where the tiles use the activation-offset form (a
+    signed format where it is exact: ``UNSIGNED_OFFSET``), else an unused (1, 1) placeholder."""
+    if _signed(kind) and UNSIGNED_OFFSET:
+        return xq ^ np.int8(-128)
+    return np.empty((1, 1), np.int8)
+
+
+@njit(cache=True, inline="always")
+def _row8_off(kind, wr, b, xu, i, dvr, a0, a1, a2, a3, a4, a5, a6, a7):
+    """``_row8`` for the signed formats (Q4_0, Q5_0, Q8_0) in the activation-offset form: xu holds the activations
+    plus 128 as unsigned bytes, and each pair's lanes start from the block's -128 * (lane sums of q), computed once
+    for the eight pairs (``xdot``). The same integer lanes."""
     xo = b * 32
-    so = b * 8
     if kind == K_Q8_0:
         o = b * 34
-        q = wbytes(wr, o + 2, 0, 5)
+        q = wbytes(wr, o + 2, 0, 4)
     elif kind == K_Q4_0:
         o = b * 18
-        q = wbytes(wr, o + 2, 0, 1)
+        q = wbytes(wr, o + 2, 0, 0)
     else:
         o = b * 22
-        q = wbytes(wr, o + 6, _qh(wr, o + 2), 3)
-    a0 = f8_fma(dvr[0], i8_to_f8(wdot_off(q, xq[i], xo, xls[i], so)), a0)
-    a1 = f8_fma(dvr[1], i8_to_f8(wdot_off(q, xq[i + 1], xo, xls[i + 1], so)), a1)
-    a2 = f8_fma(dvr[2], i8_to_f8(wdot_off(q, xq[i + 2], xo, xls[i + 2], so)), a2)
-    a3 = f8_fma(dvr[3], i8_to_f8(wdot_off(q, xq[i + 3], xo, xls[i + 3], so)), a3)
-    a4 = f8_fma(dvr[4], i8_to_f8(wdot_off(q, xq[i + 4], xo, xls[i + 4], so)), a4)
-    a5 = f8_fma(dvr[5], i8_to_f8(wdot_off(q, xq[i + 5], xo, xls[i + 5], so)), a5)
-    a6 = f8_fma(dvr[6], i8_to_f8(wdot_off(q, xq[i + 6], xo, xls[i + 6], so)), a6)
-    a7 = f8_fma(dvr[7], i8_to_f8(wdot_off(q, xq[i + 7], xo, xls[i + 7], so)), a7)
+        q = wbytes(wr, o + 6, _qh(wr, o + 2), 2)
+    c = wsum_neg128(q)
+    a0 = f8_fma(dvr[0], i8_to_f8(xdot(c, q, xu[i], xo)), a0)
+    a1 = f8_fma(dvr[1], i8_to_f8(xdot(c, q, xu[i + 1], xo)), a1)
+    a2 = f8_fma(dvr[2], i8_to_f8(xdot(c, q, xu[i + 2], xo)), a2)
+    a3 = f8_fma(dvr[3], i8_to_f8(xdot(c, q, xu[i + 3], xo)), a3)
+    a4 = f8_fma(dvr[4], i8_to_f8(xdot(c, q, xu[i + 4], xo)), a4)
+    a5 = f8_fma(dvr[5], i8_to_f8(xdot(c, q, xu[i + 5], xo)), a5)
+    a6 = f8_fma(dvr[6], i8_to_f8(xdot(c, q, xu[i + 6], xo)), a6)
+    a7 = f8_fma(dvr[7], i8_to_f8(xdot(c, q, xu[i + 7], xo)), a7)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -237,7 +248,7 @@ def _row8(kind, wr, b, xq, i, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
 
 
 @njit(cache=True, inline="always")
-def _tile8(kind, wr, r, xq, xdT, xsT, xls, i, nb, out, dvb):
+def _tile8(kind, wr, r, xq, xdT, xsT, xu, i, nb, out, dvb):
     """Weight row r against activation rows i..i+7. The eight scales d_w * d_x of every block are computed first
     into dvb (nb, 8), so that each pair's scale is then a broadcast load, folded into its fma, instead of a lane
     shuffle per pair and block."""
@@ -248,8 +259,7 @@ def _tile8(kind, wr, r, xq, xdT, xsT, xls, i, nb, out, dvb):
     sv = f8_zero()
     for b in range(nb):
         if _signed(kind) and UNSIGNED_OFFSET:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xq, i, dvb[b], xls,
-                                                       a0, a1, a2, a3, a4, a5, a6, a7)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xu, i, dvb[b], a0, a1, a2, a3, a4, a5, a6, a7)
         else:
             a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xq, i, dvb[b], f8_load(xsT[b], i),
                                                        a0, a1, a2, a3, a4, a5, a6, a7, sv)
@@ -272,7 +282,7 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
     n8 = n - n % 8
     xdT = np.ascontiguousarray(xd.T)      # (nb, n): the eight activations' scales of a block side by side
     xsT = np.ascontiguousarray(xs.T)
-    xls = _offset_lane_sums(kind, xq)
+    xu = _offset_activations(kind, xq)
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         r = c * ROW_CHUNK
@@ -281,7 +291,7 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
             prefetch_row(w, rr)
         for i in range(0, n8, 8):
             for rr in range(r, r1):
-                _tile8(kind, w[rr], rr, xq, xdT, xsT, xls, i, nb, out, dvb)
+                _tile8(kind, w[rr], rr, xq, xdT, xsT, xu, i, nb, out, dvb)
 
 
 @njit(cache=True, inline="always")

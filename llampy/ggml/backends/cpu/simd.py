@@ -661,6 +661,36 @@ UNSIGNED_OFFSET = VNNI or not AVX2
 
 
 @intrinsic
+def wsum_neg128(typingctx, a):
+    """-128 times the lane sums of the signed weight bytes in ``a`` (from ``wbytes``): the correction ``xdot`` starts
+    from, computed once per weight block."""
+    if a != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+        r = _udot(builder, ir.Constant(v32, [-128] * 32), builder.bitcast(args[0], v32))
+        return builder.sub(ir.Constant(_I8x8, [0] * 8), r)
+    return i8(a), codegen
+
+
+@intrinsic
+def xdot(typingctx, c, a, x, xo):
+    """c plus eight int32 lanes of four products: the 32 activations at byte xo of x, stored as x + 128 (unsigned
+    bytes: x ^ 0x80), times the signed weight bytes in ``a``. With c = ``wsum_neg128(a)`` the lanes are those of
+    sum(x * q): the activation-offset form of the prompt tiles (``UNSIGNED_OFFSET``), one instruction per pair on
+    VNNI, with no per-activation correction to load."""
+    if c != i8 or a != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+        b = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], v32))
+        return _udot(builder, b, builder.bitcast(args[1], v32), args[0])
+    return i8(i8, i8, x, types.intp), codegen
+
+
+@intrinsic
 def wdot_off(typingctx, a, x, xo, xs, so):
     """Eight int32 lanes: the unsigned weight bytes in ``a`` (the signed values plus an offset) times the 32 int8
     activations at byte xo of x, plus xs[so:so+8]: minus the offset times the activations' lane sums, as
