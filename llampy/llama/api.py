@@ -63,6 +63,7 @@ class Llama:
         self._chat_template_override = chat_template
         self._chat_template = None
         self._cached: list[int] = []          # tokens whose K/V are in the cache for sequence 0
+        self._warm_checked = False
         self.verbose = verbose
 
     # ------------------------------------------------------------------ basics
@@ -109,11 +110,21 @@ class Llama:
         self.ctx.seq_rm(0, n_common, -1)
         self._cached = list(tokens[:n_common])
         rest = tokens[n_common:]
+        if not self._warm_checked:
+            self._warm_checked = True
+            self._start_warm_helper(min(len(rest), self.ctx.n_batch))
         for i0 in range(0, len(rest), self.ctx.n_batch):
             chunk = rest[i0:i0 + self.ctx.n_batch]
             self.ctx.decode(Batch.from_tokens(chunk, pos0=len(self._cached)))
             self._cached.extend(int(t) for t in chunk)
         return self.ctx.get_logits_ith(-1)
+
+    def _start_warm_helper(self, n_tokens: int) -> None:
+        """A cold start: a helper process compiles this batch's kernels in the reverse order while this one
+        compiles them in order (llama/warm.py)."""
+        if not self._embedding:
+            from .warm import start
+            start(self, n_tokens)
 
     def eval_token(self, token: int) -> np.ndarray:
         self.ctx.decode(Batch.from_tokens([token], pos0=len(self._cached)))

@@ -842,9 +842,15 @@ def _q5_k(w, xq, xd, bsums, out):
     _mv_k(w, xq, xd, bsums, out, K_Q5_K)
 
 
+# Below this many activation rows the 4 x 2 kernel takes them all: such products read the weights from memory
+# either way (Q6_K 640 x 2048, n = 4..7: within noise of the split), and a short prompt then compiles and loads
+# one kernel per format instead of two (Gemma 3's first token from an empty cache: about 5 s less).
+SMALL_N = 8
+
+
 def _split4(k4, k1, w, xq, xd, bsums, out):
     n = xq.shape[0]
-    n4 = n - n % 4
+    n4 = n - n % 4 if n >= SMALL_N else 0
     if n4:
         k4(w, xq[:n4], xd[:n4], bsums[:n4], out[:n4])
     if n4 < n:
