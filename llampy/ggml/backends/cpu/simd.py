@@ -522,6 +522,40 @@ def v16_hmax(typingctx, a):
 
 
 @intrinsic
+def v16_abs(typingctx, a):
+    """Lane-wise absolute value."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fabs.v16f32", _F16x, [args[0]])
+    return f16l(f16l), codegen
+
+
+@intrinsic
+def v16_q8(typingctx, out, i, v, s, clamp):
+    """The activation quantizers' rounding, sixteen lanes at once: q = rint(v * s) (float32 product, round half to
+    even), at most 127 when the literal ``clamp`` is true (Q8_K), stored as int8 at out[i:i+16]; returns the sum of
+    the sixteen q (exact)."""
+    if v != f16l or not isinstance(clamp, types.BooleanLiteral) or not isinstance(out, types.Array) \
+            or out.dtype != types.int8:
+        return None
+    cl = clamp.literal_value
+
+    def codegen(context, builder, sig, args):
+        x = builder.fmul(args[2], _splat16(builder, context.cast(builder, args[3], sig.args[3], types.float32)))
+        r = _call(builder, "llvm.rint.v16f32", _F16x, [x])
+        if cl:
+            r = _call(builder, "llvm.minnum.v16f32", _F16x, [r, ir.Constant(_F16x, [127.0] * 16)])
+        q = builder.fptosi(r, ir.VectorType(_I32, 16))
+        st = builder.store(builder.trunc(q, ir.VectorType(_I8, 16)),
+                           _elem_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16)))
+        st.align = 1
+        return _call(builder, "llvm.vector.reduce.add.v16i32", _I32, [q])
+    return types.int32(out, types.intp, f16l, s, clamp), codegen
+
+
+@intrinsic
 def v16_splat(typingctx, s):
     def codegen(context, builder, sig, args):
         return _splat16(builder, context.cast(builder, args[0], sig.args[0], types.float32))
