@@ -8,7 +8,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .simd import f16_bits, v16_load, v16_mul, v16_silu, v16_store
+from .simd import f16_bits, v16_geglu, v16_load, v16_mul, v16_silu, v16_store
 
 _R = np.float32(float.fromhex("0x1.8p23"))
 _LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
@@ -111,11 +111,15 @@ def gelu_f32(x: np.ndarray) -> np.ndarray:
 @njit(cache=True)
 def geglu_rows(g, u, table, out):
     """out = gelu(g) * u, row by row: ggml_vec_geglu_f32 with GGML_GELU_FP16, i.e. 0 for g <= -10, g * u for
-    g >= 10, else the F16 GELU table at g's F16 value (``table``: ``gelu_table()``) times u."""
+    g >= 10, else the F16 GELU table at g's F16 value (``table``: ``gelu_table()``) times u; sixteen values at a
+    time (``simd.v16_geglu``), the rest one by one."""
     rows, n = g.shape
+    n16 = n - n % 16
     for r in range(rows):
         gr, ur, orow = g[r], u[r], out[r]
-        for i in range(n):
+        for i in range(0, n16, 16):
+            v16_store(orow, i, v16_geglu(v16_load(gr, i), v16_load(ur, i), table))
+        for i in range(n16, n):
             x = gr[i]
             if x <= np.float32(-10.0):
                 orow[i] = np.float32(0.0)

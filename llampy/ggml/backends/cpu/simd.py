@@ -556,6 +556,30 @@ def v16_q8(typingctx, out, i, v, s, clamp):
 
 
 @intrinsic
+def v16_geglu(typingctx, x, u, table):
+    """GELU(x) * u in sixteen lanes, as ggml_vec_geglu_f32 with GGML_GELU_FP16 does it per value: 0 where
+    x <= -10, x * u where x >= 10, else table[F16 bits of x] * u (``table``: float32, 65536 entries; x rounded to
+    F16 as vcvtps2ph does). The lookups are sixteen scalar loads; the rest is vector work."""
+    if x != f16l or u != f16l or not isinstance(table, types.Array) or table.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        xv, uv = args[0], args[1]
+        idx = builder.zext(builder.bitcast(builder.fptrunc(xv, _H16), ir.VectorType(_I16, 16)),
+                           ir.VectorType(_I32, 16))
+        base = context.make_array(sig.args[2])(context, builder, args[2]).data
+        t = ir.Constant(_F16x, None)
+        for lane in range(16):
+            k = ir.Constant(_I32, lane)
+            t = builder.insert_element(t, builder.load(builder.gep(base, [builder.extract_element(idx, k)])), k)
+        big = builder.fcmp_ordered(">=", xv, ir.Constant(_F16x, [10.0] * 16))
+        small = builder.fcmp_ordered("<=", xv, ir.Constant(_F16x, [-10.0] * 16))
+        r = builder.select(big, builder.fmul(xv, uv), builder.fmul(t, uv))
+        return builder.select(small, ir.Constant(_F16x, [0.0] * 16), r)
+    return f16l(f16l, f16l, table), codegen
+
+
+@intrinsic
 def v16_splat(typingctx, s):
     def codegen(context, builder, sig, args):
         return _splat16(builder, context.cast(builder, args[0], sig.args[0], types.float32))
