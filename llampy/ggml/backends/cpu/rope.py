@@ -77,20 +77,35 @@ def _corr_dim(n_dims, n_ctx_orig, n_rot, base):
 _TRIG: dict = {}
 
 
-def _trig_buffers(nt: int, half: int):
-    """cos/sin buffers shared by every RoPE of this shape (calls run one after another, each fills them first)."""
-    key = (nt, half)
-    bufs = _TRIG.get(key)
-    if bufs is None:
+class _Trig:
+    """cos/sin of one shape and one set of RoPE constants, and the positions (and frequency factors) they were
+    last filled for."""
+    __slots__ = ("cos", "sin", "pos", "ff")
+
+    def __init__(self, nt, half):
+        self.cos = np.empty((nt, half), np.float32)
+        self.sin = np.empty((nt, half), np.float32)
+        self.pos = None
+        self.ff = None
+
+
+def _trig_buffers(nt: int, half: int, consts: tuple) -> _Trig:
+    """The cos/sin tables shared by every RoPE of this shape and these constants: a model's layers rotate q and k
+    by the same positions, so the tables are filled once per batch, not once per node (Gemma 3's two sets of
+    constants, local and global layers, get one each)."""
+    key = (nt, half) + consts
+    tr = _TRIG.get(key)
+    if tr is None:
         if len(_TRIG) > 64:
             _TRIG.clear()
-        bufs = _TRIG[key] = (np.empty((nt, half), np.float32), np.empty((nt, half), np.float32))
-    return bufs
+        tr = _TRIG[key] = _Trig(nt, half)
+    return tr
 
 
 def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray):
     """The rotation of x by positions pos into out (float32, x's shape, contiguous), set up once: the constants
-    and the cos/sin buffers are made here, and the returned call only fills them and rotates."""
+    and the cos/sin tables are made here, and the returned call refills the tables only when the positions (or the
+    frequency factors) differ from what they hold, then rotates."""
     n_dims = p["n_dims"]
     f32 = np.float32
     theta_scale = f32(math.pow(p["freq_base"], -2.0 / n_dims))
@@ -99,10 +114,12 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
         corr0 = f32(max(0.0, math.floor(_corr_dim(n_dims, p["n_ctx_orig"], p["beta_fast"], p["freq_base"]))))
         corr1 = f32(min(n_dims - 1.0, math.ceil(_corr_dim(n_dims, p["n_ctx_orig"], p["beta_slow"], p["freq_base"]))))
     nt = len(pos)
-    cos, sin = _trig_buffers(nt, n_dims // 2)
     ffa = np.ascontiguousarray(ff, dtype=f32) if ff is not None else np.ones(1, f32)
     has_ff = ff is not None
     freq_scale, ext, attn = f32(p["freq_scale"]), f32(p["ext_factor"]), f32(p["attn_factor"])
+    tr = _trig_buffers(nt, n_dims // 2, (n_dims, float(theta_scale), float(freq_scale), float(ext), float(attn),
+                                         float(corr0), float(corr1), has_ff))
+    cos, sin = tr.cos, tr.sin
     neox = p["mode"] == 2
     apply = rope_apply if x.size >= (1 << 15) else rope_apply_1
     direct = x.dtype == f32 and x.flags.c_contiguous
@@ -110,7 +127,10 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     def run():
         pi = pos if pos.dtype == np.int32 and pos.flags.c_contiguous else np.ascontiguousarray(pos, dtype=np.int32)
         fa = ffa if not has_ff or ff is None else np.ascontiguousarray(ff, dtype=f32)
-        rope_cache(pi, n_dims, theta_scale, freq_scale, fa, has_ff, ext, attn, corr0, corr1, cos, sin)
+        if tr.pos is None or not np.array_equal(tr.pos, pi) or (has_ff and not np.array_equal(tr.ff, fa)):
+            tr.pos = None                   # invalid while being filled
+            rope_cache(pi, n_dims, theta_scale, freq_scale, fa, has_ff, ext, attn, corr0, corr1, cos, sin)
+            tr.pos, tr.ff = pi.copy(), (fa.copy() if has_ff else None)
         apply(x if direct else np.ascontiguousarray(x, dtype=f32), out, cos, sin, n_dims, neox)
     return run
 
