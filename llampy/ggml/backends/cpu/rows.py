@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .simd import v16_f16_copy
+
 
 @njit(cache=True, inline="always")
 def f32_to_f16_bits(bits):
@@ -74,8 +76,12 @@ def _set_rows_f16(src, idx, dst):
         j1 = r % s1
         row = idx[j3 % idx.shape[0], j2 % idx.shape[1], j1]
         o = dst[j3 % dst.shape[0], j2 % dst.shape[1], row]
-        for j in range(ne0):
-            o[j] = f32_to_f16_bits(src[j3, j2, j1, j])
+        s = src[j3, j2, j1]
+        n16 = ne0 - ne0 % 16 if o.strides[0] == 2 and s.strides[0] == 4 else 0
+        for j in range(0, n16, 16):     # sixteen at a time where both rows are contiguous (same bits)
+            v16_f16_copy(o, s, j)
+        for j in range(n16, ne0):
+            o[j] = f32_to_f16_bits(s[j])
 
 
 def _set_rows_same(src, idx, dst):

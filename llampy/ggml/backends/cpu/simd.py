@@ -580,6 +580,29 @@ def v16_geglu(typingctx, x, u, table):
 
 
 @intrinsic
+def v16_f16_copy(typingctx, out, src, j):
+    """out[j:j+16] = the F16 bit patterns of the float32 values whose bit patterns are src[j:j+16] (uint32):
+    vcvtps2ph's round to nearest even, overflow to inf and subnormals; a NaN becomes 0x7E00 with its sign, as
+    ``rows.f32_to_f16_bits`` makes it. out: uint16, src: uint32, both contiguous."""
+    if not (isinstance(out, types.Array) and out.dtype == types.uint16 and isinstance(src, types.Array)
+            and src.dtype == types.uint32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16i = ir.VectorType(_I16, 16)
+        bits = _load(builder, _elem_ptr(context, builder, sig.args[1], args[1], args[2], ir.VectorType(_I32, 16)))
+        x = builder.bitcast(bits, _F16x)
+        h = builder.bitcast(builder.fptrunc(x, _H16), v16i)
+        sign = builder.trunc(builder.lshr(bits, ir.Constant(ir.VectorType(_I32, 16), [16] * 16)), v16i)
+        qnan = builder.or_(builder.and_(sign, ir.Constant(v16i, [0x8000] * 16)), ir.Constant(v16i, [0x7E00] * 16))
+        h = builder.select(builder.fcmp_unordered("uno", x, x), qnan, h)
+        st = builder.store(h, _elem_ptr(context, builder, sig.args[0], args[0], args[2], v16i))
+        st.align = 2
+        return context.get_dummy_value()
+    return types.void(out, src, types.intp), codegen
+
+
+@intrinsic
 def v16_splat(typingctx, s):
     def codegen(context, builder, sig, args):
         return _splat16(builder, context.cast(builder, args[0], sig.args[0], types.float32))
