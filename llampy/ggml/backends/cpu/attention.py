@@ -418,10 +418,13 @@ def _balanced(items, nt):
     """The items in nt lists of about equal work (rows times visible cells): largest first, each to the least
     loaded list. Under a causal mask the chunks' spans grow 1, 2, 3, 4 (x 128 cells); dealt out in turn, one of two
     threads got 6 of the 10 parts (Gemma 3: one KV head, so four items per layer)."""
+    def cost(it):
+        _, q0, q1, _, lo, hi, _ = it
+        return (q1 - q0) * (hi - lo)
     parts = [[] for _ in range(nt)]
     load = [0] * nt
-    for it in sorted(items, key=lambda it: -(it[2] - it[1]) * (it[5] - it[4])):
+    for it in sorted(items, key=cost, reverse=True):
         j = load.index(min(load))
         parts[j].append(it)
-        load[j] += (it[2] - it[1]) * (it[5] - it[4])
+        load[j] += cost(it)
     return parts

@@ -133,7 +133,7 @@ def _block(kind, tab, wr, b, xr, xdb, xsb, xlr, acc, summs):
 @njit(cache=True)
 def lane_sums(xq, off, out):
     """out[i, 8b + l] = -off * (the sum of activations 32b + 4l .. 32b + 4l + 3 of row i): what the unsigned-offset
-    form of the signed formats adds (simd.UNSIGNED_OFFSET, ``wdot_off``)."""
+    form of the signed formats adds in the decode kernels (simd.UNSIGNED_OFFSET, ``simd._signed_lanes``)."""
     n, k = xq.shape
     for i in range(n):
         for g in range(k // 4):

@@ -684,8 +684,7 @@ def f8_lane(typingctx, v, k):
 @intrinsic
 def wbytes(typingctx, w, wo, qh, kind):
     """The 32 values of one weight block as bytes (an i32x8 to reuse against several activations with ``wdot``):
-    kind 0 Q4_0 (nibbles - 8), 1 Q4_1 (nibbles), 2 Q5_0 (5-bit - 16), 3 Q5_1 (5-bit), 4 Q8_0 (int8 as stored),
-    5 Q8_0 plus 128 (unsigned);
+    kind 0 Q4_0 (nibbles - 8), 1 Q4_1 (nibbles), 2 Q5_0 (5-bit - 16), 3 Q5_1 (5-bit), 4 Q8_0 (int8 as stored);
     ``qh`` the 32 high bits of the 5-bit formats (ignored otherwise)."""
     if not isinstance(kind, types.IntegerLiteral):
         return None
@@ -693,11 +692,8 @@ def wbytes(typingctx, w, wo, qh, kind):
 
     def codegen(context, builder, sig, args):
         v32 = ir.VectorType(_I8, 32)
-        if kv in (4, 5):
-            q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32))
-            if kv == 5:          # int8 + 128 as unsigned bytes
-                q = builder.xor(q, ir.Constant(v32, [-128] * 32))
-            return builder.bitcast(q, _I8x8)
+        if kv == 4:
+            return builder.bitcast(_load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32)), _I8x8)
         a = _nibbles32(builder, _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1],
                                                   ir.VectorType(_I8, 16))))
         if kv in (2, 3):
@@ -736,8 +732,10 @@ def f16_bits(typingctx, x):
 
 
 # Signed weights against several activations: with exact unsigned products (VNNI's vpdpbusd, or the target-neutral
-# form), sum (q + off) * x - off * sum(x) per lane instead of ggml's sign trick, the activations' lane sums
-# computed once per call (``lane_sums``). pmaddubsw saturates at (q + off) = 255, so AVX2 keeps the sign trick.
+# form), an offset makes one operand unsigned instead of ggml's sign trick. The decode kernels offset the weights,
+# sum (q + off) * x - off * sum(x) per lane, the activations' lane sums computed once per call (``lane_sums``); the
+# prompt tiles offset the activations, sum q * (x + 128) - 128 * sum(q), once per weight block (``xdot``).
+# pmaddubsw saturates at 255 times a byte, so AVX2 keeps the sign trick.
 UNSIGNED_OFFSET = VNNI or not AVX2
 
 
@@ -771,17 +769,3 @@ def xdot(typingctx, c, a, x, xo):
     return i8(i8, i8, x, types.intp), codegen
 
 
-@intrinsic
-def wdot_off(typingctx, a, x, xo, xs, so):
-    """Eight int32 lanes: the unsigned weight bytes in ``a`` (the signed values plus an offset) times the 32 int8
-    activations at byte xo of x, plus xs[so:so+8]: minus the offset times the activations' lane sums, as
-    ``lane_sums`` stores them. On VNNI they are vpdpbusd's accumulator, so the correction costs no instruction."""
-    if a != i8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        v32 = ir.VectorType(_I8, 32)
-        b = _load(builder, _ptr(context, builder, sig.args[1], args[1], args[2], v32))
-        s = _load(builder, _elem_ptr(context, builder, sig.args[3], args[3], args[4], _I8x8))
-        return _udot(builder, builder.bitcast(args[0], v32), b, s)
-    return i8(i8, x, types.intp, xs, types.intp), codegen
