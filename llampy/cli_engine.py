@@ -55,6 +55,9 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=512)
     p.add_argument("-b", "--batch-size", type=int, default=None)
     p.add_argument("--chunks", type=int, default=None, help="stop after this many chunks")
+    p.add_argument("--blas", action="store_true",
+                   help="batched products through dequantized weights and BLAS (not llama.cpp's arithmetic; slower "
+                        "for the formats with integer kernels)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.set_defaults(func=cmd_perplexity)
 
@@ -148,7 +151,8 @@ def cmd_perplexity(args) -> int:
     def progress(i, n, ppl):
         print(f"[{i + 1}/{n}] {ppl:.4f}", file=sys.stderr, flush=True)
 
-    res = perplexity(m, text, n_ctx=args.ctx_size, n_batch=args.batch_size, max_chunks=args.chunks, progress=progress)
+    res = perplexity(m, text, n_ctx=args.ctx_size, n_batch=args.batch_size, max_chunks=args.chunks, progress=progress,
+                     fast=args.blas)
     print(f"Final estimate: PPL = {res.ppl:.4f} ({len(res.chunks)} chunks, {res.n_scored} tokens scored, "
           f"{time.perf_counter() - t0:.1f} s)")
     return 0

@@ -15,8 +15,8 @@ Two paths:
 
 Which path: at most ``exact_max_rows`` activation rows (default ``DECODE_MAX_ROWS``: all) take the integer path.
 The integer kernels are the default at every batch size: they are bit-identical to llama.cpp (docs/architecture.md:
-SmolLM2's outliers make its outputs sensitive to the last bit) and, tiled 4 weight rows x 2 activation rows, as
-fast as the BLAS path for prompts (SmolLM2 pp512: 410 tok/s integer, 368 BLAS). ``LLAMPY_FAST_PROMPT=1`` (or
+SmolLM2's outliers make its outputs sensitive to the last bit) and, with the prompt tiles, faster than the BLAS path
+(pp512 in one session-7 run: SmolLM2 616 tok/s integer, 320 BLAS; Gemma 3 617 vs 423). ``LLAMPY_FAST_PROMPT=1`` (or
 ``CPUBackend.exact_max_rows``) sends batches from ``BLAS_MIN_ROWS`` rows on to BLAS instead — for the formats
 without integer kernels it is the only path.
 
