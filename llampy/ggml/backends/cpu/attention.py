@@ -291,10 +291,12 @@ Q_CHUNK = 128   # queries per BLAS product: a causal mask hides the rest of the 
 
 
 @njit(cache=True, nogil=True)
-def _softmax_rows(s, m, slopes, qc, den):
-    """Row-wise exp(s + slope * mask - max) in place over s (rows, L) float32, row r belonging to head r // qc and
-    query r % qc (mask row r % qc, or no mask when m is empty); den[r] = the row's sum (1 for a fully masked row,
-    whose values become 0). The exponentials are ggml_v_expf in sixteen lanes."""
+def _softmax_rows(s, sc, m, slopes, qc, den):
+    """Row-wise exp(s * sc + slope * mask - max) in place over s (rows, L) float32, row r belonging to head r // qc
+    and query r % qc (mask row r % qc, or no mask when m is empty); den[r] = the row's sum (1 for a fully masked
+    row, whose values become 0). The scale is applied here, in the pass that adds the mask, rather than by a
+    NumPy pass of its own over the scores (the same float32 product, then the same sum). The exponentials are
+    ggml_v_expf in sixteen lanes."""
     rows, L = s.shape
     has_mask = m.shape[1] > 0
     L16 = L - L % 16
@@ -305,14 +307,18 @@ def _softmax_rows(s, m, slopes, qc, den):
             mrow = m[r % qc]
             sl = slopes[r // qc]
             for j in range(0, L16, 16):
-                v = v16_add(v16_load(row, j), v16_scale(v16_load(mrow, j), sl))
+                v = v16_add(v16_scale(v16_load(row, j), sc), v16_scale(v16_load(mrow, j), sl))
                 v16_store(row, j, v)
                 vm = v16_max(vm, v)
             for j in range(L16, L):
-                row[j] = row[j] + sl * mrow[j]
+                row[j] = row[j] * sc + sl * mrow[j]
         else:
             for j in range(0, L16, 16):
-                vm = v16_max(vm, v16_load(row, j))
+                v = v16_scale(v16_load(row, j), sc)
+                v16_store(row, j, v)
+                vm = v16_max(vm, v)
+            for j in range(L16, L):
+                row[j] = row[j] * sc
         mx = v16_hmax(vm)
         for j in range(L16, L):
             if row[j] > mx:
@@ -331,6 +337,19 @@ def _softmax_rows(s, m, slopes, qc, den):
             row[j] = e
             tot += e
         den[r] = tot
+
+
+@njit(cache=True, nogil=True)
+def _divide_into(o, den, out):
+    """out[q, h, :] = o[h, q, :] / den[h * qc + q]: the softmax's normalisation and the (head, query) -> (query,
+    head) transpose in one pass (were a NumPy division in place, then a strided copy)."""
+    rk, qc, dv = o.shape
+    for h in range(rk):
+        for q in range(qc):
+            d = den[h * qc + q]
+            orow, dst = o[h, q], out[q, h]
+            for j in range(dv):
+                dst[j] = orow[j] / d
 
 
 _TLS = threading.local()
@@ -384,23 +403,26 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
             qs = np.ascontiguousarray(qh).reshape(rk * (q1 - q0), qh.shape[-1])
             s = np.matmul(qs, kk.T, out=sbuf[:rk * (q1 - q0) * (hi - lo)].reshape(rk * (q1 - q0), hi - lo))
             s = s.reshape(rk, q1 - q0, hi - lo)
-            s *= sc
+            ssc = sc
             if softcap:
+                s *= sc
                 np.tanh(s, out=s)
                 s *= np.float32(softcap)
+                ssc = np.float32(1.0)                                      # x * 1 is x: the softmax adds the mask
             heads = np.arange(hk * rk, (hk + 1) * rk)
             qc, L = s.shape[1], s.shape[2]
             den = np.empty(rk * qc, np.float32)
             if mm is None or mm.shape[0] == 1:
                 m2 = mm[0] if mm is not None else np.zeros((1, 0), np.float32)
-                _softmax_rows(s.reshape(rk * qc, L), m2, slopes[heads], qc, den)
+                _softmax_rows(s.reshape(rk * qc, L), ssc, m2, slopes[heads], qc, den)
             else:                                                          # a mask per head
+                if not softcap:
+                    s *= sc
                 s += slopes[heads][:, None, None] * mm[heads % mm.shape[0]]
-                _softmax_rows(s.reshape(rk * qc, L), np.zeros((1, 0), np.float32), slopes[heads], qc, den)
+                _softmax_rows(s.reshape(rk * qc, L), np.float32(1.0), np.zeros((1, 0), np.float32), slopes[heads],
+                              qc, den)
             o = np.matmul(s.reshape(rk * qc, L), vv, out=obuf[:rk * qc * vv.shape[1]].reshape(rk * qc, vv.shape[1]))
-            o /= den.reshape(rk * qc, 1)
-            o = o.reshape(rk, qc, vv.shape[1])
-            out[i3, q0:q1, hk * rk:(hk + 1) * rk, :] = o.transpose(1, 0, 2)
+            _divide_into(o.reshape(rk, qc, vv.shape[1]), den, out[i3, q0:q1, hk * rk:(hk + 1) * rk, :])
 
     from . import matmul
     nt = min(matmul._blas_workers(), len(items))
