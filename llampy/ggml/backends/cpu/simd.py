@@ -189,6 +189,39 @@ def f8_hsum(typingctx, v):
 
 
 @intrinsic
+def f8_hsum8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
+    """Lane k = ``f8_hsum(a_k)``, for eight vectors at once: the same three rounds of additions in the same tree
+    (halves, then quarters, then neighbours), each round one vector addition over two of the vectors' partial sums
+    side by side; 14 shuffles and 7 additions where eight hsums take 24 shuffles and 24 scalar additions."""
+    if any(a != f8 for a in (a0, a1, a2, a3, a4, a5, a6, a7)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def sh(x, y, idx):
+            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, 8), idx))
+        # round 1, vectors k and k + 4 side by side: lanes l and l + 4 of each
+        t = [builder.fadd(sh(args[k], args[k + 4], [0, 1, 2, 3, 8, 9, 10, 11]),
+                          sh(args[k], args[k + 4], [4, 5, 6, 7, 12, 13, 14, 15])) for k in range(4)]
+        # round 2: partial sums j and j + 2 of each; u01 = [a0: 2 | a1: 2 | a4: 2 | a5: 2], u23 likewise
+        u01 = builder.fadd(sh(t[0], t[1], [0, 1, 8, 9, 4, 5, 12, 13]), sh(t[0], t[1], [2, 3, 10, 11, 6, 7, 14, 15]))
+        u23 = builder.fadd(sh(t[2], t[3], [0, 1, 8, 9, 4, 5, 12, 13]), sh(t[2], t[3], [2, 3, 10, 11, 6, 7, 14, 15]))
+        # round 3: the two partial sums of each vector, lanes in order a0 .. a7
+        return builder.fadd(sh(u01, u23, [0, 2, 8, 10, 4, 6, 12, 14]), sh(u01, u23, [1, 3, 9, 11, 5, 7, 13, 15]))
+    return f8(f8, f8, f8, f8, f8, f8, f8, f8), codegen
+
+
+@intrinsic
+def f8_add(typingctx, a, b):
+    """a + b per lane."""
+    if a != f8 or b != f8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+    return f8(f8, f8), codegen
+
+
+@intrinsic
 def i8_add(typingctx, a, b):
     if a != i8 or b != i8:
         return None
