@@ -167,19 +167,31 @@ def _offset_lane_sums(kind, xq):
 
 
 @njit(cache=True, inline="always")
-def _offset_activations(kind, xq):
-    """The activations plus 128 as unsigned bytes (x ^ 0x80) where the tiles use the activation-offset form (a
-    signed format where it is exact: ``UNSIGNED_OFFSET``), else an unused (1, 1) placeholder."""
-    if _signed(kind) and UNSIGNED_OFFSET:
-        return xq ^ np.int8(-128)
-    return np.empty((1, 1), np.int8)
+def _group_activations(kind, xq, n8):
+    """The activation rows 0 .. n8 regrouped for the tiles: xg[g, b, 32 j : 32 j + 32] = block b of row 16 g + j
+    (plus 128, as unsigned bytes, where the tiles use the activation-offset form), so that a tile's pairs read
+    their blocks at constant offsets from one pointer (the rows' own layout needed a pointer step per pair)."""
+    n, k = xq.shape
+    nb = k // 32
+    ng = (n8 + 15) // 16
+    xg = np.zeros((ng, nb, 512), np.int8)
+    flip = _signed(kind) and UNSIGNED_OFFSET
+    for i in range(n8):
+        g, j = i // 16, i % 16
+        xr = xq[i]
+        for b in range(nb):
+            dst = xg[g, b]
+            for e in range(32):
+                v = xr[32 * b + e]
+                dst[32 * j + e] = v ^ np.int8(-128) if flip else v
+    return xg
 
 
 @njit(cache=True, inline="always")
-def _row8_off(kind, wr, b, xu, i, dvr, a0, a1, a2, a3, a4, a5, a6, a7):
-    """``_row8`` for the signed formats (Q4_0, Q5_0, Q8_0) in the activation-offset form: xu holds the activations
-    plus 128 as unsigned bytes, and each pair's lanes start from the block's -128 * (lane sums of q), computed once
-    for the eight pairs (``xdot``). The same integer lanes."""
+def _row8_off(kind, wr, b, xb, j0, dvr, a0, a1, a2, a3, a4, a5, a6, a7):
+    """``_row8`` for the signed formats (Q4_0, Q5_0, Q8_0) in the activation-offset form: the activations are stored
+    plus 128 as unsigned bytes (``_group_activations``), and each pair's lanes start from the block's -128 * (lane
+    sums of q), computed once for the eight pairs (``xdot``). The same integer lanes."""
     xo = b * 32
     if kind == K_Q8_0:
         o = b * 34
@@ -191,37 +203,38 @@ def _row8_off(kind, wr, b, xu, i, dvr, a0, a1, a2, a3, a4, a5, a6, a7):
         o = b * 22
         q = wbytes(wr, o + 6, _qh(wr, o + 2), 2)
     c = wsum_neg128(q)
-    a0 = f8_fma(dvr[0], i8_to_f8(xdot(c, q, xu[i], xo)), a0)
-    a1 = f8_fma(dvr[1], i8_to_f8(xdot(c, q, xu[i + 1], xo)), a1)
-    a2 = f8_fma(dvr[2], i8_to_f8(xdot(c, q, xu[i + 2], xo)), a2)
-    a3 = f8_fma(dvr[3], i8_to_f8(xdot(c, q, xu[i + 3], xo)), a3)
-    a4 = f8_fma(dvr[4], i8_to_f8(xdot(c, q, xu[i + 4], xo)), a4)
-    a5 = f8_fma(dvr[5], i8_to_f8(xdot(c, q, xu[i + 5], xo)), a5)
-    a6 = f8_fma(dvr[6], i8_to_f8(xdot(c, q, xu[i + 6], xo)), a6)
-    a7 = f8_fma(dvr[7], i8_to_f8(xdot(c, q, xu[i + 7], xo)), a7)
+    a0 = f8_fma(dvr[0], i8_to_f8(xdot(c, q, xb, (j0 + 0) * 32)), a0)
+    a1 = f8_fma(dvr[1], i8_to_f8(xdot(c, q, xb, (j0 + 1) * 32)), a1)
+    a2 = f8_fma(dvr[2], i8_to_f8(xdot(c, q, xb, (j0 + 2) * 32)), a2)
+    a3 = f8_fma(dvr[3], i8_to_f8(xdot(c, q, xb, (j0 + 3) * 32)), a3)
+    a4 = f8_fma(dvr[4], i8_to_f8(xdot(c, q, xb, (j0 + 4) * 32)), a4)
+    a5 = f8_fma(dvr[5], i8_to_f8(xdot(c, q, xb, (j0 + 5) * 32)), a5)
+    a6 = f8_fma(dvr[6], i8_to_f8(xdot(c, q, xb, (j0 + 6) * 32)), a6)
+    a7 = f8_fma(dvr[7], i8_to_f8(xdot(c, q, xb, (j0 + 7) * 32)), a7)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @njit(cache=True, inline="always")
-def _pairs8(q, xq, i, xo, dvr, signed, a0, a1, a2, a3, a4, a5, a6, a7):
-    """The decoded weight block q against activation rows i..i+7, each pair's lanes fma'd with its scale dvr[k]
-    (``signed``: a literal, the block's values are int8 rather than unsigned)."""
-    a0 = f8_fma(dvr[0], i8_to_f8(wdot(q, xq[i], xo, signed)), a0)
-    a1 = f8_fma(dvr[1], i8_to_f8(wdot(q, xq[i + 1], xo, signed)), a1)
-    a2 = f8_fma(dvr[2], i8_to_f8(wdot(q, xq[i + 2], xo, signed)), a2)
-    a3 = f8_fma(dvr[3], i8_to_f8(wdot(q, xq[i + 3], xo, signed)), a3)
-    a4 = f8_fma(dvr[4], i8_to_f8(wdot(q, xq[i + 4], xo, signed)), a4)
-    a5 = f8_fma(dvr[5], i8_to_f8(wdot(q, xq[i + 5], xo, signed)), a5)
-    a6 = f8_fma(dvr[6], i8_to_f8(wdot(q, xq[i + 6], xo, signed)), a6)
-    a7 = f8_fma(dvr[7], i8_to_f8(wdot(q, xq[i + 7], xo, signed)), a7)
+def _pairs8(q, xb, j0, dvr, signed, a0, a1, a2, a3, a4, a5, a6, a7):
+    """The decoded weight block q against the blocks of activation rows j0..j0+7 of a group (xb: one block of
+    sixteen rows side by side, ``_group_activations``), each pair's lanes fma'd with its scale dvr[k] (``signed``:
+    a literal, the block's values are int8 rather than unsigned)."""
+    a0 = f8_fma(dvr[0], i8_to_f8(wdot(q, xb, (j0 + 0) * 32, signed)), a0)
+    a1 = f8_fma(dvr[1], i8_to_f8(wdot(q, xb, (j0 + 1) * 32, signed)), a1)
+    a2 = f8_fma(dvr[2], i8_to_f8(wdot(q, xb, (j0 + 2) * 32, signed)), a2)
+    a3 = f8_fma(dvr[3], i8_to_f8(wdot(q, xb, (j0 + 3) * 32, signed)), a3)
+    a4 = f8_fma(dvr[4], i8_to_f8(wdot(q, xb, (j0 + 4) * 32, signed)), a4)
+    a5 = f8_fma(dvr[5], i8_to_f8(wdot(q, xb, (j0 + 5) * 32, signed)), a5)
+    a6 = f8_fma(dvr[6], i8_to_f8(wdot(q, xb, (j0 + 6) * 32, signed)), a6)
+    a7 = f8_fma(dvr[7], i8_to_f8(wdot(q, xb, (j0 + 7) * 32, signed)), a7)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @njit(cache=True, inline="always")
-def _row8(kind, wr, b, xq, i, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
-    """One block of one weight row against eight activation rows i..i+7: the block decoded once, the eight mins
-    (Q4_1, Q5_1) as one vector fma; each pair's lanes fma'd with its own scale dvr[k] = d_w * d_x (``_tile8``)
-    exactly as the one-pair form does."""
+def _row8(kind, wr, b, xb, j0, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
+    """One block of one weight row against eight activation rows (j0..j0+7 of a group): the block decoded once, the
+    eight mins (Q4_1, Q5_1) as one vector fma; each pair's lanes fma'd with its own scale dvr[k] = d_w * d_x
+    (``_tile8``) exactly as the one-pair form does."""
     xo = b * 32
     if kind == K_Q8_0:
         o = b * 34
@@ -241,17 +254,17 @@ def _row8(kind, wr, b, xq, i, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
         q = wbytes(wr, o + 8, _qh(wr, o + 4), 3)
         sv = f8_fma_s(f16_at(wr, o + 2), xsb, sv)
     if _signed(kind):
-        a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xq, i, xo, dvr, True, a0, a1, a2, a3, a4, a5, a6, a7)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xb, j0, dvr, True, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xq, i, xo, dvr, False, a0, a1, a2, a3, a4, a5, a6, a7)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xb, j0, dvr, False, a0, a1, a2, a3, a4, a5, a6, a7)
     return a0, a1, a2, a3, a4, a5, a6, a7, sv
 
 
 @njit(cache=True, inline="always")
-def _tile8(kind, wr, r, xq, xdT, xsT, xu, i, nb, out, dvb):
-    """Weight row r against activation rows i..i+7. The eight scales d_w * d_x of every block are computed first
-    into dvb (nb, 8), so that each pair's scale is then a broadcast load, folded into its fma, instead of a lane
-    shuffle per pair and block."""
+def _tile8(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
+    """Weight row r against activation rows i..i+7 (xg: their group, ``_group_activations``, rows 0..7 of it). The
+    eight scales d_w * d_x of every block are computed first into dvb (nb, 8), so that each pair's scale is then a
+    broadcast load, folded into its fma, instead of a lane shuffle per pair and block."""
     bb = _block_bytes(kind)
     for b in range(nb):
         f8_store(dvb[b], 0, f8_scale(f8_load(xdT[b], i), f16_at(wr, b * bb)))
@@ -259,9 +272,9 @@ def _tile8(kind, wr, r, xq, xdT, xsT, xu, i, nb, out, dvb):
     sv = f8_zero()
     for b in range(nb):
         if _signed(kind) and UNSIGNED_OFFSET:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xu, i, dvb[b], a0, a1, a2, a3, a4, a5, a6, a7)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xg[b], 0, dvb[b], a0, a1, a2, a3, a4, a5, a6, a7)
         else:
-            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xq, i, dvb[b], f8_load(xsT[b], i),
+            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xg[b], 0, dvb[b], f8_load(xsT[b], i),
                                                        a0, a1, a2, a3, a4, a5, a6, a7, sv)
     _store8(out, i, r, f8_add(f8_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), sv))
 
@@ -282,8 +295,8 @@ def _store8(out, i, r, v):
 
 
 @njit(cache=True, inline="always")
-def _tile16(kind, wr, r, xq, xdT, xsT, xu, i, nb, out, dvb):
-    """``_tile8`` for activation rows i..i+15: sixteen accumulators (AVX-512 gives 32 vector registers), each
+def _tile16(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
+    """``_tile8`` for activation rows i..i+15 (a whole group of xg): sixteen accumulators (AVX-512 gives 32 vector registers), each
     weight block loaded and decoded once for sixteen pairs (LLVM merges the two halves' decodes). dvb: (nb, 2, 8).
     Measured against eight-row tiles (n = 512, in-process A/B): Q8_0 576 x 1536 -17%, Q4_1 and Q5_0 -5%."""
     bb = _block_bytes(kind)
@@ -296,13 +309,13 @@ def _tile16(kind, wr, r, xq, xdT, xsT, xu, i, nb, out, dvb):
     sa = sc = f8_zero()
     for b in range(nb):
         if _signed(kind) and UNSIGNED_OFFSET:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xu, i, dvb[b, 0], a0, a1, a2, a3, a4, a5, a6, a7)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _row8_off(kind, wr, b, xu, i + 8, dvb[b, 1],
+            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xg[b], 0, dvb[b, 0], a0, a1, a2, a3, a4, a5, a6, a7)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _row8_off(kind, wr, b, xg[b], 8, dvb[b, 1],
                                                        c0, c1, c2, c3, c4, c5, c6, c7)
         else:
-            a0, a1, a2, a3, a4, a5, a6, a7, sa = _row8(kind, wr, b, xq, i, dvb[b, 0], f8_load(xsT[b], i),
+            a0, a1, a2, a3, a4, a5, a6, a7, sa = _row8(kind, wr, b, xg[b], 0, dvb[b, 0], f8_load(xsT[b], i),
                                                        a0, a1, a2, a3, a4, a5, a6, a7, sa)
-            c0, c1, c2, c3, c4, c5, c6, c7, sc = _row8(kind, wr, b, xq, i + 8, dvb[b, 1], f8_load(xsT[b], i + 8),
+            c0, c1, c2, c3, c4, c5, c6, c7, sc = _row8(kind, wr, b, xg[b], 8, dvb[b, 1], f8_load(xsT[b], i + 8),
                                                        c0, c1, c2, c3, c4, c5, c6, c7, sc)
     _store8(out, i, r, f8_add(f8_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), sa))
     _store8(out, i + 8, r, f8_add(f8_hsum8(c0, c1, c2, c3, c4, c5, c6, c7), sc))
@@ -317,7 +330,7 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
     n8 = n - n % 8
     xdT = np.ascontiguousarray(xd.T)      # (nb, n): the eight activations' scales of a block side by side
     xsT = np.ascontiguousarray(xs.T)
-    xu = _offset_activations(kind, xq)
+    xg = _group_activations(kind, xq, n8)
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         r = c * ROW_CHUNK
@@ -328,10 +341,10 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
         n16 = n8 - n8 % 16
         for i in range(0, n16, 16):
             for rr in range(r, r1):
-                _tile16(kind, w[rr], rr, xq, xdT, xsT, xu, i, nb, out, dv2)
+                _tile16(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, nb, out, dv2)
         for i in range(n16, n8, 8):
             for rr in range(r, r1):
-                _tile8(kind, w[rr], rr, xq, xdT, xsT, xu, i, nb, out, dvb)
+                _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, nb, out, dvb)
 
 
 @njit(cache=True, inline="always")
