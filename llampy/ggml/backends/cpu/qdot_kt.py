@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from .qdot import _f16
 from .qdot_k import _scale_min
-from .simd import AVX2, _call, _load, _ptr, fma32
+from .simd import AVX2, VNNI, _call, _load, _ptr, fma32
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
 TILED_MIN_ROWS = 8
@@ -65,6 +65,60 @@ def dot256_i16(typingctx, w, wo, x, xo):
             acc = p if acc is None else builder.add(acc, p)
         return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [acc])
     return types.int32(w, types.intp, x, types.intp), codegen
+
+
+def _madd16(builder, acc, a, b):
+    """acc + the eight int32 lanes of a pair of <16 x i16> vectors' products, neighbours summed: vpdpwssd on VNNI
+    (one instruction), vpmaddwd + vpaddd on AVX2, else target-neutral IR. Exact: |w| <= 4096, |x| <= 128."""
+    if VNNI:
+        return _call(builder, "llvm.x86.avx512.vpdpwssd.256", _L8,
+                     [acc, builder.bitcast(a, _L8), builder.bitcast(b, _L8)])
+    if AVX2:
+        p = _call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [a, b])
+    else:
+        w32 = ir.VectorType(_I32, 16)
+        q = builder.mul(builder.sext(a, w32), builder.sext(b, w32))
+        p = builder.add(builder.shuffle_vector(q, q, ir.Constant(_L8, list(range(0, 16, 2)))),
+                        builder.shuffle_vector(q, q, ir.Constant(_L8, list(range(1, 16, 2)))))
+    return builder.add(acc, p)
+
+
+@intrinsic
+def dot256_x8(typingctx, w, x, xo):
+    """Lane t = the int32 sum of the 256 int16 products of row t of w (8 x 256, C-contiguous) and x's elements
+    xo .. xo + 255: eight weight rows against one activation super-block, each 16-value piece of x loaded once for
+    the eight rows (``dot256_i16`` per row loaded both operands for every product: two loads per vpmaddwd). The eight
+    sums are reduced together, lanes l and l + 4 of rows t and t + 4 side by side, then quarters, then neighbours
+    (integer sums: exact in any order)."""
+    def codegen(context, builder, sig, args):
+        zero = ir.Constant(_L8, [0] * 8)
+        accs = [zero] * 8
+        xb = builder.mul(args[2], ir.Constant(args[2].type, 2))
+        for c in range(16):
+            xv = _load(builder, _ptr(context, builder, sig.args[1], args[1],
+                                     builder.add(xb, ir.Constant(xb.type, 32 * c)), _H16))
+            for t in range(8):
+                wv = _load(builder, _ptr(context, builder, sig.args[0], args[0],
+                                         ir.Constant(xb.type, 512 * t + 32 * c), _H16))
+                accs[t] = _madd16(builder, accs[t], wv, xv)
+
+        def sh(a, b, idx):
+            return builder.shuffle_vector(a, b, ir.Constant(_L8, idx))
+        tt = [builder.add(sh(accs[t], accs[t + 4], [0, 1, 2, 3, 8, 9, 10, 11]),
+                          sh(accs[t], accs[t + 4], [4, 5, 6, 7, 12, 13, 14, 15])) for t in range(4)]
+        u01 = builder.add(sh(tt[0], tt[1], [0, 1, 8, 9, 4, 5, 12, 13]), sh(tt[0], tt[1], [2, 3, 10, 11, 6, 7, 14, 15]))
+        u23 = builder.add(sh(tt[2], tt[3], [0, 1, 8, 9, 4, 5, 12, 13]), sh(tt[2], tt[3], [2, 3, 10, 11, 6, 7, 14, 15]))
+        return builder.add(sh(u01, u23, [0, 2, 8, 10, 4, 6, 12, 14]), sh(u01, u23, [1, 3, 9, 11, 5, 7, 13, 15]))
+    from .simd import i8 as _i8x8
+    return _i8x8(w, x, types.intp), codegen
+
+
+@intrinsic
+def _lane_i32(typingctx, v, t):
+    """Lane t of an int32 x 8 vector."""
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
+    return types.int32(v, t), codegen
 
 
 @njit(cache=True, inline="always")
@@ -139,8 +193,13 @@ def mm_k_tiled(w, kind, xq, xd, bsums, out, tab):
                     dw[t] = _f16(tab, row, o)
                     mw[t] = _f16(tab, row, o + 2)
             for i in range(n):
+                if nr == _R:       # a full chunk: the eight rows' integer sums in one pass over the activations
+                    s8 = dot256_x8(wq, x16, i * k + b * 256)
                 for t in range(nr):
-                    s1 = dot256_i16(wq, t * 256, x16, i * k + b * 256)
+                    if nr == _R:
+                        s1 = _lane_i32(s8, t)
+                    else:
+                        s1 = dot256_i16(wq, t * 256, x16, i * k + b * 256)
                     r = np.float32(np.float32(s1) * dw[t])
                     if kind != 6:
                         s2 = np.int32(0)
