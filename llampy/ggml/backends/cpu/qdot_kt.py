@@ -43,30 +43,6 @@ _H16 = ir.VectorType(ir.IntType(16), 16)
 _L8 = ir.VectorType(_I32, 8)
 
 
-@intrinsic
-def dot256_i16(typingctx, w, wo, x, xo):
-    """The int32 sum of 256 int16 products: w's elements from element wo, x's from element xo (flat, C-contiguous).
-    vpmaddwd pairs summed in eight lanes (exact: |w| <= 4096, |x| <= 128), reduced at the end."""
-    def codegen(context, builder, sig, args):
-        acc = None
-        wb = builder.mul(args[1], ir.Constant(args[1].type, 2))   # byte offsets
-        xb = builder.mul(args[3], ir.Constant(args[3].type, 2))
-        for c in range(16):
-            step = ir.Constant(wb.type, 32 * c)
-            a = _load(builder, _ptr(context, builder, sig.args[0], args[0], builder.add(wb, step), _H16))
-            b = _load(builder, _ptr(context, builder, sig.args[2], args[2], builder.add(xb, step), _H16))
-            if AVX2:
-                p = _call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [a, b])
-            else:
-                w32 = ir.VectorType(_I32, 16)
-                q = builder.mul(builder.sext(a, w32), builder.sext(b, w32))
-                p = builder.add(builder.shuffle_vector(q, q, ir.Constant(_L8, list(range(0, 16, 2)))),
-                                builder.shuffle_vector(q, q, ir.Constant(_L8, list(range(1, 16, 2)))))
-            acc = p if acc is None else builder.add(acc, p)
-        return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [acc])
-    return types.int32(w, types.intp, x, types.intp), codegen
-
-
 def _madd16(builder, acc, a, b):
     """acc + the eight int32 lanes of a pair of <16 x i16> vectors' products, neighbours summed: vpdpwssd on VNNI
     (one instruction), vpmaddwd + vpaddd on AVX2, else target-neutral IR. Exact: |w| <= 4096, |x| <= 128."""
@@ -81,6 +57,23 @@ def _madd16(builder, acc, a, b):
         p = builder.add(builder.shuffle_vector(q, q, ir.Constant(_L8, list(range(0, 16, 2)))),
                         builder.shuffle_vector(q, q, ir.Constant(_L8, list(range(1, 16, 2)))))
     return builder.add(acc, p)
+
+
+@intrinsic
+def dot256_i16(typingctx, w, wo, x, xo):
+    """The int32 sum of 256 int16 products: w's elements from element wo, x's from element xo (flat, C-contiguous),
+    summed in eight lanes (``_madd16``), reduced at the end."""
+    def codegen(context, builder, sig, args):
+        acc = ir.Constant(_L8, [0] * 8)
+        wb = builder.mul(args[1], ir.Constant(args[1].type, 2))   # byte offsets
+        xb = builder.mul(args[3], ir.Constant(args[3].type, 2))
+        for c in range(16):
+            step = ir.Constant(wb.type, 32 * c)
+            a = _load(builder, _ptr(context, builder, sig.args[0], args[0], builder.add(wb, step), _H16))
+            b = _load(builder, _ptr(context, builder, sig.args[2], args[2], builder.add(xb, step), _H16))
+            acc = _madd16(builder, acc, a, b)
+        return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [acc])
+    return types.int32(w, types.intp, x, types.intp), codegen
 
 
 @intrinsic
