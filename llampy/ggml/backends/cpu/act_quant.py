@@ -16,7 +16,7 @@ ggml's block bytes.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .simd import v16_abs, v16_hmax, v16_load, v16_max, v16_q8
 
@@ -38,14 +38,11 @@ def round_f16(x):
     return np.float32(t - np.float32(t - x))
 
 
-@njit(cache=True)
-def q8_0_split(x, xq, xd, xs, with_s):
-    """Q8_0 (and Q8_1 when with_s) of x [n, k] into xq [n, k] int8, xd/xs [n, k/32] float32 (F16 values).
-    Rows with contiguous values go sixteen lanes at a time (the same arithmetic: the largest |x| of the block,
-    rint(x * id), the exact sum of the q)."""
-    n, k = x.shape
-    vec = x.strides[1] == 4
-    for i in range(n):
+@njit(cache=True, inline="always")
+def _q8_0_row(x, xq, xd, xs, with_s, vec, i):
+    """Row i of ``q8_0_split``."""
+    k = x.shape[1]
+    if True:
         xr, qr = x[i], xq[i]
         for b in range(k // 32):
             o = b * 32
@@ -74,13 +71,29 @@ def q8_0_split(x, xq, xd, xs, with_s):
 
 
 @njit(cache=True)
-def q8_k_split(x, xq, xd, bsums):
-    """Q8_K of x [n, k] into xq [n, k] int8, xd [n, k/256] float32, bsums [n, k/16] int16. The scale comes from
-    the block's first value of largest |x| (its sign included); rows with contiguous values are rounded sixteen
-    lanes at a time, one bsum per sixteen."""
-    n, k = x.shape
+def q8_0_split(x, xq, xd, xs, with_s):
+    """Q8_0 (and Q8_1 when with_s) of x [n, k] into xq [n, k] int8, xd/xs [n, k/32] float32 (F16 values).
+    Rows with contiguous values go sixteen lanes at a time (the same arithmetic: the largest |x| of the block,
+    rint(x * id), the exact sum of the q)."""
     vec = x.strides[1] == 4
-    for i in range(n):
+    for i in range(x.shape[0]):
+        _q8_0_row(x, xq, xd, xs, with_s, vec, i)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q8_0_split_par(x, xq, xd, xs, with_s):
+    """``q8_0_split`` with the rows shared among the threads (prompts: the quantization ran on one core while the
+    other waited for the product)."""
+    vec = x.strides[1] == 4
+    for i in prange(x.shape[0]):
+        _q8_0_row(x, xq, xd, xs, with_s, vec, i)
+
+
+@njit(cache=True, inline="always")
+def _q8_k_row(x, xq, xd, bsums, vec, i):
+    """Row i of ``q8_k_split``."""
+    k = x.shape[1]
+    if True:
         xr, qr = x[i], xq[i]
         for b in range(k // 256):
             o = b * 256
@@ -125,6 +138,24 @@ def q8_k_split(x, xq, xd, bsums):
                         s += np.int32(qr[o + j * 16 + e])
                     bsums[i, b * 16 + j] = s
             xd[i, b] = np.float32(np.float32(1.0) / iscale)
+
+
+@njit(cache=True)
+def q8_k_split(x, xq, xd, bsums):
+    """Q8_K of x [n, k] into xq [n, k] int8, xd [n, k/256] float32, bsums [n, k/16] int16. The scale comes from
+    the block's first value of largest |x| (its sign included); rows with contiguous values are rounded sixteen
+    lanes at a time, one bsum per sixteen."""
+    vec = x.strides[1] == 4
+    for i in range(x.shape[0]):
+        _q8_k_row(x, xq, xd, bsums, vec, i)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q8_k_split_par(x, xq, xd, bsums):
+    """``q8_k_split`` with the rows shared among the threads."""
+    vec = x.strides[1] == 4
+    for i in prange(x.shape[0]):
+        _q8_k_row(x, xq, xd, bsums, vec, i)
 
 
 @njit(cache=True)
@@ -173,6 +204,11 @@ class ActScratch:
 _SCRATCH: dict = {}
 
 
+# from this many rows the quantizers run on all threads (a 576-value row takes ~0.25 us: below it the parallel
+# region's start costs more than it saves)
+PAR_ROWS = 64
+
+
 def scratch_for(n: int, k: int, vdt: GGMLType) -> ActScratch:
     """The shared buffers for activations of this shape (one set per shape: calls run one after another)."""
     key = (n, k, int(vdt))
@@ -195,11 +231,11 @@ def act_split(x: np.ndarray, vdt: GGMLType, scratch: ActScratch | None = None) -
     if vdt == T.Q8_K:
         if k % QK_K:
             raise ValueError(f"Q8_K needs rows of whole {QK_K}-blocks, got {k}")
-        q8_k_split(x, scratch.xq, scratch.xd, scratch.xs)
+        (q8_k_split_par if n >= PAR_ROWS else q8_k_split)(x, scratch.xq, scratch.xd, scratch.xs)
     elif vdt in (T.Q8_0, T.Q8_1):
         if k % 32:
             raise ValueError(f"{vdt.name} needs rows of whole 32-blocks, got {k}")
-        q8_0_split(x, scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1)
+        (q8_0_split_par if n >= PAR_ROWS else q8_0_split)(x, scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1)
     else:
         raise ValueError(f"{GGMLType(vdt).name} is not an 8-bit dot type")
     return scratch

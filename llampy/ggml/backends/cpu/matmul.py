@@ -106,8 +106,10 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
     kernel = _KERNELS.get(wtype)
     if kernel is not None and vdt in (T.Q8_0, T.Q8_1):
         # the 32-value formats: the quantizer and the kernel called directly, their arguments bound here
-        from .act_quant import q8_0_split
+        from .act_quant import PAR_ROWS, q8_0_split, q8_0_split_par
         xq, xd, xs, with_s, tab = scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1, F16_TABLE
+        if n >= PAR_ROWS:
+            q8_0_split = q8_0_split_par
 
         def run():
             limit = limit_fn()

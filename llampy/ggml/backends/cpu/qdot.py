@@ -176,7 +176,7 @@ def _group_activations(kind, xq, n8):
     ng = (n8 + 15) // 16
     xg = np.zeros((ng, nb, 512), np.int8)
     flip = _signed(kind) and UNSIGNED_OFFSET
-    for i in range(n8):
+    for i in prange(n8):              # on all threads: a serial pass here left the other core idle
         g, j = i // 16, i % 16
         xr = xq[i]
         for b in range(nb):
