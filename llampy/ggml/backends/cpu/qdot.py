@@ -19,7 +19,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store, f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32, i8_to_f8
+from .simd import (UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store, f8_lane,
+                   f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32,
+                   i8_to_f8)
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -296,9 +298,10 @@ def _store8(out, i, r, v):
 
 @njit(cache=True, inline="always")
 def _tile16(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
-    """``_tile8`` for activation rows i..i+15 (a whole group of xg): sixteen accumulators (AVX-512 gives 32 vector registers), each
-    weight block loaded and decoded once for sixteen pairs (LLVM merges the two halves' decodes). dvb: (nb, 2, 8).
-    Measured against eight-row tiles (n = 512, in-process A/B): Q8_0 576 x 1536 -17%, Q4_1 and Q5_0 -5%."""
+    """``_tile8`` for activation rows i..i+15 (a whole group of xg): sixteen accumulators (AVX-512 gives 32 vector
+    registers), each weight block loaded and decoded once for sixteen pairs (LLVM merges the two halves' decodes).
+    dvb: (nb, 2, 8). Measured against eight-row tiles (n = 512, in-process A/B): Q8_0 576 x 1536 -17%, Q4_1 and
+    Q5_0 -5%."""
     bb = _block_bytes(kind)
     for b in range(nb):
         d = f16_at(wr, b * bb)
