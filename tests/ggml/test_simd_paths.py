@@ -15,7 +15,7 @@ import sys
 import numpy as np
 from llampy.ggml import quants
 from llampy.ggml.types import GGMLType as T
-from llampy.ggml.backends.cpu import qdot, act, attention
+from llampy.ggml.backends.cpu import qdot, qdot_kt, act, attention
 from llampy.ggml.backends.cpu.act_quant import act_split
 from llampy.ggml.backends.cpu.kernels import alibi_slopes
 
@@ -25,12 +25,17 @@ def run():
     w32 = rng.standard_normal((13, 96)).astype(np.float32)
     for name, vdt in (("q4_0", T.Q8_0), ("q4_1", T.Q8_1), ("q5_0", T.Q8_0), ("q5_1", T.Q8_1), ("q8_0", T.Q8_0)):
         w = np.asarray(getattr(quants, "quantize_" + name)(w32)).reshape(13, -1)
-        for n in (1, 3, 9):
+        for n in (1, 3, 9, 17):           # 17: a sixteen-row prompt tile, then the rest
             x = (rng.standard_normal((n, 96)) * 4).astype(np.float32)
             s = act_split(x, vdt)
             out = np.empty((n, 13), np.float32)
             getattr(qdot, "mv_" + name)(w, s.xq, s.xd, s.xs, out, qdot.F16_TABLE)
             res[f"{name}_{n}"] = out
+    wk = np.asarray(quants.quantize(rng.standard_normal((16, 512)).astype(np.float32), T.Q6_K), np.uint8)
+    s = act_split((rng.standard_normal((9, 512)) * 4).astype(np.float32), T.Q8_K)
+    out = np.empty((9, 16), np.float32)
+    qdot_kt.mm_k_tiled(wk.reshape(16, -1), qdot_kt.KINDS["Q6_K"], s.xq, s.xd, s.xs, out, qdot.F16_TABLE)
+    res["q6_k_tiled"] = out
     g = (rng.standard_normal((2, 40)) * 20).astype(np.float32)
     u = rng.standard_normal((2, 40)).astype(np.float32)
     o = np.empty_like(g)
