@@ -255,6 +255,14 @@ def _hadd(builder, a, b):
     return builder.add(_shuf(builder, a, b, ev), _shuf(builder, a, b, [e + 1 for e in ev]))
 
 
+def hsum8x_ir(builder, vs):
+    """Eight <8 x i32> values -> one, lane k the sum of vs[k]'s lanes (exact)."""
+    h = [_hadd(builder, vs[2 * t], vs[2 * t + 1]) for t in range(4)]
+    lo, hi = _hadd(builder, h[0], h[1]), _hadd(builder, h[2], h[3])
+    return builder.add(_shuf(builder, lo, hi, [0, 1, 2, 3, 8, 9, 10, 11]),
+                       _shuf(builder, lo, hi, [4, 5, 6, 7, 12, 13, 14, 15]))
+
+
 @intrinsic
 def hsum8x(typingctx, v0, v1, v2, v3, v4, v5, v6, v7):
     """Eight i32x8 -> one i32x8, lane k the sum of v_k's lanes (exact)."""
@@ -262,10 +270,7 @@ def hsum8x(typingctx, v0, v1, v2, v3, v4, v5, v6, v7):
         return None
 
     def codegen(context, builder, sig, args):
-        h = [_hadd(builder, args[2 * t], args[2 * t + 1]) for t in range(4)]
-        lo, hi = _hadd(builder, h[0], h[1]), _hadd(builder, h[2], h[3])
-        return builder.add(_shuf(builder, lo, hi, [0, 1, 2, 3, 8, 9, 10, 11]),
-                           _shuf(builder, lo, hi, [4, 5, 6, 7, 12, 13, 14, 15]))
+        return hsum8x_ir(builder, args)
     return i8(i8, i8, i8, i8, i8, i8, i8, i8), codegen
 
 

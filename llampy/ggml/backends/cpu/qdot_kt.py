@@ -31,7 +31,8 @@ from numba.extending import intrinsic
 
 from .qdot import _f16
 from .qdot_k import _scale_min
-from .simd import AVX2, VNNI, _call, _load, _ptr, fma32
+from .qdot_ks import hsum8x_ir, i8_lane
+from .simd import AVX2, VNNI, _call, _load, _ptr, fma32, i8
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
 TILED_MIN_ROWS = 8
@@ -81,8 +82,7 @@ def dot256_x8(typingctx, w, x, xo):
     """Lane t = the int32 sum of the 256 int16 products of row t of w (8 x 256, C-contiguous) and x's elements
     xo .. xo + 255: eight weight rows against one activation super-block, each 16-value piece of x loaded once for
     the eight rows (``dot256_i16`` per row loaded both operands for every product: two loads per vpmaddwd). The eight
-    sums are reduced together, lanes l and l + 4 of rows t and t + 4 side by side, then quarters, then neighbours
-    (integer sums: exact in any order)."""
+    sums are reduced together (``qdot_ks.hsum8x_ir``; integer sums: exact in any order)."""
     def codegen(context, builder, sig, args):
         zero = ir.Constant(_L8, [0] * 8)
         accs = [zero] * 8
@@ -94,24 +94,8 @@ def dot256_x8(typingctx, w, x, xo):
                 wv = _load(builder, _ptr(context, builder, sig.args[0], args[0],
                                          ir.Constant(xb.type, 512 * t + 32 * c), _H16))
                 accs[t] = _madd16(builder, accs[t], wv, xv)
-
-        def sh(a, b, idx):
-            return builder.shuffle_vector(a, b, ir.Constant(_L8, idx))
-        tt = [builder.add(sh(accs[t], accs[t + 4], [0, 1, 2, 3, 8, 9, 10, 11]),
-                          sh(accs[t], accs[t + 4], [4, 5, 6, 7, 12, 13, 14, 15])) for t in range(4)]
-        u01 = builder.add(sh(tt[0], tt[1], [0, 1, 8, 9, 4, 5, 12, 13]), sh(tt[0], tt[1], [2, 3, 10, 11, 6, 7, 14, 15]))
-        u23 = builder.add(sh(tt[2], tt[3], [0, 1, 8, 9, 4, 5, 12, 13]), sh(tt[2], tt[3], [2, 3, 10, 11, 6, 7, 14, 15]))
-        return builder.add(sh(u01, u23, [0, 2, 8, 10, 4, 6, 12, 14]), sh(u01, u23, [1, 3, 9, 11, 5, 7, 13, 15]))
-    from .simd import i8 as _i8x8
-    return _i8x8(w, x, types.intp), codegen
-
-
-@intrinsic
-def _lane_i32(typingctx, v, t):
-    """Lane t of an int32 x 8 vector."""
-    def codegen(context, builder, sig, args):
-        return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
-    return types.int32(v, t), codegen
+        return hsum8x_ir(builder, accs)
+    return i8(w, x, types.intp), codegen
 
 
 @njit(cache=True, inline="always")
@@ -190,7 +174,7 @@ def mm_k_tiled(w, kind, xq, xd, bsums, out, tab):
                     s8 = dot256_x8(wq, x16, i * k + b * 256)
                 for t in range(nr):
                     if nr == _R:
-                        s1 = _lane_i32(s8, t)
+                        s1 = i8_lane(s8, t)
                     else:
                         s1 = dot256_i16(wq, t * 256, x16, i * k + b * 256)
                     r = np.float32(np.float32(s1) * dw[t])
