@@ -42,32 +42,31 @@ def round_f16(x):
 def _q8_0_row(x, xq, xd, xs, with_s, vec, i):
     """Row i of ``q8_0_split``."""
     k = x.shape[1]
-    if True:
-        xr, qr = x[i], xq[i]
-        for b in range(k // 32):
-            o = b * 32
-            if vec:
-                v0, v1 = v16_load(xr, o), v16_load(xr, o + 16)
-                amax = v16_hmax(v16_max(v16_abs(v0), v16_abs(v1)))
-            else:
-                amax = np.float32(0.0)
-                for j in range(32):
-                    v = abs(xr[o + j])
-                    if v > amax:
-                        amax = v
-            d = np.float32(amax / np.float32(127.0))
-            idv = np.float32(np.float32(127.0) / amax) if amax != 0 else np.float32(0.0)
-            if vec:
-                tot = v16_q8(qr, o, v0, idv, False) + v16_q8(qr, o + 16, v1, idv, False)
-            else:
-                tot = 0
-                for j in range(32):
-                    q = np.int32(np.rint(np.float32(xr[o + j] * idv)))
-                    qr[o + j] = q
-                    tot += q
-            xd[i, b] = round_f16(d)
-            if with_s:
-                xs[i, b] = round_f16(np.float32(d * np.float32(tot)))
+    xr, qr = x[i], xq[i]
+    for b in range(k // 32):
+        o = b * 32
+        if vec:
+            v0, v1 = v16_load(xr, o), v16_load(xr, o + 16)
+            amax = v16_hmax(v16_max(v16_abs(v0), v16_abs(v1)))
+        else:
+            amax = np.float32(0.0)
+            for j in range(32):
+                v = abs(xr[o + j])
+                if v > amax:
+                    amax = v
+        d = np.float32(amax / np.float32(127.0))
+        idv = np.float32(np.float32(127.0) / amax) if amax != 0 else np.float32(0.0)
+        if vec:
+            tot = v16_q8(qr, o, v0, idv, False) + v16_q8(qr, o + 16, v1, idv, False)
+        else:
+            tot = 0
+            for j in range(32):
+                q = np.int32(np.rint(np.float32(xr[o + j] * idv)))
+                qr[o + j] = q
+                tot += q
+        xd[i, b] = round_f16(d)
+        if with_s:
+            xs[i, b] = round_f16(np.float32(d * np.float32(tot)))
 
 
 @njit(cache=True)
@@ -93,51 +92,50 @@ def q8_0_split_par(x, xq, xd, xs, with_s):
 def _q8_k_row(x, xq, xd, bsums, vec, i):
     """Row i of ``q8_k_split``."""
     k = x.shape[1]
-    if True:
-        xr, qr = x[i], xq[i]
-        for b in range(k // 256):
-            o = b * 256
-            if vec:
-                m = v16_abs(v16_load(xr, o))
-                for j in range(16, 256, 16):
-                    m = v16_max(m, v16_abs(v16_load(xr, o + j)))
-                amax = v16_hmax(m)
-                mx = np.float32(0.0)
-                for j in range(256):
-                    if abs(xr[o + j]) == amax:
-                        mx = xr[o + j]
-                        break
-                if mx == 0:         # no match: NaNs only, which the scalar scan skips (an all-zero block)
-                    amax = np.float32(0.0)
-            else:
+    xr, qr = x[i], xq[i]
+    for b in range(k // 256):
+        o = b * 256
+        if vec:
+            m = v16_abs(v16_load(xr, o))
+            for j in range(16, 256, 16):
+                m = v16_max(m, v16_abs(v16_load(xr, o + j)))
+            amax = v16_hmax(m)
+            mx = np.float32(0.0)
+            for j in range(256):
+                if abs(xr[o + j]) == amax:
+                    mx = xr[o + j]
+                    break
+            if mx == 0:         # no match: NaNs only, which the scalar scan skips (an all-zero block)
                 amax = np.float32(0.0)
-                mx = np.float32(0.0)
-                for j in range(256):
-                    v = xr[o + j]
-                    if abs(v) > amax:
-                        amax = abs(v)
-                        mx = v
-            if amax == 0:
-                xd[i, b] = 0
-                for j in range(256):
-                    qr[o + j] = 0
-                for j in range(16):
-                    bsums[i, b * 16 + j] = 0
-                continue
-            iscale = np.float32(np.float32(-127.0) / mx)
-            if vec:
-                for j in range(16):
-                    bsums[i, b * 16 + j] = v16_q8(qr, o + 16 * j, v16_load(xr, o + 16 * j), iscale, True)
-            else:
-                for j in range(256):
-                    q = np.int32(np.rint(np.float32(iscale * xr[o + j])))
-                    qr[o + j] = min(127, q)
-                for j in range(16):
-                    s = 0
-                    for e in range(16):
-                        s += np.int32(qr[o + j * 16 + e])
-                    bsums[i, b * 16 + j] = s
-            xd[i, b] = np.float32(np.float32(1.0) / iscale)
+        else:
+            amax = np.float32(0.0)
+            mx = np.float32(0.0)
+            for j in range(256):
+                v = xr[o + j]
+                if abs(v) > amax:
+                    amax = abs(v)
+                    mx = v
+        if amax == 0:
+            xd[i, b] = 0
+            for j in range(256):
+                qr[o + j] = 0
+            for j in range(16):
+                bsums[i, b * 16 + j] = 0
+            continue
+        iscale = np.float32(np.float32(-127.0) / mx)
+        if vec:
+            for j in range(16):
+                bsums[i, b * 16 + j] = v16_q8(qr, o + 16 * j, v16_load(xr, o + 16 * j), iscale, True)
+        else:
+            for j in range(256):
+                q = np.int32(np.rint(np.float32(iscale * xr[o + j])))
+                qr[o + j] = min(127, q)
+            for j in range(16):
+                s = 0
+                for e in range(16):
+                    s += np.int32(qr[o + j * 16 + e])
+                bsums[i, b * 16 + j] = s
+        xd[i, b] = np.float32(np.float32(1.0) / iscale)
 
 
 @njit(cache=True)
@@ -209,6 +207,16 @@ _SCRATCH: dict = {}
 PAR_ROWS = 64
 
 
+def q8_0_quantizer(n: int):
+    """``q8_0_split`` for a batch of n rows: the parallel one from PAR_ROWS rows."""
+    return q8_0_split_par if n >= PAR_ROWS else q8_0_split
+
+
+def q8_k_quantizer(n: int):
+    """``q8_k_split`` for a batch of n rows: the parallel one from PAR_ROWS rows."""
+    return q8_k_split_par if n >= PAR_ROWS else q8_k_split
+
+
 def scratch_for(n: int, k: int, vdt: GGMLType) -> ActScratch:
     """The shared buffers for activations of this shape (one set per shape: calls run one after another)."""
     key = (n, k, int(vdt))
@@ -231,11 +239,11 @@ def act_split(x: np.ndarray, vdt: GGMLType, scratch: ActScratch | None = None) -
     if vdt == T.Q8_K:
         if k % QK_K:
             raise ValueError(f"Q8_K needs rows of whole {QK_K}-blocks, got {k}")
-        (q8_k_split_par if n >= PAR_ROWS else q8_k_split)(x, scratch.xq, scratch.xd, scratch.xs)
+        q8_k_quantizer(n)(x, scratch.xq, scratch.xd, scratch.xs)
     elif vdt in (T.Q8_0, T.Q8_1):
         if k % 32:
             raise ValueError(f"{vdt.name} needs rows of whole 32-blocks, got {k}")
-        (q8_0_split_par if n >= PAR_ROWS else q8_0_split)(x, scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1)
+        q8_0_quantizer(n)(x, scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1)
     else:
         raise ValueError(f"{GGMLType(vdt).name} is not an 8-bit dot type")
     return scratch

@@ -403,24 +403,23 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
             qs = np.ascontiguousarray(qh).reshape(rk * (q1 - q0), qh.shape[-1])
             s = np.matmul(qs, kk.T, out=sbuf[:rk * (q1 - q0) * (hi - lo)].reshape(rk * (q1 - q0), hi - lo))
             s = s.reshape(rk, q1 - q0, hi - lo)
-            ssc = sc
-            if softcap:
+            head_masks = mm is not None and mm.shape[0] > 1
+            ssc = sc                    # the softmax scales the scores, unless they must be scaled before it
+            if softcap or head_masks:
                 s *= sc
+                ssc = np.float32(1.0)   # x * 1 is x
+            if softcap:
                 np.tanh(s, out=s)
                 s *= np.float32(softcap)
-                ssc = np.float32(1.0)                                      # x * 1 is x: the softmax adds the mask
             heads = np.arange(hk * rk, (hk + 1) * rk)
             qc, L = s.shape[1], s.shape[2]
             den = np.empty(rk * qc, np.float32)
-            if mm is None or mm.shape[0] == 1:
-                m2 = mm[0] if mm is not None else np.zeros((1, 0), np.float32)
-                _softmax_rows(s.reshape(rk * qc, L), ssc, m2, slopes[heads], qc, den)
-            else:                                                          # a mask per head
-                if not softcap:
-                    s *= sc
+            if head_masks:
                 s += slopes[heads][:, None, None] * mm[heads % mm.shape[0]]
-                _softmax_rows(s.reshape(rk * qc, L), np.float32(1.0), np.zeros((1, 0), np.float32), slopes[heads],
-                              qc, den)
+                m2 = np.zeros((1, 0), np.float32)
+            else:
+                m2 = mm[0] if mm is not None else np.zeros((1, 0), np.float32)
+            _softmax_rows(s.reshape(rk * qc, L), ssc, m2, slopes[heads], qc, den)
             o = np.matmul(s.reshape(rk * qc, L), vv, out=obuf[:rk * qc * vv.shape[1]].reshape(rk * qc, vv.shape[1]))
             _divide_into(o.reshape(rk, qc, vv.shape[1]), den, out[i3, q0:q1, hk * rk:(hk + 1) * rk, :])
 

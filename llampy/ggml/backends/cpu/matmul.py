@@ -106,17 +106,16 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
     kernel = _KERNELS.get(wtype)
     if kernel is not None and vdt in (T.Q8_0, T.Q8_1):
         # the 32-value formats: the quantizer and the kernel called directly, their arguments bound here
-        from .act_quant import PAR_ROWS, q8_0_split, q8_0_split_par
+        from .act_quant import q8_0_quantizer
         xq, xd, xs, with_s, tab = scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1, F16_TABLE
-        if n >= PAR_ROWS:
-            q8_0_split = q8_0_split_par
+        quantize = q8_0_quantizer(n)
 
         def run():
             limit = limit_fn()
             if n > (DECODE_MAX_ROWS if limit is None else limit):
                 return fallback(limit)
             if not reuse:
-                q8_0_split(x, xq, xd, xs, with_s)
+                quantize(x, xq, xd, xs, with_s)
             kernel(w, xq, xd, xs, out, tab)
         return run
 
