@@ -6,8 +6,9 @@
 MODEL: a path, or 'smollm2' / 'gemma3' (default: both). For each model, llampy's bench and llama.cpp's (through
 llama-cpp-python's low-level llama_decode, the same pp/tg tests) run interleaved, and the table gives pp and tg
 tok/s with the ratio llampy/llama.cpp, time from process start to first token (cold: empty kernel cache; warm),
-and peak RSS (llampy's with its kernel cache filled by an untimed run first). llama.cpp comes from llama-cpp-python, built for this machine (no AMX; see ../shared/DESIGN.md) into
-its own environment, benchmarks/.llamacpp-venv, once; the wheel is cached in ~/.cache/llampy/wheels.
+and peak RSS (llampy's with its kernel cache filled by an untimed run first). llama.cpp comes from llama-cpp-python,
+built for this machine (no AMX; see ../shared/DESIGN.md) into its own environment, benchmarks/.llamacpp-venv, once;
+the wheel is cached in ~/.cache/llampy/wheels.
 """
 from __future__ import annotations
 
@@ -162,11 +163,10 @@ def main(argv=None) -> int:
         rss_ours = rss_theirs = 0.0
         # an untimed run first fills the kernel cache if a source change left it stale: a process that compiles
         # holds ~70 MiB more at its peak, which is the cold start's cost (its own column below), not a run's
-        popen_rss([sys.executable, "-m", "llampy.cli", "bench", path, "-p", str(args.n_prompt), "-n", "1",
-                   "-t", str(args.threads), "-r", "1"], env)
+        bench = [sys.executable, "-m", "llampy.cli", "bench", path, "-p", str(args.n_prompt), "-t", str(args.threads)]
+        popen_rss(bench + ["-n", "1", "-r", "1"], env)
         for _ in range(args.rounds):
-            out, _, rss = popen_rss([sys.executable, "-m", "llampy.cli", "bench", path, "-p", str(args.n_prompt),
-                                     "-n", str(args.n_gen), "-t", str(args.threads), "-r", str(args.reps), "--json"], env)
+            out, _, rss = popen_rss(bench + ["-n", str(args.n_gen), "-r", str(args.reps), "--json"], env)
             for r in json.loads(out):
                 ours["pp" if r["n_prompt"] else "tg"].extend(r["samples_ts"])
             rss_ours = max(rss_ours, rss)

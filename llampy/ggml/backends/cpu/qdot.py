@@ -190,20 +190,27 @@ def _group_activations(kind, xq, n8):
 
 
 @njit(cache=True, inline="always")
+def _wblock(kind, wr, b):
+    """Block b of weight row wr decoded once for a tile's pairs (``wbytes``): its 32 values as bytes."""
+    if kind == K_Q8_0:
+        return wbytes(wr, b * 34 + 2, 0, 4)
+    if kind == K_Q4_0:
+        return wbytes(wr, b * 18 + 2, 0, 0)
+    if kind == K_Q4_1:
+        return wbytes(wr, b * 20 + 4, 0, 1)
+    if kind == K_Q5_0:
+        o = b * 22
+        return wbytes(wr, o + 6, _qh(wr, o + 2), 2)
+    o = b * 24
+    return wbytes(wr, o + 8, _qh(wr, o + 4), 3)
+
+
+@njit(cache=True, inline="always")
 def _row8_off(kind, wr, b, xb, j0, dvr, a0, a1, a2, a3, a4, a5, a6, a7):
     """``_row8`` for the signed formats (Q4_0, Q5_0, Q8_0) in the activation-offset form: the activations are stored
     plus 128 as unsigned bytes (``_group_activations``), and each pair's lanes start from the block's -128 * (lane
     sums of q), computed once for the eight pairs (``xdot``). The same integer lanes."""
-    xo = b * 32
-    if kind == K_Q8_0:
-        o = b * 34
-        q = wbytes(wr, o + 2, 0, 4)
-    elif kind == K_Q4_0:
-        o = b * 18
-        q = wbytes(wr, o + 2, 0, 0)
-    else:
-        o = b * 22
-        q = wbytes(wr, o + 6, _qh(wr, o + 2), 2)
+    q = _wblock(kind, wr, b)
     c = wsum_neg128(q)
     a0 = f8_fma(dvr[0], i8_to_f8(xdot(c, q, xb, (j0 + 0) * 32)), a0)
     a1 = f8_fma(dvr[1], i8_to_f8(xdot(c, q, xb, (j0 + 1) * 32)), a1)
@@ -237,24 +244,9 @@ def _row8(kind, wr, b, xb, j0, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
     """One block of one weight row against eight activation rows (j0..j0+7 of a group): the block decoded once, the
     eight mins (Q4_1, Q5_1) as one vector fma; each pair's lanes fma'd with its own scale dvr[k] = d_w * d_x
     (``_tile8``) exactly as the one-pair form does."""
-    xo = b * 32
-    if kind == K_Q8_0:
-        o = b * 34
-        q = wbytes(wr, o + 2, 0, 4)
-    elif kind == K_Q4_0:
-        o = b * 18
-        q = wbytes(wr, o + 2, 0, 0)
-    elif kind == K_Q4_1:
-        o = b * 20
-        q = wbytes(wr, o + 4, 0, 1)
-        sv = f8_fma_s(f16_at(wr, o + 2), xsb, sv)
-    elif kind == K_Q5_0:
-        o = b * 22
-        q = wbytes(wr, o + 6, _qh(wr, o + 2), 2)
-    else:
-        o = b * 24
-        q = wbytes(wr, o + 8, _qh(wr, o + 4), 3)
-        sv = f8_fma_s(f16_at(wr, o + 2), xsb, sv)
+    q = _wblock(kind, wr, b)
+    if not _signed(kind):          # Q4_1, Q5_1: the min at byte 2 of the block
+        sv = f8_fma_s(f16_at(wr, b * _block_bytes(kind) + 2), xsb, sv)
     if _signed(kind):
         a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xb, j0, dvr, True, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
