@@ -349,3 +349,23 @@ def test_integer_path_is_batch_invariant(wtype):
         out = np.empty((n, rows), np.float32)
         mm.mul_mat(wq, wtype, x[:n], out, 1 << 30)
         assert np.array_equal(out, single[:n]), n
+
+
+@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+def test_rows16_tiles_equal_one_row_tiles(wtype):
+    """The AVX-512 prompt tiles (sixteen weight rows as the lanes of a register, qdot._mv_rows16) against the one-row
+    tiles they replace on such CPUs: the same numbers bit for bit, for every pair of the rows they cover."""
+    from llampy.ggml.backends.cpu import qdot, simd
+    if not simd.ROWS16:
+        pytest.skip("this CPU has no AVX-512 VNNI: the sixteen-row tiles are not used here")
+    rng = np.random.default_rng(13)
+    k, rows, n = 384, 48, 24
+    wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype)
+    s = act_split(act_data(rng, n, k), TYPE_TRAITS[wtype].vec_dot_type)
+    name = wtype.name.lower()
+    new = np.full((n, rows), np.nan, np.float32)
+    old = np.full((n, rows), np.nan, np.float32)
+    getattr(qdot, "_rows16_" + name)(wq, s.xq, s.xd, s.xs, new, qdot.F16_TABLE)
+    getattr(qdot, "_tiles_" + name)(wq, s.xq, s.xd, s.xs, old, qdot.F16_TABLE)
+    assert not np.isnan(new).any()
+    assert np.array_equal(new, old)

@@ -22,13 +22,13 @@ from llampy.ggml.backends.cpu.kernels import alibi_slopes
 def run():
     rng = np.random.default_rng(5)
     res = {}
-    w32 = rng.standard_normal((13, 96)).astype(np.float32)
+    w32 = rng.standard_normal((37, 96)).astype(np.float32)   # 37: two sixteen-row groups of the AVX-512 tiles + 5
     for name, vdt in (("q4_0", T.Q8_0), ("q4_1", T.Q8_1), ("q5_0", T.Q8_0), ("q5_1", T.Q8_1), ("q8_0", T.Q8_0)):
-        w = np.asarray(getattr(quants, "quantize_" + name)(w32)).reshape(13, -1)
+        w = np.asarray(getattr(quants, "quantize_" + name)(w32)).reshape(37, -1)
         for n in (1, 3, 9, 17):           # 17: a sixteen-row prompt tile, then the rest
             x = (rng.standard_normal((n, 96)) * 4).astype(np.float32)
             s = act_split(x, vdt)
-            out = np.empty((n, 13), np.float32)
+            out = np.empty((n, 37), np.float32)
             getattr(qdot, "mv_" + name)(w, s.xq, s.xd, s.xs, out, qdot.F16_TABLE)
             res[f"{name}_{n}"] = out
     wk = np.asarray(quants.quantize(rng.standard_normal((16, 512)).astype(np.float32), T.Q6_K), np.uint8)

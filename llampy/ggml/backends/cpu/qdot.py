@@ -19,9 +19,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import (UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store, f8_lane,
-                   f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero, fma32,
-                   i8_to_f8)
+from .simd import (ROWS16, UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store,
+                   f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero,
+                   fma32, i8_flip, i8_store, i8_to_f8, rows16_pairs2, v16_add, v16_fma, v16_load, v16_scale, v16_store,
+                   v16_tree8, v16_zero)
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -342,6 +343,88 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
                 _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, nb, out, dvb)
 
 
+# ------------------------------------------------------------------- prompt tiles, weight rows as lanes (AVX-512)
+
+@njit(cache=True, inline="always")
+def _ublock(kind, wr, b):
+    """Block b of weight row wr as 32 unsigned bytes: the stored values of Q4_1 and Q5_1, and of the signed formats
+    their values plus the offset (``_offset``: Q4_0 nibbles are q + 8, Q5_0's five bits q + 16, Q8_0's q ^ 0x80)."""
+    if kind == K_Q8_0:
+        return i8_flip(wbytes(wr, b * 34 + 2, 0, 4))
+    if kind == K_Q4_0:
+        return wbytes(wr, b * 18 + 2, 0, 1)
+    if kind == K_Q4_1:
+        return wbytes(wr, b * 20 + 4, 0, 1)
+    if kind == K_Q5_0:
+        o = b * 22
+        return wbytes(wr, o + 6, _qh(wr, o + 2), 3)
+    o = b * 24
+    return wbytes(wr, o + 8, _qh(wr, o + 4), 3)
+
+
+@njit(cache=True, inline="always")
+def _rows16_prep(kind, w, r0, nb, tmp, ws, dws, mws):
+    """Weight rows r0..r0+15 transposed for ``rows16_pairs2``: ws[512 b + 64 l + 4 r + t] = unsigned byte 4l + t of
+    row r's block b (``_ublock``); dws[b, r] its F16 scale and, for Q4_1 / Q5_1, mws[b, r] its min. Once per call and
+    row group, for all the activation rows (tmp: one block of the sixteen rows)."""
+    bb = _block_bytes(kind)
+    t32 = tmp.view(np.int32)
+    s32 = ws.view(np.int32)
+    for b in range(nb):
+        for r in range(16):
+            wr = w[r0 + r]
+            i8_store(tmp, 32 * r, _ublock(kind, wr, b))
+            dws[b, r] = f16_at(wr, b * bb)
+            if not _signed(kind):
+                mws[b, r] = f16_at(wr, b * bb + 2)
+        for l in range(8):
+            for r in range(16):
+                s32[128 * b + 16 * l + r] = t32[8 * r + l]
+
+
+@njit(cache=True, inline="always")
+def _mv_rows16(w, xq, xd, xs, out, tab, kind):
+    """The prompt tiles where the CPU has AVX-512 VNNI: weight rows 0 .. rows - rows % 16 against activation rows
+    0 .. n - n % 8, sixteen weight rows (as the lanes of a 512-bit register, ``rows16_pairs2``) by two activation
+    rows at a time. Every pair has ggml's eight lanes and its own fma per lane and block, in block order, and the
+    sums ``hsum_float_8``'s tree (``v16_tree8``), plus the min term for Q4_1 / Q5_1: the one-row tiles' numbers, bit
+    for bit. The weights are decoded and transposed once per call and row group (``_rows16_prep``), and each
+    activation block's four-byte pieces are broadcast loads folded into the vpdpbusd. Measured against the one-row
+    tiles (benchmarks/README.md, entry 51): Q5_0 2048 x 640 at n = 512, 2.2 -> 1.35 cycles per block product."""
+    rows = w.shape[0]
+    n, k = xq.shape
+    nb = k // 32
+    n8 = n - n % 8
+    xls = _offset_lane_sums(kind, xq)
+    for g in prange(rows // 16):
+        r0 = 16 * g
+        tmp = np.empty(512, np.uint8)
+        ws = np.empty(nb * 512, np.uint8)
+        dws = np.empty((nb, 16), np.float32)
+        mws = np.empty((nb, 16), np.float32)
+        _rows16_prep(kind, w, r0, nb, tmp, ws, dws, mws)
+        for i in range(0, n8, 2):
+            z = v16_zero()
+            acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+            s0 = s1 = z
+            for b in range(nb):
+                dw = v16_load(dws[b], 0)
+                d0, d1 = v16_scale(dw, xd[i, b]), v16_scale(dw, xd[i + 1, b])
+                if _signed(kind):
+                    acc = rows16_pairs2(ws, 512 * b, xq, i, 32 * b, xls, 8 * b, True, d0, d1, acc)
+                else:
+                    acc = rows16_pairs2(ws, 512 * b, xq, i, 32 * b, xls, 8 * b, False, d0, d1, acc)
+                    m = v16_load(mws[b], 0)
+                    s0 = v16_fma(m, xs[i, b], s0)
+                    s1 = v16_fma(m, xs[i + 1, b], s1)
+            if _signed(kind):
+                v16_store(out[i], r0, v16_tree8(acc, 0))
+                v16_store(out[i + 1], r0, v16_tree8(acc, 1))
+            else:
+                v16_store(out[i], r0, v16_add(v16_tree8(acc, 0), s0))
+                v16_store(out[i + 1], r0, v16_add(v16_tree8(acc, 1), s1))
+
+
 @njit(cache=True, inline="always")
 def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
     """The activation rows n8 .. n of ``_mv_legacy``: pairs, then one. The rows PREFETCH_AHEAD ahead are
@@ -411,7 +494,7 @@ def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
             r += 1
 
 
-def _mv_legacy(tiles, rest, w, xq, xd, xs, out, tab):
+def _mv_legacy(tiles, rows16, rest, w, xq, xd, xs, out, tab):
     """out[i, r] = dot(w[r], x[i]) for the 32-value formats. Four weight rows at a time: four independent fma
     chains keep the core busy while each waits on its previous block (one chain alone is latency-bound); with
     two or more activation rows, tiles of 4 weight rows x 2 activation rows (eight chains; LLVM decodes each
@@ -423,9 +506,15 @@ def _mv_legacy(tiles, rest, w, xq, xd, xs, out, tab):
     eight activation rows (``_mv_tiles``) and the rest (``_mv_rest``): decoding and short prompts need only the
     second, which compiles in 60% of the time of one kernel holding both (a cold start to the first token of
     SmolLM2: Q4_1 15.4 -> 9.4 s, Q8_0 15.9 -> 8.0 s)."""
-    n = xq.shape[0]
+    n, rows = xq.shape[0], w.shape[0]
     n8 = n - n % 8
-    if n8:
+    if n8 and ROWS16 and rows >= 16:
+        r16 = rows - rows % 16
+        rows16(w, xq, xd, xs, out, tab)
+        if r16 < rows:            # the last rows % 16 weight rows: all their activation rows in the decode form
+            rest(w[r16:], xq, xd, xs, out[:, r16:], tab, 0)
+            w, out = w[:r16], out[:, :r16]
+    elif n8:
         tiles(w, xq, xd, xs, out, tab)
     if n8 < n:
         rest(w, xq, xd, xs, out, tab, n8)
@@ -438,12 +527,17 @@ def _tiles_q8_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _rows16_q8_0(w, xq, xd, xs, out, tab):
+    _mv_rows16(w, xq, xd, xs, out, tab, K_Q8_0)
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def _rest_q8_0(w, xq, xd, xs, out, tab, n8):
     _mv_rest(w, xq, xd, xs, out, tab, K_Q8_0, n8)
 
 
 def mv_q8_0(w, xq, xd, xs, out, tab):
-    _mv_legacy(_tiles_q8_0, _rest_q8_0, w, xq, xd, xs, out, tab)
+    _mv_legacy(_tiles_q8_0, _rows16_q8_0, _rest_q8_0, w, xq, xd, xs, out, tab)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -452,12 +546,17 @@ def _tiles_q4_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _rows16_q4_0(w, xq, xd, xs, out, tab):
+    _mv_rows16(w, xq, xd, xs, out, tab, K_Q4_0)
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def _rest_q4_0(w, xq, xd, xs, out, tab, n8):
     _mv_rest(w, xq, xd, xs, out, tab, K_Q4_0, n8)
 
 
 def mv_q4_0(w, xq, xd, xs, out, tab):
-    _mv_legacy(_tiles_q4_0, _rest_q4_0, w, xq, xd, xs, out, tab)
+    _mv_legacy(_tiles_q4_0, _rows16_q4_0, _rest_q4_0, w, xq, xd, xs, out, tab)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -466,12 +565,17 @@ def _tiles_q4_1(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _rows16_q4_1(w, xq, xd, xs, out, tab):
+    _mv_rows16(w, xq, xd, xs, out, tab, K_Q4_1)
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def _rest_q4_1(w, xq, xd, xs, out, tab, n8):
     _mv_rest(w, xq, xd, xs, out, tab, K_Q4_1, n8)
 
 
 def mv_q4_1(w, xq, xd, xs, out, tab):
-    _mv_legacy(_tiles_q4_1, _rest_q4_1, w, xq, xd, xs, out, tab)
+    _mv_legacy(_tiles_q4_1, _rows16_q4_1, _rest_q4_1, w, xq, xd, xs, out, tab)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -480,12 +584,17 @@ def _tiles_q5_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _rows16_q5_0(w, xq, xd, xs, out, tab):
+    _mv_rows16(w, xq, xd, xs, out, tab, K_Q5_0)
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def _rest_q5_0(w, xq, xd, xs, out, tab, n8):
     _mv_rest(w, xq, xd, xs, out, tab, K_Q5_0, n8)
 
 
 def mv_q5_0(w, xq, xd, xs, out, tab):
-    _mv_legacy(_tiles_q5_0, _rest_q5_0, w, xq, xd, xs, out, tab)
+    _mv_legacy(_tiles_q5_0, _rows16_q5_0, _rest_q5_0, w, xq, xd, xs, out, tab)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -494,12 +603,17 @@ def _tiles_q5_1(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _rows16_q5_1(w, xq, xd, xs, out, tab):
+    _mv_rows16(w, xq, xd, xs, out, tab, K_Q5_1)
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def _rest_q5_1(w, xq, xd, xs, out, tab, n8):
     _mv_rest(w, xq, xd, xs, out, tab, K_Q5_1, n8)
 
 
 def mv_q5_1(w, xq, xd, xs, out, tab):
-    _mv_legacy(_tiles_q5_1, _rest_q5_1, w, xq, xd, xs, out, tab)
+    _mv_legacy(_tiles_q5_1, _rows16_q5_1, _rest_q5_1, w, xq, xd, xs, out, tab)
 
 
 # ------------------------------------------------------------------------------------------ tile dequantization

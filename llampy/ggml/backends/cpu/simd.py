@@ -802,3 +802,98 @@ def xdot(typingctx, c, a, x, xo):
     return i8(i8, i8, x, types.intp), codegen
 
 
+
+
+# ----------------------------------------------------------------------- weight rows as lanes (AVX-512 VNNI)
+# The prompt tiles' transposed form (qdot._mv_rows16): sixteen weight rows side by side in a 512-bit register, lane
+# r holding four bytes of row r, so that one vpdpbusd against four activation bytes broadcast to every lane gives
+# ggml's lane l of sixteen (row, activation) pairs at once. Each lane is still one pair's exact integer lane, and
+# each pair keeps its own fma chain per lane l (an accumulator per l, rows as lanes), so the float operations are
+# ggml's, one for one. Only where the CPU has AVX-512 VNNI (elsewhere the one-row tiles run).
+ROWS16 = VNNI and {"avx512vnni", "avx512bw", "avx512f"} <= _FEATS
+_I32x16 = ir.VectorType(_I32, 16)
+
+
+def _splat_any(builder, v, vecty):
+    s = builder.insert_element(ir.Constant(vecty, None), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(_I32, vecty.count), [0] * vecty.count))
+
+
+@intrinsic
+def i8_store(typingctx, arr, off, v):
+    """The 32 bytes of v stored at byte ``off`` of arr's data (a uint8 array)."""
+    if v != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        st = builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], args[1], _I8x8))
+        st.align = 1
+        return context.get_dummy_value()
+    return types.void(arr, types.intp, i8), codegen
+
+
+@intrinsic
+def i8_flip(typingctx, v):
+    """Each byte of v xor 0x80: int8 q as the unsigned byte q + 128."""
+    if v != i8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.xor(args[0], ir.Constant(_I8x8, [-0x7F7F7F80] * 8))
+    return i8(i8), codegen
+
+
+@intrinsic
+def rows16_pairs2(typingctx, ws, wo, xq, i, xo, xls, lo, corr, dv0, dv1, acc):
+    """One 32-value block of sixteen weight rows against activation rows i and i + 1: ``acc`` (sixteen f32x16, row
+    i's lanes l = 0..7 then row i + 1's) gets fma(dv, float(lane l), acc[l]) per pair, dv0 / dv1 the rows' sixteen
+    scales d_w * d_x. ws: the block's eight registers from byte wo (register l = the rows' unsigned bytes 4l..4l+3,
+    ``qdot._rows16_prep``); the activations: bytes xo..xo + 31 of xq's rows. ``corr`` (a literal bool): add the
+    activations' lane sums xls[i, lo + l] (the signed formats' offset: -off * the sum of the four activations)."""
+    if not isinstance(corr, types.BooleanLiteral) or not isinstance(acc, types.UniTuple) or acc.count != 16:
+        return None
+    with_corr = corr.literal_value
+
+    def codegen(context, builder, sig, args):
+        wbase = _ptr(context, builder, sig.args[0], args[0], args[1], _I8)
+        regs = [_load(builder, builder.bitcast(builder.gep(wbase, [ir.Constant(_I32, 64 * g)]), _I32x16.as_pointer()))
+                for g in range(8)]
+        xa = context.make_array(sig.args[2])(context, builder, args[2])
+        xs0 = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+        xbase = builder.bitcast(xa.data, _I8.as_pointer())
+        la = context.make_array(sig.args[5])(context, builder, args[5])
+        ls0 = cgutils.unpack_tuple(builder, la.strides, 2)[0]
+        lbase = builder.bitcast(la.data, _I8.as_pointer())
+        accs = list(cgutils.unpack_tuple(builder, args[10]))
+        four = ir.Constant(args[6].type, 4)
+        for c, dv in enumerate((args[8], args[9])):
+            row = builder.add(args[3], ir.Constant(args[3].type, c))
+            xp = builder.gep(xbase, [builder.add(builder.mul(row, xs0), args[4])])
+            lp = builder.gep(lbase, [builder.add(builder.mul(row, ls0), builder.mul(args[6], four))])
+            for g in range(8):
+                x4 = _load(builder, builder.bitcast(builder.gep(xp, [ir.Constant(_I32, 4 * g)]), _I32.as_pointer()))
+                t = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I32x16,
+                          [ir.Constant(_I32x16, [0] * 16), regs[g], _splat_any(builder, x4, _I32x16)])
+                if with_corr:
+                    l4 = _load(builder, builder.bitcast(builder.gep(lp, [ir.Constant(_I32, 4 * g)]),
+                                                        _I32.as_pointer()))
+                    t = builder.add(t, _splat_any(builder, l4, _I32x16))
+                accs[8 * c + g] = _call(builder, "llvm.fma.v16f32", _F16x,
+                                        [dv, builder.sitofp(t, _F16x), accs[8 * c + g]])
+        return context.make_tuple(builder, sig.return_type, accs)
+    return acc(ws, types.intp, xq, types.intp, types.intp, xls, types.intp, corr, f16l, f16l, acc), codegen
+
+
+@intrinsic
+def v16_tree8(typingctx, acc, k):
+    """ggml's hsum_float_8 over accumulators 8k..8k+7 of ``acc``, lane by lane: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) +
+    (a7 + a3)), sixteen pairs' sums at once."""
+    if not isinstance(k, types.IntegerLiteral) or not isinstance(acc, types.UniTuple):
+        return None
+    kv = k.literal_value
+
+    def codegen(context, builder, sig, args):
+        a = cgutils.unpack_tuple(builder, args[0])[8 * kv:8 * kv + 8]
+        add = builder.fadd
+        return add(add(add(a[4], a[0]), add(a[6], a[2])), add(add(a[5], a[1]), add(a[7], a[3])))
+    return f16l(acc, k), codegen
