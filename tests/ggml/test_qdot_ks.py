@@ -60,6 +60,23 @@ def test_q4_k_x8_equals_scalar(rows, k):
         assert np.array_equal(got, want), x.shape[0]
 
 
+@pytest.mark.parametrize("rows,k,n", [(40, 1024, 20), (16, 256, 8), (8, 512, 4)])
+def test_q4_k_rows16_equals_x8_gemm(rows, k, n):
+    """Q4_K's gemm form with sixteen weight rows as lanes (AVX-512) against the eight-row repacked kernel's: the
+    same bits for every gemm row; a last group of eight rows is computed with zero rows beside it."""
+    from llampy.ggml.backends.cpu import simd
+    if not simd.ROWS16:
+        pytest.skip("this CPU has no AVX-512 VNNI: the sixteen-row kernels are not used here")
+    rng = np.random.default_rng(rows + n)
+    w = np.asarray(quantize_q4_k(rng.standard_normal((rows, k)).astype(np.float32))).reshape(rows, -1)
+    s = act_split((rng.standard_normal((n, k)) * 3).astype(np.float32), T.Q8_K)
+    got = np.full((n, rows), np.nan, np.float32)
+    want = np.empty((n, rows), np.float32)
+    qdot_ks.mm_q4_k_rows16(w, s.xq, s.xd, s.xs, got, n)
+    qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, want, F16_TABLE, n)
+    assert np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("wtype", [T.Q6_K, T.Q4_K, T.Q5_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,k", [(8, 256), (13, 512), (40, 1024)])
 def test_vec_dot_forms_equal_scalar(wtype, rows, k):

@@ -88,8 +88,9 @@ def test_tiled_differs_from_vec_dot():
 @pytest.mark.parametrize("wtype,rows", [(T.Q6_K, 24), (T.Q5_K, 24), (T.Q4_K, 13), (T.Q4_K, 16)])
 def test_mul_mat_takes_llamacpps_path(wtype, rows):
     """Below 8 activation rows vec_dot (or Q4_K's repacked forms); from 8 rows the tiled kernel, unless llama.cpp
-    repacks the weights (Q4_K, rows % 8 == 0)."""
-    for n in (1, 7, 8, 11):
+    repacks the weights (Q4_K, rows % 8 == 0). From ``ROWS16_MIN_N`` rows on AVX-512 the sixteen-row kernels take
+    over with the same bits (17: an odd last row, or a gemv row, after them)."""
+    for n in (1, 7, 8, 11, 17, 24):
         w, x = case(wtype, rows, 512, n, n + rows)
         s = act_split(x, T.Q8_K)
         got = np.empty((n, rows), np.float32)
@@ -103,6 +104,20 @@ def test_mul_mat_takes_llamacpps_path(wtype, rows):
         else:
             getattr(qdot_k, "mv_" + wtype.name.lower())(w, s.xq, s.xd, s.xs, want, F16_TABLE)
         assert np.array_equal(got, want), n
+
+
+@pytest.mark.parametrize("rows,k,n", [(40, 1024, 18), (16, 512, 16), (7, 256, 4)])
+def test_q6_k_rows16_equals_reference(rows, k, n):
+    """The sixteen-rows-as-lanes Q6_K kernel (AVX-512) against the NumPy statement of the tiled arithmetic; rows
+    beyond the last full sixteen are computed as zeros and not stored."""
+    from llampy.ggml.backends.cpu import simd
+    if not simd.ROWS16:
+        pytest.skip("this CPU has no AVX-512 VNNI: the sixteen-row kernels are not used here")
+    w, x = case(T.Q6_K, rows, k, n, rows + k + n)
+    s = act_split(x, T.Q8_K)
+    got = np.full((n, rows), np.nan, np.float32)
+    qdot_kt.mm_q6_k_rows16(w, s.xq, s.xd, s.xs, got, n)
+    assert np.array_equal(got, reference(w, T.Q6_K, x))
 
 
 @pytest.mark.slow

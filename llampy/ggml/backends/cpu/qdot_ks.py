@@ -27,7 +27,8 @@ from numba.extending import intrinsic
 from .qdot import ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step
 from .qdot_k import _scale_min
 from .simd import (AVX2, VNNI, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
-                   f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8)
+                   f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8, nib_split_store, q4k_rows16_pair, v16_load, v16_scale,
+                   v16_store, v16_sub, v16_zero)
 
 _V32 = ir.VectorType(_I8, 32)
 _W16 = ir.VectorType(_I16, 16)
@@ -608,6 +609,87 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
                     acc = fma32(np.float32(i8_sum(_q4k_all(row, o, xq[i], b * 256, s))), dd, acc)
                     accm = fma32(np.float32(i8_sum(ml)), de, accm)
             out[i, r] = np.float32(acc - accm)
+
+
+# --------------------------------------------------------- Q4_K gemm form, sixteen weight rows as lanes (AVX-512)
+
+@njit(cache=True, inline="always")
+def _q4k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws, mws):
+    """Weight rows r0 .. r0 + nr - 1 (nr <= 16; the missing rows of a last group are zeros) for ``q4k_rows16_pair``:
+    ws[4096 b + 512 j + 64 l + 4 r + t] = value 32 j + 4 l + t of row r's super-block b (unsigned nibbles); per
+    super-block b and pair p, scs[b, p] = the rows' sc_2p, sc_2p+1 and mins (m_2p | m_2p+1 << 16); dws / mws: d
+    and dmin."""
+    t32 = tmp.view(np.int32)
+    s32 = ws.view(np.int32)
+    tmp[:] = 0
+    for b in range(nb):
+        o = b * 144
+        for r in range(16):
+            if r < nr:
+                wr = w[r0 + r]
+                for p in range(4):
+                    nib_split_store(wr, o + 16 + 32 * p, tmp, 256 * r + 64 * p)
+                    s_lo, m_lo = _scale_min(wr, o + 4, 2 * p)
+                    s_hi, m_hi = _scale_min(wr, o + 4, 2 * p + 1)
+                    scs[b, p, 0, r] = s_lo
+                    scs[b, p, 1, r] = s_hi
+                    scs[b, p, 2, r] = m_lo | (m_hi << 16)
+                dws[b, r] = f16_at(wr, o)
+                mws[b, r] = f16_at(wr, o + 2)
+            else:
+                for p in range(4):
+                    scs[b, p, 0, r] = 0
+                    scs[b, p, 1, r] = 0
+                    scs[b, p, 2, r] = 0
+                dws[b, r] = 0
+                mws[b, r] = 0
+        for q in range(64):
+            for r in range(16):
+                s32[1024 * b + 16 * q + r] = t32[64 * r + q]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mm_q4_k_rows16(w, xq, xd, bsums, out, n_gemm):
+    """Activation rows 0 .. n_gemm (even) of ``mv_q4_k_x8``'s gemm form, where the CPU has AVX-512 VNNI: sixteen
+    weight rows as the lanes of 512-bit registers (decoded and transposed once per call, ``_q4k_rows16_prep``)
+    by two activation rows; per pair of sub-blocks the same exact isum and imin and the same two fmas as
+    ``_x8_gemm4``, so the same bits. Rows in a last group of fewer than sixteen are computed as zeros and not
+    stored."""
+    rows = w.shape[0]
+    n = xq.shape[0]
+    nb = xq.shape[1] // 256
+    bp = np.empty((n, nb * 4), np.int32)
+    _bs_pairs(bsums, bp)
+    for g in prange((rows + 15) // 16):
+        r0 = 16 * g
+        nr = min(16, rows - r0)
+        tmp = np.empty(16 * 256, np.uint8)
+        ws = np.empty(nb * 4096, np.uint8)
+        scs = np.empty((nb, 4, 3, 16), np.int32)
+        dws = np.empty((nb, 16), np.float32)
+        mws = np.empty((nb, 16), np.float32)
+        part = np.empty(16, np.float32)
+        _q4k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws, mws)
+        sflat = scs.reshape(-1)
+        for i in range(0, n_gemm, 2):
+            z = v16_zero()
+            acc = (z, z, z, z)
+            for b in range(nb):
+                dw = v16_load(dws[b], 0)
+                mw = v16_load(mws[b], 0)
+                dv0, dv1 = v16_scale(dw, xd[i, b]), v16_scale(dw, xd[i + 1, b])
+                ev0, ev1 = v16_scale(mw, xd[i, b]), v16_scale(mw, xd[i + 1, b])
+                for p in range(4):
+                    acc = q4k_rows16_pair(ws, 4096 * b + 1024 * p, xq, i, 256 * b + 64 * p, sflat, 48 * (4 * b + p),
+                                          bp, 4 * b + p, dv0, dv1, ev0, ev1, acc)
+            for c in range(2):
+                v = v16_sub(acc[0], acc[2]) if c == 0 else v16_sub(acc[1], acc[3])
+                if nr == 16:
+                    v16_store(out[i + c], r0, v)
+                else:
+                    v16_store(part, 0, v)
+                    for r in range(nr):
+                        out[i + c, r0 + r] = part[r]
 
 
 # ------------------------------------------------------------------------ Q6_K, Q4_K, Q5_K: the vec_dot forms

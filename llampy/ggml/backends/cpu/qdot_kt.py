@@ -32,7 +32,8 @@ from numba.extending import intrinsic
 from .qdot import _f16
 from .qdot_k import _scale_min
 from .qdot_ks import hsum8x_ir, i8_lane
-from .simd import AVX2, VNNI, _call, _load, _ptr, fma32, i8
+from .simd import (AVX2, VNNI, _call, _load, _ptr, f16_at, fma32, i8, q6k_decode_store, q6k_rows16_sb, v16_load, v16_store,
+                   v16_zero)
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
 TILED_MIN_ROWS = 8
@@ -185,3 +186,68 @@ def mm_k_tiled(w, kind, xq, xd, bsums, out, tab):
                                                 np.int32(bsums[i, b * 16 + 2 * s + 1]))
                         r = fma32(-mw[t], np.float32(s2), r)
                     out[i, r0 + t] = fma32(r, xd[i, b], out[i, r0 + t])
+
+
+# ------------------------------------------------------------- Q6_K, sixteen weight rows as lanes (AVX-512)
+
+@njit(cache=True, inline="always")
+def _q6k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws):
+    """Weight rows r0 .. r0 + nr - 1 (nr <= 16; missing rows are zeros) for ``q6k_rows16_sb``: ws[16384 b + 64 q +
+    4 r + t] = code 4 q + t of row r's super-block b (the values plus 32); scs[b, j, r] = scale j (j < 16), then
+    scs[b, 16 + m, r] = the pair (-32 sc_2m) | (-32 sc_2m+1) << 16; dws[b, r] = d."""
+    t32 = tmp.view(np.int32)
+    s32 = ws.view(np.int32)
+    tmp[:] = 0
+    for b in range(nb):
+        o = b * 210
+        for r in range(16):
+            if r < nr:
+                wr = w[r0 + r]
+                q6k_decode_store(wr, o, tmp, 256 * r)
+                for j in range(16):
+                    scs[b, j, r] = np.int32(np.int8(wr[o + 192 + j]))
+                for m in range(8):
+                    lo = -32 * np.int32(np.int8(wr[o + 192 + 2 * m]))
+                    hi = -32 * np.int32(np.int8(wr[o + 193 + 2 * m]))
+                    scs[b, 16 + m, r] = (lo & 0xFFFF) | (hi << 16)
+                dws[b, r] = f16_at(wr, o + 208)
+            else:
+                for j in range(24):
+                    scs[b, j, r] = 0
+                dws[b, r] = 0
+        for q in range(64):
+            for r in range(16):
+                s32[4096 * b + 16 * q + r] = t32[64 * r + q]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mm_q6_k_rows16(w, xq, xd, bsums, out, n2):
+    """Activation rows 0 .. n2 (even) of ``mm_k_tiled`` for Q6_K where the CPU has AVX-512 VNNI: sixteen weight rows
+    as the lanes of 512-bit registers (decoded and transposed once per call) by two activation rows, each super-block
+    the tiled kernel's exact s1 and its two float operations (``q6k_rows16_sb``), so the same bits."""
+    rows = w.shape[0]
+    nb = xq.shape[1] // 256
+    for g in prange((rows + 15) // 16):
+        r0 = 16 * g
+        nr = min(16, rows - r0)
+        tmp = np.empty(16 * 256, np.uint8)
+        ws = np.empty(nb * 16384, np.uint8)
+        scs = np.empty((nb, 24, 16), np.int32)
+        dws = np.empty((nb, 16), np.float32)
+        part = np.empty(16, np.float32)
+        _q6k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws)
+        sflat = scs.reshape(-1)
+        for i in range(0, n2, 2):
+            z = v16_zero()
+            acc = (z, z)
+            for b in range(nb):
+                acc = q6k_rows16_sb(ws, 16384 * b, xq, i, 256 * b, sflat, 384 * b, bsums, 16 * b, v16_load(dws[b], 0),
+                                    xd[i, b], xd[i + 1, b], acc)
+            for c in range(2):
+                v = acc[0] if c == 0 else acc[1]
+                if nr == 16:
+                    v16_store(out[i + c], r0, v)
+                else:
+                    v16_store(part, 0, v)
+                    for r in range(nr):
+                        out[i + c, r0 + r] = part[r]

@@ -897,3 +897,158 @@ def v16_tree8(typingctx, acc, k):
         add = builder.fadd
         return add(add(add(a[4], a[0]), add(a[6], a[2])), add(add(a[5], a[1]), add(a[7], a[3])))
     return f16l(acc, k), codegen
+
+
+@intrinsic
+def v16_sub(typingctx, a, b):
+    if a != f16l or b != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+    return f16l(f16l, f16l), codegen
+
+
+@intrinsic
+def nib_split_store(typingctx, src, so, dst, do):
+    """The 32 bytes at byte so of src as 64 unsigned values at byte do of dst: their low nibbles, then their high
+    nibbles (a Q4_K pair of sub-blocks, ``qdot_ks._q4k_rows16_prep``)."""
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32))
+        lo = builder.and_(q, ir.Constant(v32, [15] * 32))
+        hi = builder.lshr(q, ir.Constant(v32, [4] * 32))
+        for part, add in ((lo, 0), (hi, 32)):
+            at = builder.add(args[3], ir.Constant(args[3].type, add))
+            st = builder.store(part, _ptr(context, builder, sig.args[2], args[2], at, v32))
+            st.align = 1
+        return context.get_dummy_value()
+    return types.void(src, types.intp, dst, types.intp), codegen
+
+
+@intrinsic
+def q4k_rows16_pair(typingctx, ws, wo, xq, i, xo, scs, so, bp, bo, dv0, dv1, ev0, ev1, acc):
+    """One pair of Q4_K sub-blocks (2p, 2p + 1) of sixteen weight rows (as lanes) against activation rows i and
+    i + 1, in llama.cpp's gemm form: isum = sc_2p * (the 2p products) + sc_2p+1 * (the 2p+1 products), exact;
+    acc[c] = fma(float(isum), dv_c, acc[c]) and, with imin = m_2p * bs_2p + m_2p+1 * bs_2p+1 (one vpmaddwd against
+    the packed block-sum pair bp[i + c, bo]), acc[2 + c] = fma(float(imin), ev_c, acc[2 + c]). ws: the two
+    sub-blocks' sixteen registers (eight each) from byte wo; the activations from byte xo of xq's rows; scs[so ..]:
+    the sixteen rows' sc_2p, sc_2p+1 and packed mins (int32, sixteen each)."""
+    if not isinstance(acc, types.UniTuple) or acc.count != 4:
+        return None
+
+    def codegen(context, builder, sig, args):
+        wbase = _ptr(context, builder, sig.args[0], args[0], args[1], _I8)
+        xa = context.make_array(sig.args[2])(context, builder, args[2])
+        xs0 = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+        xbase = builder.bitcast(xa.data, _I8.as_pointer())
+        sbase = _ptr(context, builder, sig.args[5], args[5], builder.mul(args[6], ir.Constant(args[6].type, 4)),
+                     _I32x16)
+        sc = [_load(builder, builder.gep(sbase, [ir.Constant(_I32, t)])) for t in range(3)]
+        ba = context.make_array(sig.args[7])(context, builder, args[7])
+        bs0 = cgutils.unpack_tuple(builder, ba.strides, 2)[0]
+        bbase = builder.bitcast(ba.data, _I8.as_pointer())
+        accs = list(cgutils.unpack_tuple(builder, args[13]))
+        w16 = ir.VectorType(_I16, 32)
+        zero = ir.Constant(_I32x16, [0] * 16)
+        for c in range(2):
+            row = builder.add(args[3], ir.Constant(args[3].type, c))
+            xp = builder.gep(xbase, [builder.add(builder.mul(row, xs0), args[4])])
+            isum = None
+            for h in range(2):
+                t = zero
+                for g in range(8):
+                    wv = _load(builder, builder.bitcast(builder.gep(wbase, [ir.Constant(_I32, 512 * h + 64 * g)]),
+                                                        _I32x16.as_pointer()))
+                    x4 = _load(builder, builder.bitcast(builder.gep(xp, [ir.Constant(_I32, 32 * h + 4 * g)]),
+                                                        _I32.as_pointer()))
+                    t = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I32x16, [t, wv, _splat_any(builder, x4, _I32x16)])
+                t = builder.mul(t, sc[h])
+                isum = t if isum is None else builder.add(isum, t)
+            bo = builder.mul(args[8], ir.Constant(args[8].type, 4))
+            b4 = _load(builder, builder.bitcast(builder.gep(bbase, [builder.add(builder.mul(row, bs0), bo)]),
+                                                _I32.as_pointer()))
+            imin = _call(builder, "llvm.x86.avx512.pmaddw.d.512", _I32x16,
+                         [builder.bitcast(sc[2], w16), builder.bitcast(_splat_any(builder, b4, _I32x16), w16)])
+            accs[c] = _call(builder, "llvm.fma.v16f32", _F16x, [builder.sitofp(isum, _F16x), args[9 + c], accs[c]])
+            accs[2 + c] = _call(builder, "llvm.fma.v16f32", _F16x,
+                                [builder.sitofp(imin, _F16x), args[11 + c], accs[2 + c]])
+        return context.make_tuple(builder, sig.return_type, accs)
+    return acc(ws, types.intp, xq, types.intp, types.intp, scs, types.intp, bp, types.intp, f16l, f16l, f16l, f16l,
+               acc), codegen
+
+
+@intrinsic
+def q6k_decode_store(typingctx, src, o, dst, do):
+    """The 256 six-bit codes (0..63, unsigned: the values plus 32) of the Q6_K super-block at byte o of src, in k
+    order at byte do of dst (ggml's dequantize_row_q6_K layout: ql's nibbles, qh's bit pairs)."""
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I8, 32)
+
+        def c(v):
+            return ir.Constant(v32, [v] * 32)
+
+        def at(base, off):
+            return builder.add(base, ir.Constant(base.type, off))
+        for h in range(2):
+            ql0 = _load(builder, _ptr(context, builder, sig.args[0], args[0], at(args[1], 64 * h), v32))
+            ql1 = _load(builder, _ptr(context, builder, sig.args[0], args[0], at(args[1], 64 * h + 32), v32))
+            qh = _load(builder, _ptr(context, builder, sig.args[0], args[0], at(args[1], 128 + 32 * h), v32))
+            parts = [builder.or_(builder.and_(ql0, c(15)), builder.shl(builder.and_(qh, c(3)), c(4))),
+                     builder.or_(builder.and_(ql1, c(15)), builder.shl(builder.and_(builder.lshr(qh, c(2)), c(3)), c(4))),
+                     builder.or_(builder.lshr(ql0, c(4)), builder.shl(builder.and_(builder.lshr(qh, c(4)), c(3)), c(4))),
+                     builder.or_(builder.lshr(ql1, c(4)), builder.shl(builder.lshr(qh, c(6)), c(4)))]
+            for m, v in enumerate(parts):
+                st = builder.store(v, _ptr(context, builder, sig.args[2], args[2], at(args[3], 128 * h + 32 * m), v32))
+                st.align = 1
+        return context.get_dummy_value()
+    return types.void(src, types.intp, dst, types.intp), codegen
+
+
+@intrinsic
+def q6k_rows16_sb(typingctx, ws, wo, xq, i, xo, scs, so, bs, bo, dw, xd0, xd1, acc):
+    """One Q6_K super-block of sixteen weight rows (as lanes) against activation rows i and i + 1 in the tiled
+    kernel's form (``qdot_kt``): s1 = sum over the sixteen sub-blocks of sc_j * (products of q - 32), exact (the
+    unsigned codes' products, sc_j times each sub-block's, then -32 sc_j times the activations' block sums by
+    vpdpwssd from the packed pairs at scs[so + 256 ..] and bs[i + c, bo ..]); r = float(s1) * d_w, acc[c] =
+    fma(r, d_x, acc[c]). ws: sixty-four registers from byte wo (sub-block j's four at 256 j); scs[so ..]: the rows'
+    sixteen scales (int32, sixteen each) then the eight packed pairs of -32 * scale."""
+    if not isinstance(acc, types.UniTuple) or acc.count != 2:
+        return None
+
+    def codegen(context, builder, sig, args):
+        wbase = _ptr(context, builder, sig.args[0], args[0], args[1], _I8)
+        xa = context.make_array(sig.args[2])(context, builder, args[2])
+        xs0 = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+        xbase = builder.bitcast(xa.data, _I8.as_pointer())
+        sbase = _ptr(context, builder, sig.args[5], args[5], builder.mul(args[6], ir.Constant(args[6].type, 4)),
+                     _I32x16)
+        ba = context.make_array(sig.args[7])(context, builder, args[7])
+        bs0 = cgutils.unpack_tuple(builder, ba.strides, 2)[0]
+        bbase = builder.bitcast(ba.data, _I8.as_pointer())
+        accs = list(cgutils.unpack_tuple(builder, args[12]))
+        zero = ir.Constant(_I32x16, [0] * 16)
+        for c in range(2):
+            row = builder.add(args[3], ir.Constant(args[3].type, c))
+            xp = builder.gep(xbase, [builder.add(builder.mul(row, xs0), args[4])])
+            bp = builder.gep(bbase, [builder.add(builder.mul(row, bs0), builder.mul(args[8], ir.Constant(args[8].type, 2)))])
+            s1 = zero
+            for j in range(16):
+                t = zero
+                for g in range(4):
+                    wv = _load(builder, builder.bitcast(builder.gep(wbase, [ir.Constant(_I32, 256 * j + 64 * g)]),
+                                                        _I32x16.as_pointer()))
+                    x4 = _load(builder, builder.bitcast(builder.gep(xp, [ir.Constant(_I32, 16 * j + 4 * g)]),
+                                                        _I32.as_pointer()))
+                    t = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I32x16, [t, wv, _splat_any(builder, x4, _I32x16)])
+                sc = _load(builder, builder.gep(sbase, [ir.Constant(_I32, j)]))
+                s1 = builder.add(s1, builder.mul(t, sc))
+            for m in range(8):
+                sp = _load(builder, builder.gep(sbase, [ir.Constant(_I32, 16 + m)]))
+                b4 = _load(builder, builder.bitcast(builder.gep(bp, [ir.Constant(_I32, 4 * m)]), _I32.as_pointer()))
+                s1 = _call(builder, "llvm.x86.avx512.vpdpwssd.512", _I32x16, [s1, sp, _splat_any(builder, b4, _I32x16)])
+            r = builder.fmul(builder.sitofp(s1, _F16x), args[9])
+            xdv = _splat_any(builder, context.cast(builder, args[10 + c], sig.args[10 + c], types.float32), _F16x)
+            accs[c] = _call(builder, "llvm.fma.v16f32", _F16x, [r, xdv, accs[c]])
+        return context.make_tuple(builder, sig.return_type, accs)
+    return acc(ws, types.intp, xq, types.intp, types.intp, scs, types.intp, bs, types.intp, f16l, xd0, xd1, acc), codegen
