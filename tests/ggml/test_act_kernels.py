@@ -32,3 +32,17 @@ def test_geglu_rows_matches_the_definition_bit_for_bit():
     geglu_rows(g, u, table, out)
     ref = _geglu_reference(g, u, table)
     assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
+def test_glu_rows_on_all_threads_equal_the_serial_rows():
+    """The prompt forms (rows on all threads) give the serial kernels' bits."""
+    from llampy.ggml.backends.cpu.act import geglu_rows_par, swiglu_rows, swiglu_rows_par
+    rng = np.random.default_rng(4)
+    g = (rng.standard_normal((37, 83)) * 6).astype(np.float32)
+    u = rng.standard_normal((37, 83)).astype(np.float32)
+    table = gelu_table()
+    for serial, par, extra in ((geglu_rows, geglu_rows_par, (table,)), (swiglu_rows, swiglu_rows_par, ())):
+        a, b = np.empty_like(g), np.empty_like(g)
+        serial(g, u, *extra, a)
+        par(g, u, *extra, b)
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -124,12 +124,14 @@ def bind_glu(node, dst, srcs):
         return None
     if node.op_params.get("swapped"):
         g, u = u, g
+    from .act import GLU_PAR_ROWS, geglu_rows, geglu_rows_par, gelu_table, swiglu_rows, swiglu_rows_par
+    par = g.shape[0] >= GLU_PAR_ROWS
     if node.op is Op.GEGLU:
-        from .act import geglu_rows, gelu_table
         table = gelu_table()
-        return lambda: geglu_rows(g, u, table, d)
-    from .act import swiglu_rows
-    return lambda: swiglu_rows(g, u, d)
+        fn = geglu_rows_par if par else geglu_rows
+        return lambda: fn(g, u, table, d)
+    fn = swiglu_rows_par if par else swiglu_rows
+    return lambda: fn(g, u, d)
 
 
 def bind_rms_norm_mul(node, dst, srcs):
