@@ -149,12 +149,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of (llampy, llama.cpp)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    # the environment as given, before llampy's import adds its own defaults (GOMP_SPINCOUNT): llama.cpp's
+    # processes must not inherit those, and llampy's set them again on their own import
+    given = dict(os.environ)
     sys.path.insert(0, str(ROOT))
     from llampy.models import resolve_model
     lc_py = ensure_llamacpp()
     # llampy's bytecode up to date, as an installed package has it (timings below include every start)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "llampy")], check=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = dict(given, OMP_NUM_THREADS=str(args.threads))
     rows = []
     for m in args.models:
         path = str(resolve_model(m))
