@@ -5,9 +5,9 @@ median of the per-pair time ratios is what to read. Separate processes timed a f
 
     python benchmarks/ab_qdot.py [REV] [-t 1 2] [-n 512] [--pairs 30]
 
-REV (default HEAD) is any git revision; its qdot.py is imported as a sibling module of the working tree's, so both
-use the working tree's simd.py and act_quant.py. Prints, per format and thread count, both medians, the median
-ratio new / old and whether the outputs are bit-identical.
+REV (default HEAD) is any git revision; its qdot.py and simd.py are imported as sibling modules of the working
+tree's (the old qdot on the old simd), both with the working tree's act_quant.py. Prints, per format and thread
+count, both medians, the median ratio new / old and whether the outputs are bit-identical.
 """
 from __future__ import annotations
 
@@ -34,14 +34,21 @@ SHAPES = [("q4_1", T.Q4_1, 1536, 576), ("q5_0", T.Q5_0, 2048, 640), ("q8_0", T.Q
 
 
 def _old_module(rev: str):
-    src = subprocess.run(["git", "show", f"{rev}:llampy/ggml/backends/cpu/qdot.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    path = ROOT / "llampy/ggml/backends/cpu/_qdot_ab_old.py"
-    path.write_text(src)
+    """qdot.py at rev, imported as a sibling module; with it simd.py at rev (its qdot imports that copy), so that a
+    change to the SIMD layer is measured too."""
+    def show(name):
+        return subprocess.run(["git", "show", f"{rev}:llampy/ggml/backends/cpu/{name}.py"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+    here = ROOT / "llampy/ggml/backends/cpu"
+    src = show("qdot").replace("from .simd import", "from ._simd_ab_old import")
+    paths = [(here / "_simd_ab_old.py", show("simd")), (here / "_qdot_ab_old.py", src)]
+    for path, text in paths:
+        path.write_text(text)
     try:
         return importlib.import_module("llampy.ggml.backends.cpu._qdot_ab_old")
     finally:
-        path.unlink()
+        for path, _ in paths:
+            path.unlink()
 
 
 def _digest(a: np.ndarray) -> str:
