@@ -190,9 +190,14 @@ def mm_k_tiled(w, kind, xq, xd, bsums, out, tab):
 
 # ------------------------------------------------------------- Q6_K, sixteen weight rows as lanes (AVX-512)
 
+# Super-blocks per pass of the sixteen-row kernels over the activation rows: 16 KiB of expanded weights, which
+# stay in L1 (32 KiB) with the activations beside them; a whole 2048-value row (32 KiB) did not.
+ROWS16_SB_CHUNK = 4
+
+
 @njit(cache=True, inline="always")
 def _q6k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws):
-    """Weight rows r0 .. r0 + nr - 1 (nr <= 16; missing rows are zeros) for ``q6k_rows16_sb``: ws[16384 b + 64 q +
+    """Weight rows r0 .. r0 + nr - 1 (nr <= 16; missing rows are zeros) for ``q6k_rows16_sb``: ws[4096 b + 64 q +
     4 r + t] = code 4 q + t of row r's super-block b (the values plus 32); scs[b, j, r] = scale j (j < 16), then
     scs[b, 16 + m, r] = the pair (-32 sc_2m) | (-32 sc_2m+1) << 16; dws[b, r] = d."""
     t32 = tmp.view(np.int32)
@@ -217,7 +222,7 @@ def _q6k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws):
                 dws[b, r] = 0
         for q in range(64):
             for r in range(16):
-                s32[4096 * b + 16 * q + r] = t32[64 * r + q]
+                s32[1024 * b + 16 * q + r] = t32[64 * r + q]
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -231,23 +236,28 @@ def mm_q6_k_rows16(w, xq, xd, bsums, out, n2):
         r0 = 16 * g
         nr = min(16, rows - r0)
         tmp = np.empty(16 * 256, np.uint8)
-        ws = np.empty(nb * 16384, np.uint8)
+        ws = np.empty(nb * 4096, np.uint8)
         scs = np.empty((nb, 24, 16), np.int32)
         dws = np.empty((nb, 16), np.float32)
-        part = np.empty(16, np.float32)
+        part = np.empty((n2, 16), np.float32)    # the running sums between super-block chunks
         _q6k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws)
         sflat = scs.reshape(-1)
-        for i in range(0, n2, 2):
-            z = v16_zero()
-            acc = (z, z)
-            for b in range(nb):
-                acc = q6k_rows16_sb(ws, 16384 * b, xq, i, 256 * b, sflat, 384 * b, bsums, 16 * b, v16_load(dws[b], 0),
-                                    xd[i, b], xd[i + 1, b], acc)
-            for c in range(2):
-                v = acc[0] if c == 0 else acc[1]
-                if nr == 16:
-                    v16_store(out[i + c], r0, v)
+        for b0 in range(0, nb, ROWS16_SB_CHUNK):     # the chunk's weights stay in L1 for all activation rows
+            b1 = min(nb, b0 + ROWS16_SB_CHUNK)
+            for i in range(0, n2, 2):
+                if b0 == 0:
+                    z = v16_zero()
+                    acc = (z, z)
                 else:
-                    v16_store(part, 0, v)
-                    for r in range(nr):
-                        out[i + c, r0 + r] = part[r]
+                    acc = (v16_load(part[i], 0), v16_load(part[i + 1], 0))
+                for b in range(b0, b1):
+                    acc = q6k_rows16_sb(ws, 4096 * b, xq, i, 256 * b, sflat, 384 * b, bsums, 16 * b,
+                                        v16_load(dws[b], 0), xd[i, b], xd[i + 1, b], acc)
+                v16_store(part[i], 0, acc[0])
+                v16_store(part[i + 1], 0, acc[1])
+        for i in range(n2):
+            if nr == 16:
+                v16_store(out[i], r0, v16_load(part[i], 0))
+            else:
+                for r in range(nr):
+                    out[i, r0 + r] = part[i, r]

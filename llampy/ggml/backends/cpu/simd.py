@@ -957,14 +957,15 @@ def q4k_rows16_pair(typingctx, ws, wo, xq, i, xo, scs, so, bp, bo, dv0, dv1, ev0
             xp = builder.gep(xbase, [builder.add(builder.mul(row, xs0), args[4])])
             isum = None
             for h in range(2):
-                t = zero
+                ts = [zero, zero]     # two chains of four: eight dependent vpdpbusd made the loop wait on latency
                 for g in range(8):
                     wv = _load(builder, builder.bitcast(builder.gep(wbase, [ir.Constant(_I32, 512 * h + 64 * g)]),
                                                         _I32x16.as_pointer()))
                     x4 = _load(builder, builder.bitcast(builder.gep(xp, [ir.Constant(_I32, 32 * h + 4 * g)]),
                                                         _I32.as_pointer()))
-                    t = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I32x16, [t, wv, _splat_any(builder, x4, _I32x16)])
-                t = builder.mul(t, sc[h])
+                    ts[g % 2] = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I32x16,
+                                      [ts[g % 2], wv, _splat_any(builder, x4, _I32x16)])
+                t = builder.mul(builder.add(ts[0], ts[1]), sc[h])
                 isum = t if isum is None else builder.add(isum, t)
             bo = builder.mul(args[8], ir.Constant(args[8].type, 4))
             b4 = _load(builder, builder.bitcast(builder.gep(bbase, [builder.add(builder.mul(row, bs0), bo)]),
@@ -1029,21 +1030,29 @@ def q6k_rows16_sb(typingctx, ws, wo, xq, i, xo, scs, so, bs, bo, dw, xd0, xd1, a
         bbase = builder.bitcast(ba.data, _I8.as_pointer())
         accs = list(cgutils.unpack_tuple(builder, args[12]))
         zero = ir.Constant(_I32x16, [0] * 16)
+        xps, bps, s1s = [], [], []
         for c in range(2):
             row = builder.add(args[3], ir.Constant(args[3].type, c))
-            xp = builder.gep(xbase, [builder.add(builder.mul(row, xs0), args[4])])
-            bp = builder.gep(bbase, [builder.add(builder.mul(row, bs0), builder.mul(args[8], ir.Constant(args[8].type, 2)))])
-            s1 = zero
-            for j in range(16):
+            xps.append(builder.gep(xbase, [builder.add(builder.mul(row, xs0), args[4])]))
+            bps.append(builder.gep(bbase, [builder.add(builder.mul(row, bs0),
+                                                       builder.mul(args[8], ir.Constant(args[8].type, 2)))]))
+            s1s.append(zero)
+        # sub-block by sub-block, its four registers used for both activation rows right after their load (with the
+        # rows outermost, LLVM kept all sixty-four loaded registers for the second row and spilled them)
+        for j in range(16):
+            wv = [_load(builder, builder.bitcast(builder.gep(wbase, [ir.Constant(_I32, 256 * j + 64 * g)]),
+                                                 _I32x16.as_pointer())) for g in range(4)]
+            sc = _load(builder, builder.gep(sbase, [ir.Constant(_I32, j)]))
+            for c in range(2):
                 t = zero
                 for g in range(4):
-                    wv = _load(builder, builder.bitcast(builder.gep(wbase, [ir.Constant(_I32, 256 * j + 64 * g)]),
-                                                        _I32x16.as_pointer()))
-                    x4 = _load(builder, builder.bitcast(builder.gep(xp, [ir.Constant(_I32, 16 * j + 4 * g)]),
+                    x4 = _load(builder, builder.bitcast(builder.gep(xps[c], [ir.Constant(_I32, 16 * j + 4 * g)]),
                                                         _I32.as_pointer()))
-                    t = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I32x16, [t, wv, _splat_any(builder, x4, _I32x16)])
-                sc = _load(builder, builder.gep(sbase, [ir.Constant(_I32, j)]))
-                s1 = builder.add(s1, builder.mul(t, sc))
+                    t = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I32x16,
+                              [t, wv[g], _splat_any(builder, x4, _I32x16)])
+                s1s[c] = builder.add(s1s[c], builder.mul(t, sc))
+        for c in range(2):
+            bp, s1 = bps[c], s1s[c]
             for m in range(8):
                 sp = _load(builder, builder.gep(sbase, [ir.Constant(_I32, 16 + m)]))
                 b4 = _load(builder, builder.bitcast(builder.gep(bp, [ir.Constant(_I32, 4 * m)]), _I32.as_pointer()))
