@@ -88,8 +88,9 @@ def test_tiled_differs_from_vec_dot():
 @pytest.mark.parametrize("wtype,rows", [(T.Q6_K, 24), (T.Q5_K, 24), (T.Q4_K, 13), (T.Q4_K, 16)])
 def test_mul_mat_takes_llamacpps_path(wtype, rows):
     """Below 8 activation rows vec_dot (or Q4_K's repacked forms); from 8 rows the tiled kernel, unless llama.cpp
-    repacks the weights (Q4_K, rows % 8 == 0). From ``ROWS16_MIN_N`` rows on AVX-512 the sixteen-row kernels take
-    over with the same bits (17: an odd last row, or a gemv row, after them)."""
+    repacks the weights (Q4_K, rows % 8 == 0). On AVX-512 the sixteen-row kernels take over with the same bits
+    (Q6_K's tiled form from 8 rows, Q4_K's gemm from ``ROWS16_MIN_N``; 17: an odd last row, or a gemv row, after
+    them)."""
     for n in (1, 7, 8, 11, 17, 24):
         w, x = case(wtype, rows, 512, n, n + rows)
         s = act_split(x, T.Q8_K)

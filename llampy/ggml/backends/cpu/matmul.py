@@ -35,12 +35,8 @@ import numpy as np
 from ...types import GGMLType, TYPE_TRAITS
 from . import qdot, qdot_k, qdot_ks, qdot_kt
 from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
-from .qdot import F16_TABLE
+from .qdot import F16_TABLE, ROWS16_MIN_N
 from .simd import ROWS16
-
-# The k-quants' sixteen-row kernels (qdot_ks.mm_q4_k_rows16, qdot_kt.mm_q6_k_rows16) transpose the weights once per
-# call: from this many activation rows on
-ROWS16_MIN_N = 16
 
 T = GGMLType
 
@@ -147,7 +143,8 @@ def _mul_mat_int(w, wtype, x, out, scratch, quantized: bool = False):
     if (wtype.name in qdot_kt.KINDS and x.shape[0] >= qdot_kt.TILED_MIN_ROWS
             and not (wtype == T.Q4_K and w.shape[0] % 8 == 0)):   # llama.cpp's tiled path (see qdot_kt)
         n = x.shape[0]
-        if wtype == T.Q6_K and ROWS16 and n >= ROWS16_MIN_N:      # sixteen rows as lanes, then an odd last row
+        if wtype == T.Q6_K and ROWS16:    # sixteen rows as lanes, then an odd last row (from 8 rows: 0.26-0.43x
+            # the tiled kernel's time at n = 8-32, where Q4_K's and the 32-value formats' need 16)
             qdot_kt.mm_q6_k_rows16(w, s.xq, s.xd, s.xs, res, n - n % 2)
             if n % 2:
                 qdot_kt.mm_k_tiled(w, 6, s.xq[n - 1:], s.xd[n - 1:], s.xs[n - 1:], res[n - 1:], F16_TABLE)
@@ -158,6 +155,7 @@ def _mul_mat_int(w, wtype, x, out, scratch, quantized: bool = False):
         if w.shape[0] % 8 == 0:   # llama.cpp repacks these rows (8x8) and runs its gemv/gemm forms
             n_gemm = n - n % 4 if n >= 4 else 0
             if ROWS16 and n_gemm >= ROWS16_MIN_N:     # the gemm form with sixteen rows as lanes, then the gemv rows
+                # (at 8 rows 1.2x the eight-row kernel's time: it transposes the weights once per call)
                 qdot_ks.mm_q4_k_rows16(w, s.xq, s.xd, s.xs, res, n_gemm)
                 if n_gemm < n:
                     qdot_ks.mv_q4_k_x8(w, s.xq[n_gemm:], s.xd[n_gemm:], s.xs[n_gemm:], res[n_gemm:], F16_TABLE, 0)

@@ -28,6 +28,10 @@ from .simd import (ROWS16, UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot,
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 ROW_CHUNK = 16
+# From this many activation rows (a multiple of 8) the prompt tiles hold sixteen weight rows as lanes
+# (``_mv_rows16``): they transpose the weights once per call, which at 8 rows (eight parallel decodes) made them
+# 13-27% slower than the one-row tiles for Q4_1 and Q8_0; at 16 even, at 32 0.63-0.78 (entry 51).
+ROWS16_MIN_N = 16
 PREFETCH_ROWS = 4   # rows ahead to prefetch: a kernel this slow leaves the hardware prefetchers idle otherwise
 
 
@@ -508,7 +512,7 @@ def _mv_legacy(tiles, rows16, rest, w, xq, xd, xs, out, tab):
     SmolLM2: Q4_1 15.4 -> 9.4 s, Q8_0 15.9 -> 8.0 s)."""
     n, rows = xq.shape[0], w.shape[0]
     n8 = n - n % 8
-    if n8 and ROWS16 and rows >= 16:
+    if n8 >= ROWS16_MIN_N and ROWS16 and rows >= 16:
         r16 = rows - rows % 16
         rows16(w, xq, xd, xs, out, tab)
         if r16 < rows:            # the last rows % 16 weight rows: all their activation rows in the decode form
