@@ -195,17 +195,20 @@ def _group_activations(kind, xq, n8):
 
 
 @njit(cache=True, inline="always")
-def _wblock(kind, wr, b):
-    """Block b of weight row wr decoded once for a tile's pairs (``wbytes``): its 32 values as bytes."""
+def _wblock(kind, wr, b, unsigned):
+    """Block b of weight row wr decoded once for a tile's pairs (``wbytes``): its 32 values as bytes. ``unsigned`` (a
+    literal): the signed formats as unsigned bytes, their values plus the offset (``_offset``: Q4_0's nibbles are q +
+    8, Q5_0's five bits q + 16, Q8_0's q ^ 0x80), for the sixteen-row tiles; Q4_1 and Q5_1 are unsigned either way."""
     if kind == K_Q8_0:
-        return wbytes(wr, b * 34 + 2, 0, 4)
+        q = wbytes(wr, b * 34 + 2, 0, 4)
+        return i8_flip(q) if unsigned else q
     if kind == K_Q4_0:
-        return wbytes(wr, b * 18 + 2, 0, 0)
+        return wbytes(wr, b * 18 + 2, 0, 1) if unsigned else wbytes(wr, b * 18 + 2, 0, 0)
     if kind == K_Q4_1:
         return wbytes(wr, b * 20 + 4, 0, 1)
     if kind == K_Q5_0:
         o = b * 22
-        return wbytes(wr, o + 6, _qh(wr, o + 2), 2)
+        return wbytes(wr, o + 6, _qh(wr, o + 2), 3) if unsigned else wbytes(wr, o + 6, _qh(wr, o + 2), 2)
     o = b * 24
     return wbytes(wr, o + 8, _qh(wr, o + 4), 3)
 
@@ -215,7 +218,7 @@ def _row8_off(kind, wr, b, xb, j0, dvr, a0, a1, a2, a3, a4, a5, a6, a7):
     """``_row8`` for the signed formats (Q4_0, Q5_0, Q8_0) in the activation-offset form: the activations are stored
     plus 128 as unsigned bytes (``_group_activations``), and each pair's lanes start from the block's -128 * (lane
     sums of q), computed once for the eight pairs (``xdot``). The same integer lanes."""
-    q = _wblock(kind, wr, b)
+    q = _wblock(kind, wr, b, False)
     c = wsum_neg128(q)
     a0 = f8_fma(dvr[0], i8_to_f8(xdot(c, q, xb, (j0 + 0) * 32)), a0)
     a1 = f8_fma(dvr[1], i8_to_f8(xdot(c, q, xb, (j0 + 1) * 32)), a1)
@@ -249,7 +252,7 @@ def _row8(kind, wr, b, xb, j0, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
     """One block of one weight row against eight activation rows (j0..j0+7 of a group): the block decoded once, the
     eight mins (Q4_1, Q5_1) as one vector fma; each pair's lanes fma'd with its own scale dvr[k] = d_w * d_x
     (``_tile8``) exactly as the one-pair form does."""
-    q = _wblock(kind, wr, b)
+    q = _wblock(kind, wr, b, False)
     if not _signed(kind):          # Q4_1, Q5_1: the min at byte 2 of the block
         sv = f8_fma_s(f16_at(wr, b * _block_bytes(kind) + 2), xsb, sv)
     if _signed(kind):
@@ -350,40 +353,30 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
 # ------------------------------------------------------------------- prompt tiles, weight rows as lanes (AVX-512)
 
 @njit(cache=True, inline="always")
-def _ublock(kind, wr, b):
-    """Block b of weight row wr as 32 unsigned bytes: the stored values of Q4_1 and Q5_1, and of the signed formats
-    their values plus the offset (``_offset``: Q4_0 nibbles are q + 8, Q5_0's five bits q + 16, Q8_0's q ^ 0x80)."""
-    if kind == K_Q8_0:
-        return i8_flip(wbytes(wr, b * 34 + 2, 0, 4))
-    if kind == K_Q4_0:
-        return wbytes(wr, b * 18 + 2, 0, 1)
-    if kind == K_Q4_1:
-        return wbytes(wr, b * 20 + 4, 0, 1)
-    if kind == K_Q5_0:
-        o = b * 22
-        return wbytes(wr, o + 6, _qh(wr, o + 2), 3)
-    o = b * 24
-    return wbytes(wr, o + 8, _qh(wr, o + 4), 3)
+def rows16_transpose(tmp, ws, at, n):
+    """The int32 at + 16 q + r of ws = the int32 n r + q of tmp (q < n, r < 16): sixteen rows of n four-byte groups
+    (row r at byte 4 n r of tmp) as the n registers of the rows-as-lanes tiles, group q's sixteen rows side by side."""
+    t32 = tmp.view(np.int32)
+    s32 = ws.view(np.int32)
+    for q in range(n):
+        for r in range(16):
+            s32[at + 16 * q + r] = t32[n * r + q]
 
 
 @njit(cache=True, inline="always")
 def _rows16_prep(kind, w, r0, nb, tmp, ws, dws, mws):
     """Weight rows r0..r0+15 transposed for ``rows16_pairs2``: ws[512 b + 64 l + 4 r + t] = unsigned byte 4l + t of
-    row r's block b (``_ublock``); dws[b, r] its F16 scale and, for Q4_1 / Q5_1, mws[b, r] its min. Once per call and
-    row group, for all the activation rows (tmp: one block of the sixteen rows)."""
+    row r's block b (``_wblock``, unsigned); dws[b, r] its F16 scale and, for Q4_1 / Q5_1, mws[b, r] its min. Once
+    per call and row group, for all the activation rows (tmp: one block of the sixteen rows)."""
     bb = _block_bytes(kind)
-    t32 = tmp.view(np.int32)
-    s32 = ws.view(np.int32)
     for b in range(nb):
         for r in range(16):
             wr = w[r0 + r]
-            i8_store(tmp, 32 * r, _ublock(kind, wr, b))
+            i8_store(tmp, 32 * r, _wblock(kind, wr, b, True))
             dws[b, r] = f16_at(wr, b * bb)
             if not _signed(kind):
                 mws[b, r] = f16_at(wr, b * bb + 2)
-        for l in range(8):
-            for r in range(16):
-                s32[128 * b + 16 * l + r] = t32[8 * r + l]
+        rows16_transpose(tmp, ws, 128 * b, 8)
 
 
 @njit(cache=True, inline="always")

@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot import ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step
+from .qdot import ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step, rows16_transpose
 from .qdot_k import _scale_min
 from .simd import (AVX2, VNNI, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
                    f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8, nib_split_store, q4k_rows16_pair, v16_load, v16_scale,
@@ -615,37 +615,24 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
 
 @njit(cache=True, inline="always")
 def _q4k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws, mws):
-    """Weight rows r0 .. r0 + nr - 1 (nr <= 16; the missing rows of a last group are zeros) for ``q4k_rows16_pair``:
-    ws[4096 b + 512 j + 64 l + 4 r + t] = value 32 j + 4 l + t of row r's super-block b (unsigned nibbles); per
-    super-block b and pair p, scs[b, p] = the rows' sc_2p, sc_2p+1 and mins (m_2p | m_2p+1 << 16); dws / mws: d
-    and dmin."""
-    t32 = tmp.view(np.int32)
-    s32 = ws.view(np.int32)
-    tmp[:] = 0
+    """Weight rows r0 .. r0 + nr - 1 (nr <= 16; the arrays come zeroed, so the missing rows of a last group stay
+    zeros) for ``q4k_rows16_pair``: ws[4096 b + 512 j + 64 l + 4 r + t] = value 32 j + 4 l + t of row r's
+    super-block b (unsigned nibbles); per super-block b and pair p, scs[b, p] = the rows' sc_2p, sc_2p+1 and mins
+    (m_2p | m_2p+1 << 16); dws / mws: d and dmin."""
     for b in range(nb):
         o = b * 144
-        for r in range(16):
-            if r < nr:
-                wr = w[r0 + r]
-                for p in range(4):
-                    nib_split_store(wr, o + 16 + 32 * p, tmp, 256 * r + 64 * p)
-                    s_lo, m_lo = _scale_min(wr, o + 4, 2 * p)
-                    s_hi, m_hi = _scale_min(wr, o + 4, 2 * p + 1)
-                    scs[b, p, 0, r] = s_lo
-                    scs[b, p, 1, r] = s_hi
-                    scs[b, p, 2, r] = m_lo | (m_hi << 16)
-                dws[b, r] = f16_at(wr, o)
-                mws[b, r] = f16_at(wr, o + 2)
-            else:
-                for p in range(4):
-                    scs[b, p, 0, r] = 0
-                    scs[b, p, 1, r] = 0
-                    scs[b, p, 2, r] = 0
-                dws[b, r] = 0
-                mws[b, r] = 0
-        for q in range(64):
-            for r in range(16):
-                s32[1024 * b + 16 * q + r] = t32[64 * r + q]
+        for r in range(nr):
+            wr = w[r0 + r]
+            for p in range(4):
+                nib_split_store(wr, o + 16 + 32 * p, tmp, 256 * r + 64 * p)
+                s_lo, m_lo = _scale_min(wr, o + 4, 2 * p)
+                s_hi, m_hi = _scale_min(wr, o + 4, 2 * p + 1)
+                scs[b, p, 0, r] = s_lo
+                scs[b, p, 1, r] = s_hi
+                scs[b, p, 2, r] = m_lo | (m_hi << 16)
+            dws[b, r] = f16_at(wr, o)
+            mws[b, r] = f16_at(wr, o + 2)
+        rows16_transpose(tmp, ws, 1024 * b, 64)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -663,11 +650,11 @@ def mm_q4_k_rows16(w, xq, xd, bsums, out, n_gemm):
     for g in prange((rows + 15) // 16):
         r0 = 16 * g
         nr = min(16, rows - r0)
-        tmp = np.empty(16 * 256, np.uint8)
+        tmp = np.zeros(16 * 256, np.uint8)
         ws = np.empty(nb * 4096, np.uint8)
-        scs = np.empty((nb, 4, 3, 16), np.int32)
-        dws = np.empty((nb, 16), np.float32)
-        mws = np.empty((nb, 16), np.float32)
+        scs = np.zeros((nb, 4, 3, 16), np.int32)
+        dws = np.zeros((nb, 16), np.float32)
+        mws = np.zeros((nb, 16), np.float32)
         part = np.empty(16, np.float32)
         _q4k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws, mws)
         sflat = scs.reshape(-1)

@@ -29,11 +29,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .qdot import _f16
+from .qdot import _f16, rows16_transpose
 from .qdot_k import _scale_min
 from .qdot_ks import hsum8x_ir, i8_lane
-from .simd import (AVX2, VNNI, _call, _load, _ptr, f16_at, fma32, i8, q6k_decode_store, q6k_rows16_sb, v16_load, v16_store,
-                   v16_zero)
+from .simd import (AVX2, VNNI, _call, _load, _ptr, f16_at, fma32, i8, q6k_decode_store, q6k_rows16_sb, v16_load,
+                   v16_store, v16_zero)
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
 TILED_MIN_ROWS = 8
@@ -197,32 +197,23 @@ ROWS16_SB_CHUNK = 4
 
 @njit(cache=True, inline="always")
 def _q6k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws):
-    """Weight rows r0 .. r0 + nr - 1 (nr <= 16; missing rows are zeros) for ``q6k_rows16_sb``: ws[4096 b + 64 q +
-    4 r + t] = code 4 q + t of row r's super-block b (the values plus 32); scs[b, j, r] = scale j (j < 16), then
-    scs[b, 16 + m, r] = the pair (-32 sc_2m) | (-32 sc_2m+1) << 16; dws[b, r] = d."""
-    t32 = tmp.view(np.int32)
-    s32 = ws.view(np.int32)
-    tmp[:] = 0
+    """Weight rows r0 .. r0 + nr - 1 (nr <= 16; the arrays come zeroed, so missing rows stay zeros) for
+    ``q6k_rows16_sb``: ws[4096 b + 64 q + 4 r + t] = code 4 q + t of row r's super-block b (the values plus 32);
+    scs[b, j, r] = scale j (j < 16), then scs[b, 16 + m, r] = the pair (-32 sc_2m) | (-32 sc_2m+1) << 16; dws[b, r]
+    = d."""
     for b in range(nb):
         o = b * 210
-        for r in range(16):
-            if r < nr:
-                wr = w[r0 + r]
-                q6k_decode_store(wr, o, tmp, 256 * r)
-                for j in range(16):
-                    scs[b, j, r] = np.int32(np.int8(wr[o + 192 + j]))
-                for m in range(8):
-                    lo = -32 * np.int32(np.int8(wr[o + 192 + 2 * m]))
-                    hi = -32 * np.int32(np.int8(wr[o + 193 + 2 * m]))
-                    scs[b, 16 + m, r] = (lo & 0xFFFF) | (hi << 16)
-                dws[b, r] = f16_at(wr, o + 208)
-            else:
-                for j in range(24):
-                    scs[b, j, r] = 0
-                dws[b, r] = 0
-        for q in range(64):
-            for r in range(16):
-                s32[1024 * b + 16 * q + r] = t32[64 * r + q]
+        for r in range(nr):
+            wr = w[r0 + r]
+            q6k_decode_store(wr, o, tmp, 256 * r)
+            for j in range(16):
+                scs[b, j, r] = np.int32(np.int8(wr[o + 192 + j]))
+            for m in range(8):
+                lo = -32 * np.int32(np.int8(wr[o + 192 + 2 * m]))
+                hi = -32 * np.int32(np.int8(wr[o + 193 + 2 * m]))
+                scs[b, 16 + m, r] = (lo & 0xFFFF) | (hi << 16)
+            dws[b, r] = f16_at(wr, o + 208)
+        rows16_transpose(tmp, ws, 1024 * b, 64)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -235,10 +226,10 @@ def mm_q6_k_rows16(w, xq, xd, bsums, out, n2):
     for g in prange((rows + 15) // 16):
         r0 = 16 * g
         nr = min(16, rows - r0)
-        tmp = np.empty(16 * 256, np.uint8)
+        tmp = np.zeros(16 * 256, np.uint8)
         ws = np.empty(nb * 4096, np.uint8)
-        scs = np.empty((nb, 24, 16), np.int32)
-        dws = np.empty((nb, 16), np.float32)
+        scs = np.zeros((nb, 24, 16), np.int32)
+        dws = np.zeros((nb, 16), np.float32)
         part = np.empty((n2, 16), np.float32)    # the running sums between super-block chunks
         _q6k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws)
         sflat = scs.reshape(-1)

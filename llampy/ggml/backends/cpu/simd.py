@@ -996,10 +996,10 @@ def q6k_decode_store(typingctx, src, o, dst, do):
             ql0 = _load(builder, _ptr(context, builder, sig.args[0], args[0], at(args[1], 64 * h), v32))
             ql1 = _load(builder, _ptr(context, builder, sig.args[0], args[0], at(args[1], 64 * h + 32), v32))
             qh = _load(builder, _ptr(context, builder, sig.args[0], args[0], at(args[1], 128 + 32 * h), v32))
-            parts = [builder.or_(builder.and_(ql0, c(15)), builder.shl(builder.and_(qh, c(3)), c(4))),
-                     builder.or_(builder.and_(ql1, c(15)), builder.shl(builder.and_(builder.lshr(qh, c(2)), c(3)), c(4))),
-                     builder.or_(builder.lshr(ql0, c(4)), builder.shl(builder.and_(builder.lshr(qh, c(4)), c(3)), c(4))),
-                     builder.or_(builder.lshr(ql1, c(4)), builder.shl(builder.lshr(qh, c(6)), c(4)))]
+            def high(shift):      # qh's bit pair at ``shift`` as bits 4-5
+                return builder.shl(builder.and_(builder.lshr(qh, c(shift)), c(3)), c(4))
+            parts = [builder.or_(builder.and_(ql0, c(15)), high(0)), builder.or_(builder.and_(ql1, c(15)), high(2)),
+                     builder.or_(builder.lshr(ql0, c(4)), high(4)), builder.or_(builder.lshr(ql1, c(4)), high(6))]
             for m, v in enumerate(parts):
                 st = builder.store(v, _ptr(context, builder, sig.args[2], args[2], at(args[3], 128 * h + 32 * m), v32))
                 st.align = 1
@@ -1061,4 +1061,5 @@ def q6k_rows16_sb(typingctx, ws, wo, xq, i, xo, scs, so, bs, bo, dw, xd0, xd1, a
             xdv = _splat_any(builder, context.cast(builder, args[10 + c], sig.args[10 + c], types.float32), _F16x)
             accs[c] = _call(builder, "llvm.fma.v16f32", _F16x, [r, xdv, accs[c]])
         return context.make_tuple(builder, sig.return_type, accs)
-    return acc(ws, types.intp, xq, types.intp, types.intp, scs, types.intp, bs, types.intp, f16l, xd0, xd1, acc), codegen
+    return (acc(ws, types.intp, xq, types.intp, types.intp, scs, types.intp, bs, types.intp, f16l, xd0, xd1, acc),
+            codegen)
