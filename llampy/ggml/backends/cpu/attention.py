@@ -3,7 +3,9 @@
 - few queries (decode, small batches: ggml's ``one_chunk`` path, n_q < 64): Q rounded to F16, Q·K in float32 over
   F16 K, online softmax, and with F16 V the output accumulator itself kept in F16 (rounded after every scale and
   every multiply-add), in Numba;
-- many queries (ggml's tiled path, n_q >= 64): float32 throughout, which BLAS does per head.
+- many queries (ggml's tiled path, n_q >= 64): float32 throughout, the products BLAS's (numpy's OpenBLAS called
+  from a Numba kernel, ``_attend_tiles``, or through numpy where that cannot be reached), per KV head and chunk of
+  queries, each multiplying only the cells its mask leaves visible.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from numba.extending import overload
 
 from .kernels import alibi_slopes
 from .qdot import F16_TABLE
+from .blas import sgemm
 from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_load, v16_max, v16_reduce, v16_round_f16,
                    v16_scale, v16_splat, v16_store, v16_zero)
 
@@ -288,55 +291,63 @@ def _f16_rows(a, out):
 
 
 Q_CHUNK = 128   # queries per BLAS product: a causal mask hides the rest of the cache from each chunk
+SUB = 32        # queries per sub-block of a chunk: the keys past the chunk's common span are multiplied per sub-block
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _softmax_row(row, L, sc, softcap, mrow, sl, has_mask):
+    """exp(v - max(v)) over row[:L] in place, v = s * sc (softcap * tanh(s * sc) when softcap) + sl * mrow; the sum
+    returned (1 for a fully masked row, whose values become 0). The exponentials are ggml_v_expf in sixteen lanes."""
+    L16 = L - L % 16
+    if softcap != 0.0:
+        for j in range(L):
+            row[j] = softcap * np.float32(math.tanh(row[j] * sc))
+        sc = np.float32(1.0)    # x * 1 is x
+    vm = v16_splat(-np.inf)
+    if has_mask:
+        for j in range(0, L16, 16):
+            v = v16_add(v16_scale(v16_load(row, j), sc), v16_scale(v16_load(mrow, j), sl))
+            v16_store(row, j, v)
+            vm = v16_max(vm, v)
+        for j in range(L16, L):
+            row[j] = row[j] * sc + sl * mrow[j]
+    else:
+        for j in range(0, L16, 16):
+            v = v16_scale(v16_load(row, j), sc)
+            v16_store(row, j, v)
+            vm = v16_max(vm, v)
+        for j in range(L16, L):
+            row[j] = row[j] * sc
+    mx = v16_hmax(vm)
+    for j in range(L16, L):
+        if row[j] > mx:
+            mx = row[j]
+    if mx == -np.inf:
+        row[:L] = 0
+        return np.float32(1.0)
+    tot = np.float32(0.0)
+    for j in range(0, L16, 16):
+        e = v16_exp_shifted(v16_load(row, j), mx)
+        v16_store(row, j, e)
+        tot += v16_reduce(e)
+    for j in range(L16, L):
+        e = np.float32(math.exp(row[j] - mx))
+        row[j] = e
+        tot += e
+    return tot
 
 
 @njit(cache=True, nogil=True)
-def _softmax_rows(s, sc, m, slopes, qc, den):
-    """Row-wise exp(s * sc + slope * mask - max) in place over s (rows, L) float32, row r belonging to head r // qc
-    and query r % qc (mask row r % qc, or no mask when m is empty); den[r] = the row's sum (1 for a fully masked
-    row, whose values become 0). The scale is applied here, in the pass that adds the mask, rather than by a
-    NumPy pass of its own over the scores (the same float32 product, then the same sum). The exponentials are
-    ggml_v_expf in sixteen lanes."""
+def _softmax_rows(s, sc, softcap, m, h0, slopes, qc, den):
+    """``_softmax_row`` over s (rows, L) in place, row r belonging to head h0 + r // qc and query r % qc: mask row
+    m[(h0 + r // qc) % m.shape[0], r % qc] (none when m's last axis is empty), slope slopes[h0 + r // qc]; den[r] the
+    row's sum."""
     rows, L = s.shape
-    has_mask = m.shape[1] > 0
-    L16 = L - L % 16
+    has_mask = m.shape[2] > 0
     for r in range(rows):
-        row = s[r]
-        vm = v16_splat(-np.inf)
-        if has_mask:
-            mrow = m[r % qc]
-            sl = slopes[r // qc]
-            for j in range(0, L16, 16):
-                v = v16_add(v16_scale(v16_load(row, j), sc), v16_scale(v16_load(mrow, j), sl))
-                v16_store(row, j, v)
-                vm = v16_max(vm, v)
-            for j in range(L16, L):
-                row[j] = row[j] * sc + sl * mrow[j]
-        else:
-            for j in range(0, L16, 16):
-                v = v16_scale(v16_load(row, j), sc)
-                v16_store(row, j, v)
-                vm = v16_max(vm, v)
-            for j in range(L16, L):
-                row[j] = row[j] * sc
-        mx = v16_hmax(vm)
-        for j in range(L16, L):
-            if row[j] > mx:
-                mx = row[j]
-        if mx == -np.inf:
-            row[:] = 0
-            den[r] = 1
-            continue
-        tot = np.float32(0.0)
-        for j in range(0, L16, 16):
-            e = v16_exp_shifted(v16_load(row, j), mx)
-            v16_store(row, j, e)
-            tot += v16_reduce(e)
-        for j in range(L16, L):
-            e = np.float32(math.exp(row[j] - mx))
-            row[j] = e
-            tot += e
-        den[r] = tot
+        h = h0 + r // qc
+        mrow = m[h % m.shape[0], r % qc] if has_mask else m[0, 0]
+        den[r] = _softmax_row(s[r], L, sc, softcap, mrow, slopes[h], has_mask)
 
 
 @njit(cache=True, nogil=True)
@@ -352,20 +363,173 @@ def _divide_into(o, den, out):
                 dst[j] = orow[j] / d
 
 
-_TLS = threading.local()
-
-
-def _thread_buffer(name: str, n: int) -> np.ndarray:
-    """A float32 scratch buffer of at least n values, kept per thread across calls (a fresh array this size is
-    mmap'd and page-faulted every time)."""
-    buf = getattr(_TLS, name, None)
-    if buf is None or buf.size < n:
-        buf = np.empty(max(n, 1), np.float32)
-        setattr(_TLS, name, buf)
-    return buf
-
-
 def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
+    """Softmax attention through float32 matrix products: BLAS called from a Numba kernel (``_attend_tiles``) where
+    numpy's OpenBLAS can be reached, else through numpy (``_attend_numpy``)."""
+    from . import blas, matmul
+    fn = blas.sgemm_address()
+    if not fn or not USE_TILES:
+        _attend_numpy(q, kf, vf, mask, out, sc, softcap, slopes)
+        return
+    nt = matmul._blas_workers()          # also keeps OpenBLAS itself on one thread
+    m = mask if mask is not None else np.zeros((1, 1, 1, 0), np.float32)
+    _attend_tiles(fn, q, np.ascontiguousarray(kf, np.float32), np.ascontiguousarray(vf, np.float32),
+                  np.ascontiguousarray(m, np.float32), out, np.float32(sc), np.float32(softcap), slopes, nt)
+
+
+USE_TILES = True    # False: the numpy path even where the Numba-called BLAS is available (tests compare the two)
+
+
+@njit(cache=True, nogil=True)
+def _sub_spans(mask, n_q, n_kv):
+    """The span of cells [lo, hi) each sub-block of SUB queries sees (any head's mask row), per mask batch: lo, hi
+    (m3, ceil(n_q / SUB)); hi = lo = 0 where every row of the sub-block is fully masked. Scans each row from both
+    ends only as far as the sub-block's span so far (under a causal mask: the masked tail of each row)."""
+    m3, m2 = mask.shape[0], mask.shape[1]
+    nsb = (n_q + SUB - 1) // SUB
+    lo = np.zeros((m3, nsb), np.int64)
+    hi = np.zeros((m3, nsb), np.int64)
+    for a in range(m3):
+        for j in range(nsb):
+            l, h = n_kv, 0
+            for b in range(m2):
+                for i in range(j * SUB, min(n_q, (j + 1) * SUB)):
+                    row = mask[a, b, i]
+                    c = 0
+                    while c < l and row[c] == -np.inf:
+                        c += 1
+                    l = c
+                    c = n_kv
+                    while c > h and row[c - 1] == -np.inf:
+                        c -= 1
+                    h = c
+            if h > l:
+                lo[a, j], hi[a, j] = l, h
+    return lo, hi
+
+
+@njit(cache=True, nogil=True)
+def _scores(fn, A, ao, d, kb, sbuf, rows, lo, hmin, W, shi, j0, j1, q0, nq, rk):
+    """The chunk's scores into sbuf (rows x W from cell lo): every row times cells [lo, hmin), then each sub-block's
+    rows times its cells [hmin, its end). A: the chunk's query rows of d values, back to back from element ao; kb:
+    K's rows; shi: each sub-block's end."""
+    if hmin > lo:
+        sgemm(fn, True, rows, hmin - lo, d, A, ao, d, kb, lo * d, d, np.float32(0.0), sbuf, 0, W)
+    for j in range(j0, j1):
+        h = max(lo, shi[j])
+        if h > hmin:
+            r0 = (j * SUB - q0) * rk
+            nr = (min(q0 + nq, (j + 1) * SUB) - j * SUB) * rk
+            sgemm(fn, True, nr, h - hmin, d, A, ao + r0 * d, d, kb, hmin * d, d, np.float32(0.0),
+                  sbuf, r0 * W + hmin - lo, W)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _attend_tiles(fn, q, kf, vf, mask, out, sc, softcap, slopes, nt):
+    """Softmax attention per (batch, KV head, chunk of Q_CHUNK queries), its products BLAS calls (``blas.sgemm``)
+    from this kernel. A chunk's rows are (query, head of the group), query-major; the cells every sub-block of it
+    sees are one product, [lo, min hi), and each sub-block of SUB queries adds the cells past that up to its own
+    end: under a causal mask the chunk's diagonal costs SUB-wide steps rather than a full square (4/5 of the
+    products' work at 512 queries, against the chunk-wide spans). Items are dealt to the nt threads by their work,
+    largest first. q (ne3, n_head, n_q, d), kf / vf (.., n_head_kv, n_kv, d) float32 contiguous, mask (m3, m2, >=
+    n_q, n_kv) or an empty last axis; out (ne3, n_q, n_head, dv)."""
+    ne3, n_head, n_q, d = q.shape
+    n_head_kv, n_kv = kf.shape[1], kf.shape[2]
+    dv = vf.shape[3]
+    rk = n_head // n_head_kv
+    has_mask = mask.shape[3] > 0
+    if has_mask:
+        slo, shi = _sub_spans(mask, n_q, n_kv)
+    else:
+        nsb = (n_q + SUB - 1) // SUB
+        slo = np.zeros((1, nsb), np.int64)
+        shi = np.full((1, nsb), n_kv, np.int64)
+    m3 = slo.shape[0]
+    nch = (n_q + Q_CHUNK - 1) // Q_CHUNK
+    per = Q_CHUNK // SUB
+    n_items = ne3 * n_head_kv * nch
+    cost = np.zeros(n_items, np.int64)
+    wmax = 1
+    for it in range(n_items):
+        a = (it // (n_head_kv * nch)) % m3
+        c = it % nch
+        lo, hi = n_kv, 0
+        for j in range(c * per, min(slo.shape[1], (c + 1) * per)):
+            cost[it] += shi[a, j] - slo[a, j] + 1
+            if shi[a, j] > 0:
+                lo, hi = min(lo, slo[a, j]), max(hi, shi[a, j])
+        wmax = max(wmax, hi - lo)
+    owner = np.zeros(n_items, np.int64)
+    load = np.zeros(nt, np.int64)
+    for it in np.argsort(-cost, kind="mergesort"):
+        t = np.argmin(load)
+        owner[it] = t
+        load[t] += cost[it]
+    es = q.itemsize
+    direct = rk == n_head and q.strides[1] == d * es and q.strides[2] == n_head * d * es and q.strides[3] == es
+    for t in prange(nt):
+        rows_max = Q_CHUNK * rk
+        abuf = np.empty(1 if direct else rows_max * d, np.float32)
+        sbuf = np.empty(rows_max * wmax, np.float32)
+        obuf = np.empty(rows_max * dv, np.float32)
+        den = np.empty(rows_max, np.float32)
+        for it in range(n_items):
+            if owner[it] != t:
+                continue
+            i3 = it // (n_head_kv * nch)
+            hk = (it // nch) % n_head_kv
+            c = it % nch
+            a = i3 % m3
+            q0 = c * Q_CHUNK
+            nq = min(n_q, q0 + Q_CHUNK) - q0
+            rows = nq * rk
+            j0, j1 = q0 // SUB, (q0 + nq + SUB - 1) // SUB
+            lo, hmin, hmax = n_kv, n_kv, 0
+            for j in range(j0, j1):
+                if shi[a, j] > 0:
+                    lo = min(lo, slo[a, j])
+                    hmax = max(hmax, shi[a, j])
+            if hmax == 0:                          # every row masked: ggml's output is 0
+                for i in range(q0, q0 + nq):
+                    out[i3, i, hk * rk:(hk + 1) * rk, :] = 0
+                continue
+            for j in range(j0, j1):
+                hmin = min(hmin, max(lo, shi[a, j]))
+            W = hmax - lo
+            kb = kf[i3 % kf.shape[0], hk].ravel()
+            vb = vf[i3 % vf.shape[0], hk].ravel()
+            if direct:      # the chunk's rows as they lie in q: heads side by side in each query's row
+                _scores(fn, q, (i3 * q.strides[0] + q0 * q.strides[2]) // es, d, kb, sbuf, rows, lo, hmin, W,
+                        shi[a], j0, j1, q0, nq, rk)
+            else:
+                for r in range(rows):
+                    abuf[r * d:(r + 1) * d] = q[i3, hk * rk + r % rk, q0 + r // rk]
+                _scores(fn, abuf, 0, d, kb, sbuf, rows, lo, hmin, W, shi[a], j0, j1, q0, nq, rk)
+            for r in range(rows):
+                i = q0 + r // rk
+                h = hk * rk + r % rk
+                L = max(lo, shi[a, i // SUB]) - lo
+                mrow = mask[a, h % mask.shape[1], i, lo:] if has_mask else mask[0, 0, 0]
+                den[r] = _softmax_row(sbuf[r * W:r * W + L], L, sc, softcap, mrow, slopes[h], has_mask)
+            if hmin > lo:
+                sgemm(fn, False, rows, dv, hmin - lo, sbuf, 0, W, vb, lo * dv, dv, np.float32(0.0), obuf, 0, dv)
+            else:
+                obuf[:rows * dv] = 0
+            for j in range(j0, j1):
+                h = max(lo, shi[a, j])
+                if h > hmin:
+                    r0 = (j * SUB - q0) * rk
+                    nr = (min(q0 + nq, (j + 1) * SUB) - j * SUB) * rk
+                    sgemm(fn, False, nr, dv, h - hmin, sbuf, r0 * W + hmin - lo, W, vb, hmin * dv, dv,
+                          np.float32(1.0), obuf, r0 * dv, dv)
+            for r in range(rows):
+                dst = out[i3, q0 + r // rk, hk * rk + r % rk]
+                dd = den[r]
+                for e in range(dv):
+                    dst[e] = obuf[r * dv + e] / dd
+
+
+def _attend_numpy(q, kf, vf, mask, out, sc, softcap, slopes):
     """Softmax attention through float32 matrix products, per (batch, chunk of queries, KV head): each chunk only
     multiplies the span of cells its mask leaves visible (about half the work under a causal mask), and the
     items run on the BLAS path's threads."""
@@ -377,7 +541,7 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
         for q0 in range(0, n_q, Q_CHUNK):
             q1 = min(n_q, q0 + Q_CHUNK)
             lo, hi = 0, kf.shape[2]
-            mm = None
+            mm = np.zeros((1, 1, 0), np.float32)
             if mask is not None:
                 mm = mask[i3 % mask.shape[0], :, q0:q1, :]               # (m2, qc, n_kv)
                 vis = np.flatnonzero((mm > -np.inf).any(axis=(0, 1)))
@@ -385,7 +549,7 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
                     out[i3, q0:q1] = 0
                     continue
                 lo, hi = int(vis[0]), int(vis[-1]) + 1
-                mm = mm[:, :, lo:hi]
+                mm = np.ascontiguousarray(mm[:, :, lo:hi])
             for hk in range(n_head_kv):
                 items.append((i3, q0, q1, hk, lo, hi, mm))
 
@@ -402,26 +566,10 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
             # the group's heads stacked into one product: (rk * qc, d) x (d, L)
             qs = np.ascontiguousarray(qh).reshape(rk * (q1 - q0), qh.shape[-1])
             s = np.matmul(qs, kk.T, out=sbuf[:rk * (q1 - q0) * (hi - lo)].reshape(rk * (q1 - q0), hi - lo))
-            s = s.reshape(rk, q1 - q0, hi - lo)
-            head_masks = mm is not None and mm.shape[0] > 1
-            ssc = sc                    # the softmax scales the scores, unless they must be scaled before it
-            if softcap or head_masks:
-                s *= sc
-                ssc = np.float32(1.0)   # x * 1 is x
-            if softcap:
-                np.tanh(s, out=s)
-                s *= np.float32(softcap)
-            heads = np.arange(hk * rk, (hk + 1) * rk)
-            qc, L = s.shape[1], s.shape[2]
-            den = np.empty(rk * qc, np.float32)
-            if head_masks:
-                s += slopes[heads][:, None, None] * mm[heads % mm.shape[0]]
-                m2 = np.zeros((1, 0), np.float32)
-            else:
-                m2 = mm[0] if mm is not None else np.zeros((1, 0), np.float32)
-            _softmax_rows(s.reshape(rk * qc, L), ssc, m2, slopes[heads], qc, den)
-            o = np.matmul(s.reshape(rk * qc, L), vv, out=obuf[:rk * qc * vv.shape[1]].reshape(rk * qc, vv.shape[1]))
-            _divide_into(o.reshape(rk, qc, vv.shape[1]), den, out[i3, q0:q1, hk * rk:(hk + 1) * rk, :])
+            den = np.empty(rk * (q1 - q0), np.float32)
+            _softmax_rows(s, sc, np.float32(softcap), mm, hk * rk, slopes, q1 - q0, den)
+            o = np.matmul(s, vv, out=obuf[:s.shape[0] * vv.shape[1]].reshape(s.shape[0], vv.shape[1]))
+            _divide_into(o.reshape(rk, q1 - q0, vv.shape[1]), den, out[i3, q0:q1, hk * rk:(hk + 1) * rk, :])
 
     from . import matmul
     nt = min(matmul._blas_workers(), len(items))
@@ -433,6 +581,19 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
     work(parts[0])
     for f in futs:
         f.result()
+
+
+_TLS = threading.local()
+
+
+def _thread_buffer(name: str, n: int) -> np.ndarray:
+    """A float32 scratch buffer of at least n values, kept per thread across calls (a fresh array this size is
+    mmap'd and page-faulted every time)."""
+    buf = getattr(_TLS, name, None)
+    if buf is None or buf.size < n:
+        buf = np.empty(max(n, 1), np.float32)
+        setattr(_TLS, name, buf)
+    return buf
 
 
 def _balanced(items, nt):

@@ -1,0 +1,95 @@
+"""The prompt attention's BLAS tiles (attention._attend_tiles: products called from Numba, the causal diagonal in
+sub-blocks) against a float64 statement of softmax attention and against the numpy path they replace."""
+import numpy as np
+import pytest
+
+from llampy.ggml.backends.cpu import attention as A
+from llampy.ggml.backends.cpu import blas
+from llampy.ggml.backends.cpu.kernels import alibi_slopes
+
+pytestmark = pytest.mark.skipif(not blas.sgemm_address(), reason="numpy's bundled OpenBLAS (cblas_sgemm64_) not found")
+
+
+def _case(rng, n_head, n_head_kv, d, n_q, n_kv, ne3=1, kind="causal", m2=1):
+    # q as the graph hands it over: token-major memory, (ne3, n_head, n_q, d) through a transpose
+    q = rng.standard_normal((ne3, n_q, n_head, d)).astype(np.float32).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((ne3, n_head_kv, n_kv, d)).astype(np.float16)
+    v = rng.standard_normal((ne3, n_head_kv, n_kv, d)).astype(np.float16)
+    if kind == "none":
+        return q, k, v, None
+    i = np.arange(n_q)[:, None] + (n_kv - n_q)
+    j = np.arange(n_kv)[None, :]
+    vis = j <= i
+    if kind == "window":
+        vis &= j > i - 100
+    if kind == "holes":                                 # rows 40..79 see nothing: their output is 0
+        vis &= ~((i >= 40 + n_kv - n_q) & (i < 80 + n_kv - n_q))
+    mask = np.where(vis, 0.0, -np.inf).astype(np.float32)
+    mask = np.broadcast_to(mask, (m2, n_q, n_kv)).copy()
+    if m2 > 1:                                          # per-head masks with finite biases in the visible cells
+        mask += np.where(vis, rng.standard_normal((m2, n_q, n_kv)), 0).astype(np.float32)
+    return q, k, v, mask[None]
+
+
+def _reference(q, k, v, mask, scale, max_bias, softcap):
+    ne3, n_head, n_q, d = q.shape
+    rk = n_head // k.shape[1]
+    slopes = alibi_slopes(n_head, max_bias, np.float32).astype(np.float64)
+    out = np.zeros((ne3, n_q, n_head, v.shape[3]))
+    for i3 in range(ne3):
+        for h in range(n_head):
+            s = q[i3, h].astype(np.float64) @ k[i3, h // rk].astype(np.float64).T * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            if mask is not None:
+                s = s + slopes[h] * mask[i3 % mask.shape[0], h % mask.shape[1]]
+            mx = s.max(axis=1, keepdims=True)
+            e = np.where(np.isneginf(mx), 0, np.exp(s - np.where(np.isneginf(mx), 0, mx)))
+            den = e.sum(axis=1, keepdims=True)
+            out[i3, :, h] = e @ v[i3, h // rk].astype(np.float64) / np.where(den == 0, 1, den)
+    return out
+
+
+def _attend(q, k, v, mask, scale, max_bias, softcap, tiles):
+    saved = A.USE_TILES
+    A.USE_TILES = tiles
+    try:
+        out = np.full((q.shape[0], q.shape[2], q.shape[1], v.shape[3]), np.nan, np.float32)
+        A.flash_attn(q, k.view(np.uint16), v.view(np.uint16), mask, out, scale, max_bias, softcap, True, True, True)
+        return out
+    finally:
+        A.USE_TILES = saved
+
+
+@pytest.mark.parametrize("shape", [
+    (4, 1, 256, 512, 512),                  # Gemma 3's heads: q read in place (one KV head)
+    (9, 3, 64, 512, 512),                   # SmolLM2's: each chunk's rows gathered
+    (4, 1, 64, 200, 300),                   # a prompt after 100 cached cells, a last chunk of 72 queries
+    (6, 2, 32, 130, 130, 1, "window"),      # a sliding window: spans that start after cell 0
+    (4, 2, 64, 100, 100, 2, "holes"),       # two sequences' batches, fully masked rows
+    (4, 1, 64, 70, 70, 1, "none"),          # no mask
+    (4, 4, 32, 96, 96, 1, "causal", 4),     # a mask per head
+])
+@pytest.mark.parametrize("max_bias,softcap", [(0.0, 0.0), (0.0, 3.0), (8.0, 0.0)])
+def test_tiles_match_softmax_attention(shape, max_bias, softcap):
+    rng = np.random.default_rng(sum(shape[:5]))
+    q, k, v, mask = _case(rng, *shape)
+    tiles = _attend(q, k, v, mask, 0.125, max_bias, softcap, True)
+    ref = _reference(q, k, v, mask, 0.125, max_bias, softcap)
+    assert not np.isnan(tiles).any()
+    np.testing.assert_allclose(tiles, ref, rtol=0, atol=2e-5)
+    if len(shape) > 5 and shape[5] == "holes":
+        assert not tiles[:, 40:80].any()
+    # the numpy path: the same products in other blockings, so float32 rounding apart
+    np.testing.assert_allclose(tiles, _attend(q, k, v, mask, 0.125, max_bias, softcap, False), rtol=0, atol=2e-6)
+
+
+def test_sub_spans_follow_the_mask():
+    i = np.arange(100)[:, None]
+    j = np.arange(160)[None, :]
+    vis = (j <= i + 60) & (j > i - 20)                  # a window of 80 cells, 60 cached
+    vis[32:64] = False                                   # sub-block 1 sees nothing
+    mask = np.where(vis, 0.0, -np.inf).astype(np.float32)[None, None]
+    lo, hi = A._sub_spans(mask, 100, 160)
+    assert lo.tolist() == [[0, 0, 45, 77]]
+    assert hi.tolist() == [[92, 0, 156, 160]]
