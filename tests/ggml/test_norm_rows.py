@@ -1,4 +1,4 @@
-"""RMS_NORM_MUL four rows at a time (llampy/ggml/backends/cpu/norm.py) gives every row the bits of ggml's one-row
+"""RMS_NORM_MUL sixteen and four rows at a time (llampy/ggml/backends/cpu/norm.py) gives every row the bits of ggml's one-row
 loop: squares rounded to float32, summed in double in order, the scale in float32."""
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ def _row_by_row(x, w, eps):
     return out
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("rows,n", [(1, 40), (3, 40), (4, 40), (5, 40), (8, 40), (11, 40), (16, 40), (37, 44),
+                                    (32, 8), (17, 5)])
 @pytest.mark.parametrize("w_rows", [1, "all"])
-def test_rms_norm_mul_rows_match_the_one_row_loop(rows, w_rows):
+def test_rms_norm_mul_rows_match_the_one_row_loop(rows, n, w_rows):
+    # 16 rows and more: two vectors of eight rows' sums (d8_add_squares); n % 8: the chains' leftover columns
     rng = np.random.default_rng(rows)
-    n = 40
     x = (rng.standard_normal((rows, n)) * 10.0 ** rng.integers(-4, 5, (rows, n))).astype(np.float32)
     w = rng.standard_normal((rows if w_rows == "all" else 1, n)).astype(np.float32)
     eps = np.float32(1e-6)

@@ -276,35 +276,9 @@ def _blas_workers() -> int:
 
 
 def set_blas_threads(n: int) -> bool:
-    """Thread count of numpy's OpenBLAS (its C API through ctypes); False where it cannot be found."""
-    global _BLAS_SET
-    if _BLAS_SET is None:
-        _BLAS_SET = _find_blas_setter()
-    if _BLAS_SET is False:
-        return False
-    _BLAS_SET(int(n))
-    return True
-
-
-_BLAS_SET = None
-
-
-def _find_blas_setter():
-    import ctypes
-    import glob
-    libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-    for path in glob.glob(os.path.join(libdir, "*openblas*.so*")):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes = [ctypes.c_int]
-                return fn
-    return False
+    """Thread count of numpy's OpenBLAS (``blas.set_threads``); False where it cannot be found."""
+    from .blas import set_threads
+    return set_threads(n)
 
 
 def _mul_mat_fallback(w, wtype, x, out):

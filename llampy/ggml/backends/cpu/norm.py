@@ -6,6 +6,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .simd import d8_add_squares, d8_lane, d8_zero
+
 
 @njit(parallel=True, cache=True)
 def rms_norm_rows(x, eps, out):
@@ -78,13 +80,39 @@ def _rms_mul_rows4(x, w, eps, out, r):
             orow[i] = np.float32(np.float32(xr[i] * c) * wr[i])
 
 
+@njit(cache=True, inline="always")
+def _rms_mul_rows16(x, w, eps, out, r):
+    """``_rms_mul_row`` for rows r..r+15: their double sums as the lanes of two vectors (``d8_add_squares``), each
+    lane still adding its row's squares one after another, in order; the leftover columns continue each chain."""
+    n = x.shape[1]
+    n8 = n - n % 8
+    a = d8_zero()
+    b = d8_zero()
+    for j in range(0, n8, 8):
+        a = d8_add_squares(x, r, j, a)
+        b = d8_add_squares(x, r + 8, j, b)
+    for k in range(16):
+        s = d8_lane(a, k) if k < 8 else d8_lane(b, k - 8)
+        xr = x[r + k]
+        for i in range(n8, n):
+            s += np.float64(np.float32(xr[i] * xr[i]))
+        c = _rms_scale(s, n, eps)
+        wr = w[(r + k) % w.shape[0]]
+        orow = out[r + k]
+        for i in range(n):
+            orow[i] = np.float32(np.float32(xr[i] * c) * wr[i])
+
+
 @njit(cache=True)
 def rms_norm_mul_rows(x, w, eps, out):
     """rms_norm(x) * w as ggml's two ops compute it (the normalised row rounded to float32, then the product);
-    w [rows or 1, n] broadcast over x's rows. Four rows at a time (``_rms_mul_rows4``), then the rest."""
+    w [rows or 1, n] broadcast over x's rows. Sixteen rows at a time (``_rms_mul_rows16``), then four, then one."""
     rows = x.shape[0]
+    r16 = rows - rows % 16
+    for r in range(0, r16, 16):
+        _rms_mul_rows16(x, w, eps, out, r)
     r4 = rows - rows % 4
-    for r in range(0, r4, 4):
+    for r in range(r16, r4, 4):
         _rms_mul_rows4(x, w, eps, out, r)
     for r in range(r4, rows):
         _rms_mul_row(x, w, eps, out, r)
@@ -93,8 +121,11 @@ def rms_norm_mul_rows(x, w, eps, out):
 @njit(parallel=True, cache=True)
 def rms_norm_mul_rows_par(x, w, eps, out):
     rows = x.shape[0]
+    r16 = rows - rows % 16
+    for g in prange(r16 // 16):
+        _rms_mul_rows16(x, w, eps, out, 16 * g)
     r4 = rows - rows % 4
-    for g in prange(r4 // 4):
-        _rms_mul_rows4(x, w, eps, out, 4 * g)
+    for r in range(r16, r4, 4):
+        _rms_mul_rows4(x, w, eps, out, r)
     for r in range(r4, rows):
         _rms_mul_row(x, w, eps, out, r)

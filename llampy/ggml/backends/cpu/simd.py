@@ -1063,3 +1063,84 @@ def q6k_rows16_sb(typingctx, ws, wo, xq, i, xo, scs, so, bs, bo, dw, xd0, xd1, a
         return context.make_tuple(builder, sig.return_type, accs)
     return (acc(ws, types.intp, xq, types.intp, types.intp, scs, types.intp, bs, types.intp, f16l, xd0, xd1, acc),
             codegen)
+
+
+# ----------------------------------------------------------------------- row sums of squares, eight rows as lanes
+# ggml's norms sum each row's float32 squares in double, one after another: a chain of dependent additions per row.
+# Eight rows side by side in a vector of doubles keep each row's chain, in its order, while eight rows advance per
+# addition (the columns come from an 8 x 8 transpose of the squares).
+_F64 = ir.DoubleType()
+_D8 = ir.VectorType(_F64, 8)
+
+
+class D8(types.Type):
+    """Eight float64 lanes (a 512-bit register)."""
+    def __init__(self):
+        super().__init__(name="f64x8")
+
+
+d8 = D8()
+
+
+@register_model(D8)
+class _D8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _D8)
+
+
+@intrinsic
+def d8_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_D8, [0.0] * 8)
+    return d8(), codegen
+
+
+@intrinsic
+def d8_lane(typingctx, v, k):
+    """Lane k of v as a float64."""
+    if v != d8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
+    return types.float64(v, k), codegen
+
+
+def _transpose8(builder, v):
+    """Eight <8 x float> rows as eight columns (unpack, pair shuffle, half swap: 24 shuffles)."""
+    def sh(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), idx))
+    lo, hi = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    a = [sh(v[2 * p], v[2 * p + 1], lo) for p in range(4)]
+    b = [sh(v[2 * p], v[2 * p + 1], hi) for p in range(4)]
+    pl, ph = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    c = [sh(a[0], a[1], pl), sh(a[0], a[1], ph), sh(b[0], b[1], pl), sh(b[0], b[1], ph),
+         sh(a[2], a[3], pl), sh(a[2], a[3], ph), sh(b[2], b[3], pl), sh(b[2], b[3], ph)]
+    first, second = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    return ([sh(c[e], c[e + 4], first) for e in range(4)] + [sh(c[e], c[e + 4], second) for e in range(4)])
+
+
+@intrinsic
+def d8_add_squares(typingctx, x, r, j, acc):
+    """acc (lane k: row r + k's running sum) plus float64(float32(x[r + k, c]²)) for c = j .. j + 7, one column
+    after another: eight rows' chains of ggml's norm sum, each in its own order. x: a float32 2-D array with
+    contiguous rows; rows r..r + 7 and columns j..j + 7 inside it."""
+    if not isinstance(x, types.Array) or x.dtype != types.float32 or x.ndim != 2 or acc != d8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        xa = context.make_array(sig.args[0])(context, builder, args[0])
+        s0 = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+        base = builder.bitcast(xa.data, _I8.as_pointer())
+        r = context.cast(builder, args[1], sig.args[1], types.intp)
+        j4 = builder.mul(context.cast(builder, args[2], sig.args[2], types.intp), ir.Constant(s0.type, 4))
+        rows = []
+        for k in range(8):
+            off = builder.add(builder.mul(builder.add(r, ir.Constant(r.type, k)), s0), j4)
+            v = _load(builder, builder.bitcast(builder.gep(base, [off]), _F8.as_pointer()))
+            rows.append(builder.fmul(v, v))
+        acc = args[3]
+        for col in _transpose8(builder, rows):
+            acc = builder.fadd(acc, builder.fpext(col, _D8))
+        return acc
+    return d8(x, types.intp, types.intp, d8), codegen
