@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 
 from .simd import (ROWS16, UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store,
                    f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero,
-                   fma32, i8_flip, i8_store, i8_to_f8, rows16_pairs2, v16_add, v16_fma, v16_load, v16_scale, v16_store,
+                   fma32, i32_transpose16x8, i8_flip, i8_store, i8_to_f8, rows16_pairs2, v16_add, v16_fma, v16_load, v16_scale, v16_store,
                    v16_tree8, v16_zero)
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
@@ -356,9 +356,12 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
 def rows16_transpose(tmp, ws, at, n):
     """The int32 at + 16 q + r of ws = the int32 n r + q of tmp (q < n, r < 16): sixteen rows of n four-byte groups
     (row r at byte 4 n r of tmp) as the n registers of the rows-as-lanes tiles, group q's sixteen rows side by side."""
+    n8 = n - n % 8
+    for q in range(0, n8, 8):
+        i32_transpose16x8(tmp, q, n, ws, at + 16 * q)
     t32 = tmp.view(np.int32)
     s32 = ws.view(np.int32)
-    for q in range(n):
+    for q in range(n8, n):
         for r in range(16):
             s32[at + 16 * q + r] = t32[n * r + q]
 

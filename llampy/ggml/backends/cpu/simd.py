@@ -1144,3 +1144,31 @@ def d8_add_squares(typingctx, x, r, j, acc):
             acc = builder.fadd(acc, builder.fpext(col, _D8))
         return acc
     return d8(x, types.intp, types.intp, d8), codegen
+
+
+@intrinsic
+def i32_transpose16x8(typingctx, src, so, n, dst, do):
+    """dst's int32 do + 16 c + r = src's int32 so + n r + c for r < 16, c < 8: eight int32 columns of sixteen rows
+    (row r of src n int32 apart) as eight registers of sixteen lanes, one row per lane (two 8 x 8 transposes in
+    shuffles, in place of 128 scalar moves). src, dst: uint8 arrays; so, do count int32."""
+    if not all(isinstance(a, types.Array) for a in (src, dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def base(i):
+            a = context.make_array(sig.args[i])(context, builder, args[i])
+            return builder.bitcast(a.data, _I32.as_pointer())
+        sp, dp = base(0), base(3)
+        so_, n_, do_ = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (1, 2, 4))
+        rows = [_load(builder, builder.bitcast(
+            builder.gep(sp, [builder.add(so_, builder.mul(n_, ir.Constant(n_.type, r)))]), _I8x8.as_pointer()))
+            for r in range(16)]
+        top, bottom = _transpose8(builder, rows[:8]), _transpose8(builder, rows[8:])
+        both = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+        for c in range(8):
+            col = builder.shuffle_vector(top[c], bottom[c], both)
+            st = builder.store(col, builder.bitcast(builder.gep(dp, [builder.add(do_, ir.Constant(do_.type, 16 * c))]),
+                                                    _I32x16.as_pointer()))
+            st.align = 1
+        return context.get_dummy_value()
+    return types.void(src, types.intp, types.intp, dst, types.intp), codegen
