@@ -1,6 +1,8 @@
 """The fusion pass: rewrite known patterns into single nodes before scheduling.
 
   rms_norm(x) · w                                  -> RMS_NORM_MUL(x, w)        (w broadcast over x)
+  RMS_NORM_MUL(x, w) + r                           -> RMS_NORM_MUL(x, w, r)     (r of the same shape: a post-norm
+                                                                                 and the residual add after it)
   silu(g) · u,  gelu(g) · u                        -> SWIGLU(g, u), GEGLU(g, u) (same shapes)
   scale(tanh(scale(x, a)), b)                      -> SOFTCAP(x, a, b)          (no offsets)
   permute(mul_mat(vᵀ, soft_max_ext(kq, mask, s)), 0, 2, 1, 3), kq = mul_mat(k, q)
@@ -66,6 +68,12 @@ def _match(n: Tensor, users):
             if x.op in (Op.SILU, Op.GELU) and x.ne == u.ne == n.ne and x is not u and _private(x, users, n):
                 glu = ops.swiglu if x.op is Op.SILU else ops.geglu
                 return glu(x.src[0], u), [x]
+    if n.op is Op.ADD:
+        a, b = n.src
+        for p, r in ((a, b), (b, a)):
+            if (p.op is Op.RMS_NORM_MUL and len(p.src) == 2 and p.ne == n.ne == r.ne and r.type == n.type and
+                    p is not r and _private(p, users, n)):
+                return ops.rms_norm_mul(p.src[0], p.src[1], p.op_params["eps"], add=r), [p]
     if _no_offset_scale(n):
         t = n.src[0]
         if t.op is Op.TANH and _private(t, users, n):

@@ -109,9 +109,13 @@ def l2_norm(a: Tensor, eps: float) -> Tensor:
 
 
 # rms_norm(a) * w, w broadcastable to a (fusion pass only)
-def rms_norm_mul(a: Tensor, w: Tensor, eps: float) -> Tensor:
+# rms_norm(a) * w (+ add): the fused form of rms_norm, mul and the residual add after it
+def rms_norm_mul(a: Tensor, w: Tensor, eps: float, add: Tensor | None = None) -> Tensor:
     _check(_can_repeat(w, a), f"rms_norm_mul: cannot broadcast {w.shape_str()} to {a.shape_str()}")
-    return _node(Op.RMS_NORM_MUL, F32, a.ne, [a, w], {"eps": float(eps)})
+    if add is None:
+        return _node(Op.RMS_NORM_MUL, F32, a.ne, [a, w], {"eps": float(eps)})
+    _check(_same_shape(add, a), f"rms_norm_mul: add {add.shape_str()} differs from {a.shape_str()}")
+    return _node(Op.RMS_NORM_MUL, F32, a.ne, [a, w, add], {"eps": float(eps)})
 
 
 # ---------------------------------------------------------------------------------------------- matrix products

@@ -122,7 +122,8 @@ class NumpyBackend(NullBackend):
             return _rms(_f(s[0]), p["eps"])
         if op == Op.RMS_NORM_MUL:
             x = _f(s[0])
-            return _rms(x, p["eps"]) * _tile(_f(s[1]), x.shape)
+            y = _rms(x, p["eps"]) * _tile(_f(s[1]), x.shape)
+            return y + _f(s[2]) if len(s) > 2 else y
         if op == Op.SILU:
             return _silu(_f(s[0]))
         if op == Op.GELU:

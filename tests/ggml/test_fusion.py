@@ -102,3 +102,34 @@ def test_reference_backend_fused_block():
     assert n == 8 and len(g.compute_nodes()) < n_before
     # flash attention rounds Q, K and V to F16 as llama.cpp's CPU kernel does
     np.testing.assert_allclose(run(ref_be, g, b), ref, rtol=0, atol=2e-2)
+
+
+def test_post_norm_and_residual_add_fuse():
+    # Gemma's block ends: rms_norm(x)·w, then + the residual, in either operand order
+    dev = NumpyBackend("np")
+    rng = np.random.default_rng(0)
+    x = Tensor(T.F32, (16, 5), name="x").set_input()
+    r = Tensor(T.F32, (16, 5), name="r").set_input()
+    w = weight(dev, (16,), rng)
+    y1 = ops.add(ops.mul(ops.rms_norm(x, 1e-6), w), r)
+    y2 = ops.add(r, ops.rms_norm_mul(y1, w, 1e-6)).set_output()
+    g0 = Graph.build(y2)
+    Scheduler([dev]).alloc_graph(g0)
+    xv, rv = rng.standard_normal((5, 16)), rng.standard_normal((5, 16))
+    for t, v in ((x, xv), (r, rv)):
+        tensor_data(t)[...] = v
+    Scheduler([dev]).graph_compute(g0)
+    ref = np.array(tensor_data(y2))
+    g, n = fuse(Graph.build(y2), dev)
+    assert n == 3          # rms_norm·w, then two adds into it
+    assert [t.op for t in g.compute_nodes()] == [Op.RMS_NORM_MUL, Op.RMS_NORM_MUL]
+    assert all(len(t.src) == 3 for t in g.compute_nodes())
+    Scheduler([dev]).alloc_graph(g)
+    for t, v in ((x, xv), (r, rv)):
+        tensor_data(t)[...] = v
+    Scheduler([dev]).graph_compute(g)
+    np.testing.assert_allclose(tensor_data(g.nodes[-1]), ref, rtol=1e-6, atol=1e-6)
+    # a norm whose result is read again is not fused into the add
+    z = ops.rms_norm_mul(x, w, 1e-6)
+    g, n = fuse(Graph.build(ops.mul(ops.add(z, r), z).set_output()), dev)
+    assert n == 0

@@ -10,7 +10,7 @@ import pytest
 from llampy.ggml.backends.cpu import norm
 
 
-def _row_by_row(x, w, eps):
+def _row_by_row(x, w, eps, add=None):
     out = np.empty_like(x)
     for r in range(x.shape[0]):
         s = 0.0
@@ -19,6 +19,8 @@ def _row_by_row(x, w, eps):
         mean = np.float32(s / x.shape[1])
         scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(mean + eps)))
         out[r] = (x[r] * scale).astype(np.float32) * w[r % w.shape[0]]
+        if add is not None:
+            out[r] += add[r]
     return out
 
 
@@ -32,7 +34,11 @@ def test_rms_norm_mul_rows_match_the_one_row_loop(rows, n, w_rows):
     w = rng.standard_normal((rows if w_rows == "all" else 1, n)).astype(np.float32)
     eps = np.float32(1e-6)
     want = _row_by_row(x, w, eps)
+    add = rng.standard_normal((rows, n)).astype(np.float32)
+    want_add = _row_by_row(x, w, eps, add)
     for fn in (norm.rms_norm_mul_rows, norm.rms_norm_mul_rows_par):
         out = np.empty_like(x)
-        fn(x, w, eps, out)
+        fn(x, w, eps, out, np.zeros((1, 0), np.float32))
         assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), fn.__name__
+        fn(x, w, eps, out, add)          # with the residual add fused in (Gemma's post-norms)
+        assert np.array_equal(out.view(np.uint32), want_add.view(np.uint32)), fn.__name__

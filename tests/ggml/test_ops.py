@@ -111,6 +111,7 @@ CASES = {
     "geglu_fused": (lambda B: ops.geglu(B(F32, (3, 50))), 1e-5),
     "rms_norm_odd_permuted": (lambda B: ops.rms_norm(ops.permute(B(F32, (3, 5, 37)), 0, 2, 1, 3), 1e-5), 1e-6),
     "rms_norm_mul_bcast": (lambda B: ops.rms_norm_mul(B(F32, (2, 3, 40)), B(F32, (2, 1, 40)), 1e-6), 1e-6),
+    "rms_norm_mul_add": (lambda B: ops.rms_norm_mul(B(F32, (20, 64)), B(F32, (64,)), 1e-6, B(F32, (20, 64))), 1e-6),
     "norm_odd": (lambda B: ops.norm(B(F32, (2, 3, 23)), 1e-5), 1e-5),
     "soft_max_long_f32_mask_bcast": (lambda B: ops.soft_max_ext(B(F32, (3, 2, 100)), B(F32, (1, 4, 100), _soft_mask(4, 100)), 0.125), 1e-6),
     "soft_max_f16_mask_alibi_odd": (lambda B: ops.soft_max_ext(B(F32, (5, 3, 33)), B(F16, (3, 33), causal_mask(33, 3)), 1.0, 4.0), 1e-6),

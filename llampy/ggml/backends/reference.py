@@ -208,7 +208,10 @@ def k_rms_norm(node, dst, srcs):
 def k_rms_norm_mul(node, dst, srcs):
     x = K.to_float(srcs[0], node.src[0].type, F64)
     w = K.tile_to(K.to_float(srcs[1], node.src[1].type, F64), x.shape)
-    K.store(dst, node.type, _rms(x, node.op_params["eps"]) * w)
+    y = _rms(x, node.op_params["eps"]) * w
+    if len(srcs) > 2:
+        y = y + K.to_float(srcs[2], node.src[2].type, F64)
+    K.store(dst, node.type, y)
 
 
 def k_norm(node, dst, srcs):

@@ -144,10 +144,15 @@ def bind_rms_norm_mul(node, dst, srcs):
     wr = _rows2d(srcs[1])
     if wr is None:
         return None
+    add = np.zeros((1, 0), np.float32)
+    if len(srcs) > 2:       # the residual add fused in
+        add = _rows2d(srcs[2]) if node.src[2].type == T.F32 else None
+        if add is None or add.shape != x.shape:
+            return None
     from . import norm
     fn = norm.rms_norm_mul_rows_par if node.nelements >= PAR_MIN_ELEMENTS else norm.rms_norm_mul_rows
     eps = np.float32(node.op_params["eps"])
-    return lambda: fn(x, wr, eps, d)
+    return lambda: fn(x, wr, eps, d, add)
 
 
 def bind_rope(node, dst, srcs):

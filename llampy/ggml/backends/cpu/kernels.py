@@ -170,7 +170,10 @@ def k_rms_norm(node, dst, srcs, acc):
 def k_rms_norm_mul(node, dst, srcs, acc):
     x = to_float(srcs[0], node.src[0].type, acc)
     w = tile_to(to_float(srcs[1], node.src[1].type, acc), x.shape)
-    store(dst, node.type, _rms(x, node.op_params["eps"], acc) * w)
+    y = _rms(x, node.op_params["eps"], acc) * w
+    if len(srcs) > 2:      # the residual add, after the product's rounding as ggml's separate ADD has it
+        y = y + to_float(srcs[2], node.src[2].type, acc)
+    store(dst, node.type, y)
 
 
 def k_norm(node, dst, srcs, acc):

@@ -42,15 +42,25 @@ def norm_rows(x, eps, out):
 
 
 @njit(cache=True, inline="always")
-def _rms_mul_row(x, w, eps, out, r):
+def _rms_mul_out(xr, c, wr, ar, has_add, orow):
+    """One row's output: float32(x * scale) * w, then + the residual row ar when has_add (each product and the sum
+    rounded to float32, as ggml's RMS_NORM, MUL and ADD give them)."""
+    if has_add:
+        for i in range(xr.shape[0]):
+            orow[i] = np.float32(np.float32(xr[i] * c) * wr[i]) + ar[i]
+    else:
+        for i in range(xr.shape[0]):
+            orow[i] = np.float32(np.float32(xr[i] * c) * wr[i])
+
+
+@njit(cache=True, inline="always")
+def _rms_mul_row(x, w, eps, out, r, add):
     n = x.shape[1]
     s = 0.0
     for i in range(n):
         s += np.float64(np.float32(x[r, i] * x[r, i]))
     scale = _rms_scale(s, n, eps)
-    wr = w[r % w.shape[0]]
-    for i in range(n):
-        out[r, i] = np.float32(np.float32(x[r, i] * scale) * wr[i])
+    _rms_mul_out(x[r], scale, w[r % w.shape[0]], add[r % add.shape[0]], add.shape[1] > 0, out[r])
 
 
 @njit(cache=True, inline="always")
@@ -60,7 +70,7 @@ def _rms_scale(s, n, eps):
 
 
 @njit(cache=True, inline="always")
-def _rms_mul_rows4(x, w, eps, out, r):
+def _rms_mul_rows4(x, w, eps, out, r, add):
     """``_rms_mul_row`` for rows r..r+3 at once: each row's double sum still adds its squares one after another,
     in order, but the four sums are independent chains, so the core overlaps them (one chain waits ~4 cycles per
     addition: the sum, not the arithmetic, was the norm's cost)."""
@@ -74,14 +84,11 @@ def _rms_mul_rows4(x, w, eps, out, r):
         s3 += np.float64(np.float32(x3[i] * x3[i]))
     c0, c1, c2, c3 = _rms_scale(s0, n, eps), _rms_scale(s1, n, eps), _rms_scale(s2, n, eps), _rms_scale(s3, n, eps)
     for k, c in ((0, c0), (1, c1), (2, c2), (3, c3)):
-        wr = w[(r + k) % w.shape[0]]
-        xr, orow = x[r + k], out[r + k]
-        for i in range(n):
-            orow[i] = np.float32(np.float32(xr[i] * c) * wr[i])
+        _rms_mul_out(x[r + k], c, w[(r + k) % w.shape[0]], add[(r + k) % add.shape[0]], add.shape[1] > 0, out[r + k])
 
 
 @njit(cache=True, inline="always")
-def _rms_mul_rows16(x, w, eps, out, r):
+def _rms_mul_rows16(x, w, eps, out, r, add):
     """``_rms_mul_row`` for rows r..r+15: their double sums as the lanes of two vectors (``d8_add_squares``), each
     lane still adding its row's squares one after another, in order; the leftover columns continue each chain."""
     n = x.shape[1]
@@ -96,36 +103,34 @@ def _rms_mul_rows16(x, w, eps, out, r):
         xr = x[r + k]
         for i in range(n8, n):
             s += np.float64(np.float32(xr[i] * xr[i]))
-        c = _rms_scale(s, n, eps)
-        wr = w[(r + k) % w.shape[0]]
-        orow = out[r + k]
-        for i in range(n):
-            orow[i] = np.float32(np.float32(xr[i] * c) * wr[i])
+        _rms_mul_out(xr, _rms_scale(s, n, eps), w[(r + k) % w.shape[0]], add[(r + k) % add.shape[0]],
+                     add.shape[1] > 0, out[r + k])
 
 
 @njit(cache=True)
-def rms_norm_mul_rows(x, w, eps, out):
-    """rms_norm(x) * w as ggml's two ops compute it (the normalised row rounded to float32, then the product);
-    w [rows or 1, n] broadcast over x's rows. Sixteen rows at a time (``_rms_mul_rows16``), then four, then one."""
+def rms_norm_mul_rows(x, w, eps, out, add):
+    """rms_norm(x) * w (+ add) as ggml's ops compute it (the normalised row rounded to float32, then the product,
+    then the residual sum); w [rows or 1, n] broadcast over x's rows; add [rows, n], or [1, 0] for none. Sixteen
+    rows at a time (``_rms_mul_rows16``), then four, then one."""
     rows = x.shape[0]
     r16 = rows - rows % 16
     for r in range(0, r16, 16):
-        _rms_mul_rows16(x, w, eps, out, r)
+        _rms_mul_rows16(x, w, eps, out, r, add)
     r4 = rows - rows % 4
     for r in range(r16, r4, 4):
-        _rms_mul_rows4(x, w, eps, out, r)
+        _rms_mul_rows4(x, w, eps, out, r, add)
     for r in range(r4, rows):
-        _rms_mul_row(x, w, eps, out, r)
+        _rms_mul_row(x, w, eps, out, r, add)
 
 
 @njit(parallel=True, cache=True)
-def rms_norm_mul_rows_par(x, w, eps, out):
+def rms_norm_mul_rows_par(x, w, eps, out, add):
     rows = x.shape[0]
     r16 = rows - rows % 16
     for g in prange(r16 // 16):
-        _rms_mul_rows16(x, w, eps, out, 16 * g)
+        _rms_mul_rows16(x, w, eps, out, 16 * g, add)
     r4 = rows - rows % 4
     for r in range(r16, r4, 4):
-        _rms_mul_rows4(x, w, eps, out, r)
+        _rms_mul_rows4(x, w, eps, out, r, add)
     for r in range(r4, rows):
-        _rms_mul_row(x, w, eps, out, r)
+        _rms_mul_row(x, w, eps, out, r, add)
