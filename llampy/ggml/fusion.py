@@ -4,6 +4,9 @@
   RMS_NORM_MUL(x, w) + r                           -> RMS_NORM_MUL(x, w, r)     (r of the same shape: a post-norm
                                                                                  and the residual add after it)
   silu(g) · u,  gelu(g) · u                        -> SWIGLU(g, u), GEGLU(g, u) (same shapes)
+  SWIGLU(mul_mat(wg, x), mul_mat(wu, x)), GEGLU(..) -> MUL_MAT_GLU(wg, wu, x)   (one x, 2-D weights of one type and
+                                                                                 shape: the feed-forward's gate, up
+                                                                                 and gated unit)
   scale(tanh(scale(x, a)), b)                      -> SOFTCAP(x, a, b)          (no offsets)
   permute(mul_mat(vᵀ, soft_max_ext(kq, mask, s)), 0, 2, 1, 3), kq = mul_mat(k, q)
                                                    -> FLASH_ATTN_EXT(q, k, v, mask, s)
@@ -68,6 +71,13 @@ def _match(n: Tensor, users):
             if x.op in (Op.SILU, Op.GELU) and x.ne == u.ne == n.ne and x is not u and _private(x, users, n):
                 glu = ops.swiglu if x.op is Op.SILU else ops.geglu
                 return glu(x.src[0], u), [x]
+    if n.op in (Op.SWIGLU, Op.GEGLU) and len(n.src) == 2:
+        g, u = n.src[::-1] if n.op_params.get("swapped") else n.src
+        if (g.op is Op.MUL_MAT and u.op is Op.MUL_MAT and g is not u and g.src[1] is u.src[1]
+                and g.src[0].type == u.src[0].type and g.src[0].ne == u.src[0].ne and g.src[0].ne[2:] == (1, 1)
+                and _private(g, users, n) and _private(u, users, n)):
+            glu = "swiglu" if n.op is Op.SWIGLU else "geglu"
+            return ops.mul_mat_glu(g.src[0], u.src[0], g.src[1], glu), [g, u]
     if n.op is Op.ADD:
         a, b = n.src
         for p, r in ((a, b), (b, a)):

@@ -129,6 +129,17 @@ def mul_mat(a: Tensor, b: Tensor) -> Tensor:
     return _node(Op.MUL_MAT, F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), [a, b])
 
 
+# gate, up: [k, m]  b: [k, n, ne12, ne13]  ->  [m, n, ne12, ne13]: glu(mul_mat(gate, b)) * mul_mat(up, b), the
+# feed-forward's two products and its gated unit in one node (glu: "swiglu" or "geglu"); made by the fusion pass
+def mul_mat_glu(gate: Tensor, up: Tensor, b: Tensor, glu: str) -> Tensor:
+    _check(glu in ("swiglu", "geglu"), f"mul_mat_glu: unknown gated unit {glu!r}")
+    _check(gate.ne == up.ne and gate.type == up.type,
+           f"mul_mat_glu: gate {gate.shape_str()} and up {up.shape_str()} differ")
+    _check(gate.ne[2] == gate.ne[3] == 1, f"mul_mat_glu: the weights must be 2-D, got {gate.shape_str()}")
+    r = mul_mat(gate, b)
+    return _node(Op.MUL_MAT_GLU, F32, r.ne, [gate, up, b], {"glu": glu})
+
+
 # as_: [k, m, n_expert]  b: [k, n_used or 1, n_tokens]  ids: I32 [n_used, n_tokens]  ->  [m, n_used, n_tokens]
 def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
     _check(ids.type == I32 and ids.ne[2] == 1 and ids.ne[3] == 1, "mul_mat_id: ids must be a 2-D I32 matrix")

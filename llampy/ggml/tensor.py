@@ -68,6 +68,7 @@ class Op(Enum):
     # produced by the fusion pass only
     RMS_NORM_MUL = "rms_norm_mul"
     SOFTCAP = "softcap"
+    MUL_MAT_GLU = "mul_mat_glu"
 
 
 VIEW_OPS = frozenset({Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})

@@ -133,6 +133,10 @@ class NumpyBackend(NullBackend):
         if op in (Op.SWIGLU, Op.GEGLU):
             act = _silu if op == Op.SWIGLU else _gelu
             return act(_f(s[0])) * _f(s[1])
+        if op == Op.MUL_MAT_GLU:
+            act = _silu if p["glu"] == "swiglu" else _gelu
+            x = _f(s[2])
+            return act(_mul_mat(_f(s[0]), x)) * _mul_mat(_f(s[1]), x)
         if op == Op.SCALE:
             return _f(s[0]) * p["s"] + p["b"]
         if op == Op.SOFTCAP:

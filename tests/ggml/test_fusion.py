@@ -99,7 +99,7 @@ def test_reference_backend_fused_block():
     ref = run(ref_be, b.graph, b)
     n_before = len(b.graph.compute_nodes())
     g, n = fuse(b.graph, ref_be)
-    assert n == 8 and len(g.compute_nodes()) < n_before
+    assert n == 10 and len(g.compute_nodes()) < n_before      # per layer: 4 as test_block_fuses, 1 MUL_MAT_GLU
     # flash attention rounds Q, K and V to F16 as llama.cpp's CPU kernel does
     np.testing.assert_allclose(run(ref_be, g, b), ref, rtol=0, atol=2e-2)
 
@@ -133,3 +133,25 @@ def test_post_norm_and_residual_add_fuse():
     z = ops.rms_norm_mul(x, w, 1e-6)
     g, n = fuse(Graph.build(ops.mul(ops.add(z, r), z).set_output()), dev)
     assert n == 0
+
+
+def test_feed_forward_products_and_gated_unit_fuse():
+    dev = NumpyBackend("np")
+    dev.OPS = NumpyBackend.OPS | {Op.MUL_MAT_GLU}
+    b = Block([dev, dev])
+    ref = run(dev, b.graph, b)
+    g, n = fuse(b.graph, dev)
+    fused = [t for t in g.nodes if t.op is Op.MUL_MAT_GLU]
+    assert len(fused) == 2 and all(t.op_params["glu"] == "swiglu" for t in fused)
+    assert Op.SWIGLU not in {t.op for t in g.nodes}
+    assert [t.src[0].name for t in fused] == ["blk.0.ffn_gate", "blk.1.ffn_gate"]
+    np.testing.assert_allclose(run(dev, g, b), ref, rtol=1e-5, atol=1e-5)
+    # gate and up reading different inputs, or a product read elsewhere, stay as they are
+    rng = np.random.default_rng(0)
+    x = Tensor(T.F32, (8, 3), name="x").set_input()
+    y = Tensor(T.F32, (8, 3), name="y").set_input()
+    wg, wu = weight(dev, (8, 16), rng), weight(dev, (8, 16), rng)
+    gx = ops.mul_mat(wg, x)
+    for out in (ops.geglu(gx, ops.mul_mat(wu, y)), ops.add(ops.geglu(gx, ops.mul_mat(wu, x)), gx)):
+        g, n = fuse(Graph.build(out.set_output()), dev)
+        assert Op.MUL_MAT_GLU not in {t.op for t in g.nodes}

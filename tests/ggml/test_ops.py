@@ -140,6 +140,10 @@ CASES = {
     "mul_mat_iq4_nl": (lambda B: ops.mul_mat(B(T.IQ4_NL, (4, 64)), B(F32, (2, 64))), 1e-4),
     "mul_mat_f32_odd_k": (lambda B: ops.mul_mat(B(F32, (5, 37)), B(F32, (3, 37))), 1e-5),
     "mul_mat_permuted_b": (lambda B: ops.mul_mat(B(F16, (2, 5, 32)), ops.permute(B(F32, (3, 2, 32)), 0, 2, 1, 3)), 1e-5),
+    "mul_mat_glu_decode": (lambda B: ops.mul_mat_glu(B(T.Q5_0, (3, 64)), B(T.Q5_0, (3, 64)), B(F32, (2, 64)), "geglu"),
+                           1e-4),
+    "mul_mat_glu_prompt": (lambda B: ops.mul_mat_glu(B(T.Q4_1, (32, 64)), B(T.Q4_1, (32, 64)), B(F32, (19, 64)),
+                                                     "swiglu"), 1e-4),
     "mul_mat_id_per_used": (lambda B: ops.mul_mat_id(B(T.Q8_0, (6, 8, 64)), B(F32, (4, 3, 64)), B(I32, (4, 3), _perm_ids(4, 3, 6))), 1e-4),
     "flash_attn_tiled_f16": (lambda B: ops.flash_attn_ext(
         ops.permute(B(F32, (64, 2, 32)), 0, 2, 1, 3), B(F16, (1, 70, 32)), B(F16, (1, 70, 32)),

@@ -54,6 +54,19 @@ def k_mul_mat(node, dst, srcs):
             mul_mat_f64(srcs[0][i13 // r3, i12 // r2], a.type, x, dst[i13, i12])
 
 
+def k_mul_mat_glu(node, dst, srcs):
+    gate, up, b = node.src
+    g, u = np.empty(dst.shape, np.float32), np.empty(dst.shape, np.float32)
+    for i13 in range(b.ne[3]):
+        for i12 in range(b.ne[2]):
+            x = K.to_float(srcs[2][i13, i12], b.type, np.float32)
+            mul_mat_f64(srcs[0][0, 0], gate.type, x, g[i13, i12])
+            mul_mat_f64(srcs[1][0, 0], up.type, x, u[i13, i12])
+    with np.errstate(over="ignore"):
+        act = K.silu(g.astype(F64), F64) if node.op_params["glu"] == "swiglu" else K.gelu(g.astype(F64), F64)
+    K.store(dst, node.type, act * u)
+
+
 def k_mul_mat_id(node, dst, srcs):
     as_, b, _ = node.src
     sel = np.asarray(srcs[2])[0, 0]                                   # (n_tokens, n_used)
@@ -236,7 +249,8 @@ def _with_acc(fn):
 
 
 _TABLE = {
-    Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope, Op.FLASH_ATTN_EXT: k_flash_attn,
+    Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_GLU: k_mul_mat_glu, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope,
+    Op.FLASH_ATTN_EXT: k_flash_attn,
     Op.SOFT_MAX: k_soft_max, Op.RMS_NORM: k_rms_norm, Op.RMS_NORM_MUL: k_rms_norm_mul, Op.NORM: k_norm,
     Op.GET_ROWS: k_get_rows,
 }

@@ -55,7 +55,8 @@ class CPUBackend(Backend):
 
     # ------------------------------------------------------------ ops
     def supports_op(self, node: Tensor) -> bool:
-        if node.op in VIEW_OPS or node.op in _TABLE or node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.FLASH_ATTN_EXT):
+        if node.op in VIEW_OPS or node.op in _TABLE or node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.MUL_MAT_GLU,
+                                                                     Op.FLASH_ATTN_EXT):
             if node.op == Op.FLASH_ATTN_EXT:
                 return all(s.type in (T.F16, T.F32) or TYPE_TRAITS[s.type].is_quantized for s in node.src[1:3])
             return True
@@ -74,6 +75,8 @@ class CPUBackend(Backend):
             return self._bind_mul_mat(node, dst, srcs)
         if op == Op.MUL_MAT_ID:
             return self._bind_mul_mat_id(node, dst, srcs)
+        if op == Op.MUL_MAT_GLU:
+            return self._bind_mul_mat_glu(node, dst, srcs)
         if op == Op.FLASH_ATTN_EXT:
             return self._bind_flash_attn(node, dst, srcs)
         binder = BINDERS.get(op)
@@ -109,6 +112,49 @@ class CPUBackend(Backend):
                 if btype != T.F32:
                     x = K.to_float(x, btype, np.float32)
                 mm(wa[i13 // r3, i12 // r2], wtype, x, dst[i13, i12], self.exact_max_rows)
+        return run
+
+    def _bind_mul_mat_glu(self, node, dst, srcs):
+        """The fused kernel where it applies (``matmul.bind_mul_mat_glu``), else the node's three ops bound as the
+        unfused graph would bind them: the two products into buffers of their own, then the gated unit."""
+        from ... import ops
+        wg_t, wu_t, x_t = node.src
+        gate, up = ops.mul_mat(wg_t, x_t), ops.mul_mat(wu_t, x_t)        # stand-ins, never in a graph
+        glu = (ops.swiglu if node.op_params["glu"] == "swiglu" else ops.geglu)(gate, up)
+
+        def bind_unfused():
+            g, u = np.empty(dst.shape, np.float32), np.empty(dst.shape, np.float32)
+            calls = [self._bind_mul_mat(gate, g, [srcs[0], srcs[2]]), self._bind_mul_mat(up, u, [srcs[1], srcs[2]])]
+            binder = BINDERS.get(glu.op)
+            call = binder(glu, dst, [g, u]) if binder is not None else None
+            calls.append(call if call is not None else (lambda: K.k_glu(glu, dst, [g, u], self.acc)))
+            return calls
+
+        if x_t.ne[2] == x_t.ne[3] == 1 and x_t.type == T.F32:
+            from .matmul import act_scratch, bind_mul_mat_glu
+            x2 = srcs[2][0, 0]
+            late = []
+
+            def run_unfused():          # a batch past the integer path's limit, bound on first use
+                if not late:
+                    saved, self._quantized = self._quantized, {}     # outside planning: no reuse to claim
+                    try:
+                        late.extend(bind_unfused())
+                    finally:
+                        self._quantized = saved
+                for c in late:
+                    c()
+            fast = bind_mul_mat_glu(srcs[0][0, 0], srcs[1][0, 0], wg_t.type, x2, dst[0, 0], node.op_params["glu"],
+                                    lambda: self.exact_max_rows, run_unfused)
+            if fast is not None:
+                # the activation buffers now hold this x (a later product of the same x may reuse them)
+                self._quantized[id(act_scratch(x2.shape[0], x2.shape[1], wg_t.type))] = (x_t.id, id(self._owner(x_t)))
+                return fast
+        calls = bind_unfused()
+
+        def run():
+            for c in calls:
+                c()
         return run
 
     def _bind_mul_mat_id(self, node, dst, srcs):

@@ -129,6 +129,39 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
     return run
 
 
+def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, glu: str,
+                     limit_fn, unfused):
+    """A MUL_MAT_GLU node's fused call (``qdot._mv_rows16_glu``: both products and the gated unit per tile, neither
+    product stored), bound once; None where that kernel does not apply: a 32-value format on an AVX-512 VNNI CPU,
+    at least ``ROWS16_MIN_N`` activation rows, weight rows a multiple of 16, float32 rows contiguous. ``unfused()``
+    runs the node as its three ops, for batches past ``limit_fn()``'s integer-path limit (as ``bind_mul_mat``)."""
+    wtype = GGMLType(wtype)
+    n, k = x.shape
+    kernel = qdot.GLU_KERNELS.get(wtype.name.lower())
+    vdt = TYPE_TRAITS[wtype].vec_dot_type
+    if kernel is None or not ROWS16 or n < ROWS16_MIN_N or wg.shape[0] % 16 or vdt not in (T.Q8_0, T.Q8_1):
+        return None
+    if x.dtype != np.float32 or x.strides[-1] != 4 or out.dtype != np.float32 or out.strides[-1] != 4:
+        return None
+    if out.shape != (n, wg.shape[0]) or wg.shape != wu.shape or wg.strides[-1] != 1 or wu.strides[-1] != 1:
+        return None
+    from .act import gelu_table
+    from .act_quant import q8_0_quantizer
+    scratch = act_scratch(n, k, wtype)
+    xq, xd, xs, with_s = scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1
+    quantize = q8_0_quantizer(n)
+    code = qdot.GLU_SWIGLU if glu == "swiglu" else qdot.GLU_GEGLU
+    table = gelu_table() if code == qdot.GLU_GEGLU else np.zeros(1, np.float32)
+
+    def run():
+        limit = limit_fn()
+        if n > (DECODE_MAX_ROWS if limit is None else limit):
+            return unfused()
+        quantize(x, xq, xd, xs, with_s)
+        kernel(wg, wu, xq, xd, xs, out, code, table)
+    return run
+
+
 def act_scratch(n: int, k: int, wtype: GGMLType):
     """The activation buffers a bound product of this weight type and shape quantizes x into (shared by every
     product of the same shape and dot type: the calls run one after another)."""

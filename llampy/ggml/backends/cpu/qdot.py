@@ -21,8 +21,8 @@ from numba.extending import intrinsic
 
 from .simd import (ROWS16, UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store,
                    f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero,
-                   fma32, i32_transpose16x8, i8_flip, i8_store, i8_to_f8, rows16_pairs2, v16_add, v16_fma, v16_load, v16_scale, v16_store,
-                   v16_tree8, v16_zero)
+                   fma32, i32_transpose16x8, i8_flip, i8_store, i8_to_f8, rows16_pairs2, v16_add, v16_fma, v16_geglu,
+                   v16_load, v16_mul, v16_scale, v16_silu, v16_store, v16_tree8, v16_zero)
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -404,25 +404,69 @@ def _mv_rows16(w, xq, xd, xs, out, tab, kind):
         mws = np.empty((nb, 16), np.float32)
         _rows16_prep(kind, w, r0, nb, tmp, ws, dws, mws)
         for i in range(0, n8, 2):
-            z = v16_zero()
-            acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
-            s0 = s1 = z
-            for b in range(nb):
-                dw = v16_load(dws[b], 0)
-                d0, d1 = v16_scale(dw, xd[i, b]), v16_scale(dw, xd[i + 1, b])
-                if _signed(kind):
-                    acc = rows16_pairs2(ws, 512 * b, xq, i, 32 * b, xls, 8 * b, True, d0, d1, acc)
-                else:
-                    acc = rows16_pairs2(ws, 512 * b, xq, i, 32 * b, xls, 8 * b, False, d0, d1, acc)
-                    m = v16_load(mws[b], 0)
-                    s0 = v16_fma(m, xs[i, b], s0)
-                    s1 = v16_fma(m, xs[i + 1, b], s1)
-            if _signed(kind):
-                v16_store(out[i], r0, v16_tree8(acc, 0))
-                v16_store(out[i + 1], r0, v16_tree8(acc, 1))
+            v0, v1 = _rows16_pair(kind, ws, dws, mws, xq, xd, xs, xls, i, nb)
+            v16_store(out[i], r0, v0)
+            v16_store(out[i + 1], r0, v1)
+
+
+@njit(cache=True, inline="always")
+def _rows16_pair(kind, ws, dws, mws, xq, xd, xs, xls, i, nb):
+    """Sixteen weight rows (``_rows16_prep``'s ws, dws, mws) against activation rows i and i + 1: the two rows'
+    sixteen dot products, as two sixteen-lane vectors."""
+    z = v16_zero()
+    acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+    s0 = s1 = z
+    for b in range(nb):
+        dw = v16_load(dws[b], 0)
+        d0, d1 = v16_scale(dw, xd[i, b]), v16_scale(dw, xd[i + 1, b])
+        if _signed(kind):
+            acc = rows16_pairs2(ws, 512 * b, xq, i, 32 * b, xls, 8 * b, True, d0, d1, acc)
+        else:
+            acc = rows16_pairs2(ws, 512 * b, xq, i, 32 * b, xls, 8 * b, False, d0, d1, acc)
+            m = v16_load(mws[b], 0)
+            s0 = v16_fma(m, xs[i, b], s0)
+            s1 = v16_fma(m, xs[i + 1, b], s1)
+    if _signed(kind):
+        return v16_tree8(acc, 0), v16_tree8(acc, 1)
+    return v16_add(v16_tree8(acc, 0), s0), v16_add(v16_tree8(acc, 1), s1)
+
+
+GLU_SWIGLU, GLU_GEGLU = 0, 1
+
+
+@njit(cache=True, inline="always")
+def _mv_rows16_glu(wg, wu, xq, xd, xs, out, kind, glu, table):
+    """A feed-forward's gate and up products and its gated unit in one pass (the MUL_MAT_GLU node): per group of
+    sixteen weight rows both matrices are prepared once, and per pair of activation rows both tiles are computed
+    (``_rows16_pair``, the products' exact bits) and combined in registers as ggml's vector GLU does it (glu:
+    ``GLU_SWIGLU`` ggml_v_silu(g) * u, ``GLU_GEGLU`` the F16 GELU table times u, ``table``), so neither product is
+    written to memory and read back. rows % 16 == 0 (every group of sixteen is a full vector of the GLU's rows) and
+    n >= 2 (an odd last row is computed with the one before it, whose values it writes again, unchanged)."""
+    rows = wg.shape[0]
+    n, k = xq.shape
+    nb = k // 32
+    xls = _offset_lane_sums(kind, xq)
+    for g in prange(rows // 16):
+        r0 = 16 * g
+        tmp = np.empty(512, np.uint8)
+        wsg = np.empty(nb * 512, np.uint8)
+        wsu = np.empty(nb * 512, np.uint8)
+        dwg = np.empty((nb, 16), np.float32)
+        dwu = np.empty((nb, 16), np.float32)
+        mwg = np.empty((nb, 16), np.float32)
+        mwu = np.empty((nb, 16), np.float32)
+        _rows16_prep(kind, wg, r0, nb, tmp, wsg, dwg, mwg)
+        _rows16_prep(kind, wu, r0, nb, tmp, wsu, dwu, mwu)
+        for p in range((n + 1) // 2):
+            i = min(2 * p, n - 2)
+            g0, g1 = _rows16_pair(kind, wsg, dwg, mwg, xq, xd, xs, xls, i, nb)
+            u0, u1 = _rows16_pair(kind, wsu, dwu, mwu, xq, xd, xs, xls, i, nb)
+            if glu == GLU_SWIGLU:
+                v16_store(out[i], r0, v16_mul(v16_silu(g0), u0))
+                v16_store(out[i + 1], r0, v16_mul(v16_silu(g1), u1))
             else:
-                v16_store(out[i], r0, v16_add(v16_tree8(acc, 0), s0))
-                v16_store(out[i + 1], r0, v16_add(v16_tree8(acc, 1), s1))
+                v16_store(out[i], r0, v16_geglu(g0, u0, table))
+                v16_store(out[i + 1], r0, v16_geglu(g1, u1, table))
 
 
 @njit(cache=True, inline="always")
@@ -614,6 +658,35 @@ def _rest_q5_1(w, xq, xd, xs, out, tab, n8):
 
 def mv_q5_1(w, xq, xd, xs, out, tab):
     _mv_legacy(_tiles_q5_1, _rows16_q5_1, _rest_q5_1, w, xq, xd, xs, out, tab)
+
+
+# MUL_MAT_GLU's fused kernels (sixteen-row tiles only: where the CPU has AVX-512 VNNI)
+@njit(parallel=True, cache=True, nogil=True)
+def _glu_q8_0(wg, wu, xq, xd, xs, out, glu, table):
+    _mv_rows16_glu(wg, wu, xq, xd, xs, out, K_Q8_0, glu, table)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _glu_q4_0(wg, wu, xq, xd, xs, out, glu, table):
+    _mv_rows16_glu(wg, wu, xq, xd, xs, out, K_Q4_0, glu, table)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _glu_q4_1(wg, wu, xq, xd, xs, out, glu, table):
+    _mv_rows16_glu(wg, wu, xq, xd, xs, out, K_Q4_1, glu, table)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _glu_q5_0(wg, wu, xq, xd, xs, out, glu, table):
+    _mv_rows16_glu(wg, wu, xq, xd, xs, out, K_Q5_0, glu, table)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _glu_q5_1(wg, wu, xq, xd, xs, out, glu, table):
+    _mv_rows16_glu(wg, wu, xq, xd, xs, out, K_Q5_1, glu, table)
+
+
+GLU_KERNELS = {"q8_0": _glu_q8_0, "q4_0": _glu_q4_0, "q4_1": _glu_q4_1, "q5_0": _glu_q5_0, "q5_1": _glu_q5_1}
 
 
 # ------------------------------------------------------------------------------------------ tile dequantization
