@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import v16_abs, v16_hmax, v16_load, v16_max, v16_q8
+from .simd import v16_abs, v16_find_abs, v16_hmax, v16_load, v16_max, v16_q8
 
 from ...types import GGMLType, QK_K, TYPE_TRAITS
 
@@ -101,9 +101,10 @@ def _q8_k_row(x, xq, xd, bsums, vec, i):
                 m = v16_max(m, v16_abs(v16_load(xr, o + j)))
             amax = v16_hmax(m)
             mx = np.float32(0.0)
-            for j in range(256):
-                if abs(xr[o + j]) == amax:
-                    mx = xr[o + j]
+            for j in range(0, 256, 16):         # the first value of largest |x|, sixteen lanes per compare
+                l = v16_find_abs(v16_load(xr, o + j), amax)
+                if l < 16:
+                    mx = xr[o + j + l]
                     break
             if mx == 0:         # no match: NaNs only, which the scalar scan skips (an all-zero block)
                 amax = np.float32(0.0)

@@ -566,6 +566,22 @@ def v16_abs(typingctx, a):
 
 
 @intrinsic
+def v16_find_abs(typingctx, a, m):
+    """The first lane l with |a[l]| == m (m a float32), or 16 where there is none: one compare and a count of
+    trailing zeros of its mask."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        mv = _splat16(builder, context.cast(builder, args[1], sig.args[1], types.float32))
+        eq = builder.fcmp_ordered("==", _call(builder, "llvm.fabs.v16f32", _F16x, [args[0]]), mv)
+        bits = builder.zext(builder.bitcast(eq, _I16), _I32)
+        return _call(builder, "llvm.cttz.i32", _I32, [builder.or_(bits, ir.Constant(_I32, 1 << 16)),
+                                                      ir.Constant(ir.IntType(1), 0)])
+    return types.int32(f16l, m), codegen
+
+
+@intrinsic
 def v16_q8(typingctx, out, i, v, s, clamp):
     """The activation quantizers' rounding, sixteen lanes at once: q = rint(v * s) (float32 product, round half to
     even), at most 127 when the literal ``clamp`` is true (Q8_K), stored as int8 at out[i:i+16]; returns the sum of
