@@ -93,3 +93,17 @@ def test_sub_spans_follow_the_mask():
     lo, hi = A._sub_spans(mask, 100, 160)
     assert lo.tolist() == [[0, 0, 45, 77]]
     assert hi.tolist() == [[92, 0, 156, 160]]
+
+
+def test_sub_spans_on_random_masks():
+    # the scans go sixteen cells per compare (simd.v16_mask_ne) and finish one by one: any sizes, any patterns
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n_q, n_kv = int(rng.integers(1, 90)), int(rng.integers(1, 200))
+        vis = rng.random((2, 2, n_q, n_kv)) < rng.choice([0.0, 0.02, 0.3])
+        mask = np.where(vis, rng.standard_normal(vis.shape), -np.inf).astype(np.float32)
+        lo, hi = A._sub_spans(mask, n_q, n_kv)
+        for a in range(2):
+            for j in range((n_q + A.SUB - 1) // A.SUB):
+                idx = np.flatnonzero(vis[a, :, j * A.SUB:(j + 1) * A.SUB].any(axis=(0, 1)))
+                assert (lo[a, j], hi[a, j]) == ((idx[0], idx[-1] + 1) if idx.size else (0, 0))

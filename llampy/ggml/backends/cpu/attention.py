@@ -19,8 +19,8 @@ from numba.extending import overload
 from .kernels import alibi_slopes
 from .qdot import F16_TABLE
 from .blas import sgemm
-from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_load, v16_max, v16_reduce, v16_round_f16,
-                   v16_scale, v16_splat, v16_store, v16_zero)
+from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_load, v16_mask_ne, v16_max, v16_reduce,
+                   v16_round_f16, v16_scale, v16_splat, v16_store, v16_zero)
 
 Q_TILE = 64
 
@@ -380,6 +380,24 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
 USE_TILES = True    # False: the numpy path even where the Numba-called BLAS is available (tests compare the two)
 
 
+@njit(cache=True, inline="always")
+def _ctz16(bits):
+    """Index of the lowest set bit of a nonzero sixteen-bit mask."""
+    k = 0
+    while not (bits >> k) & 1:
+        k += 1
+    return k
+
+
+@njit(cache=True, inline="always")
+def _clz16(bits):
+    """15 - index of the highest set bit of a nonzero sixteen-bit mask."""
+    k = 15
+    while not (bits >> k) & 1:
+        k -= 1
+    return 15 - k
+
+
 @njit(cache=True, nogil=True)
 def _sub_spans(mask, n_q, n_kv):
     """The span of cells [lo, hi) each sub-block of SUB queries sees (any head's mask row), per mask batch: lo, hi
@@ -396,10 +414,22 @@ def _sub_spans(mask, n_q, n_kv):
                 for i in range(j * SUB, min(n_q, (j + 1) * SUB)):
                     row = mask[a, b, i]
                     c = 0
+                    while c + 16 <= l:          # sixteen cells per compare while they are all masked
+                        bits = v16_mask_ne(v16_load(row, c), -np.inf)
+                        if bits:
+                            c += _ctz16(bits)
+                            break
+                        c += 16
                     while c < l and row[c] == -np.inf:
                         c += 1
                     l = c
                     c = n_kv
+                    while c - 16 >= h:
+                        bits = v16_mask_ne(v16_load(row, c - 16), -np.inf)
+                        if bits:
+                            c -= _clz16(bits)
+                            break
+                        c -= 16
                     while c > h and row[c - 1] == -np.inf:
                         c -= 1
                     h = c

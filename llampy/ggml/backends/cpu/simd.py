@@ -582,6 +582,18 @@ def v16_find_abs(typingctx, a, m):
 
 
 @intrinsic
+def v16_mask_ne(typingctx, a, m):
+    """Bit l set where a[l] != m (m a float32; a NaN lane counts as different), as an int32 of sixteen bits."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        mv = _splat16(builder, context.cast(builder, args[1], sig.args[1], types.float32))
+        return builder.zext(builder.bitcast(builder.fcmp_unordered("!=", args[0], mv), _I16), _I32)
+    return types.int32(f16l, m), codegen
+
+
+@intrinsic
 def v16_q8(typingctx, out, i, v, s, clamp):
     """The activation quantizers' rounding, sixteen lanes at once: q = rint(v * s) (float32 product, round half to
     even), at most 127 when the literal ``clamp`` is true (Q8_K), stored as int8 at out[i:i+16]; returns the sum of
