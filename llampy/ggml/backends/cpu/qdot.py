@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import (ROWS16, UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store,
@@ -51,6 +52,30 @@ def prefetch_byte(typingctx, arr, off):
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
     return sig, codegen
+
+
+@intrinsic
+def prefetch_write(typingctx, arr, i, j):
+    """llvm.prefetch for writing of element (i, j) of a 2-D float32 array: the tiles store one cache line per output
+    row, rows apart, a pattern the hardware prefetchers do not follow; asking for the line a few rows ahead hides
+    the read-for-ownership of an output buffer that is no longer in cache. Callers keep (i, j) inside arr."""
+    sig = types.void(arr, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        s0 = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
+        i8p = ir.IntType(8).as_pointer()
+        off = builder.add(builder.mul(args[1], s0), builder.mul(args[2], ir.Constant(s0.type, 4)))
+        ptr = builder.gep(builder.bitcast(ary.data, i8p), [off])
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, fnty, "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+OUT_AHEAD = 8   # activation rows ahead whose output line is prefetched for writing
 
 
 @njit(cache=True, inline="always")
@@ -404,6 +429,9 @@ def _mv_rows16(w, xq, xd, xs, out, tab, kind):
         mws = np.empty((nb, 16), np.float32)
         _rows16_prep(kind, w, r0, nb, tmp, ws, dws, mws)
         for i in range(0, n8, 2):
+            if i + OUT_AHEAD + 1 < n8:
+                prefetch_write(out, i + OUT_AHEAD, r0)
+                prefetch_write(out, i + OUT_AHEAD + 1, r0)
             v0, v1 = _rows16_pair(kind, ws, dws, mws, xq, xd, xs, xls, i, nb)
             v16_store(out[i], r0, v0)
             v16_store(out[i + 1], r0, v1)
@@ -459,6 +487,9 @@ def _mv_rows16_glu(wg, wu, xq, xd, xs, out, kind, glu, table):
         _rows16_prep(kind, wu, r0, nb, tmp, wsu, dwu, mwu)
         for p in range((n + 1) // 2):
             i = min(2 * p, n - 2)
+            if i + OUT_AHEAD + 1 < n:
+                prefetch_write(out, i + OUT_AHEAD, r0)
+                prefetch_write(out, i + OUT_AHEAD + 1, r0)
             g0, g1 = _rows16_pair(kind, wsg, dwg, mwg, xq, xd, xs, xls, i, nb)
             u0, u1 = _rows16_pair(kind, wsu, dwu, mwu, xq, xd, xs, xls, i, nb)
             if glu == GLU_SWIGLU:

@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot import ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step, rows16_transpose
+from .qdot import OUT_AHEAD, ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step, prefetch_write, rows16_transpose
 from .qdot_k import _scale_min
 from .simd import (AVX2, VNNI, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
                    f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8, nib_split_store, q4k_rows16_pair, v16_load, v16_scale,
@@ -659,6 +659,9 @@ def mm_q4_k_rows16(w, xq, xd, bsums, out, n_gemm):
         _q4k_rows16_prep(w, r0, nr, nb, tmp, ws, scs, dws, mws)
         sflat = scs.reshape(-1)
         for i in range(0, n_gemm, 2):
+            if i + OUT_AHEAD + 1 < n_gemm and nr == 16:
+                prefetch_write(out, i + OUT_AHEAD, r0)
+                prefetch_write(out, i + OUT_AHEAD + 1, r0)
             z = v16_zero()
             acc = (z, z, z, z)
             for b in range(nb):

@@ -29,7 +29,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .qdot import _f16, rows16_transpose
+from .qdot import OUT_AHEAD, _f16, prefetch_write, rows16_transpose
 from .qdot_k import _scale_min
 from .qdot_ks import hsum8x_ir, i8_lane
 from .simd import (AVX2, VNNI, _call, _load, _ptr, f16_at, fma32, i8, q6k_decode_store, q6k_rows16_sb, v16_load,
@@ -248,6 +248,8 @@ def mm_q6_k_rows16(w, xq, xd, bsums, out, n2):
                 v16_store(part[i + 1], 0, acc[1])
         for i in range(n2):
             if nr == 16:
+                if i + OUT_AHEAD < n2:
+                    prefetch_write(out, i + OUT_AHEAD, r0)
                 v16_store(out[i], r0, v16_load(part[i], 0))
             else:
                 for r in range(nr):
