@@ -39,3 +39,31 @@ def test_tables_follow_the_positions_and_the_constants():
     run_a()
     assert np.array_equal(out_a, want_a2)
     assert not np.array_equal(want_a2, want_a)
+
+
+def _rotate_one_by_one(x, cos, sin, n_dims, neox):
+    """ggml's rotation per pair: fma(x0, cos, -(x1 * sin)) and fma(x0, sin, x1 * cos), the products of x1 rounded
+    to float32; the fma's exact sum through float64 (the product of two floats is exact there)."""
+    out = x.copy()
+    half = n_dims // 2
+    for j in range(half):
+        i0, i1 = (j, j + half) if neox else (2 * j, 2 * j + 1)
+        c, s = cos[:, j][None, :, None].astype(np.float64), sin[:, j][None, :, None].astype(np.float64)
+        x0, x1 = x[..., i0].astype(np.float64), x[..., i1]
+        out[..., i0] = (x0 * c - (x1 * sin[:, j][None, :, None]).astype(np.float32)).astype(np.float32)
+        out[..., i1] = (x0 * s + (x1 * cos[:, j][None, :, None]).astype(np.float32)).astype(np.float32)
+    return out
+
+
+def test_neox_halves_sixteen_lanes_at_a_time_keep_the_bits():
+    # NEOX pairs (j, j + n_dims/2) go sixteen per step (simd v16_fma), the rest and the normal mode one by one
+    rng = np.random.default_rng(3)
+    for hd, n_dims, neox in ((256, 256, True), (64, 40, True), (64, 64, False)):
+        x = (rng.standard_normal((1, 9, 3, hd)) * 10.0 ** rng.uniform(-3, 3, (1, 9, 3, hd))).astype(np.float32)
+        ang = rng.uniform(0, 100, (9, n_dims // 2))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        want = _rotate_one_by_one(x, cos, sin, n_dims, neox)
+        for apply in (R.rope_apply, R.rope_apply_1):
+            out = np.empty_like(x)
+            apply(x, out, cos, sin, n_dims, neox)
+            assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), (hd, n_dims, neox)

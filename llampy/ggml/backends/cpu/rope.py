@@ -1,12 +1,14 @@
 """ROPE with ggml's exact float32 arithmetic: theta = pos, multiplied by theta_scale pair after pair; cosf/sinf
 (Numba's float32 math calls the C library's, as ggml does); the rotation with the compiler's fused multiply-add
-(x0*cos - x1*sin computed as fma(x0, cos, -(x1*sin)))."""
+(x0*cos - x1*sin computed as fma(x0, cos, -(x1*sin))); NEOX's halves sixteen lanes at a time."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 from numba import njit, prange
+
+from .simd import v16_fma, v16_load, v16_mul, v16_scale, v16_store
 
 
 @njit(cache=True)
@@ -38,10 +40,18 @@ def rope_cache(pos, n_dims, theta_scale, freq_scale, ff, has_ff, ext_factor, msc
 def _rope_token(x, out, cos, sin, n_dims, neox, t):
     ne3, nt, nh, hd = x.shape
     half = n_dims // 2
+    # NEOX pairs (j, j + half) lie in two runs: sixteen pairs per step, the same fused multiply-adds
+    h16 = half - half % 16 if neox else 0
     if True:
         for a in range(ne3):
             for h in range(nh):
-                for j in range(half):
+                xr, orow = x[a, t, h], out[a, t, h]
+                for j in range(0, h16, 16):
+                    c, s = v16_load(cos[t], j), v16_load(sin[t], j)
+                    x0, x1 = v16_load(xr, j), v16_load(xr, j + half)
+                    v16_store(orow, j, v16_fma(x0, c, v16_scale(v16_mul(x1, s), np.float32(-1.0))))
+                    v16_store(orow, j + half, v16_fma(x0, s, v16_mul(x1, c)))
+                for j in range(h16, half):
                     if neox:
                         i0, i1 = j, j + half
                     else:
