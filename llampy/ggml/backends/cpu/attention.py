@@ -459,8 +459,8 @@ def _attend_tiles(fn, q, kf, vf, mask, out, sc, softcap, slopes, nt):
     """Softmax attention per (batch, KV head, chunk of Q_CHUNK queries), its products BLAS calls (``blas.sgemm``)
     from this kernel. A chunk's rows are (query, head of the group), query-major; the cells every sub-block of it
     sees are one product, [lo, min hi), and each sub-block of SUB queries adds the cells past that up to its own
-    end: under a causal mask the chunk's diagonal costs SUB-wide steps rather than a full square (4/5 of the
-    products' work at 512 queries, against the chunk-wide spans). Items are dealt to the nt threads by their work,
+    end: under a causal mask the chunk's diagonal costs SUB-wide steps rather than a full square (at 512 queries
+    0.85 of the chunk-wide spans' work, 6% over the visible cells). Items are dealt to the nt threads by their work,
     largest first. q (ne3, n_head, n_q, d), kf / vf (.., n_head_kv, n_kv, d) float32 contiguous, mask (m3, m2, >=
     n_q, n_kv) or an empty last axis; out (ne3, n_q, n_head, dv)."""
     ne3, n_head, n_q, d = q.shape
