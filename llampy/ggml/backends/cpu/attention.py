@@ -19,7 +19,7 @@ from numba.extending import overload
 from .kernels import alibi_slopes
 from .qdot import F16_TABLE
 from .blas import sgemm
-from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_load, v16_mask_ne, v16_max, v16_reduce,
+from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_find_ne, v16_load, v16_max, v16_reduce,
                    v16_round_f16, v16_scale, v16_splat, v16_store, v16_zero)
 
 Q_TILE = 64
@@ -380,24 +380,6 @@ def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
 USE_TILES = True    # False: the numpy path even where the Numba-called BLAS is available (tests compare the two)
 
 
-@njit(cache=True, inline="always")
-def _ctz16(bits):
-    """Index of the lowest set bit of a nonzero sixteen-bit mask."""
-    k = 0
-    while not (bits >> k) & 1:
-        k += 1
-    return k
-
-
-@njit(cache=True, inline="always")
-def _clz16(bits):
-    """15 - index of the highest set bit of a nonzero sixteen-bit mask."""
-    k = 15
-    while not (bits >> k) & 1:
-        k -= 1
-    return 15 - k
-
-
 @njit(cache=True, nogil=True)
 def _sub_spans(mask, n_q, n_kv):
     """The span of cells [lo, hi) each sub-block of SUB queries sees (any head's mask row), per mask batch: lo, hi
@@ -415,27 +397,31 @@ def _sub_spans(mask, n_q, n_kv):
                     row = mask[a, b, i]
                     c = 0
                     while c + 16 <= l:          # sixteen cells per compare while they are all masked
-                        bits = v16_mask_ne(v16_load(row, c), -np.inf)
-                        if bits:
-                            c += _ctz16(bits)
+                        f = v16_find_ne(v16_load(row, c), -np.inf, False)
+                        c += f
+                        if f < 16:
                             break
-                        c += 16
                     while c < l and row[c] == -np.inf:
                         c += 1
                     l = c
                     c = n_kv
                     while c - 16 >= h:
-                        bits = v16_mask_ne(v16_load(row, c - 16), -np.inf)
-                        if bits:
-                            c -= _clz16(bits)
+                        f = v16_find_ne(v16_load(row, c - 16), -np.inf, True)
+                        c -= 15 - f
+                        if f >= 0:
                             break
-                        c -= 16
                     while c > h and row[c - 1] == -np.inf:
                         c -= 1
                     h = c
             if h > l:
                 lo[a, j], hi[a, j] = l, h
     return lo, hi
+
+
+@njit(cache=True, inline="always")
+def _sub_rows(j, q0, nq, rk):
+    """(first row, rows) of sub-block j in the chunk of nq queries from q0, rk rows per query."""
+    return (j * SUB - q0) * rk, (min(q0 + nq, (j + 1) * SUB) - j * SUB) * rk
 
 
 @njit(cache=True, nogil=True)
@@ -448,10 +434,24 @@ def _scores(fn, A, ao, d, kb, sbuf, rows, lo, hmin, W, shi, j0, j1, q0, nq, rk):
     for j in range(j0, j1):
         h = max(lo, shi[j])
         if h > hmin:
-            r0 = (j * SUB - q0) * rk
-            nr = (min(q0 + nq, (j + 1) * SUB) - j * SUB) * rk
+            r0, nr = _sub_rows(j, q0, nq, rk)
             sgemm(fn, True, nr, h - hmin, d, A, ao + r0 * d, d, kb, hmin * d, d, np.float32(0.0),
                   sbuf, r0 * W + hmin - lo, W)
+
+
+@njit(cache=True, nogil=True)
+def _weighted_sums(fn, sbuf, W, vb, dv, obuf, rows, lo, hmin, shi, j0, j1, q0, nq, rk):
+    """The chunk's softmax numerators times V into obuf (rows x dv), the same spans as ``_scores``."""
+    if hmin > lo:
+        sgemm(fn, False, rows, dv, hmin - lo, sbuf, 0, W, vb, lo * dv, dv, np.float32(0.0), obuf, 0, dv)
+    else:
+        obuf[:rows * dv] = 0
+    for j in range(j0, j1):
+        h = max(lo, shi[j])
+        if h > hmin:
+            r0, nr = _sub_rows(j, q0, nq, rk)
+            sgemm(fn, False, nr, dv, h - hmin, sbuf, r0 * W + hmin - lo, W, vb, hmin * dv, dv, np.float32(1.0),
+                  obuf, r0 * dv, dv)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -541,17 +541,7 @@ def _attend_tiles(fn, q, kf, vf, mask, out, sc, softcap, slopes, nt):
                 L = max(lo, shi[a, i // SUB]) - lo
                 mrow = mask[a, h % mask.shape[1], i, lo:] if has_mask else mask[0, 0, 0]
                 den[r] = _softmax_row(sbuf[r * W:r * W + L], L, sc, softcap, mrow, slopes[h], has_mask)
-            if hmin > lo:
-                sgemm(fn, False, rows, dv, hmin - lo, sbuf, 0, W, vb, lo * dv, dv, np.float32(0.0), obuf, 0, dv)
-            else:
-                obuf[:rows * dv] = 0
-            for j in range(j0, j1):
-                h = max(lo, shi[a, j])
-                if h > hmin:
-                    r0 = (j * SUB - q0) * rk
-                    nr = (min(q0 + nq, (j + 1) * SUB) - j * SUB) * rk
-                    sgemm(fn, False, nr, dv, h - hmin, sbuf, r0 * W + hmin - lo, W, vb, hmin * dv, dv,
-                          np.float32(1.0), obuf, r0 * dv, dv)
+            _weighted_sums(fn, sbuf, W, vb, dv, obuf, rows, lo, hmin, shi[a], j0, j1, q0, nq, rk)
             for r in range(rows):
                 dst = out[i3, q0 + r // rk, hk * rk + r % rk]
                 dd = den[r]

@@ -17,6 +17,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .simd import _elem_ptr
+
 _LIB = None
 
 
@@ -55,19 +57,19 @@ def set_threads(n: int) -> bool:
     return True
 
 
+_SGEMM = None
+
+
 def sgemm_address() -> int:
-    """Address of the bundled ``cblas_sgemm`` with 64-bit integers, or 0 where there is none."""
-    fn = _symbol(("scipy_cblas_sgemm64_", "cblas_sgemm64_"))
-    return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else 0
+    """Address of the bundled ``cblas_sgemm`` with 64-bit integers, or 0 where there is none (looked up once)."""
+    global _SGEMM
+    if _SGEMM is None:
+        fn = _symbol(("scipy_cblas_sgemm64_", "cblas_sgemm64_"))
+        _SGEMM = ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else 0
+    return _SGEMM
 
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-
-
-def _data(context, builder, aryty, ary, off):
-    """float* to element ``off`` of an array's data (any layout: ``off`` counts elements from its start)."""
-    a = context.make_array(aryty)(context, builder, ary)
-    return builder.gep(a.data, [off])
 
 
 @intrinsic
@@ -98,9 +100,9 @@ def sgemm(typingctx, fn, trans_b, m, n, k, a, ao, lda, b, bo, ldb, beta, c, co, 
         builder.call(target, [
             ir.Constant(i32, _ROW_MAJOR), ir.Constant(i32, _NO_TRANS), tb,
             i(args[2], sa[2]), i(args[3], sa[3]), i(args[4], sa[4]), ir.Constant(f32, 1.0),
-            _data(context, builder, sa[5], args[5], i(args[6], sa[6])), i(args[7], sa[7]),
-            _data(context, builder, sa[8], args[8], i(args[9], sa[9])), i(args[10], sa[10]),
+            _elem_ptr(context, builder, sa[5], args[5], i(args[6], sa[6]), f32), i(args[7], sa[7]),
+            _elem_ptr(context, builder, sa[8], args[8], i(args[9], sa[9]), f32), i(args[10], sa[10]),
             f(args[11], sa[11]),
-            _data(context, builder, sa[12], args[12], i(args[13], sa[13])), i(args[14], sa[14])])
+            _elem_ptr(context, builder, sa[12], args[12], i(args[13], sa[13]), f32), i(args[14], sa[14])])
         return context.get_dummy_value()
     return sig, codegen

@@ -36,6 +36,14 @@ ROWS16_MIN_N = 16
 PREFETCH_ROWS = 4   # rows ahead to prefetch: a kernel this slow leaves the hardware prefetchers idle otherwise
 
 
+def _prefetch(builder, ptr, write):
+    """llvm.prefetch of the i8* ``ptr`` (keep in all cache levels; for writing when ``write``)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, fnty, "llvm.prefetch.p0i8")
+    builder.call(fn, [ptr, ir.Constant(i32, int(write)), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 @intrinsic
 def prefetch_byte(typingctx, arr, off):
     """llvm.prefetch (read, keep in all cache levels) of the byte ``off`` past the start of arr's data (any rank).
@@ -45,11 +53,7 @@ def prefetch_byte(typingctx, arr, off):
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         i8p = ir.IntType(8).as_pointer()
-        ptr = builder.gep(builder.bitcast(ary.data, i8p), [args[1]])
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _prefetch(builder, builder.gep(builder.bitcast(ary.data, i8p), [args[1]]), False)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -66,11 +70,7 @@ def prefetch_write(typingctx, arr, i, j):
         s0 = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
         i8p = ir.IntType(8).as_pointer()
         off = builder.add(builder.mul(args[1], s0), builder.mul(args[2], ir.Constant(s0.type, 4)))
-        ptr = builder.gep(builder.bitcast(ary.data, i8p), [off])
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _prefetch(builder, builder.gep(builder.bitcast(ary.data, i8p), [off]), True)
         return context.get_dummy_value()
     return sig, codegen
 

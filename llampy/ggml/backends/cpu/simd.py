@@ -327,7 +327,8 @@ class _F16LModel(models.PrimitiveModel):
 
 
 def _elem_ptr(context, builder, aryty, ary, idx, vecty):
-    """Pointer to element ``idx`` of a contiguous 1-d array, cast to ``vecty*``."""
+    """Pointer to element ``idx`` counted from the start of an array's data (of a contiguous 1-d array: its element
+    idx), cast to ``vecty*``."""
     a = context.make_array(aryty)(context, builder, ary)
     return builder.bitcast(builder.gep(a.data, [idx]), vecty.as_pointer())
 
@@ -582,15 +583,21 @@ def v16_find_abs(typingctx, a, m):
 
 
 @intrinsic
-def v16_mask_ne(typingctx, a, m):
-    """Bit l set where a[l] != m (m a float32; a NaN lane counts as different), as an int32 of sixteen bits."""
-    if a != f16l:
+def v16_find_ne(typingctx, a, m, last):
+    """The first lane l with a[l] != m (m a float32; a NaN lane counts as different), or 16 where there is none;
+    with the literal ``last`` true, the last such lane, or -1: one compare and a count of its mask's zeros."""
+    if a != f16l or not isinstance(last, types.BooleanLiteral):
         return None
+    from_end = last.literal_value
 
     def codegen(context, builder, sig, args):
         mv = _splat16(builder, context.cast(builder, args[1], sig.args[1], types.float32))
-        return builder.zext(builder.bitcast(builder.fcmp_unordered("!=", args[0], mv), _I16), _I32)
-    return types.int32(f16l, m), codegen
+        bits = builder.zext(builder.bitcast(builder.fcmp_unordered("!=", args[0], mv), _I16), _I32)
+        no = ir.Constant(ir.IntType(1), 0)
+        if from_end:      # 31 - ctlz over 32 bits: the highest set bit, -1 for none
+            return builder.sub(ir.Constant(_I32, 31), _call(builder, "llvm.ctlz.i32", _I32, [bits, no]))
+        return _call(builder, "llvm.cttz.i32", _I32, [builder.or_(bits, ir.Constant(_I32, 1 << 16)), no])
+    return types.int32(f16l, m, last), codegen
 
 
 @intrinsic
