@@ -29,6 +29,7 @@ install-dev: $(DEVSTAMP)
 
 run: $(STAMP)
 	$(BIN)/python -m compileall -q llampy
+	$(BIN)/llampy warmup
 	$(BIN)/llampy run -p "The capital of France is" -n 32
 
 test: $(DEVSTAMP)

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from . import tuning
     from .gguf import GGUFError
     from .llama.arch import UnknownArchitecture
     from .llama.context import ContextError
@@ -47,8 +48,9 @@ def main(argv=None) -> int:
     from .llama.model import ModelLoadError
     from .models import ModelNotFound
     try:
+        tuning.install()      # the command's process is llampy's own: tune it before any kernel runs
         return args.func(args) or 0
-    except (GGUFError, UnknownArchitecture, ContextError, MissingMetadata, ModelLoadError, ModelNotFound,
+    except (tuning.TuningError, GGUFError, UnknownArchitecture, ContextError, MissingMetadata, ModelLoadError, ModelNotFound,
             FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1

@@ -42,6 +42,13 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("warmup", help="compile ahead of time the kernels a model needs (reads its header only)")
+    p.add_argument("model", nargs="?", default=None, help="GGUF path, or 'smollm2' (default) / 'gemma3'")
+    p.add_argument("--types", default=None,
+                   help="comma-separated tensor types (e.g. Q4_K,Q6_K): warm a small llama model in them, no file")
+    p.add_argument("-j", "--jobs", type=int, default=2, help="compiling processes (1 or 2; default 2)")
+    p.set_defaults(func=cmd_warmup)
+
     p = sub.add_parser("tokenize", help="print the token ids of TEXT as JSON")
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("text")
@@ -155,6 +162,32 @@ def cmd_perplexity(args) -> int:
                      fast=args.blas)
     print(f"Final estimate: PPL = {res.ppl:.4f} ({len(res.chunks)} chunks, {res.n_scored} tokens scored, "
           f"{time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def cmd_warmup(args) -> int:
+    from .ggml.types import GGMLType
+    from .llama.warmup import warmup
+    from .models import resolve_model
+    if args.jobs not in (1, 2):
+        print("llampy: error: --jobs is 1 or 2", file=sys.stderr)
+        return 2
+    if args.types:
+        names = [t.strip().upper() for t in args.types.split(",") if t.strip()]
+        bad = [t for t in names if t not in GGMLType.__members__]
+        if bad or not names:
+            print(f"llampy: error: unknown tensor type(s) {', '.join(bad) or args.types!r}", file=sys.stderr)
+            return 2
+        try:
+            what, r = ", ".join(names), warmup(types=names, jobs=args.jobs)
+        except ValueError as e:
+            print(f"llampy: error: {e}", file=sys.stderr)
+            return 2
+    else:
+        path = resolve_model(args.model)
+        what, r = str(path), warmup(path, jobs=args.jobs)
+    print(f"llampy: kernels for {what} ready in {r.seconds:.1f} s ({r.compiled} compiled here, {r.loaded} from the "
+          f"cache)")
     return 0
 
 

@@ -1,16 +1,11 @@
 """Shared test fixtures: where ../shared lives (CI clones main with shared/ beside it) and the real models."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.paths import SHARED
-
-# no kernel-compiling helper processes beside the tests (ggml/backends/cpu/warm.py; tests/ggml/test_warm.py turns
-# it on where it is what is tested)
-os.environ.setdefault("LLAMPY_NO_WARM_HELPER", "1")
 
 
 @pytest.fixture(scope="session")

@@ -169,6 +169,9 @@ class GGUFWriter:
         for x in ne:
             n *= x
         nbytes = n // tt.blck_size * tt.type_size
+        if data is _ZEROS:
+            self.tensors.append((name, type, ne, _Zeros(nbytes)))
+            return
         if isinstance(data, np.ndarray):
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         else:
@@ -177,6 +180,11 @@ class GGUFWriter:
             raise ValueError(f"tensor {name!r}: {raw.nbytes} bytes given for {type.name} {list(ne)}, "
                              f"which takes {nbytes}")
         self.tensors.append((name, type, ne, raw))
+
+    def add_tensor_zeros(self, name: str, type: GGMLType | int, ne) -> None:
+        """A tensor of zero bytes, never held in memory: written as a hole in the file (the file system allocates
+        nothing for it, and it reads as zeros). For files whose values do not matter (kernel warm-up, benchmarks)."""
+        self.add_tensor_raw(name, type, ne, _ZEROS)
 
     def add_tensor(self, name: str, array: np.ndarray, type: GGMLType | int | None = None) -> None:
         """A NumPy array in NumPy order (ne is the reversed shape). The type comes from the dtype (float32 -> F32,
@@ -231,9 +239,30 @@ class GGUFWriter:
 
     def _write_to(self, f, head: bytes) -> None:
         f.write(head)
+        hole = 0                      # zero bytes still owed: skipped over, then made a hole by truncate
         for _, _, _, raw in self.tensors:
+            pad = (-raw.nbytes) % self.alignment
+            if isinstance(raw, _Zeros):
+                hole += raw.nbytes + pad
+                continue
+            if hole:
+                f.seek(hole, os.SEEK_CUR)
+                hole = 0
             f.write(memoryview(raw))  # no copy of the (possibly mmap-backed) bytes
-            f.write(b"\0" * ((-raw.nbytes) % self.alignment))
+            f.write(b"\0" * pad)
+        if hole:
+            f.truncate(f.tell() + hole)
+
+
+class _Zeros:
+    """The bytes of a tensor added by ``add_tensor_zeros``: only their count."""
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+_ZEROS = object()
 
 
 def copy_gguf(reader, path_or_fileobj) -> None:

@@ -48,8 +48,15 @@ class Llama:
     def __init__(self, model_path=None, n_ctx: int = 2048, n_threads: int | None = None, seed: int | None = None,
                  n_batch: int = 512, n_ubatch: int = 512, embedding: bool = False, pooling: str = "mean",
                  n_gpu_layers: int = 0, chat_template: str | None = None, n_seq_max: int = 1,
-                 type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False):
+                 type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False,
+                 tune_process: bool = True):
+        """``tune_process``: install llampy's process tuning (``llampy.tuning``: OpenMP spin, single-threaded
+        OpenBLAS, Numba patches, graphs frozen out of the garbage collector) before loading; False leaves the
+        process as it is, for a program that hosts llampy beside other work."""
         from ..ggml.types import GGMLType
+        if tune_process:
+            from .. import tuning
+            tuning.install()
         self.model_path = str(resolve_model(model_path))
         self.model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, n_threads=n_threads)
         self.vocab = self.model.vocab
@@ -63,7 +70,6 @@ class Llama:
         self._chat_template_override = chat_template
         self._chat_template = None
         self._cached: list[int] = []          # tokens whose K/V are in the cache for sequence 0
-        self._warm_checked = False
         self.verbose = verbose
 
     # ------------------------------------------------------------------ basics
@@ -110,21 +116,11 @@ class Llama:
         self.ctx.seq_rm(0, n_common, -1)
         self._cached = list(tokens[:n_common])
         rest = tokens[n_common:]
-        if not self._warm_checked:
-            self._warm_checked = True
-            self._start_warm_helper(min(len(rest), self.ctx.n_batch))
         for i0 in range(0, len(rest), self.ctx.n_batch):
             chunk = rest[i0:i0 + self.ctx.n_batch]
             self.ctx.decode(Batch.from_tokens(chunk, pos0=len(self._cached)))
             self._cached.extend(int(t) for t in chunk)
         return self.ctx.get_logits_ith(-1)
-
-    def _start_warm_helper(self, n_tokens: int) -> None:
-        """A cold start: a helper process compiles this batch's kernels in the reverse order while this one
-        compiles them in order (llama/warm.py)."""
-        if not self._embedding:
-            from .warm import start
-            start(self, n_tokens)
 
     def eval_token(self, token: int) -> np.ndarray:
         self.ctx.decode(Batch.from_tokens([token], pos0=len(self._cached)))

@@ -6,12 +6,12 @@ embeddings) of the positions that asked for them are kept until the next decode.
 """
 from __future__ import annotations
 
-import gc as _gc
 import io
 from collections import OrderedDict
 
 import numpy as np
 
+from .. import tuning
 from ..ggml import ops
 from ..ggml.backend import tensor_data
 from ..ggml.graph import Graph
@@ -83,9 +83,9 @@ class Context:
         gc = build_graph(self.model, self.kv, n_tokens, n_outputs, n_kv, self.embeddings)
         self.n_graph_builds += 1
         # Graphs live long and hold most of the process's Python objects (a server's ~15 graphs: every full
-        # collection walked them, 70-140 ms in the middle of a decode step). Moved into the collector's permanent
-        # generation, they are skipped; reference counting still frees them when evicted.
-        _gc.freeze()
+        # collection walked them, 70-140 ms in the middle of a decode step). With the process tuning installed they
+        # move into the collector's permanent generation; reference counting still frees them when evicted.
+        tuning.after_graph_built()
         self._graphs[key] = gc
         if len(self._graphs) > self.max_graphs:
             _, old = self._graphs.popitem(last=False)

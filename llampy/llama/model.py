@@ -7,6 +7,8 @@ output head when ``n_gpu_layers > n_layer``) go to the accelerator devices, spli
 """
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,6 +77,10 @@ class Model:
         if split_mode == "row":
             raise NotImplementedError("split_mode 'row' needs an accelerator backend that supports split buffers")
         self.split_mode = split_mode
+        if n_gpu_layers and not self.devices:
+            # llama.cpp's words when it has no GPU: say so, rather than take the layers silently to the CPU
+            warnings.warn(f"n_gpu_layers={n_gpu_layers} is ignored: no accelerator backend is available, every "
+                          f"layer runs on the CPU", RuntimeWarning, stacklevel=3)
         self.n_gpu_layers = n_gpu_layers if self.devices else 0
         self.layer_backend = self._assign_layers(tensor_split)
         self.tensors: dict[str, Tensor] = {}

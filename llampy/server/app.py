@@ -34,7 +34,10 @@ class Server:
     """One model, one engine, and what the routes need to turn requests into token lists."""
 
     def __init__(self, model_path, n_parallel: int = 4, n_ctx: int = 4096, api_key: str | None = None,
-                 alias: str | None = None):
+                 alias: str | None = None, tune_process: bool = True):
+        if tune_process:
+            from .. import tuning
+            tuning.install()     # before the model's first kernel (llampy/tuning.py)
         self.model = Model(model_path)
         self.model_id = alias or Path(model_path).stem
         self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path), "default"}

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 # smaps fields (for the failure message)
 _PROG = """
 import json, re
-import llampy.ggml.backends.cpu
+import llampy.tuning; llampy.tuning.install()
 from llampy.ggml.backends.cpu import llvm_pages
 import numba, numpy as np
 @numba.njit

@@ -10,7 +10,7 @@ from tests.paths import ROOT
 # a jitted function that allocates (so it runs through the NRT) and returns a value to compare
 _PROG = """
 import sys
-import llampy.ggml.backends.cpu
+import llampy.tuning; llampy.tuning.install()
 import numba, numpy as np
 from numba.core.runtime import nrtdynmod
 if sys.argv[1] == "cached":     # the module must not be compiled again: loading it is the only way through

@@ -42,6 +42,9 @@ class Plan:
 class CPUBackend(Backend):
     name = "cpu"
     acc = np.float32
+    # run each plan's calls last to first: only for kernel warm-up (llampy/llama/warmup.py), where a second process
+    # compiles from the other end; the results are garbage
+    reverse_calls = False
 
     def __init__(self, device: str | None = None, n_threads: int | None = None):
         super().__init__(device)
@@ -229,7 +232,7 @@ class CPUBackend(Backend):
         return Plan(calls, nodes)
 
     def graph_plan_compute(self, plan: Plan) -> None:
-        for c in plan.calls:
+        for c in reversed(plan.calls) if self.reverse_calls else plan.calls:
             c()
 
     def graph_compute(self, nodes: list[Tensor]) -> None:

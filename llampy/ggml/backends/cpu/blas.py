@@ -47,7 +47,8 @@ def _symbol(names):
 
 
 def set_threads(n: int) -> bool:
-    """Thread count of numpy's OpenBLAS; False where it cannot be found."""
+    """Thread count of numpy's OpenBLAS, for the whole process (``llampy.tuning`` sets 1); False where it cannot be
+    found."""
     fn = _symbol(("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
                   "openblas_set_num_threads64_", "openblas_set_num_threads"))
     if fn is None:
@@ -55,6 +56,16 @@ def set_threads(n: int) -> bool:
     fn.argtypes = [ctypes.c_int]
     fn(int(n))
     return True
+
+
+def get_threads() -> int:
+    """Thread count of numpy's OpenBLAS; 0 where it cannot be found."""
+    fn = _symbol(("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
+                  "openblas_get_num_threads64_", "openblas_get_num_threads"))
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn())
 
 
 _SGEMM = None

@@ -288,8 +288,9 @@ def _mul_mat_blas(w, wtype, x, out):
 
 # Threads for the BLAS path. OpenBLAS's own threads spin after each GEMM and synchronise finely; on this 2-core,
 # shared machine that stalled the Numba kernels that followed (OpenMP regions waiting for a spinning core) and
-# made 2-thread GEMMs slower than one under load. So OpenBLAS runs single-threaded and the BLAS path splits the
-# rows over Python threads instead (measured: 3.8 ms vs 4.4 ms with OpenBLAS's 2 threads, 7.2 ms with one).
+# made 2-thread GEMMs slower than one under load. So where OpenBLAS runs single-threaded (the process tuning sets
+# it: llampy.tuning) the BLAS path splits the rows over Python threads instead (measured: 3.8 ms vs 4.4 ms with
+# OpenBLAS's 2 threads, 7.2 ms with one); where OpenBLAS has its own threads, it is called from one.
 _POOL = None
 _POOL_N = 0
 
@@ -297,21 +298,16 @@ _POOL_N = 0
 def _blas_workers() -> int:
     global _POOL, _POOL_N
     import numba
-    n = numba.get_num_threads()
+
+    from .blas import get_threads
+    n = numba.get_num_threads() if get_threads() == 1 else 1
     if n != _POOL_N:
         from concurrent.futures import ThreadPoolExecutor
         if _POOL is not None:
             _POOL.shutdown(wait=False)
         _POOL = ThreadPoolExecutor(max(1, n - 1), thread_name_prefix="llampy-blas") if n > 1 else None
         _POOL_N = n
-        set_blas_threads(1)
     return n
-
-
-def set_blas_threads(n: int) -> bool:
-    """Thread count of numpy's OpenBLAS (``blas.set_threads``); False where it cannot be found."""
-    from .blas import set_threads
-    return set_threads(n)
 
 
 def _mul_mat_fallback(w, wtype, x, out):

@@ -1,0 +1,78 @@
+"""Process tuning: everything llampy does to the process beyond its own objects, in one place.
+
+Importing llampy changes nothing process-wide. The entry points — the ``llampy`` command, the server, and
+``Llama()`` unless it is given ``tune_process=False`` — call ``install()``, which applies each of these once:
+
+- libgomp's spin count. Numba's OpenMP workers spin 300k rounds (several ms) after each parallel region before they
+  sleep; the Python and BLAS threads that run between regions then lose half a core to them (SmolLM2 pp512: prompt
+  attention 182 -> 110 ms with 10k rounds; benchmarks/README.md, entries 30 and 52). libgomp reads
+  ``GOMP_SPINCOUNT`` once, when Numba starts its pool, so this must run before the first parallel kernel; a value
+  the user set wins.
+- numpy's OpenBLAS single-threaded. The cpu backend calls it from its own threads (one product per thread); its own
+  threads spin after each product and stalled the Numba kernels that followed.
+- Three patches to Numba's internals (``backends/cpu/{nrt_cache,llvm_pages,numba_copies}.py``, each with its module
+  doc and test): Numba's runtime module loaded from the cache instead of compiled in each process, LLVM's code pages
+  dropped from the resident set after each kernel load, and two of Numba's quadratic IR copies made linear (cold
+  compiles ~45% faster). They were written against the Numba versions in ``NUMBA_TESTED``; outside that range
+  ``install()`` raises ``TuningError`` naming the version rather than patch what it does not know.
+- Graphs kept out of the garbage collector's reach: a context's persistent graphs hold most of the process's Python
+  objects, and full collections walking them took 70-140 ms in the middle of a decode step. Once installed, each new
+  graph is moved into the collector's permanent generation (``gc.freeze``, through ``after_graph_built``).
+
+``installed()`` says whether it ran. Nothing here can be undone; a process that does not want it never calls it.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+NUMBA_TESTED = ((0, 68), (0, 69))     # [lowest, highest) major.minor the patches were tested against
+SPIN_COUNT = 10000
+
+_installed = False
+
+
+class TuningError(RuntimeError):
+    pass
+
+
+def _numba_version() -> tuple[int, int]:
+    import numba
+    major, minor = numba.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_numba() -> None:
+    """Raise TuningError if the installed Numba is outside the range the patches were tested against."""
+    import numba
+    lo, hi = NUMBA_TESTED
+    if not lo <= _numba_version() < hi:
+        raise TuningError(f"llampy's process tuning patches Numba internals tested with numba "
+                          f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}; this is numba {numba.__version__}. Install a "
+                          f"numba in that range, or run without the tuning (Llama(..., tune_process=False))")
+
+
+def install() -> None:
+    """Apply the process tuning (see the module doc). Idempotent; call it before the first kernel runs."""
+    global _installed
+    if _installed:
+        return
+    check_numba()
+    os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+    from .ggml.backends.cpu import blas, llvm_pages, nrt_cache, numba_copies
+    nrt_cache.install()       # before any kernel runs
+    llvm_pages.install()
+    numba_copies.install()
+    blas.set_threads(1)
+    _installed = True
+
+
+def installed() -> bool:
+    return _installed
+
+
+def after_graph_built() -> None:
+    """Called by a context when it keeps a new graph: freeze the heap's objects out of full collections, when the
+    tuning is installed (a library user's collector is left alone)."""
+    if _installed:
+        gc.freeze()
