@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: run test test-quick install install-dev clean
+.PHONY: run test test-quick test-avx2 install install-dev clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,15 @@ run: $(STAMP)
 test: $(DEVSTAMP)
 	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q
+
+# The suite again with the AVX2 paths forced (llampy's intrinsics by LLAMPY_SIMD, Numba's code generation by
+# NUMBA_CPU_NAME), in a Numba cache of its own: what an AVX2-only CPU runs. On a CPU without AVX-512, `make test`
+# already ran those paths.
+test-avx2: $(DEVSTAMP)
+	@if grep -qw avx512f /proc/cpuinfo; then \
+	  LLAMPY_SIMD=avx2 NUMBA_CPU_NAME=haswell NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-avx2 \
+	    $(BIN)/python -m pytest -q; \
+	else echo "test-avx2: this CPU has no AVX-512, so make test ran the AVX2 paths"; fi
 
 test-quick: $(DEVSTAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -47,6 +47,8 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("--types", default=None,
                    help="comma-separated tensor types (e.g. Q4_K,Q6_K): warm a small llama model in them, no file")
     p.add_argument("-j", "--jobs", type=int, default=2, help="compiling processes (1 or 2; default 2)")
+    p.add_argument("--all", action="store_true",
+                   help="every batch size: long prompts and a server's parallel decodes too (longer)")
     p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("tokenize", help="print the token ids of TEXT as JSON")
@@ -179,13 +181,13 @@ def cmd_warmup(args) -> int:
             print(f"llampy: error: unknown tensor type(s) {', '.join(bad) or args.types!r}", file=sys.stderr)
             return 2
         try:
-            what, r = ", ".join(names), warmup(types=names, jobs=args.jobs)
+            what, r = ", ".join(names), warmup(types=names, jobs=args.jobs, all=args.all)
         except ValueError as e:
             print(f"llampy: error: {e}", file=sys.stderr)
             return 2
     else:
         path = resolve_model(args.model)
-        what, r = str(path), warmup(path, jobs=args.jobs)
+        what, r = str(path), warmup(path, jobs=args.jobs, all=args.all)
     print(f"llampy: kernels for {what} ready in {r.seconds:.1f} s ({r.compiled} compiled here, {r.loaded} from the "
           f"cache)")
     return 0

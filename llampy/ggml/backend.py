@@ -163,18 +163,10 @@ def backend_init(name: str, **kw) -> Backend:
 
 
 def _load_builtin() -> None:
+    """Import the built-in backends (each registers itself); an error in one is an error, not a missing backend."""
     import importlib
     for mod in ("llampy.ggml.backends.reference", "llampy.ggml.backends.cpu"):
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            pass
-    try:  # optional: only with the cuda extra installed and a GPU present
-        import importlib.util
-        if importlib.util.find_spec("torch") is not None:
-            importlib.import_module("llampy.ggml.backends.cuda")
-    except Exception:
-        pass
+        importlib.import_module(mod)
 
 
 def is_view_op(t: Tensor) -> bool:

@@ -22,10 +22,6 @@ ARCHITECTURES = {
     "starcoder2": "starcoder2",
 }
 
-# the RoPE mode each architecture uses (llama.cpp's llama_model_rope_type)
-ROPE_NEOX_ARCHS = {"qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "starcoder2"}
-
-
 class UnknownArchitecture(ValueError):
     pass
 
@@ -41,7 +37,6 @@ def arch_module(arch: str):
 TOKEN_EMBD = "token_embd"
 OUTPUT_NORM = "output_norm"
 OUTPUT = "output"
-ROPE_FREQS = "rope_freqs"
 LAYER = {
     "attn_norm": "blk.{}.attn_norm",
     "attn_q": "blk.{}.attn_q",

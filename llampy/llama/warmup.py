@@ -7,8 +7,9 @@ does that work as an explicit step (``make run`` runs it; a Dockerfile can too),
 What it runs is a *hollow* copy of the model: the real file's header — architecture, hyper-parameters, vocabulary,
 every tensor's name, type and shape — with a data section that is a hole in a temporary file (zeros, nothing
 allocated on disk). The kernels are chosen by tensor type and shape, never by value, so the copy's batches take
-every code path the real model's would: a prompt batch (the tiled prompt kernels, tiled attention), batches of the
-sizes a server decodes together, and one-token decode steps. Without a model file, ``types`` builds the header of
+every code path the real model's would: by default a short prompt and one-token decode steps (a first run or chat
+turn); with ``--all`` also a long prompt (the tiled prompt kernels, tiled attention) and batches of the sizes a server
+decodes together. Without a model file, ``types`` builds the header of
 a small llama-architecture model whose matrices are in those types.
 
 Numba compiles one function at a time per process. With ``jobs=2`` a second process runs the same batches with each
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 
 from ..ggml.types import TYPE_TRAITS, GGMLType
 
-# batch sizes warmed: a prompt batch (tiled kernels and tiled attention from 64 queries), the sixteen- and
-# eight-row tiles a server's parallel decodes take, a few rows, one token
-BATCHES = (64, 16, 8, 3, 1)
+# batch sizes warmed: by default a short prompt and one-token decode (what a first `llampy run` or chat turn takes);
+# with all=True also a long prompt (the tiled kernels and tiled attention from 64 queries) and the sixteen- and
+# eight-row tiles a server's parallel decodes take
+BATCHES = ((5,), ())                     # (prompt lengths, each followed by a decode step), (parallel decodes)
+BATCHES_ALL = ((64, 5), (16, 8))
 
 
 @dataclass
@@ -112,23 +115,27 @@ def run_batches(path, reverse: bool = False, batches=BATCHES) -> None:
         from ..ggml.backends.cpu.backend import CPUBackend
         CPUBackend.reverse_calls = True
     m = Model(path)
-    ctx = Context(m, n_ctx=512, n_batch=max(batches), n_ubatch=max(batches), n_seq_max=16)
-    tok = [min(3, m.hparams.n_vocab - 1)]
-    for n in batches:
+    prompts, parallel = batches
+    n_max = max(prompts + parallel)
+    ctx = Context(m, n_ctx=512, n_batch=n_max, n_ubatch=n_max, n_seq_max=max(parallel + (1,)))
+    tok = min(3, m.hparams.n_vocab - 1)
+    for n in prompts:                 # a prompt, then a decode step after it
         ctx.kv_clear()
-        if 1 < n <= 16:               # one token from each of n sequences, as a server's parallel decode step
-            b = Batch.empty()
-            for s in range(n):
-                b.add(tok[0], 0, [s], True)
-            ctx.decode(b)
-        else:                         # a prompt, then a decode step after it
-            ctx.decode(Batch.from_tokens(tok * n))
-            ctx.decode(Batch.from_tokens(tok, pos0=n))
+        ctx.decode(Batch.from_tokens([tok] * n))
+        ctx.decode(Batch.from_tokens([tok], pos0=n))
+    for n in parallel:                # one token from each of n sequences, as a server's parallel decode step
+        ctx.kv_clear()
+        b = Batch.empty()
+        for s in range(n):
+            b.add(tok, 0, [s], True)
+        ctx.decode(b)
 
 
-def warmup(model_path=None, types=None, jobs: int = 2) -> WarmupResult:
+def warmup(model_path=None, types=None, jobs: int = 2, all: bool = False) -> WarmupResult:
     """Compile the kernels of the model at model_path (its header only is read), or of a small llama model in
-    ``types``; with jobs=2 a second process compiles from the other end (module doc)."""
+    ``types``; with jobs=2 a second process compiles from the other end (module doc); ``all``: every batch size
+    (BATCHES_ALL), for a server or long prompts."""
+    batches = BATCHES_ALL if all else BATCHES
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="llampy-warmup-") as tmp:
         path = os.path.join(tmp, "hollow.gguf")
@@ -138,11 +145,12 @@ def warmup(model_path=None, types=None, jobs: int = 2) -> WarmupResult:
             hollow_copy(model_path, path)
         helper = None
         if jobs > 1:
-            helper = subprocess.Popen([sys.executable, "-m", "llampy.llama.warmup", path, "--reverse"],
+            helper = subprocess.Popen([sys.executable, "-m", "llampy.llama.warmup", path, "--reverse"]
+                                      + (["--all"] if all else []),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       env=dict(os.environ, NUMBA_NUM_THREADS="1"))
         try:
-            run_batches(path)
+            run_batches(path, batches=batches)
         finally:
             if helper is not None:
                 _, err = helper.communicate()
@@ -155,7 +163,7 @@ def warmup(model_path=None, types=None, jobs: int = 2) -> WarmupResult:
 def main(argv) -> int:
     from .. import tuning
     tuning.install()
-    run_batches(argv[0], reverse="--reverse" in argv[1:])
+    run_batches(argv[0], reverse="--reverse" in argv[1:], batches=BATCHES_ALL if "--all" in argv[1:] else BATCHES)
     return 0
 
 
