@@ -117,18 +117,21 @@ def run_batches(path, reverse: bool = False, batches=BATCHES) -> None:
     m = Model(path)
     prompts, parallel = batches
     n_max = max(prompts + parallel)
-    ctx = Context(m, n_ctx=512, n_batch=n_max, n_ubatch=n_max, n_seq_max=max(parallel + (1,)))
-    tok = min(3, m.hparams.n_vocab - 1)
-    for n in prompts:                 # a prompt, then a decode step after it
-        ctx.kv_clear()
-        ctx.decode(Batch.from_tokens([tok] * n))
-        ctx.decode(Batch.from_tokens([tok], pos0=n))
-    for n in parallel:                # one token from each of n sequences, as a server's parallel decode step
-        ctx.kv_clear()
-        b = Batch.empty()
-        for s in range(n):
-            b.add(tok, 0, [s], True)
-        ctx.decode(b)
+    # attention's K and V are views of the cache: contiguous when the cells it reads are the whole cache (a small
+    # context, a server's decode), strided otherwise; each layout is a kernel signature of its own
+    for n_ctx in (512, 256):
+        ctx = Context(m, n_ctx=n_ctx, n_batch=n_max, n_ubatch=n_max, n_seq_max=max(parallel + (1,)))
+        tok = min(3, m.hparams.n_vocab - 1)
+        for n in prompts:                 # a prompt, then a decode step after it
+            ctx.decode(Batch.from_tokens([tok] * n))
+            ctx.decode(Batch.from_tokens([tok], pos0=n))
+            ctx.kv_clear()
+        for n in parallel:                # one token from each of n sequences, as a server's parallel decode step
+            b = Batch.empty()
+            for s in range(n):
+                b.add(tok, 0, [s], True)
+            ctx.decode(b)
+            ctx.kv_clear()
 
 
 def warmup(model_path=None, types=None, jobs: int = 2, all: bool = False) -> WarmupResult:
