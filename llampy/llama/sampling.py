@@ -626,13 +626,14 @@ class Chain(Sampler):
     def from_params(cls, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                     repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, mirostat=0, mirostat_tau=5.0,
                     mirostat_eta=0.1, logit_bias=None, seed=None, n_vocab=0, dynatemp_range=0.0,
-                    dynatemp_exponent=1.0, min_keep=0) -> "Chain":
+                    dynatemp_exponent=1.0, min_keep=0, grammar=None) -> "Chain":
         """llama.cpp's default chain (common/sampling.cpp): logit bias, penalties, (dry), top-k, typical, top-p,
         min-p, (xtc), temperature, dist; mirostat 1/2 replaces everything after the logit bias with temp +
         mirostat. Temperature <= 0 is greedy: the argmax after logit bias and penalties (and the filters, when
         typical_p < 1, the one filter that can drop the top token), which is the token llama.cpp's temp-0 chain
-        picks, without the RNG draw."""
-        head: list = []
+        picks, without the RNG draw. ``grammar``, a grammar sampler (llampy.llama.grammar.Grammar), goes first:
+        every later sampler sees only the tokens it allows."""
+        head: list = [] if grammar is None else [grammar]
         if logit_bias:
             head.append(LogitBias(n_vocab, logit_bias))
         if temperature is not None and temperature <= 0:
