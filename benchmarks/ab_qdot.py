@@ -1,7 +1,7 @@
 """The 32-value formats' matrix products (cpu/qdot.py) against the same file at another git revision, in one
 process: calls of the two alternate, so the machine's swings (up to 2x within minutes here) hit both alike, and the
 median of the per-pair time ratios is what to read. Separate processes timed a few minutes apart could not resolve
-5-10% changes on this machine; this can (session 7: repeat runs agree within ~1%).
+5-10% changes on this machine; this can (repeat runs agreed within ~1% when it was written, 59b301f).
 
     python benchmarks/ab_qdot.py [REV] [-t 1 2] [-n 512] [--pairs 30]
 

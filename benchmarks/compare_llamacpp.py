@@ -149,8 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of (llampy, llama.cpp)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    # the environment as given, before llampy's import adds its own defaults (GOMP_SPINCOUNT): llama.cpp's
-    # processes must not inherit those, and llampy's set them again on their own import
+    # the environment as given: llama.cpp's processes get it untouched; llampy's CLI processes install their own
+    # process tuning (llampy.tuning: GOMP_SPINCOUNT among it) when they start
     given = dict(os.environ)
     sys.path.insert(0, str(ROOT))
     from llampy.models import resolve_model
