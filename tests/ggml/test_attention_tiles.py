@@ -5,7 +5,7 @@ import pytest
 
 from llampy.ggml.backends.cpu import attention as A
 from llampy.ggml.backends.cpu import blas
-from llampy.ggml.backends.cpu.kernels import alibi_slopes
+from llampy.ggml.backends.cpu.numpy_ops import alibi_slopes
 
 pytestmark = pytest.mark.skipif(not blas.sgemm_address(), reason="numpy's bundled OpenBLAS (cblas_sgemm64_) not found")
 

@@ -1,4 +1,4 @@
-"""The cpu backend's matrix products (llampy/ggml/backends/cpu/{matmul,qdot,qdot_k,act_quant}.py).
+"""The cpu backend's matrix products (llampy/ggml/backends/cpu/{matmul,dot_q32,dot_kquant_scalar,act_quant}.py).
 
 Oracles: gguf-py (``gguf.quants``) for the block formats and the Q8_0 activation bytes; NumPy transliterations of
 ggml's ``quantize_row_q8_1`` (x86) and ``quantize_row_q8_K_ref``; a float64 product of gguf-py's dequantized
@@ -353,9 +353,9 @@ def test_integer_path_is_batch_invariant(wtype):
 
 @pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
 def test_rows16_tiles_equal_one_row_tiles(wtype):
-    """The AVX-512 prompt tiles (sixteen weight rows as the lanes of a register, qdot._mv_rows16) against the one-row
+    """The AVX-512 prompt tiles (sixteen weight rows as the lanes of a register, dot_q32._mv_rows16) against the one-row
     tiles they replace on such CPUs: the same numbers bit for bit, for every pair of the rows they cover."""
-    from llampy.ggml.backends.cpu import qdot, simd
+    from llampy.ggml.backends.cpu import dot_q32, simd
     if not simd.ROWS16:
         pytest.skip("this CPU has no AVX-512 VNNI: the sixteen-row tiles are not used here")
     rng = np.random.default_rng(13)
@@ -365,7 +365,7 @@ def test_rows16_tiles_equal_one_row_tiles(wtype):
     name = wtype.name.lower()
     new = np.full((n, rows), np.nan, np.float32)
     old = np.full((n, rows), np.nan, np.float32)
-    getattr(qdot, "_rows16_" + name)(wq, s.xq, s.xd, s.xs, new, qdot.F16_TABLE)
-    getattr(qdot, "_tiles_" + name)(wq, s.xq, s.xd, s.xs, old, qdot.F16_TABLE)
+    getattr(dot_q32, "_rows16_" + name)(wq, s.xq, s.xd, s.xs, new, dot_q32.F16_TABLE)
+    getattr(dot_q32, "_tiles_" + name)(wq, s.xq, s.xd, s.xs, old, dot_q32.F16_TABLE)
     assert not np.isnan(new).any()
     assert np.array_equal(new, old)

@@ -1,4 +1,4 @@
-"""MUL_MAT_GLU's fused kernel (qdot._mv_rows16_glu: gate and up tiles and the gated unit in registers) gives the
+"""MUL_MAT_GLU's fused kernel (dot_q32._mv_rows16_glu: gate and up tiles and the gated unit in registers) gives the
 bits of the three ops it replaces, run as the cpu backend runs them unfused."""
 import numpy as np
 import pytest

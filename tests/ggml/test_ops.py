@@ -310,7 +310,7 @@ def test_flash_attn_walks_only_the_visible_cells():
     cell. The decode kernel must give, bit for bit, what it gives over only those cells (compacted, no mask), for a
     float32 mask and for F16 mask bits, and with a few of the visible cells scattered as a hole-filled cache has."""
     from llampy.ggml.backends.cpu.attention import _fa_vec16
-    from llampy.ggml.backends.cpu.kernels import alibi_slopes
+    from llampy.ggml.backends.cpu.numpy_ops import alibi_slopes
     rng = np.random.default_rng(3)
     n_seq, n_kv, n_head, n_head_kv, d = 8, 403, 6, 2, 64
     q = rng.standard_normal((1, n_head, n_seq, d)).astype(np.float32)

@@ -15,9 +15,9 @@ import sys
 import numpy as np
 from llampy.ggml import quants
 from llampy.ggml.types import GGMLType as T
-from llampy.ggml.backends.cpu import qdot, qdot_kt, act, attention
+from llampy.ggml.backends.cpu import dot_q32, dot_kquant_tiled, act, attention
 from llampy.ggml.backends.cpu.act_quant import act_split
-from llampy.ggml.backends.cpu.kernels import alibi_slopes
+from llampy.ggml.backends.cpu.numpy_ops import alibi_slopes
 
 def run():
     rng = np.random.default_rng(5)
@@ -29,12 +29,12 @@ def run():
             x = (rng.standard_normal((n, 96)) * 4).astype(np.float32)
             s = act_split(x, vdt)
             out = np.empty((n, 37), np.float32)
-            getattr(qdot, "mv_" + name)(w, s.xq, s.xd, s.xs, out, qdot.F16_TABLE)
+            getattr(dot_q32, "mv_" + name)(w, s.xq, s.xd, s.xs, out, dot_q32.F16_TABLE)
             res[f"{name}_{n}"] = out
     wk = np.asarray(quants.quantize(rng.standard_normal((16, 512)).astype(np.float32), T.Q6_K), np.uint8)
     s = act_split((rng.standard_normal((9, 512)) * 4).astype(np.float32), T.Q8_K)
     out = np.empty((9, 16), np.float32)
-    qdot_kt.mm_k_tiled(wk.reshape(16, -1), qdot_kt.KINDS["Q6_K"], s.xq, s.xd, s.xs, out, qdot.F16_TABLE)
+    dot_kquant_tiled.mm_k_tiled(wk.reshape(16, -1), dot_kquant_tiled.KINDS["Q6_K"], s.xq, s.xd, s.xs, out, dot_q32.F16_TABLE)
     res["q6_k_tiled"] = out
     g = (rng.standard_normal((2, 40)) * 20).astype(np.float32)
     u = rng.standard_normal((2, 40)).astype(np.float32)

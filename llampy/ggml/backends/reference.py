@@ -4,7 +4,7 @@ Plain NumPy, no Numba kernels of its own or of the cpu backend: every product an
 rounding points where they decide the numbers (activations through the weight's dot type before a matrix product,
 F16 Q/K/V and the F16 output accumulator in flash attention, ggml's float32 rope cache, the F16 GELU table).
 Slow and simple; it runs every op. The simple element-wise formulas are shared with the cpu backend's NumPy
-module (``cpu.kernels``) and run here with ``acc=float64``; rope, attention, matrix products and the hot ops the
+module (``cpu.numpy_ops``) and run here with ``acc=float64``; rope, attention, matrix products and the hot ops the
 cpu backend runs in Numba are written out here again, so that the comparison means something.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from ..backend import Backend, register_backend, tensor_data
 from ..tensor import BINARY_OPS, Op, Tensor, UNARY_OPS, VIEW_OPS
 from ..types import GGMLType, TYPE_TRAITS
-from .cpu import kernels as K
+from .cpu import numpy_ops as K
 
 T = GGMLType
 F64 = np.float64

@@ -16,8 +16,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .kernels import alibi_slopes
-from .qdot import F16_TABLE
+from .numpy_ops import alibi_slopes
+from .dot_q32 import F16_TABLE
 from .blas import sgemm
 from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_find_ne, v16_load, v16_max, v16_reduce,
                    v16_round_f16, v16_scale, v16_splat, v16_store, v16_zero)

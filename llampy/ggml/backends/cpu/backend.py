@@ -11,8 +11,8 @@ import numpy as np
 from ...backend import Backend, tensor_data
 from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
-from . import kernels as K
-from .fast import BINDERS
+from . import numpy_ops as K
+from .numba_ops import BINDERS
 
 T = GGMLType
 
@@ -257,7 +257,7 @@ def _fa_fast_path(node, qa, ka, va, dst, tiled):
     if not (_rows_contiguous(ka, 2) and _rows_contiguous(va, 2) and qa.strides[-1] == 4):
         return None
     kk, vv = ka.view(np.uint16), va.view(np.uint16)
-    from .kernels import alibi_slopes
+    from .numpy_ops import alibi_slopes
     slopes = alibi_slopes(q.ne[2], p["max_bias"], np.float32)
     softcap = p["softcap"]
     sc = np.float32(p["scale"] / softcap) if softcap else np.float32(p["scale"])

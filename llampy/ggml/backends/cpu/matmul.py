@@ -6,7 +6,7 @@
     mul_mat(w, wtype, x, out)
 
 Two paths:
-- integer (``qdot``, ``qdot_k``): x quantized once per call (``act_quant``, buffers cached by shape), then Numba
+- integer (``dot_q32``, ``dot_kquant_scalar``): x quantized once per call (``act_quant``, buffers cached by shape), then Numba
   integer dot products straight on the GGUF blocks in llama.cpp's float order: bit-identical to llama.cpp.
 - BLAS: x rounded through its dot type and back to float32 (exact values), tiles of w dequantized to float32 in
   Numba (``TILE_BYTES`` at a time), ``np.matmul`` per tile. The same numbers up to float32 summation order
@@ -16,7 +16,7 @@ Two paths:
 Which path: at most ``exact_max_rows`` activation rows (default ``DECODE_MAX_ROWS``: all) take the integer path.
 The integer kernels are the default at every batch size: they are bit-identical to llama.cpp (docs/architecture.md:
 SmolLM2's outliers make its outputs sensitive to the last bit) and, with the prompt tiles, faster than the BLAS path
-(pp512 in one session-7 run: SmolLM2 616 tok/s integer, 320 BLAS; Gemma 3 617 vs 423). ``LLAMPY_FAST_PROMPT=1`` (or
+(pp512 in one run, benchmarks/README.md: SmolLM2 616 tok/s integer, 320 BLAS; Gemma 3 617 vs 423). ``LLAMPY_FAST_PROMPT=1`` (or
 ``CPUBackend.exact_max_rows``) sends batches from ``BLAS_MIN_ROWS`` rows on to BLAS instead — for the formats
 without integer kernels it is the only path.
 
@@ -33,9 +33,9 @@ import os
 import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
-from . import qdot, qdot_k, qdot_ks, qdot_kt
+from . import dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
 from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
-from .qdot import F16_TABLE, ROWS16_MIN_N
+from .dot_q32 import F16_TABLE, ROWS16_MIN_N
 from .simd import ROWS16
 
 T = GGMLType
@@ -44,8 +44,8 @@ SUPPORTED_DIRECT: frozenset = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T
                                          T.Q4_K, T.Q5_K, T.Q6_K})
 
 # integer kernels: weight type -> kernel(w, xq, xd, xs, out, tab)
-_KERNELS = {T.Q8_0: qdot.mv_q8_0, T.Q4_0: qdot.mv_q4_0, T.Q4_1: qdot.mv_q4_1, T.Q5_0: qdot.mv_q5_0,
-            T.Q5_1: qdot.mv_q5_1, T.Q5_K: qdot_ks.mv_q5_k, T.Q6_K: qdot_ks.mv_q6_k}
+_KERNELS = {T.Q8_0: dot_q32.mv_q8_0, T.Q4_0: dot_q32.mv_q4_0, T.Q4_1: dot_q32.mv_q4_1, T.Q5_0: dot_q32.mv_q5_0,
+            T.Q5_1: dot_q32.mv_q5_1, T.Q5_K: dot_kquant.mv_q5_k, T.Q6_K: dot_kquant.mv_q6_k}
 _DQ_LEGACY = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4}
 _DQ_K = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 
@@ -131,13 +131,13 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
 
 def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, glu: str,
                      limit_fn, unfused):
-    """A MUL_MAT_GLU node's fused call (``qdot._mv_rows16_glu``: both products and the gated unit per tile, neither
+    """A MUL_MAT_GLU node's fused call (``dot_q32._mv_rows16_glu``: both products and the gated unit per tile, neither
     product stored), bound once; None where that kernel does not apply: a 32-value format on an AVX-512 VNNI CPU,
     at least ``ROWS16_MIN_N`` activation rows, weight rows a multiple of 16, float32 rows contiguous. ``unfused()``
     runs the node as its three ops, for batches past ``limit_fn()``'s integer-path limit (as ``bind_mul_mat``)."""
     wtype = GGMLType(wtype)
     n, k = x.shape
-    kernel = qdot.GLU_KERNELS.get(wtype.name.lower())
+    kernel = dot_q32.GLU_KERNELS.get(wtype.name.lower())
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     if kernel is None or not ROWS16 or n < ROWS16_MIN_N or wg.shape[0] % 16 or vdt not in (T.Q8_0, T.Q8_1):
         return None
@@ -150,8 +150,8 @@ def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndar
     scratch = act_scratch(n, k, wtype)
     xq, xd, xs, with_s = scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1
     quantize = q8_0_quantizer(n)
-    code = qdot.GLU_SWIGLU if glu == "swiglu" else qdot.GLU_GEGLU
-    table = gelu_table() if code == qdot.GLU_GEGLU else np.zeros(1, np.float32)
+    code = dot_q32.GLU_SWIGLU if glu == "swiglu" else dot_q32.GLU_GEGLU
+    table = gelu_table() if code == dot_q32.GLU_GEGLU else np.zeros(1, np.float32)
 
     def run():
         limit = limit_fn()
@@ -173,29 +173,29 @@ def _mul_mat_int(w, wtype, x, out, scratch, quantized: bool = False):
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     s = scratch if quantized else act_split(x, vdt, scratch)
     res = out if (out.dtype == np.float32 and out.strides[-1] == 4) else np.empty(out.shape, np.float32)
-    if (wtype.name in qdot_kt.KINDS and x.shape[0] >= qdot_kt.TILED_MIN_ROWS
-            and not (wtype == T.Q4_K and w.shape[0] % 8 == 0)):   # llama.cpp's tiled path (see qdot_kt)
+    if (wtype.name in dot_kquant_tiled.KINDS and x.shape[0] >= dot_kquant_tiled.TILED_MIN_ROWS
+            and not (wtype == T.Q4_K and w.shape[0] % 8 == 0)):   # llama.cpp's tiled path (see dot_kquant_tiled)
         n = x.shape[0]
         if wtype == T.Q6_K and ROWS16:    # sixteen rows as lanes, then an odd last row (from 8 rows: 0.26-0.43x
             # the tiled kernel's time at n = 8-32, where Q4_K's and the 32-value formats' need 16)
-            qdot_kt.mm_q6_k_rows16(w, s.xq, s.xd, s.xs, res, n - n % 2)
+            dot_kquant_tiled.mm_q6_k_rows16(w, s.xq, s.xd, s.xs, res, n - n % 2)
             if n % 2:
-                qdot_kt.mm_k_tiled(w, 6, s.xq[n - 1:], s.xd[n - 1:], s.xs[n - 1:], res[n - 1:], F16_TABLE)
+                dot_kquant_tiled.mm_k_tiled(w, 6, s.xq[n - 1:], s.xd[n - 1:], s.xs[n - 1:], res[n - 1:], F16_TABLE)
         else:
-            qdot_kt.mm_k_tiled(w, qdot_kt.KINDS[wtype.name], s.xq, s.xd, s.xs, res, F16_TABLE)
+            dot_kquant_tiled.mm_k_tiled(w, dot_kquant_tiled.KINDS[wtype.name], s.xq, s.xd, s.xs, res, F16_TABLE)
     elif wtype == T.Q4_K:
         n = x.shape[0]
         if w.shape[0] % 8 == 0:   # llama.cpp repacks these rows (8x8) and runs its gemv/gemm forms
             n_gemm = n - n % 4 if n >= 4 else 0
             if ROWS16 and n_gemm >= ROWS16_MIN_N:     # the gemm form with sixteen rows as lanes, then the gemv rows
                 # (at 8 rows 1.2x the eight-row kernel's time: it transposes the weights once per call)
-                qdot_ks.mm_q4_k_rows16(w, s.xq, s.xd, s.xs, res, n_gemm)
+                dot_kquant.mm_q4_k_rows16(w, s.xq, s.xd, s.xs, res, n_gemm)
                 if n_gemm < n:
-                    qdot_ks.mv_q4_k_x8(w, s.xq[n_gemm:], s.xd[n_gemm:], s.xs[n_gemm:], res[n_gemm:], F16_TABLE, 0)
+                    dot_kquant.mv_q4_k_x8(w, s.xq[n_gemm:], s.xd[n_gemm:], s.xs[n_gemm:], res[n_gemm:], F16_TABLE, 0)
             else:
-                qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, res, F16_TABLE, n_gemm)
+                dot_kquant.mv_q4_k_x8(w, s.xq, s.xd, s.xs, res, F16_TABLE, n_gemm)
         else:
-            qdot_ks.mv_q4_k(w, s.xq, s.xd, s.xs, res, F16_TABLE)
+            dot_kquant.mv_q4_k(w, s.xq, s.xd, s.xs, res, F16_TABLE)
     else:
         _KERNELS[wtype](w, s.xq, s.xd, s.xs, res, F16_TABLE)
     if res is not out:
@@ -236,9 +236,9 @@ def _weights_tile(w, wtype, r0, r1, k, buf):
     elif wtype == T.BF16:
         t[...] = bf16_bits_to_f32(w[r0:r1])
     elif wtype in _DQ_LEGACY:
-        qdot.dq_legacy(_as_2d_rows(w[r0:r1]), _DQ_LEGACY[wtype], t, F16_TABLE)
+        dot_q32.dq_legacy(_as_2d_rows(w[r0:r1]), _DQ_LEGACY[wtype], t, F16_TABLE)
     elif wtype in _DQ_K:
-        qdot_k.dq_k(_as_2d_rows(w[r0:r1]), _DQ_K[wtype], t, F16_TABLE)
+        dot_kquant_scalar.dq_k(_as_2d_rows(w[r0:r1]), _DQ_K[wtype], t, F16_TABLE)
     else:
         from ...quants import dequantize   # lazily: the library's vectorised reference for the other formats
         t[...] = dequantize(np.ascontiguousarray(w[r0:r1]), wtype).reshape(r1 - r0, k)

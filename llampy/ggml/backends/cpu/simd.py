@@ -5,11 +5,11 @@ vector register (``<8 x float>``, ``<8 x i32>``), with ``@intrinsic`` operations
 LLVM vector IR. A kernel written with them reads like ggml's intrinsics code and compiles to the same kind of
 instructions (LLVM picks ``vpdpbusd`` / ``vpmaddubsw`` / ``vfmadd231ps`` on x86, their counterparts elsewhere):
 
-    acc = f8_zero()
+    acc = f32x8_zero()
     for b in range(nb):
         lanes = dot_u4_s8(w, wo, x, xo)              # eight int32 lanes of four products (exact integers)
-        acc = f8_fma(d_w * d_x, i8_to_f8(lanes), acc)  # one rounding per lane, as _mm256_fmadd_ps
-    out = f8_hsum(acc)                               # ggml's hsum_float_8 order
+        acc = f32x8_fma(d_w * d_x, i32x8_to_f32x8(lanes), acc)  # one rounding per lane, as _mm256_fmadd_ps
+    out = f32x8_hsum(acc)                               # ggml's hsum_float_8 order
 
 Only the integer lane sums are reassociated (exact in any order); every float operation is one IEEE operation in
 ggml's order, so kernels built from these stay bit-identical to llama.cpp.
@@ -30,36 +30,36 @@ _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I16 = ir.IntType(16)
 _I8 = ir.IntType(8)
-_F8 = ir.VectorType(_F32, 8)
-_I8x8 = ir.VectorType(_I32, 8)
+_V_F32x8 = ir.VectorType(_F32, 8)
+_V_I32x8 = ir.VectorType(_I32, 8)
 
 
-class F8(types.Type):
+class F32x8(types.Type):
     """Eight float32 lanes (an AVX register)."""
     def __init__(self):
         super().__init__(name="f32x8")
 
 
-class I8(types.Type):
+class I32x8(types.Type):
     """Eight int32 lanes."""
     def __init__(self):
         super().__init__(name="i32x8")
 
 
-f8 = F8()
-i8 = I8()
+f32x8 = F32x8()
+i32x8 = I32x8()
 
 
-@register_model(F8)
-class _F8Model(models.PrimitiveModel):
+@register_model(F32x8)
+class _F32x8Model(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _F8)
+        super().__init__(dmm, fe_type, _V_F32x8)
 
 
-@register_model(I8)
-class _I8Model(models.PrimitiveModel):
+@register_model(I32x8)
+class _I32x8Model(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _I8x8)
+        super().__init__(dmm, fe_type, _V_I32x8)
 
 
 def _ptr(context, builder, aryty, ary, off, elty):
@@ -104,12 +104,12 @@ def _udot(builder, a, b, acc=None):
     itself), vpmaddubsw + vpmaddwd on AVX2 (no saturation for |a| <= 128, |b| <= 127), else target-neutral IR.
     The integers are the same on every path."""
     if VNNI:
-        start = ir.Constant(_I8x8, [0] * 8) if acc is None else acc
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _I8x8,
-                     [start, builder.bitcast(a, _I8x8), builder.bitcast(b, _I8x8)])
+        start = ir.Constant(_V_I32x8, [0] * 8) if acc is None else acc
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V_I32x8,
+                     [start, builder.bitcast(a, _V_I32x8), builder.bitcast(b, _V_I32x8)])
     if AVX2:
         p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), [a, b])
-        r = _call(builder, "llvm.x86.avx2.pmadd.wd", _I8x8, [p16, ir.Constant(ir.VectorType(_I16, 16), [1] * 16)])
+        r = _call(builder, "llvm.x86.avx2.pmadd.wd", _V_I32x8, [p16, ir.Constant(ir.VectorType(_I16, 16), [1] * 16)])
     else:
         w32 = ir.VectorType(_I32, 32)
         r = _lanes4(builder, builder.mul(builder.zext(a, w32), builder.sext(b, w32)))
@@ -144,56 +144,56 @@ def _nibbles32(builder, q16):
 
 
 @intrinsic
-def f8_zero(typingctx):
+def f32x8_zero(typingctx):
     def codegen(context, builder, sig, args):
-        return ir.Constant(_F8, [0.0] * 8)
-    return f8(), codegen
+        return ir.Constant(_V_F32x8, [0.0] * 8)
+    return f32x8(), codegen
 
 
 @intrinsic
-def f8_fma(typingctx, d, v, acc):
+def f32x8_fma(typingctx, d, v, acc):
     """acc + d * v per lane, rounded once (llvm.fma: _mm256_fmadd_ps(broadcast(d), v, acc))."""
-    if not (isinstance(d, types.Float) and v == f8 and acc == f8):
+    if not (isinstance(d, types.Float) and v == f32x8 and acc == f32x8):
         return None
 
     def codegen(context, builder, sig, args):
         dv = context.cast(builder, args[0], sig.args[0], types.float32)
-        splat = builder.insert_element(ir.Constant(_F8, None), dv, ir.Constant(_I32, 0))
+        splat = builder.insert_element(ir.Constant(_V_F32x8, None), dv, ir.Constant(_I32, 0))
         splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
-        return _call(builder, "llvm.fma.v8f32", _F8, [splat, args[1], args[2]])
-    return f8(d, f8, f8), codegen
+        return _call(builder, "llvm.fma.v8f32", _V_F32x8, [splat, args[1], args[2]])
+    return f32x8(d, f32x8, f32x8), codegen
 
 
 @intrinsic
-def i8_to_f8(typingctx, v):
+def i32x8_to_f32x8(typingctx, v):
     """int32 lanes -> float32 lanes (round to nearest, as _mm256_cvtepi32_ps)."""
-    if v != i8:
+    if v != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], _F8)
-    return f8(i8), codegen
+        return builder.sitofp(args[0], _V_F32x8)
+    return f32x8(i32x8), codegen
 
 
 @intrinsic
-def f8_hsum(typingctx, v):
+def f32x8_hsum(typingctx, v):
     """ggml's hsum_float_8: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
-    if v != f8:
+    if v != f32x8:
         return None
 
     def codegen(context, builder, sig, args):
         a = [builder.extract_element(args[0], ir.Constant(_I32, i)) for i in range(8)]
         fa = builder.fadd
         return fa(fa(fa(a[4], a[0]), fa(a[6], a[2])), fa(fa(a[5], a[1]), fa(a[7], a[3])))
-    return types.float32(f8), codegen
+    return types.float32(f32x8), codegen
 
 
 @intrinsic
-def f8_hsum8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
-    """Lane k = ``f8_hsum(a_k)``, for eight vectors at once: the same three rounds of additions in the same tree
+def f32x8_hsum8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
+    """Lane k = ``f32x8_hsum(a_k)``, for eight vectors at once: the same three rounds of additions in the same tree
     (halves, then quarters, then neighbours), each round one vector addition over two of the vectors' partial sums
     side by side; 14 shuffles and 7 additions where eight hsums take 24 shuffles and 24 scalar additions."""
-    if any(a != f8 for a in (a0, a1, a2, a3, a4, a5, a6, a7)):
+    if any(a != f32x8 for a in (a0, a1, a2, a3, a4, a5, a6, a7)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -207,37 +207,37 @@ def f8_hsum8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
         u23 = builder.fadd(sh(t[2], t[3], [0, 1, 8, 9, 4, 5, 12, 13]), sh(t[2], t[3], [2, 3, 10, 11, 6, 7, 14, 15]))
         # round 3: the two partial sums of each vector, lanes in order a0 .. a7
         return builder.fadd(sh(u01, u23, [0, 2, 8, 10, 4, 6, 12, 14]), sh(u01, u23, [1, 3, 9, 11, 5, 7, 13, 15]))
-    return f8(f8, f8, f8, f8, f8, f8, f8, f8), codegen
+    return f32x8(f32x8, f32x8, f32x8, f32x8, f32x8, f32x8, f32x8, f32x8), codegen
 
 
 @intrinsic
-def f8_add(typingctx, a, b):
+def f32x8_add(typingctx, a, b):
     """a + b per lane."""
-    if a != f8 or b != f8:
+    if a != f32x8 or b != f32x8:
         return None
 
     def codegen(context, builder, sig, args):
         return builder.fadd(args[0], args[1])
-    return f8(f8, f8), codegen
+    return f32x8(f32x8, f32x8), codegen
 
 
 @intrinsic
-def i8_add(typingctx, a, b):
-    if a != i8 or b != i8:
+def i32x8_add(typingctx, a, b):
+    if a != i32x8 or b != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
         return builder.add(args[0], args[1])
-    return i8(i8, i8), codegen
+    return i32x8(i32x8, i32x8), codegen
 
 
 def _signed_lanes(context, builder, sig, args, au, b, off, il, iso):
     """Eight int32 lanes of signed weights times int8 activations b, from ``au``: the weights plus ``off`` as
     unsigned bytes. Where the offset form is exact (``UNSIGNED_OFFSET``, below): vpdpbusd of au and b accumulating
-    into the activations' negated lane sums times off (``qdot.lane_sums``: args[il] at element args[iso]), one
+    into the activations' negated lane sums times off (``dot_q32.lane_sums``: args[il] at element args[iso]), one
     instruction; else ggml's sign trick on au - off. The same integers either way."""
     if UNSIGNED_OFFSET:
-        acc = _load(builder, _elem_ptr(context, builder, sig.args[il], args[il], args[iso], _I8x8))
+        acc = _load(builder, _elem_ptr(context, builder, sig.args[il], args[il], args[iso], _V_I32x8))
         return _udot(builder, au, b, acc)
     return _sdot(builder, builder.sub(au, ir.Constant(au.type, [off] * 32)), b)
 
@@ -252,7 +252,7 @@ def dot_s8_s8(typingctx, w, wo, x, xo, xl, so):
         a = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32))
         b = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], v32))
         return _signed_lanes(context, builder, sig, args, builder.xor(a, ir.Constant(v32, [-128] * 32)), b, 128, 4, 5)
-    return i8(w, types.intp, x, types.intp, xl, types.intp), codegen
+    return i32x8(w, types.intp, x, types.intp, xl, types.intp), codegen
 
 
 @intrinsic
@@ -269,7 +269,7 @@ def dot_u4_s8(typingctx, w, wo, x, xo, off, xl, so):
         return _signed_lanes(context, builder, sig, args, a, b, off.literal_value, 5, 6)
     if not isinstance(off, types.IntegerLiteral):
         return None
-    return i8(w, types.intp, x, types.intp, off, xl, types.intp), codegen
+    return i32x8(w, types.intp, x, types.intp, off, xl, types.intp), codegen
 
 
 def _high_bits(builder, qh):
@@ -294,7 +294,7 @@ def dot_u5_s8(typingctx, w, wo, qh, x, xo, off, xl, so):
         return _signed_lanes(context, builder, sig, args, a, b, off.literal_value, 6, 7)
     if not isinstance(off, types.IntegerLiteral):
         return None
-    return i8(w, types.intp, types.int64, x, types.intp, off, xl, types.intp), codegen
+    return i32x8(w, types.intp, types.int64, x, types.intp, off, xl, types.intp), codegen
 
 
 @intrinsic
@@ -678,75 +678,75 @@ def v16_splat(typingctx, s):
 
 
 @intrinsic
-def f8_load(typingctx, arr, i):
+def f32x8_load(typingctx, arr, i):
     """arr[i:i+8] of a float32 array as eight lanes."""
     if not isinstance(arr, types.Array) or arr.dtype != types.float32:
         return None
 
     def codegen(context, builder, sig, args):
-        return _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], _F8))
-    return f8(arr, types.intp), codegen
+        return _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], _V_F32x8))
+    return f32x8(arr, types.intp), codegen
 
 
 @intrinsic
-def f8_store(typingctx, arr, i, v):
+def f32x8_store(typingctx, arr, i, v):
     """arr[i:i+8] = v (a float32 array)."""
-    if not isinstance(arr, types.Array) or arr.dtype != types.float32 or v != f8:
+    if not isinstance(arr, types.Array) or arr.dtype != types.float32 or v != f32x8:
         return None
-    return types.void(arr, types.intp, f8), _store_lanes(_F8)
+    return types.void(arr, types.intp, f32x8), _store_lanes(_V_F32x8)
 
 
 @intrinsic
-def f8_scale(typingctx, v, s):
+def f32x8_scale(typingctx, v, s):
     """v * s per lane (s a float32 scalar, broadcast)."""
-    if v != f8:
+    if v != f32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        sv = builder.insert_element(ir.Constant(_F8, None), context.cast(builder, args[1], sig.args[1], types.float32),
+        sv = builder.insert_element(ir.Constant(_V_F32x8, None), context.cast(builder, args[1], sig.args[1], types.float32),
                                     ir.Constant(_I32, 0))
         sv = builder.shuffle_vector(sv, sv, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
         return builder.fmul(args[0], sv)
-    return f8(f8, s), codegen
+    return f32x8(f32x8, s), codegen
 
 
 @intrinsic
-def f8_fma_s(typingctx, s, v, acc):
+def f32x8_fma_s(typingctx, s, v, acc):
     """s * v + acc per lane, rounded once (s a float32 scalar, broadcast; v, acc vectors)."""
-    if v != f8 or acc != f8:
+    if v != f32x8 or acc != f32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        sv = builder.insert_element(ir.Constant(_F8, None), context.cast(builder, args[0], sig.args[0], types.float32),
+        sv = builder.insert_element(ir.Constant(_V_F32x8, None), context.cast(builder, args[0], sig.args[0], types.float32),
                                     ir.Constant(_I32, 0))
         sv = builder.shuffle_vector(sv, sv, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
-        return _call(builder, "llvm.fma.v8f32", _F8, [sv, args[1], args[2]])
-    return f8(s, f8, f8), codegen
+        return _call(builder, "llvm.fma.v8f32", _V_F32x8, [sv, args[1], args[2]])
+    return f32x8(s, f32x8, f32x8), codegen
 
 
 @intrinsic
-def f8_fma_lane(typingctx, dv, k, v, acc):
+def f32x8_fma_lane(typingctx, dv, k, v, acc):
     """fma(lane k of dv broadcast, v, acc): the per-pair scale taken from a vector of eight scales (one vpermps)."""
-    if dv != f8 or v != f8 or acc != f8 or not isinstance(k, types.IntegerLiteral):
+    if dv != f32x8 or v != f32x8 or acc != f32x8 or not isinstance(k, types.IntegerLiteral):
         return None
     lane = k.literal_value
 
     def codegen(context, builder, sig, args):
         sv = builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(_I32, 8), [lane] * 8))
-        return _call(builder, "llvm.fma.v8f32", _F8, [sv, args[2], args[3]])
-    return f8(f8, k, f8, f8), codegen
+        return _call(builder, "llvm.fma.v8f32", _V_F32x8, [sv, args[2], args[3]])
+    return f32x8(f32x8, k, f32x8, f32x8), codegen
 
 
 @intrinsic
-def f8_lane(typingctx, v, k):
+def f32x8_lane(typingctx, v, k):
     """Lane k (a literal) of v."""
-    if v != f8 or not isinstance(k, types.IntegerLiteral):
+    if v != f32x8 or not isinstance(k, types.IntegerLiteral):
         return None
     lane = k.literal_value
 
     def codegen(context, builder, sig, args):
         return builder.extract_element(args[0], ir.Constant(_I32, lane))
-    return types.float32(f8, k), codegen
+    return types.float32(f32x8, k), codegen
 
 
 @intrinsic
@@ -761,7 +761,7 @@ def wbytes(typingctx, w, wo, qh, kind):
     def codegen(context, builder, sig, args):
         v32 = ir.VectorType(_I8, 32)
         if kv == 4:
-            return builder.bitcast(_load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32)), _I8x8)
+            return builder.bitcast(_load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32)), _V_I32x8)
         a = _nibbles32(builder, _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1],
                                                   ir.VectorType(_I8, 16))))
         if kv in (2, 3):
@@ -769,15 +769,15 @@ def wbytes(typingctx, w, wo, qh, kind):
         off = {0: 8, 1: 0, 2: 16, 3: 0}[kv]
         if off:
             a = builder.sub(a, ir.Constant(v32, [off] * 32))
-        return builder.bitcast(a, _I8x8)
-    return i8(w, types.intp, types.int64, kind), codegen
+        return builder.bitcast(a, _V_I32x8)
+    return i32x8(w, types.intp, types.int64, kind), codegen
 
 
 @intrinsic
 def wdot(typingctx, a, x, xo, signed):
     """Eight int32 lanes of four products: the 32 weight bytes in ``a`` (from ``wbytes``; signed a literal bool:
     int8 values, else unsigned) times 32 int8 activations at byte xo of x."""
-    if a != i8 or not isinstance(signed, types.BooleanLiteral):
+    if a != i32x8 or not isinstance(signed, types.BooleanLiteral):
         return None
     sg = signed.literal_value
 
@@ -786,7 +786,7 @@ def wdot(typingctx, a, x, xo, signed):
         b = _load(builder, _ptr(context, builder, sig.args[1], args[1], args[2], v32))
         av = builder.bitcast(args[0], v32)
         return _sdot(builder, av, b) if sg else _udot(builder, av, b)
-    return i8(i8, x, types.intp, signed), codegen
+    return i32x8(i32x8, x, types.intp, signed), codegen
 
 
 @intrinsic
@@ -811,14 +811,14 @@ UNSIGNED_OFFSET = VNNI or not AVX2
 def wsum_neg128(typingctx, a):
     """-128 times the lane sums of the signed weight bytes in ``a`` (from ``wbytes``): the correction ``xdot`` starts
     from, computed once per weight block."""
-    if a != i8:
+    if a != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
         v32 = ir.VectorType(_I8, 32)
         r = _udot(builder, ir.Constant(v32, [-128] * 32), builder.bitcast(args[0], v32))
-        return builder.sub(ir.Constant(_I8x8, [0] * 8), r)
-    return i8(a), codegen
+        return builder.sub(ir.Constant(_V_I32x8, [0] * 8), r)
+    return i32x8(a), codegen
 
 
 @intrinsic
@@ -827,20 +827,20 @@ def xdot(typingctx, c, a, x, xo):
     bytes: x ^ 0x80), times the signed weight bytes in ``a``. With c = ``wsum_neg128(a)`` the lanes are those of
     sum(x * q): the activation-offset form of the prompt tiles (``UNSIGNED_OFFSET``), one instruction per pair on
     VNNI, with no per-activation correction to load."""
-    if c != i8 or a != i8:
+    if c != i32x8 or a != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
         v32 = ir.VectorType(_I8, 32)
         b = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], v32))
         return _udot(builder, b, builder.bitcast(args[1], v32), args[0])
-    return i8(i8, i8, x, types.intp), codegen
+    return i32x8(i32x8, i32x8, x, types.intp), codegen
 
 
 
 
 # ----------------------------------------------------------------------- weight rows as lanes (AVX-512 VNNI)
-# The prompt tiles' transposed form (qdot._mv_rows16): sixteen weight rows side by side in a 512-bit register, lane
+# The prompt tiles' transposed form (dot_q32._mv_rows16): sixteen weight rows side by side in a 512-bit register, lane
 # r holding four bytes of row r, so that one vpdpbusd against four activation bytes broadcast to every lane gives
 # ggml's lane l of sixteen (row, activation) pairs at once. Each lane is still one pair's exact integer lane, and
 # each pair keeps its own fma chain per lane l (an accumulator per l, rows as lanes), so the float operations are
@@ -855,27 +855,27 @@ def _splat_any(builder, v, vecty):
 
 
 @intrinsic
-def i8_store(typingctx, arr, off, v):
+def i32x8_store(typingctx, arr, off, v):
     """The 32 bytes of v stored at byte ``off`` of arr's data (a uint8 array)."""
-    if v != i8:
+    if v != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        st = builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], args[1], _I8x8))
+        st = builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], args[1], _V_I32x8))
         st.align = 1
         return context.get_dummy_value()
-    return types.void(arr, types.intp, i8), codegen
+    return types.void(arr, types.intp, i32x8), codegen
 
 
 @intrinsic
-def i8_flip(typingctx, v):
+def i32x8_flip(typingctx, v):
     """Each byte of v xor 0x80: int8 q as the unsigned byte q + 128."""
-    if v != i8:
+    if v != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.xor(args[0], ir.Constant(_I8x8, [-0x7F7F7F80] * 8))
-    return i8(i8), codegen
+        return builder.xor(args[0], ir.Constant(_V_I32x8, [-0x7F7F7F80] * 8))
+    return i32x8(i32x8), codegen
 
 
 @intrinsic
@@ -883,7 +883,7 @@ def rows16_pairs2(typingctx, ws, wo, xq, i, xo, xls, lo, corr, dv0, dv1, acc):
     """One 32-value block of sixteen weight rows against activation rows i and i + 1: ``acc`` (sixteen f32x16, row
     i's lanes l = 0..7 then row i + 1's) gets fma(dv, float(lane l), acc[l]) per pair, dv0 / dv1 the rows' sixteen
     scales d_w * d_x. ws: the block's eight registers from byte wo (register l = the rows' unsigned bytes 4l..4l+3,
-    ``qdot._rows16_prep``); the activations: bytes xo..xo + 31 of xq's rows. ``corr`` (a literal bool): add the
+    ``dot_q32._rows16_prep``); the activations: bytes xo..xo + 31 of xq's rows. ``corr`` (a literal bool): add the
     activations' lane sums xls[i, lo + l] (the signed formats' offset: -off * the sum of the four activations)."""
     if not isinstance(corr, types.BooleanLiteral) or not isinstance(acc, types.UniTuple) or acc.count != 16:
         return None
@@ -948,7 +948,7 @@ def v16_sub(typingctx, a, b):
 @intrinsic
 def nib_split_store(typingctx, src, so, dst, do):
     """The 32 bytes at byte so of src as 64 unsigned values at byte do of dst: their low nibbles, then their high
-    nibbles (a Q4_K pair of sub-blocks, ``qdot_ks._q4k_rows16_prep``)."""
+    nibbles (a Q4_K pair of sub-blocks, ``dot_kquant._q4k_rows16_prep``)."""
     def codegen(context, builder, sig, args):
         v32 = ir.VectorType(_I8, 32)
         q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], v32))
@@ -1045,7 +1045,7 @@ def q6k_decode_store(typingctx, src, o, dst, do):
 @intrinsic
 def q6k_rows16_sb(typingctx, ws, wo, xq, i, xo, scs, so, bs, bo, dw, xd0, xd1, acc):
     """One Q6_K super-block of sixteen weight rows (as lanes) against activation rows i and i + 1 in the tiled
-    kernel's form (``qdot_kt``): s1 = sum over the sixteen sub-blocks of sc_j * (products of q - 32), exact (the
+    kernel's form (``dot_kquant_tiled``): s1 = sum over the sixteen sub-blocks of sc_j * (products of q - 32), exact (the
     unsigned codes' products, sc_j times each sub-block's, then -32 sc_j times the activations' block sums by
     vpdpwssd from the packed pairs at scs[so + 256 ..] and bs[i + c, bo ..]); r = float(s1) * d_w, acc[c] =
     fma(r, d_x, acc[c]). ws: sixty-four registers from byte wo (sub-block j's four at 256 j); scs[so ..]: the rows'
@@ -1172,7 +1172,7 @@ def d8_add_squares(typingctx, x, r, j, acc):
         rows = []
         for k in range(8):
             off = builder.add(builder.mul(builder.add(r, ir.Constant(r.type, k)), s0), j4)
-            v = _load(builder, builder.bitcast(builder.gep(base, [off]), _F8.as_pointer()))
+            v = _load(builder, builder.bitcast(builder.gep(base, [off]), _V_F32x8.as_pointer()))
             rows.append(builder.fmul(v, v))
         acc = args[3]
         for col in _transpose8(builder, rows):
@@ -1196,7 +1196,7 @@ def i32_transpose16x8(typingctx, src, so, n, dst, do):
         sp, dp = base(0), base(3)
         so_, n_, do_ = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (1, 2, 4))
         rows = [_load(builder, builder.bitcast(
-            builder.gep(sp, [builder.add(so_, builder.mul(n_, ir.Constant(n_.type, r)))]), _I8x8.as_pointer()))
+            builder.gep(sp, [builder.add(so_, builder.mul(n_, ir.Constant(n_.type, r)))]), _V_I32x8.as_pointer()))
             for r in range(16)]
         top, bottom = _transpose8(builder, rows[:8]), _transpose8(builder, rows[8:])
         both = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))

@@ -20,9 +20,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (ROWS16, UNSIGNED_OFFSET, f8_add, f8_hsum8, wsum_neg128, xdot, f16_at, f8_fma_s, f8_store,
-                   f8_lane, f8_load, f8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f8_fma, f8_hsum, f8_zero,
-                   fma32, i32_transpose16x8, i8_flip, i8_store, i8_to_f8, rows16_pairs2, v16_add, v16_fma, v16_geglu,
+from .simd import (ROWS16, UNSIGNED_OFFSET, f32x8_add, f32x8_hsum8, wsum_neg128, xdot, f16_at, f32x8_fma_s, f32x8_store,
+                   f32x8_lane, f32x8_load, f32x8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f32x8_fma, f32x8_hsum, f32x8_zero,
+                   fma32, i32_transpose16x8, i32x8_flip, i32x8_store, i32x8_to_f32x8, rows16_pairs2, v16_add, v16_fma, v16_geglu,
                    v16_load, v16_mul, v16_scale, v16_silu, v16_store, v16_tree8, v16_zero)
 
 # fp16 bits -> float32, as a table (256 KiB): the scales are read with one lookup
@@ -37,7 +37,7 @@ PREFETCH_ROWS = 4   # rows ahead to prefetch: a kernel this slow leaves the hard
 
 
 def _prefetch(builder, ptr, write):
-    """llvm.prefetch of the i8* ``ptr`` (keep in all cache levels; for writing when ``write``)."""
+    """llvm.prefetch of the i32x8* ``ptr`` (keep in all cache levels; for writing when ``write``)."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
     fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, fnty, "llvm.prefetch.p0i8")
@@ -159,7 +159,7 @@ def _block(kind, tab, wr, b, xr, xdb, xsb, xlr, acc, summs):
         lanes = dot_u5_s8(wr, o + 8, _qh(wr, o + 4), xr, xo, 0, xlr, 0)
         summs = fma32(f16_at(wr, o + 2), xsb, summs)
     d = np.float32(f16_at(wr, o) * xdb)
-    return f8_fma(d, i8_to_f8(lanes), acc), summs
+    return f32x8_fma(d, i32x8_to_f32x8(lanes), acc), summs
 
 
 @njit(cache=True)
@@ -226,7 +226,7 @@ def _wblock(kind, wr, b, unsigned):
     8, Q5_0's five bits q + 16, Q8_0's q ^ 0x80), for the sixteen-row tiles; Q4_1 and Q5_1 are unsigned either way."""
     if kind == K_Q8_0:
         q = wbytes(wr, b * 34 + 2, 0, 4)
-        return i8_flip(q) if unsigned else q
+        return i32x8_flip(q) if unsigned else q
     if kind == K_Q4_0:
         return wbytes(wr, b * 18 + 2, 0, 1) if unsigned else wbytes(wr, b * 18 + 2, 0, 0)
     if kind == K_Q4_1:
@@ -245,14 +245,14 @@ def _row8_off(kind, wr, b, xb, j0, dvr, a0, a1, a2, a3, a4, a5, a6, a7):
     sums of q), computed once for the eight pairs (``xdot``). The same integer lanes."""
     q = _wblock(kind, wr, b, False)
     c = wsum_neg128(q)
-    a0 = f8_fma(dvr[0], i8_to_f8(xdot(c, q, xb, (j0 + 0) * 32)), a0)
-    a1 = f8_fma(dvr[1], i8_to_f8(xdot(c, q, xb, (j0 + 1) * 32)), a1)
-    a2 = f8_fma(dvr[2], i8_to_f8(xdot(c, q, xb, (j0 + 2) * 32)), a2)
-    a3 = f8_fma(dvr[3], i8_to_f8(xdot(c, q, xb, (j0 + 3) * 32)), a3)
-    a4 = f8_fma(dvr[4], i8_to_f8(xdot(c, q, xb, (j0 + 4) * 32)), a4)
-    a5 = f8_fma(dvr[5], i8_to_f8(xdot(c, q, xb, (j0 + 5) * 32)), a5)
-    a6 = f8_fma(dvr[6], i8_to_f8(xdot(c, q, xb, (j0 + 6) * 32)), a6)
-    a7 = f8_fma(dvr[7], i8_to_f8(xdot(c, q, xb, (j0 + 7) * 32)), a7)
+    a0 = f32x8_fma(dvr[0], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 0) * 32)), a0)
+    a1 = f32x8_fma(dvr[1], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 1) * 32)), a1)
+    a2 = f32x8_fma(dvr[2], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 2) * 32)), a2)
+    a3 = f32x8_fma(dvr[3], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 3) * 32)), a3)
+    a4 = f32x8_fma(dvr[4], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 4) * 32)), a4)
+    a5 = f32x8_fma(dvr[5], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 5) * 32)), a5)
+    a6 = f32x8_fma(dvr[6], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 6) * 32)), a6)
+    a7 = f32x8_fma(dvr[7], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 7) * 32)), a7)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -261,14 +261,14 @@ def _pairs8(q, xb, j0, dvr, signed, a0, a1, a2, a3, a4, a5, a6, a7):
     """The decoded weight block q against the blocks of activation rows j0..j0+7 of a group (xb: one block of
     sixteen rows side by side, ``_group_activations``), each pair's lanes fma'd with its scale dvr[k] (``signed``:
     a literal, the block's values are int8 rather than unsigned)."""
-    a0 = f8_fma(dvr[0], i8_to_f8(wdot(q, xb, (j0 + 0) * 32, signed)), a0)
-    a1 = f8_fma(dvr[1], i8_to_f8(wdot(q, xb, (j0 + 1) * 32, signed)), a1)
-    a2 = f8_fma(dvr[2], i8_to_f8(wdot(q, xb, (j0 + 2) * 32, signed)), a2)
-    a3 = f8_fma(dvr[3], i8_to_f8(wdot(q, xb, (j0 + 3) * 32, signed)), a3)
-    a4 = f8_fma(dvr[4], i8_to_f8(wdot(q, xb, (j0 + 4) * 32, signed)), a4)
-    a5 = f8_fma(dvr[5], i8_to_f8(wdot(q, xb, (j0 + 5) * 32, signed)), a5)
-    a6 = f8_fma(dvr[6], i8_to_f8(wdot(q, xb, (j0 + 6) * 32, signed)), a6)
-    a7 = f8_fma(dvr[7], i8_to_f8(wdot(q, xb, (j0 + 7) * 32, signed)), a7)
+    a0 = f32x8_fma(dvr[0], i32x8_to_f32x8(wdot(q, xb, (j0 + 0) * 32, signed)), a0)
+    a1 = f32x8_fma(dvr[1], i32x8_to_f32x8(wdot(q, xb, (j0 + 1) * 32, signed)), a1)
+    a2 = f32x8_fma(dvr[2], i32x8_to_f32x8(wdot(q, xb, (j0 + 2) * 32, signed)), a2)
+    a3 = f32x8_fma(dvr[3], i32x8_to_f32x8(wdot(q, xb, (j0 + 3) * 32, signed)), a3)
+    a4 = f32x8_fma(dvr[4], i32x8_to_f32x8(wdot(q, xb, (j0 + 4) * 32, signed)), a4)
+    a5 = f32x8_fma(dvr[5], i32x8_to_f32x8(wdot(q, xb, (j0 + 5) * 32, signed)), a5)
+    a6 = f32x8_fma(dvr[6], i32x8_to_f32x8(wdot(q, xb, (j0 + 6) * 32, signed)), a6)
+    a7 = f32x8_fma(dvr[7], i32x8_to_f32x8(wdot(q, xb, (j0 + 7) * 32, signed)), a7)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -279,7 +279,7 @@ def _row8(kind, wr, b, xb, j0, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
     (``_tile8``) exactly as the one-pair form does."""
     q = _wblock(kind, wr, b, False)
     if not _signed(kind):          # Q4_1, Q5_1: the min at byte 2 of the block
-        sv = f8_fma_s(f16_at(wr, b * _block_bytes(kind) + 2), xsb, sv)
+        sv = f32x8_fma_s(f16_at(wr, b * _block_bytes(kind) + 2), xsb, sv)
     if _signed(kind):
         a0, a1, a2, a3, a4, a5, a6, a7 = _pairs8(q, xb, j0, dvr, True, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
@@ -294,31 +294,31 @@ def _tile8(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
     broadcast load, folded into its fma, instead of a lane shuffle per pair and block."""
     bb = _block_bytes(kind)
     for b in range(nb):
-        f8_store(dvb[b], 0, f8_scale(f8_load(xdT[b], i), f16_at(wr, b * bb)))
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f8_zero()
-    sv = f8_zero()
+        f32x8_store(dvb[b], 0, f32x8_scale(f32x8_load(xdT[b], i), f16_at(wr, b * bb)))
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32x8_zero()
+    sv = f32x8_zero()
     for b in range(nb):
         if _signed(kind) and UNSIGNED_OFFSET:
             a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xg[b], 0, dvb[b], a0, a1, a2, a3, a4, a5, a6, a7)
         else:
-            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xg[b], 0, dvb[b], f8_load(xsT[b], i),
+            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xg[b], 0, dvb[b], f32x8_load(xsT[b], i),
                                                        a0, a1, a2, a3, a4, a5, a6, a7, sv)
-    _store8(out, i, r, f8_add(f8_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), sv))
+    _store8(out, i, r, f32x8_add(f32x8_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), sv))
 
 
 @njit(cache=True, inline="always")
 def _store8(out, i, r, v):
-    """out[i + k, r] = lane k of v: the eight pairs' dot products, ``f8_hsum`` of each accumulator plus its min
-    term (``f8_hsum8`` computes the eight sums as one transposed reduction, the same additions in the same tree:
+    """out[i + k, r] = lane k of v: the eight pairs' dot products, ``f32x8_hsum`` of each accumulator plus its min
+    term (``f32x8_hsum8`` computes the eight sums as one transposed reduction, the same additions in the same tree:
     5-8% of a Q4_1 or Q5_0 tile's time at k = 576-640, where a tile is only 18-20 blocks long)."""
-    out[i, r] = f8_lane(v, 0)
-    out[i + 1, r] = f8_lane(v, 1)
-    out[i + 2, r] = f8_lane(v, 2)
-    out[i + 3, r] = f8_lane(v, 3)
-    out[i + 4, r] = f8_lane(v, 4)
-    out[i + 5, r] = f8_lane(v, 5)
-    out[i + 6, r] = f8_lane(v, 6)
-    out[i + 7, r] = f8_lane(v, 7)
+    out[i, r] = f32x8_lane(v, 0)
+    out[i + 1, r] = f32x8_lane(v, 1)
+    out[i + 2, r] = f32x8_lane(v, 2)
+    out[i + 3, r] = f32x8_lane(v, 3)
+    out[i + 4, r] = f32x8_lane(v, 4)
+    out[i + 5, r] = f32x8_lane(v, 5)
+    out[i + 6, r] = f32x8_lane(v, 6)
+    out[i + 7, r] = f32x8_lane(v, 7)
 
 
 @njit(cache=True, inline="always")
@@ -330,23 +330,23 @@ def _tile16(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
     bb = _block_bytes(kind)
     for b in range(nb):
         d = f16_at(wr, b * bb)
-        f8_store(dvb[b, 0], 0, f8_scale(f8_load(xdT[b], i), d))
-        f8_store(dvb[b, 1], 0, f8_scale(f8_load(xdT[b], i + 8), d))
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f8_zero()
-    c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = f8_zero()
-    sa = sc = f8_zero()
+        f32x8_store(dvb[b, 0], 0, f32x8_scale(f32x8_load(xdT[b], i), d))
+        f32x8_store(dvb[b, 1], 0, f32x8_scale(f32x8_load(xdT[b], i + 8), d))
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32x8_zero()
+    c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = f32x8_zero()
+    sa = sc = f32x8_zero()
     for b in range(nb):
         if _signed(kind) and UNSIGNED_OFFSET:
             a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xg[b], 0, dvb[b, 0], a0, a1, a2, a3, a4, a5, a6, a7)
             c0, c1, c2, c3, c4, c5, c6, c7 = _row8_off(kind, wr, b, xg[b], 8, dvb[b, 1],
                                                        c0, c1, c2, c3, c4, c5, c6, c7)
         else:
-            a0, a1, a2, a3, a4, a5, a6, a7, sa = _row8(kind, wr, b, xg[b], 0, dvb[b, 0], f8_load(xsT[b], i),
+            a0, a1, a2, a3, a4, a5, a6, a7, sa = _row8(kind, wr, b, xg[b], 0, dvb[b, 0], f32x8_load(xsT[b], i),
                                                        a0, a1, a2, a3, a4, a5, a6, a7, sa)
-            c0, c1, c2, c3, c4, c5, c6, c7, sc = _row8(kind, wr, b, xg[b], 8, dvb[b, 1], f8_load(xsT[b], i + 8),
+            c0, c1, c2, c3, c4, c5, c6, c7, sc = _row8(kind, wr, b, xg[b], 8, dvb[b, 1], f32x8_load(xsT[b], i + 8),
                                                        c0, c1, c2, c3, c4, c5, c6, c7, sc)
-    _store8(out, i, r, f8_add(f8_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), sa))
-    _store8(out, i + 8, r, f8_add(f8_hsum8(c0, c1, c2, c3, c4, c5, c6, c7), sc))
+    _store8(out, i, r, f32x8_add(f32x8_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), sa))
+    _store8(out, i + 8, r, f32x8_add(f32x8_hsum8(c0, c1, c2, c3, c4, c5, c6, c7), sc))
 
 
 @njit(cache=True, inline="always")
@@ -400,7 +400,7 @@ def _rows16_prep(kind, w, r0, nb, tmp, ws, dws, mws):
     for b in range(nb):
         for r in range(16):
             wr = w[r0 + r]
-            i8_store(tmp, 32 * r, _wblock(kind, wr, b, True))
+            i32x8_store(tmp, 32 * r, _wblock(kind, wr, b, True))
             dws[b, r] = f16_at(wr, b * bb)
             if not _signed(kind):
                 mws[b, r] = f16_at(wr, b * bb + 2)
@@ -518,7 +518,7 @@ def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
             n2 = n8 + (n - n8) // 2 * 2
             for i in range(n8, n2, 2):     # two activation rows: eight chains, each weight block decoded once
                 x0, x1, l0, l1 = xq[i], xq[i + 1], xls[i], xls[i + 1]
-                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
+                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f32x8_zero()
                 s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
                 for b in range(nb):
                     prefetch_step(w, pb, b, step)
@@ -532,17 +532,17 @@ def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
                     a21, s21 = _block(kind, tab, w2, b, x1, d1, m1, l1, a21, s21)
                     a30, s30 = _block(kind, tab, w3, b, x0, d0, m0, l0, a30, s30)
                     a31, s31 = _block(kind, tab, w3, b, x1, d1, m1, l1, a31, s31)
-                out[i, r] = f8_hsum(a00) + s00
-                out[i + 1, r] = f8_hsum(a01) + s01
-                out[i, r + 1] = f8_hsum(a10) + s10
-                out[i + 1, r + 1] = f8_hsum(a11) + s11
-                out[i, r + 2] = f8_hsum(a20) + s20
-                out[i + 1, r + 2] = f8_hsum(a21) + s21
-                out[i, r + 3] = f8_hsum(a30) + s30
-                out[i + 1, r + 3] = f8_hsum(a31) + s31
+                out[i, r] = f32x8_hsum(a00) + s00
+                out[i + 1, r] = f32x8_hsum(a01) + s01
+                out[i, r + 1] = f32x8_hsum(a10) + s10
+                out[i + 1, r + 1] = f32x8_hsum(a11) + s11
+                out[i, r + 2] = f32x8_hsum(a20) + s20
+                out[i + 1, r + 2] = f32x8_hsum(a21) + s21
+                out[i, r + 3] = f32x8_hsum(a30) + s30
+                out[i + 1, r + 3] = f32x8_hsum(a31) + s31
             for i in range(n2, n):
                 xr, lr = xq[i], xls[i]
-                a0 = a1 = a2 = a3 = f8_zero()
+                a0 = a1 = a2 = a3 = f32x8_zero()
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for b in range(nb):
                     prefetch_step(w, pb, b, step)
@@ -552,20 +552,20 @@ def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
                     a1, s1 = _block(kind, tab, w1, b, xr, xdb, xsb, lr, a1, s1)
                     a2, s2 = _block(kind, tab, w2, b, xr, xdb, xsb, lr, a2, s2)
                     a3, s3 = _block(kind, tab, w3, b, xr, xdb, xsb, lr, a3, s3)
-                out[i, r] = f8_hsum(a0) + s0
-                out[i, r + 1] = f8_hsum(a1) + s1
-                out[i, r + 2] = f8_hsum(a2) + s2
-                out[i, r + 3] = f8_hsum(a3) + s3
+                out[i, r] = f32x8_hsum(a0) + s0
+                out[i, r + 1] = f32x8_hsum(a1) + s1
+                out[i, r + 2] = f32x8_hsum(a2) + s2
+                out[i, r + 3] = f32x8_hsum(a3) + s3
             r += 4
         while r < r1:
             wr = w[r]
             for i in range(n8, n):
                 xr, lr = xq[i], xls[i]
-                a0 = f8_zero()
+                a0 = f32x8_zero()
                 s0 = np.float32(0.0)
                 for b in range(nb):
                     a0, s0 = _block(kind, tab, wr, b, xr, xd[i, b], xs[i, b], lr, a0, s0)
-                out[i, r] = f8_hsum(a0) + s0
+                out[i, r] = f32x8_hsum(a0) + s0
             r += 1
 
 

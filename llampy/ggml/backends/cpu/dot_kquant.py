@@ -1,6 +1,6 @@
 """The k-quant dot products (Q4_K, Q5_K, Q6_K against Q8_K activations) in SIMD, tiled over weight rows.
 
-Same arguments and bits as the scalar transliterations in ``qdot_k`` (the tests' references), with the integer
+Same arguments and bits as the scalar transliterations in ``dot_kquant_scalar`` (the tests' references), with the integer
 work done as ggml's AVX2 k-quant code does it: ``maddubs`` (unsigned weight bytes times int8 activations, pairs
 summed to int16; no saturation: |q| <= 63, |x| <= 128) then ``madd`` with the sub-block's scale broadcast to int16
 lanes, which widens to eight int32 lanes of four products times the scale — the lane structure of
@@ -24,10 +24,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot import OUT_AHEAD, ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step, prefetch_write, rows16_transpose
-from .qdot_k import _scale_min
-from .simd import (AVX2, VNNI, _F8, _I8x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f8, f8_fma, f8_hsum, f8_lane,
-                   f8_zero, f16_at, fma32, i8, i8_add, i8_to_f8, nib_split_store, q4k_rows16_pair, v16_load, v16_scale,
+from .dot_q32 import OUT_AHEAD, ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step, prefetch_write, rows16_transpose
+from .dot_kquant_scalar import _scale_min
+from .simd import (AVX2, VNNI, _V_F32x8, _V_I32x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f32x8, f32x8_fma, f32x8_hsum, f32x8_lane,
+                   f32x8_zero, f16_at, fma32, i32x8, i32x8_add, i32x8_to_f32x8, nib_split_store, q4k_rows16_pair, v16_load, v16_scale,
                    v16_store, v16_sub, v16_zero)
 
 _V32 = ir.VectorType(_I8, 32)
@@ -56,7 +56,7 @@ def _maddubs(builder, a, b):
 def _madd(builder, a, b):
     """<16 x i16> a, b -> <8 x i32>: a[2l] * b[2l] + a[2l+1] * b[2l+1] (_mm256_madd_epi16)."""
     if AVX2:
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8x8, [a, b])
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V_I32x8, [a, b])
     p = builder.mul(builder.sext(a, _W32), builder.sext(b, _W32))
     return builder.add(_shuf(builder, p, p, range(0, 16, 2)), _shuf(builder, p, p, range(1, 16, 2)))
 
@@ -68,8 +68,8 @@ def _madd_acc(builder, acc, a, b):
     if acc is None:
         return _madd(builder, a, b)
     if VNNI:
-        return _call(builder, "llvm.x86.avx512.vpdpwssds.256", _I8x8,
-                     [acc, builder.bitcast(a, _I8x8), builder.bitcast(b, _I8x8)])
+        return _call(builder, "llvm.x86.avx512.vpdpwssds.256", _V_I32x8,
+                     [acc, builder.bitcast(a, _V_I32x8), builder.bitcast(b, _V_I32x8)])
     return builder.add(acc, _madd(builder, a, b))
 
 
@@ -104,8 +104,8 @@ def _scales16(context, builder, aryty, ary, off):
 def k_scales(typingctx, w, o):
     """The scales and mins of the Q4_K/Q5_K super-block at byte o of w, as sixteen int16 (an i32x8 to pass on)."""
     def codegen(context, builder, sig, args):
-        return builder.bitcast(_scales16(context, builder, sig.args[0], args[0], args[1]), _I8x8)
-    return i8(w, types.intp), codegen
+        return builder.bitcast(_scales16(context, builder, sig.args[0], args[0], args[1]), _V_I32x8)
+    return i32x8(w, types.intp), codegen
 
 
 def _scaled(builder, q, xv, s16, j):
@@ -118,7 +118,7 @@ def q4k_pdot(typingctx, w, qo, x, xo, s, j):
     """One pair of Q4_K sub-blocks (2j in the low nibbles, 2j+1 in the high nibbles of the 32 bytes at byte qo of
     w) times the 64 activations at byte xo of x, scaled by scales 2j and 2j+1 of ``s`` (from ``k_scales``): eight
     int32 lanes, lane l = sc[2j] * (products 4l..4l+3 of sub-block 2j) + sc[2j+1] * (the same of 2j+1)."""
-    if s != i8 or not isinstance(j, types.IntegerLiteral):
+    if s != i32x8 or not isinstance(j, types.IntegerLiteral):
         return None
     jv = j.literal_value
 
@@ -130,7 +130,7 @@ def q4k_pdot(typingctx, w, qo, x, xo, s, j):
         xb = _load32(context, builder, sig.args[2], args[2], args[3], 32)
         s16 = builder.bitcast(args[4], _W16)
         return builder.add(_scaled(builder, lo, xa, s16, 2 * jv), _scaled(builder, hi, xb, s16, 2 * jv + 1))
-    return i8(w, types.intp, x, types.intp, s, j), codegen
+    return i32x8(w, types.intp, x, types.intp, s, j), codegen
 
 
 def _k_sb(context, builder, sig, args, five):
@@ -161,30 +161,30 @@ def _k_sb(context, builder, sig, args, five):
 @intrinsic
 def q4k_sb(typingctx, w, o, x, xo, s):
     """The whole Q4_K super-block at byte o of w against the 256 activations at byte xo of x (scales ``s``)."""
-    if s != i8:
+    if s != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
         return _k_sb(context, builder, sig, args, False)
-    return i8(w, types.intp, x, types.intp, s), codegen
+    return i32x8(w, types.intp, x, types.intp, s), codegen
 
 
 @intrinsic
 def q5k_sb(typingctx, w, o, x, xo, s):
     """As ``q4k_sb`` for a Q5_K super-block."""
-    if s != i8:
+    if s != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
         return _k_sb(context, builder, sig, args, True)
-    return i8(w, types.intp, x, types.intp, s), codegen
+    return i32x8(w, types.intp, x, types.intp, s), codegen
 
 
 @intrinsic
 def q5k_pdot(typingctx, w, qo, ho, x, xo, s, j):
     """As ``q4k_pdot`` for Q5_K: bit 2j (low nibbles) and 2j+1 (high nibbles) of the 32 bytes at byte ho of w are
     bit 4 of the values."""
-    if s != i8 or not isinstance(j, types.IntegerLiteral):
+    if s != i32x8 or not isinstance(j, types.IntegerLiteral):
         return None
     jv = j.literal_value
 
@@ -200,13 +200,13 @@ def q5k_pdot(typingctx, w, qo, ho, x, xo, s, j):
         xb = _load32(context, builder, sig.args[3], args[3], args[4], 32)
         s16 = builder.bitcast(args[5], _W16)
         return builder.add(_scaled(builder, lo, xa, s16, 2 * jv), _scaled(builder, hi, xb, s16, 2 * jv + 1))
-    return i8(w, types.intp, types.intp, x, types.intp, s, j), codegen
+    return i32x8(w, types.intp, types.intp, x, types.intp, s, j), codegen
 
 
 @intrinsic
 def k_min_lanes(typingctx, s, bs, bo):
     """Lane j: min_j * (bsums[bo + 2j] + bsums[bo + 2j + 1]) (``s`` from ``k_scales``; bs int16 block sums)."""
-    if s != i8:
+    if s != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
@@ -214,14 +214,14 @@ def k_min_lanes(typingctx, s, bs, bo):
         md = _shuf(builder, s16, s16, [8 + l // 2 for l in range(16)])
         b = _load(builder, _elem_ptr(context, builder, sig.args[1], args[1], args[2], _W16))
         return _madd(builder, md, b)
-    return i8(s, bs, types.intp), codegen
+    return i32x8(s, bs, types.intp), codegen
 
 
 @intrinsic
 def k_mins_t(typingctx, s0, s1, s2, s3, s4, s5, s6, s7):
     """The mins of eight rows' ``k_scales`` transposed to rows-as-lanes, in pairs: four i32x8, vector p lane k =
     (min 2p of row k, min 2p+1 of row k) as two int16 (for ``k_mins_dot``)."""
-    if any(a != i8 for a in (s0, s1, s2, s3, s4, s5, s6, s7)):
+    if any(a != i32x8 for a in (s0, s1, s2, s3, s4, s5, s6, s7)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -230,24 +230,24 @@ def k_mins_t(typingctx, s0, s1, s2, s3, s4, s5, s6, s7):
         c = [_shuf(builder, c[2 * t], c[2 * t + 1], range(64)) for t in range(2)]
         c = _shuf(builder, c[0], c[1], range(128))
         res = [builder.bitcast(_shuf(builder, c, c, [16 * k + 8 + 2 * p + t for k in range(8) for t in range(2)]),
-                               _I8x8) for p in range(4)]
+                               _V_I32x8) for p in range(4)]
         return context.make_tuple(builder, sig.return_type, res)
-    return types.UniTuple(i8, 4)(i8, i8, i8, i8, i8, i8, i8, i8), codegen
+    return types.UniTuple(i32x8, 4)(i32x8, i32x8, i32x8, i32x8, i32x8, i32x8, i32x8, i32x8), codegen
 
 
 @intrinsic
 def k_mins_dot(typingctx, m, bp):
     """madd of ``k_mins_t``'s vector with the packed pair of block-sum pairs ``bp`` (``_bs_pairs``): lane k =
     min_2p(row k) * (bs[g] + bs[g+1]) + min_2p+1(row k) * (bs[g+2] + bs[g+3])."""
-    if m != i8:
+    if m != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
         b = context.cast(builder, args[1], sig.args[1], types.int32)
-        bv = builder.insert_element(ir.Constant(_I8x8, None), b, ir.Constant(_I32, 0))
+        bv = builder.insert_element(ir.Constant(_V_I32x8, None), b, ir.Constant(_I32, 0))
         bv = _shuf(builder, bv, bv, [0] * 8)
         return _madd(builder, builder.bitcast(args[0], _W16), builder.bitcast(bv, _W16))
-    return i8(i8, bp), codegen
+    return i32x8(i32x8, bp), codegen
 
 
 def _hadd(builder, a, b):
@@ -267,47 +267,47 @@ def hsum8x_ir(builder, vs):
 @intrinsic
 def hsum8x(typingctx, v0, v1, v2, v3, v4, v5, v6, v7):
     """Eight i32x8 -> one i32x8, lane k the sum of v_k's lanes (exact)."""
-    if any(a != i8 for a in (v0, v1, v2, v3, v4, v5, v6, v7)):
+    if any(a != i32x8 for a in (v0, v1, v2, v3, v4, v5, v6, v7)):
         return None
 
     def codegen(context, builder, sig, args):
         return hsum8x_ir(builder, args)
-    return i8(i8, i8, i8, i8, i8, i8, i8, i8), codegen
+    return i32x8(i32x8, i32x8, i32x8, i32x8, i32x8, i32x8, i32x8, i32x8), codegen
 
 
 @intrinsic
-def i8_sum(typingctx, v):
+def i32x8_sum(typingctx, v):
     """The sum of the eight lanes (exact)."""
-    if v != i8:
+    if v != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
         return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [args[0]])
-    return types.int32(i8), codegen
+    return types.int32(i32x8), codegen
 
 
 @intrinsic
-def i8_lane(typingctx, v, k):
+def i32x8_lane(typingctx, v, k):
     """Lane k (run-time) of v."""
-    if v != i8:
+    if v != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
         return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
-    return types.int32(i8, k), codegen
+    return types.int32(i32x8, k), codegen
 
 
 @intrinsic
-def i8_pairs4(typingctx, v):
+def i32x8_pairs4(typingctx, v):
     """Lanes 0..3: v[2k] + v[2k+1]; lanes 4..7: 0."""
-    if v != i8:
+    if v != i32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        z = ir.Constant(_I8x8, [0] * 8)
+        z = ir.Constant(_V_I32x8, [0] * 8)
         return builder.add(_shuf(builder, args[0], z, [0, 2, 4, 6, 8, 8, 8, 8]),
                            _shuf(builder, args[0], z, [1, 3, 5, 7, 8, 8, 8, 8]))
-    return i8(i8), codegen
+    return i32x8(i32x8), codegen
 
 
 @intrinsic
@@ -317,54 +317,54 @@ def f16_rows8x2(typingctx, w, r, o):
         a = context.make_array(sig.args[0])(context, builder, args[0])
         s0 = cgutils.unpack_tuple(builder, a.strides, 2)[0]
         base = builder.bitcast(a.data, _I8.as_pointer())
-        v = ir.Constant(_I8x8, None)
+        v = ir.Constant(_V_I32x8, None)
         for k in range(8):
             off = builder.add(builder.mul(builder.add(args[1], ir.Constant(args[1].type, k)), s0), args[2])
             p = builder.bitcast(builder.gep(base, [off]), _I32.as_pointer())
             v = builder.insert_element(v, _load(builder, p), ir.Constant(_I32, k))
         h = builder.bitcast(v, ir.VectorType(ir.HalfType(), 16))
-        d = builder.fpext(_shuf(builder, h, h, range(0, 16, 2)), _F8)
-        m = builder.fpext(_shuf(builder, h, h, range(1, 16, 2)), _F8)
+        d = builder.fpext(_shuf(builder, h, h, range(0, 16, 2)), _V_F32x8)
+        m = builder.fpext(_shuf(builder, h, h, range(1, 16, 2)), _V_F32x8)
         return context.make_tuple(builder, sig.return_type, [d, m])
-    return types.UniTuple(f8, 2)(w, types.intp, types.intp), codegen
+    return types.UniTuple(f32x8, 2)(w, types.intp, types.intp), codegen
 
 
 @intrinsic
-def f8_mul_s(typingctx, v, s):
+def f32x8_mul_s(typingctx, v, s):
     """v * s per lane (s a float32 scalar)."""
-    if v != f8:
+    if v != f32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        sv = builder.insert_element(ir.Constant(_F8, None), context.cast(builder, args[1], sig.args[1], types.float32),
+        sv = builder.insert_element(ir.Constant(_V_F32x8, None), context.cast(builder, args[1], sig.args[1], types.float32),
                                     ir.Constant(_I32, 0))
         return builder.fmul(args[0], _shuf(builder, sv, sv, [0] * 8))
-    return f8(f8, s), codegen
+    return f32x8(f32x8, s), codegen
 
 
 @intrinsic
-def f8_fmav(typingctx, a, b, c):
+def f32x8_fmav(typingctx, a, b, c):
     """a * b + c per lane, rounded once."""
-    if a != f8 or b != f8 or c != f8:
+    if a != f32x8 or b != f32x8 or c != f32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.fma.v8f32", _F8, list(args))
-    return f8(f8, f8, f8), codegen
+        return _call(builder, "llvm.fma.v8f32", _V_F32x8, list(args))
+    return f32x8(f32x8, f32x8, f32x8), codegen
 
 
 @intrinsic
-def f8_store_diff(typingctx, arr, i, a, b):
+def f32x8_store_diff(typingctx, arr, i, a, b):
     """arr[i:i+8] = a - b (float32 array)."""
-    if a != f8 or b != f8:
+    if a != f32x8 or b != f32x8:
         return None
 
     def codegen(context, builder, sig, args):
         st = builder.store(builder.fsub(args[2], args[3]), _elem_ptr(context, builder, sig.args[0], args[0],
-                                                                    args[1], _F8))
+                                                                    args[1], _V_F32x8))
         st.align = 4
         return context.get_dummy_value()
-    return types.void(arr, types.intp, f8, f8), codegen
+    return types.void(arr, types.intp, f32x8, f32x8), codegen
 
 
 # ---------------------------------------------------------------------------------------- Q4_K, repacked 8x8
@@ -428,7 +428,7 @@ def q4k_pair8x4(typingctx, w, r, qo, xq, i, xo, s0, s1, s2, s3, s4, s5, s6, s7, 
     i..i+3 of xq (their 64 values from byte xo): four i32x8, vector a lane k = row k's pair sum for activation
     i + a (the gemm form's isum, exact). Each row's 32 weight bytes are decoded once for the four activations;
     rows are reduced two by two (vphaddd tree) to keep few vectors live."""
-    if not isinstance(p, types.IntegerLiteral) or any(t != i8 for t in (s0, s1, s2, s3, s4, s5, s6, s7)):
+    if not isinstance(p, types.IntegerLiteral) or any(t != i32x8 for t in (s0, s1, s2, s3, s4, s5, s6, s7)):
         return None
     pv = p.literal_value
 
@@ -466,22 +466,22 @@ def q4k_pair8x4(typingctx, w, r, qo, xq, i, xo, s0, s1, s2, s3, s4, s5, s6, s7, 
         res = [builder.add(_shuf(builder, lo[a], hi[a], [0, 1, 2, 3, 8, 9, 10, 11]),
                            _shuf(builder, lo[a], hi[a], [4, 5, 6, 7, 12, 13, 14, 15])) for a in range(4)]
         return context.make_tuple(builder, sig.return_type, res)
-    sig = types.UniTuple(i8, 4)(w, types.intp, types.intp, xq, types.intp, types.intp,
-                                i8, i8, i8, i8, i8, i8, i8, i8, p)
+    sig = types.UniTuple(i32x8, 4)(w, types.intp, types.intp, xq, types.intp, types.intp,
+                                i32x8, i32x8, i32x8, i32x8, i32x8, i32x8, i32x8, i32x8, p)
     return sig, codegen
 
 
 @njit(cache=True, inline="always")
 def _gemm4_step(v0, v1, v2, v3, m, bp, i, t, d0, d1, d2, d3, e0, e1, e2, e3, a0, a1, a2, a3, c0, c1, c2, c3):
     """One pair of sub-blocks for four activation rows: acc = fma(isum, d, acc), mins = fma(imin, dmin, mins)."""
-    a0 = f8_fmav(i8_to_f8(v0), d0, a0)
-    c0 = f8_fmav(i8_to_f8(k_mins_dot(m, bp[i, t])), e0, c0)
-    a1 = f8_fmav(i8_to_f8(v1), d1, a1)
-    c1 = f8_fmav(i8_to_f8(k_mins_dot(m, bp[i + 1, t])), e1, c1)
-    a2 = f8_fmav(i8_to_f8(v2), d2, a2)
-    c2 = f8_fmav(i8_to_f8(k_mins_dot(m, bp[i + 2, t])), e2, c2)
-    a3 = f8_fmav(i8_to_f8(v3), d3, a3)
-    c3 = f8_fmav(i8_to_f8(k_mins_dot(m, bp[i + 3, t])), e3, c3)
+    a0 = f32x8_fmav(i32x8_to_f32x8(v0), d0, a0)
+    c0 = f32x8_fmav(i32x8_to_f32x8(k_mins_dot(m, bp[i, t])), e0, c0)
+    a1 = f32x8_fmav(i32x8_to_f32x8(v1), d1, a1)
+    c1 = f32x8_fmav(i32x8_to_f32x8(k_mins_dot(m, bp[i + 1, t])), e1, c1)
+    a2 = f32x8_fmav(i32x8_to_f32x8(v2), d2, a2)
+    c2 = f32x8_fmav(i32x8_to_f32x8(k_mins_dot(m, bp[i + 2, t])), e2, c2)
+    a3 = f32x8_fmav(i32x8_to_f32x8(v3), d3, a3)
+    c3 = f32x8_fmav(i32x8_to_f32x8(k_mins_dot(m, bp[i + 3, t])), e3, c3)
     return a0, a1, a2, a3, c0, c1, c2, c3
 
 
@@ -490,8 +490,8 @@ def _x8_gemm4(w, r, xq, xd, bp, out, i, nb):
     """Rows r..r+7 against activation rows i..i+3 (gemm form): per super-block the scales, mins and F16 factors
     of the eight rows unpacked once for the four activations."""
     w0, w1, w2, w3, w4, w5, w6, w7 = w[r], w[r + 1], w[r + 2], w[r + 3], w[r + 4], w[r + 5], w[r + 6], w[r + 7]
-    a0 = a1 = a2 = a3 = f8_zero()
-    c0 = c1 = c2 = c3 = f8_zero()
+    a0 = a1 = a2 = a3 = f32x8_zero()
+    c0 = c1 = c2 = c3 = f32x8_zero()
     for b in range(nb):
         o = b * 144
         xo = b * 256
@@ -500,10 +500,10 @@ def _x8_gemm4(w, r, xq, xd, bp, out, i, nb):
         s4, s5, s6, s7 = k_scales(w4, o), k_scales(w5, o), k_scales(w6, o), k_scales(w7, o)
         m0, m1, m2, m3 = k_mins_t(s0, s1, s2, s3, s4, s5, s6, s7)
         dr, er = f16_rows8x2(w, r, o)
-        d0, d1, d2, d3 = f8_mul_s(dr, xd[i, b]), f8_mul_s(dr, xd[i + 1, b]), f8_mul_s(dr, xd[i + 2, b]), \
-            f8_mul_s(dr, xd[i + 3, b])
-        e0, e1, e2, e3 = f8_mul_s(er, xd[i, b]), f8_mul_s(er, xd[i + 1, b]), f8_mul_s(er, xd[i + 2, b]), \
-            f8_mul_s(er, xd[i + 3, b])
+        d0, d1, d2, d3 = f32x8_mul_s(dr, xd[i, b]), f32x8_mul_s(dr, xd[i + 1, b]), f32x8_mul_s(dr, xd[i + 2, b]), \
+            f32x8_mul_s(dr, xd[i + 3, b])
+        e0, e1, e2, e3 = f32x8_mul_s(er, xd[i, b]), f32x8_mul_s(er, xd[i + 1, b]), f32x8_mul_s(er, xd[i + 2, b]), \
+            f32x8_mul_s(er, xd[i + 3, b])
         v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 16, xq, i, xo, s0, s1, s2, s3, s4, s5, s6, s7, 0)
         a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, m0, bp, i, t, d0, d1, d2, d3, e0, e1, e2, e3,
                                                      a0, a1, a2, a3, c0, c1, c2, c3)
@@ -516,10 +516,10 @@ def _x8_gemm4(w, r, xq, xd, bp, out, i, nb):
         v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 112, xq, i, xo + 192, s0, s1, s2, s3, s4, s5, s6, s7, 3)
         a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, m3, bp, i, t + 3, d0, d1, d2, d3, e0, e1, e2,
                                                      e3, a0, a1, a2, a3, c0, c1, c2, c3)
-    f8_store_diff(out[i], r, a0, c0)
-    f8_store_diff(out[i + 1], r, a1, c1)
-    f8_store_diff(out[i + 2], r, a2, c2)
-    f8_store_diff(out[i + 3], r, a3, c3)
+    f32x8_store_diff(out[i], r, a0, c0)
+    f32x8_store_diff(out[i + 1], r, a1, c1)
+    f32x8_store_diff(out[i + 2], r, a2, c2)
+    f32x8_store_diff(out[i + 3], r, a3, c3)
 
 
 @njit(cache=True, inline="always")
@@ -531,8 +531,8 @@ def _x8_tile(w, r, xq, xd, bp, out, i0, i1, n_gemm, nb):
     pb = prefetch_base(w, r)
     for i in range(i0, i1):
         xr = xq[i]
-        acc = f8_zero()
-        accm = f8_zero()
+        acc = f32x8_zero()
+        accm = f32x8_zero()
         for b in range(nb):
             prefetch_step(w, pb, b, 8 * 144)
             o = b * 144
@@ -541,30 +541,30 @@ def _x8_tile(w, r, xq, xd, bp, out, i0, i1, n_gemm, nb):
             s4, s5, s6, s7 = k_scales(w4, o), k_scales(w5, o), k_scales(w6, o), k_scales(w7, o)
             m0, m1, m2, m3 = k_mins_t(s0, s1, s2, s3, s4, s5, s6, s7)
             dr, er = f16_rows8x2(w, r, o)
-            d = f8_mul_s(dr, xd[i, b])
-            dm = f8_mul_s(er, xd[i, b])
+            d = f32x8_mul_s(dr, xd[i, b])
+            dm = f32x8_mul_s(er, xd[i, b])
             t = 4 * b
             if i < n_gemm:     # gemm: one fma per pair of sub-blocks
                 for p in range(4):
                     isum = _x8_pair(w0, w1, w2, w3, w4, w5, w6, w7, o, s0, s1, s2, s3, s4, s5, s6, s7, xr, xo, p)
                     mp = m0 if p == 0 else (m1 if p == 1 else (m2 if p == 2 else m3))
-                    acc = f8_fmav(i8_to_f8(isum), d, acc)
-                    accm = f8_fmav(i8_to_f8(k_mins_dot(mp, bp[i, t + p])), dm, accm)
+                    acc = f32x8_fmav(i32x8_to_f32x8(isum), d, acc)
+                    accm = f32x8_fmav(i32x8_to_f32x8(k_mins_dot(mp, bp[i, t + p])), dm, accm)
             else:              # gemv: one fma per super-block
                 isum = hsum8x(_q4k_all(w0, o, xr, xo, s0), _q4k_all(w1, o, xr, xo, s1),
                               _q4k_all(w2, o, xr, xo, s2), _q4k_all(w3, o, xr, xo, s3),
                               _q4k_all(w4, o, xr, xo, s4), _q4k_all(w5, o, xr, xo, s5),
                               _q4k_all(w6, o, xr, xo, s6), _q4k_all(w7, o, xr, xo, s7))
-                imin = i8_add(i8_add(k_mins_dot(m0, bp[i, t]), k_mins_dot(m1, bp[i, t + 1])),
-                              i8_add(k_mins_dot(m2, bp[i, t + 2]), k_mins_dot(m3, bp[i, t + 3])))
-                acc = f8_fmav(i8_to_f8(isum), d, acc)
-                accm = f8_fmav(i8_to_f8(imin), dm, accm)
-        f8_store_diff(out[i], r, acc, accm)
+                imin = i32x8_add(i32x8_add(k_mins_dot(m0, bp[i, t]), k_mins_dot(m1, bp[i, t + 1])),
+                              i32x8_add(k_mins_dot(m2, bp[i, t + 2]), k_mins_dot(m3, bp[i, t + 3])))
+                acc = f32x8_fmav(i32x8_to_f32x8(isum), d, acc)
+                accm = f32x8_fmav(i32x8_to_f32x8(imin), dm, accm)
+        f32x8_store_diff(out[i], r, acc, accm)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
-    """Same arguments and results as qdot_k.mv_q4_k_x8 (``tab`` unused: the F16 scales convert in hardware);
+    """Same arguments and results as dot_kquant_scalar.mv_q4_k_x8 (``tab`` unused: the F16 scales convert in hardware);
     ``n_gemm`` a multiple of 4 (llama.cpp's gemm takes the activation rows in fours), at most n."""
     rows = w.shape[0]
     n = xq.shape[0]
@@ -603,11 +603,11 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
                             v = q4k_pdot(row, o + 80, xq[i], b * 256 + 128, s, 2)
                         else:
                             v = q4k_pdot(row, o + 112, xq[i], b * 256 + 192, s, 3)
-                        acc = fma32(np.float32(i8_sum(v)), dd, acc)
-                        accm = fma32(np.float32(i8_lane(i8_pairs4(ml), p)), de, accm)
+                        acc = fma32(np.float32(i32x8_sum(v)), dd, acc)
+                        accm = fma32(np.float32(i32x8_lane(i32x8_pairs4(ml), p)), de, accm)
                 else:
-                    acc = fma32(np.float32(i8_sum(_q4k_all(row, o, xq[i], b * 256, s))), dd, acc)
-                    accm = fma32(np.float32(i8_sum(ml)), de, accm)
+                    acc = fma32(np.float32(i32x8_sum(_q4k_all(row, o, xq[i], b * 256, s))), dd, acc)
+                    accm = fma32(np.float32(i32x8_sum(ml)), de, accm)
             out[i, r] = np.float32(acc - accm)
 
 
@@ -708,9 +708,9 @@ def q6k_lanes(typingctx, w, o, x, xo, bs, bo):
                 j = 8 * h + 2 * g
                 acc = _madd_acc(builder, acc, _shuf(builder, sc, sc, [j] * 8 + [j + 1] * 8), _maddubs(builder, q, xv))
         b = _load(builder, _elem_ptr(context, builder, sig.args[4], args[4], args[5], _W16))
-        sub = builder.shl(_madd(builder, sc, b), _const(_I8x8, 5))
+        sub = builder.shl(_madd(builder, sc, b), _const(_V_I32x8, 5))
         return builder.sub(acc, sub)
-    return i8(w, types.intp, x, types.intp, bs, types.intp), codegen
+    return i32x8(w, types.intp, x, types.intp, bs, types.intp), codegen
 
 
 @njit(cache=True, inline="always")
@@ -736,33 +736,33 @@ def _kblock(kind, wr, b, xr, xdb, bsr, acc, accm, summs):
     if kind == K_Q6_K:
         o = b * 210
         d = np.float32(xdb * f16_at(wr, o + 208))
-        acc = f8_fma(d, i8_to_f8(q6k_lanes(wr, o, xr, xo, bsr, b * 16)), acc)
+        acc = f32x8_fma(d, i32x8_to_f32x8(q6k_lanes(wr, o, xr, xo, bsr, b * 16)), acc)
     elif kind == K_Q4_K:
         o = b * 144
         s = k_scales(wr, o)
         d = np.float32(xdb * f16_at(wr, o))
         dmin = np.float32(-xdb * f16_at(wr, o + 2))
-        accm = f8_fma(dmin, i8_to_f8(i8_pairs4(k_min_lanes(s, bsr, b * 16))), accm)
-        acc = f8_fma(d, i8_to_f8(_q4k_all(wr, o, xr, xo, s)), acc)
+        accm = f32x8_fma(dmin, i32x8_to_f32x8(i32x8_pairs4(k_min_lanes(s, bsr, b * 16))), accm)
+        acc = f32x8_fma(d, i32x8_to_f32x8(_q4k_all(wr, o, xr, xo, s)), acc)
     else:
         o = b * 176
         s = k_scales(wr, o)
         d = np.float32(xdb * f16_at(wr, o))
         dmin = np.float32(-xdb * f16_at(wr, o + 2))
-        summs = fma32(dmin, np.float32(i8_sum(k_min_lanes(s, bsr, b * 16))), summs)
-        acc = f8_fma(d, i8_to_f8(_q5k_all(wr, o, xr, xo, s)), acc)
+        summs = fma32(dmin, np.float32(i32x8_sum(k_min_lanes(s, bsr, b * 16))), summs)
+        acc = f32x8_fma(d, i32x8_to_f32x8(_q5k_all(wr, o, xr, xo, s)), acc)
     return acc, accm, summs
 
 
 @njit(cache=True, inline="always")
 def _kfinal(kind, acc, accm, summs):
     if kind == K_Q6_K:
-        return f8_hsum(acc)
+        return f32x8_hsum(acc)
     if kind == K_Q4_K:
-        m0 = np.float32(f8_lane(accm, 0) + f8_lane(accm, 2))
-        m1 = np.float32(f8_lane(accm, 1) + f8_lane(accm, 3))
-        return f8_hsum(acc) + np.float32(m0 + m1)
-    return f8_hsum(acc) + summs
+        m0 = np.float32(f32x8_lane(accm, 0) + f32x8_lane(accm, 2))
+        m1 = np.float32(f32x8_lane(accm, 1) + f32x8_lane(accm, 3))
+        return f32x8_hsum(acc) + np.float32(m0 + m1)
+    return f32x8_hsum(acc) + summs
 
 
 @njit(cache=True, inline="always")
@@ -771,8 +771,8 @@ def _tile2x4(kind, u0, u1, r, xq, xd, bsums, out, i, nb):
     activation rows."""
     x0, x1, x2, x3 = xq[i], xq[i + 1], xq[i + 2], xq[i + 3]
     b0, b1, b2, b3 = bsums[i], bsums[i + 1], bsums[i + 2], bsums[i + 3]
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = f8_zero()
-    m00 = m01 = m02 = m03 = m10 = m11 = m12 = m13 = f8_zero()
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = f32x8_zero()
+    m00 = m01 = m02 = m03 = m10 = m11 = m12 = m13 = f32x8_zero()
     s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0.0)
     for b in range(nb):
         d0, d1, d2, d3 = xd[i, b], xd[i + 1, b], xd[i + 2, b], xd[i + 3, b]
@@ -813,7 +813,7 @@ def _mv_k4(w, xq, xd, bsums, out, kind):
         if r < r1:
             wr = w[r]
             for i in range(n):
-                a0 = m0 = f8_zero()
+                a0 = m0 = f32x8_zero()
                 s0 = np.float32(0.0)
                 for b in range(nb):
                     a0, m0, s0 = _kblock(kind, wr, b, xq[i], xd[i, b], bsums[i], a0, m0, s0)
@@ -837,8 +837,8 @@ def _mv_k(w, xq, xd, bsums, out, kind):
             step = 4 * _kbytes(kind)        # inside the parallel loop: a constant there (prefetch_step unrolls)
             for i in range(0, n2, 2):
                 x0, x1, b0, b1 = xq[i], xq[i + 1], bsums[i], bsums[i + 1]
-                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f8_zero()
-                m00 = m01 = m10 = m11 = m20 = m21 = m30 = m31 = f8_zero()
+                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f32x8_zero()
+                m00 = m01 = m10 = m11 = m20 = m21 = m30 = m31 = f32x8_zero()
                 s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
                 for b in range(nb):
                     prefetch_step(w, pb, b, step)
@@ -861,8 +861,8 @@ def _mv_k(w, xq, xd, bsums, out, kind):
                 out[i + 1, r + 3] = _kfinal(kind, a31, m31, s31)
             for i in range(n2, n):
                 xr, br = xq[i], bsums[i]
-                a0 = a1 = a2 = a3 = f8_zero()
-                m0 = m1 = m2 = m3 = f8_zero()
+                a0 = a1 = a2 = a3 = f32x8_zero()
+                m0 = m1 = m2 = m3 = f32x8_zero()
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for b in range(nb):
                     prefetch_step(w, pb, b, step)
@@ -879,7 +879,7 @@ def _mv_k(w, xq, xd, bsums, out, kind):
         while r < r1:
             wr = w[r]
             for i in range(n):
-                a0 = m0 = f8_zero()
+                a0 = m0 = f32x8_zero()
                 s0 = np.float32(0.0)
                 for b in range(nb):
                     a0, m0, s0 = _kblock(kind, wr, b, xq[i], xd[i, b], bsums[i], a0, m0, s0)
@@ -935,15 +935,15 @@ def _split4(k4, k1, w, xq, xd, bsums, out):
 
 
 def mv_q6_k(w, xq, xd, bsums, out, tab):
-    """Same arguments and results as qdot_k.mv_q6_k (``tab`` unused)."""
+    """Same arguments and results as dot_kquant_scalar.mv_q6_k (``tab`` unused)."""
     _split4(_q6_k4, _q6_k, w, xq, xd, bsums, out)
 
 
 def mv_q4_k(w, xq, xd, bsums, out, tab):
-    """Same arguments and results as qdot_k.mv_q4_k (``tab`` unused)."""
+    """Same arguments and results as dot_kquant_scalar.mv_q4_k (``tab`` unused)."""
     _split4(_q4_k4, _q4_k, w, xq, xd, bsums, out)
 
 
 def mv_q5_k(w, xq, xd, bsums, out, tab):
-    """Same arguments and results as qdot_k.mv_q5_k (``tab`` unused)."""
+    """Same arguments and results as dot_kquant_scalar.mv_q5_k (``tab`` unused)."""
     _split4(_q5_k4, _q5_k, w, xq, xd, bsums, out)

@@ -1,7 +1,7 @@
 """llama.cpp's tiled k-quant matrix product (ggml-cpu/tiled/), bit for bit: the path its CPU backend takes for
 Q4_K, Q5_K and Q6_K weights that are not repacked (on x86: all Q5_K and Q6_K, Q4_K with rows % 8 != 0) when the
 batch has at least ``TILED_MIN_ROWS`` activation rows. Below that, and for one-token decode, llama.cpp runs
-``ggml_vec_dot_*_q8_K`` per row (``qdot_k``/``qdot_ks``).
+``ggml_vec_dot_*_q8_K`` per row (``dot_kquant_scalar``/``dot_kquant``).
 
 The float order differs from vec_dot's, so the two give different last bits; Gemma 3's Q6_K ``ffn_down`` in a
 prompt of eight or more tokens goes through this path in llama.cpp. Per (weight row, activation row) and per
@@ -29,10 +29,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .qdot import OUT_AHEAD, _f16, prefetch_write, rows16_transpose
-from .qdot_k import _scale_min
-from .qdot_ks import hsum8x_ir, i8_lane
-from .simd import (AVX2, VNNI, _call, _load, _ptr, f16_at, fma32, i8, q6k_decode_store, q6k_rows16_sb, v16_load,
+from .dot_q32 import OUT_AHEAD, _f16, prefetch_write, rows16_transpose
+from .dot_kquant_scalar import _scale_min
+from .dot_kquant import hsum8x_ir, i32x8_lane
+from .simd import (AVX2, VNNI, _call, _load, _ptr, f16_at, fma32, i32x8, q6k_decode_store, q6k_rows16_sb, v16_load,
                    v16_store, v16_zero)
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
@@ -83,7 +83,7 @@ def dot256_x8(typingctx, w, x, xo):
     """Lane t = the int32 sum of the 256 int16 products of row t of w (8 x 256, C-contiguous) and x's elements
     xo .. xo + 255: eight weight rows against one activation super-block, each 16-value piece of x loaded once for
     the eight rows (``dot256_i16`` per row loaded both operands for every product: two loads per vpmaddwd). The eight
-    sums are reduced together (``qdot_ks.hsum8x_ir``; integer sums: exact in any order)."""
+    sums are reduced together (``dot_kquant.hsum8x_ir``; integer sums: exact in any order)."""
     def codegen(context, builder, sig, args):
         zero = ir.Constant(_L8, [0] * 8)
         accs = [zero] * 8
@@ -96,7 +96,7 @@ def dot256_x8(typingctx, w, x, xo):
                                          ir.Constant(xb.type, 512 * t + 32 * c), _H16))
                 accs[t] = _madd16(builder, accs[t], wv, xv)
         return hsum8x_ir(builder, accs)
-    return i8(w, x, types.intp), codegen
+    return i32x8(w, x, types.intp), codegen
 
 
 @njit(cache=True, inline="always")
@@ -175,7 +175,7 @@ def mm_k_tiled(w, kind, xq, xd, bsums, out, tab):
                     s8 = dot256_x8(wq, x16, i * k + b * 256)
                 for t in range(nr):
                     if nr == _R:
-                        s1 = i8_lane(s8, t)
+                        s1 = i32x8_lane(s8, t)
                     else:
                         s1 = dot256_i16(wq, t * 256, x16, i * k + b * 256)
                     r = np.float32(np.float32(s1) * dw[t])

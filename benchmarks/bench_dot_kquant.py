@@ -1,8 +1,8 @@
 """The k-quant matrix-product kernels at Gemma 3 270M's shapes (hidden 640, ffn 2048): the scalar references
-(cpu/qdot_k.py, with --scalar) and the SIMD ones (cpu/qdot_ks.py), in GB/s of weight blocks read per call (best
+(cpu/dot_kquant_scalar.py, with --scalar) and the SIMD ones (cpu/dot_kquant.py), in GB/s of weight blocks read per call (best
 of several timing rounds; 2 threads unless -t). At n > 1 each call reads the weights once for n activation rows.
 
-    python benchmarks/bench_qdot_ks.py [-t 2] [--scalar]
+    python benchmarks/bench_dot_kquant.py [-t 2] [--scalar]
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 
-from llampy.ggml.backends.cpu import qdot_k, qdot_ks
+from llampy.ggml.backends.cpu import dot_kquant_scalar, dot_kquant
 from llampy.ggml.backends.cpu.act_quant import act_split
-from llampy.ggml.backends.cpu.qdot import F16_TABLE
+from llampy.ggml.backends.cpu.dot_q32 import F16_TABLE
 from llampy.ggml.quants_k import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from llampy.ggml.types import GGMLType as T
 
@@ -33,13 +33,13 @@ def _kernels(fmt, rows, scalar):
     ks = {}
     if x8:
         if scalar:
-            ks["qdot_k"] = lambda w, s, o, n: qdot_k.mv_q4_k_x8(w, s.xq, s.xd, s.xs, o, F16_TABLE, gemm(n))
-        ks["qdot_ks"] = lambda w, s, o, n: qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, o, F16_TABLE, gemm(n))
+            ks["dot_kquant_scalar"] = lambda w, s, o, n: dot_kquant_scalar.mv_q4_k_x8(w, s.xq, s.xd, s.xs, o, F16_TABLE, gemm(n))
+        ks["dot_kquant"] = lambda w, s, o, n: dot_kquant.mv_q4_k_x8(w, s.xq, s.xd, s.xs, o, F16_TABLE, gemm(n))
         return ks
     name = "mv_" + fmt
     if scalar:
-        ks["qdot_k"] = lambda w, s, o, n: getattr(qdot_k, name)(w, s.xq, s.xd, s.xs, o, F16_TABLE)
-    ks["qdot_ks"] = lambda w, s, o, n: getattr(qdot_ks, name)(w, s.xq, s.xd, s.xs, o, F16_TABLE)
+        ks["dot_kquant_scalar"] = lambda w, s, o, n: getattr(dot_kquant_scalar, name)(w, s.xq, s.xd, s.xs, o, F16_TABLE)
+    ks["dot_kquant"] = lambda w, s, o, n: getattr(dot_kquant, name)(w, s.xq, s.xd, s.xs, o, F16_TABLE)
     return ks
 
 
@@ -70,7 +70,7 @@ def main():
             out = np.empty((n, rows), np.float32)
             cells = []
             for name, fn in _kernels(fmt, rows, a.scalar).items():
-                reps = 3 if name == "qdot_k" else 200
+                reps = 3 if name == "dot_kquant_scalar" else 200
                 dt = _time(lambda: fn(w, s, out, n), reps)
                 cells.append(f"{name} {dt * 1e6:8.1f} us {w.nbytes / dt / 1e9:6.2f} GB/s")
             print(f"{fmt} {rows:5d} x {k:5d} n={n}: " + " | ".join(cells), flush=True)

@@ -1,6 +1,6 @@
 """Binders for the hot ops the cpu backend runs in Numba (element-wise with broadcast, softmax, rows): each takes
 (node, dst, srcs) once, at plan time, checks the types and layouts, and returns the call to make on every run, or
-None when the NumPy kernel (kernels.py) must handle the case."""
+None when the NumPy kernel (numpy_ops.py) must handle the case."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +8,8 @@ import numpy as np
 from ...tensor import Op
 from ...types import GGMLType, TYPE_TRAITS
 from . import elementwise, rows
-from .kernels import alibi_slopes
-from .qdot import F16_TABLE
+from .numpy_ops import alibi_slopes
+from .dot_q32 import F16_TABLE
 from . import softmax
 
 T = GGMLType
@@ -140,7 +140,7 @@ def bind_rms_norm_mul(node, dst, srcs):
     w = node.src[1]
     x, d = _rows2d(srcs[0]), _rows2d(dst)
     if x is None or d is None or w.ne[0] != node.ne[0] or w.nelements != w.ne[0]:
-        return None          # only a weight row broadcast over every row here; the rest in kernels.py
+        return None          # only a weight row broadcast over every row here; the rest in numpy_ops.py
     wr = _rows2d(srcs[1])
     if wr is None:
         return None

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from .act import _fma
-from .qdot import _f16, prefetch_row
+from .dot_q32 import _f16, prefetch_row
 
 
 @njit(cache=True, inline="always")

@@ -1,5 +1,5 @@
-"""The tiled SIMD k-quant kernels (cpu/qdot_ks.py) against the scalar transliterations of llama.cpp's x86 forms
-(cpu/qdot_k.py): bit-identical outputs on random Q4_K/Q5_K/Q6_K weights (rows in eights and not, every batch size
+"""The tiled SIMD k-quant kernels (cpu/dot_kquant.py) against the scalar transliterations of llama.cpp's x86 forms
+(cpu/dot_kquant_scalar.py): bit-identical outputs on random Q4_K/Q5_K/Q6_K weights (rows in eights and not, every batch size
 from 1 to 9: gemv rows, gemm groups of four, 2-activation tiles and their tails) and on the real Gemma 3
 270M tensors."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llampy.ggml.backends.cpu import qdot_k, qdot_ks
+from llampy.ggml.backends.cpu import dot_kquant_scalar, dot_kquant
 from llampy.ggml.backends.cpu.act_quant import act_split
-from llampy.ggml.backends.cpu.qdot import F16_TABLE
+from llampy.ggml.backends.cpu.dot_q32 import F16_TABLE
 from llampy.ggml.quants_k import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from llampy.ggml.types import GGMLType as T
 
@@ -28,12 +28,12 @@ def run_both(w, wtype, x, x8):
     want = np.empty((n, w.shape[0]), np.float32)
     got = np.full_like(want, np.nan)
     if x8:
-        qdot_k.mv_q4_k_x8(w, s.xq, s.xd, s.xs, want, F16_TABLE, n_gemm(n))
-        qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, got, F16_TABLE, n_gemm(n))
+        dot_kquant_scalar.mv_q4_k_x8(w, s.xq, s.xd, s.xs, want, F16_TABLE, n_gemm(n))
+        dot_kquant.mv_q4_k_x8(w, s.xq, s.xd, s.xs, got, F16_TABLE, n_gemm(n))
     else:
         name = "mv_" + wtype.name.lower()
-        getattr(qdot_k, name)(w, s.xq, s.xd, s.xs, want, F16_TABLE)
-        getattr(qdot_ks, name)(w, s.xq, s.xd, s.xs, got, F16_TABLE)
+        getattr(dot_kquant_scalar, name)(w, s.xq, s.xd, s.xs, want, F16_TABLE)
+        getattr(dot_kquant, name)(w, s.xq, s.xd, s.xs, got, F16_TABLE)
     return got, want
 
 
@@ -72,8 +72,8 @@ def test_q4_k_rows16_equals_x8_gemm(rows, k, n):
     s = act_split((rng.standard_normal((n, k)) * 3).astype(np.float32), T.Q8_K)
     got = np.full((n, rows), np.nan, np.float32)
     want = np.empty((n, rows), np.float32)
-    qdot_ks.mm_q4_k_rows16(w, s.xq, s.xd, s.xs, got, n)
-    qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, want, F16_TABLE, n)
+    dot_kquant.mm_q4_k_rows16(w, s.xq, s.xd, s.xs, got, n)
+    dot_kquant.mv_q4_k_x8(w, s.xq, s.xd, s.xs, want, F16_TABLE, n)
     assert np.array_equal(got, want)
 
 

@@ -1,4 +1,4 @@
-"""llama.cpp's tiled k-quant product (cpu/qdot_kt.py) against an independent NumPy statement of its arithmetic, and
+"""llama.cpp's tiled k-quant product (cpu/dot_kquant_tiled.py) against an independent NumPy statement of its arithmetic, and
 ``mul_mat``'s choice between it and vec_dot as llama.cpp's CPU backend makes it (tiled from 8 activation rows,
 except Q4_K whose rows llama.cpp repacks). Bit-equality with llama.cpp itself is checked end to end by
 tests/llama/test_fidelity_real.py (Gemma 3's Q6_K ffn_down)."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llampy.ggml.backends.cpu import matmul, qdot_k, qdot_ks, qdot_kt
+from llampy.ggml.backends.cpu import matmul, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
 from llampy.ggml.backends.cpu.act_quant import act_split
-from llampy.ggml.backends.cpu.qdot import F16_TABLE
+from llampy.ggml.backends.cpu.dot_q32 import F16_TABLE
 from llampy.ggml.quants import dequantize
 from llampy.ggml.quants_k import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from llampy.ggml.types import GGMLType as T
@@ -71,7 +71,7 @@ def test_tiled_equals_reference(wtype, rows, k, n):
     w, x = case(wtype, rows, k, n, rows * k + n)
     s = act_split(x, T.Q8_K)
     got = np.full((n, rows), np.nan, np.float32)
-    qdot_kt.mm_k_tiled(w, qdot_kt.KINDS[wtype.name], s.xq, s.xd, s.xs, got, F16_TABLE)
+    dot_kquant_tiled.mm_k_tiled(w, dot_kquant_tiled.KINDS[wtype.name], s.xq, s.xd, s.xs, got, F16_TABLE)
     assert np.array_equal(got, reference(w, wtype, x))
 
 
@@ -80,8 +80,8 @@ def test_tiled_differs_from_vec_dot():
     w, x = case(T.Q6_K, 64, 2048, 8, 1)
     s = act_split(x, T.Q8_K)
     tiled, vec = np.empty((8, 64), np.float32), np.empty((8, 64), np.float32)
-    qdot_kt.mm_k_tiled(w, 6, s.xq, s.xd, s.xs, tiled, F16_TABLE)
-    qdot_k.mv_q6_k(w, s.xq, s.xd, s.xs, vec, F16_TABLE)
+    dot_kquant_tiled.mm_k_tiled(w, 6, s.xq, s.xd, s.xs, tiled, F16_TABLE)
+    dot_kquant_scalar.mv_q6_k(w, s.xq, s.xd, s.xs, vec, F16_TABLE)
     assert np.allclose(tiled, vec, rtol=1e-4, atol=1e-3) and not np.array_equal(tiled, vec)
 
 
@@ -98,12 +98,12 @@ def test_mul_mat_takes_llamacpps_path(wtype, rows):
         matmul.mul_mat(w, wtype, x, got)
         want = np.empty_like(got)
         repacked = wtype == T.Q4_K and rows % 8 == 0
-        if n >= qdot_kt.TILED_MIN_ROWS and not repacked:
-            qdot_kt.mm_k_tiled(w, qdot_kt.KINDS[wtype.name], s.xq, s.xd, s.xs, want, F16_TABLE)
+        if n >= dot_kquant_tiled.TILED_MIN_ROWS and not repacked:
+            dot_kquant_tiled.mm_k_tiled(w, dot_kquant_tiled.KINDS[wtype.name], s.xq, s.xd, s.xs, want, F16_TABLE)
         elif repacked:
-            qdot_ks.mv_q4_k_x8(w, s.xq, s.xd, s.xs, want, F16_TABLE, n - n % 4 if n >= 4 else 0)
+            dot_kquant.mv_q4_k_x8(w, s.xq, s.xd, s.xs, want, F16_TABLE, n - n % 4 if n >= 4 else 0)
         else:
-            getattr(qdot_k, "mv_" + wtype.name.lower())(w, s.xq, s.xd, s.xs, want, F16_TABLE)
+            getattr(dot_kquant_scalar, "mv_" + wtype.name.lower())(w, s.xq, s.xd, s.xs, want, F16_TABLE)
         assert np.array_equal(got, want), n
 
 
@@ -117,7 +117,7 @@ def test_q6_k_rows16_equals_reference(rows, k, n):
     w, x = case(T.Q6_K, rows, k, n, rows + k + n)
     s = act_split(x, T.Q8_K)
     got = np.full((n, rows), np.nan, np.float32)
-    qdot_kt.mm_q6_k_rows16(w, s.xq, s.xd, s.xs, got, n)
+    dot_kquant_tiled.mm_q6_k_rows16(w, s.xq, s.xd, s.xs, got, n)
     assert np.array_equal(got, reference(w, T.Q6_K, x))
 
 

@@ -1,12 +1,12 @@
-"""The 32-value formats' matrix products (cpu/qdot.py) against the same file at another git revision, in one
+"""The 32-value formats' matrix products (cpu/dot_q32.py) against the same file at another git revision, in one
 process: calls of the two alternate, so the machine's swings (up to 2x within minutes here) hit both alike, and the
 median of the per-pair time ratios is what to read. Separate processes timed a few minutes apart could not resolve
 5-10% changes on this machine; this can (repeat runs agreed within ~1% when it was written, 59b301f).
 
-    python benchmarks/ab_qdot.py [REV] [-t 1 2] [-n 512] [--pairs 30]
+    python benchmarks/ab_dot.py [REV] [-t 1 2] [-n 512] [--pairs 30]
 
-REV (default HEAD) is any git revision; its qdot.py and simd.py are imported as sibling modules of the working
-tree's (the old qdot on the old simd), both with the working tree's act_quant.py. Prints, per format and thread
+REV (default HEAD) is any git revision; its dot_q32.py and simd.py are imported as sibling modules of the working
+tree's (the old dot_q32 on the old simd), both with the working tree's act_quant.py. Prints, per format and thread
 count, both medians, the median ratio new / old and whether the outputs are bit-identical.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from llampy.ggml.backends.cpu import qdot as new
+from llampy.ggml.backends.cpu import dot_q32 as new
 from llampy.ggml.backends.cpu.act_quant import act_split
 from llampy.ggml.quants import quantize
 from llampy.ggml.types import TYPE_TRAITS, GGMLType as T
@@ -34,13 +34,18 @@ SHAPES = [("q4_1", T.Q4_1, 1536, 576), ("q5_0", T.Q5_0, 2048, 640), ("q8_0", T.Q
 
 
 def _old_module(rev: str):
-    """qdot.py at rev, imported as a sibling module; with it simd.py at rev (its qdot imports that copy), so that a
+    """dot_q32.py at rev, imported as a sibling module; with it simd.py at rev (its dot_q32 imports that copy), so that a
     change to the SIMD layer is measured too."""
-    def show(name):
-        return subprocess.run(["git", "show", f"{rev}:llampy/ggml/backends/cpu/{name}.py"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
+    def show(name, old_name=None):
+        # a revision from before the rename of qdot.py to dot_q32.py has it under its old name
+        for n in (name, old_name) if old_name else (name,):
+            r = subprocess.run(["git", "show", f"{rev}:llampy/ggml/backends/cpu/{n}.py"], cwd=ROOT,
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                return r.stdout
+        raise SystemExit(f"{rev} has no llampy/ggml/backends/cpu/{name}.py")
     here = ROOT / "llampy/ggml/backends/cpu"
-    src = show("qdot").replace("from .simd import", "from ._simd_ab_old import")
+    src = show("dot_q32", "qdot").replace("from .simd import", "from ._simd_ab_old import")
     paths = [(here / "_simd_ab_old.py", show("simd")), (here / "_qdot_ab_old.py", src)]
     for path, text in paths:
         path.write_text(text)
@@ -64,7 +69,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     old = _old_module(args.rev)
     rng = np.random.default_rng(0)
-    print(f"qdot.py at {args.rev} (old) vs the working tree (new), n = {args.rows}")
+    print(f"dot_q32.py at {args.rev} (old) vs the working tree (new), n = {args.rows}")
     for name, wt, rows, k in SHAPES:
         w = np.frombuffer(quantize(rng.standard_normal((rows, k)).astype(np.float32), wt), np.uint8).reshape(rows, -1)
         s = act_split(rng.standard_normal((args.rows, k)).astype(np.float32), TYPE_TRAITS[wt].vec_dot_type)
