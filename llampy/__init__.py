@@ -8,4 +8,7 @@ def __getattr__(name):
     if name == "Llama":
         from .llama.api import Llama
         return Llama
+    if name in ("LlamaGrammar", "GrammarError"):
+        from .llama import grammar
+        return getattr(grammar, name)
     raise AttributeError(name)

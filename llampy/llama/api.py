@@ -14,6 +14,7 @@ import numpy as np
 from ..models import resolve_model
 from .batch import Batch
 from .context import Context, ContextError
+from .grammar import GrammarError, LlamaGrammar, constraint  # noqa: F401  (GrammarError, LlamaGrammar: public)
 from .model import Model
 
 
@@ -129,14 +130,19 @@ class Llama:
 
     def make_sampler(self, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                      repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, mirostat_mode=0,
-                     mirostat_tau=5.0, mirostat_eta=0.1, logit_bias=None, seed=None):
+                     mirostat_tau=5.0, mirostat_eta=0.1, logit_bias=None, seed=None, grammar=None):
+        """The sampler chain of these parameters; ``grammar`` (a LlamaGrammar or GBNF text) goes first, as a
+        Grammar sampler over this model's vocabulary."""
         from .sampling import Chain
         seed = seed if seed is not None else self.seed
+        if grammar is not None:
+            from .grammar import Grammar
+            grammar = Grammar(self.vocab, grammar)
         return Chain.from_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                                  mirostat=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
-                                 logit_bias=logit_bias, seed=seed, n_vocab=self.n_vocab)
+                                 logit_bias=logit_bias, seed=seed, n_vocab=self.n_vocab, grammar=grammar)
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, sampler, stop=(), n_probs: int = 0,
                  ignore_eos: bool = False) -> Iterator[GenStep]:
@@ -190,14 +196,19 @@ class Llama:
                           repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                           logprobs: int | None = None, stream: bool = False, logit_bias=None, echo: bool = False,
                           mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
-                          add_special: bool = True):
+                          add_special: bool = True, grammar=None, response_format=None):
+        """``grammar``: a LlamaGrammar (``LlamaGrammar.from_string``/``from_json_schema``) or GBNF text;
+        ``response_format``: OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+        ...}}. Either constrains the text token by token; one that cannot be compiled raises GrammarError (a
+        ValueError) before anything is generated."""
+        grammar = constraint(grammar, response_format)
         tokens = prompt if isinstance(prompt, list) else self.vocab.tokenize(prompt, add_special=add_special,
                                                                                parse_special=True)
         if isinstance(stop, str):
             stop = [stop]
         sampler = self.make_sampler(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, 64,
                                     frequency_penalty, presence_penalty, mirostat_mode, mirostat_tau, mirostat_eta,
-                                    logit_bias, seed)
+                                    logit_bias, seed, grammar)
         steps = self.generate(tokens, max_tokens if max_tokens is not None else -1, sampler, stop or [],
                               n_probs=logprobs or 0)
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -245,8 +256,17 @@ class Llama:
                                top_p: float = 0.95, min_p: float = 0.05, top_k: int = 40, stop=None, seed=None,
                                stream: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                                repeat_penalty: float = 1.0, logit_bias=None, logprobs: bool = False,
-                               top_logprobs: int | None = None):
-        prompt = self.apply_chat_template(messages)
+                               top_logprobs: int | None = None, grammar=None, response_format=None, tools=None,
+                               tool_choice=None, parallel_tool_calls: bool | None = None):
+        """An OpenAI-shaped chat completion. ``grammar``/``response_format`` as in create_completion. ``tools``,
+        ``tool_choice``, ``parallel_tool_calls`` as OpenAI's (llampy/llama/tools.py): calls come back in
+        ``message.tool_calls`` with finish_reason "tool_calls"; a forced call (required, or a named function) is
+        constrained by the tools' parameter schemas. With tools, a stream sends the reply when it is complete."""
+        from .tools import chat_plan
+        grammar = constraint(grammar, response_format)
+        tp, grammar = chat_plan(self.chat_template(), messages, tools, tool_choice, parallel_tool_calls, self.vocab,
+                                grammar)
+        prompt = self.chat_template().render(tp.messages, add_generation_prompt=True, tools=tp.tools)
         # the rendered template already holds BOS where the model wants it
         tokens = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
         if self.vocab.add_bos and self.vocab.bos is not None and (not tokens or tokens[0] != self.vocab.bos):
@@ -254,15 +274,39 @@ class Llama:
         res = self.create_completion(tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
                                      top_k=top_k, stop=stop, seed=seed, stream=stream, repeat_penalty=repeat_penalty,
                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                     logit_bias=logit_bias, logprobs=(top_logprobs or 1) if logprobs else None)
+                                     logit_bias=logit_bias, logprobs=(top_logprobs or 1) if logprobs else None,
+                                     grammar=grammar)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if stream:
-            return self._stream_chat(res, cid)
+            return self._stream_chat(res, cid) if tp.format == "none" else self._stream_tools(res, cid, tp)
         ch = res["choices"][0]
+        message, finish = {"role": "assistant", "content": ch["text"]}, ch["finish_reason"]
+        if tp.format != "none":
+            content, calls = tp.parse(ch["text"])
+            message["content"] = (content or None) if calls else content
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                finish = "tool_calls"
         return {"id": cid, "object": "chat.completion", "created": res["created"], "model": res["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": ch["text"]},
-                             "logprobs": ch["logprobs"], "finish_reason": ch["finish_reason"]}],
+                "choices": [{"index": 0, "message": message, "logprobs": ch["logprobs"], "finish_reason": finish}],
                 "usage": res["usage"]}
+
+    def _stream_tools(self, chunks, cid, tp):
+        """A stream with tools: the reply is read whole (a call cannot be told from text until it ends), then sent
+        as a content delta and/or tool-call deltas, and the finish."""
+        from .tools import tool_call_deltas
+        text, finish, created, model = "", None, None, None
+        for c in chunks:
+            text += c["choices"][0]["text"]
+            finish, created, model = c["choices"][0]["finish_reason"], c["created"], c["model"]
+        content, calls = tp.parse(text)
+        deltas = [{"role": "assistant", "content": content if content or not calls else None}]
+        deltas += tool_call_deltas(calls)
+        for d in deltas:
+            yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+        yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls" if calls else finish}]}
 
     def _stream_chat(self, chunks, cid):
         first = True
