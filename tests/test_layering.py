@@ -59,3 +59,25 @@ def test_model_files_know_no_backend():
     for f in files("llama/models"):
         bad = [m for m in imports_of(f) if "backend" in m or m == "numpy" or "kv_cache" in m or "sched" in m]
         assert not bad, f"{f} imports {bad}"
+
+
+def _names_used(path: Path) -> set[str]:
+    """Every identifier a file names: variables, attributes, imported names."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.alias):
+            out.add(node.name.rsplit(".", 1)[-1])
+    return out
+
+
+def test_only_backends_touch_tensor_memory():
+    """The buffer is the device boundary: the engine, the server, the CLI and the scheduler move tensor data with
+    tensor_set/tensor_get/tensor_copy (llampy.ggml.backend), never through a NumPy view of a buffer's memory."""
+    users = files("llama") + files("server") + sorted(PKG.glob("cli*.py")) + [PKG / "ggml" / "sched.py"]
+    for f in users:
+        bad = _names_used(f) & {"tensor_data", "as_ndarray"}
+        assert not bad, f"{f} uses {sorted(bad)}: go through tensor_set/tensor_get/tensor_copy"

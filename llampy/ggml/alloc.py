@@ -170,7 +170,7 @@ class GraphAllocator:
         order = collect(nodes, leafs)
         node_ids = {n.id for n in nodes}
         p = AllocPlan(signature=signature(order, node_ids, owns, keep_ids))
-        align = self.buft.alignment
+        align = self.buft.get_alignment()
         mine = lambda t: needs_alloc(t) and owns(t)
         kept = lambda t: bool(t.flags & _KEEP) or t.id in keep_ids
 
@@ -283,7 +283,7 @@ class GraphAllocator:
         if p is None or self.buffer is None:
             return
         for off, n in p.frees.get(node_index, ()):
-            self.buffer.data[off:off + n] = 0xFF
+            self.buffer.memset(off, n, 0xFF)
 
 
 def plan_summary(p: AllocPlan) -> str:

@@ -1,4 +1,5 @@
-"""The fusion pass: rewrite known patterns into single nodes before scheduling.
+"""The fusion pass: rewrite known patterns into single nodes. The scheduler runs it per split, after placement,
+through each backend's ``graph_optimize`` (ggml's graph_optimize): a backend fuses what it runs, within its splits.
 
   rms_norm(x) · w                                  -> RMS_NORM_MUL(x, w)        (w broadcast over x)
   RMS_NORM_MUL(x, w) + r                           -> RMS_NORM_MUL(x, w, r)     (r of the same shape: a post-norm
@@ -17,9 +18,11 @@
       flash-attention node's scale a·b and softcap b.
 
 A pattern fuses only when its intermediates have no other reader (nodes or views) and are not graph outputs or
-inputs, and when ``supports`` (a backend, or a predicate on the new node) accepts the fused node. The fused node
-takes the place, name and OUTPUT flag of the pattern's last node; the graph keeps its order otherwise. Results are
-unchanged up to float rounding (the CPU flash attention rounds Q, K and V to F16, as llama.cpp's does).
+inputs, when all its nodes are in the run being fused (one split), and when ``supports`` (a backend, or a predicate
+on the new node) accepts the fused node. The pattern's last node *becomes* the fused node, in place: it keeps its
+identity, name and flags, so whoever holds it (a graph's output, a reader) holds the fused node; the pattern's other
+nodes leave the node list, which keeps its order otherwise. Results are unchanged up to float rounding (the CPU
+flash attention rounds Q, K and V to F16, as llama.cpp's does; the CPU's other fused kernels give the same bits).
 """
 from __future__ import annotations
 
@@ -30,10 +33,10 @@ from .tensor import Flags, Op, Tensor, VIEW_OPS
 _PINNED = Flags.OUTPUT | Flags.INPUT | Flags.WEIGHT
 
 
-def _readers(g: Graph) -> dict[int, list[Tensor]]:
+def _readers(nodes) -> dict[int, list[Tensor]]:
     """Tensor id -> the nodes that read it as a source or view its memory."""
     users: dict[int, list[Tensor]] = {}
-    for n in g.nodes:
+    for n in nodes:
         for s in n.src:
             if s is not None:
                 users.setdefault(s.id, []).append(n)
@@ -129,18 +132,40 @@ def _match_attention(n: Tensor, users):
     return fa, removed
 
 
-def fuse(g: Graph, supports=None, max_passes: int = 4) -> tuple[Graph, int]:
-    """Rewrite the patterns above. Returns (the fused graph, the number of rewrites); ``g`` is left as a graph
-    whose readers point at the fused nodes (build a new one from its outputs to use it)."""
+def _adopt(n: Tensor, new: Tensor) -> None:
+    """n becomes the fused node ``new`` (same type and shape): op, sources and layout; identity, name, flags stay."""
+    n.op, n.src, n.op_params = new.op, list(new.src), new.op_params
+    n.nb, n.view_src, n.view_offs = new.nb, None, 0
+
+
+def _new_deps(t: Tensor, known: set[int]) -> list[Tensor]:
+    """Nodes a fused node reads that no node list holds yet (the helper views a builder made), sources first."""
+    out: list[Tensor] = []
+    stack = [(s, False) for s in reversed([*t.src, t.view_src]) if s is not None]
+    while stack:
+        x, done = stack.pop()
+        if done:
+            out.append(x)
+            continue
+        if x.op is Op.NONE or x.id in known:
+            continue
+        known.add(x.id)
+        stack.append((x, True))
+        stack.extend((s, False) for s in reversed([*x.src, x.view_src]) if s is not None)
+    return out
+
+
+def fuse_nodes(graph_nodes, nodes, supports=None, max_passes: int = 4) -> tuple[list[Tensor], int]:
+    """Rewrite the patterns above within ``nodes`` (a whole graph's nodes, or one split: a run of ``graph_nodes``),
+    counting readers over all of ``graph_nodes``. Returns (the new node list for ``nodes``, the number of rewrites)."""
     n_fused = 0
-    nodes = list(g.nodes)
+    nodes = list(nodes)
+    others = [x for x in graph_nodes]
     for _ in range(max_passes):    # a rewrite can expose another (softcap inside attention): a few passes
-        cur = Graph()
-        cur.nodes, cur.leafs = nodes, list(g.leafs)
-        users = _readers(cur)
-        replaced: dict[int, Tensor] = {}
+        users = _readers(others)
+        inside = {x.id for x in nodes}
         removed: set[int] = set()
-        fresh: set[int] = set()        # nodes made in this pass: the readers map does not know them yet
+        changed: set[int] = set()      # rewritten in this pass: the readers map does not know them yet
         for n in nodes:
             if n.id in removed:
                 continue
@@ -149,28 +174,36 @@ def fuse(g: Graph, supports=None, max_passes: int = 4) -> tuple[Graph, int]:
                 continue
             new, gone = m
             # a pattern overlapping one rewritten in this pass waits for the next pass
-            if any(t.id in removed or t.id in replaced or t.id in fresh for t in gone) or not _accepts(supports, new):
+            if (any(t.id in removed or t.id in changed or t.id not in inside for t in gone)
+                    or new.type != n.type or new.ne != n.ne or not _accepts(supports, new)):
                 continue
-            new.name = n.name
-            new.flags |= n.flags & Flags.OUTPUT
-            for u in users.get(n.id, ()):
-                u.src = [new if s is n else s for s in u.src]
-                if u.view_src is n:      # views (reshape, permute...) now read the fused node's memory
-                    u.view_src = new
-            replaced[n.id] = new
-            fresh.add(new.id)
+            _adopt(n, new)
+            changed.add(n.id)
             removed.update(t.id for t in gone)
             n_fused += 1
-        if not replaced:
+        if not changed:
             break
-        # keep the order: the fused node (after any helper views it made) takes its pattern's last node's place
-        out = Graph()
-        for t in g.leafs:
-            out.expand(t)
+        # keep the order; a fused node's new helper views go right before it
+        known = {x.id for x in others}
+        out = []
         for n in nodes:
             if n.id in removed:
                 continue
-            out.expand(replaced.get(n.id, n))
-        nodes = out.nodes
-        g = out
-    return g, n_fused
+            if n.id in changed:
+                out.extend(_new_deps(n, known))
+            out.append(n)
+        others = [x for x in others if x.id not in removed and x.id not in inside] + out
+        nodes = out
+    return nodes, n_fused
+
+
+def fuse(g: Graph, supports=None, max_passes: int = 4) -> tuple[Graph, int]:
+    """Fuse a whole graph. Returns (the fused graph, the number of rewrites); ``g``'s nodes are rewritten in place,
+    but ``g`` keeps the removed nodes in its list: use the returned graph."""
+    nodes, n_fused = fuse_nodes(g.nodes, g.nodes, supports, max_passes)
+    out = Graph()
+    for t in g.leafs:
+        out.expand(t)
+    for n in nodes:
+        out.expand(n)
+    return out, n_fused

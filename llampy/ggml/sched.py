@@ -12,8 +12,11 @@ choice (ggml's GGML_SCHED_DEBUG); causes:
   2.<up|down>      expanded from a neighbour (2.gpu-*: from a non-last backend, first)
   3.prio           the highest-priority backend that supports the op
   inp.user / inp.last   an input lives with its first reader when that backend's memory is host memory, else on
-                   the last backend (ggml always uses the last: llampy writes inputs through host arrays)
+                   the last backend (as ggml does: the caller's tensor_set is then a host write, and the scheduler
+                   uploads the input with the split's other copies)
   leaf.user / view   a storage-less leaf goes with its first reader; a view goes with its memory's owner
+  <cause>+f        the node became a fused node when its backend optimized its split (pass 5)
+Data moves only through the buffer interface (``tensor_copy``): the scheduler never touches device memory itself.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .alloc import GraphAllocator, collect, has_own_storage, owner
-from .backend import Backend, BufferUsage, tensor_data
+from .backend import Backend, BufferUsage, tensor_copy
 from .graph import Graph
 from .tensor import Flags, Op, Tensor, VIEW_OPS
 
@@ -196,7 +199,7 @@ class Scheduler:
                 assign[n.id], cause[n.id] = assign[o.id], "view"
         return assign, cause
 
-    # ------------------------------------------------------------------ splits, copies, allocation (passes 4-5)
+    # ------------------------------------------------------------------ splits, copies, allocation (passes 4-6)
     def _home_buft(self, s: Tensor, assign):
         o = owner(s)
         if has_own_storage(o):
@@ -207,8 +210,7 @@ class Scheduler:
         self._undo_rewrites(g)
         assign, cause = self._assign(g)
 
-        # 4. cut into splits (maximal runs of non-view nodes on one backend; views ride along), and give each
-        #    split a copy of every input that lives where its backend cannot read
+        # 4. cut into splits (maximal runs of non-view nodes on one backend; views ride along)
         splits: list[Split] = []
         pending_views = []
         for n in g.nodes:
@@ -225,6 +227,10 @@ class Scheduler:
         if not splits:
             splits.append(Split(self.backends[-1], len(self.backends) - 1, pending_views))
 
+        # 5. each backend rewrites its own splits (ggml's graph_optimize: fusion of what it runs)
+        self._optimize_splits(g, splits, assign, cause)
+
+        # then give each split a copy of every input that lives where its backend cannot read
         copy_sets: list[dict] = [{} for _ in range(self.n_copies)]
         rewrites = []
         for sp in splits:
@@ -254,7 +260,7 @@ class Scheduler:
         self._apply_rewrites(rewrites, copy_sets[0])
         self.cur_copy = 0
 
-        # 5. allocate: one order of steps (each split's copies, then its nodes), one plan per buffer type over it
+        # 6. allocate: one order of steps (each split's copies, then its nodes), one plan per buffer type over it
         steps = []
         for sp in splits:
             sp.step0 = len(steps)
@@ -277,6 +283,29 @@ class Scheduler:
         if self.debug:
             print(self.dump(g, plan), file=sys.stderr)
         return plan
+
+    @staticmethod
+    def _optimize_splits(g: Graph, splits: list, assign: dict, cause: dict) -> None:
+        """Pass 5: a backend may rewrite the nodes of its splits (a fused node keeps the place and identity of its
+        pattern's last node); the graph's node list becomes the splits' lists. New nodes (helper views) go with the
+        memory they view."""
+        for i, sp in enumerate(splits):
+            opt = getattr(sp.backend, "graph_optimize", None)
+            if opt is None:
+                continue
+            ops_before = {n.id: n.op for n in sp.nodes}
+            new = opt(g.nodes, sp.nodes)
+            if len(new) == len(sp.nodes) and all(a is b and a.op is ops_before[a.id] for a, b in zip(new, sp.nodes)):
+                continue
+            for n in new:
+                if n.id not in ops_before:
+                    assign[n.id] = assign.get(owner(n).id, sp.backend_id)
+                    cause[n.id] = "view" if n.op in VIEW_OPS else f"new{cause.get(n.id, '')}"
+                elif n.op is not ops_before[n.id]:
+                    cause[n.id] = f"{cause.get(n.id, '')}+f"
+            sp.nodes = list(new)
+            g.nodes = [n for s in splits for n in s.nodes]
+            g._seen.update(n.id for n in new)
 
     def _apply_rewrites(self, rewrites, copies: dict) -> None:
         for n, j, s, b in rewrites:
@@ -361,11 +390,10 @@ class Scheduler:
 
     @staticmethod
     def _copy(dst_backend: Backend, src: Tensor, dst: Tensor) -> None:
+        """The destination backend's own copy if it has one (ggml's cpy_tensor_async), else tensor_copy."""
         cpy = getattr(dst_backend, "cpy_tensor", None)
-        if cpy is not None:
-            cpy(src, dst)
-        else:
-            tensor_data(dst)[...] = tensor_data(src)
+        if cpy is None or not cpy(src, dst):
+            tensor_copy(src, dst)
 
     def _run_poisoning(self, sp: Split, p: SchedPlan) -> None:
         """Debug: run node by node; after each step, poison what died there in every buffer."""

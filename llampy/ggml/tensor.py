@@ -199,14 +199,16 @@ def numpy_dtype(t: GGMLType) -> np.dtype:
     return tt.dtype if tt.dtype is not None else np.dtype(np.uint8)
 
 
-def as_ndarray(t: Tensor, data: np.ndarray) -> np.ndarray:
-    """A NumPy view of ``t`` over the raw bytes ``data`` (the uint8 array of the buffer that owns t's memory).
+def as_ndarray(t: Tensor, data: np.ndarray, offs: int | None = None) -> np.ndarray:
+    """A NumPy view of ``t`` over the raw bytes ``data`` (the uint8 array of the buffer that owns t's memory, or, with
+    ``offs``, bytes that hold t's element 0 at byte ``offs``: a copy of t's byte range read from a device).
 
     Plain types give an array of shape ``reversed(ne)`` with t's strides. Block types give uint8 rows:
     shape (ne3, ne2, ne1, row_bytes) with strides (nb3, nb2, nb1, 1).
     """
     tt = TYPE_TRAITS[t.type]
-    offs = t.data_offs
+    if offs is None:
+        offs = t.data_offs
     if tt.blck_size == 1:
         shape = t.ne[::-1]
         strides = t.nb[::-1]

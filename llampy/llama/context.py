@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import tuning
 from ..ggml import ops
-from ..ggml.backend import tensor_data
+from ..ggml.backend import tensor_get, tensor_set
 from ..ggml.graph import Graph
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
@@ -108,9 +108,6 @@ class Context:
         pad = self.kv_pad_decode if n_tokens <= self.n_seq_max else self.kv_pad
         return self.kv.n_kv_for(self.kv.used_max_p1(), pad)
 
-    def _set(self, t: Tensor, value: np.ndarray) -> None:
-        tensor_data(t)[...] = value.reshape(tensor_data(t).shape)
-
     # ------------------------------------------------------------------ decode
     def decode(self, batch: Batch) -> None:
         """Run the batch through the model, appending it to the cache. Raises CacheFull (and leaves the cache as it
@@ -164,18 +161,18 @@ class Context:
         gc = self._graph(n, max(n_outputs, 1), n_kv)
         self.sched.alloc_graph(gc.graph)
         inp = gc.inputs
-        self._set(inp["tokens"], ub.tokens)
-        self._set(inp["pos"], ub.pos)
-        self._set(inp["kv_idxs"], idxs.astype(np.int64))
+        tensor_set(inp["tokens"], ub.tokens)
+        tensor_set(inp["pos"], ub.pos)
+        tensor_set(inp["kv_idxs"], idxs.astype(np.int64))
         if "kq_mask" in inp:
-            self._set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id))
+            tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id))
         if "kq_mask_swa" in inp:
-            self._set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa))
+            tensor_set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa))
         if "out_ids" in inp:
-            self._set(inp["out_ids"], (out_idx if n_outputs else np.array([n - 1])).astype(np.int32))
+            tensor_set(inp["out_ids"], (out_idx if n_outputs else np.array([n - 1])).astype(np.int32))
         self.sched.graph_compute(gc.graph)
         out = gc.t_embd if self.embeddings else gc.t_logits
-        res = np.array(tensor_data(out)).reshape(-1, out.ne[0])
+        res = tensor_get(out).reshape(-1, out.ne[0])
         return res[:n_outputs]
 
     def _pool(self, ub: Batch, embd: np.ndarray) -> None:
@@ -236,7 +233,7 @@ class Context:
             self._shift_graph = self._build_shift_graph()
         g, pos_in = self._shift_graph
         self.sched.alloc_graph(g)
-        self._set(pos_in, shift)
+        tensor_set(pos_in, shift)
         self.sched.graph_compute(g)
 
     def _build_shift_graph(self):
@@ -254,8 +251,9 @@ class Context:
             g.expand(ops.cpy(kr, kv_view))
         return g, pos
 
-    def kv_clear(self) -> None:
-        self.kv.clear()
+    def kv_clear(self, data: bool = False) -> None:
+        """Forget every cell (llama_memory_clear); with ``data``, also zero the cache's buffers."""
+        self.kv.clear(data)
 
     # ------------------------------------------------------------------ state
     def state_save(self) -> bytes:
@@ -264,8 +262,8 @@ class Context:
         arrays = {"pos": self.kv.pos, "seq": self.kv.seq, "n_ctx": np.array([self.kv.size]),
                   "used": np.array([used])}
         for il, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
-            arrays[f"k{il}"] = np.array(tensor_data(k)[..., :used, :])
-            arrays[f"v{il}"] = np.array(tensor_data(v)[..., :used, :])
+            arrays[f"k{il}"] = tensor_get(self.kv.view_k(il, used))
+            arrays[f"v{il}"] = tensor_get(self.kv.view_v(il, used))
         f = io.BytesIO()
         np.savez(f, **arrays)
         return f.getvalue()
@@ -279,9 +277,9 @@ class Context:
             self.kv.pos[:] = z["pos"]
             self.kv.seq[:] = z["seq"]
             self.kv.head = 0
-            for il, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
-                tensor_data(k)[..., :used, :] = z[f"k{il}"]
-                tensor_data(v)[..., :used, :] = z[f"v{il}"]
+            for il in range(len(self.kv.k)):
+                tensor_set(self.kv.view_k(il, used), z[f"k{il}"])
+                tensor_set(self.kv.view_v(il, used), z[f"v{il}"])
         except (KeyError, ValueError, OSError) as e:
             raise ContextError(f"invalid state data: {e}") from None
 

@@ -48,16 +48,25 @@ class KVCache:
             self.k.append(k)
             self.v.append(v)
             by_backend.setdefault(id(layer_backends[il]), [layer_backends[il], []])[1].extend([k, v])
+        # the tensors of each backend in its buffer type's buffers: aligned as it asks, a new buffer where one would
+        # pass its largest size (ggml_backend_alloc_ctx_tensors_from_buft). Fresh buffers are zeroed.
         for backend, tensors in by_backend.values():
-            align = 64
-            offs, total = [], 0
+            buft = backend.get_default_buffer_type()
+            align, max_size = buft.get_alignment(), buft.get_max_size()
+            groups, total = [[]], 0
             for t in tensors:
-                offs.append(total)
-                total += (t.nbytes + align - 1) // align * align
-            buf = backend.alloc_buffer(total, BufferUsage.COMPUTE)
-            for t, o in zip(tensors, offs):
-                tensor_alloc(buf, t, o)
-            self.buffers.append(buf)
+                size = (t.nbytes + align - 1) // align * align
+                if groups[-1] and total + size > max_size:
+                    groups.append([])
+                    total = 0
+                groups[-1].append((t, total))
+                total += size
+            for group in groups:
+                end = group[-1][1] + group[-1][0].nbytes
+                buf = buft.alloc_buffer(end, BufferUsage.COMPUTE)
+                for t, o in group:
+                    tensor_alloc(buf, t, o)
+                self.buffers.append(buf)
 
     @property
     def nbytes(self) -> int:
@@ -172,10 +181,14 @@ class KVCache:
         self.head = int(g[0]) if len(g) else 0     # llama.cpp: the first removed cell, else start over
         return shift
 
-    def clear(self) -> None:
+    def clear(self, data: bool = False) -> None:
+        """Forget every cell; with ``data``, also zero K and V (llama.cpp's clear(data))."""
         self.pos[:] = -1
         self.seq[:] = False
         self.head = 0
+        if data:
+            for buf in self.buffers:
+                buf.clear(0)
 
     # ------------------------------------------------------------------ graph views
     # k: [n_embd_head_k, n_kv, n_head_kv] — contiguous per head

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..ggml.backend import Backend, BufferUsage, backend_init, tensor_alloc
+from ..ggml.backend import Backend, BufferUsage, backend_init, tensor_alloc, tensor_set_bytes
 from ..ggml.tensor import Flags, Tensor
 from ..ggml.types import GGMLType
 from ..gguf import GGUFReader
@@ -128,12 +128,11 @@ class Model:
         if name.startswith("output") and not name.startswith("output_norm"):
             backend = self.layer_backend[-1]
         buft = backend.get_default_buffer_type()
-        if self.use_mmap:
-            buf = buft.wrap(info.data, BufferUsage.WEIGHTS)
+        if self.use_mmap:    # host memory wraps the file's pages; a device's buffer type uploads them
+            tensor_alloc(buft.buffer_from_host(info.data, BufferUsage.WEIGHTS), t, 0)
         else:
-            buf = buft.alloc_buffer(info.nbytes, BufferUsage.WEIGHTS)
-            buf.data[:] = info.data
-        tensor_alloc(buf, t, 0)
+            tensor_alloc(buft.alloc_buffer(info.nbytes, BufferUsage.WEIGHTS), t, 0)
+            tensor_set_bytes(t, info.data)
         self.tensors[name] = t
         return t
 

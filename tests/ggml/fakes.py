@@ -2,25 +2,76 @@
 
 ``NullBackend`` computes nothing and records what it is asked (structure tests). ``NumpyBackend`` computes a
 handful of ops in float64 NumPy, for results that must equal a single-backend run. Neither defines every optional
-method of the Backend interface on purpose: the scheduler must give them defaults.
+method of the Backend interface on purpose: the scheduler must give them defaults. ``DeviceBackend`` is a
+NumpyBackend whose memory is not host memory (``DeviceBuffer``: bytes in a bytearray, reachable from outside only
+through the buffer interface; ``tensor_data`` raises on it), as a GPU's would be.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from llampy.ggml.backend import BufferType, BufferUsage, tensor_data
-from llampy.ggml.tensor import Op, Tensor, VIEW_OPS
+from llampy.ggml.backend import Buffer, BufferType, BufferUsage, tensor_data, tensor_get, tensor_set
+from llampy.ggml.tensor import Op, Tensor, VIEW_OPS, as_ndarray
 from llampy.ggml.types import GGMLType as T
 
 
-class NullBackend:
-    """Duck-typed (not a Backend subclass): supports everything except ``refuse``; records calls."""
+class DeviceBuffer(Buffer):
+    """Device memory: a bytearray that only the buffer interface and its own backend (``device_view``) reach."""
 
-    def __init__(self, device="null", refuse=(), alignment=64):
+    def __init__(self, buft, size, usage=BufferUsage.ANY):
+        super().__init__(buft, max(int(size), 1), usage)
+        self._mem = bytearray(self.size)
+        self.n_writes = self.n_reads = self.n_device_copies = 0
+
+    def write(self, offset, data):
+        self._mem[offset:offset + data.nbytes] = data.tobytes()
+        self.n_writes += 1
+
+    def read(self, offset, size):
+        self.n_reads += 1
+        return np.frombuffer(bytes(self._mem[offset:offset + size]), np.uint8).copy()
+
+    def memset(self, offset, size, value):
+        self._mem[offset:offset + size] = bytes([value]) * size
+
+    def cpy_tensor(self, src, dst):
+        """Device to device on the same device, for contiguous tensors; anything else goes through the host."""
+        sb = src.storage.buffer
+        if not isinstance(sb, DeviceBuffer) or sb.buft.device != self.buft.device:
+            return False
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            return False
+        a, b, n = src.data_offs, dst.data_offs, src.nbytes
+        self._mem[b:b + n] = sb._mem[a:a + n]
+        self.n_device_copies += 1
+        return True
+
+    def device_view(self, t: Tensor) -> np.ndarray:
+        """For the device's own kernels only: t's elements over the device memory."""
+        assert t.storage.buffer is self, f"{t!r} is not in {self!r}"
+        return as_ndarray(t, np.frombuffer(self._mem, np.uint8))
+
+
+class DeviceBufferType(BufferType):
+    def __init__(self, name, device, alignment=64):
+        super().__init__(name, device, alignment, is_host=False)
+        self.buffers: list[DeviceBuffer] = []
+
+    def alloc_buffer(self, size, usage=BufferUsage.ANY):
+        buf = DeviceBuffer(self, size, usage)
+        self.buffers.append(buf)
+        return buf
+
+
+class NullBackend:
+    """Duck-typed (not a Backend subclass): supports everything except ``refuse``; records calls. ``host=False``
+    gives it device memory."""
+
+    def __init__(self, device="null", refuse=(), alignment=64, host=True):
         self.name = "null"
         self.device = device
         self.refuse = set(refuse)
-        self.buft = BufferType(device, device, alignment)
+        self.buft = BufferType(device, device, alignment) if host else DeviceBufferType(device, device, alignment)
         self.computed: list[list[Tensor]] = []
         self.n_copies_in = 0
 
@@ -37,17 +88,12 @@ class NullBackend:
         self.computed.append([n for n in nodes if n.op not in VIEW_OPS])
 
     def cpy_tensor(self, src, dst):
+        """Counted, not made: a null backend computes nothing."""
         self.n_copies_in += 1
+        return True
 
     def __repr__(self):
         return f"NullBackend({self.device})"
-
-
-def _f(t: Tensor) -> np.ndarray:
-    a = tensor_data(t)
-    if t.type == T.F16:
-        return a.astype(np.float64)
-    return np.asarray(a, dtype=np.float64) if t.type == T.F32 else np.asarray(a)
 
 
 def _tile(b: np.ndarray, shape) -> np.ndarray:
@@ -85,9 +131,18 @@ class NumpyBackend(NullBackend):
     OPS = {Op.ADD, Op.MUL, Op.MUL_MAT, Op.RMS_NORM, Op.RMS_NORM_MUL, Op.SILU, Op.GELU, Op.TANH, Op.SWIGLU, Op.GEGLU,
            Op.SCALE, Op.SOFTCAP, Op.CONT, Op.CPY, Op.GET_ROWS, Op.SOFT_MAX, Op.FLASH_ATTN_EXT} | VIEW_OPS
 
-    def __init__(self, device="numpy", refuse=(), alignment=64):
-        super().__init__(device, refuse, alignment)
+    def __init__(self, device="numpy", refuse=(), alignment=64, host=True):
+        super().__init__(device, refuse, alignment, host)
         self.name = "numpy"
+
+    def _arr(self, t: Tensor) -> np.ndarray:
+        return tensor_data(t)
+
+    def _f(self, t: Tensor) -> np.ndarray:
+        a = self._arr(t)
+        if t.type == T.F16:
+            return a.astype(np.float64)
+        return np.asarray(a, dtype=np.float64) if t.type == T.F32 else np.asarray(a)
 
     def supports_op(self, node):
         if node.op not in self.OPS or node.op in self.refuse:
@@ -99,13 +154,14 @@ class NumpyBackend(NullBackend):
         return node.op_params.get("max_bias", 0.0) == 0.0
 
     def cpy_tensor(self, src, dst):
+        """Counted; the copy itself is the scheduler's (tensor_copy)."""
         self.n_copies_in += 1
-        tensor_data(dst)[...] = tensor_data(src)
+        return False
 
     def graph_compute(self, nodes):
         for n in nodes:
             if n.op not in VIEW_OPS:
-                out = tensor_data(n)
+                out = self._arr(n)
                 r = self._compute(n)
                 out[...] = np.asarray(r).reshape(out.shape).astype(out.dtype)
         self.computed.append([n for n in nodes if n.op not in VIEW_OPS])
@@ -113,62 +169,75 @@ class NumpyBackend(NullBackend):
     def _compute(self, n: Tensor):
         op, s, p = n.op, n.src, n.op_params
         if op in (Op.ADD, Op.MUL):
-            a, b = _f(s[0]), _f(s[1])
+            a, b = self._f(s[0]), self._f(s[1])
             b = _tile(b, a.shape)
             return a + b if op == Op.ADD else a * b
         if op == Op.MUL_MAT:
-            return _mul_mat(_f(s[0]), _f(s[1]))
+            return _mul_mat(self._f(s[0]), self._f(s[1]))
         if op == Op.RMS_NORM:
-            return _rms(_f(s[0]), p["eps"])
+            return _rms(self._f(s[0]), p["eps"])
         if op == Op.RMS_NORM_MUL:
-            x = _f(s[0])
-            y = _rms(x, p["eps"]) * _tile(_f(s[1]), x.shape)
-            return y + _f(s[2]) if len(s) > 2 else y
+            x = self._f(s[0])
+            y = _rms(x, p["eps"]) * _tile(self._f(s[1]), x.shape)
+            return y + self._f(s[2]) if len(s) > 2 else y
         if op == Op.SILU:
-            return _silu(_f(s[0]))
+            return _silu(self._f(s[0]))
         if op == Op.GELU:
-            return _gelu(_f(s[0]))
+            return _gelu(self._f(s[0]))
         if op == Op.TANH:
-            return np.tanh(_f(s[0]))
+            return np.tanh(self._f(s[0]))
         if op in (Op.SWIGLU, Op.GEGLU):
             act = _silu if op == Op.SWIGLU else _gelu
-            return act(_f(s[0])) * _f(s[1])
+            return act(self._f(s[0])) * self._f(s[1])
         if op == Op.MUL_MAT_GLU:
             act = _silu if p["glu"] == "swiglu" else _gelu
-            x = _f(s[2])
-            return act(_mul_mat(_f(s[0]), x)) * _mul_mat(_f(s[1]), x)
+            x = self._f(s[2])
+            return act(_mul_mat(self._f(s[0]), x)) * _mul_mat(self._f(s[1]), x)
         if op == Op.SCALE:
-            return _f(s[0]) * p["s"] + p["b"]
+            return self._f(s[0]) * p["s"] + p["b"]
         if op == Op.SOFTCAP:
-            return np.tanh(_f(s[0]) * p["s_in"]) * p["s_out"]
+            return np.tanh(self._f(s[0]) * p["s_in"]) * p["s_out"]
         if op in (Op.CONT, Op.CPY):
-            return np.ascontiguousarray(tensor_data(s[0])).reshape(-1)
+            return np.ascontiguousarray(self._arr(s[0])).reshape(-1)
         if op == Op.GET_ROWS:
-            a, idx = tensor_data(s[0]), np.asarray(tensor_data(s[1]))
-            out = np.empty(tensor_data(n).shape)
+            a, idx = self._arr(s[0]), np.asarray(self._arr(s[1]))
+            out = np.empty(self._arr(n).shape)
             for i3 in range(out.shape[0]):
                 for i2 in range(out.shape[1]):
                     out[i3, i2] = a[i3 % a.shape[0], i2 % a.shape[1]][idx[0, i3, i2]]
             return out
         if op == Op.SOFT_MAX:
-            x = _f(s[0]) * p["scale"]
+            x = self._f(s[0]) * p["scale"]
             if p["has_mask"]:
-                m = _f(s[1])[:, :, :x.shape[2], :]
+                m = self._f(s[1])[:, :, :x.shape[2], :]
                 x = x + _tile(m, x.shape)
             return _softmax(x)
         if op == Op.FLASH_ATTN_EXT:
-            q, k, v = _f(s[0]), _f(s[1]), _f(s[2])           # (ne3, heads, n, d)
+            q, k, v = self._f(s[0]), self._f(s[1]), self._f(s[2])           # (ne3, heads, n, d)
             r = q.shape[1] // k.shape[1]
             k, v = np.repeat(k, r, axis=1), np.repeat(v, r, axis=1)
             sc = q @ np.swapaxes(k, -1, -2) * p["scale"]
             if p["softcap"]:
                 sc = p["softcap"] * np.tanh(sc / p["softcap"])
             if p["has_mask"]:
-                m = _f(s[3])[:, :, :sc.shape[2], :]
+                m = self._f(s[3])[:, :, :sc.shape[2], :]
                 sc = sc + _tile(m, sc.shape)
             o = _softmax(sc) @ v                            # (ne3, n_head, n_q, dv)
             return np.swapaxes(o, 1, 2)                       # (ne3, n_q, n_head, dv)
         raise NotImplementedError(op)
+
+
+class DeviceBackend(NumpyBackend):
+    """A NumpyBackend over device memory: its kernels read and write DeviceBuffers through ``device_view``."""
+
+    def __init__(self, device="dev", refuse=(), alignment=64):
+        super().__init__(device, refuse, alignment, host=False)
+        self.name = "device"
+
+    def _arr(self, t):
+        buf = t.storage.buffer
+        assert isinstance(buf, DeviceBuffer) and buf.buft is self.buft, f"{t!r} is not in {self!r}'s memory"
+        return buf.device_view(t)
 
 
 # ---------------------------------------------------------------------------------------------- test graphs
@@ -183,7 +252,7 @@ def weight(backend, ne, rng, scale=0.2, name="") -> Tensor:
     t = Tensor(T.F32, ne, name=name)
     t.flags |= Flags.WEIGHT
     tensor_alloc(backend.alloc_buffer(t.nbytes, BufferUsage.WEIGHTS), t, 0)
-    tensor_data(t)[...] = rng.standard_normal(tensor_data(t).shape) * scale
+    tensor_set(t, rng.standard_normal(t.ne[::-1]) * scale)
     return t
 
 
@@ -228,9 +297,9 @@ class Block:
 
     def set_inputs(self, seed=1):
         x = np.random.default_rng(seed).standard_normal((self.n_tok, self.n_embd)).astype(np.float32)
-        tensor_data(self.x)[...] = x
-        tensor_data(self.mask)[...] = causal_mask(self.n_tok)
+        tensor_set(self.x, x)
+        tensor_set(self.mask, causal_mask(self.n_tok))
         return x
 
     def result(self) -> np.ndarray:
-        return np.array(tensor_data(self.out))
+        return tensor_get(self.out)

@@ -3,19 +3,41 @@ cpu backends standing in for accelerators: the layers land where llama.cpp's lla
 (the last n_gpu_layers of the n_layer + 1 units, the output head being the last unit; each device a contiguous
 run in tensor_split's proportions; the input embeddings on the CPU), every layer's weights and KV cache live in
 its device's buffers, and the logits equal a single-device run bit for bit (the scheduler copies activations
-between devices, nothing else changes)."""
+between devices, nothing else changes). The stand-ins run over host memory, and over device memory that only the
+buffer interface reaches (``DeviceCPU``: the cpu kernels over tests/ggml/fakes.DeviceBuffer, where tensor_data
+raises), so the engine must move every input, output, weight and cache row through tensor_set/get/copy."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from llampy.ggml.backend import tensor_data
 from llampy.ggml.backends.cpu.backend import CPUBackend
 from llampy.llama.batch import Batch
 from llampy.llama.context import Context
 from llampy.llama.model import Model
+from tests.ggml.fakes import DeviceBuffer, DeviceBufferType
 from tests.paths import TINY
 
 TINY_LLAMA = TINY / "llama-F32.gguf"
+
+
+class DeviceCPU(CPUBackend):
+    """The cpu kernels over device memory: its plans bind views of its own DeviceBuffers (as a GPU backend's
+    kernels read its own memory); nobody else can."""
+
+    def __init__(self, device, **kw):
+        super().__init__(device, **kw)
+        self._buft = DeviceBufferType(device, device)
+
+    def _view(self, t):
+        buf = t.storage.buffer
+        assert isinstance(buf, DeviceBuffer) and buf.buft is self._buft, f"{t!r} is not in {self!r}'s memory"
+        return buf.device_view(t)
+
+
+def stand_ins(memory):
+    return [CPUBackend("dev0"), CPUBackend("dev1")] if memory == "host" else [DeviceCPU("dev0"), DeviceCPU("dev1")]
 
 
 def logits(model):
@@ -36,10 +58,11 @@ def llamacpp_layers(n_layer, n_gpu_layers, split):
             else int(np.searchsorted(cum, (il - i_start) / act, side="right")) for il in range(n_layer + 1)]
 
 
+@pytest.mark.parametrize("memory", ["host", "device"])
 @pytest.mark.parametrize("n_gpu_layers,split", [(3, [1, 1]), (1, [1, 1]), (2, [1, 3]), (0, [1, 1])])
-def test_tiny_llama_split_over_two_devices(n_gpu_layers, split):
+def test_tiny_llama_split_over_two_devices(n_gpu_layers, split, memory):
     ref, _ = logits(Model(TINY_LLAMA))
-    devs = [CPUBackend("dev0"), CPUBackend("dev1")]
+    devs = stand_ins(memory)
     m = Model(TINY_LLAMA, n_gpu_layers=n_gpu_layers, devices=devs, tensor_split=split)
     n_layer = m.hparams.n_layer
     want = llamacpp_layers(n_layer, n_gpu_layers, split)
@@ -54,6 +77,31 @@ def test_tiny_llama_split_over_two_devices(n_gpu_layers, split):
     for il in range(n_layer):
         assert ctx.kv.k[il].buffer.buft.device == m.layer_backend[il].device
     assert np.array_equal(got, ref)
+    on_device = [il for il in range(n_layer) if m.layer_backend[il] is not m.cpu]
+    if memory == "device" and on_device:
+        with pytest.raises(TypeError, match="not host memory"):
+            tensor_data(ctx.kv.k[on_device[0]])
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_device_memory_state_save_load_and_k_shift(use_mmap):
+    """State save/load and the K-shift graph on a cache in device memory give what they give on the CPU."""
+    def run(m):
+        ctx = Context(m, n_ctx=64)
+        ctx.decode(Batch.from_tokens([1, 5, 9, 13, 2, 7]))
+        state = ctx.state_save()
+        ctx.seq_add(0, 2, -1, 3)
+        ctx.decode(Batch.from_tokens([4], pos0=9))
+        shifted = ctx.get_logits_ith(-1).copy()
+        ctx2 = Context(m, n_ctx=64)
+        ctx2.state_load(state)
+        ctx2.decode(Batch.from_tokens([4], pos0=6))
+        return state, shifted, ctx2.get_logits_ith(-1).copy()
+    want = run(Model(TINY_LLAMA))
+    devs = stand_ins("device")
+    got = run(Model(TINY_LLAMA, n_gpu_layers=99, devices=devs, use_mmap=use_mmap))
+    assert got[0] == want[0]
+    assert np.array_equal(got[1], want[1]) and np.array_equal(got[2], want[2])
 
 
 def test_split_mode_none_uses_the_first_device():

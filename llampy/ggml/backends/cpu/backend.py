@@ -69,10 +69,14 @@ class CPUBackend(Backend):
         from .matmul import mul_mat
         return mul_mat
 
+    def _view(self, t: Tensor) -> np.ndarray:
+        """The NumPy view of t's memory that a plan binds (its buffers are host memory: tensor_data)."""
+        return tensor_data(t)
+
     def _bind(self, node: Tensor):
         acc = self.acc
-        dst = tensor_data(node)
-        srcs = [tensor_data(s) if s is not None else None for s in node.src]
+        dst = self._view(node)
+        srcs = [self._view(s) if s is not None else None for s in node.src]
         op = node.op
         if op == Op.MUL_MAT:
             return self._bind_mul_mat(node, dst, srcs)
@@ -193,7 +197,7 @@ class CPUBackend(Backend):
                 return K.to_float(arr, t, np.float32), False
             return arr, False
 
-        fast = _fa_fast_path(node, qa, ka, va, dst, tiled)
+        fast = _fa_fast_path(node, qa, ka, va, srcs[3] if p["has_mask"] else None, dst, tiled)
         if fast is not None:
             return fast
 
@@ -210,6 +214,11 @@ class CPUBackend(Backend):
         return run
 
     # ------------------------------------------------------------ plans
+    def graph_optimize(self, graph_nodes: list[Tensor], nodes: list[Tensor]) -> list[Tensor]:
+        """Fuse, within the split, the patterns this backend has kernels for (rms_norm·mul, GLUs, attention...)."""
+        from ...fusion import fuse_nodes
+        return fuse_nodes(graph_nodes, nodes, self)[0]
+
     @staticmethod
     def _owner(t: Tensor) -> Tensor:
         return t.view_src if t.view_src is not None else t
@@ -244,7 +253,7 @@ def _rows_contiguous(a, itemsize) -> bool:
     return a.strides[-1] == itemsize and (a.shape[-2] <= 1 or a.strides[-2] == itemsize * a.shape[-1])
 
 
-def _fa_fast_path(node, qa, ka, va, dst, tiled):
+def _fa_fast_path(node, qa, ka, va, ma, dst, tiled):
     """Decode-sized flash attention over F16 K/V views of the cache, bound once: the kernel reads the cache views
     and writes the destination in place (no copies of K, V or the result per call)."""
     from .attention import fa_vec16_supported, _fa_vec16
@@ -263,7 +272,7 @@ def _fa_fast_path(node, qa, ka, va, dst, tiled):
     sc = np.float32(p["scale"] / softcap) if softcap else np.float32(p["scale"])
     cap = np.float32(softcap)
     if p["has_mask"]:
-        ma, mtype = tensor_data(node.src[3]), node.src[3].type
+        mtype = node.src[3].type
         if mtype == T.F16:
             m16 = ma.view(np.uint16)                      # read as bits; rows past the queries' are padding
             return lambda: _fa_vec16(qa, kk, vv, m16, dst, sc, cap, slopes)
