@@ -18,6 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..llama.batch import Batch
 from ..llama.chat import ChatTemplateError, template_from_metadata
 from ..llama.context import Context
+from ..llama.grammar import Grammar, GrammarError
+from ..llama.tools import ToolError, chat_plan, tool_call_deltas
 from ..llama.model import Model
 from ..llama.sampling import Chain
 from . import oai
@@ -67,14 +69,24 @@ class Server:
             raise APIError(404, f"The model '{m}' does not exist; this server serves '{self.model_id}'", "model",
                            code="model_not_found")
 
-    def sampler(self, p: dict) -> Chain:
+    def sampler(self, p: dict, grammar: Grammar | None = None) -> Chain:
         return Chain.from_params(temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"], min_p=p["min_p"],
                                  repeat_penalty=p["repeat_penalty"], frequency_penalty=p["frequency_penalty"],
                                  presence_penalty=p["presence_penalty"], logit_bias=p["logit_bias"], seed=p["seed"],
-                                 n_vocab=self.n_vocab)
+                                 n_vocab=self.n_vocab, grammar=grammar)
+
+    async def grammar_sampler(self, g) -> Grammar | None:
+        """The Grammar sampler of a compiled grammar (oai.grammar_param, or a tool plan's), built off the event
+        loop: the first one builds llguidance's view of the vocabulary (SmolLM2 ~0.7 s, Gemma 3 ~2 s)."""
+        if g is None:
+            return None
+        try:
+            return await asyncio.to_thread(Grammar, self.model.vocab, g)
+        except GrammarError as e:
+            raise APIError(400, str(e), "grammar") from None
 
     def make_request(self, tokens: list, p: dict, n_probs: int = 0, logprobs: bool = False,
-                     param: str = "prompt") -> Request:
+                     param: str = "prompt", grammar: Grammar | None = None) -> Request:
         if not tokens:
             raise APIError(400, "the prompt is empty", param)
         limit = self.engine.n_ctx_slot
@@ -83,7 +95,7 @@ class Server:
                                 f"({limit}); shorten it or start the server with a larger --ctx-size", param,
                            code="context_length_exceeded")
         max_tokens = p["max_tokens"] or (limit - len(tokens))
-        return Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p), stop=p["stop"],
+        return Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p, grammar), stop=p["stop"],
                        n_probs=n_probs, logprobs=logprobs or n_probs > 0, ignore_eos=p["ignore_eos"])
 
     def tokenize_prompt(self, prompt) -> list:
@@ -99,9 +111,24 @@ class Server:
                            "prompt")
         return v.tokenize(prompt, add_special=True, parse_special=True)
 
-    def chat_tokens(self, messages: list) -> list:
+    def tool_plan(self, body: dict, messages: list):
+        """The request's tool plan (llampy/llama/tools.py) and the grammar its reply must match (from the tools,
+        or the request's grammar/json_schema/response_format)."""
+        g = oai.grammar_param(body)
+        par = body.get("parallel_tool_calls")
+        if par is not None and not isinstance(par, bool):
+            raise APIError(400, "'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
         try:
-            text = self.template.render(messages, add_generation_prompt=True)
+            return chat_plan(self.template, messages, body.get("tools"), body.get("tool_choice"), par,
+                             self.model.vocab, g)
+        except ToolError as e:
+            raise APIError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
+        except GrammarError as e:       # a tool's parameters that are no usable schema
+            raise APIError(400, f"tools: {e}", "tools") from None
+
+    def chat_tokens(self, messages: list, tools: list | None = None) -> list:
+        try:
+            text = self.template.render(messages, add_generation_prompt=True, tools=tools)
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         v = self.model.vocab
@@ -247,7 +274,10 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         if not oai._is_int(n_top) or not 0 <= n_top <= 20:
             raise APIError(400, "'top_logprobs' must be an integer between 0 and 20", "top_logprobs")
         stream, with_usage = oai.flag(body, "stream"), include_usage(body)
-        req = server.make_request(server.chat_tokens(msgs), p, n_top if want_lp else 0, want_lp, "messages")
+        tp, g = server.tool_plan(body, msgs)
+        gs = await server.grammar_sampler(g)
+        req = server.make_request(server.chat_tokens(tp.messages, tp.tools), p, n_top if want_lp else 0, want_lp,
+                                  "messages", gs)
         q = submit(server, req)
         cid, created = new_id("chatcmpl"), now()
 
@@ -257,6 +287,29 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         def chunk(choices, **extra) -> dict:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": server.model_id,
                     "system_fingerprint": "llampy", "choices": choices, **extra}
+
+        if stream and tp.format != "none":
+            async def gen_tools():
+                """With tools the reply is read whole (a call cannot be told from text until it ends), then sent
+                as a content delta and/or one delta per call, and the finish."""
+                text = ""
+                async for ev in events(req, q, http):
+                    if ev.error:
+                        yield sse(error_event(ev))
+                        break
+                    text += ev.text
+                    if ev.finish_reason is None:
+                        continue
+                    content, calls = tp.parse(text)
+                    deltas = [{"role": "assistant", "content": content if content or not calls else None}]
+                    for d in deltas + tool_call_deltas(calls):
+                        yield sse(chunk([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]))
+                    yield sse(chunk([{"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": "tool_calls" if calls else ev.finish_reason}]))
+                    if with_usage:
+                        yield sse(chunk([], usage=usage(ev.n_prompt, ev.n_gen, ev.n_cached)))
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(gen_tools(), media_type="text/event-stream", headers=SSE_HEADERS)
 
         if stream:
             async def gen():
@@ -285,11 +338,17 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             last = ev
         if last is None:        # the client went away; nobody reads this
             return JSONResponse({}, status_code=499)
+        message, finish = {"role": "assistant", "content": text}, last.finish_reason
+        if tp.format != "none":
+            content, calls = tp.parse(text)
+            message["content"] = (content or None) if calls else content
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                finish = "tool_calls"
         return {"id": cid, "object": "chat.completion", "created": created, "model": server.model_id,
                 "system_fingerprint": "llampy",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": {"content": lps} if want_lp else None,
-                             "finish_reason": last.finish_reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": {"content": lps} if want_lp else None,
+                             "finish_reason": finish}],
                 "usage": usage(last.n_prompt, last.n_gen, last.n_cached)}
 
     @app.post("/v1/completions", openapi_extra=openapi_body("completion"))
@@ -307,7 +366,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         stream, with_usage = oai.flag(body, "stream"), include_usage(body)
         if oai.flag(body, "echo"):
             raise APIError(400, "'echo' is not supported", "echo")
-        req = server.make_request(server.tokenize_prompt(body["prompt"]), p, n_lp, want_lp)
+        req = server.make_request(server.tokenize_prompt(body["prompt"]), p, n_lp, want_lp,
+                                  grammar=await server.grammar_sampler(oai.grammar_param(body)))
         q = submit(server, req)
         cid, created = new_id("cmpl"), now()
 
@@ -394,7 +454,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         if not oai._is_int(n_probs) or not 0 <= n_probs <= 100:
             raise APIError(400, "'n_probs' must be an integer between 0 and 100", "n_probs")
         stream, return_tokens = oai.flag(body, "stream"), oai.flag(body, "return_tokens")
-        req = server.make_request(server.tokenize_prompt(body["prompt"]), p, n_probs, n_probs > 0)
+        req = server.make_request(server.tokenize_prompt(body["prompt"]), p, n_probs, n_probs > 0,
+                                  grammar=await server.grammar_sampler(oai.grammar_param(body)))
         q = submit(server, req)
         t0 = time.perf_counter()
 

@@ -86,11 +86,6 @@ def sampling_params(body: dict, n_vocab: int) -> dict:
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise APIError(400, f"'seed' must be an integer, got {seed!r}", "seed")
-    rf = body.get("response_format")
-    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-        raise APIError(400, "only 'response_format': {'type': 'text'} is supported", "response_format")
-    if body.get("tools"):
-        raise APIError(400, "tool calls are not supported by this server", "tools")
     return dict(
         max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else None,
         temperature=_num(body, "temperature", 0.8, 0, 2), top_p=_num(body, "top_p", 0.95, 0, 1),
@@ -99,6 +94,32 @@ def sampling_params(body: dict, n_vocab: int) -> dict:
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2, 2),
         repeat_penalty=_num(body, "repeat_penalty", 1.0, 0, 10), seed=seed, stop=stop, logit_bias=bias,
         ignore_eos=flag(body, "ignore_eos"))
+
+
+def grammar_param(body: dict):
+    """The request's output constraint, compiled (a LlamaGrammar) or None: llama.cpp's ``grammar`` (GBNF) and
+    ``json_schema`` fields, or OpenAI's ``response_format``; at most one of them. One that cannot be compiled is a
+    400 naming the field and what is wrong, never an unconstrained reply."""
+    from ..llama.grammar import GrammarError, LlamaGrammar, from_response_format
+    given = [k for k in ("grammar", "json_schema", "response_format") if body.get(k) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"give only one of {', '.join(repr(k) for k in given)}", given[1])
+    if not given:
+        return None
+    key = given[0]
+    v = body[key]
+    try:
+        if key == "grammar":
+            if not isinstance(v, str):
+                raise APIError(400, "'grammar' must be a string (a GBNF grammar)", key)
+            return LlamaGrammar.from_string(v) if v.strip() else None
+        if key == "json_schema":
+            if not isinstance(v, (dict, bool)):
+                raise APIError(400, "'json_schema' must be an object (a JSON schema)", key)
+            return LlamaGrammar.from_json_schema(v)
+        return from_response_format(v)
+    except GrammarError as e:
+        raise APIError(400, f"{key}: {e}", key) from None
 
 
 def check_messages(body: dict) -> list:
@@ -124,7 +145,19 @@ def check_messages(body: dict) -> list:
         if content is not None and not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content or ""})
+        msg = {"role": role, "content": content or ""}
+        calls = m.get("tool_calls")
+        if calls is not None and role == "assistant":       # an earlier reply's calls, for the template
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise APIError(400, f"messages[{i}].tool_calls must be a list of {{'function': {{'name', "
+                                    "'arguments'}}}}", f"messages[{i}].tool_calls")
+            msg["tool_calls"] = calls
+        for k in ("tool_call_id", "name"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+        out.append(msg)
     return out
 
 
@@ -169,6 +202,12 @@ _SAMPLING = {
     "logit_bias": {"type": "object", "additionalProperties": {"type": "number"}},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "grammar": {"type": "string", "description": "a GBNF grammar the output must match"},
+    "json_schema": {"type": "object", "description": "a JSON schema the output must match"},
+    "response_format": {"type": "object", "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}},
+        "schema": {"type": "object"}}},
 }
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
@@ -178,6 +217,11 @@ _PROMPT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "in
 SCHEMAS = {
     "chat": {"type": "object", "required": ["messages"], "properties": {
         **_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "tools": {"type": "array", "items": {"type": "object", "properties": {
+            "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}}}},
+        "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object"}]},
+        "parallel_tool_calls": {"type": "boolean"},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
     "completion": {"type": "object", "required": ["prompt"], "properties": {
         **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
