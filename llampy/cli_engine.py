@@ -29,6 +29,11 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--grammar", default=None, help="a GBNF grammar (llama.cpp's syntax) the output must match")
+    g.add_argument("--grammar-file", default=None, help="a file holding a GBNF grammar")
+    g.add_argument("-j", "--json-schema", default=None, help="a JSON schema (JSON text) the output must match")
+    g.add_argument("-jf", "--json-schema-file", default=None, help="a file holding a JSON schema")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat with the model's template (terminal or pipe)")
@@ -87,11 +92,41 @@ def _load(args, **kw):
     return Llama(args.model, n_threads=_threads(args), **kw)
 
 
+def _grammar(args):
+    """The run's constraint from --grammar/--grammar-file/--json-schema/--json-schema-file, or None."""
+    from .llama.grammar import GrammarError, LlamaGrammar
+    if args.grammar is not None:
+        return LlamaGrammar.from_string(args.grammar)
+    if args.grammar_file is not None:
+        return LlamaGrammar.from_file(args.grammar_file)
+    if args.json_schema is not None:
+        return LlamaGrammar.from_json_schema(args.json_schema)
+    if args.json_schema_file is not None:
+        try:
+            with open(args.json_schema_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise GrammarError(f"cannot read the JSON schema file {args.json_schema_file!r}: {e.strerror or e}") \
+                from None
+        return LlamaGrammar.from_json_schema(text)
+    return None
+
+
 def cmd_run(args) -> int:
+    from .llama.grammar import GrammarError
+    try:
+        grammar = _grammar(args)         # before loading the model: a bad grammar fails at once
+    except GrammarError as e:
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
     llm = _load(args, n_ctx=args.ctx_size, seed=args.seed)
     tokens = llm.vocab.tokenize(args.prompt, add_special=True, parse_special=True)
-    sampler = llm.make_sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                               repeat_penalty=args.repeat_penalty, seed=args.seed)
+    try:
+        sampler = llm.make_sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                   repeat_penalty=args.repeat_penalty, seed=args.seed, grammar=grammar)
+    except GrammarError as e:             # what only the vocabulary shows (a token terminal it lacks)
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
     steps = llm.generate(tokens, args.n_predict, sampler, n_probs=args.n_probs)
     if args.json:
         out = {"prompt_tokens": tokens, "tokens": [], "text": "", "probs": []}

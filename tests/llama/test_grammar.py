@@ -224,3 +224,51 @@ def test_api_fails_closed_before_generating(llm):
                                    response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}})
     with pytest.raises(ValueError, match="response_format"):
         llm.create_chat_completion([{"role": "user", "content": "x"}], response_format={"type": "xml"})
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+@pytest.mark.slow
+def test_cli_run_grammar_and_json_schema(capsys, tmp_path):
+    from llampy.cli import main
+    src, prompt, check = GBNF["chess"]
+    chat = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    assert main(["run", "-p", chat, "-n", "48", "--temp", "1", "--seed", "2", "--grammar", src]) == 0
+    assert check(capsys.readouterr().out.rstrip("\n"))
+    f = tmp_path / "list.gbnf"
+    f.write_text(GBNF["list"][0])
+    chat = f"<|im_start|>user\n{GBNF['list'][1]}<|im_end|>\n<|im_start|>assistant\n"
+    assert main(["run", "-p", chat, "-n", "48", "--temp", "1", "--seed", "1", "--grammar-file", str(f)]) == 0
+    assert GBNF["list"][2](capsys.readouterr().out[:-1])
+    schema = SCHEMAS["enum_const"]
+    chat = f"<|im_start|>user\n{SCHEMA_PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    assert main(["run", "-p", chat, "-n", "48", "--temp", "1", "--seed", "3", "-j", json.dumps(schema)]) == 0
+    check_schema(schema, capsys.readouterr().out)
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(SCHEMAS["pattern"]))
+    assert main(["run", "-p", chat, "-n", "48", "--temp", "1", "--seed", "3", "--json-schema-file", str(f),
+                 "--json"]) == 0
+    check_schema(SCHEMAS["pattern"], json.loads(capsys.readouterr().out)["text"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--grammar", 'root ::= "a" | foo'], "Rule 'foo' not found"),
+    (["--grammar-file", "/nonexistent/g.gbnf"], "cannot read the grammar file"),
+    (["--json-schema", '{"type": "nope"}'], "Invalid type: nope"),
+    (["--json-schema", "{nope"], "not valid JSON"),
+    (["--json-schema-file", "/nonexistent/s.json"], "cannot read the JSON schema file"),
+])
+def test_cli_bad_grammar_is_one_error_line(args, says):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "llampy.cli", "run", "-p", "x", "-n", "2", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("llampy: error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_grammar_flags_exclude_each_other():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "llampy.cli", "run", "-p", "x", "--grammar", 'root ::= "a"', "-j", "{}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not allowed with" in r.stderr
