@@ -8,6 +8,7 @@ import pytest
 
 from llampy.ggml import ops
 from llampy.ggml.backend import BufferUsage, tensor_alloc, tensor_data, tensor_get
+from llampy.ggml.fusion import fuse_nodes
 from llampy.ggml.graph import Graph
 from llampy.ggml.sched import Scheduler, is_sched_copy
 from llampy.ggml.tensor import Op, Tensor
@@ -150,6 +151,38 @@ def test_pipeline_copy_sets(memory):
         np.testing.assert_array_equal(run(s, b, seed), single(seed))
         seen.add(tuple(src.id for n in b.graph.nodes for src in n.src if is_sched_copy(src)))
     assert s.n_replans == 1 and len(seen) == 2
+
+
+class FusingNumpy(NumpyBackend):
+    def graph_optimize(self, graph_nodes, nodes):
+        return fuse_nodes(graph_nodes, nodes, self)[0]
+
+
+class FusingDevice(DeviceBackend):
+    graph_optimize = FusingNumpy.graph_optimize
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_fusion_after_placement_stays_within_each_split(memory, capsys):
+    d0, d1 = (FusingNumpy("np0"), FusingNumpy("np1")) if memory == "host" else (FusingDevice("np0"), FusingDevice("np1"))
+    b = Block([d0, d1])
+    s = Scheduler([d0, d1], debug=True)
+    np.testing.assert_allclose(run(s, b), single(), rtol=1e-5, atol=1e-5)
+    p = s.alloc_graph(b.graph)
+    count = lambda op: sum(n.op is op for n in b.graph.nodes)
+    # each layer's norms, attention and gated unit fuse on their own device, except the rms_norm that starts layer 1:
+    # it runs on dev0 (expanded down), its mul by the weight on dev1
+    assert (count(Op.RMS_NORM_MUL), count(Op.RMS_NORM), count(Op.FLASH_ATTN_EXT), count(Op.SWIGLU)) == (3, 1, 2, 2)
+    assert s.n_splits == 2 and s.n_copies_made == (3 if memory == "host" else 4)   # as without fusion
+    for sp in p.splits:
+        assert all(p.assignment[n.id] == sp.backend_id for n in sp.nodes if n.op not in (Op.VIEW, Op.RESHAPE,
+                                                                                        Op.PERMUTE, Op.TRANSPOSE))
+    fused = [n for n in b.graph.nodes if n.op in (Op.RMS_NORM_MUL, Op.FLASH_ATTN_EXT, Op.SWIGLU)]
+    assert all(p.causes[n.id].endswith("+f") for n in fused)
+    assert b.out in b.graph and b.out is b.graph.nodes[-1]
+    assert "+f" in capsys.readouterr().err
+    np.testing.assert_allclose(run(s, b, seed=7), single(7), rtol=1e-5, atol=1e-5)
+    assert s.n_replans == 1
 
 
 def test_null_backend_structure_and_debug_print(capsys):
