@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "llampy"
@@ -81,3 +83,36 @@ def test_only_backends_touch_tensor_memory():
     for f in users:
         bad = _names_used(f) & {"tensor_data", "as_ndarray"}
         assert not bad, f"{f} uses {sorted(bad)}: go through tensor_set/tensor_get/tensor_copy"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (inside functions too), as absolute names; ``from . import x``
+    gives both the package and ``package.x`` (x may be a module)."""
+    out = set()
+    pkg = list(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg[:len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def test_reference_backend_shares_no_code_with_the_cpu_backend():
+    """The oracle must not import what it checks: no import of llampy.ggml.backends.cpu, in any form."""
+    cpu = "llampy.ggml.backends.cpu"
+    oracle = sorted((PKG / "ggml" / "backends").glob("reference*.py"))
+    assert PKG / "ggml" / "backends" / "reference.py" in oracle
+    for f in oracle:
+        bad = sorted(m for m in _imported_modules(f) if m == cpu or m.startswith(cpu + "."))
+        assert not bad, f"{f} imports {bad}"
+
+
+def test_importing_the_reference_backend_loads_no_cpu_code():
+    code = ("import sys, llampy.ggml.backends.reference\n"
+            "print(sorted(m for m in sys.modules if m.startswith('llampy.ggml.backends.cpu')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent, check=True)
+    assert res.stdout.strip() == "[]", res.stdout

@@ -1,11 +1,12 @@
 """The reference backend: the oracle that tests compare the others against.
 
-Plain NumPy, no Numba kernels of its own or of the cpu backend: every product and sum in float64, with llama.cpp's
-rounding points where they decide the numbers (activations through the weight's dot type before a matrix product,
-F16 Q/K/V and the F16 output accumulator in flash attention, ggml's float32 rope cache, the F16 GELU table).
-Slow and simple; it runs every op. The simple element-wise formulas are shared with the cpu backend's NumPy
-module (``cpu.numpy_ops``) and run here with ``acc=float64``; rope, attention, matrix products and the hot ops the
-cpu backend runs in Numba are written out here again, so that the comparison means something.
+Plain NumPy and independent of the backends it checks: it imports nothing from ``backends.cpu`` (the layering test
+holds it to that); the only code it shares is the ggml layer's block formats (``quants``). Every product and sum
+runs in float64, with llama.cpp's rounding points where they decide the numbers: activations through the weight's
+dot type before a matrix product, F16 Q/K/V and the F16 output accumulator in flash attention, ggml's float32 rope
+cache, the F16 GELU table (its float32 formula included), and each result stored in its tensor's type the way
+ggml-cpu converts a float row (its type traits' ``from_float``). Op parameters are float32 in ggml and are read as
+such. Slow and simple; it runs every op, written from ggml's semantics (ggml.c, ggml-cpu/ops.cpp and vec.h).
 """
 from __future__ import annotations
 
@@ -14,33 +15,133 @@ import math
 import numpy as np
 
 from ..backend import Backend, register_backend, tensor_data
+from ..quants import dequantize, quantize_act
 from ..tensor import BINARY_OPS, Op, Tensor, UNARY_OPS, VIEW_OPS
 from ..types import GGMLType, TYPE_TRAITS
-from .cpu import numpy_ops as K
 
 T = GGMLType
 F64 = np.float64
 
 
+# ---------------------------------------------------------------------------------------------- values in and out
+def values(arr: np.ndarray, t: GGMLType) -> np.ndarray:
+    """A tensor's values in float64 (NumPy order). Block rows and BF16 bits are decoded by the ggml layer's
+    dequantizer (ggml's to_float, float32 values); the plain types convert exactly."""
+    if TYPE_TRAITS[t].is_quantized or t == T.BF16:
+        return dequantize(arr, t).astype(F64)
+    return np.asarray(arr).astype(F64)
+
+
+def store(dst: np.ndarray, t: GGMLType, v: np.ndarray) -> None:
+    """Write values into dst in type t as ggml-cpu does: the result is a float32 first, then its type's from_float
+    converts it: F16 and BF16 rounded to nearest even, block rows through the x86 row quantizers for Q8_0 and Q8_1
+    and the reference ones for the other formats (``quants.quantize_act`` is that table)."""
+    v32 = np.asarray(v, F64).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if TYPE_TRAITS[t].is_quantized:
+            dst[...] = quantize_act(v32, t).reshape(dst.shape)
+        elif t == T.BF16:
+            dst[...] = quantize_act(v32, t).view(np.uint16).reshape(dst.shape)
+        else:
+            dst[...] = v32
+
+
+def broadcast(b: np.ndarray, shape: tuple) -> np.ndarray:
+    """ggml's repeat rule (ggml_can_repeat): each dim of b divides the target's, and element i of b serves every
+    i + k * len along that dim."""
+    assert all(s % n == 0 for s, n in zip(shape, b.shape)), f"{b.shape} does not repeat to {shape}"
+    return np.tile(b, [s // n for s, n in zip(shape, b.shape)])
+
+
+def param(node: Tensor, key: str) -> float:
+    """A float op parameter as ggml holds it: float32."""
+    return float(np.float32(node.op_params[key]))
+
+
+# ---------------------------------------------------------------------------------------------- activations
+GELU_COEF_A = 0.044715
+SQRT_2_OVER_PI = 0.79788456080286535587989211986876
+
+
+def gelu_table(h: np.ndarray) -> np.ndarray:
+    """ggml_table_gelu_f16 at the F16 values h: ggml_gelu_f32, 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f +
+    GELU_COEF_A*x*x))), in float32 as the C compiles for x86 (``GELU_COEF_A*x*x + 1.0f`` contracted into one fused
+    multiply-add; tanhf correctly rounded), rounded to F16. The table is data ggml computes once, and its float32
+    arithmetic decides some of its F16 values (274 of the 37376 in (-10, 10) differ from the float64 formula's,
+    mostly where 1 + tanh cancels), so it is computed as ggml computes it, not in float64."""
+    f32 = np.float32
+    x = h.astype(f32)
+    inner = ((f32(GELU_COEF_A) * x).astype(F64) * x + 1.0).astype(f32)    # the float64 product is exact
+    t = np.tanh((f32(SQRT_2_OVER_PI) * x * inner).astype(F64)).astype(f32)
+    return ((f32(0.5) * x) * (f32(1.0) + t)).astype(np.float16).astype(F64)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """ggml-cpu's GELU (GGML_GELU_FP16): 0 for x <= -10, x for x >= 10, otherwise the table at x's F16 value."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        table = gelu_table(x.astype(np.float32).astype(np.float16))
+    return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table))
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    erf = np.vectorize(math.erf, otypes=[F64])
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi slope per head (ggml's soft_max and flash attention): m0^(h+1) for the first n_head_log2 heads
+    (n_head_log2: the largest power of two <= n_head), m1^(2(h - n_head_log2) + 1) after them; 1 without a bias."""
+    if max_bias <= 0:
+        return np.ones(n_head)
+    n_head_log2 = 2 ** int(math.floor(math.log2(n_head)))
+    m0 = 2.0 ** (-max_bias / n_head_log2)
+    m1 = 2.0 ** (-(max_bias / 2.0) / n_head_log2)
+    return np.array([m0 ** (h + 1) if h < n_head_log2 else m1 ** (2 * (h - n_head_log2) + 1)
+                     for h in range(n_head)])
+
+
 # ---------------------------------------------------------------------------------------------- matrix products
+def round_to_dot_type(x: np.ndarray, vdt: GGMLType) -> tuple[np.ndarray, np.ndarray | None]:
+    """x (float32 [n, k]) as a vec_dot sees it: converted to the dot type with the ggml layer's quantizers
+    (``quants.quantize_act``: ggml-cpu's from_float for each dot type) and read back exactly, in float64.
+    Returns (values, the dot-type bytes; None for F32)."""
+    if vdt == T.F32:
+        return x.astype(F64), None
+    xq = quantize_act(x, vdt)
+    if vdt == T.Q8_K:
+        # d (float32) * q (int8) needs up to 31 bits: dequantize's float32 product would round it
+        blk = np.ascontiguousarray(xq).reshape(-1, TYPE_TRAITS[T.Q8_K].type_size)
+        d = blk[:, 0:4].copy().view("<f4").astype(F64)
+        q = blk[:, 4:260].view(np.int8).astype(F64)
+        return (d * q).reshape(x.shape), xq
+    return dequantize(xq, vdt).astype(F64).reshape(x.shape), xq       # Q8_0/Q8_1 (F16 d * int8), F16, BF16: exact
+
+
 def mul_mat_f64(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray) -> None:
     """out[n, rows] = round(x) · w^T in float64; x rounded through the weight type's vec_dot_type first."""
-    from ..quants import quantize_act
-    from .cpu.matmul import round_act
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     x = np.ascontiguousarray(x, dtype=np.float32)
-    xr = round_act(x, vdt).astype(F64)
-    wf = K.to_float(w, wtype, F64)
-    res = xr @ wf.T
-    if vdt == T.Q8_1:
-        # llama.cpp adds each block's min times Q8_1's s (the block sum of the quantized x, stored as F16),
-        # not times the sum of the rounded values: correct the difference
+    xr, xq = round_to_dot_type(x, vdt)
+    res = xr @ values(w, wtype).T
+    if wtype in (T.Q4_1, T.Q5_1):                                       # blocks of (d, m, ...), dot type Q8_1
+        # llama.cpp adds each block's min times Q8_1's s (F16 of d * the block sum of the quantized x), not times
+        # the sum of the rounded values: correct the difference
         n, k = x.shape
-        q = quantize_act(x, T.Q8_1).reshape(n, k // 32, 36)
-        s = np.ascontiguousarray(q[:, :, 2:4]).view(np.float16).astype(F64).reshape(n, -1)
+        q = np.ascontiguousarray(xq).reshape(n, k // 32, 36)
+        s = q[:, :, 2:4].copy().view(np.float16).astype(F64).reshape(n, -1)
         delta = s - xr.reshape(n, k // 32, 32).sum(axis=2)
         blk = np.ascontiguousarray(w).reshape(w.shape[0], k // 32, TYPE_TRAITS[wtype].type_size)
-        mins = np.ascontiguousarray(blk[:, :, 2:4]).view(np.float16).astype(F64).reshape(w.shape[0], -1)
+        mins = blk[:, :, 2:4].copy().view(np.float16).astype(F64).reshape(w.shape[0], -1)
         res += delta @ mins.T
     out[...] = res
 
@@ -50,7 +151,7 @@ def k_mul_mat(node, dst, srcs):
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
     for i13 in range(b.ne[3]):
         for i12 in range(b.ne[2]):
-            x = K.to_float(srcs[1][i13, i12], b.type, np.float32)
+            x = values(srcs[1][i13, i12], b.type).astype(np.float32)
             mul_mat_f64(srcs[0][i13 // r3, i12 // r2], a.type, x, dst[i13, i12])
 
 
@@ -59,12 +160,11 @@ def k_mul_mat_glu(node, dst, srcs):
     g, u = np.empty(dst.shape, np.float32), np.empty(dst.shape, np.float32)
     for i13 in range(b.ne[3]):
         for i12 in range(b.ne[2]):
-            x = K.to_float(srcs[2][i13, i12], b.type, np.float32)
+            x = values(srcs[2][i13, i12], b.type).astype(np.float32)
             mul_mat_f64(srcs[0][0, 0], gate.type, x, g[i13, i12])
             mul_mat_f64(srcs[1][0, 0], up.type, x, u[i13, i12])
-    with np.errstate(over="ignore"):
-        act = K.silu(g.astype(F64), F64) if node.op_params["glu"] == "swiglu" else K.gelu(g.astype(F64), F64)
-    K.store(dst, node.type, act * u)
+    act = silu(g.astype(F64)) if node.op_params["glu"] == "swiglu" else gelu(g.astype(F64))
+    store(dst, node.type, act * u)
 
 
 def k_mul_mat_id(node, dst, srcs):
@@ -73,7 +173,7 @@ def k_mul_mat_id(node, dst, srcs):
     o = np.empty((1, as_.ne[1]), np.float32)
     for t in range(sel.shape[0]):
         for u in range(sel.shape[1]):
-            x = K.to_float(srcs[1][0, t, u % b.ne[1]][None, :], b.type, np.float32)
+            x = values(srcs[1][0, t, u % b.ne[1]][None, :], b.type).astype(np.float32)
             mul_mat_f64(srcs[0][0, int(sel[t, u])], as_.type, x, o)
             dst[0, t, u] = o[0]
 
@@ -110,7 +210,7 @@ def rope_cache(pos: np.ndarray, p: dict, ff: np.ndarray | None):
 
 def k_rope(node, dst, srcs):
     p = node.op_params
-    x = K.to_float(srcs[0], node.src[0].type, F64)                       # (ne3, n_tokens, n_head, head_dim)
+    x = values(srcs[0], node.src[0].type)                                 # (ne3, n_tokens, n_head, head_dim)
     pos = np.asarray(srcs[1]).reshape(-1)
     ff = np.asarray(srcs[2]).reshape(-1) if p.get("has_freq_factors") else None
     cos, sin = rope_cache(pos, p, ff)
@@ -127,7 +227,7 @@ def k_rope(node, dst, srcs):
         out[..., : n_dims // 2], out[..., n_dims // 2: n_dims] = r0, r1
     else:
         out[..., 0:n_dims:2], out[..., 1:n_dims:2] = r0, r1
-    K.store(dst, node.type, out)
+    store(dst, node.type, out)
 
 
 # ---------------------------------------------------------------------------------------------- flash attention
@@ -143,8 +243,8 @@ def k_flash_attn(node, dst, srcs):
     p = node.op_params
     qf = np.asarray(srcs[0], F64)                                       # (ne3, n_head, n_q, d)
     ne3, n_head, n_q, _ = qf.shape
-    kf = K.to_float(srcs[1], k.type, F64)
-    vf = K.to_float(srcs[2], v.type, F64)
+    kf = values(srcs[1], k.type)
+    vf = values(srcs[2], v.type)
     rk = n_head // kf.shape[1]
     kf = np.repeat(kf, rk, axis=1)
     vf = np.repeat(vf, rk, axis=1)
@@ -152,18 +252,18 @@ def k_flash_attn(node, dst, srcs):
     vf = vf[np.arange(ne3) % vf.shape[0]]
     mask = np.zeros((ne3, n_head, n_q, kf.shape[2]))
     if p["has_mask"]:
-        m = K.to_float(srcs[3], node.src[3].type, F64)[:, :, :n_q, :]
+        m = values(srcs[3], node.src[3].type)[:, :, :n_q, :]
         m = m[np.arange(ne3) % m.shape[0]][:, np.arange(n_head) % m.shape[1]]
-        mask = K.alibi_slopes(n_head, p["max_bias"], F64).reshape(1, -1, 1, 1) * m
+        mask = alibi_slopes(n_head, param(node, "max_bias")).reshape(1, -1, 1, 1) * m
     tiled = k.type in (T.F16, T.F32) and k.type == v.type and n_q >= 64 and v.ne[0] % 16 == 0
     if not tiled:
         vdt = TYPE_TRAITS[k.type].vec_dot_type
-        if vdt != T.F32:
-            from .cpu.matmul import round_act
-            qf = round_act(np.ascontiguousarray(qf.reshape(-1, qf.shape[-1]), np.float32), vdt).astype(F64).reshape(qf.shape)
-    s = np.einsum("ahqd,ahkd->ahqk", qf, kf) * p["scale"]
-    if p["softcap"]:
-        s = p["softcap"] * np.tanh(s / p["softcap"])
+        q32 = np.ascontiguousarray(qf.reshape(-1, qf.shape[-1]), np.float32)
+        qf = round_to_dot_type(q32, vdt)[0].reshape(qf.shape)
+    cap = param(node, "softcap")
+    s = np.einsum("ahqd,ahkd->ahqk", qf, kf) * param(node, "scale")
+    if cap:
+        s = cap * np.tanh(s / cap)
     with np.errstate(invalid="ignore"):
         s = s + mask
     if tiled or v.type != T.F16:
@@ -197,17 +297,72 @@ def _online_f16(s: np.ndarray, vf: np.ndarray) -> np.ndarray:
     return acc / np.where(S == 0, np.inf, S)
 
 
+# ---------------------------------------------------------------------------------------------- element-wise
+_BINARY = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide}
+
+
+def k_binary(node, dst, srcs):
+    """a op b, b repeated over a's shape."""
+    a = values(srcs[0], node.src[0].type)
+    b = broadcast(values(srcs[1], node.src[1].type), a.shape)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        store(dst, node.type, _BINARY[node.op](a, b))
+
+
+_UNARY = {
+    Op.SQR: lambda x: x * x, Op.SQRT: np.sqrt, Op.EXP: np.exp, Op.TANH: np.tanh, Op.SILU: silu, Op.GELU: gelu,
+    Op.GELU_ERF: gelu_erf, Op.RELU: lambda x: np.maximum(x, 0.0), Op.SIGMOID: sigmoid,
+}
+
+
+def k_unary(node, dst, srcs):
+    with np.errstate(invalid="ignore", over="ignore"):
+        store(dst, node.type, _UNARY[node.op](values(srcs[0], node.src[0].type)))
+
+
+def k_scale(node, dst, srcs):
+    """x * s + b"""
+    store(dst, node.type, values(srcs[0], node.src[0].type) * param(node, "s") + param(node, "b"))
+
+
+def k_clamp(node, dst, srcs):
+    """MAX(MIN(x, max), min) with C's comparisons (a NaN comes out as max)."""
+    x = values(srcs[0], node.src[0].type)
+    lo, hi = param(node, "min"), param(node, "max")
+    y = np.where(x < hi, x, hi)
+    store(dst, node.type, np.where(y > lo, y, lo))
+
+
+def k_softcap(node, dst, srcs):
+    """tanh(x * s_in) * s_out"""
+    x = values(srcs[0], node.src[0].type)
+    store(dst, node.type, np.tanh(x * param(node, "s_in")) * param(node, "s_out"))
+
+
+def k_glu(node, dst, srcs):
+    """act(gate) * up. One source: each row is [gate | up] ([up | gate] when swapped); two sources: gate and up
+    (ggml's split form; its ``swapped`` is always false there and not read)."""
+    a = values(srcs[0], node.src[0].type)
+    if len(node.src) == 2:
+        g, u = a, values(srcs[1], node.src[1].type)
+    else:
+        h = a.shape[-1] // 2
+        g, u = (a[..., h:], a[..., :h]) if node.op_params.get("swapped") else (a[..., :h], a[..., h:])
+    act = silu(g) if node.op is Op.SWIGLU else gelu(g)
+    store(dst, node.type, act * u)
+
+
 # ---------------------------------------------------------------------------------------------- softmax, norms, rows
 def k_soft_max(node, dst, srcs):
-    x = K.to_float(srcs[0], node.src[0].type, F64) * node.op_params["scale"]
+    x = values(srcs[0], node.src[0].type) * param(node, "scale")
     p = node.op_params
     if p["has_mask"]:
-        m = K.to_float(srcs[1], node.src[1].type, F64)[:, :, :x.shape[2], :]
-        m = K.tile_to(m, (x.shape[0], x.shape[1]) + m.shape[2:])
+        m = values(srcs[1], node.src[1].type)[:, :, :x.shape[2], :]
+        m = broadcast(m, (x.shape[0], x.shape[1]) + m.shape[2:])
         with np.errstate(invalid="ignore"):
-            x = x + K.alibi_slopes(x.shape[1], p["max_bias"], F64).reshape(1, -1, 1, 1) * m
+            x = x + alibi_slopes(x.shape[1], param(node, "max_bias")).reshape(1, -1, 1, 1) * m
     e = np.exp(x - x.max(axis=-1, keepdims=True))
-    K.store(dst, node.type, e / e.sum(axis=-1, keepdims=True))
+    store(dst, node.type, e / e.sum(axis=-1, keepdims=True))
 
 
 def _rms(x, eps):
@@ -215,22 +370,29 @@ def _rms(x, eps):
 
 
 def k_rms_norm(node, dst, srcs):
-    K.store(dst, node.type, _rms(K.to_float(srcs[0], node.src[0].type, F64), node.op_params["eps"]))
+    store(dst, node.type, _rms(values(srcs[0], node.src[0].type), param(node, "eps")))
 
 
 def k_rms_norm_mul(node, dst, srcs):
-    x = K.to_float(srcs[0], node.src[0].type, F64)
-    w = K.tile_to(K.to_float(srcs[1], node.src[1].type, F64), x.shape)
-    y = _rms(x, node.op_params["eps"]) * w
+    x = values(srcs[0], node.src[0].type)
+    w = broadcast(values(srcs[1], node.src[1].type), x.shape)
+    y = _rms(x, param(node, "eps")) * w
     if len(srcs) > 2:
-        y = y + K.to_float(srcs[2], node.src[2].type, F64)
-    K.store(dst, node.type, y)
+        y = y + values(srcs[2], node.src[2].type)
+    store(dst, node.type, y)
 
 
 def k_norm(node, dst, srcs):
-    x = K.to_float(srcs[0], node.src[0].type, F64)
+    x = values(srcs[0], node.src[0].type)
     xc = x - x.mean(axis=-1, keepdims=True)
-    K.store(dst, node.type, xc / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + node.op_params["eps"]))
+    store(dst, node.type, xc / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + param(node, "eps")))
+
+
+def k_l2_norm(node, dst, srcs):
+    """x / max(||x||, eps) over each row (||x||: the square root of the sum of squares)."""
+    x = values(srcs[0], node.src[0].type)
+    norm = np.sqrt((x * x).sum(axis=-1, keepdims=True))
+    store(dst, node.type, x / np.maximum(norm, param(node, "eps")))
 
 
 def k_get_rows(node, dst, srcs):
@@ -241,27 +403,90 @@ def k_get_rows(node, dst, srcs):
     if node.src[0].type == T.I32:
         dst[...] = rows
     else:
-        K.store(dst, node.type, K.to_float(rows, node.src[0].type, F64).astype(np.float32))
+        store(dst, node.type, values(rows, node.src[0].type))
 
 
-def _with_acc(fn):
-    return lambda node, dst, srcs: fn(node, dst, srcs, F64)
+def k_set_rows(node, dst, srcs):
+    """Row r of src at (i2, i3) becomes row idx[r, i2 % idx.ne1, i3 % idx.ne2] of dst at (i2, i3), in dst's type;
+    the other rows of dst keep their values."""
+    src = values(srcs[0], node.src[0].type)                       # (s3, s2, s1, ne0)
+    idx = np.asarray(srcs[1])                                     # (1, ne12, ne11, s1)
+    for i3 in range(src.shape[0]):
+        for i2 in range(src.shape[1]):
+            for r in range(src.shape[2]):
+                row = int(idx[0, i3 % idx.shape[1], i2 % idx.shape[2], r])
+                if not 0 <= row < dst.shape[2]:
+                    raise IndexError(f"set_rows: row index {row} out of range 0..{dst.shape[2] - 1}")
+                store(dst[i3, i2, row], node.type, src[i3, i2, r])
+
+
+# ------------------------------------------------------------------------------------------- copies, shapes, reductions
+def k_cpy(node, dst, srcs):
+    """CPY, CONT, DUP: the source's elements in row-major order, written in that order into dst's shape and type
+    (the same type: its bytes as they are)."""
+    st = node.src[0].type
+    if st == node.type:
+        dst[...] = np.asarray(srcs[0]).reshape(-1).reshape(dst.shape)
+        return
+    flat = values(srcs[0], st).reshape(-1)
+    store(dst, node.type, flat.reshape(dst.shape[:-1] + (node.ne[0],)))
+
+
+def k_concat(node, dst, srcs):
+    dst[...] = np.concatenate([np.asarray(srcs[0]), np.asarray(srcs[1])], axis=3 - node.op_params["dim"])
+
+
+def k_repeat(node, dst, srcs):
+    dst[...] = broadcast(np.asarray(srcs[0]), dst.shape)
+
+
+def k_sum_rows(node, dst, srcs):
+    store(dst, node.type, values(srcs[0], node.src[0].type).sum(axis=-1, keepdims=True))
+
+
+def k_mean(node, dst, srcs):
+    store(dst, node.type, values(srcs[0], node.src[0].type).mean(axis=-1, keepdims=True))
+
+
+def k_argmax(node, dst, srcs):
+    """ggml_vec_argmax_f32 on each row: ``max = MAX(max, x[i]); if (max == x[i]) idx = i;`` from max = -inf,
+    idx = 0, with C's ``MAX(a, b) = a > b ? a : b``. Of equal largest values the last wins; a NaN is never
+    chosen, but the value after it is taken as the new max."""
+    x = values(srcs[0], node.src[0].type)[0, 0]                   # (ne1, ne0)
+    mx = np.full(x.shape[0], -np.inf)
+    idx = np.zeros(x.shape[0], np.int64)
+    for i in range(x.shape[1]):
+        mx = np.where(mx > x[:, i], mx, x[:, i])
+        idx = np.where(mx == x[:, i], i, idx)
+    dst[...] = idx.reshape(dst.shape)
+
+
+def _sorted_indices(x: np.ndarray, descending: bool) -> np.ndarray:
+    """Per row, the indices that sort it; equal values keep their order (stable)."""
+    return np.argsort(-x if descending else x, axis=-1, kind="stable")
+
+
+def k_argsort(node, dst, srcs):
+    x = values(srcs[0], node.src[0].type)
+    dst[...] = _sorted_indices(x, node.op_params["order"] == 1)
+
+
+def k_top_k(node, dst, srcs):
+    """The indices of each row's k largest values, largest first."""
+    x = values(srcs[0], node.src[0].type)
+    dst[...] = _sorted_indices(x, True)[..., :node.op_params["k"]]
 
 
 _TABLE = {
     Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_GLU: k_mul_mat_glu, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope,
     Op.FLASH_ATTN_EXT: k_flash_attn,
     Op.SOFT_MAX: k_soft_max, Op.RMS_NORM: k_rms_norm, Op.RMS_NORM_MUL: k_rms_norm_mul, Op.NORM: k_norm,
-    Op.GET_ROWS: k_get_rows,
+    Op.L2_NORM: k_l2_norm, Op.GET_ROWS: k_get_rows, Op.SET_ROWS: k_set_rows,
+    Op.CPY: k_cpy, Op.CONT: k_cpy, Op.DUP: k_cpy, Op.CONCAT: k_concat, Op.REPEAT: k_repeat,
+    Op.SCALE: k_scale, Op.CLAMP: k_clamp, Op.SOFTCAP: k_softcap, Op.SWIGLU: k_glu, Op.GEGLU: k_glu,
+    Op.SUM_ROWS: k_sum_rows, Op.MEAN: k_mean, Op.ARGMAX: k_argmax, Op.ARGSORT: k_argsort, Op.TOP_K: k_top_k,
+    **{o: k_binary for o in BINARY_OPS}, **{o: k_unary for o in UNARY_OPS},
 }
-for _op, _fn in {
-    Op.SCALE: K.k_scale, Op.CLAMP: K.k_clamp, Op.SOFTCAP: K.k_softcap, Op.SWIGLU: K.k_glu, Op.GEGLU: K.k_glu,
-    Op.L2_NORM: K.k_l2_norm, Op.SET_ROWS: K.k_set_rows, Op.CPY: K.k_cpy, Op.CONT: K.k_cpy, Op.DUP: K.k_cpy,
-    Op.CONCAT: K.k_concat, Op.REPEAT: K.k_repeat, Op.SUM_ROWS: K.k_sum_rows, Op.MEAN: K.k_mean,
-    Op.ARGMAX: K.k_argmax, Op.ARGSORT: K.k_argsort, Op.TOP_K: K.k_top_k,
-    **{o: K.k_binary for o in BINARY_OPS}, **{o: K.k_unary for o in UNARY_OPS},
-}.items():
-    _TABLE[_op] = _with_acc(_fn)
 
 
 class Plan:
