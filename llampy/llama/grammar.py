@@ -14,8 +14,9 @@ Three parts:
   grammar may end, only those once it is complete); ``accept`` advances the matcher and starts computing the next
   mask on a worker thread, so that it overlaps the model's next forward pass (llguidance releases the GIL).
 
-Keeping only the allowed candidates, instead of setting the others to -inf as llama.cpp does, leaves every later
-sampler the same distribution (a -inf logit has probability 0 and is never selected) on a smaller array.
+Where few tokens are allowed, only those stay candidates, instead of the others being set to -inf as llama.cpp
+does: every later sampler sees the same distribution (a -inf logit has probability 0 and is never selected) on a
+much smaller array. Where most are allowed (inside a free string) the rest become -inf in place.
 """
 from __future__ import annotations
 
@@ -304,25 +305,50 @@ def _pool() -> cf.ThreadPoolExecutor:
 
 
 @njit(cache=True)
-def _mask_ids(words, n):
-    """The ids whose bit is set in llguidance's bitmask (bit i of 32-bit word i // 32), below n, ascending."""
-    out = np.empty(n, np.int64)
+def _mask_count(words, n):
+    """How many of the ids below n have their bit set (bit i of 32-bit word i // 32)."""
     k = 0
-    for w in range(words.size):
+    for w in range(min(words.size, (n + 31) // 32)):
         x = np.uint32(words[w])
+        if w * 32 + 32 > n:                              # the last word's bits past n do not count
+            x &= np.uint32((1 << (n - w * 32)) - 1)
+        x = x - ((x >> np.uint32(1)) & np.uint32(0x55555555))       # SWAR popcount
+        x = (x & np.uint32(0x33333333)) + ((x >> np.uint32(2)) & np.uint32(0x33333333))
+        x = (x + (x >> np.uint32(4))) & np.uint32(0x0F0F0F0F)
+        k += ((x * np.uint32(0x01010101)) >> np.uint32(24)) & np.uint32(0xFF)   # the product may widen
+    return k
+
+
+@njit(cache=True)
+def _mask_ids(words, n, k):
+    """The k ids below n whose bit is set, ascending. Words of all zeros or all ones are taken whole."""
+    out = np.empty(k, np.int64)
+    j = 0
+    for w in range(min(words.size, (n + 31) // 32)):
+        x = np.uint32(words[w])
+        if x == 0:
+            continue
         base = w * 32
-        while x:
-            b = 0
-            y = x
-            while not (y & np.uint32(1)):       # trailing zeros (the set bits are few: a loop is enough)
-                y >>= np.uint32(1)
-                b += 1
-            i = base + b
-            if i < n:
-                out[k] = i
-                k += 1
-            x &= x - np.uint32(1)
-    return out[:k]
+        for b in range(min(32, n - base)):
+            if (x >> np.uint32(b)) & np.uint32(1) and j < k:
+                out[j] = base + b
+                j += 1
+    return out[:j]
+
+
+@njit(cache=True)
+def _mask_disallow(words, logits):
+    """-inf for every id whose bit is clear (ids past the mask included), in place."""
+    n = logits.size
+    nbits = words.size * 32
+    for w in range((n + 31) // 32):
+        base = w * 32
+        x = np.uint32(words[w]) if base < nbits else np.uint32(0)
+        if x == np.uint32(0xFFFFFFFF) and base + 32 <= n:
+            continue
+        for b in range(min(32, n - base)):
+            if not (x >> np.uint32(b)) & np.uint32(1):
+                logits[base + b] = -np.inf
 
 
 @njit(cache=True)
@@ -362,12 +388,20 @@ class Grammar:
             self._fill()
         words = self._mask[0]
         if c.identity:
-            keep = _mask_ids(words, c.size)
-        else:
-            keep = _mask_keep(words, c.ids.astype(np.int64))
+            # few allowed (JSON structure, digits, enums): keep just those; many (inside a free string): -inf on
+            # the rest in place, cheaper than copying most of the vocabulary
+            k = _mask_count(words, c.size)
+            if k == 0:
+                why = _clean(self._m.get_error()) or "no continuation"
+                raise GrammarError(f"the grammar allows no token here: {why}")
+            if k <= c.size // 4:
+                c.take(_mask_ids(words, c.size, k))
+            elif k < c.size:
+                _mask_disallow(words, c.logits)
+            return
+        keep = _mask_keep(words, c.ids.astype(np.int64))
         if keep.size == 0:
-            raise GrammarError("the grammar allows no token here (the candidates left by earlier samplers, or "
-                               f"the grammar itself: {_clean(self._m.get_error()) or 'no continuation'})")
+            raise GrammarError("the grammar allows none of the candidates left by earlier samplers")
         if keep.size < c.size:
             c.take(keep)
 

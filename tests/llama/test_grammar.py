@@ -152,8 +152,37 @@ def test_mask_on_candidates_already_narrowed(vocab):
     assert c.ids.tolist() == digits[:3] + digits[3:5]
     c = Candidates(logits)
     c.take(np.array([vocab.tokenize("a")[0]]))
-    with pytest.raises(GrammarError, match="allows no token"):
+    with pytest.raises(GrammarError, match="allows none of the candidates"):
         g.apply(c)
+
+
+@pytest.mark.parametrize("density", [0.0005, 0.1, 0.5, 0.999, 1.0])
+def test_mask_kernels_against_numpy(density):
+    from llampy.llama.grammar import _mask_count, _mask_disallow, _mask_ids
+    rng = np.random.default_rng(1)
+    for n in (49152, 49157, 1000):
+        bits = rng.random(((n + 31) // 32) * 32) < density
+        words = np.packbits(bits, bitorder="little").view(np.int32)
+        ids = np.flatnonzero(bits[:n])
+        assert _mask_count(words, n) == ids.size
+        assert np.array_equal(_mask_ids(words, n, ids.size), ids)
+        logits = rng.standard_normal(n + 7).astype(np.float32)      # past the mask: disallowed
+        allowed = np.r_[bits, np.zeros(64, bool)][:n + 7]
+        want = np.where(allowed, logits, -np.inf).astype(np.float32)
+        _mask_disallow(words, logits)
+        assert np.array_equal(logits, want)
+
+
+def test_dense_mask_sets_minus_inf_sparse_keeps_only_allowed(vocab):
+    g = Grammar(vocab, r'root ::= "\"" [^"]{0,30} "\""')
+    g.accept(vocab.tokenize('"')[0])
+    c = Candidates(np.zeros(vocab.n_tokens, np.float32))
+    g.apply(c)
+    assert c.size == vocab.n_tokens and np.isinf(c.logits).sum() > 0 and np.isfinite(c.logits).sum() > 40000
+    g = Grammar(vocab, 'root ::= [0-9]')
+    c = Candidates(np.zeros(vocab.n_tokens, np.float32))
+    g.apply(c)
+    assert c.size == 10 and np.isfinite(c.logits).all()
 
 
 def test_reset_starts_the_grammar_again(vocab):
