@@ -69,13 +69,12 @@ def u16_at(w, o):
 
 
 @njit(cache=True, inline="always")
-def f16_at(w, o):
-    """The F16 value stored little-endian at byte o, as float32 (exact)."""
-    h = u16_at(w, o)
+def f16_from_bits(h):
+    """F16 bits (an integer 0..65535) -> its value as float32 (exact)."""
     e = (h >> 10) & 31
     m = h & 1023
     if e == 0:
-        v = np.float32(m) * np.float32(5.960464477539063e-08)          # subnormal: m * 2^-24
+        v = np.float32(math.ldexp(np.float64(m), -24))
     elif e == 31:
         v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
     else:
@@ -84,9 +83,29 @@ def f16_at(w, o):
 
 
 @njit(cache=True, inline="always")
+def bf16_from_bits(h):
+    """BF16 bits (an integer 0..65535) -> its value as float32 (exact)."""
+    e = (h >> 7) & 255
+    m = h & 127
+    if e == 0:
+        v = np.float32(math.ldexp(np.float64(m), -133))
+    elif e == 255:
+        v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
+    else:
+        v = np.float32(math.ldexp(np.float64(128 + m), e - 134))
+    return -v if h & 0x8000 else v
+
+
+@njit(cache=True, inline="always")
+def f16_at(w, o):
+    """The F16 value stored little-endian at byte o, as float32 (exact)."""
+    return f16_from_bits(u16_at(w, o))
+
+
+@njit(cache=True, inline="always")
 def bf16_at(w, o):
     """The BF16 value stored little-endian at byte o, as float32."""
-    return np.array([u16_at(w, o) << 16], np.int32).view(np.float32)[0]
+    return bf16_from_bits(u16_at(w, o))
 
 
 # ------------------------------------------------------------------------------------------------ decode rules

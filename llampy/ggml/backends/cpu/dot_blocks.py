@@ -1,0 +1,522 @@
+"""Dot products of the formats described in ``llampy/ggml/blocks.py`` that had no kernel of their own: F16, BF16,
+Q2_K, Q3_K, IQ4_XS (against Q8_K activations), IQ4_NL (against Q8_0), in llama.cpp's x86 float order.
+
+    mul_mat(w, wtype, x, out, scratch)     # out[i, r] = dot(w[r], x[i]); x float32 [n, k], rounded here to the
+                                           # format's dot type (blocks.BLOCKS[wtype].dot_type) as ggml does
+
+The block facts (field offsets, block bytes) and the scalar parts of each decode rule (a sub-block's scale:
+``blocks.q2_k_scale``, ``q3_k_scale``, ``iq4_xs_scale``) come from the table; the quant bytes of a 32-value group are
+decoded sixteen or thirty-two lanes at a time by the intrinsics below, one per packing the table names (2-bit
+planes, a high-bit plane, nibbles through the IQ4 value table).
+
+Float order, per (weight row, activation row) pair (ggml-cpu/arch/x86/quants.c and vec.cpp, AVX2 forms):
+- Q2_K, Q3_K, IQ4_XS (``ggml_vec_dot_*_q8_K``): per super-block eight exact int32 lanes (lane l: the scaled
+  products of elements 4l..4l+3 of every 32-value group), ``acc = fma(d_x * d_w, lanes, acc)``; Q2_K first
+  ``acc = fma(-d_x * dmin_w, madd(mins, bsums), acc)``; at the end ``hsum_float_8(acc)``.
+- IQ4_NL: llama.cpp repacks rows % 8 == 0 (``gemv/gemm_q4_b32_8x8_q8_0_lut_avx``, the same per pair at every batch
+  size): per block the exact integer sum, ``acc = fma(f32(isum), d_w * d_x, acc)``, one scalar chain. Other row
+  counts: ``ggml_vec_dot_iq4_nl_q8_0`` (even and odd blocks in two f32x8 accumulators, their sum's hsum, an odd last
+  block added with one fma).
+- F16 (``ggml_vec_dot_f16``, x rounded to F16): four f32x8 accumulators over steps of 32, ``fma(w, x, acc_j)``;
+  reduced as GGML_F32x8_REDUCE: (a0 + a2) + (a1 + a3), halves added, two hadds. BF16 (``ggml_vec_dot_bf16``):
+  the same four accumulators (``add(mul(w, x), c)``: the products of two 8-bit significands are exact, so this is
+  the fma's value), reduced (c1 + c3) + (c2 + c4), then hsum_float_8. Leftover values (k % 32) in double.
+Integer lane sums are exact in any order; the float operations are ggml's, one for one, so each kernel gives
+the same bits on AVX2, AVX-512 and the generic path (LLAMPY_SIMD).
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from ... import blocks as B
+from ...types import GGMLType
+from .act_quant import act_split, f32_to_bf16_bits, scratch_for
+from .dot_kquant import _madd, _maddubs, i32x8_sum
+from .dot_q32 import ROW_CHUNK, prefetch_base, prefetch_step
+from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8, f32x8_add,
+                   f32x8_fma, f32x8_hsum, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_to_f32x8)
+
+T = GGMLType
+_V32 = ir.VectorType(_I8, 32)
+_V16 = ir.VectorType(_I8, 16)
+_W16 = ir.VectorType(_I16, 16)
+
+
+def _splat(ty, v):
+    return ir.Constant(ty, [v] * ty.count)
+
+
+def _shuf(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), list(idx)))
+
+
+# ------------------------------------------------------------------------------------------------ group decoders
+
+@intrinsic
+def crumbs32(typingctx, w, off, shift):
+    """32 two-bit values: the 32 bytes at byte ``off`` of w shifted right by ``shift``, masked to 2 bits (Q2_K's and
+    Q3_K's low bits of one 32-value group: ``(q2bits >> 2s) & 3``), as unsigned bytes."""
+    def codegen(context, builder, sig, args):
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V32))
+        s = builder.trunc(context.cast(builder, args[2], sig.args[2], types.int64), _I8)
+        sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V32, None), s, ir.Constant(_I32, 0)),
+                                    ir.Constant(_V32, None), ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+        return builder.bitcast(builder.and_(builder.lshr(q, sv), _splat(_V32, 3)), _V_I32x8)
+    return i32x8(w, types.intp, shift), codegen
+
+
+@intrinsic
+def hclear4_32(typingctx, w, off, bit):
+    """32 bytes, 4 where bit ``bit`` of the 32 bytes at byte ``off`` of w is clear, else 0 (Q3_K's ``q3h``: the 4
+    subtracted from values whose high bit is not set)."""
+    def codegen(context, builder, sig, args):
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V32))
+        s = builder.trunc(context.cast(builder, args[2], sig.args[2], types.int64), _I8)
+        sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V32, None), s, ir.Constant(_I32, 0)),
+                                    ir.Constant(_V32, None), ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+        hb = builder.and_(builder.lshr(builder.xor(q, _splat(_V32, -1)), sv), _splat(_V32, 1))
+        return builder.bitcast(builder.shl(hb, _splat(_V32, 2)), _V_I32x8)
+    return i32x8(w, types.intp, bit), codegen
+
+
+_KV = [int(v) for v in B.KVALUES_IQ4NL]
+
+
+@intrinsic
+def nib_lut32(typingctx, w, off):
+    """32 signed bytes: the IQ4 value table at the nibbles of the 16 bytes at byte ``off`` of w (elements 0..15 the
+    low nibbles, 16..31 the high ones), as ggml's ``_mm_shuffle_epi8(values128, nibbles)``."""
+    def codegen(context, builder, sig, args):
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16))
+        lo = builder.and_(q, _splat(_V16, 15))
+        hi = builder.lshr(q, _splat(_V16, 4))
+        idx = _shuf(builder, lo, hi, range(32))
+        if AVX2:
+            table = ir.Constant(_V32, _KV + _KV)
+            return builder.bitcast(_call(builder, "llvm.x86.avx2.pshuf.b", _V32, [table, idx]), _V_I32x8)
+        v = ir.Constant(_V32, [0] * 32)
+        for j, kv in enumerate(_KV):
+            v = builder.select(builder.icmp_unsigned("==", idx, _splat(_V32, j)), _splat(_V32, kv), v)
+        return builder.bitcast(v, _V_I32x8)
+    return i32x8(w, types.intp), codegen
+
+
+def _x32(context, builder, sig, args, ia, io):
+    return _load(builder, _ptr(context, builder, sig.args[ia], args[ia], args[io], _V32))
+
+
+def _scale_pair(context, builder, sig, args, i0, i1):
+    """<16 x i16>: scale i0 in lanes 0..7, scale i1 in 8..15 (the two 16-value sub-blocks of a 32-value group)."""
+    s0 = builder.trunc(context.cast(builder, args[i0], sig.args[i0], types.int64), _I16)
+    s1 = builder.trunc(context.cast(builder, args[i1], sig.args[i1], types.int64), _I16)
+    v = builder.insert_element(ir.Constant(ir.VectorType(_I16, 2), None), s0, ir.Constant(_I32, 0))
+    v = builder.insert_element(v, s1, ir.Constant(_I32, 1))
+    return _shuf(builder, v, v, [0] * 8 + [1] * 8)
+
+
+@intrinsic
+def lanes_u(typingctx, q, x, xo, s0, s1):
+    """Eight int32 lanes: ``madd(scales, maddubs(q, x))`` with the unsigned bytes in ``q`` (from a decoder), the 32
+    int8 activations at byte xo of x, scale s0 over elements 0..15 and s1 over 16..31 (ggml's k-quant step)."""
+    if q != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        p16 = _maddubs(builder, builder.bitcast(args[0], _V32), _x32(context, builder, sig, args, 1, 2))
+        return _madd(builder, _scale_pair(context, builder, sig, args, 3, 4), p16)
+    return i32x8(i32x8, x, types.intp, s0, s1), codegen
+
+
+@intrinsic
+def lanes_u2(typingctx, q, h, x, xo, s0, s1):
+    """As ``lanes_u`` for ``q - h`` (Q3_K: the low bits minus ``hclear4_32``), the difference taken on the int16
+    pair sums as ggml does (``maddubs(q3l, x) - maddubs(q3h, x)``)."""
+    if q != i32x8 or h != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        xv = _x32(context, builder, sig, args, 2, 3)
+        p16 = builder.sub(_maddubs(builder, builder.bitcast(args[0], _V32), xv),
+                          _maddubs(builder, builder.bitcast(args[1], _V32), xv))
+        return _madd(builder, _scale_pair(context, builder, sig, args, 4, 5), p16)
+    return i32x8(i32x8, i32x8, x, types.intp, s0, s1), codegen
+
+
+@intrinsic
+def lanes_s(typingctx, q, x, xo, s):
+    """Eight int32 lanes of the signed bytes in ``q`` times the 32 int8 activations at byte xo of x, times the scale
+    ``s``: ggml's ``madd(mul_add_epi8(q, x), set1(s))`` (sign trick: maddubs(|q|, x with q's sign); exact, |q| <= 127)."""
+    if q != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = builder.bitcast(args[0], _V32)
+        b = _x32(context, builder, sig, args, 1, 2)
+        zero = _splat(_V32, 0)
+        neg = builder.icmp_signed("<", a, zero)
+        absa = builder.select(neg, builder.sub(zero, a), a)
+        sb = builder.select(neg, builder.sub(zero, b), b)
+        sb = builder.select(builder.icmp_signed("==", a, zero), zero, sb)
+        p16 = _maddubs(builder, absa, sb)
+        sv = builder.trunc(context.cast(builder, args[3], sig.args[3], types.int64), _I16)
+        return _madd(builder, p16, _shuf(builder, builder.insert_element(ir.Constant(_W16, None), sv,
+                                                                        ir.Constant(_I32, 0)),
+                                         ir.Constant(_W16, None), [0] * 16))
+    return i32x8(i32x8, x, types.intp, s), codegen
+
+
+@intrinsic
+def q2k_min_lanes(typingctx, w, o, bs, bo):
+    """Q2_K's min term before its conversion: ``madd(mins, bsums)``, the sixteen 4-bit mins (high nibbles of the
+    scales at byte o of w) against the activations' sixteen block sums (int16, from element bo of bs)."""
+    def codegen(context, builder, sig, args):
+        sc = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16))
+        mins = builder.zext(builder.lshr(sc, _splat(_V16, 4)), _W16)
+        b = _load(builder, _elem_ptr(context, builder, sig.args[2], args[2], args[3], _W16))
+        return _madd(builder, mins, b)
+    return i32x8(w, types.intp, bs, types.intp), codegen
+
+
+@intrinsic
+def i32x8_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_V_I32x8, [0] * 8)
+    return i32x8(), codegen
+
+
+# ------------------------------------------------------------------------------------------------ float loads
+
+@intrinsic
+def f32x8_ld(typingctx, arr, i, bf):
+    """arr[i:i+8] as float32 lanes: a float32 array as it is, uint16 bits widened as F16 (``bf`` False) or BF16
+    (``bf`` True: shifted to the top of a float32); ``bf`` a literal."""
+    if not isinstance(arr, types.Array) or arr.dtype not in (types.float32, types.uint16):
+        return None
+    if not isinstance(bf, types.BooleanLiteral):
+        return None
+    dt, is_bf = arr.dtype, bf.literal_value
+
+    def codegen(context, builder, sig, args):
+        if dt == types.float32:
+            return _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], _V_F32x8))
+        h = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 8)))
+        if not is_bf:
+            return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _V_F32x8)
+        u = builder.shl(builder.zext(h, _V_I32x8), _splat(_V_I32x8, 16))
+        return builder.bitcast(u, _V_F32x8)
+    return f32x8(arr, types.intp, bf), codegen
+
+
+@intrinsic
+def f32x8_fmav(typingctx, a, b, c):
+    """a * b + c per lane, rounded once."""
+    if a != f32x8 or b != f32x8 or c != f32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fma.v8f32", _V_F32x8, list(args))
+    return f32x8(f32x8, f32x8, f32x8), codegen
+
+
+@intrinsic
+def f16_reduce(typingctx, a0, a1, a2, a3):
+    """GGML_F32x8_REDUCE (AVX) of four accumulators: x0 = (a0 + a2) + (a1 + a3); t = low half + high half; two
+    hadds: (t0 + t1) + (t2 + t3)."""
+    if any(a != f32x8 for a in (a0, a1, a2, a3)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fa = builder.fadd
+        x = fa(fa(args[0], args[2]), fa(args[1], args[3]))
+        e = [builder.extract_element(x, ir.Constant(_I32, i)) for i in range(8)]
+        t = [fa(e[i], e[i + 4]) for i in range(4)]
+        return fa(fa(t[0], t[1]), fa(t[2], t[3]))
+    return types.float32(f32x8, f32x8, f32x8, f32x8), codegen
+
+
+# ------------------------------------------------------------------------------------------------ block steps
+# kind: loop-invariant, so each kernel below is compiled for one format
+K_Q2_K, K_Q3_K, K_IQ4_XS, K_IQ4_NL_R8, K_IQ4_NL = 0, 1, 2, 3, 4
+
+Q2 = B.BLOCKS[T.Q2_K]
+Q3 = B.BLOCKS[T.Q3_K]
+X4 = B.BLOCKS[T.IQ4_XS]
+N4 = B.BLOCKS[T.IQ4_NL]
+Q2_BYTES, Q2_QS, Q2_D, Q2_DMIN = Q2.type_size, Q2.field("qs").offset, Q2.field("d").offset, Q2.field("dmin").offset
+Q3_BYTES, Q3_QS, Q3_HM, Q3_D = Q3.type_size, Q3.field("qs").offset, Q3.field("hmask").offset, Q3.field("d").offset
+X4_BYTES, X4_QS, X4_D = X4.type_size, X4.field("qs").offset, X4.field("d").offset
+N4_BYTES, N4_QS, N4_D = N4.type_size, N4.field("qs").offset, N4.field("d").offset
+
+
+@njit(cache=True, inline="always")
+def _step_bytes(kind):
+    """Weight bytes one step of ``_step`` reads (a super-block; IQ4_NL: one block, or two in its vec_dot form)."""
+    if kind == K_Q2_K:
+        return Q2_BYTES
+    if kind == K_Q3_K:
+        return Q3_BYTES
+    if kind == K_IQ4_XS:
+        return X4_BYTES
+    return N4_BYTES if kind == K_IQ4_NL_R8 else 2 * N4_BYTES
+
+
+@njit(cache=True, inline="always")
+def _n_steps(kind, k):
+    if kind == K_IQ4_NL_R8:
+        return k // 32
+    if kind == K_IQ4_NL:
+        return k // 64
+    return k // 256
+
+
+@njit(cache=True, inline="always")
+def _nl_isum(wr, o, xr, xo):
+    return i32x8_sum(lanes_s(nib_lut32(wr, o + N4_QS), xr, xo, 1))
+
+
+@njit(cache=True, inline="always")
+def _step(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    """Step b of one (weight row, activation row) pair: the accumulators (a1, a2: f32x8, s: float32) updated in
+    the format's float order (module doc)."""
+    if kind == K_Q2_K:
+        o = b * Q2_BYTES
+        xo = b * 256
+        xdb = xdr[b]
+        lanes = i32x8_zero()
+        for c in range(8):
+            q = crumbs32(wr, o + Q2_QS + 32 * (c >> 2), 2 * (c & 3))
+            lanes = i32x8_add(lanes, lanes_u(q, xr, xo + 32 * c, B.q2_k_scale(wr, o, 2 * c),
+                                             B.q2_k_scale(wr, o, 2 * c + 1)))
+        d = np.float32(xdb * f16_at(wr, o + Q2_D))
+        dmin = np.float32(-xdb * f16_at(wr, o + Q2_DMIN))
+        a1 = f32x8_fma(dmin, i32x8_to_f32x8(q2k_min_lanes(wr, o, bsr, b * 16)), a1)
+        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    elif kind == K_Q3_K:
+        o = b * Q3_BYTES
+        xo = b * 256
+        lanes = i32x8_zero()
+        for c in range(8):
+            q = crumbs32(wr, o + Q3_QS + 32 * (c >> 2), 2 * (c & 3))
+            h = hclear4_32(wr, o + Q3_HM, c)
+            lanes = i32x8_add(lanes, lanes_u2(q, h, xr, xo + 32 * c, B.q3_k_scale(wr, o, 2 * c),
+                                              B.q3_k_scale(wr, o, 2 * c + 1)))
+        d = np.float32(xdr[b] * f16_at(wr, o + Q3_D))
+        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    elif kind == K_IQ4_XS:
+        o = b * X4_BYTES
+        xo = b * 256
+        lanes = i32x8_zero()
+        for g in range(8):
+            lanes = i32x8_add(lanes, lanes_s(nib_lut32(wr, o + X4_QS + 16 * g), xr, xo + 32 * g,
+                                             B.iq4_xs_scale(wr, o, g)))
+        d = np.float32(f16_at(wr, o + X4_D) * xdr[b])
+        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    elif kind == K_IQ4_NL_R8:
+        o = b * N4_BYTES
+        d = np.float32(f16_at(wr, o + N4_D) * xdr[b])
+        s = fma32(np.float32(_nl_isum(wr, o, xr, b * 32)), d, s)
+    else:
+        o = b * 2 * N4_BYTES
+        xo = b * 64
+        d1 = np.float32(xdr[2 * b] * f16_at(wr, o + N4_D))
+        d2 = np.float32(xdr[2 * b + 1] * f16_at(wr, o + N4_BYTES + N4_D))
+        a1 = f32x8_fma(d1, i32x8_to_f32x8(lanes_s(nib_lut32(wr, o + N4_QS), xr, xo, 1)), a1)
+        a2 = f32x8_fma(d2, i32x8_to_f32x8(lanes_s(nib_lut32(wr, o + N4_BYTES + N4_QS), xr, xo + 32, 1)), a2)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _final(kind, wr, xr, xdr, k, a1, a2, s):
+    if kind == K_IQ4_NL_R8:
+        return s
+    if kind == K_IQ4_NL:
+        r = f32x8_hsum(f32x8_add(a1, a2))
+        nb = k // 32
+        if nb % 2:           # the odd last block, as ggml's scalar tail: sumf += d * (sumi1 + sumi2)
+            b = nb - 1
+            d = np.float32(xdr[b] * f16_at(wr, b * N4_BYTES + N4_D))
+            r = fma32(d, np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32)), r)
+        return r
+    return f32x8_hsum(a1)
+
+
+@njit(cache=True, inline="always")
+def _mv(w, xq, xd, bsums, out, kind):
+    """out[i, r] = dot(w[r], x[i]): tiles of 4 weight rows x 2 activation rows (eight independent chains, each
+    weight block decoded once for both activations), then 4 x 1, then single rows."""
+    rows = w.shape[0]
+    n, k = xq.shape
+    ns = _n_steps(kind, k)
+    n2 = n - n % 2
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r1 = min(rows, (c + 1) * ROW_CHUNK)
+        r = c * ROW_CHUNK
+        while r + 4 <= r1:
+            w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+            pb = prefetch_base(w, r)
+            step = 4 * _step_bytes(kind)
+            for i in range(0, n2, 2):
+                x0, x1, d0, d1, b0, b1 = xq[i], xq[i + 1], xd[i], xd[i + 1], bsums[i], bsums[i + 1]
+                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = f32x8_zero()
+                e00 = e01 = e10 = e11 = e20 = e21 = e30 = e31 = f32x8_zero()
+                s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
+                for b in range(ns):
+                    prefetch_step(w, pb, b, step)
+                    a00, e00, s00 = _step(kind, w0, b, x0, d0, b0, a00, e00, s00)
+                    a01, e01, s01 = _step(kind, w0, b, x1, d1, b1, a01, e01, s01)
+                    a10, e10, s10 = _step(kind, w1, b, x0, d0, b0, a10, e10, s10)
+                    a11, e11, s11 = _step(kind, w1, b, x1, d1, b1, a11, e11, s11)
+                    a20, e20, s20 = _step(kind, w2, b, x0, d0, b0, a20, e20, s20)
+                    a21, e21, s21 = _step(kind, w2, b, x1, d1, b1, a21, e21, s21)
+                    a30, e30, s30 = _step(kind, w3, b, x0, d0, b0, a30, e30, s30)
+                    a31, e31, s31 = _step(kind, w3, b, x1, d1, b1, a31, e31, s31)
+                out[i, r] = _final(kind, w0, x0, d0, k, a00, e00, s00)
+                out[i + 1, r] = _final(kind, w0, x1, d1, k, a01, e01, s01)
+                out[i, r + 1] = _final(kind, w1, x0, d0, k, a10, e10, s10)
+                out[i + 1, r + 1] = _final(kind, w1, x1, d1, k, a11, e11, s11)
+                out[i, r + 2] = _final(kind, w2, x0, d0, k, a20, e20, s20)
+                out[i + 1, r + 2] = _final(kind, w2, x1, d1, k, a21, e21, s21)
+                out[i, r + 3] = _final(kind, w3, x0, d0, k, a30, e30, s30)
+                out[i + 1, r + 3] = _final(kind, w3, x1, d1, k, a31, e31, s31)
+            for i in range(n2, n):
+                xr, dr, br = xq[i], xd[i], bsums[i]
+                a0 = a1 = a2 = a3 = f32x8_zero()
+                e0 = e1 = e2 = e3 = f32x8_zero()
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for b in range(ns):
+                    prefetch_step(w, pb, b, step)
+                    a0, e0, s0 = _step(kind, w0, b, xr, dr, br, a0, e0, s0)
+                    a1, e1, s1 = _step(kind, w1, b, xr, dr, br, a1, e1, s1)
+                    a2, e2, s2 = _step(kind, w2, b, xr, dr, br, a2, e2, s2)
+                    a3, e3, s3 = _step(kind, w3, b, xr, dr, br, a3, e3, s3)
+                out[i, r] = _final(kind, w0, xr, dr, k, a0, e0, s0)
+                out[i, r + 1] = _final(kind, w1, xr, dr, k, a1, e1, s1)
+                out[i, r + 2] = _final(kind, w2, xr, dr, k, a2, e2, s2)
+                out[i, r + 3] = _final(kind, w3, xr, dr, k, a3, e3, s3)
+            r += 4
+        while r < r1:
+            wr = w[r]
+            for i in range(n):
+                a0 = e0 = f32x8_zero()
+                s0 = np.float32(0.0)
+                for b in range(ns):
+                    a0, e0, s0 = _step(kind, wr, b, xq[i], xd[i], bsums[i], a0, e0, s0)
+                out[i, r] = _final(kind, wr, xq[i], xd[i], k, a0, e0, s0)
+            r += 1
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _q2_k(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_Q2_K)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _q3_k(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_Q3_K)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq4_xs(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ4_XS)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq4_nl_r8(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ4_NL_R8)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq4_nl(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ4_NL)
+
+
+# ------------------------------------------------------------------------------------------------ F16, BF16
+K_F16, K_BF16 = 0, 1
+
+
+@njit(cache=True, inline="always")
+def _fdot(kind, wr, xr, k):
+    """One (weight row, activation row) pair of ``ggml_vec_dot_f16`` / ``ggml_vec_dot_bf16`` (module doc)."""
+    c0 = c1 = c2 = c3 = f32x8_zero()
+    np_ = k - k % 32
+    for j in range(0, np_, 32):
+        if kind == K_F16:
+            c0 = f32x8_fmav(f32x8_ld(wr, j, False), f32x8_ld(xr, j, False), c0)
+            c1 = f32x8_fmav(f32x8_ld(wr, j + 8, False), f32x8_ld(xr, j + 8, False), c1)
+            c2 = f32x8_fmav(f32x8_ld(wr, j + 16, False), f32x8_ld(xr, j + 16, False), c2)
+            c3 = f32x8_fmav(f32x8_ld(wr, j + 24, False), f32x8_ld(xr, j + 24, False), c3)
+        else:
+            c0 = f32x8_fmav(f32x8_ld(wr, j, True), f32x8_ld(xr, j, False), c0)
+            c1 = f32x8_fmav(f32x8_ld(wr, j + 8, True), f32x8_ld(xr, j + 8, False), c1)
+            c2 = f32x8_fmav(f32x8_ld(wr, j + 16, True), f32x8_ld(xr, j + 16, False), c2)
+            c3 = f32x8_fmav(f32x8_ld(wr, j + 24, True), f32x8_ld(xr, j + 24, False), c3)
+    if kind == K_F16:
+        r = f16_reduce(c0, c1, c2, c3)
+    else:
+        r = f32x8_hsum(f32x8_add(f32x8_add(c0, c2), f32x8_add(c1, c3)))
+    if np_ == k:
+        return r
+    s = np.float64(r)
+    for j in range(np_, k):
+        h = np.int32(wr[j])
+        v = B.f16_from_bits(h) if kind == K_F16 else B.bf16_from_bits(h)
+        s += np.float64(np.float32(v * xr[j]))
+    return np.float32(s)
+
+
+@njit(cache=True, inline="always")
+def _mvf(w, xr, out, kind):
+    """out[i, r] = dot(w[r], xr[i]) (xr: the activations rounded to the weight type, as float32): 4 weight rows at a
+    time against each activation row."""
+    rows, k = w.shape
+    n = xr.shape[0]
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r1 = min(rows, (c + 1) * ROW_CHUNK)
+        for r in range(c * ROW_CHUNK, r1):
+            wr = w[r]
+            for i in range(n):
+                out[i, r] = _fdot(kind, wr, xr[i], k)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _f16(w, xr, out):
+    _mvf(w, xr, out, K_F16)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _bf16k(w, xr, out):
+    _mvf(w, xr, out, K_BF16)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+
+_QK = {T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.IQ4_XS: _iq4_xs}
+TYPES = frozenset({T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL})
+
+
+def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scratch=None, quantized=False) -> None:
+    """out[n, rows] = x[n, k] . w[rows, k]^T for wtype in TYPES (w: uint8 blocks [rows, row_bytes]; F16 float16 or
+    uint16 bits, BF16 uint16 bits [rows, k]; rows contiguous); out float32 with contiguous rows."""
+    wtype = GGMLType(wtype)
+    if wtype == T.F16:
+        xr = np.ascontiguousarray(x, np.float32).astype(np.float16).astype(np.float32)
+        _f16(w.view(np.uint16), xr, out)
+        return
+    if wtype == T.BF16:
+        xr = (f32_to_bf16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        _bf16k(w.view(np.uint16), xr, out)
+        return
+    n, k = x.shape
+    vdt = B.BLOCKS[wtype].dot_type
+    s = scratch if quantized else act_split(x, vdt, scratch)
+    if wtype == T.IQ4_NL:
+        (_iq4_nl_r8 if w.shape[0] % 8 == 0 else _iq4_nl)(w, s.xq, s.xd, s.xs, out)
+    else:
+        _QK[wtype](w, s.xq, s.xd, s.xs, out)
+
+
+def act_scratch(n: int, k: int, wtype: GGMLType):
+    return scratch_for(n, k, B.BLOCKS[GGMLType(wtype)].dot_type)
