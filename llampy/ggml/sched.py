@@ -289,7 +289,7 @@ class Scheduler:
         """Pass 5: a backend may rewrite the nodes of its splits (a fused node keeps the place and identity of its
         pattern's last node); the graph's node list becomes the splits' lists. New nodes (helper views) go with the
         memory they view."""
-        for i, sp in enumerate(splits):
+        for sp in splits:
             opt = getattr(sp.backend, "graph_optimize", None)
             if opt is None:
                 continue
@@ -300,7 +300,7 @@ class Scheduler:
             for n in new:
                 if n.id not in ops_before:
                     assign[n.id] = assign.get(owner(n).id, sp.backend_id)
-                    cause[n.id] = "view" if n.op in VIEW_OPS else f"new{cause.get(n.id, '')}"
+                    cause[n.id] = "view" if n.op in VIEW_OPS else "new"
                 elif n.op is not ops_before[n.id]:
                     cause[n.id] = f"{cause.get(n.id, '')}+f"
             sp.nodes = list(new)
