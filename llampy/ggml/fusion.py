@@ -75,7 +75,7 @@ def _match(n: Tensor, users):
                 glu = ops.swiglu if x.op is Op.SILU else ops.geglu
                 return glu(x.src[0], u), [x]
     if n.op in (Op.SWIGLU, Op.GEGLU) and len(n.src) == 2:
-        g, u = n.src[::-1] if n.op_params.get("swapped") else n.src
+        g, u = n.src                   # the split form: gate, up (ggml ignores swapped there)
         if (g.op is Op.MUL_MAT and u.op is Op.MUL_MAT and g is not u and g.src[1] is u.src[1]
                 and g.src[0].type == u.src[0].type and g.src[0].ne == u.src[0].ne and g.src[0].ne[2:] == (1, 1)
                 and _private(g, users, n) and _private(u, users, n)):

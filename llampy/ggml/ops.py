@@ -78,15 +78,18 @@ def softcap(a: Tensor, s_in: float, s_out: float) -> Tensor:
     return _node(Op.SOFTCAP, F32, a.ne, [a], {"s_in": float(s_in), "s_out": float(s_out)})
 
 
-# Gated linear units. With b: act(a) * b, a and b the same shape. Without b: a's rows hold [gate | up] halves
-# (gate first; ``swapped`` puts up first) -> ne0 / 2.
+# Gated linear units. With b (ggml_glu_split): act(a) * b, a the gate, a and b the same shape; there is no
+# swapped form (ggml records swapped = 0 and its kernels read it only without b): pass the tensors the other way
+# round instead. Without b (ggml_glu): a's rows hold [gate | up] halves (gate first; ``swapped`` puts up first)
+# -> ne0 / 2.
 def _glu(op: Op, a: Tensor, b: Tensor | None, swapped: bool) -> Tensor:
     if b is None:
         _check(a.ne[0] % 2 == 0, f"{op.value}: fused gate/up rows need an even ne0, got {a.ne[0]}")
         ne = (a.ne[0] // 2,) + a.ne[1:]
-        return _node(op, F32, ne, [a], {"swapped": swapped})
+        return _node(op, F32, ne, [a], {"swapped": bool(swapped)})
+    _check(not swapped, f"{op.value}: swapped applies to one [gate | up] tensor; with two, pass (up, gate)")
     _check(_same_shape(a, b), f"{op.value}: gate {a.shape_str()} and up {b.shape_str()} differ")
-    return _node(op, F32, a.ne, [a, b], {"swapped": swapped})
+    return _node(op, F32, a.ne, [a, b], {"swapped": False})
 
 
 def swiglu(a, b=None, swapped=False): return _glu(Op.SWIGLU, a, b, swapped)
@@ -327,7 +330,8 @@ def mean(a: Tensor) -> Tensor:
     return _node(Op.MEAN, F32, (1,) + a.ne[1:], [a])
 
 
-# a: [ne0, ne1] -> I32 [ne1], index of the largest value of each row (the first on ties)
+# a: [ne0, ne1] -> I32 [ne1], index of the largest value of each row as ggml_vec_argmax_f32 scans it: the last
+# of equal maxima; a NaN is never taken and restarts the scan (all -inf: the last index; all NaN: 0)
 def argmax(a: Tensor) -> Tensor:
     _check(a.ne[2] == 1 and a.ne[3] == 1, "argmax: a must be a matrix")
     return _node(Op.ARGMAX, I32, (a.ne[1],), [a])

@@ -121,9 +121,7 @@ def bind_glu(node, dst, srcs):
         return None
     g, u, d = _rows2d(srcs[0]), _rows2d(srcs[1]), _rows2d(dst)
     if g is None or u is None or d is None:
-        return None
-    if node.op_params.get("swapped"):
-        g, u = u, g
+        return None                    # two sources: gate, up in that order (ggml reads swapped only with one)
     from .act import GLU_PAR_ROWS, geglu_rows, geglu_rows_par, gelu_table, swiglu_rows, swiglu_rows_par
     par = g.shape[0] >= GLU_PAR_ROWS
     if node.op is Op.GEGLU:

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ...quants import dequantize, quantize
+from ...quants import dequantize, quantize_act
 from ...tensor import Op
 from ...types import GGMLType, TYPE_TRAITS
 
@@ -28,9 +28,11 @@ def to_float(arr: np.ndarray, t: GGMLType, acc) -> np.ndarray:
 
 
 def store(dst: np.ndarray, dst_type: GGMLType, values: np.ndarray) -> None:
-    """Write float values into dst, converting to its type (F16 rounding, quantizing block rows)."""
+    """Write float values into dst, converting to its type as ggml-cpu's from_float does (F16 rounding; block rows
+    through ``quants.quantize_act``: x86's Q8_0/Q8_1 row quantizers, which round halves to even, and the
+    reference quantizers for the other formats)."""
     if TYPE_TRAITS[dst_type].is_quantized or dst_type == T.BF16:
-        q = quantize(np.ascontiguousarray(values, dtype=np.float32), dst_type)
+        q = quantize_act(np.ascontiguousarray(values, dtype=np.float32), dst_type)
         dst[...] = q.reshape(dst.shape) if dst_type != T.BF16 else q.view(np.uint16).reshape(dst.shape)
     else:
         np.copyto(dst, np.broadcast_to(values, dst.shape), casting="unsafe")
@@ -116,8 +118,13 @@ def k_scale(node, dst, srcs, acc):
 
 
 def k_clamp(node, dst, srcs, acc):
+    """ggml's MAX(MIN(x, max), min) with C's comparisons: a NaN comes out as max (NaN < max is false), and with
+    min > max every value is min (np.clip differs on both)."""
     x = to_float(srcs[0], node.src[0].type, acc)
-    store(dst, node.type, np.clip(x, node.op_params["min"], node.op_params["max"]))
+    lo, hi = acc(node.op_params["min"]), acc(node.op_params["max"])
+    with np.errstate(invalid="ignore"):
+        y = np.where(x < hi, x, hi)
+        store(dst, node.type, np.where(y > lo, y, lo))
 
 
 def k_softcap(node, dst, srcs, acc):
@@ -128,13 +135,11 @@ def k_softcap(node, dst, srcs, acc):
 
 def k_glu(node, dst, srcs, acc):
     a = to_float(srcs[0], node.src[0].type, acc)
-    if len(srcs) == 2:
+    if len(srcs) == 2:                 # ggml's split form: swapped is not read (ops.cpp: only ``if (!src1)``)
         g, u = a, to_float(srcs[1], node.src[1].type, acc)
     else:
         h = a.shape[-1] // 2
-        g, u = a[..., :h], a[..., h:]
-    if node.op_params.get("swapped"):
-        g, u = u, g
+        g, u = (a[..., h:], a[..., :h]) if node.op_params.get("swapped") else (a[..., :h], a[..., h:])
     if node.op is Op.SWIGLU and acc == np.float32:
         from .act import swiglu_rows
         ne0 = g.shape[-1]
@@ -303,7 +308,7 @@ def k_set_rows(node, dst, srcs, acc):
     rows = idx[0][j3 % idx.shape[1], j2 % idx.shape[2], np.arange(s1)[None, None, :]]
     t = node.type
     if TYPE_TRAITS[t].is_quantized:
-        q = quantize(np.ascontiguousarray(src, dtype=np.float32), t)
+        q = quantize_act(np.ascontiguousarray(src, dtype=np.float32), t)        # ggml-cpu's from_float (store)
         dst[j3, j2, rows] = q
     elif t == T.F16:
         dst[j3, j2, rows] = src.astype(np.float16)
@@ -347,8 +352,20 @@ def k_mean(node, dst, srcs, acc):
 
 
 def k_argmax(node, dst, srcs, acc):
+    """ggml_vec_argmax_f32 per row: ``max = -INFINITY; idx = 0; for i: max = MAX(max, x[i]); if (max == x[i])
+    idx = i;`` (MAX(a, b) = a > b ? a : b). A NaN makes max NaN and is never chosen; the value after it restarts
+    the scan as -INFINITY does. So: the last non-NaN run of the row decides, and in it the last of its equal
+    maxima (an all -inf run: its last cell); a row of NaNs only gives 0."""
     x = to_float(srcs[0], node.src[0].type, acc)[0, 0]    # (ne1, ne0)
-    dst[...] = x.argmax(axis=-1).astype(np.int32).reshape(dst.shape)
+    n = x.shape[-1]
+    nan = np.isnan(x)
+    run = np.cumsum(nan, axis=-1)                          # run id of each cell: the NaNs before it (itself included)
+    rows = np.arange(x.shape[0])
+    last = n - 1 - np.argmax(~nan[:, ::-1], axis=-1)       # the last non-NaN cell
+    live = ~nan & (run == run[rows, last][:, None])        # the cells of its run
+    mx = np.where(live, x, -np.inf).max(axis=-1, initial=-np.inf)
+    idx = n - 1 - np.argmax((live & (x == mx[:, None]))[:, ::-1], axis=-1)
+    dst[...] = np.where(nan.all(axis=-1), 0, idx).astype(np.int32).reshape(dst.shape)
 
 
 def k_argsort(node, dst, srcs, acc):
