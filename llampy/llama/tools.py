@@ -322,3 +322,75 @@ def tool_call_deltas(calls: list) -> list:
     """Streamed chunks' deltas for finished calls: one delta per call, carrying its index, id, name and the whole
     arguments text (the openai client joins argument pieces by index; one piece is a valid stream)."""
     return [{"tool_calls": [c.to_openai(i)]} for i, c in enumerate(calls)]
+
+
+# ------------------------------------------------------------------------------------------------ reasoning
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def wants_reasoning(template_source: str, prompt: str, reasoning_format: str | None) -> bool:
+    """Whether a reply's <think> block is split off (llama.cpp's --reasoning-format): "none" keeps it in the
+    content; "auto", the default, splits it where the template knows think tags or opened one; "deepseek" asks for
+    the split whatever the template."""
+    if reasoning_format == "none":
+        return False
+    return (reasoning_format in ("deepseek", "deepseek-legacy") or THINK_OPEN in template_source
+            or prompt.rstrip().endswith(THINK_OPEN))
+
+
+class ReasoningSplitter:
+    """Splits a reply into reasoning (inside <think>...</think>) and content, incrementally for streams: ``feed``
+    returns (reasoning, content) text that is safe to send (a tail that may be the start of a tag is held back);
+    ``flush`` the rest. ``opened``: the prompt ended with <think> (the reply starts inside it)."""
+
+    def __init__(self, opened: bool = False):
+        self.state = "think" if opened else "start"
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buf += text
+        reasoning, content = "", ""
+        while True:
+            if self.state == "start":
+                s = self.buf.lstrip()
+                if s.startswith(THINK_OPEN):
+                    self.buf, self.state = s[len(THINK_OPEN):], "think"
+                    continue
+                if THINK_OPEN.startswith(s) and s:       # might still become <think>
+                    return reasoning, content
+                if not s:
+                    return reasoning, content
+                self.state = "content"
+            if self.state == "think":
+                i = self.buf.find(THINK_CLOSE)
+                if i >= 0:
+                    reasoning += self.buf[:i]
+                    self.buf, self.state = self.buf[i + len(THINK_CLOSE):].lstrip(), "content"
+                    continue
+                keep = _partial_tail(self.buf, THINK_CLOSE)
+                reasoning += self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                return reasoning, content
+            content += self.buf
+            self.buf = ""
+            return reasoning, content
+
+    def flush(self) -> tuple[str, str]:
+        rest, self.buf = self.buf, ""
+        return (rest, "") if self.state == "think" else ("", rest)
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of a whole reply."""
+    sp = ReasoningSplitter(opened)
+    r1, c1 = sp.feed(text)
+    r2, c2 = sp.flush()
+    return (r1 + r2).strip(), c1 + c2

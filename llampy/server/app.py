@@ -19,7 +19,7 @@ from ..llama.batch import Batch
 from ..llama.chat import ChatTemplateError, template_from_metadata
 from ..llama.context import Context
 from ..llama.grammar import Grammar, GrammarError
-from ..llama.tools import ToolError, chat_plan, tool_call_deltas
+from ..llama.tools import ReasoningSplitter, ToolError, chat_plan, split_reasoning, tool_call_deltas, wants_reasoning
 from ..llama.model import Model
 from ..llama.sampling import Chain
 from . import oai
@@ -126,11 +126,14 @@ class Server:
         except GrammarError as e:       # a tool's parameters that are no usable schema
             raise APIError(400, f"tools: {e}", "tools") from None
 
-    def chat_tokens(self, messages: list, tools: list | None = None) -> list:
+    def render_chat(self, messages: list, tools: list | None = None, kwargs: dict | None = None) -> str:
         try:
-            text = self.template.render(messages, add_generation_prompt=True, tools=tools)
+            return self.template.render(messages, add_generation_prompt=True, tools=tools, **(kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+
+    def chat_tokens(self, messages: list, tools: list | None = None, text: str | None = None) -> list:
+        text = self.render_chat(messages, tools) if text is None else text
         v = self.model.vocab
         toks = v.tokenize(text, add_special=False, parse_special=True)
         if v.add_bos and v.bos is not None and (not toks or toks[0] != v.bos):
@@ -275,8 +278,12 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             raise APIError(400, "'top_logprobs' must be an integer between 0 and 20", "top_logprobs")
         stream, with_usage = oai.flag(body, "stream"), include_usage(body)
         tp, g = server.tool_plan(body, msgs)
+        prompt = server.render_chat(tp.messages, tp.tools, oai.template_kwargs(body))
+        # the reply's <think> block goes to reasoning_content (llama.cpp's --reasoning-format, per request here)
+        think = wants_reasoning(server.template.source, prompt, oai.reasoning_format(body))
+        opened = prompt.rstrip().endswith("<think>")
         gs = await server.grammar_sampler(g)
-        req = server.make_request(server.chat_tokens(tp.messages, tp.tools), p, n_top if want_lp else 0, want_lp,
+        req = server.make_request(server.chat_tokens(None, text=prompt), p, n_top if want_lp else 0, want_lp,
                                   "messages", gs)
         q = submit(server, req)
         cid, created = new_id("chatcmpl"), now()
@@ -300,8 +307,11 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                     text += ev.text
                     if ev.finish_reason is None:
                         continue
+                    reasoning, text = split_reasoning(text, opened) if think else ("", text)
                     content, calls = tp.parse(text)
                     deltas = [{"role": "assistant", "content": content if content or not calls else None}]
+                    if reasoning:
+                        deltas[0]["reasoning_content"] = reasoning
                     for d in deltas + tool_call_deltas(calls):
                         yield sse(chunk([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]))
                     yield sse(chunk([{"index": 0, "delta": {}, "logprobs": None,
@@ -315,14 +325,22 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             async def gen():
                 yield sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]))
+                sp = ReasoningSplitter(opened) if think else None
                 async for ev in events(req, q, http):
                     if ev.error:
                         yield sse(error_event(ev))
                         break
-                    if ev.text or ev.finish_reason or (want_lp and ev.token is not None):
+                    delta = {"content": ev.text} if ev.text else {}
+                    if sp is not None:
+                        r, c = sp.feed(ev.text)
+                        if ev.finish_reason is not None:
+                            r2, c2 = sp.flush()
+                            r, c = r + r2, c + c2
+                        delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
+                    if delta or ev.finish_reason or (want_lp and ev.token is not None):
                         lp = {"content": [lp_entry(ev)]} if want_lp and ev.token is not None else None
-                        yield sse(chunk([{"index": 0, "delta": {"content": ev.text} if ev.text else {},
-                                          "logprobs": lp, "finish_reason": ev.finish_reason}]))
+                        yield sse(chunk([{"index": 0, "delta": delta, "logprobs": lp,
+                                          "finish_reason": ev.finish_reason}]))
                     if ev.finish_reason is not None and with_usage:
                         yield sse(chunk([], usage=usage(ev.n_prompt, ev.n_gen, ev.n_cached)))
                 yield b"data: [DONE]\n\n"
@@ -338,7 +356,10 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             last = ev
         if last is None:        # the client went away; nobody reads this
             return JSONResponse({}, status_code=499)
+        reasoning, text = split_reasoning(text, opened) if think else ("", text)
         message, finish = {"role": "assistant", "content": text}, last.finish_reason
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if tp.format != "none":
             content, calls = tp.parse(text)
             message["content"] = (content or None) if calls else content

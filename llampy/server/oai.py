@@ -122,6 +122,31 @@ def grammar_param(body: dict):
         raise APIError(400, f"{key}: {e}", key) from None
 
 
+def template_kwargs(body: dict) -> dict:
+    """``chat_template_kwargs``: extra variables for the chat template (e.g. enable_thinking), as llama-server."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise APIError(400, "'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    reserved = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"} & set(kw)
+    if reserved:
+        raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(sorted(reserved))}",
+                       "chat_template_kwargs")
+    return kw
+
+
+def reasoning_format(body: dict) -> str:
+    """llama.cpp's reasoning_format: "none" keeps a <think> block in the content; "auto" (default) and
+    "deepseek" move it to reasoning_content."""
+    v = body.get("reasoning_format")
+    if v is None:
+        return "auto"
+    if v not in ("none", "auto", "deepseek", "deepseek-legacy"):
+        raise APIError(400, "'reasoning_format' must be 'none', 'auto' or 'deepseek'", "reasoning_format")
+    return v
+
+
 def check_messages(body: dict) -> list:
     msgs = body.get("messages")
     if msgs is None:

@@ -162,3 +162,18 @@ def test_api_tool_calls_generic_and_hermes():
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
         r = llm.create_chat_completion(ASK, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0)
         assert "tool_calls" not in r["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("pieces, opened, reasoning, content", [
+    (["<th", "ink>I r", "eason</th", "ink>", "Answer ", "here"], False, "I reason", "Answer here"),
+    (["plain ", "answer"], False, "", "plain answer"),
+    (["<b>bold</b>"], False, "", "<b>bold</b>"),
+    (["still ", "thinking"], True, "still thinking", ""),
+    (["a</thi", "nk>\n\nb"], True, "a", "b"),
+])
+def test_reasoning_splitter_streams_what_the_whole_split_gives(pieces, opened, reasoning, content):
+    from llampy.llama.tools import ReasoningSplitter, split_reasoning
+    sp = ReasoningSplitter(opened)
+    got = [sp.feed(p) for p in pieces] + [sp.flush()]
+    assert "".join(r for r, _ in got).strip() == reasoning and "".join(c for _, c in got) == content
+    assert split_reasoning("".join(pieces), opened) == (reasoning, content)

@@ -219,3 +219,34 @@ def test_tool_result_round_trip(client):
     r = client.chat.completions.create(model="default", messages=msgs, tools=TOOLS, tool_choice="none",
                                        max_tokens=8, temperature=0)
     assert r.choices[0].message.content
+
+
+# ------------------------------------------------------------------------------------------------ reasoning
+THINK = r'root ::= "<think>" [a-z ]{3,20} "</think>" [A-Z] [a-z ]{2,16} "."'
+
+
+def test_reasoning_content_split_streamed_and_not(client, server_url):
+    body = {"messages": ASK, "max_tokens": 64, "temperature": 1.0, "seed": 5, "grammar": THINK,
+            "reasoning_format": "deepseek"}
+    r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=120).json()
+    m = r["choices"][0]["message"]
+    assert m["reasoning_content"] and "<think>" not in m["content"] and m["content"].endswith(".")
+    with httpx.stream("POST", server_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        chunks = [json.loads(d) for d in sse_datas(s.iter_lines()) if d != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == m["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == m["content"]
+    r = httpx.post(server_url + "/v1/chat/completions", json={**body, "reasoning_format": "none"}, timeout=120)
+    assert r.json()["choices"][0]["message"]["content"].startswith("<think>")
+
+
+def test_chat_template_kwargs_reach_the_template(server_url):
+    r = httpx.post(server_url + "/v1/chat/completions", json={
+        "messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200
+    for bad in ([1], {"messages": []}, {"not an identifier": 1}):
+        r = httpx.post(server_url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2,
+                                                                  "chat_template_kwargs": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = httpx.post(server_url + "/v1/chat/completions", json={"messages": ASK, "reasoning_format": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format"
