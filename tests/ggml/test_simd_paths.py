@@ -3,12 +3,9 @@ kernel built on it runs in a fresh process with a lesser path forced (``LLAMPY_S
 its results must equal this process's bit for bit."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import numpy as np
 import pytest
+
+from tests.ggml.helpers import paths_agree
 
 SCRIPT = r'''
 import sys
@@ -56,25 +53,7 @@ if __name__ == "__main__":
 '''
 
 
-def _native_path() -> str:
-    """The instruction path this process's kernels take (LLAMPY_SIMD, or what the CPU has)."""
-    from llampy.ggml.backends.cpu import simd
-    return "vnni" if simd.VNNI else "avx2" if simd.AVX2 else "generic"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["avx2", "generic"])
 def test_simd_paths_agree(path, tmp_path):
-    if path == _native_path():
-        pytest.skip(f"{path} is this process's own path here: comparing it would compare it with itself")
-    script = tmp_path / "simd_run.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, LLAMPY_SIMD=path, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    subprocess.run([sys.executable, str(script), str(tmp_path / f"{path}.npz")], env=env, check=True, timeout=900)
-    here = {}
-    exec(compile(SCRIPT.split('if __name__')[0], "simd_run", "exec"), here)
-    want = here["run"]()
-    got = np.load(tmp_path / f"{path}.npz")
-    assert set(got.files) == set(want)
-    for key, arr in want.items():
-        assert np.array_equal(got[key], arr), key
+    paths_agree(SCRIPT, path, tmp_path)

@@ -1,9 +1,10 @@
 """NumPy kernels for every op, over the NumPy views of the source and destination tensors.
 
 Arrays are in NumPy order: a tensor of ne [ne0, ne1, ne2, ne3] is an array of shape (ne3, ne2, ne1, ne0); block
-types are uint8 rows (ne3, ne2, ne1, row_bytes). ``acc`` is the dtype computations run in: float32 for the cpu
-backend (as ggml's CPU code), float64 for the reference oracle. Results are stored in the destination's type.
-Each function is ``kernel(node, dst, srcs, acc)``; the backend binds them once per plan.
+types are uint8 rows (ne3, ne2, ne1, row_bytes). ``acc`` is the dtype computations run in (float32, as ggml's CPU
+code). Results are stored in the destination's type. Each function is ``kernel(node, dst, srcs, acc)``; the backend
+binds them once per plan. The reference backend (reference.py) is written apart from this file, so that the tests
+comparing the two compare two implementations.
 """
 from __future__ import annotations
 
