@@ -116,8 +116,9 @@ def test_bad_tensor_split_is_an_error():
 
 
 @pytest.mark.slow
-def test_smollm2_three_quarters_offloaded(smollm2_path):
-    devs = [CPUBackend("dev0"), CPUBackend("dev1")]
+@pytest.mark.parametrize("memory", ["host", "device"])
+def test_smollm2_three_quarters_offloaded(smollm2_path, memory):
+    devs = stand_ins(memory)
     m = Model(smollm2_path, n_gpu_layers=23, devices=devs, tensor_split=[3, 1])
     want = llamacpp_layers(m.hparams.n_layer, 23, [3, 1])
     assert [None if b is m.cpu else devs.index(b) for b in m.layer_backend] == want
