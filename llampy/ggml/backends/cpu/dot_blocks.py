@@ -520,3 +520,52 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scra
 
 def act_scratch(n: int, k: int, wtype: GGMLType):
     return scratch_for(n, k, B.BLOCKS[GGMLType(wtype)].dot_type)
+
+
+# ------------------------------------------------------------------------------------------------ dequantized tiles
+# Rows of w as float32, each block through the table's decode rule (blocks.BLOCKS[t].decode): the weight tiles of
+# the BLAS path (matmul._weights_tile) for prompts.
+
+@njit(cache=True, inline="always")
+def _dq(w, out, decode, bs, bk):
+    rows = w.shape[0]
+    nb = out.shape[1] // bk
+    for r in range(rows):
+        wr, orow = w[r], out[r]
+        for b in range(nb):
+            decode(wr, b * bs, orow, b * bk)
+
+
+@njit(cache=True, nogil=True)
+def _dq_q2_k(w, out):
+    _dq(w, out, B.decode_q2_k, Q2_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_q3_k(w, out):
+    _dq(w, out, B.decode_q3_k, Q3_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq4_xs(w, out):
+    _dq(w, out, B.decode_iq4_xs, X4_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq4_nl(w, out):
+    _dq(w, out, B.decode_iq4_nl, N4_BYTES, 32)
+
+
+DEQUANT_TILE = {T.Q2_K: _dq_q2_k, T.Q3_K: _dq_q3_k, T.IQ4_XS: _dq_iq4_xs, T.IQ4_NL: _dq_iq4_nl}
+
+
+def use_kernel(wtype: GGMLType, n: int, rows: int) -> bool:
+    """Whether a batch of n activation rows takes these kernels (else the BLAS path's dequantized tiles). Below
+    SMALL_N rows they are ggml's own order (vec_dot) and read each weight once; from there llama.cpp runs other
+    kernels (tinyBLAS for F16/BF16, its tiled k-quant kernel), except IQ4_NL's repacked rows (the same chain at
+    every batch size), and dequantized tiles + BLAS are faster."""
+    return n < SMALL_N or (wtype == T.IQ4_NL and rows % 8 == 0 and n < IQ4_NL_MAX_N)
+
+
+SMALL_N = 8
+IQ4_NL_MAX_N = 1 << 30

@@ -8,6 +8,9 @@
 Two paths:
 - integer (``dot_q32``, ``dot_kquant_scalar``): x quantized once per call (``act_quant``, buffers cached by shape), then Numba
   integer dot products straight on the GGUF blocks in llama.cpp's float order: bit-identical to llama.cpp.
+- the block table's formats (F16, BF16, Q2_K, Q3_K, IQ4_NL, IQ4_XS: ``dot_blocks``): their own kernels in ggml's
+  float order for batches below ``dot_blocks.SMALL_N`` rows (IQ4_NL's repacked rows at every size), else BLAS with
+  tiles dequantized by the table's decode rules.
 - BLAS: x rounded through its dot type and back to float32 (exact values), tiles of w dequantized to float32 in
   Numba (``TILE_BYTES`` at a time), ``np.matmul`` per tile. The same numbers up to float32 summation order
   (relative ~1e-7 of |w|·|x|); the Q8_1 formats' min term is corrected to ggml's ``m_w * F16(s_x)`` (see
@@ -33,7 +36,7 @@ import os
 import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
-from . import dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
+from . import dot_blocks, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
 from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
 from .dot_q32 import F16_TABLE, ROWS16_MIN_N
 from .simd import ROWS16
@@ -41,7 +44,7 @@ from .simd import ROWS16
 T = GGMLType
 
 SUPPORTED_DIRECT: frozenset = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-                                         T.Q4_K, T.Q5_K, T.Q6_K})
+                                         T.Q4_K, T.Q5_K, T.Q6_K}) | frozenset(dot_blocks.DEQUANT_TILE)
 
 # integer kernels: weight type -> kernel(w, xq, xd, xs, out, tab)
 _KERNELS = {T.Q8_0: dot_q32.mv_q8_0, T.Q4_0: dot_q32.mv_q4_0, T.Q4_1: dot_q32.mv_q4_1, T.Q5_0: dot_q32.mv_q5_0,
@@ -75,6 +78,9 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     if n == 0 or rows == 0:
         return
     limit = DECODE_MAX_ROWS if exact_max_rows is None else exact_max_rows
+    if wtype in dot_blocks.TYPES and n <= limit and dot_blocks.use_kernel(wtype, n, rows) and _rows_ok(w, x, out):
+        dot_blocks.mul_mat(w, wtype, x, out, scratch)    # the formats of the block table (dot_blocks)
+        return
     if n <= limit and (wtype in _KERNELS or wtype == T.Q4_K):
         _mul_mat_int(_as_2d_rows(w), wtype, x, out, scratch)
         return
@@ -92,6 +98,8 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
     nothing wrote x since: skip quantizing it again (q, k and v, or gate and up, read one x)."""
     wtype = GGMLType(wtype)
     n, k = x.shape
+    if wtype in dot_blocks.TYPES:
+        return _bind_blocks(w, wtype, x, out, limit_fn, reuse)
     if not (wtype in _KERNELS or wtype == T.Q4_K) or n == 0 or w.shape[0] == 0:
         return None
     if x.dtype != np.float32 or x.strides[-1] != 4 or out.dtype != np.float32 or out.strides[-1] != 4:
@@ -159,6 +167,31 @@ def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndar
             return unfused()
         quantize(x, xq, xd, xs, with_s)
         kernel(wg, wu, xq, xd, xs, out, code, table)
+    return run
+
+
+def _rows_ok(w, x, out) -> bool:
+    """The block-table kernels' layout: float32 x and out with contiguous rows, w's rows contiguous."""
+    return (x.dtype == np.float32 and x.strides[-1] == 4 and out.dtype == np.float32 and out.strides[-1] == 4
+            and w.strides[-1] == w.itemsize)
+
+
+def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
+    """``bind_mul_mat`` for the formats of the block table (``dot_blocks``): their kernel where it applies, else
+    None (``mul_mat``'s BLAS path for prompts)."""
+    n, k = x.shape
+    if n == 0 or w.shape[0] == 0 or not dot_blocks.use_kernel(wtype, n, w.shape[0]) or not _rows_ok(w, x, out):
+        return None
+    if out.shape != (n, w.shape[0]):
+        return None
+    scratch = act_scratch(n, k, wtype)
+    quantized = reuse and TYPE_TRAITS[wtype].vec_dot_type not in (T.F16, T.BF16)
+
+    def run():
+        limit = limit_fn()
+        if n > (DECODE_MAX_ROWS if limit is None else limit):
+            return mul_mat(w, wtype, x, out, limit)
+        dot_blocks.mul_mat(w, wtype, x, out, scratch, quantized)
     return run
 
 
@@ -239,6 +272,8 @@ def _weights_tile(w, wtype, r0, r1, k, buf):
         dot_q32.dq_legacy(_as_2d_rows(w[r0:r1]), _DQ_LEGACY[wtype], t, F16_TABLE)
     elif wtype in _DQ_K:
         dot_kquant_scalar.dq_k(_as_2d_rows(w[r0:r1]), _DQ_K[wtype], t, F16_TABLE)
+    elif wtype in dot_blocks.DEQUANT_TILE:     # the block table's decode rules
+        dot_blocks.DEQUANT_TILE[wtype](_as_2d_rows(w[r0:r1]), t)
     else:
         from ...quants import dequantize   # lazily: the library's vectorised reference for the other formats
         t[...] = dequantize(np.ascontiguousarray(w[r0:r1]), wtype).reshape(r1 - r0, k)
