@@ -50,17 +50,23 @@ class Llama:
                  n_batch: int = 512, n_ubatch: int = 512, embedding: bool = False, pooling: str = "mean",
                  n_gpu_layers: int = 0, chat_template: str | None = None, n_seq_max: int = 1,
                  type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False,
-                 tune_process: bool = True):
+                 tune_process: bool = True, vocab_only: bool = False):
         """``tune_process``: install llampy's process tuning (``llampy.tuning``: OpenMP spin, single-threaded
         OpenBLAS, Numba patches, graphs frozen out of the garbage collector) before loading; False leaves the
-        process as it is, for a program that hosts llampy beside other work."""
+        process as it is, for a program that hosts llampy beside other work. ``vocab_only``: the vocabulary
+        alone (tokenize, detokenize), from a GGUF of any architecture; no weights, no context."""
         from ..ggml.types import GGMLType
         if tune_process:
             from .. import tuning
             tuning.install()
         self.model_path = str(resolve_model(model_path))
-        self.model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, n_threads=n_threads)
+        self.model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, n_threads=n_threads,
+                           vocab_only=vocab_only)
         self.vocab = self.model.vocab
+        self.verbose = verbose
+        if vocab_only:
+            self.ctx = None
+            return
         self.seed = seed
         kt, vt = GGMLType[type_k.upper()], GGMLType[type_v.upper()]
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,

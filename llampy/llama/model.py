@@ -20,7 +20,7 @@ from ..ggml.types import GGMLType
 from ..gguf import GGUFReader
 from . import arch as arch_mod
 from .arch import LAYER
-from .hparams import load_hparams
+from .hparams import HParams, load_hparams
 
 
 class ModelLoadError(ValueError):
@@ -62,10 +62,20 @@ class Model:
         self.reader = GGUFReader(self.path)
         md = self.reader.metadata
         self.metadata = md
+        from .vocab import Vocab
+        if vocab_only:      # any GGUF with a vocabulary, whatever its architecture (llama.cpp's vocab_only)
+            self.arch, self.hparams = self._vocab_only_hparams(md)
+            self.vocab = Vocab.from_metadata(md)
+            self.hparams.n_vocab = self.hparams.n_vocab or self.vocab.n_tokens
+            self.use_mmap, self.devices, self.n_gpu_layers, self.split_mode = use_mmap, [], 0, "none"
+            self.cpu = backend_init("cpu", n_threads=n_threads)
+            self.layer_backend = [self.cpu] * (self.hparams.n_layer + 1)
+            self.tensors: dict[str, Tensor] = {}
+            self.layers = [SimpleNamespace() for _ in range(self.hparams.n_layer)]
+            return
         self.arch = arch_mod.arch_module(str(md.get("general.architecture", "")))
         self.hparams = load_hparams(md)
         self.arch.load_hparams(self.hparams, md)
-        from .vocab import Vocab
         self.vocab = Vocab.from_metadata(md)
         if self.hparams.n_vocab == 0:
             self.hparams.n_vocab = self.vocab.n_tokens
@@ -85,12 +95,28 @@ class Model:
         self.layer_backend = self._assign_layers(tensor_split)
         self.tensors: dict[str, Tensor] = {}
         self.layers = [SimpleNamespace() for _ in range(self.hparams.n_layer)]
-        if vocab_only:
-            return
         loader = TensorLoader(self)
         self.arch.load_tensors(self, loader)
         unused = set(self.reader.tensors) - loader.used
         self.n_unused_tensors = len(unused)
+
+    @staticmethod
+    def _vocab_only_hparams(md: dict):
+        """The architecture module (None when llampy has none) and what hyper-parameters the file gives; a
+        vocabulary needs neither, so an unknown architecture or missing key is no error here."""
+        arch = md.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError("missing metadata key 'general.architecture'")
+        module = None
+        if arch in arch_mod.ARCHITECTURES:
+            module = arch_mod.arch_module(arch)
+        try:
+            hp = load_hparams(md)
+            if module is not None:
+                module.load_hparams(hp, md)
+        except (ValueError, KeyError, TypeError, IndexError):
+            hp = HParams(arch=arch, name=str(md.get("general.name", "")))
+        return module, hp
 
     # ------------------------------------------------------------------ placement
     def _assign_layers(self, tensor_split) -> list[Backend]:

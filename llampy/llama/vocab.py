@@ -18,7 +18,10 @@ import re
 import numpy as np
 
 from .vocab_bpe import PRE_TYPES, UNICODE_TO_BYTE, UNSUPPORTED_PRE, BpeMerger, byte_encode, pre_tokenizer
+from .vocab_rwkv import RwkvTokenizer, rwkv_unescape
 from .vocab_spm import spm_tokenize
+from .vocab_ugm import UgmTokenizer
+from .vocab_wpm import wpm_tokenize
 
 # GGUF token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -30,8 +33,8 @@ _TYPE_TO_ATTR = np.array([0, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_
 
 _K = "tokenizer.ggml."
 # llama.cpp's list of model types: the ones llampy implements, and the rest it knows by name
-_MODELS = {"llama": "spm", "gpt2": "bpe"}
-_KNOWN_MODELS = {"bert", "t5", "rwkv", "plamo2", "gemma4", "hybriddna", "whitespace", "no_vocab", "none", "test"}
+_MODELS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm", "t5": "ugm", "rwkv": "rwkv"}
+_KNOWN_MODELS = {"plamo2", "hybriddna", "whitespace", "no_vocab", "none", "test"}
 
 # token texts llama.cpp recognises (load(): "auto-detect special tokens by text")
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
@@ -81,7 +84,7 @@ class Vocab:
         if model not in _MODELS:
             what = "not implemented in llampy" if model in _KNOWN_MODELS else "unknown to llama.cpp"
             raise ValueError(f"unsupported tokenizer model {model!r} in '{_K}model' ({what}; "
-                             f"llampy reads 'gpt2' (BPE) and 'llama' (SPM) vocabularies)")
+                             f"llampy reads {', '.join(sorted(_MODELS))})")
         self.model, self.type = str(model), _MODELS[model]
         tokens = md.get(_K + "tokens")
         if tokens is None:
@@ -114,22 +117,44 @@ class Vocab:
 
         # per-type defaults (load(): "determine vocab type"), then the pre-tokenizer's own settings
         self.add_eos = False
+        self.escape_whitespaces, self.byte_encode = True, True
         if self.type == "spm":
             self.pre, opts = "default", {}
             ids = dict(bos=1, eos=2, unk=0)
             self.add_bos, self.add_space_prefix, self.clean_spaces = True, True, False
+        elif self.type == "wpm":
+            self.pre, opts = "default", {}
+            ids = dict(bos=101, eos=None, unk=100, sep=102, pad=0, mask=103)
+            self.add_bos, self.add_space_prefix, self.clean_spaces = True, False, True
+        elif self.type == "ugm":
+            self.pre, opts = "default", {}
+            ids = dict(bos=None, eos=1, unk=2, pad=0)
+            self.add_bos, self.add_eos, self.add_space_prefix, self.clean_spaces = False, True, False, False
+        elif self.type == "rwkv":
+            self.pre, opts = "default", {}
+            ids = dict(bos=None, eos=None, unk=None)
+            self.add_bos, self.add_space_prefix, self.clean_spaces = False, False, False
         else:
-            pre = str(md.get(_K + "pre", "") or "default")     # llama.cpp warns and uses 'default' when empty
+            # gemma4's model type is BPE over raw UTF-8 with its own pre-tokenizer, whatever the file's pre says
+            pre = "gemma4" if model == "gemma4" else str(md.get(_K + "pre", "") or "default")   # '' -> 'default'
             if pre in UNSUPPORTED_PRE:
                 raise ValueError(f"pre-tokenizer {pre!r} ('{_K}pre') is not implemented in llampy")
             if pre not in PRE_TYPES:       # llama.cpp refuses the model: "unknown pre-tokenizer type"
                 raise ValueError(f"unknown pre-tokenizer type {pre!r} in '{_K}pre'")
             self.pre, opts = pre, PRE_TYPES[pre][1]
             ids = dict(bos=None if opts.get("no_bos") else 11, eos=11, unk=None)
+            if model == "gemma4":
+                ids = dict(bos=None, eos=None, unk=None)
             self.add_bos, self.add_space_prefix = opts.get("add_bos", False), False
             self.clean_spaces = opts.get("clean_spaces", True)
+            self.escape_whitespaces = opts.get("escape_whitespaces", False)
+            self.byte_encode = opts.get("byte_encode", True)
         self.ignore_merges = opts.get("ignore_merges", False)
         self.add_space_prefix = bool(md.get(_K + "add_space_prefix", self.add_space_prefix))
+        self.remove_extra_whitespaces = bool(md.get(_K + "remove_extra_whitespaces", False))
+        # BertNormalizer options (WPM): strip_accents follows lowercase unless the file says
+        self.lowercase = bool(md.get(_K + "normalizer.lowercase", True))
+        self.strip_accents = bool(md.get(_K + "normalizer.strip_accents", self.lowercase))
 
         def special_id(key: str, default):
             default = default if default is not None and 0 <= default < n else None
@@ -144,9 +169,9 @@ class Vocab:
         self.eot = special_id("eot_token_id", None)
         self.eom = special_id("eom_token_id", None)
         self.unk = special_id("unknown_token_id", ids["unk"])
-        self.sep = special_id("seperator_token_id", None)      # sic: the GGUF key is spelt so
-        self.pad = special_id("padding_token_id", None)
-        self.mask = special_id("mask_token_id", None)
+        self.sep = special_id("seperator_token_id", ids.get("sep"))      # sic: the GGUF key is spelt so
+        self.pad = special_id("padding_token_id", ids.get("pad"))
+        self.mask = special_id("mask_token_id", ids.get("mask"))
         fim = {k: special_id(k + "_token_id", None) for k in _FIM_TEXTS}
         for old, new in (("prefix", "fim_pre"), ("suffix", "fim_suf"), ("middle", "fim_mid")):
             fim[new] = special_id(old + "_token_id", fim[new])
@@ -154,6 +179,8 @@ class Vocab:
             self.add_bos = bool(md[_K + "add_bos_token"])
         if _K + "add_eos_token" in md:
             self.add_eos = bool(md[_K + "add_eos_token"])
+        if self.pre == "gemma4":      # llama.cpp overrides a false add_bos_token for Gemma 4
+            self.add_bos = True
 
         self._detect_special_tokens(fim)
         self._set_name_attrs(md)
@@ -171,7 +198,14 @@ class Vocab:
                 raise ValueError(f"missing metadata key '{_K}merges' (BPE merges)")
             self._merges = merges
             self._pre = pre_tokenizer(self.pre)
-        else:
+        elif self.type == "ugm":
+            self._charsmap = md.get(_K + "precompiled_charsmap")
+            self._ugm = None
+        elif self.type == "wpm":
+            self._wpm_ids = None
+        elif self.type == "rwkv":
+            self._rwkv = None
+        elif self.type == "spm":
             self._spm_scores = None                             # a list of floats, made on first use
         return self
 
@@ -184,7 +218,7 @@ class Vocab:
     @property
     def _bpe(self) -> BpeMerger:
         if self._bpe_merger is None:
-            self._bpe_merger = BpeMerger(self.token_to_id, list(self._merges), self.ignore_merges)
+            self._bpe_merger = BpeMerger(self.token_to_id, list(self._merges), self.ignore_merges, self.byte_encode)
         return self._bpe_merger
 
     @property
@@ -325,11 +359,21 @@ class Vocab:
         tokens written in the text become their ids."""
         frags = self._partition(text, parse_special) if text else []
         out: list[int] = []
-        if add_special and self.add_bos:
+        # WPM always wraps in [CLS] ... [SEP] (BOS, SEP); RWKV adds nothing; the others as add_bos/add_eos say
+        add_bos = add_special and (self.type == "wpm" or (self.add_bos and self.type != "rwkv"))
+        add_eos = add_special and self.type != "wpm" and self.add_eos and self.type != "rwkv"
+        if add_bos:
             if self.bos is None:
                 raise ValueError("the vocabulary asks for a BOS token but has none")
             out.append(self.bos)
-        if self.type == "spm":
+        if self.type in ("wpm", "ugm", "rwkv"):
+            run = self._word_tokenizer()
+            for f in frags:
+                if isinstance(f, int):
+                    out.append(f)
+                else:
+                    out += run(f)
+        elif self.type == "spm":
             if self._spm_scores is None:
                 self._spm_scores = self.scores.tolist() if self.scores is not None else [0.0] * self.n_tokens
             prev_special = True             # a space prefix goes before the first text and after special tokens
@@ -346,13 +390,39 @@ class Vocab:
             for f in frags:
                 if isinstance(f, int):
                     out.append(f)
-                else:
+                elif self.byte_encode:
                     out += self._bpe.merge([byte_encode(w) for w in self._pre.split(f)])
-        if add_special and self.add_eos:
+                else:       # SPM-style BPE (gemma4): spaces escaped, merges over the raw UTF-8 of each line
+                    if self.escape_whitespaces:
+                        f = f.replace(" ", "\u2581")
+                    out += self._bpe.merge(self._pre.split(f))
+        if add_special and self.type == "wpm":
+            if self.sep is None:
+                raise ValueError("the vocabulary has no SEP token to end the text with")
+            out.append(self.sep)
+        if add_eos:
             if self.eos is None:
                 raise ValueError("the vocabulary asks for an EOS token but has none")
             out.append(self.eos)
         return out
+
+    def _word_tokenizer(self):
+        """The WPM, UGM or RWKV tokenizer of one text fragment (its tables made on first use)."""
+        if self.type == "wpm":
+            if self._wpm_ids is None:
+                self._wpm_ids = {t.encode("utf-8", "surrogatepass"): i for i, t in enumerate(self.tokens)}
+                self._wpm_max = max(map(len, self._wpm_ids))
+            return lambda f: wpm_tokenize(f, self._wpm_ids, self.unk, self._wpm_max, self.lowercase,
+                                          self.strip_accents)
+        if self.type == "ugm":
+            if self._ugm is None:
+                self._ugm = UgmTokenizer(self.tokens, self.attr, self.scores, self._charsmap, self.unk,
+                                         self.escape_whitespaces, self.add_space_prefix,
+                                         self.remove_extra_whitespaces)
+            return self._ugm.tokenize
+        if self._rwkv is None:
+            self._rwkv = RwkvTokenizer(self.tokens, self.unk)
+        return self._rwkv.tokenize
 
     # ------------------------------------------------------------------------------------------------ detokenize
     def token_to_piece(self, id: int, special: bool = True) -> bytes:
@@ -368,10 +438,13 @@ class Vocab:
         a, text = int(self.attr[i]), self.tokens[i]
         if not special and a & (ATTR_UNKNOWN | ATTR_CONTROL):
             p = b""
+        elif self.type == "rwkv":         # every RWKV token is its escaped bytes
+            p = rwkv_unescape(text)
         elif a & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
             p = text.encode("utf-8", "surrogatepass")
         elif a & ATTR_NORMAL:
-            p = text.replace("\u2581", " ").encode("utf-8") if self.type == "spm" else _bpe_decode(text)
+            p = _bpe_decode(text) if self.type == "bpe" and not self.escape_whitespaces \
+                else text.replace("\u2581", " ").encode("utf-8")
         elif a & ATTR_BYTE:
             p = bytes([int(text[3:5], 16)])
         else:

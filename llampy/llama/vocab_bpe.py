@@ -75,19 +75,31 @@ _UCAT_CLASS = {"N": "\xd10-9", "L": "\xd2A-Za-z", "P": "\xd3!-#%-*,-/:;?@\\[-\\]
 _UCAT_NAMES = {"N": "N", "L": "L", "P": "P", "M": "M", "S": "S", "Lu": "L", "Ll": "L", "Lt": "L", "Lm": "L",
                "Lo": "L"}
 _collapse_lut: np.ndarray | None = None
+_WHITESPACE_SET = frozenset(_WHITESPACE)
 _WIDE_TABLE = {cp: 0x0B for cp in _WHITESPACE if cp > 0x7F}
+
+
+_flags_lut: np.ndarray | None = None
+
+
+def cpt_flags() -> tuple[np.ndarray, frozenset]:
+    """llama.cpp's category flag of every code point (uint8, indexed by code point; 1.1 MB, built once) and its
+    whitespace set (unicode_cpt_flags' is_whitespace)."""
+    global _flags_lut
+    if _flags_lut is None:
+        raw = zlib.decompress(base64.b85decode("".join(_FLAG_RANGES)))
+        n = len(raw) // 5
+        lengths = np.frombuffer(raw[:4 * n], "<u4").astype(np.int64)
+        _flags_lut = np.repeat(np.frombuffer(raw[4 * n:], np.uint8), lengths)
+    return _flags_lut, _WHITESPACE_SET
 
 
 def _build_collapse_lut() -> np.ndarray:
     """code point -> the byte llama.cpp collapses it to (uint8, 1.1 MB, built once in ~10 ms)."""
-    raw = zlib.decompress(base64.b85decode("".join(_FLAG_RANGES)))
-    n = len(raw) // 5
-    lengths = np.frombuffer(raw[:4 * n], "<u4").astype(np.int64)
-    flags = np.frombuffer(raw[4 * n:], np.uint8)
     byte_of_flag = np.full(256, 0xD0, np.uint8)          # undefined, separator, control: the fallback byte
     for f, b in _UCAT_BYTE.items():
         byte_of_flag[f] = b
-    lut = np.repeat(byte_of_flag[flags], lengths)
+    lut = byte_of_flag[cpt_flags()[0]]
     lut[np.array([cp for cp in _WHITESPACE if cp > 0x7F])] = 0x0B
     lut[:128] = np.arange(128)                            # ASCII stays itself
     return lut
@@ -249,9 +261,12 @@ def bpe_merge_word(word: str, ranks: dict, token_to_id: dict, ignore_merges: boo
 class BpeMerger:
     """Merges words to ids: HF tokenizers' BPE model where it is exact, else ``bpe_merge_word`` with a cache."""
 
-    def __init__(self, token_to_id: dict, merges: list[str], ignore_merges: bool):
+    def __init__(self, token_to_id: dict, merges: list[str], ignore_merges: bool, byte_encode: bool = True):
+        """``byte_encode`` False: words are raw text (gemma4), a symbol outside the vocabulary falls back to
+        ``<0xXX>`` tokens, and a word of newlines that is a token stays whole (llama.cpp's gemma4 fix)."""
         self.token_to_id = token_to_id
         self.ignore_merges = ignore_merges
+        self.byte_encode = byte_encode
         if len(set(merges)) != len(merges):       # llama.cpp keeps the first rank of a repeated merge
             merges = list(dict.fromkeys(merges))
         self._merges = merges       # split again into pairs only if the Python merger needs ranks
@@ -261,6 +276,9 @@ class BpeMerger:
         # place (and drops it only at the end). Words holding such a character go through bpe_merge_word.
         missing = [c for c in BYTE_TO_UNICODE.values() if c not in token_to_id]
         self._missing = re.compile("[" + "".join(re.escape(c) for c in missing) + "]") if missing else None
+        if not byte_encode:       # HF drops characters outside the vocabulary: the Python merger only
+            self.hf = None
+            return
         try:
             from tokenizers import Tokenizer, models
             self.hf = Tokenizer(models.BPE(vocab=token_to_id, merges=[split_merge(m) for m in merges],
@@ -298,8 +316,10 @@ class BpeMerger:
         out = []
         for w in words:
             ids = self._cache.get(w)
+            if ids is None and not self.byte_encode and not w.strip("\n") and w in self.token_to_id:
+                ids = [self.token_to_id[w]]
             if ids is None:
-                ids = bpe_merge_word(w, self.ranks, self.token_to_id, self.ignore_merges)
+                ids = bpe_merge_word(w, self.ranks, self.token_to_id, self.ignore_merges, self.byte_encode)
                 if len(self._cache) < 65536:
                     self._cache[w] = ids
             out.extend(ids)
@@ -407,6 +427,9 @@ _REGEXES = {
         '\\p{N}{1,3}',
         "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}+| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
     ),
+    'gemma4': (
+        '[^\\n]+|[\\n]+',
+    ),
     'default': (
         '[\\p{P}\\$\\+<=>\\^~\\|]+',
         "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
@@ -462,9 +485,10 @@ _pre("seed-coder", "seed_coder", **_NC)
 _pre("ufakzeka", "ufakzeka", **_NC)
 _pre("laguna", "laguna", **_NC)
 _pre("minicpm5", "minicpm5", ignore_merges=True)
+_pre("gemma4 granite-embed-multi-311m", "gemma4", escape_whitespaces=True, byte_encode=False)
+_pre("sarvam-moe", "gemma4", escape_whitespaces=True, byte_encode=False, **_NC)
 # llama.cpp knows these, but they need hand-written matchers (digit grouping, Han exclusion) or another model type
-UNSUPPORTED_PRE = {"kimi-k2", "afmoe", "tiny_aya", "cohere2moe", "superbpe", "gemma4", "granite-embed-multi-311m",
-                   "sarvam-moe", "whitespace"}
+UNSUPPORTED_PRE = {"kimi-k2", "afmoe", "tiny_aya", "cohere2moe", "superbpe", "whitespace"}
 
 
 def pre_tokenizer(pre: str) -> PreTokenizer:

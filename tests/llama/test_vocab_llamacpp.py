@@ -1,0 +1,213 @@
+"""llama.cpp's own tokenizer test vocabularies (models/ggml-vocab-*.gguf with their .inp/.out cases, as its
+test-tokenizer-0 runs them: add_special and parse_special off), loaded through ``Model(vocab_only=True)`` whatever
+their architecture; and each vocabulary against libllama on random text.
+
+The .inp/.out files and the vocabularies under 2 MB are in tests/fixtures/vocab; the larger ones come from
+llama-cpp-python's sdist through ``scripts/llamacpp_vocabs.sh`` (a cache outside the clone, or ``LLAMPY_VOCABS``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llampy.llama.arch import UnknownArchitecture
+from llampy.llama.model import Model
+
+from tests.paths import ROOT
+
+FIXTURES = ROOT / "tests" / "fixtures" / "vocab"
+VERSION = "0.3.36"
+CASE_VOCABS = sorted(p.name[len("ggml-vocab-"):-len(".gguf.inp")] for p in FIXTURES.glob("ggml-vocab-*.gguf.inp"))
+# vocabularies llama.cpp ships without cases: checked against libllama only
+EXTRA_VOCABS = ["aquila", "baichuan", "gpt-neox", "nomic-bert-moe"]
+
+
+def _cache_dirs() -> list[Path]:
+    base = os.environ.get("LLAMPY_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME")
+                                                          or os.path.expanduser("~/.cache"), "llampy")
+    return [Path(d) for d in (os.environ.get("LLAMPY_VOCABS", ""), os.path.join(base, f"llamacpp-vocab-{VERSION}"))
+            if d]
+
+
+def vocab_path(name: str) -> Path:
+    fname = f"ggml-vocab-{name}.gguf"
+    for d in [FIXTURES] + _cache_dirs():
+        if (d / fname).exists():
+            return d / fname
+    pytest.skip(f"{fname} is not in tests/fixtures/vocab: run `bash scripts/llamacpp_vocabs.sh` (or set "
+                f"LLAMPY_VOCABS to its output)")
+
+
+def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
+    """test-tokenizer-0's reading: inputs split at '\\n__ggml_vocab_test__\\n', one line of ids each."""
+    raw = (FIXTURES / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8")
+    sep = "\n__ggml_vocab_test__\n"
+    inp, pos = [], 0
+    while pos < len(raw):
+        nxt = raw.find(sep, pos)
+        if nxt < 0:
+            inp.append(raw[pos:])
+            break
+        inp.append(raw[pos:nxt])
+        pos = nxt + len(sep)
+    out = [[int(x) for x in line.split()] for line in
+           (FIXTURES / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").splitlines()]
+    assert len(inp) == len(out), name
+    return list(zip(inp, out))
+
+
+_MODELS: dict[str, Model] = {}
+
+
+def vocab_model(name: str) -> Model:
+    if name not in _MODELS:
+        _MODELS[name] = Model(vocab_path(name), vocab_only=True)
+    return _MODELS[name]
+
+
+@pytest.mark.parametrize("name", CASE_VOCABS)
+def test_llamacpp_vocab_cases(name):
+    v = vocab_model(name).vocab
+    cases = vocab_cases(name)
+    assert len(cases) >= 40
+    bad = [(t, want, v.tokenize(t)) for t, want in cases if v.tokenize(t) != want]
+    assert not bad, f"{name}: {len(bad)}/{len(cases)} differ, first {bad[0]}"
+
+
+def test_vocab_cases_cover_every_tokenizer_family():
+    """The case vocabularies span SPM, byte-level BPE (many pre-tokenizers), gemma4's raw-UTF-8 BPE and WPM."""
+    assert {"bert-bge", "gemma-4", "llama-spm", "gpt-2", "command-r", "falcon", "mpt", "refact"} <= set(CASE_VOCABS)
+
+
+def test_vocab_only_any_architecture(capsys):
+    """bert is no architecture llampy builds, yet its vocabulary loads (Model, Llama, `llampy tokenize`); wanting
+    the weights still fails with the architecture named."""
+    from llampy.cli import main
+    from llampy.llama.api import Llama
+    path = vocab_path("bert-bge")
+    m = Model(path, vocab_only=True)
+    assert m.arch is None and m.hparams.arch == "bert" and m.vocab.type == "wpm" and m.hparams.n_vocab == 30522
+    llm = Llama(str(path), vocab_only=True, tune_process=False)
+    ids = llm.tokenize(b"Hello world!")
+    assert ids == [101, 7592, 2088, 999, 102] and llm.ctx is None
+    assert llm.detokenize(ids[1:-1]) == b" hello world !" and llm.vocab.detokenize(ids[1:-1]) == " hello world!"
+    assert main(["tokenize", str(path), "Hello world!", "--add-special"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ids": [101, 7592, 2088, 999, 102]}
+    with pytest.raises(UnknownArchitecture, match="'bert'"):
+        Model(path)
+    # a known architecture keeps its hyper-parameters and module under vocab_only
+    s = Model(vocab_path("llama-spm"), vocab_only=True)
+    assert s.arch is not None and s.hparams.n_layer > 0
+
+
+def test_wpm_rules():
+    """BERT's normalization with llama.cpp's tables: accents stripped (first code point of the decomposition),
+    lowercased, controls dropped, punctuation and CJK split out; a word with no full cut is [UNK]."""
+    from llampy.llama.vocab_wpm import wpm_preprocess
+    assert wpm_preprocess("Héllo, WORLD! 日本語 naïve\tx\u0301y \x00z") == \
+        ["hello", ",", "world", "!", "日", "本", "語", "naive", "xy", "z"]
+    assert wpm_preprocess("Héllo", lowercase=False, strip_accents=False) == ["Héllo"]
+    v = vocab_model("bert-bge").vocab
+    assert v.tokenize("\U0001F999") == [v.unk]
+    assert (v.bos, v.sep, v.unk, v.pad, v.mask) == (101, 102, 100, 0, 103)
+
+
+# ------------------------------------------------------------------------------------------ libllama, differential
+_ORACLE = r'''
+import ctypes, json, sys
+import llama_cpp as L
+L.llama_backend_init()
+mp = L.llama_model_default_params(); mp.vocab_only = True
+req = json.load(sys.stdin)
+model = L.llama_model_load_from_file(req["model"].encode(), mp)
+if not model:
+    json.dump({"error": "load failed"}, sys.stdout); sys.exit(0)
+vocab = L.llama_model_get_vocab(model)
+def tok(text, add, parse):
+    b = text.encode("utf-8"); n = 2 * len(b) + 8; buf = (L.llama_token * n)()
+    r = L.llama_tokenize(vocab, b, len(b), buf, n, add, parse)
+    return list(buf[:r])
+def detok(ids, rs, us):
+    arr = (L.llama_token * max(1, len(ids)))(*ids); n = 256 * len(ids) + 64
+    buf = ctypes.create_string_buffer(n)
+    r = L.llama_detokenize(vocab, arr, len(ids), buf, n, rs, us)
+    return buf.raw[:r].hex()
+nv = L.llama_vocab_n_tokens(vocab)
+json.dump({"tok": [[tok(t, a, p) for a, p in ((False, False), (False, True), (True, True))] for t in req["texts"]],
+           "detok": [[detok(i, rs, us) for rs, us in ((False, True), (False, False), (True, True))]
+                     for i in req["ids"]],
+           "eog": [i for i in range(nv) if L.llama_vocab_is_eog(vocab, i)],
+           "attr": [int(L.llama_vocab_get_attr(vocab, i)) for i in range(nv)],
+           "ids": [L.llama_vocab_bos(vocab), L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab),
+                   L.llama_vocab_sep(vocab), L.llama_vocab_pad(vocab)],
+           "add": [L.llama_vocab_get_add_bos(vocab), L.llama_vocab_get_add_eos(vocab)]}, sys.stdout)
+'''
+
+_PARTS = (list("abcXYZ  \t\n\r019'.,!?-_<>|/\\\"#$%&*()[]{}^~`@+=;:éüñßÆ—“”…€日本語中文한국어ไทยعربيहिन्दी²½Ⅻ٣")
+          + ["'s", "'LL", "'re", "\u00a0", "\u3000", "\x85", "\u2028", "\u200b", "\x04", "\x00", "\u0301", "\u0378",
+             "\ufffd", "\U000F0000", "\U0001F999", "\U0001F44D\U0001F3FD", "  ", "   ", "\n\n", "\n\n\n", "\t\t",
+             "    ", "\r\n", "\u2581", "<0x41>", "Hello", " world", "12345678", "3.14", "ǅ", "ﬁ", "ẞ", "İ", "Ωmega",
+             "ÀÉÎÕÜ", "caféS", "Straße", "ＡＢＣ", "①"])
+
+
+def _random_texts(v, seed: int, n: int) -> list[str]:
+    """Random strings over characters that stress pre-tokenizers and normalizers, the vocabulary's own special
+    tokens and pieces of its ordinary ones."""
+    rnd = random.Random(seed)
+    specials = [v.tokens[i] for i in np.flatnonzero(v.attr & (8 | 16 | 1)).tolist()]
+    rnd.shuffle(specials)
+    pieces = [v.tokens[rnd.randrange(v.n_tokens)] for _ in range(400)]
+    parts = _PARTS + specials[:30] + [p.replace("\u2581", " ") for p in pieces]
+    texts = ["".join(rnd.choice(parts) for _ in range(rnd.randint(1, 25))) for _ in range(n)]
+    return texts + ["", " ", "a ' b 's", "hello , world . ok ? no !", " leading", "trailing  ", "\n"]
+
+
+def _llamacpp_python():
+    from tests import llamacpp
+    py = llamacpp.python()
+    if py is None:
+        llamacpp.missing("a Python with llama_cpp")
+    return py
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASE_VOCABS + EXTRA_VOCABS)
+def test_vocab_matches_libllama(name):
+    """Random text through llama.cpp and through ``Model(vocab_only=True)``: tokenize (3 ways), detokenize (3 ways),
+    special ids, add_bos/add_eos, the EOG set and every token's attributes."""
+    py = _llamacpp_python()
+    path = vocab_path(name)
+    v = vocab_model(name).vocab
+    texts = _random_texts(v, zlib.crc32(name.encode()), 150)
+    rnd = random.Random(name)
+    ids = [[rnd.randrange(v.n_tokens) for _ in range(rnd.randint(1, 12))] for _ in range(60)]
+    ids += [v.tokenize(t, add_special=True, parse_special=True) or [0] for t in texts[:60]]
+    r = subprocess.run([py, "-c", _ORACLE], input=json.dumps({"model": str(path), "texts": texts, "ids": ids}),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref = json.loads(r.stdout)
+    assert "error" not in ref, name
+    none = -1
+    got_ids = [none if x is None else x for x in (v.bos, v.eos, v.eot, v.sep, v.pad)]
+    assert got_ids == ref["ids"], name
+    assert [v.add_bos, v.add_eos] == ref["add"], name
+    assert sorted(v.eog) == ref["eog"], name
+    diff = np.flatnonzero(v.attr != np.array(ref["attr"]))
+    assert not len(diff), (name, [(int(i), v.tokens[i], int(v.attr[i]), ref["attr"][i]) for i in diff[:5]])
+    bad = []
+    for t, want in zip(texts, ref["tok"]):
+        got = [v.tokenize(t, add_special=a, parse_special=p) for a, p in ((False, False), (False, True), (True, True))]
+        if got != want:
+            bad.append((t, want, got))
+    assert not bad, f"{name}: {len(bad)}/{len(texts)} tokenize differently, first {bad[0]}"
+    for i, want in zip(ids, ref["detok"]):
+        got = [v.detokenize_bytes(i, special=us, remove_special=rs).hex()
+               for rs, us in ((False, True), (False, False), (True, True))]
+        assert got == want, (name, i)
