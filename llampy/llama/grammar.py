@@ -407,6 +407,8 @@ class Grammar:
 
     def accept(self, token: int) -> None:
         self._wait()
+        if self._m.is_stopped() and self.vocab.is_eog(token):
+            return          # end of generation after the end (a caller ignoring EOS): nothing to advance
         self._fresh = False
         if not self._m.consume_token(int(token)):
             err = _clean(self._m.get_error())

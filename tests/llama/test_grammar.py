@@ -137,6 +137,12 @@ def test_a_complete_sentence_allows_only_end_of_generation(vocab):
     c = Candidates(np.zeros(vocab.n_tokens, np.float32))
     g.apply(c)
     assert set(c.ids.tolist()) == set(vocab.eog)
+    eog = min(vocab.eog)
+    g.accept(eog)
+    g.accept(eog)                   # a caller ignoring end of generation may go on: only EOG stays allowed
+    c = Candidates(np.zeros(vocab.n_tokens, np.float32))
+    g.apply(c)
+    assert set(c.ids.tolist()) == set(vocab.eog)
     with pytest.raises(GrammarError, match="does not match"):
         g.accept(vocab.tokenize("x")[0])
 

@@ -83,7 +83,8 @@ def test_json_object_and_streamed_schema(client):
     schema = SCHEMAS["string_lengths"]
     stream = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": SCHEMA_PROMPT}], stream=True, max_tokens=64,
-        temperature=1.0, seed=2, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        temperature=1.0, seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     check_schema(schema, text)
 
