@@ -152,6 +152,9 @@ class PreTokenizer:
     def __init__(self, regexes: tuple[str, ...]):
         self.stages = []
         for rx in regexes:
+            if rx in _CUSTOM_SPLITS:        # unicode_regex_split_custom's hand-written matchers with no regex twin
+                self.stages.append((_CUSTOM_SPLITS[rx], None))
+                continue
             py, on_collapsed = translate_regex(rx)
             if rx == _GPT2_RX:
                 py += r"|\s+"      # llama.cpp's hand-written gpt2 matcher also takes a lone whitespace run
@@ -161,6 +164,9 @@ class PreTokenizer:
         views: dict[bool, str] = {}
         spans = [(0, len(text))]
         for rx, on_collapsed in self.stages:
+            if on_collapsed is None:
+                spans = [span for s, e in spans for span in rx(text, s, e)]
+                continue
             view = views.get(on_collapsed)
             if view is None:
                 view = views[on_collapsed] = collapse(text) if on_collapsed else text.translate(_WIDE_TABLE)
@@ -178,6 +184,137 @@ class PreTokenizer:
                     out.append((pos, e))
             spans = out
         return [text[s:e] for s, e in spans]
+
+
+def _span_flags(text: str, s: int, e: int) -> list[int]:
+    """unicode_cpt_flags of text[s:e]: the category flag, plus 0x100 for whitespace."""
+    flags, white = cpt_flags()
+    return [int(flags[ord(c)]) | (0x100 if ord(c) in white else 0) for c in text[s:e]]
+
+
+def split_digits3(text: str, s: int, e: int) -> list[tuple[int, int]]:
+    """unicode_regex_split_custom_afmoe (afmoe, tiny_aya): each run of numbers in groups of three from the right,
+    the first group taking whatever precedes it since the last split (as llama.cpp's offsets do)."""
+    f = _span_flags(text, s, e)
+    out, prev, pos, n = [], 0, 0, e - s
+
+    def add(end):
+        nonlocal prev
+        if end > prev:
+            out.append((s + prev, s + end))
+        prev = end
+
+    while pos < n:
+        if f[pos] & 2:
+            start = pos
+            while pos < n and f[pos] & 2:
+                pos += 1
+            cur = start + (pos - start) % 3
+            if cur > start:
+                add(cur)
+            while cur < pos:
+                cur += 3
+                add(cur)
+            continue
+        pos += 1
+    add(n)
+    return out
+
+
+def _is_han(cp: int) -> bool:
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2B73F
+            or 0x2B740 <= cp <= 0x2B81F or 0x2B820 <= cp <= 0x2CEAF or 0x2CEB0 <= cp <= 0x2EBEF
+            or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+
+
+def split_kimi_k2(text: str, s: int, e: int) -> list[tuple[int, int]]:
+    """unicode_regex_split_custom_kimi_k2: Han runs, letter words without Han (with an optional leading character
+    and contraction), numbers by three, punctuation runs, then whitespace as llama3's regex."""
+    f = _span_flags(text, s, e)
+    cps = [ord(c) for c in text[s:e]]
+    n = len(cps)
+    out, prev = [], 0
+    cpt = lambda p: cps[p] if 0 <= p < n else -1                      # noqa: E731
+    fl = lambda p: f[p] if 0 <= p < n else 0                           # noqa: E731
+    letter = lambda p: bool(fl(p) & 4) and not _is_han(cpt(p))        # noqa: E731
+
+    def add(end):
+        nonlocal prev
+        if end > prev:
+            out.append((s + prev, s + end))
+        prev = end
+
+    pos = 0
+    while pos < n:
+        c, fc = cps[pos], f[pos]
+        if _is_han(c):
+            while _is_han(cpt(pos)):
+                pos += 1
+            add(pos)
+            continue
+        leading_ok = not (c in (13, 10) or fc & 4 or fc & 2)
+        if letter(pos) or (leading_ok and letter(pos + 1)):
+            lead = False
+            if leading_ok:
+                lead = True
+                pos += 1
+            has = False
+            while letter(pos):
+                has = True
+                pos += 1
+            if has or (not lead and letter(pos)):
+                if not has:
+                    pos += 1
+                while letter(pos):
+                    pos += 1
+                if cpt(pos) == 0x27 and pos + 1 < n:
+                    c1 = chr(cpt(pos + 1)).lower()
+                    if c1 in "stmd":
+                        pos += 2
+                    elif pos + 2 < n and c1 + chr(cpt(pos + 2)).lower() in ("re", "ve", "ll"):
+                        pos += 3
+                add(pos)
+                continue
+            elif lead:
+                pos -= 1
+        if fc & 2:
+            ini = pos
+            while fl(pos) & 2:
+                pos += 1
+                if pos - ini >= 3:
+                    add(pos)
+                    ini = pos
+            add(pos)
+            continue
+        f2 = fl(pos + 1) if c == 0x20 else fc
+        if not (f2 & (0x100 | 4 | 2)) and f2:
+            pos += c == 0x20
+            while not (f2 & (0x100 | 4 | 2)) and f2:
+                pos += 1
+                f2 = fl(pos)
+            while cpt(pos) in (13, 10):
+                pos += 1
+            add(pos)
+            continue
+        nws, last_rn = 0, 0
+        while fl(pos + nws) & 0x100:
+            if cpt(pos + nws) in (13, 10):
+                last_rn = pos + nws + 1
+            nws += 1
+        if last_rn > 0:
+            pos = last_rn
+        elif nws > 1 and pos + nws < n:
+            pos += nws - 1
+        elif nws > 0:
+            pos += nws
+        else:
+            pos += 1
+        add(pos)
+    return out
+
+
+_CUSTOM_SPLITS = {"\\p{AFMoE_digits}": split_digits3, "\\d{1,3}(?=(?:\\d{3})*\\b)": split_digits3,
+                  "\\p{Han}+": split_kimi_k2}
 
 
 # ---------------------------------------------------------------------------------------------- byte-level BPE
@@ -430,6 +567,22 @@ _REGEXES = {
     'gemma4': (
         '[^\\n]+|[\\n]+',
     ),
+    'afmoe': (
+        '\\p{AFMoE_digits}',
+        '[一-鿿㐀-䶿豈-﫿぀-ゟ゠-ヿ･-ﾟ⼀-⿟เ-๿຀-໿ក-៿က-႟ꩠ-ꩿꧠ-꧿가-힯ᄀ-ᇿ]+',
+        '[!"#$%&\'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+',
+    ),
+    'tiny_aya': (
+        '\\d{1,3}(?=(?:\\d{3})*\\b)',
+        "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    ),
+    'kimi_k2': (
+        '\\p{Han}+',
+    ),
+    'superbpe': (
+        '\\p{N}+',
+        '(?=(\\d{3})+(?!\\d))',
+    ),
     'default': (
         '[\\p{P}\\$\\+<=>\\^~\\|]+',
         "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
@@ -487,8 +640,12 @@ _pre("laguna", "laguna", **_NC)
 _pre("minicpm5", "minicpm5", ignore_merges=True)
 _pre("gemma4 granite-embed-multi-311m", "gemma4", escape_whitespaces=True, byte_encode=False)
 _pre("sarvam-moe", "gemma4", escape_whitespaces=True, byte_encode=False, **_NC)
+_pre("afmoe", "afmoe", **_NC)
+_pre("tiny_aya cohere2moe", "tiny_aya", **_NC)
+_pre("superbpe", "superbpe", **_NC)
+_pre("kimi-k2", "kimi_k2", **_NC)
 # llama.cpp knows these, but they need hand-written matchers (digit grouping, Han exclusion) or another model type
-UNSUPPORTED_PRE = {"kimi-k2", "afmoe", "tiny_aya", "cohere2moe", "superbpe", "whitespace"}
+UNSUPPORTED_PRE = {"whitespace"}
 
 
 def pre_tokenizer(pre: str) -> PreTokenizer:

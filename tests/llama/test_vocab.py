@@ -138,7 +138,7 @@ def test_errors():
     with pytest.raises(ValueError, match="unknown pre-tokenizer type 'not-a-pre'"):
         Vocab.from_metadata({**md, "tokenizer.ggml.pre": "not-a-pre"})
     with pytest.raises(ValueError, match="not implemented"):
-        Vocab.from_metadata({**md, "tokenizer.ggml.pre": "kimi-k2"})
+        Vocab.from_metadata({**md, "tokenizer.ggml.pre": "whitespace"})
     assert Vocab.from_metadata({**md, "tokenizer.ggml.pre": ""}).pre == "default"
     with pytest.raises(ValueError, match="tokenizer.ggml.merges"):
         Vocab.from_metadata({k: v for k, v in md.items() if k != "tokenizer.ggml.merges"})
