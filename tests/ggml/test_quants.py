@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -135,11 +134,9 @@ def test_quantize_equals_libggml_digest(t):
 
 
 def _find_libggml():
-    env = os.environ.get("LLAMPY_LIBGGML")
-    if env:
-        return Path(env)
-    hits = sorted((ROOT / "benchmarks" / ".llamacpp-venv").glob("lib/python3*/site-packages/llama_cpp/lib/libggml-base.so"))
-    return hits[0] if hits else None
+    from tests import llamacpp
+    p = llamacpp.libggml_base()
+    return Path(p) if p else None
 
 
 class LibGGML:
@@ -181,7 +178,8 @@ class LibGGML:
 def libggml():
     path = _find_libggml()
     if path is None or not path.exists():
-        pytest.skip("no built libggml-base.so (benchmarks/.llamacpp-venv or $LLAMPY_LIBGGML)")
+        from tests import llamacpp
+        llamacpp.missing("libggml-base.so")
     return LibGGML(path)
 
 

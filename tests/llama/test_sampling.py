@@ -3,10 +3,7 @@ the random streams of std::mt19937, and (when a built libllama.so is at hand) a 
 from __future__ import annotations
 
 import ctypes
-import glob
-import importlib.util
 import math
-import os
 import time
 import zlib
 from pathlib import Path
@@ -313,13 +310,8 @@ def test_default_chain_step_is_fast(n_vocab):
 
 # ------------------------------------------------------------------------ differential run against libllama
 def _find_libllama():
-    cands = [os.environ.get("LLAMPY_LIBLLAMA", "")]
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec and spec.submodule_search_locations:
-        cands.append(os.path.join(spec.submodule_search_locations[0], "lib", "libllama.so"))
-    cands += glob.glob(str(ROOT / "benchmarks" / ".llamacpp-venv" / "lib" / "python*" / "site-packages" /
-                           "llama_cpp" / "lib" / "libllama.so"))
-    return next((c for c in cands if c and os.path.exists(c)), None)
+    from tests import llamacpp
+    return llamacpp.libllama()
 
 
 class _TDA(ctypes.Structure):
@@ -374,7 +366,8 @@ class LibLlama:
 def libllama():
     path = _find_libllama()
     if path is None:
-        pytest.skip("no built libllama.so (set LLAMPY_LIBLLAMA, or install llama-cpp-python)")
+        from tests import llamacpp
+        llamacpp.missing("libllama.so")
     return LibLlama(path)
 
 

@@ -1,0 +1,51 @@
+"""Where the tests find llama.cpp's own build (scripts/llamacpp.sh: a venv with llama-cpp-python built natively from
+its sdist), for the differential tests against ggml's quantizers and llama.cpp's tokenizers and samplers.
+
+``make test`` builds it (cached per machine) and sets ``LLAMPY_LLAMACPP`` to its directory. Without it these tests
+skip, except in CI (``CI`` set), where a missing build is a failure: a differential test that always skips there
+protects nothing."""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+
+import pytest
+
+from tests.paths import ROOT
+
+
+def _venvs() -> list[str]:
+    return [d for d in (os.environ.get("LLAMPY_LLAMACPP", ""), str(ROOT / "benchmarks" / ".llamacpp-venv")) if d]
+
+
+def _lib(name: str, env: str) -> str | None:
+    cands = [os.environ.get(env, "")]
+    for d in _venvs():
+        cands += glob.glob(os.path.join(d, "lib", "python3*", "site-packages", "llama_cpp", "lib", name))
+    return next((c for c in cands if c and os.path.exists(c)), None)
+
+
+def libllama() -> str | None:
+    return _lib("libllama.so", "LLAMPY_LIBLLAMA")
+
+
+def libggml_base() -> str | None:
+    return _lib("libggml-base.so", "LLAMPY_LIBGGML")
+
+
+def python() -> str | None:
+    """A Python that imports llama_cpp."""
+    cands = [os.environ.get("LLAMPY_LLAMACPP_PYTHON", "")] + [os.path.join(d, "bin", "python") for d in _venvs()]
+    for c in cands:
+        if c and os.path.exists(c) and subprocess.run([c, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+            return c
+    return None
+
+
+def missing(what: str):
+    """Skip (fail in CI) because llama.cpp's build lacks ``what``."""
+    msg = f"llama.cpp's build not found ({what}): run `bash scripts/llamacpp.sh` and set LLAMPY_LLAMACPP to its output"
+    if os.environ.get("CI"):
+        pytest.fail(msg + " (CI must run the differential tests)")
+    pytest.skip(msg)
