@@ -33,8 +33,9 @@ _TYPE_TO_ATTR = np.array([0, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_
 
 _K = "tokenizer.ggml."
 # llama.cpp's list of model types: the ones llampy implements, and the rest it knows by name
-_MODELS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm", "t5": "ugm", "rwkv": "rwkv"}
-_KNOWN_MODELS = {"plamo2", "hybriddna", "whitespace", "no_vocab", "none", "test"}
+_MODELS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "bert": "wpm", "t5": "ugm",
+           "rwkv": "rwkv"}
+_KNOWN_MODELS = {"plamo2", "hybriddna", "no_vocab", "none", "test"}
 
 # token texts llama.cpp recognises (load(): "auto-detect special tokens by text")
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
@@ -66,7 +67,6 @@ class Vocab:
     pre: str
     bos: int | None
     eos: int | None
-    eot: int | None
     eom: int | None
     unk: int | None
     pad: int | None
@@ -153,7 +153,7 @@ class Vocab:
         self.add_space_prefix = bool(md.get(_K + "add_space_prefix", self.add_space_prefix))
         self.remove_extra_whitespaces = bool(md.get(_K + "remove_extra_whitespaces", False))
         # BertNormalizer options (WPM): strip_accents follows lowercase unless the file says
-        self.lowercase = bool(md.get(_K + "normalizer.lowercase", True))
+        self.lowercase = bool(md.get(_K + "normalizer.lowercase", opts.get("lowercase", True)))
         self.strip_accents = bool(md.get(_K + "normalizer.strip_accents", self.lowercase))
 
         def special_id(key: str, default):
@@ -209,6 +209,30 @@ class Vocab:
             self._spm_scores = None                             # a list of floats, made on first use
         return self
 
+    _eot = None
+    _eot_pending = None
+
+    @property
+    def eot(self) -> int | None:
+        if self._eot_pending:
+            self._eot, self._eot_pending = self._map_first(self._eot_pending), None
+        return self._eot
+
+    @eot.setter
+    def eot(self, value: int | None) -> None:
+        self._eot, self._eot_pending = value, None
+
+    def _map_first(self, ids: list[int]) -> int:
+        """Of ids whose texts llama.cpp matched while iterating its token_to_id, the one it met first (the iteration
+        order of libstdc++'s unordered_map, replayed by vocab_order)."""
+        if len(ids) == 1:
+            return ids[0]
+        from .vocab_order import iteration_order
+        order = iteration_order(self.tokens, distinct=len(self.token_to_id) == self.n_tokens)
+        pos = np.empty(self.n_tokens, np.int64)
+        pos[order] = np.arange(len(order))
+        return min(ids, key=lambda i: int(pos[self.tokens.index(self.tokens[i])]))     # a text's node: its first id
+
     @property
     def token_to_id(self) -> dict[str, int]:
         if self._token_to_id is None:    # a repeated text maps to its last id, as in llama.cpp
@@ -231,25 +255,27 @@ class Vocab:
     def _detect_special_tokens(self, fim: dict) -> None:
         """llama.cpp finds EOT/EOM/FIM tokens by their text when the file names none, forces them to be control
         tokens, and collects the end-of-generation set the same way. Where several texts match, llama.cpp takes
-        whichever its hash map yields first; we take the lowest id."""
+        whichever its hash map (libstdc++'s unordered_map) yields first: vocab_order replays that order."""
         tid, attr = self.token_to_id, self.attr
 
         def find(texts):
-            found = sorted(tid[t] for t in texts if t in tid)
-            return found
+            return sorted(tid[t] for t in texts if t in tid)
 
         def force_control(i):
             attr[i] |= ATTR_CONTROL
 
         if self.eot is None and (found := find(_EOT_TEXTS)):
-            self.eot = found[0]
-            force_control(self.eot)
+            # every EOT text is also an EOG text (forced to control below), so which one is EOT changes nothing else:
+            # where several match, the choice waits for the first read of .eot
+            self._eot_pending = found if len(found) > 1 else None
+            self._eot = found[0]
+            force_control(self._eot)
         if self.eom is None and "<|eom_id|>" in tid:
             self.eom = tid["<|eom_id|>"]
             force_control(self.eom)
         for k, texts in _FIM_TEXTS.items():
             if fim[k] is None and (found := find(texts)):
-                fim[k] = found[0]
+                fim[k] = self._map_first(found)
                 force_control(fim[k])
         for i in np.flatnonzero(attr & ATTR_CONTROL):            # control tokens named "unused..."
             if "unused" in self.tokens[i]:
@@ -390,6 +416,9 @@ class Vocab:
             for f in frags:
                 if isinstance(f, int):
                     out.append(f)
+                elif self.model == "whitespace":    # segments between whitespace, lowercased, each pre-tokenized
+                    for seg in _whitespace_segments(f, self.lowercase):
+                        out += self._bpe.merge(self._pre.split(seg))
                 elif self.byte_encode:
                     out += self._bpe.merge([byte_encode(w) for w in self._pre.split(f)])
                 else:       # SPM-style BPE (gemma4): spaces escaped, merges over the raw UTF-8 of each line
@@ -488,6 +517,26 @@ class Vocab:
     def __repr__(self) -> str:
         return (f"Vocab({self.model}/{self.pre}, {self.n_tokens} tokens, bos={self.bos}, eos={self.eos}, "
                 f"eog={sorted(self.eog)}, add_bos={self.add_bos})")
+
+
+def _whitespace_segments(text: str, lowercase: bool) -> list[str]:
+    """llm_tokenizer_whitespace_session: the runs between llama.cpp's whitespace code points, lowercased with its
+    one-to-one map."""
+    from .vocab_bpe import cpt_flags
+    from .vocab_wpm import lowercase_map
+    white = cpt_flags()[1]
+    lower = lowercase_map() if lowercase else {}
+    segs, cur = [], []
+    for ch in text:
+        if ord(ch) in white:
+            if cur:
+                segs.append("".join(cur))
+                cur = []
+        else:
+            cur.append(chr(lower.get(ord(ch), ord(ch))) if lowercase else ch)
+    if cur:
+        segs.append("".join(cur))
+    return segs
 
 
 def _bpe_decode(text: str) -> bytes:

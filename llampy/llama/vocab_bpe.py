@@ -583,6 +583,9 @@ _REGEXES = {
         '\\p{N}+',
         '(?=(\\d{3})+(?!\\d))',
     ),
+    'whitespace': (
+        '\\S+',
+    ),
     'default': (
         '[\\p{P}\\$\\+<=>\\^~\\|]+',
         "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
@@ -644,8 +647,9 @@ _pre("afmoe", "afmoe", **_NC)
 _pre("tiny_aya cohere2moe", "tiny_aya", **_NC)
 _pre("superbpe", "superbpe", **_NC)
 _pre("kimi-k2", "kimi_k2", **_NC)
+_pre("whitespace", "whitespace", byte_encode=False, lowercase=False)
 # llama.cpp knows these, but they need hand-written matchers (digit grouping, Han exclusion) or another model type
-UNSUPPORTED_PRE = {"whitespace"}
+UNSUPPORTED_PRE: set[str] = set()
 
 
 def pre_tokenizer(pre: str) -> PreTokenizer:

@@ -146,6 +146,11 @@ def _load_tables() -> tuple:
     return _tables
 
 
+def lowercase_map() -> dict[int, int]:
+    """llama.cpp's unicode_tolower as a dict (code points it does not lower are absent)."""
+    return _load_tables()[0]
+
+
 def _is_chinese(cp: int) -> bool:
     return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2B73F
             or 0x2B740 <= cp <= 0x2B81F or 0x2B920 <= cp <= 0x2CEAF      # sic 0x2B920, as HF's Rust code

@@ -119,6 +119,24 @@ def test_wpm_rules():
     assert (v.bos, v.sep, v.unk, v.pad, v.mask) == (101, 102, 100, 0, 103)
 
 
+def test_unordered_map_order():
+    """llama.cpp takes the EOT/FIM token it meets first in its std::unordered_map: libstdc++'s hash and iteration
+    order, recorded from a g++ 12 program inserting these keys in order."""
+    from llampy.llama.vocab_order import hash_bytes, iteration_order
+    assert hash_bytes([b"", b"a", b"abcdefgh", b"abcdefghi", b"<|endoftext|>", "\u2581the".encode()]).tolist() == \
+        [6142509188972423790, 4993892634952068459, 8664279048047335611, 13036955925923793583, 3113324847494305268,
+         16230366170308768533]
+    toks = [f"tok{i}" for i in range(60)] + ["<|endoftext|>", "<|im_end|>", "a", "abcdefghijklmnop", "\u2581the"]
+    want = ("63 62 61 60 59 52 24 23 35 0 25 21 64 14 20 16 12 22 13 18 27 47 4 1 2 54 3 56 19 9 6 26 10 8 28 7 58 "
+            "11 29 5 30 39 15 17 32 36 37 42 38 40 41 43 34 44 53 46 48 45 49 33 50 31 51 55 57")
+    assert iteration_order(toks).tolist() == [int(x) for x in want.split()]
+    # repeated texts insert one node (the first), as operator[] does
+    assert iteration_order(toks + ["tok3", "a"]).tolist() == [int(x) for x in want.split()]
+    # qwen2's <|im_end|> comes before <|endoftext|> in that order: llama.cpp's EOT
+    q, l3 = vocab_model("qwen2").vocab, vocab_model("llama-bpe").vocab
+    assert q.tokens[q.eot] == "<|im_end|>" and l3.tokens[l3.eot] == "<|eot_id|>"
+
+
 # ------------------------------------------------------------------------------------------ libllama, differential
 _ORACLE = r'''
 import ctypes, json, sys
@@ -194,8 +212,7 @@ def test_vocab_matches_libllama(name):
     assert r.returncode == 0, r.stderr[-2000:]
     ref = json.loads(r.stdout)
     assert "error" not in ref, name
-    none = -1
-    got_ids = [none if x is None else x for x in (v.bos, v.eos, v.eot, v.sep, v.pad)]
+    got_ids = [-1 if x is None else x for x in (v.bos, v.eos, v.eot, v.sep, v.pad)]
     assert got_ids == ref["ids"], name
     assert [v.add_bos, v.add_eos] == ref["add"], name
     assert sorted(v.eog) == ref["eog"], name
@@ -211,3 +228,85 @@ def test_vocab_matches_libllama(name):
         got = [v.detokenize_bytes(i, special=us, remove_special=rs).hex()
                for rs, us in ((False, True), (False, False), (True, True))]
         assert got == want, (name, i)
+
+
+def _rewrite(src: Path, dst: Path, **overrides) -> Path:
+    """``src``'s metadata with some tokenizer keys replaced (``tokenizer_ggml_pre=...`` for tokenizer.ggml.pre)."""
+    from llampy.gguf import GGUFReader
+    from llampy.gguf.writer import GGUFWriter
+    r = GGUFReader(src)
+    over = {k.replace("_", ".", 2): v for k, v in overrides.items()}
+    w = GGUFWriter(dst)
+    for k, val in r.metadata.items():
+        if k in over:
+            new = over.pop(k)
+            if new is not None:
+                w.add(k, new, r.value_types[k] if not isinstance(new, list) else None)
+        else:
+            w.add(k, val, r.value_types[k])
+    for k, val in over.items():
+        if val is not None:
+            w.add(k, val)
+    w.write()
+    return dst
+
+
+def _rwkv_tokens(v) -> list[str]:
+    """An RWKV "world"-style vocabulary: every byte, escaped as llama.cpp unescapes it, then gpt-2's tokens as
+    bytes (escaped likewise, some with \\t \\n \\r escapes)."""
+    def esc(b: bytes) -> str | None:
+        try:
+            s = b.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return s.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+
+    toks = [f"\\x{b:02x}" if b < 0x20 or b >= 0x7F or b == 0x5C else chr(b) for b in range(256)]
+    seen = set(toks)
+    for i in range(v.n_tokens):
+        t = esc(v.token_to_piece(i))
+        if t and len(t) > 1 and t not in seen:
+            seen.add(t)
+            toks.append(t)
+    return toks
+
+
+# pre-tokenizers no shipped vocabulary uses, run over gpt-2's vocabulary (and its merges)
+_PRES = ["afmoe", "tiny_aya", "cohere2moe", "superbpe", "kimi-k2", "whitespace", "granite-embed-multi-311m",
+         "sarvam-moe", "gemma4", "youtu", "exaone-moe", "minicpm5", "laguna", "seed-coder"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", _PRES + ["model=whitespace", "model=rwkv"])
+def test_tokenizer_kinds_match_libllama(kind, tmp_path):
+    """Pre-tokenizers and tokenizer models without a llama.cpp test vocabulary: gpt-2's vocabulary rewritten to use
+    them, against libllama on random text."""
+    py = _llamacpp_python()
+    from llampy.gguf import GGUFReader
+    src = vocab_path("gpt-2")
+    if kind == "model=whitespace":
+        path = _rewrite(src, tmp_path / "v.gguf", tokenizer_ggml_model="whitespace", tokenizer_ggml_pre="whitespace")
+    elif kind == "model=rwkv":
+        base = Model(src, vocab_only=True).vocab
+        toks = _rwkv_tokens(base)
+        path = _rewrite(src, tmp_path / "v.gguf", tokenizer_ggml_model="rwkv", tokenizer_ggml_pre=None,
+                        tokenizer_ggml_merges=None, tokenizer_ggml_tokens=toks,
+                        tokenizer_ggml_token_type=None, tokenizer_ggml_bos_token_id=None,
+                        tokenizer_ggml_eos_token_id=None, tokenizer_ggml_unknown_token_id=None)
+    else:
+        path = _rewrite(src, tmp_path / "v.gguf", tokenizer_ggml_pre=kind)
+    v = Model(path, vocab_only=True).vocab
+    texts = _random_texts(v, zlib.crc32(kind.encode()), 120)
+    r = subprocess.run([py, "-c", _ORACLE], input=json.dumps({"model": str(path), "texts": texts, "ids": [[0]]}),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref = json.loads(r.stdout)
+    assert "error" not in ref, kind
+    assert [v.add_bos, v.add_eos] == ref["add"], kind
+    bad = []
+    for t, want in zip(texts, ref["tok"]):
+        got = [v.tokenize(t, add_special=a, parse_special=p) for a, p in ((False, False), (False, True), (True, True))]
+        if got != want:
+            bad.append((t, want, got))
+    assert not bad, f"{kind}: {len(bad)}/{len(texts)} tokenize differently, first {bad[0]}"
+    del GGUFReader
