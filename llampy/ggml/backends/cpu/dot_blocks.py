@@ -34,10 +34,10 @@ from numba.extending import intrinsic
 from ... import blocks as B
 from ...types import GGMLType
 from .act_quant import act_split, f32_to_bf16_bits, scratch_for
-from .dot_kquant import _madd, _maddubs, i32x8_sum
+from .dot_kquant import _madd, _maddubs, hsum8x, i32x8_sum
 from .dot_q32 import ROW_CHUNK, prefetch_base, prefetch_step
 from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8, f32x8_add,
-                   f32x8_fma, f32x8_hsum, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_to_f32x8)
+                   f32x8_fma, f32x8_hsum, f32x8_lane, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_to_f32x8)
 
 T = GGMLType
 _V32 = ir.VectorType(_I8, 32)
@@ -253,20 +253,22 @@ N4_BYTES, N4_QS, N4_D = N4.type_size, N4.field("qs").offset, N4.field("d").offse
 
 @njit(cache=True, inline="always")
 def _step_bytes(kind):
-    """Weight bytes one step of ``_step`` reads (a super-block; IQ4_NL: one block, or two in its vec_dot form)."""
+    """Weight bytes one step of ``_step`` reads (a super-block; IQ4_NL: eight blocks, or two in its vec_dot form)."""
     if kind == K_Q2_K:
         return Q2_BYTES
     if kind == K_Q3_K:
         return Q3_BYTES
     if kind == K_IQ4_XS:
         return X4_BYTES
-    return N4_BYTES if kind == K_IQ4_NL_R8 else 2 * N4_BYTES
+    if kind == K_IQ4_NL_R8:
+        return 8 * N4_BYTES
+    return 2 * N4_BYTES
 
 
 @njit(cache=True, inline="always")
 def _n_steps(kind, k):
     if kind == K_IQ4_NL_R8:
-        return k // 32
+        return k // 256
     if kind == K_IQ4_NL:
         return k // 64
     return k // 256
@@ -275,6 +277,16 @@ def _n_steps(kind, k):
 @njit(cache=True, inline="always")
 def _nl_isum(wr, o, xr, xo):
     return i32x8_sum(lanes_s(nib_lut32(wr, o + N4_QS), xr, xo, 1))
+
+
+@njit(cache=True, inline="always")
+def _nl_lanes(wr, o, xr, xo, g):
+    return lanes_s(nib_lut32(wr, o + g * N4_BYTES + N4_QS), xr, xo + 32 * g, 1)
+
+
+@njit(cache=True, inline="always")
+def _nl_d(wr, o, xdr, b0, g):
+    return np.float32(f16_at(wr, o + g * N4_BYTES + N4_D) * xdr[b0 + g])
 
 
 @njit(cache=True, inline="always")
@@ -315,9 +327,21 @@ def _step(kind, wr, b, xr, xdr, bsr, a1, a2, s):
         d = np.float32(f16_at(wr, o + X4_D) * xdr[b])
         a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
     elif kind == K_IQ4_NL_R8:
-        o = b * N4_BYTES
-        d = np.float32(f16_at(wr, o + N4_D) * xdr[b])
-        s = fma32(np.float32(_nl_isum(wr, o, xr, b * 32)), d, s)
+        # eight blocks: their exact sums at once (one transposed reduction), then the chain block by block
+        o = b * 8 * N4_BYTES
+        xo = b * 256
+        v = hsum8x(_nl_lanes(wr, o, xr, xo, 0), _nl_lanes(wr, o, xr, xo, 1), _nl_lanes(wr, o, xr, xo, 2),
+                   _nl_lanes(wr, o, xr, xo, 3), _nl_lanes(wr, o, xr, xo, 4), _nl_lanes(wr, o, xr, xo, 5),
+                   _nl_lanes(wr, o, xr, xo, 6), _nl_lanes(wr, o, xr, xo, 7))
+        f = i32x8_to_f32x8(v)
+        s = fma32(f32x8_lane(f, 0), _nl_d(wr, o, xdr, 8 * b, 0), s)
+        s = fma32(f32x8_lane(f, 1), _nl_d(wr, o, xdr, 8 * b, 1), s)
+        s = fma32(f32x8_lane(f, 2), _nl_d(wr, o, xdr, 8 * b, 2), s)
+        s = fma32(f32x8_lane(f, 3), _nl_d(wr, o, xdr, 8 * b, 3), s)
+        s = fma32(f32x8_lane(f, 4), _nl_d(wr, o, xdr, 8 * b, 4), s)
+        s = fma32(f32x8_lane(f, 5), _nl_d(wr, o, xdr, 8 * b, 5), s)
+        s = fma32(f32x8_lane(f, 6), _nl_d(wr, o, xdr, 8 * b, 6), s)
+        s = fma32(f32x8_lane(f, 7), _nl_d(wr, o, xdr, 8 * b, 7), s)
     else:
         o = b * 2 * N4_BYTES
         xo = b * 64
@@ -330,7 +354,10 @@ def _step(kind, wr, b, xr, xdr, bsr, a1, a2, s):
 
 @njit(cache=True, inline="always")
 def _final(kind, wr, xr, xdr, k, a1, a2, s):
-    if kind == K_IQ4_NL_R8:
+    if kind == K_IQ4_NL_R8:          # the blocks past the last group of eight, one by one
+        for b in range(k // 256 * 8, k // 32):
+            d = np.float32(f16_at(wr, b * N4_BYTES + N4_D) * xdr[b])
+            s = fma32(np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32)), d, s)
         return s
     if kind == K_IQ4_NL:
         r = f32x8_hsum(f32x8_add(a1, a2))
@@ -561,11 +588,12 @@ DEQUANT_TILE = {T.Q2_K: _dq_q2_k, T.Q3_K: _dq_q3_k, T.IQ4_XS: _dq_iq4_xs, T.IQ4_
 
 def use_kernel(wtype: GGMLType, n: int, rows: int) -> bool:
     """Whether a batch of n activation rows takes these kernels (else the BLAS path's dequantized tiles). Below
-    SMALL_N rows they are ggml's own order (vec_dot) and read each weight once; from there llama.cpp runs other
-    kernels (tinyBLAS for F16/BF16, its tiled k-quant kernel), except IQ4_NL's repacked rows (the same chain at
-    every batch size), and dequantized tiles + BLAS are faster."""
-    return n < SMALL_N or (wtype == T.IQ4_NL and rows % 8 == 0 and n < IQ4_NL_MAX_N)
+    SMALL_N rows they run ggml's own order and read each weight once. From there llama.cpp runs other kernels
+    (tinyBLAS for F16/BF16, its tiled k-quant kernel for Q2_K/Q3_K/IQ4_XS), except for IQ4_NL's repacked rows, whose
+    gemm keeps the gemv's chain, so these kernels would stay exact there; but at n = 128 they take 2.7x Q4_1's
+    prompt tiles' time (single thread: 10.6-12.8 ms vs 3.7-3.9 on SmolLM2's feed-forward shapes) and dequantized
+    tiles + BLAS 1.6x: the prompt tiles of these formats are still to come (issue 17)."""
+    return n < SMALL_N
 
 
 SMALL_N = 8
-IQ4_NL_MAX_N = 1 << 30
