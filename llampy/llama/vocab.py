@@ -179,7 +179,7 @@ class Vocab:
             self.add_bos = bool(md[_K + "add_bos_token"])
         if _K + "add_eos_token" in md:
             self.add_eos = bool(md[_K + "add_eos_token"])
-        if self.pre == "gemma4":      # llama.cpp overrides a false add_bos_token for Gemma 4
+        if opts.get("force_bos"):      # llama.cpp overrides a false add_bos_token for Gemma 4's pre-tokenizer type
             self.add_bos = True
 
         self._detect_special_tokens(fim)

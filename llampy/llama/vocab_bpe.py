@@ -596,7 +596,9 @@ _REGEXES = {
 _GPT2_RX = _REGEXES["gpt2"][0]
 
 # tokenizer.ggml.pre -> (regexes, options), as llama_vocab::impl::load sets them. Options: clean_spaces (BPE
-# default True), ignore_merges, add_bos (the default before tokenizer.ggml.add_bos_token), no_bos.
+# default True), ignore_merges, add_bos (the default before tokenizer.ggml.add_bos_token), no_bos, force_bos (add_bos
+# whatever the file says: llama.cpp's Gemma 4 workaround), escape_whitespaces (spaces to U+2581 first), byte_encode
+# (False: merges over raw UTF-8, <0xXX> byte fallback), lowercase (the normalizer's default).
 PRE_TYPES: dict[str, tuple[str, dict]] = {}
 
 
@@ -641,7 +643,7 @@ _pre("seed-coder", "seed_coder", **_NC)
 _pre("ufakzeka", "ufakzeka", **_NC)
 _pre("laguna", "laguna", **_NC)
 _pre("minicpm5", "minicpm5", ignore_merges=True)
-_pre("gemma4 granite-embed-multi-311m", "gemma4", escape_whitespaces=True, byte_encode=False)
+_pre("gemma4 granite-embed-multi-311m", "gemma4", escape_whitespaces=True, byte_encode=False, force_bos=True)
 _pre("sarvam-moe", "gemma4", escape_whitespaces=True, byte_encode=False, **_NC)
 _pre("afmoe", "afmoe", **_NC)
 _pre("tiny_aya cohere2moe", "tiny_aya", **_NC)

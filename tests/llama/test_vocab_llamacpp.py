@@ -271,8 +271,9 @@ def _rwkv_tokens(v) -> list[str]:
     return toks
 
 
-# pre-tokenizers no shipped vocabulary uses, run over gpt-2's vocabulary (and its merges)
-_PRES = ["afmoe", "tiny_aya", "cohere2moe", "superbpe", "kimi-k2", "whitespace", "granite-embed-multi-311m",
+# pre-tokenizers no shipped vocabulary uses, run over gpt-2's vocabulary (and its merges); not "whitespace", whose
+# words hold spaces that llama.cpp's merge lookup asserts against outside its own tokenizer model
+_PRES = ["afmoe", "tiny_aya", "cohere2moe", "superbpe", "kimi-k2", "granite-embed-multi-311m",
          "sarvam-moe", "gemma4", "youtu", "exaone-moe", "minicpm5", "laguna", "seed-coder"]
 
 
