@@ -10,9 +10,13 @@ Three parts:
   Lark converter), from a JSON schema (``from_json_schema``) or any JSON object (``json_object``). Compiling checks
   the grammar: what llguidance cannot compile or enforce is a ``GrammarError`` (a ValueError) naming it, never a
   grammar that quietly allows everything.
-- ``Grammar``: the sampler. ``apply`` keeps only the candidates the matcher allows (the EOS/EOG tokens where the
-  grammar may end, only those once it is complete); ``accept`` advances the matcher and starts computing the next
-  mask on a worker thread, so that it overlaps the model's next forward pass (llguidance releases the GIL).
+- ``Grammar``: the sampler. ``apply`` computes the mask and keeps only the candidates the matcher allows (the
+  EOS/EOG tokens where the grammar may end, only those once it is complete); ``accept`` advances the matcher.
+  ``overlap=True`` computes the next mask on a worker thread from ``accept`` on, beside the model's next forward
+  pass (llguidance releases the GIL while it works). It is off by default: measured with
+  benchmarks/grammar_cost.py on the shared 2-core machine it bought nothing (the decode loop waited longer for the
+  grammar with it, 2.9-4.6% of the loop against 1.7-1.9% without: the worker competes with the decode threads for
+  the cores and for the GIL around the call), while the whole constraint cost within noise of 0-6%.
 
 Where few tokens are allowed, only those stay candidates, instead of the others being set to -inf as llama.cpp
 does: every later sampler sees the same distribution (a -inf logit has probability 0 and is never selected) on a
@@ -290,8 +294,7 @@ def _clean(msg: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the sampler
-# One worker computes the masks that overlap the forward pass; the server's streams share it (a mask takes tens
-# to hundreds of microseconds, a decode step milliseconds).
+# One worker computes the masks that overlap the forward pass (overlap=True); the server's streams share it.
 _POOL: cf.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -369,9 +372,10 @@ class Grammar:
     """The grammar sampler: put it first in a Chain. ``grammar`` is a LlamaGrammar, or GBNF text.
 
     ``overlap``: compute the next mask on a worker thread as soon as a token is accepted (while the caller runs the
-    forward pass that produces the next logits); False computes it in ``apply``."""
+    forward pass that produces the next logits); False (the default, see the module's doc) computes it in
+    ``apply``."""
 
-    def __init__(self, vocab: Vocab, grammar, overlap: bool = True):
+    def __init__(self, vocab: Vocab, grammar, overlap: bool = False):
         self.vocab = vocab
         self.grammar = LlamaGrammar.coerce(grammar)
         self.overlap = overlap

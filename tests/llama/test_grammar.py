@@ -80,7 +80,7 @@ def test_tokenizer_is_built_once_per_vocabulary(vocab):
     assert tk.is_special_token(im_end) and not tk.is_special_token(vocab.token_to_id["Hello"])
 
 
-def _run_on_random_logits(vocab, grammar, seed, n=40, overlap=True):
+def _run_on_random_logits(vocab, grammar, seed, n=40, overlap=False):
     """Sample under the grammar from random logits (no model): the tokens and the text."""
     rng = np.random.default_rng(seed)
     g = Grammar(vocab, grammar, overlap=overlap)
