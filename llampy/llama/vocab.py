@@ -18,6 +18,7 @@ import re
 import numpy as np
 
 from .vocab_bpe import PRE_TYPES, UNICODE_TO_BYTE, UNSUPPORTED_PRE, BpeMerger, byte_encode, pre_tokenizer
+from .vocab_plamo2 import Plamo2Tokenizer
 from .vocab_rwkv import RwkvTokenizer, rwkv_unescape
 from .vocab_spm import spm_tokenize
 from .vocab_ugm import UgmTokenizer
@@ -34,8 +35,8 @@ _TYPE_TO_ATTR = np.array([0, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_
 _K = "tokenizer.ggml."
 # llama.cpp's list of model types: the ones llampy implements, and the rest it knows by name
 _MODELS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "bert": "wpm", "t5": "ugm",
-           "rwkv": "rwkv"}
-_KNOWN_MODELS = {"plamo2", "hybriddna", "no_vocab", "none", "test"}
+           "rwkv": "rwkv", "plamo2": "plamo2"}
+_KNOWN_MODELS = {"hybriddna", "no_vocab", "none", "test"}
 
 # token texts llama.cpp recognises (load(): "auto-detect special tokens by text")
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
@@ -134,6 +135,10 @@ class Vocab:
             self.pre, opts = "default", {}
             ids = dict(bos=None, eos=None, unk=None)
             self.add_bos, self.add_space_prefix, self.clean_spaces = False, False, False
+        elif self.type == "plamo2":
+            self.pre, opts = "default", {}
+            ids = dict(bos=1, eos=2, unk=0, pad=3)
+            self.add_bos, self.add_space_prefix, self.clean_spaces = False, False, False
         else:
             # gemma4's model type is BPE over raw UTF-8 with its own pre-tokenizer, whatever the file's pre says
             pre = "gemma4" if model == "gemma4" else str(md.get(_K + "pre", "") or "default")   # '' -> 'default'
@@ -203,8 +208,8 @@ class Vocab:
             self._ugm = None
         elif self.type == "wpm":
             self._wpm_ids = None
-        elif self.type == "rwkv":
-            self._rwkv = None
+        elif self.type in ("rwkv", "plamo2"):
+            self._rwkv = None           # the RWKV or PLaMo-2 tokenizer, made on first use
         elif self.type == "spm":
             self._spm_scores = None                             # a list of floats, made on first use
         return self
@@ -385,14 +390,15 @@ class Vocab:
         tokens written in the text become their ids."""
         frags = self._partition(text, parse_special) if text else []
         out: list[int] = []
-        # WPM always wraps in [CLS] ... [SEP] (BOS, SEP); RWKV adds nothing; the others as add_bos/add_eos say
-        add_bos = add_special and (self.type == "wpm" or (self.add_bos and self.type != "rwkv"))
-        add_eos = add_special and self.type != "wpm" and self.add_eos and self.type != "rwkv"
+        # WPM always wraps in [CLS] ... [SEP] (BOS, SEP); RWKV and PLaMo-2 add nothing; the others as add_bos/add_eos
+        bare = self.type in ("rwkv", "plamo2")
+        add_bos = add_special and (self.type == "wpm" or (self.add_bos and not bare))
+        add_eos = add_special and self.type != "wpm" and self.add_eos and not bare
         if add_bos:
             if self.bos is None:
                 raise ValueError("the vocabulary asks for a BOS token but has none")
             out.append(self.bos)
-        if self.type in ("wpm", "ugm", "rwkv"):
+        if self.type in ("wpm", "ugm", "rwkv", "plamo2"):
             run = self._word_tokenizer()
             for f in frags:
                 if isinstance(f, int):
@@ -436,7 +442,7 @@ class Vocab:
         return out
 
     def _word_tokenizer(self):
-        """The WPM, UGM or RWKV tokenizer of one text fragment (its tables made on first use)."""
+        """The WPM, UGM, RWKV or PLaMo-2 tokenizer of one text fragment (its tables made on first use)."""
         if self.type == "wpm":
             if self._wpm_ids is None:
                 self._wpm_ids = {t.encode("utf-8", "surrogatepass"): i for i, t in enumerate(self.tokens)}
@@ -450,7 +456,8 @@ class Vocab:
                                          self.remove_extra_whitespaces)
             return self._ugm.tokenize
         if self._rwkv is None:
-            self._rwkv = RwkvTokenizer(self.tokens, self.unk)
+            self._rwkv = RwkvTokenizer(self.tokens, self.unk) if self.type == "rwkv" else \
+                Plamo2Tokenizer(self.tokens, self.attr, self.scores)
         return self._rwkv.tokenize
 
     # ------------------------------------------------------------------------------------------------ detokenize
@@ -469,6 +476,9 @@ class Vocab:
             p = b""
         elif self.type == "rwkv":         # every RWKV token is its escaped bytes
             p = rwkv_unescape(text)
+        elif self.type == "plamo2":       # byte tokens their byte, every other token its text as it is
+            p = bytes([int(text[3:5], 16)]) if a & ATTR_BYTE and len(text) == 6 and text.startswith("<0x") \
+                else text.encode("utf-8", "surrogatepass")
         elif a & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
             p = text.encode("utf-8", "surrogatepass")
         elif a & ATTR_NORMAL:

@@ -235,7 +235,7 @@ def _rewrite(src: Path, dst: Path, **overrides) -> Path:
     from llampy.gguf import GGUFReader
     from llampy.gguf.writer import GGUFWriter
     r = GGUFReader(src)
-    over = {k.replace("_", ".", 2): v for k, v in overrides.items()}
+    over = {k if "." in k else k.replace("_", ".", 2): v for k, v in overrides.items()}
     w = GGUFWriter(dst)
     for k, val in r.metadata.items():
         if k in over:
@@ -278,15 +278,24 @@ _PRES = ["afmoe", "tiny_aya", "cohere2moe", "superbpe", "kimi-k2", "granite-embe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", _PRES + ["model=whitespace", "model=rwkv"])
+@pytest.mark.parametrize("kind", _PRES + ["model=whitespace", "model=rwkv", "model=plamo2", "ugm:merge-spaces",
+                                          "ugm:no-prefix", "wpm:cased"])
 def test_tokenizer_kinds_match_libllama(kind, tmp_path):
-    """Pre-tokenizers and tokenizer models without a llama.cpp test vocabulary: gpt-2's vocabulary rewritten to use
-    them, against libllama on random text."""
+    """Pre-tokenizers and tokenizer models without a llama.cpp test vocabulary, and options the shipped ones leave at
+    their defaults: a shipped vocabulary rewritten to use them (gpt-2's for BPE and RWKV, llama-spm's for PLaMo-2,
+    nomic-bert-moe's for UGM, bert-bge's for WPM), against libllama on random text."""
     py = _llamacpp_python()
-    from llampy.gguf import GGUFReader
     src = vocab_path("gpt-2")
     if kind == "model=whitespace":
         path = _rewrite(src, tmp_path / "v.gguf", tokenizer_ggml_model="whitespace", tokenizer_ggml_pre="whitespace")
+    elif kind == "model=plamo2":
+        path = _rewrite(vocab_path("llama-spm"), tmp_path / "v.gguf", tokenizer_ggml_model="plamo2")
+    elif kind == "ugm:merge-spaces":
+        path = _rewrite(vocab_path("nomic-bert-moe"), tmp_path / "v.gguf", tokenizer_ggml_remove_extra_whitespaces=True)
+    elif kind == "ugm:no-prefix":
+        path = _rewrite(vocab_path("nomic-bert-moe"), tmp_path / "v.gguf", tokenizer_ggml_add_space_prefix=False)
+    elif kind == "wpm:cased":
+        path = _rewrite(vocab_path("bert-bge"), tmp_path / "v.gguf", **{"tokenizer.ggml.normalizer.lowercase": False})
     elif kind == "model=rwkv":
         base = Model(src, vocab_only=True).vocab
         toks = _rwkv_tokens(base)
@@ -298,7 +307,9 @@ def test_tokenizer_kinds_match_libllama(kind, tmp_path):
         path = _rewrite(src, tmp_path / "v.gguf", tokenizer_ggml_pre=kind)
     v = Model(path, vocab_only=True).vocab
     texts = _random_texts(v, zlib.crc32(kind.encode()), 120)
-    r = subprocess.run([py, "-c", _ORACLE], input=json.dumps({"model": str(path), "texts": texts, "ids": [[0]]}),
+    rnd = random.Random(kind)
+    ids = [[rnd.randrange(v.n_tokens) for _ in range(rnd.randint(1, 12))] for _ in range(40)]
+    r = subprocess.run([py, "-c", _ORACLE], input=json.dumps({"model": str(path), "texts": texts, "ids": ids}),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     ref = json.loads(r.stdout)
@@ -310,4 +321,7 @@ def test_tokenizer_kinds_match_libllama(kind, tmp_path):
         if got != want:
             bad.append((t, want, got))
     assert not bad, f"{kind}: {len(bad)}/{len(texts)} tokenize differently, first {bad[0]}"
-    del GGUFReader
+    for i, want in zip(ids, ref["detok"]):
+        got = [v.detokenize_bytes(i, special=us, remove_special=rs).hex()
+               for rs, us in ((False, True), (False, False), (True, True))]
+        assert got == want, (kind, i)
