@@ -32,10 +32,12 @@ run: $(STAMP)
 	$(BIN)/llampy warmup
 	$(BIN)/llampy run -p "The capital of France is" -n 32
 
-# llama.cpp's own build for the differential tests (scripts/llamacpp.sh: built once per machine, ~15 min on 2 cores)
+# llama.cpp's own build for the differential tests (scripts/llamacpp.sh: built once per machine, ~15 min on 2 cores),
+# and its tokenizer test vocabularies too large for the repository (scripts/llamacpp_vocabs.sh: from the same sdist)
 test: $(DEVSTAMP)
 	bash scripts/system-deps.sh
-	LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) $(BIN)/python -m pytest -q
+	LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
+	  $(BIN)/python -m pytest -q
 
 # The suite again with the AVX2 paths forced (llampy's intrinsics by LLAMPY_SIMD, Numba's code generation by
 # NUMBA_CPU_NAME), in a Numba cache of its own: what an AVX2-only CPU runs. On a CPU without AVX-512, `make test`
@@ -43,7 +45,7 @@ test: $(DEVSTAMP)
 test-avx2: $(DEVSTAMP)
 	@if grep -qw avx512f /proc/cpuinfo; then \
 	  LLAMPY_SIMD=avx2 NUMBA_CPU_NAME=haswell NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-avx2 \
-	    LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) \
+	    LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
 	    $(BIN)/python -m pytest -q; \
 	else echo "test-avx2: this CPU has no AVX-512, so make test ran the AVX2 paths"; fi
 
