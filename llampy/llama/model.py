@@ -67,9 +67,9 @@ class Model:
             self.arch, self.hparams = self._vocab_only_hparams(md)
             self.vocab = Vocab.from_metadata(md)
             self.hparams.n_vocab = self.hparams.n_vocab or self.vocab.n_tokens
+            # no backend either: `llampy tokenize` need not import the kernels
             self.use_mmap, self.devices, self.n_gpu_layers, self.split_mode = use_mmap, [], 0, "none"
-            self.cpu = backend_init("cpu", n_threads=n_threads)
-            self.layer_backend = [self.cpu] * (self.hparams.n_layer + 1)
+            self.cpu, self.layer_backend = None, []
             self.tensors: dict[str, Tensor] = {}
             self.layers = [SimpleNamespace() for _ in range(self.hparams.n_layer)]
             return
