@@ -34,9 +34,10 @@ _TYPE_TO_ATTR = np.array([0, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_
 
 _K = "tokenizer.ggml."
 # llama.cpp's list of model types: the ones llampy implements, and the rest it knows by name
-_MODELS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "bert": "wpm", "t5": "ugm",
-           "rwkv": "rwkv", "plamo2": "plamo2"}
-_KNOWN_MODELS = {"hybriddna", "no_vocab", "none", "test"}
+_MODELS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "hybriddna": "bpe", "bert": "wpm",
+           "t5": "ugm", "rwkv": "rwkv", "plamo2": "plamo2"}
+_KNOWN_MODELS = {"no_vocab", "none", "test"}
+_DNA_MARKER = "\ue000"     # hybriddna: the suffix that keeps k-mer tokens apart from the same text in the BPE part
 
 # token texts llama.cpp recognises (load(): "auto-detect special tokens by text")
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
@@ -96,7 +97,13 @@ class Vocab:
         n = self.n_tokens = len(tokens)
         if "" in tokens:       # llama.cpp renames empty tokens so that every text maps back to one id
             tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        self.tokens = tokens
+        self.tokens = self._lookup_texts = tokens
+        if model == "hybriddna" and "<oov>" in tokens:
+            # the k-mers after <oov> are looked up with their marker but read without it (llama.cpp erases it from
+            # id_to_token once token_to_id is built)
+            k = n - 1 - tokens[::-1].index("<oov>")
+            self.tokens = tokens[:k + 1] + [t[:-1] if len(t) > 1 and t.endswith(_DNA_MARKER) else t
+                                            for t in tokens[k + 1:]]
         self._token_to_id = None
 
         types = md.get(_K + "token_type")
@@ -241,7 +248,7 @@ class Vocab:
     @property
     def token_to_id(self) -> dict[str, int]:
         if self._token_to_id is None:    # a repeated text maps to its last id, as in llama.cpp
-            self._token_to_id = dict(zip(self.tokens, range(self.n_tokens)))
+            self._token_to_id = dict(zip(self._lookup_texts, range(self.n_tokens)))
         return self._token_to_id
 
     @property
@@ -422,6 +429,8 @@ class Vocab:
             for f in frags:
                 if isinstance(f, int):
                     out.append(f)
+                elif self.model == "hybriddna":
+                    out += self._dna_tokenize(f)
                 elif self.model == "whitespace":    # segments between whitespace, lowercased, each pre-tokenized
                     for seg in _whitespace_segments(f, self.lowercase):
                         out += self._bpe.merge(self._pre.split(seg))
@@ -439,6 +448,41 @@ class Vocab:
             if self.eos is None:
                 raise ValueError("the vocabulary asks for an EOS token but has none")
             out.append(self.eos)
+        return out
+
+    def _bpe_text(self, text: str) -> list[int]:
+        return self._bpe.merge([byte_encode(w) for w in self._pre.split(text)]) if text else []
+
+    def _dna_tokenize(self, text: str) -> list[int]:
+        """llm_tokenizer_hybriddna_session: BPE outside <dna>...</dna>; inside, the sequence upper-cased (ASCII) in
+        6-byte k-mers, the last padded with 'A', each the token of its text and marker, else <oov>."""
+        tid = self.token_to_id
+        begin, end_, oov = tid.get("<dna>"), tid.get("</dna>"), tid.get("<oov>")
+        if begin is None or end_ is None or oov is None:
+            return self._bpe_text(text)
+        out: list[int] = []
+        pos = 0
+        while pos < len(text):
+            start = text.find("<dna>", pos)
+            if start < 0:
+                out += self._bpe_text(text[pos:])
+                break
+            out += self._bpe_text(text[pos:start])
+            out.append(begin)
+            c0 = start + len("<dna>")
+            stop = text.find("</dna>", c0)
+            seq = (text[c0:] if stop < 0 else text[c0:stop]).encode("utf-8", "surrogatepass")
+            seq = bytes(b - 32 if 0x61 <= b <= 0x7A else b for b in seq)
+            for i in range(0, len(seq), 6):
+                kmer = seq[i:i + 6].ljust(6, b"A")
+                try:
+                    out.append(tid.get(kmer.decode("utf-8") + _DNA_MARKER, oov))
+                except UnicodeDecodeError:
+                    out.append(oov)
+            if stop < 0:
+                break
+            out.append(end_)
+            pos = stop + len("</dna>")
         return out
 
     def _word_tokenizer(self):

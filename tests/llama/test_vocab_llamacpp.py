@@ -281,8 +281,8 @@ _PRES = ["afmoe", "tiny_aya", "cohere2moe", "superbpe", "kimi-k2", "granite-embe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", _PRES + ["model=whitespace", "model=rwkv", "model=plamo2", "ugm:merge-spaces",
-                                          "ugm:no-prefix", "wpm:cased"])
+@pytest.mark.parametrize("kind", _PRES + ["model=whitespace", "model=rwkv", "model=plamo2", "model=hybriddna",
+                                          "ugm:merge-spaces", "ugm:no-prefix", "wpm:cased"])
 def test_tokenizer_kinds_match_libllama(kind, tmp_path):
     """Pre-tokenizers and tokenizer models without a llama.cpp test vocabulary, and options the shipped ones leave at
     their defaults: a shipped vocabulary rewritten to use them (gpt-2's for BPE and RWKV, llama-spm's for PLaMo-2,
@@ -291,6 +291,12 @@ def test_tokenizer_kinds_match_libllama(kind, tmp_path):
     src = vocab_path("gpt-2")
     if kind == "model=whitespace":
         path = _rewrite(src, tmp_path / "v.gguf", tokenizer_ggml_model="whitespace", tokenizer_ggml_pre="whitespace")
+    elif kind == "model=hybriddna":        # gpt-2's BPE plus the DNA tags and every ACGT 6-mer (with its marker)
+        import itertools
+        toks = list(Model(src, vocab_only=True).vocab.tokens) + ["<dna>", "</dna>", "<oov>"] + \
+            ["".join(k) + "\ue000" for k in itertools.product("ACGT", repeat=6)] + ["CCCCCC"]
+        path = _rewrite(src, tmp_path / "v.gguf", tokenizer_ggml_model="hybriddna", tokenizer_ggml_tokens=toks,
+                        tokenizer_ggml_token_type=None)
     elif kind == "model=plamo2":
         path = _rewrite(vocab_path("llama-spm"), tmp_path / "v.gguf", tokenizer_ggml_model="plamo2")
     elif kind == "ugm:merge-spaces":
@@ -311,6 +317,9 @@ def test_tokenizer_kinds_match_libllama(kind, tmp_path):
     v = Model(path, vocab_only=True).vocab
     texts = _random_texts(v, zlib.crc32(kind.encode()), 120)
     rnd = random.Random(kind)
+    if kind == "model=hybriddna":
+        dna = ["<dna>", "</dna>", "ACGT", "acgt", "GGCCTA", "N", "x", "é", " ", "CCCCCC", "Hello"]
+        texts += ["".join(rnd.choice(dna) for _ in range(rnd.randint(1, 20))) for _ in range(60)]
     ids = [[rnd.randrange(v.n_tokens) for _ in range(rnd.randint(1, 12))] for _ in range(40)]
     r = subprocess.run([py, "-c", _ORACLE], input=json.dumps({"model": str(path), "texts": texts, "ids": ids}),
                        capture_output=True, text=True, timeout=600)
