@@ -6,7 +6,10 @@
   rstrip attributes).
 - ``tokenize`` splits out special tokens first (``tokenizer_st_partition``: longest token first, each one over all
   remaining text; control and unknown tokens only with ``parse_special``, user-defined ones always), then runs the
-  model on each text fragment: byte-level BPE (vocab_bpe.py) or SPM (vocab_spm.py).
+  model on each text fragment: BPE (vocab_bpe.py: byte-level with every llama.cpp pre-tokenizer, gemma4's raw-UTF-8
+  BPE, the whitespace and hybriddna variants), SPM (vocab_spm.py), WPM/BERT (vocab_wpm.py), UGM/T5 (vocab_ugm.py),
+  RWKV (vocab_rwkv.py) or PLaMo-2 (vocab_plamo2.py). Where llama.cpp picks among tokens by iterating its hash map,
+  vocab_order.py gives libstdc++'s order.
 - ``token_to_piece`` / ``detokenize`` give llama.cpp's bytes (``clean_spaces`` clean-up, leading-space removal).
   ``StreamDecoder`` turns a stream of ids into text that never ends inside a UTF-8 character.
 """
