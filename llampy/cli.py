@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -47,6 +48,11 @@ def main(argv=None) -> int:
     from .llama.hparams import MissingMetadata
     from .llama.model import ModelLoadError
     from .models import ModelNotFound
+    n_threads = getattr(args, "threads", None)
+    if n_threads:
+        # before anything imports Numba (tuning.install does): its pool is sized from this when it starts, and
+        # Numba refuses a different value once it has (it rereads the variable at every compile)
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(n_threads))
     try:
         tuning.install()      # the command's process is llampy's own: tune it before any kernel runs
         return args.func(args) or 0
