@@ -335,9 +335,26 @@ def backend_names() -> list[str]:
 def backend_init(name: str, **kw) -> Backend:
     """Create a backend by name ('cpu', 'reference', 'cuda'). Importing the backend module registers it."""
     _load_builtin()
+    if name == "cuda" and name not in _REGISTRY:
+        _load_cuda()
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name](**kw)
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that exists but cannot run here (no GPU, or its extra is not installed)."""
+
+
+def _load_cuda() -> None:
+    """The CUDA backend is imported on request: it needs the ``cuda`` extra (torch, triton)."""
+    try:
+        import torch  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(f"the cuda backend needs torch and triton: pip install 'llampy[cuda]' ({e})") from None
+    import importlib
+    importlib.import_module("llampy.ggml.backends.cuda")
 
 
 def _load_builtin() -> None:

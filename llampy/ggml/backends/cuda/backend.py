@@ -1,0 +1,637 @@
+"""The CUDA backend: device buffers from torch, block formats decoded by Triton kernels, the rest in torch.
+
+A split's nodes are bound once per plan (``graph_plan_create``: each node becomes a closure over torch views of
+its memory). Matrix products with block-format weights run the Triton ``matvec`` for up to 8 rows of activations
+(decode) and dequantize to F16 tiles for cuBLAS above that (prompts); F16/BF16/F32 weights go to cuBLAS directly.
+Attention is torch's scaled_dot_product_attention over the F16 cache (GQA folded into the query rows), the other
+ops are torch expressions in float32 following ggml's semantics (``backends/reference.py`` states them).
+
+Decode replays CUDA graphs: a plan that runs a second time with the same memory is captured
+(``torch.cuda.CUDAGraph``) and replayed from then on, so a token costs one launch from Python, not hundreds. The
+scheduler keeps a plan as long as its graph's tensors stay where they are (a new placement makes a new plan), and
+everything a plan reads comes from the graph's inputs (written before each run), the weights or the KV cache.
+Plans that must read device values on the host (MUL_MAT_ID's expert ids) run eagerly.
+
+Under ``TRITON_INTERPRET=1`` without a GPU the device is torch's CPU and the Triton kernels run in the
+interpreter: the tests of ``make test-cuda`` run there in CI.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...backend import Backend, register_backend
+from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
+from ...types import GGMLType, TYPE_TRAITS
+from ...quants_tables import kvalues_iq4nl
+from . import kernels as K
+from .buffer import CUDABufferType, TORCH_DTYPE, rows, view
+
+T = GGMLType
+F32 = torch.float32
+
+MATVEC_MAX_COLS = 8            # activation rows handled by the matvec kernel; more go to dequantize + cuBLAS
+PLAIN = frozenset({T.F32, T.F16, T.BF16})
+BLOCK_TYPES = frozenset(K.TYPES) - PLAIN
+
+
+def torch_device(index: int = 0) -> torch.device:
+    """The device the backend runs on: GPU ``index``; torch's CPU under ``TRITON_INTERPRET=1`` without a GPU."""
+    if torch.cuda.is_available():
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"CUDA device {index} does not exist ({torch.cuda.device_count()} visible)")
+        return torch.device("cuda", index)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    raise RuntimeError("no CUDA device is available (torch.cuda.is_available() is False)")
+
+
+def device_count() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1 if os.environ.get("TRITON_INTERPRET") == "1" else 0
+
+
+def free_memory(dev: torch.device) -> int:
+    """Bytes free on the device (the interpreter's CPU "device": unbounded)."""
+    if dev.type != "cuda":
+        return 1 << 62
+    free, _total = torch.cuda.mem_get_info(dev)
+    return int(free)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _param(node, key):
+    return float(np.float32(node.op_params[key]))
+
+
+def _bcast(b: torch.Tensor, shape) -> torch.Tensor:
+    """ggml's repeat rule: each dim of b divides the target's (torch broadcasts 1 and equal dims; others tile)."""
+    if all(n == 1 or n == s for n, s in zip(b.shape, shape)):
+        return b
+    return b.repeat(*[s // n for s, n in zip(shape, b.shape)])
+
+
+def _alibi(n_head: int, max_bias: float, dev) -> torch.Tensor | None:
+    if max_bias <= 0:
+        return None
+    n2 = 2 ** int(math.floor(math.log2(n_head)))
+    m0 = 2.0 ** (-max_bias / n2)
+    m1 = 2.0 ** (-(max_bias / 2.0) / n2)
+    s = [m0 ** (h + 1) if h < n2 else m1 ** (2 * (h - n2) + 1) for h in range(n_head)]
+    return torch.tensor(s, dtype=F32, device=dev).reshape(1, -1, 1, 1)
+
+
+def _gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+_UNARY = {
+    Op.SQR: lambda x: x * x, Op.SQRT: torch.sqrt, Op.EXP: torch.exp, Op.TANH: torch.tanh, Op.SILU: F.silu,
+    Op.GELU: _gelu, Op.GELU_ERF: F.gelu, Op.RELU: torch.relu, Op.SIGMOID: torch.sigmoid,
+}
+_BINARY = {Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div}
+
+
+class Plan:
+    __slots__ = ("calls", "nodes", "capturable", "runs", "graph")
+
+    def __init__(self, calls, nodes, capturable):
+        self.calls = calls
+        self.nodes = nodes
+        self.capturable = capturable
+        self.runs = 0
+        self.graph = None
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+
+    def __init__(self, device: str | int | None = None, n_threads: int | None = None, cuda_graphs: bool = True):
+        index = int(str(device).rsplit(":", 1)[-1]) if device not in (None, "cuda") else 0
+        self.dev = torch_device(index)
+        super().__init__(f"cuda:{index}")
+        self._buft = CUDABufferType(self.dev, self.device)
+        self.cuda_graphs = cuda_graphs and self.dev.type == "cuda"
+        self._lut = torch.tensor(kvalues_iq4nl.astype(np.int8), device=self.dev)
+        self._dummy = torch.zeros(1, dtype=torch.int32, device=self.dev)
+
+    def description(self) -> str:
+        if self.dev.type == "cuda":
+            return torch.cuda.get_device_name(self.dev)
+        return "CUDA kernels in the Triton interpreter (CPU)"
+
+    def free_memory(self) -> int:
+        return free_memory(self.dev)
+
+    def synchronize(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+    def supports_weight(self, t: GGMLType) -> bool:
+        """Whether a weight of this type can live here (its matrix products and row reads run here)."""
+        return t in K.TYPES
+
+    # ------------------------------------------------------------ what runs here
+    def supports_op(self, node: Tensor) -> bool:
+        op = node.op
+        if op in VIEW_OPS:
+            return True
+        srcs = [s for s in node.src if s is not None]
+        if op in (Op.MUL_MAT, Op.MUL_MAT_ID):
+            return srcs[0].type in K.TYPES and srcs[1].type in PLAIN
+        if op == Op.MUL_MAT_GLU:
+            return srcs[0].type in K.TYPES and srcs[1].type in K.TYPES and srcs[2].type in PLAIN
+        if op == Op.GET_ROWS:
+            return srcs[0].type in K.TYPES or srcs[0].type == T.I32
+        if op == Op.SET_ROWS:
+            return node.type in PLAIN and srcs[0].type in PLAIN
+        if op in (Op.CPY, Op.CONT, Op.DUP):
+            return node.type in TORCH_DTYPE and srcs[0].type in TORCH_DTYPE
+        if op == Op.FLASH_ATTN_EXT:
+            return all(s.type in PLAIN for s in srcs)
+        if op in _TABLE:
+            return all(s.type in TORCH_DTYPE for s in srcs) and node.type in TORCH_DTYPE
+        return False
+
+    def offload_op(self, node: Tensor) -> bool:
+        """A large matrix product whose weights live on the host is still worth running here (ggml-cuda: batches of
+        32 rows and more), its weights copied over."""
+        return node.op in (Op.MUL_MAT, Op.MUL_MAT_ID) and node.src[1].ne[1] >= 32
+
+    # ------------------------------------------------------------ plans
+    def graph_plan_create(self, nodes: list[Tensor]) -> Plan:
+        calls = [self._bind(n) for n in nodes if n.op not in VIEW_OPS and n.op != Op.NONE]
+        capturable = not any(n.op == Op.MUL_MAT_ID for n in nodes)
+        return Plan(calls, nodes, capturable)
+
+    def graph_plan_compute(self, plan: Plan) -> None:
+        if plan.graph is not None:
+            plan.graph.replay()
+            return
+        plan.runs += 1
+        if self.cuda_graphs and plan.capturable and plan.runs == 2:
+            # the first run compiled every kernel; capture the second, then replay it (this run included)
+            torch.cuda.synchronize(self.dev)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for c in plan.calls:
+                    c()
+            plan.graph = g
+            g.replay()
+            return
+        for c in plan.calls:
+            c()
+
+    def graph_compute(self, nodes: list[Tensor]) -> None:
+        plan = self.graph_plan_create(nodes)
+        for c in plan.calls:
+            c()
+
+    # ------------------------------------------------------------ binding
+    def _bind(self, node: Tensor):
+        fn = _TABLE.get(node.op)
+        if fn is None:
+            raise NotImplementedError(f"the cuda backend does not run {node.op.value}")
+        return fn(self, node)
+
+    # matrix products ----------------------------------------------------------------------
+    def _dequant(self, a: Tensor, a_rows: torch.Tensor, out_dtype, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of a 2-D block-format (or F16/BF16/F32) matrix as a new [n, K] tensor of ``out_dtype``."""
+        w = a_rows.reshape(-1, a_rows.shape[-1]) if idx is None else a_rows
+        n = w.shape[0] if idx is None else idx.numel()
+        kdim = a.ne[0]
+        out = torch.empty((n, kdim), dtype=out_dtype, device=self.dev)
+        if n == 0:
+            return out
+        br, bk = 16, 256
+        grid = (triton_cdiv(n, br), triton_cdiv(kdim, bk))
+        K.dequant[grid](w, idx if idx is not None else self._dummy, out, self._lut, n, kdim, a.nb[1], kdim,
+                        USE_IDX=idx is not None, TYPE=int(a.type), OUT_F16=out_dtype == torch.float16,
+                        BR=br, BK=bk)
+        return out
+
+    def _matvec(self, a: Tensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [nc, N] = x [nc, K] @ a^T for a 2-D weight of a kernel type; x, y float32 with rows contiguous."""
+        nc = x.shape[0]
+        n = a.ne[1]
+        bn = 16 if nc > 1 else 8
+        K.matvec[(triton_cdiv(n, bn),)](w, x, y, self._lut, n, a.ne[0], a.nb[1], x.stride(0), y.stride(0),
+                                        NC=nc, TYPE=int(a.type), BN=bn, BK=256)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _f(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == F32 else t.float()
+
+
+# ---------------------------------------------------------------------------------------------- op binders
+# each takes (backend, node) and returns a closure that runs the op
+
+def b_binary(be, node):
+    a, b, d = view(node.src[0]), view(node.src[1]), view(node)
+    fn = _BINARY[node.op]
+    shape = tuple(a.shape)
+
+    def run():
+        d.copy_(fn(_f(a), _bcast(_f(b), shape)))
+    return run
+
+
+def b_unary(be, node):
+    a, d, fn = view(node.src[0]), view(node), _UNARY[node.op]
+    return lambda: d.copy_(fn(_f(a)))
+
+
+def b_scale(be, node):
+    a, d = view(node.src[0]), view(node)
+    s, b = _param(node, "s"), _param(node, "b")
+    if b == 0.0:
+        return lambda: d.copy_(_f(a) * s)
+    return lambda: d.copy_(_f(a) * s + b)
+
+
+def b_clamp(be, node):
+    a, d = view(node.src[0]), view(node)
+    lo, hi = _param(node, "min"), _param(node, "max")
+    return lambda: d.copy_(torch.clamp(_f(a), lo, hi))
+
+
+def b_softcap(be, node):
+    a, d = view(node.src[0]), view(node)
+    si, so = _param(node, "s_in"), _param(node, "s_out")
+    return lambda: d.copy_(torch.tanh(_f(a) * si) * so)
+
+
+def b_glu(be, node):
+    a, d = view(node.src[0]), view(node)
+    act = F.silu if node.op is Op.SWIGLU else _gelu
+    if len(node.src) == 2 and node.src[1] is not None:
+        u = view(node.src[1])
+        return lambda: d.copy_(act(_f(a)) * _f(u))
+    h = node.src[0].ne[0] // 2
+    g, u = (a[..., h:], a[..., :h]) if node.op_params.get("swapped") else (a[..., :h], a[..., h:])
+    return lambda: d.copy_(act(_f(g)) * _f(u))
+
+
+def b_soft_max(be, node):
+    a, d = view(node.src[0]), view(node)
+    scale = _param(node, "scale")
+    if not node.op_params["has_mask"]:
+        return lambda: d.copy_(torch.softmax(_f(a) * scale, dim=-1))
+    m = view(node.src[1])[:, :, :a.shape[2], :]
+    slopes = _alibi(a.shape[1], _param(node, "max_bias"), be.dev)
+    shape = (a.shape[0], a.shape[1]) + tuple(m.shape[2:])
+
+    def run():
+        mm = _bcast(_f(m), shape)
+        if slopes is not None:
+            mm = mm * slopes
+        d.copy_(torch.softmax(_f(a) * scale + mm, dim=-1))
+    return run
+
+
+def b_rms_norm(be, node):
+    a, d, eps = view(node.src[0]), view(node), _param(node, "eps")
+
+    def run():
+        x = _f(a)
+        d.copy_(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return run
+
+
+def b_rms_norm_mul(be, node):
+    a, w, d, eps = view(node.src[0]), view(node.src[1]), view(node), _param(node, "eps")
+    add = view(node.src[2]) if len(node.src) > 2 and node.src[2] is not None else None
+
+    def run():
+        x = _f(a)
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * _bcast(_f(w), tuple(x.shape))
+        d.copy_(y if add is None else y + _f(add))
+    return run
+
+
+def b_norm(be, node):
+    a, d, eps = view(node.src[0]), view(node), _param(node, "eps")
+
+    def run():
+        x = _f(a)
+        xc = x - x.mean(-1, keepdim=True)
+        d.copy_(xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps))
+    return run
+
+
+def b_l2_norm(be, node):
+    a, d, eps = view(node.src[0]), view(node), _param(node, "eps")
+
+    def run():
+        x = _f(a)
+        d.copy_(x / torch.clamp(torch.linalg.vector_norm(x, dim=-1, keepdim=True), min=eps))
+    return run
+
+
+def b_rope(be, node):
+    """ggml-cuda's rope: theta = pos * theta_scale^i (float32 power), / freq factor, YaRN ramp; NORM rotates
+    adjacent pairs, NEOX the halves; dims past n_dims are copied."""
+    p = node.op_params
+    x, pos, d = view(node.src[0]), view(node.src[1]), view(node)
+    n_dims = p["n_dims"]
+    half = n_dims // 2
+    theta_scale = np.float32(p["freq_base"]) ** np.float32(-2.0 / n_dims)
+    powers = torch.tensor(np.float32(theta_scale) ** np.arange(half, dtype=np.float32), dtype=F32, device=be.dev)
+    ff = view(node.src[2]).reshape(-1)[:half] if p.get("has_freq_factors") else None
+    freq_scale = float(np.float32(p["freq_scale"]))
+    ext = float(np.float32(p["ext_factor"]))
+    mscale = float(np.float32(p["attn_factor"]))
+    mix = None
+    if ext != 0.0:
+        def corr(beta):
+            return n_dims * math.log(p["n_ctx_orig"] / (beta * 2 * math.pi)) / (2 * math.log(p["freq_base"]))
+        lo = max(0.0, math.floor(corr(p["beta_fast"])))
+        hi = min(n_dims - 1.0, math.ceil(corr(p["beta_slow"])))
+        y = (np.arange(half) - lo) / max(0.001, hi - lo)
+        mix = torch.tensor(((1 - np.clip(y, 0, 1)) * ext).astype(np.float32), device=be.dev)
+        mscale = float(np.float32(mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale))))
+    neox = p["mode"] == 2
+    ne0 = node.src[0].ne[0]
+
+    def run():
+        th = pos.reshape(-1).to(F32)[:, None] * powers[None, :]                  # [n_tokens, half]
+        if ff is not None:
+            th = th / _f(ff)[None, :]
+        theta = th * freq_scale
+        if mix is not None:
+            theta = theta * (1 - mix) + th * mix
+        c = (torch.cos(theta) * mscale)[None, :, None, :]
+        s = (torch.sin(theta) * mscale)[None, :, None, :]
+        xf = _f(x)
+        if neox:
+            x0, x1 = xf[..., :half], xf[..., half:n_dims]
+            r = torch.cat([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
+        else:
+            x0, x1 = xf[..., 0:n_dims:2], xf[..., 1:n_dims:2]
+            r = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+        if n_dims < ne0:
+            r = torch.cat([r, xf[..., n_dims:]], dim=-1)
+        d.copy_(r)
+    return run
+
+
+def b_mul_mat(be, node):
+    a, b = node.src
+    d = view(node)
+    bv = view(b)
+    n_act = b.ne[1] * b.ne[2] * b.ne[3]
+    if a.type in BLOCK_TYPES:
+        if a.ne[2] != 1 or a.ne[3] != 1:
+            raise NotImplementedError(f"mul_mat of a {a.type.name} tensor with ne2/ne3 > 1 on cuda")
+        w = rows(a)
+        kdim, n_out = a.ne[0], a.ne[1]
+        x2 = bv.reshape(-1, kdim) if bv.is_contiguous() else None
+        d2 = d.reshape(-1, n_out) if d.is_contiguous() else None
+        use_mv = n_act <= MATVEC_MAX_COLS
+        big = torch.float16 if be.dev.type == "cuda" else F32
+
+        def run():
+            x = x2 if x2 is not None else bv.reshape(-1, kdim)
+            x = x if x.dtype == F32 and x.is_contiguous() else _f(x).contiguous()
+            if use_mv:
+                out = d2 if d2 is not None else torch.empty((n_act, n_out), dtype=F32, device=be.dev)
+                be._matvec(a, w, x, out)
+            else:
+                wd = be._dequant(a, w, big)
+                out = torch.matmul(x.to(big), wd.t())
+            if out is not d2:
+                d.copy_(out.reshape(d.shape))
+        return run
+    # plain weights: cuBLAS, a broadcast over b's dims 2 and 3
+    av = view(a)
+    r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
+    low = a.type in (T.F16, T.BF16) and be.dev.type == "cuda"
+    dt = TORCH_DTYPE[a.type] if low else F32
+
+    def run():
+        aa = av if av.dtype == dt else av.to(dt)
+        if r2 > 1 or r3 > 1:
+            aa = aa.repeat_interleave(r3, dim=0).repeat_interleave(r2, dim=1)
+        d.copy_(torch.matmul(bv.to(dt), aa.transpose(-1, -2)))
+    return run
+
+
+def b_mul_mat_glu(be, node):
+    """act(gate · x) * (up · x): the fused node as two products (the CPU fuses it; here it is bound as such)."""
+    gate, up, b = node.src
+    d = view(node)
+    act = F.silu if node.op_params["glu"] == "swiglu" else _gelu
+    g_node = Tensor(T.F32, node.ne, op=Op.MUL_MAT, src=[gate, b])
+    u_node = Tensor(T.F32, node.ne, op=Op.MUL_MAT, src=[up, b])
+    ys = []
+    for m in (g_node, u_node):
+        buf = be.alloc_buffer(m.nbytes)
+        from ...backend import tensor_alloc
+        tensor_alloc(buf, m, 0)
+        ys.append((b_mul_mat(be, m), view(m)))
+    (rg, yg), (ru, yu) = ys
+
+    def run():
+        rg()
+        ru()
+        d.copy_(act(yg) * yu)
+    return run
+
+
+def b_mul_mat_id(be, node):
+    as_, b, ids = node.src
+    d = view(node)                          # (1, n_tokens, n_used, N)
+    bv = view(b)                            # (1, n_tokens, b.ne1, K)
+    iv = view(ids)                          # (1, 1, n_tokens, n_used)
+    n_exp = as_.ne[2]
+    block = as_.type in BLOCK_TYPES
+    w = rows(as_) if block else view(as_)   # (1, n_exp, N, K')
+    big = torch.float16 if be.dev.type == "cuda" else F32
+
+    def run():
+        sel = iv[0, 0].to(torch.int64)
+        n_tok, n_used = sel.shape
+        xs = _f(bv[0])                                            # (n_tokens, b.ne1, K)
+        cols = torch.arange(n_used, device=be.dev) % xs.shape[1]
+        flat = sel.reshape(-1)
+        host = flat.cpu().numpy()
+        for e in np.unique(host):
+            if not 0 <= e < n_exp:
+                raise IndexError(f"mul_mat_id: expert {e} out of range 0..{n_exp - 1}")
+            where = torch.nonzero(flat == int(e)).reshape(-1)
+            t_i, u_i = where // n_used, where % n_used
+            x = xs[t_i, cols[u_i]].contiguous()
+            if block:
+                we = be._dequant(_ExpertView(as_, int(e)), w[0, int(e)][None, None], big)
+                y = torch.matmul(x.to(big), we.t()).float()
+            else:
+                y = torch.matmul(x, _f(w[0, int(e)]).t())
+            d[0, t_i, u_i] = y.to(d.dtype)
+    return run
+
+
+class _ExpertView:
+    """The facts ``_dequant`` reads of one expert's matrix."""
+
+    def __init__(self, a: Tensor, e: int):
+        self.type = a.type
+        self.ne = (a.ne[0], a.ne[1], 1, 1)
+        self.nb = a.nb
+
+
+def b_get_rows(be, node):
+    a, idx = node.src
+    d = view(node)
+    iv = view(idx)
+    if a.type in BLOCK_TYPES:
+        if a.ne[2] != 1 or a.ne[3] != 1:
+            raise NotImplementedError("get_rows of a block-format tensor with ne2/ne3 > 1 on cuda")
+        w = rows(a)[0, 0]
+        n = idx.nelements
+        d2 = d.reshape(n, a.ne[0])
+
+        def run():
+            out = be._dequant(a, w, F32, iv.reshape(-1).to(torch.int32).contiguous())
+            d2.copy_(out)
+        return run
+    av = view(a)
+
+    def run():
+        ii = iv[0].to(torch.int64)                                  # (ne2', ne1', n)
+        i3 = torch.arange(ii.shape[0], device=be.dev)[:, None, None]
+        i2 = torch.arange(ii.shape[1], device=be.dev)[None, :, None]
+        d.copy_(av[i3 % av.shape[0], i2 % av.shape[1], ii])
+    return run
+
+
+def b_set_rows(be, node):
+    src, idx = node.src[0], node.src[1]
+    d, s, iv = view(node), view(src), view(idx)
+    s3, s2 = src.ne[3], src.ne[2]
+
+    def run():
+        ii = iv.to(torch.int64)
+        for i3 in range(s3):
+            for i2 in range(s2):
+                d[i3, i2].index_copy_(0, ii[0, i3 % ii.shape[1], i2 % ii.shape[2]], s[i3, i2].to(d.dtype))
+    return run
+
+
+def b_cpy(be, node):
+    s, d = view(node.src[0]), view(node)
+    shape = tuple(d.shape)
+    return lambda: d.copy_(s.reshape(shape))
+
+
+def b_concat(be, node):
+    a, b, d = view(node.src[0]), view(node.src[1]), view(node)
+    dim = 3 - node.op_params["dim"]
+    return lambda: d.copy_(torch.cat([a, b], dim=dim))
+
+
+def b_repeat(be, node):
+    a, d = view(node.src[0]), view(node)
+    shape = tuple(d.shape)
+    return lambda: d.copy_(_bcast(a, shape).expand(shape))
+
+
+def b_sum_rows(be, node):
+    a, d = view(node.src[0]), view(node)
+    return lambda: d.copy_(_f(a).sum(-1, keepdim=True))
+
+
+def b_mean(be, node):
+    a, d = view(node.src[0]), view(node)
+    return lambda: d.copy_(_f(a).mean(-1, keepdim=True))
+
+
+def b_argmax(be, node):
+    """ggml's rule: of equal largest values the last wins (torch's argmax takes the first: search the row reversed)."""
+    a, d = view(node.src[0]), view(node)
+    n = node.src[0].ne[0]
+    return lambda: d.copy_((n - 1 - torch.argmax(torch.flip(_f(a)[0, 0], dims=[-1]), dim=-1)).reshape(d.shape))
+
+
+def b_argsort(be, node):
+    a, d = view(node.src[0]), view(node)
+    desc = node.op_params["order"] == 1
+    return lambda: d.copy_(torch.argsort(_f(a), dim=-1, descending=desc, stable=True))
+
+
+def b_top_k(be, node):
+    a, d = view(node.src[0]), view(node)
+    k = node.op_params["k"]
+    return lambda: d.copy_(torch.argsort(_f(a), dim=-1, descending=True, stable=True)[..., :k])
+
+
+def b_flash_attn(be, node):
+    """softmax(scale * q k^T (softcapped) + slope * mask) v per head, GQA folded into the query rows of each KV
+    head. torch's SDPA in F16 on the GPU (ggml-cuda rounds Q, K and V to F16 too), float32 on the CPU device."""
+    q, k, v = node.src[:3]
+    p = node.op_params
+    qv, kv, vv, d = view(q), view(k), view(v), view(node)          # q (ne3, H, n_q, D); d (ne3, n_q, H, Dv)
+    mv = view(node.src[3]) if p["has_mask"] else None               # (m3, m2, n_q_pad, n_kv)
+    ne3, H, n_q, _ = qv.shape
+    Hkv = kv.shape[1]
+    rk = H // Hkv
+    scale = _param(node, "scale")
+    cap = _param(node, "softcap")
+    slopes = _alibi(H, _param(node, "max_bias"), be.dev)
+    dt = torch.float16 if be.dev.type == "cuda" else F32
+    manual = cap != 0.0 or slopes is not None or (mv is not None and mv.shape[1] > 1)
+
+    def expand_kv(t):
+        t = t if t.shape[0] == ne3 else t[torch.arange(ne3, device=be.dev) % t.shape[0]]
+        return t
+
+    if manual:
+        def run():
+            qq = _f(qv)
+            kk = _f(expand_kv(kv)).repeat_interleave(rk, dim=1)
+            vvv = _f(expand_kv(vv)).repeat_interleave(rk, dim=1)
+            s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
+            if cap:
+                s = cap * torch.tanh(s / cap)
+            if mv is not None:
+                m = _f(mv[:, :, :n_q, :])
+                m = m[torch.arange(ne3, device=be.dev) % m.shape[0]][:, torch.arange(H, device=be.dev) % m.shape[1]]
+                s = s + (m * slopes if slopes is not None else m)
+            pr = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+            d.copy_(torch.matmul(pr, vvv).transpose(1, 2))
+        return run
+
+    def run():
+        qq = qv.to(dt).reshape(ne3, Hkv, rk * n_q, qv.shape[-1])
+        kk, vvv = expand_kv(kv).to(dt), expand_kv(vv).to(dt)
+        m = None
+        if mv is not None:
+            m = mv[:, :, :n_q, :].to(dt)
+            m = m if m.shape[0] == ne3 or m.shape[0] == 1 else m[torch.arange(ne3, device=be.dev) % m.shape[0]]
+            if rk > 1:
+                m = m.repeat(1, 1, rk, 1)
+        o = F.scaled_dot_product_attention(qq, kk, vvv, attn_mask=m, scale=scale)
+        d.copy_(o.reshape(ne3, H, n_q, -1).transpose(1, 2))
+    return run
+
+
+_TABLE = {
+    Op.MUL_MAT: b_mul_mat, Op.MUL_MAT_GLU: b_mul_mat_glu, Op.MUL_MAT_ID: b_mul_mat_id, Op.GET_ROWS: b_get_rows, Op.SET_ROWS: b_set_rows,
+    Op.ROPE: b_rope, Op.FLASH_ATTN_EXT: b_flash_attn, Op.SOFT_MAX: b_soft_max,
+    Op.RMS_NORM: b_rms_norm, Op.RMS_NORM_MUL: b_rms_norm_mul, Op.NORM: b_norm, Op.L2_NORM: b_l2_norm,
+    Op.SCALE: b_scale, Op.CLAMP: b_clamp, Op.SOFTCAP: b_softcap, Op.SWIGLU: b_glu, Op.GEGLU: b_glu,
+    Op.CPY: b_cpy, Op.CONT: b_cpy, Op.DUP: b_cpy, Op.CONCAT: b_concat, Op.REPEAT: b_repeat,
+    Op.SUM_ROWS: b_sum_rows, Op.MEAN: b_mean, Op.ARGMAX: b_argmax, Op.ARGSORT: b_argsort, Op.TOP_K: b_top_k,
+    **{o: b_binary for o in BINARY_OPS}, **{o: b_unary for o in UNARY_OPS},
+}
+
+
+register_backend("cuda", CUDABackend)

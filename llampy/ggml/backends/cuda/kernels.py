@@ -1,0 +1,225 @@
+"""Triton kernels of the CUDA backend: block formats decoded inside the kernels.
+
+Each block format of the table (``ggml/blocks.py``) has a *value rule* here: a ``@triton.jit`` function that takes
+row pointers (uint8, one per row, shape [BN, 1]) and element indices (shape [1, BK]) and returns the float32 values
+of those elements, reading the block's fields at the offsets the table gives. Two kernels are specialised from the
+rules by a ``constexpr`` type id, so each format compiles to its own machine code:
+
+- ``matvec``: y[c, r] = sum_k w[r, k] * x[c, k] for up to 8 columns (decode, small batches), the weights read once
+  from device memory and decoded in registers; one column: float32 multiply-add; more: tensor-core ``tl.dot`` over
+  F16 tiles of 16 columns (the rows of x padded with zeros).
+- ``dequant``: rows of a block-format matrix (all of them, or those an index names: get_rows) to F16 or F32, for
+  the prompt path (dequantized tiles, then cuBLAS) and for embeddings.
+
+The rules hold to ggml's dequantize_row_* (ggml-quants.c); ``tests/ggml/test_cuda_backend.py`` checks each against
+``quants.dequantize`` and its field offsets against the table. Under ``TRITON_INTERPRET=1`` the same kernels run on
+the CPU over torch CPU tensors (CI has no GPU).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...types import GGMLType as T
+
+# the constexpr id of each format: its GGMLType value
+Q4_0: tl.constexpr = tl.constexpr(int(T.Q4_0))
+Q4_1: tl.constexpr = tl.constexpr(int(T.Q4_1))
+Q5_0: tl.constexpr = tl.constexpr(int(T.Q5_0))
+Q5_1: tl.constexpr = tl.constexpr(int(T.Q5_1))
+Q8_0: tl.constexpr = tl.constexpr(int(T.Q8_0))
+Q2_K: tl.constexpr = tl.constexpr(int(T.Q2_K))
+Q3_K: tl.constexpr = tl.constexpr(int(T.Q3_K))
+Q4_K: tl.constexpr = tl.constexpr(int(T.Q4_K))
+Q5_K: tl.constexpr = tl.constexpr(int(T.Q5_K))
+Q6_K: tl.constexpr = tl.constexpr(int(T.Q6_K))
+IQ4_NL: tl.constexpr = tl.constexpr(int(T.IQ4_NL))
+IQ4_XS: tl.constexpr = tl.constexpr(int(T.IQ4_XS))
+F16: tl.constexpr = tl.constexpr(int(T.F16))
+BF16: tl.constexpr = tl.constexpr(int(T.BF16))
+F32: tl.constexpr = tl.constexpr(int(T.F32))
+
+# the formats the kernels decode
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
+         T.F16, T.BF16, T.F32)
+
+# the byte offsets each rule reads, per format: the tests hold them to the table's fields (blocks.BLOCKS)
+FIELD_OFFSETS = {
+    T.Q4_0: {"d": 0, "qs": 2}, T.Q4_1: {"d": 0, "m": 2, "qs": 4}, T.Q5_0: {"d": 0, "qh": 2, "qs": 6},
+    T.Q5_1: {"d": 0, "m": 2, "qh": 4, "qs": 8}, T.Q8_0: {"d": 0, "qs": 2},
+    T.Q2_K: {"scales": 0, "qs": 16, "d": 80, "dmin": 82},
+    T.Q3_K: {"hmask": 0, "qs": 32, "scales": 96, "d": 108},
+    T.Q4_K: {"d": 0, "dmin": 2, "scales": 4, "qs": 16},
+    T.Q5_K: {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48},
+    T.Q6_K: {"ql": 0, "qh": 128, "scales": 192, "d": 208},
+    T.IQ4_NL: {"d": 0, "qs": 2}, T.IQ4_XS: {"d": 0, "scales_h": 2, "scales_l": 4, "qs": 8},
+}
+
+
+# ------------------------------------------------------------------------------------------------ field reads
+@triton.jit
+def _u8(p, off):
+    return tl.load(p + off).to(tl.int32)
+
+
+@triton.jit
+def _i8(p, off):
+    return tl.load((p + off).to(tl.pointer_type(tl.int8))).to(tl.int32)
+
+
+@triton.jit
+def _f16(p, off):
+    """The F16 at byte ``off`` (even: every block size and F16 field offset of the table is even)."""
+    return tl.load((p + off).to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _kscale(p, o, g, MIN: tl.constexpr):
+    """Q4_K/Q5_K: the 6-bit scale (MIN=False) or min (MIN=True) of group g (0..7) from the 12 bytes at o + 4."""
+    lo = g < 4
+    gl = tl.where(lo, g, g - 4)
+    if MIN:
+        a = _u8(p, o + 4 + gl + 4)
+        return tl.where(lo, a & 63, (_u8(p, o + 4 + gl + 8) >> 4) | ((a >> 6) << 4))
+    a = _u8(p, o + 4 + gl)
+    return tl.where(lo, a & 63, (_u8(p, o + 4 + gl + 8) & 15) | ((a >> 6) << 4))
+
+
+# ------------------------------------------------------------------------------------------------ value rules
+@triton.jit
+def _value(p, k, lut, TYPE: tl.constexpr):
+    """Values of elements k (int32) of the rows at p (uint8 pointers), as float32."""
+    if TYPE == F32:
+        v = tl.load((p + 4 * k).to(tl.pointer_type(tl.float32)))
+    elif TYPE == F16:
+        v = tl.load((p + 2 * k).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    elif TYPE == BF16:
+        v = tl.load((p + 2 * k).to(tl.pointer_type(tl.bfloat16))).to(tl.float32)
+    elif TYPE == Q4_0:      # d, qs[16]: j < 16 low nibbles, j >= 16 high; value d * (q - 8)
+        o = (k // 32) * 18
+        j = k % 32
+        q = (_u8(p, o + 2 + (j % 16)) >> (4 * (j // 16))) & 15
+        v = _f16(p, o) * (q - 8).to(tl.float32)
+    elif TYPE == Q4_1:      # d, m, qs[16]: d * q + m
+        o = (k // 32) * 20
+        j = k % 32
+        q = (_u8(p, o + 4 + (j % 16)) >> (4 * (j // 16))) & 15
+        v = _f16(p, o) * q.to(tl.float32) + _f16(p, o + 2)
+    elif TYPE == Q5_0:      # d, qh (32 fifth bits), qs[16]: d * (q - 16)
+        o = (k // 32) * 22
+        j = k % 32
+        q = ((_u8(p, o + 6 + (j % 16)) >> (4 * (j // 16))) & 15) | (((_u8(p, o + 2 + j // 8) >> (j % 8)) & 1) << 4)
+        v = _f16(p, o) * (q - 16).to(tl.float32)
+    elif TYPE == Q5_1:      # d, m, qh, qs[16]: d * q + m
+        o = (k // 32) * 24
+        j = k % 32
+        q = ((_u8(p, o + 8 + (j % 16)) >> (4 * (j // 16))) & 15) | (((_u8(p, o + 4 + j // 8) >> (j % 8)) & 1) << 4)
+        v = _f16(p, o) * q.to(tl.float32) + _f16(p, o + 2)
+    elif TYPE == Q8_0:      # d, qs[32] (int8)
+        o = (k // 32) * 34
+        v = _f16(p, o) * _i8(p, o + 2 + k % 32).to(tl.float32)
+    elif TYPE == Q2_K:      # scales[16] (scale | min << 4 per 16 values), qs[64] (2 bits), d, dmin
+        o = (k // 256) * 84
+        j = k % 256
+        sm = _u8(p, o + j // 16)
+        q = (_u8(p, o + 16 + 32 * (j // 128) + j % 32) >> (2 * ((j % 128) // 32))) & 3
+        v = _f16(p, o + 80) * ((sm & 15) * q).to(tl.float32) - _f16(p, o + 82) * (sm >> 4).to(tl.float32)
+    elif TYPE == Q3_K:      # hmask[32], qs[64], scales[12] (sixteen 6-bit, minus 32), d
+        o = (k // 256) * 110
+        j = k % 256
+        lo = (_u8(p, o + 32 + 32 * (j // 128) + j % 32) >> (2 * ((j % 128) // 32))) & 3
+        hb = (_u8(p, o + j % 32) >> (4 * (j // 128) + (j % 128) // 32)) & 1
+        s = j // 16
+        sc = ((_u8(p, o + 96 + s % 8) >> (4 * (s // 8))) & 15) | (((_u8(p, o + 104 + s % 4) >> (2 * (s // 4))) & 3) << 4)
+        v = _f16(p, o + 108) * ((sc - 32) * (lo - 4 + 4 * hb)).to(tl.float32)
+    elif TYPE == Q4_K:      # d, dmin, scales[12] (eight 6-bit scale/min pairs), qs[128]
+        o = (k // 256) * 144
+        j = k % 256
+        g = j // 32
+        q = (_u8(p, o + 16 + 32 * (j // 64) + j % 32) >> (4 * (g % 2))) & 15
+        v = _f16(p, o) * (_kscale(p, o, g, False) * q).to(tl.float32) \
+            - _f16(p, o + 2) * _kscale(p, o, g, True).to(tl.float32)
+    elif TYPE == Q5_K:      # d, dmin, scales[12], qh[32] (bit g of byte j % 32), qs[128]
+        o = (k // 256) * 176
+        j = k % 256
+        g = j // 32
+        q = ((_u8(p, o + 48 + 32 * (j // 64) + j % 32) >> (4 * (g % 2))) & 15) \
+            | (((_u8(p, o + 16 + j % 32) >> g) & 1) << 4)
+        v = _f16(p, o) * (_kscale(p, o, g, False) * q).to(tl.float32) \
+            - _f16(p, o + 2) * _kscale(p, o, g, True).to(tl.float32)
+    elif TYPE == Q6_K:      # ql[128], qh[64], scales[16] (int8), d; halves of 128 values, quarters of 32
+        o = (k // 256) * 210
+        j = k % 256
+        n = j // 128
+        qd = (j % 128) // 32
+        l = j % 32
+        ql = (_u8(p, o + 64 * n + l + 32 * (qd % 2)) >> (4 * (qd // 2))) & 15
+        qh = (_u8(p, o + 128 + 32 * n + l) >> (2 * qd)) & 3
+        sc = _i8(p, o + 192 + 8 * n + l // 16 + 2 * qd)
+        v = _f16(p, o + 208) * (sc * ((ql | (qh << 4)) - 32)).to(tl.float32)
+    elif TYPE == IQ4_NL:    # d, qs[16]: the nibbles index the non-linear table
+        o = (k // 32) * 18
+        j = k % 32
+        q = (_u8(p, o + 2 + (j % 16)) >> (4 * (j // 16))) & 15
+        v = _f16(p, o) * tl.load(lut + q).to(tl.float32)
+    else:                   # IQ4_XS: d, scales_h (u16, 2 bits per 32), scales_l[4] (a nibble per 32), qs[128]
+        tl.static_assert(TYPE == IQ4_XS, "no value rule for this type")
+        o = (k // 256) * 136
+        j = k % 256
+        g = j // 32
+        q = (_u8(p, o + 8 + 16 * g + j % 16) >> (4 * ((j // 16) % 2))) & 15
+        sh = _u8(p, o + 2) | (_u8(p, o + 3) << 8)
+        sc = ((_u8(p, o + 4 + g // 2) >> (4 * (g % 2))) & 15) | (((sh >> (2 * g)) & 3) << 4)
+        v = _f16(p, o) * ((sc - 32) * tl.load(lut + q)).to(tl.float32)
+    return v
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def matvec(w, x, y, lut, N, K, sw, sx, sy, NC: tl.constexpr, TYPE: tl.constexpr, BN: tl.constexpr,
+           BK: tl.constexpr):
+    """y[c, r] = sum_k value(w row r, k) * x[c, k] for c < NC; w rows sw bytes apart, x and y float32 with column
+    strides sx and sy (elements)."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    p = w + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * sw
+    cols = tl.arange(0, 16)
+    if NC == 1:
+        acc = tl.zeros([BN], tl.float32)
+    else:
+        acc2 = tl.zeros([BN, 16], tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        km = ks < K
+        v = _value(p, tl.minimum(ks, K - 1)[None, :], lut, TYPE)
+        if NC == 1:
+            xv = tl.load(x + ks, mask=km, other=0.0)
+            acc += tl.sum(v * xv[None, :], axis=1)
+        else:
+            xt = tl.load(x + cols[None, :] * sx + ks[:, None], mask=km[:, None] & (cols[None, :] < NC), other=0.0)
+            acc2 += tl.dot(v.to(tl.float16), xt.to(tl.float16))
+    if NC == 1:
+        tl.store(y + rows, acc, mask=rows < N)
+    else:
+        tl.store(y + cols[None, :] * sy + rows[:, None], acc2, mask=(rows[:, None] < N) & (cols[None, :] < NC))
+
+
+@triton.jit
+def dequant(w, idx, out, lut, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.constexpr, OUT_F16: tl.constexpr,
+            BR: tl.constexpr, BK: tl.constexpr):
+    """out[r, k] = value(w row (idx[r] if USE_IDX else r), k) for r < NR, k < K; out rows so elements apart."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rc = tl.minimum(r, NR - 1)
+    if USE_IDX:
+        src = tl.load(idx + rc).to(tl.int64)
+    else:
+        src = rc.to(tl.int64)
+    p = w + src[:, None] * sw
+    ks = tl.program_id(1) * BK + tl.arange(0, BK)
+    v = _value(p, tl.minimum(ks, K - 1)[None, :], lut, TYPE)
+    m = (r[:, None] < NR) & (ks[None, :] < K)
+    dst = out + r.to(tl.int64)[:, None] * so + ks[None, :]
+    if OUT_F16:
+        tl.store(dst, v.to(tl.float16), mask=m)
+    else:
+        tl.store(dst, v, mask=m)

@@ -1,0 +1,158 @@
+"""The CUDA backend against the float64 reference: every op case of tests/ggml/test_ops.py, the block formats'
+value rules against the ggml layer's dequantizer and the table's field offsets, the buffer boundary, decode
+matrix-vector products past one tile, and CUDA-graph replay (on a GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llampy.ggml import ops
+from llampy.ggml.backend import backend_init, tensor_alloc, tensor_data, tensor_get, tensor_set
+from llampy.ggml.blocks import BLOCKS
+from llampy.ggml.graph import Graph
+from llampy.ggml.quants import QUANTIZE_TYPES, dequantize, quantize
+from llampy.ggml.sched import Scheduler
+from llampy.ggml.tensor import Tensor
+from llampy.ggml.types import GGMLType as T, TYPE_TRAITS
+
+from tests.ggml.helpers import random_blocks, run as run_host
+from tests.ggml.test_ops import CASES
+
+from .helpers import REF, device_leaf
+
+CUDA = backend_init("cuda")
+from llampy.ggml.backends.cuda import kernels as K  # noqa: E402  (imported by the backend)
+
+# what the backend leaves to the CPU: quantized stores (KV caches in block formats) and quantized K/V attention
+NOT_ON_CUDA = {"cpy_f32_q8_0", "set_rows_q8_0", "flash_attn_q8_0_kv"}
+# the reference rounds activations to the weight's dot type (Q8_0/Q8_1/Q8_K) and uses ggml-cpu's F16 GELU table;
+# the GPU keeps activations in float32 (F16 inside tensor-core tiles), as ggml-cuda's dequantize paths do
+LOOSE = 1e-2
+
+
+def _run(be, build):
+    rng = np.random.default_rng(7)
+    place = device_leaf if be is CUDA else None
+    B = (lambda ty, shape, value=None: place(be, ty, shape, value, rng)) if place else \
+        (lambda ty, shape, value=None: __import__("tests.ggml.helpers", fromlist=["leaf"]).leaf(be, ty, shape, value, rng))
+    out = build(B)
+    out.set_output()
+    g = Graph.build(out)
+    return g, out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cuda_matches_reference(name):
+    build, tol = CASES[name]
+    g, out = _run(CUDA, build)
+    if name in NOT_ON_CUDA:
+        assert not all(CUDA.supports_op(n) for n in g.nodes)
+        return
+    for n in g.nodes:
+        assert CUDA.supports_op(n), f"cuda refuses {n!r}"
+    Scheduler([CUDA]).graph_compute(g)
+    got = tensor_get(out).astype(np.float64)
+    want = run_host(REF, _run(REF, build)[1])[0].astype(np.float64)
+    scale = max(1.0, float(np.nanmax(np.abs(want)))) if want.size else 1.0
+    loose = "mul_mat" in name or "gelu" in name or "geglu" in name or "flash" in name
+    np.testing.assert_allclose(got, want, rtol=0, atol=max(tol, LOOSE if loose else 2e-5) * scale)
+
+
+KERNEL_BLOCK_TYPES = [t for t in K.TYPES if TYPE_TRAITS[t].is_quantized]
+
+
+@pytest.mark.parametrize("t", KERNEL_BLOCK_TYPES, ids=lambda t: t.name)
+def test_value_rules_match_dequantize(t):
+    """Each format's Triton value rule decodes random blocks (all bit patterns, sane scales) exactly as
+    quants.dequantize does, and reads the fields where the block table puts them."""
+    rng = np.random.default_rng(int(t))
+    nrow, k = 5, 2 * TYPE_TRAITS[t].blck_size
+    raw = random_blocks(t, (1, 1, nrow, nrow and k // TYPE_TRAITS[t].blck_size * TYPE_TRAITS[t].type_size), rng)
+    w = Tensor(t, (k, nrow))
+    tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
+    tensor_set(w, raw)
+    import torch
+    from llampy.ggml.backends.cuda.buffer import rows
+    got = CUDA._dequant(w, rows(w), torch.float32).cpu().numpy()
+    want = dequantize(raw.reshape(nrow, -1), t)
+    np.testing.assert_array_equal(got, want)
+    fields = {f.name: f.offset for f in BLOCKS[t].fields}
+    for name, off in K.FIELD_OFFSETS[t].items():
+        assert fields[name] == off, (t.name, name)
+
+
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ncols", [1, 3, 8, 9])
+def test_matvec_and_tiles_past_one_block(t, ncols):
+    """Decode products (matvec, 1..8 columns) and the dequantize+matmul path (9 columns) over several K tiles and
+    a row count that is not a multiple of the kernel's rows per program."""
+    rng = np.random.default_rng(ncols)
+    n, k = 37, 768
+    wv = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((ncols, k)).astype(np.float32)
+    q = quantize(wv, t)
+    w = Tensor(t, (k, n))
+    tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
+    tensor_set(w, q)
+    xt = Tensor(T.F32, (k, ncols))
+    tensor_alloc(CUDA.alloc_buffer(xt.nbytes), xt, 0)
+    tensor_set(xt, x)
+    out = ops.mul_mat(w, xt).set_output()
+    Scheduler([CUDA]).graph_compute(Graph.build(out))
+    got = tensor_get(out).reshape(ncols, n)
+    want = x.astype(np.float64) @ dequantize(q, t).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_device_memory_is_not_host_memory():
+    """Code outside the backend cannot take a NumPy view of device tensors: tensor_data refuses, and
+    tensor_set/tensor_get go through the buffer."""
+    t = Tensor(T.F32, (4, 3))
+    tensor_alloc(CUDA.alloc_buffer(t.nbytes), t, 0)
+    with pytest.raises(TypeError):
+        tensor_data(t)
+    v = np.arange(12, dtype=np.float32).reshape(3, 4)
+    tensor_set(t, v)
+    np.testing.assert_array_equal(tensor_get(t).reshape(3, 4), v)
+
+
+def test_two_backend_graph_copies_across_the_boundary():
+    """A graph whose weights live on the device and whose input lives on the host: the scheduler places the
+    product on the device and copies the input over; the result equals the CPU's."""
+    cpu = backend_init("cpu")
+    rng = np.random.default_rng(3)
+    wv = rng.standard_normal((16, 64)).astype(np.float32)
+    xv = rng.standard_normal((2, 64)).astype(np.float32)
+    w = device_leaf(CUDA, T.F32, (16, 64), wv)
+    x = Tensor(T.F32, (64, 2)).set_input()
+    y = ops.scale(ops.mul_mat(w, x), 0.5).set_output()
+    g = Graph.build(y)
+    s = Scheduler([CUDA, cpu])
+    s.alloc_graph(g)
+    tensor_set(x, xv)
+    s.graph_compute(g)
+    assert s.get_backend(g.nodes[0], g) is CUDA
+    np.testing.assert_allclose(tensor_get(y).reshape(2, 16), 0.5 * xv @ wv.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA.cuda_graphs, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_follows_new_inputs():
+    """From the second run on, a plan replays its captured CUDA graph: new input values give new results."""
+    rng = np.random.default_rng(5)
+    wq = quantize(rng.standard_normal((64, 256)).astype(np.float32), T.Q4_K)
+    w = Tensor(T.Q4_K, (256, 64))
+    tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
+    tensor_set(w, wq)
+    x = Tensor(T.F32, (256, 1)).set_input()
+    y = ops.silu(ops.mul_mat(w, x)).set_output()
+    g = Graph.build(y)
+    s = Scheduler([CUDA])
+    s.alloc_graph(g)
+    wd = dequantize(wq, T.Q4_K).astype(np.float64)
+    for i in range(4):
+        xv = rng.standard_normal((1, 256)).astype(np.float32)
+        tensor_set(x, xv)
+        s.graph_compute(g)
+        z = xv @ wd.T
+        np.testing.assert_allclose(tensor_get(y).reshape(1, 64), z / (1 + np.exp(-z)), rtol=0, atol=1e-3 * np.abs(z).max())
+    assert s._last.splits[0].plan.graph is not None
