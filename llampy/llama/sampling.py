@@ -143,6 +143,28 @@ def _first_surprise_over(p, mu):
     return p.size
 
 
+@njit(cache=True, error_model="numpy")
+def _top_n_sigma_bound(logits, n):
+    """top-n-sigma's threshold, max - n * std over the finite logits, in C's precision: a float sum for the mean,
+    each squared deviation added in double (C++'s pow(float, int) is double) to a float accumulator."""
+    mx = logits[0]
+    s = np.float32(0)
+    cnt = 0
+    for i in range(logits.size):
+        if logits[i] != -np.inf:
+            mx = max(mx, logits[i])
+            s += logits[i]
+            cnt += 1
+    mean = s / np.float32(cnt) if cnt > 0 else np.float32(0)
+    acc = np.float32(0)
+    for i in range(logits.size):
+        if logits[i] != -np.inf:
+            d = np.float64(logits[i] - mean)
+            acc = np.float32(np.float64(acc) + d * d)
+    std = np.float32(math.sqrt(acc / np.float32(cnt))) if cnt > 0 else np.float32(0)
+    return mx - np.float32(n) * std
+
+
 def _order_desc(keys: np.ndarray, k: int | None = None) -> np.ndarray:
     """Positions of the k largest float32 keys (all if k is None), largest first, ties by position.
 
@@ -221,6 +243,12 @@ class MT19937:
         a, b = self.bitgen.random_raw(2)
         r = (float(a) + float(b) * 4294967296.0) / 18446744073709551616.0
         return r if r < 1.0 else math.nextafter(1.0, 0.0)
+
+    def uniform_float(self) -> float:
+        """uniform_real_distribution<float>(0, 1): generate_canonical<float, 24> from one draw, in float, kept
+        below 1 (XTC's chance)."""
+        r = _F32(_F32(self.bitgen.random_raw()) / _F32(4294967296.0))
+        return float(r) if r < 1 else float(np.nextafter(_F32(1), _F32(0)))
 
     def discrete(self, p: np.ndarray) -> int:
         """std::discrete_distribution<int>(p)(rng) as libstdc++ implements it."""
@@ -483,6 +511,51 @@ class Typical(Sampler):
         c.sorted = False
 
 
+class TopNSigma(Sampler):
+    """Top-n-sigma (arXiv 2411.07641): logits below max - n * std (over the finite ones) become -inf; the
+    candidates keep their order and size. n <= 0 is a no-op."""
+
+    def __init__(self, n: float):
+        self.n = n
+
+    def apply(self, c):
+        if self.n <= 0 or c.size <= 1:
+            return
+        bound = _F32(_top_n_sigma_bound(c.logits, _F32(self.n)))
+        c.logits[c.logits < bound] = -np.inf
+
+
+class XTC(Sampler):
+    """Exclude Top Choices: with chance ``probability`` (one float draw per step), drop every candidate whose
+    probability reaches ``threshold`` except the least likely of them, if that leaves at least min_keep. A
+    threshold above 0.5 or a probability <= 0 disables it (and then it draws nothing)."""
+
+    def __init__(self, probability: float, threshold: float, min_keep: int = 1, seed: int | None = None):
+        self.probability, self.threshold, self.min_keep, self.seed = probability, threshold, min_keep, seed
+        self.reset()
+
+    @property
+    def disabled(self) -> bool:
+        return self.probability <= 0 or self.threshold > 0.5
+
+    def reset(self):
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng = MT19937(self.seed_cur)
+
+    def apply(self, c):
+        if self.disabled or c.size < 2:
+            return
+        if self.rng.uniform_float() > _F32(self.probability):
+            return
+        c.softmax(do_sort=True)
+        over = c.p >= _F32(self.threshold)
+        pos_last = int(np.argmin(over)) - 1 if not over.all() else c.size - 1   # the last of the leading run
+        pos_last = max(pos_last, 0)
+        if c.size - pos_last >= self.min_keep and pos_last > 0:
+            c.take(np.arange(pos_last, c.size))
+            c.sorted = True
+
+
 class Penalties(Sampler):
     """Repetition (divide a positive logit, multiply a non-positive one), frequency (× count) and presence
     penalties over the last `last_n` accepted tokens. last_n == 0 disables; last_n < 0 keeps the whole history
@@ -626,30 +699,117 @@ class Chain(Sampler):
     def from_params(cls, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                     repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, mirostat=0, mirostat_tau=5.0,
                     mirostat_eta=0.1, logit_bias=None, seed=None, n_vocab=0, dynatemp_range=0.0,
-                    dynatemp_exponent=1.0, min_keep=0, grammar=None) -> "Chain":
-        """llama.cpp's default chain (common/sampling.cpp): logit bias, penalties, (dry), top-k, typical, top-p,
-        min-p, (xtc), temperature, dist; mirostat 1/2 replaces everything after the logit bias with temp +
-        mirostat. Temperature <= 0 is greedy: the argmax after logit bias and penalties (and the filters, when
-        typical_p < 1, the one filter that can drop the top token), which is the token llama.cpp's temp-0 chain
-        picks, without the RNG draw. ``grammar``, a grammar sampler (llampy.llama.grammar.Grammar), goes first:
-        every later sampler sees only the tokens it allows."""
+                    dynatemp_exponent=1.0, min_keep=0, grammar=None, top_n_sigma=-1.0, xtc_probability=0.0,
+                    xtc_threshold=0.1, dry_multiplier=0.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=-1,
+                    dry_sequence_breakers=None, vocab=None, samplers=None) -> "Chain":
+        """llama.cpp's chain (common/sampling.cpp): logit bias, then the samplers in ``samplers`` order (names or
+        letters, ``sampler_order``; default penalties, dry, top_n_sigma, top_k, typ_p, top_p, min_p, xtc,
+        temperature), then dist; mirostat 1/2 replaces everything after the logit bias with temp + mirostat.
+        Disabled penalties, DRY, XTC and top-n-sigma are left out (llama.cpp makes them empty samplers).
+        Temperature <= 0 is greedy: the argmax after the samplers before the temperature (the filters that cannot
+        change it dropped), which is the token llama.cpp's temp-0 chain picks, without the RNG draw. DRY's
+        sequence breakers (default newline, colon, quote, asterisk) are read against ``vocab``. ``grammar``, a
+        grammar sampler (llampy.llama.grammar.Grammar), goes first: every later sampler sees only the tokens it
+        allows."""
         head: list = [] if grammar is None else [grammar]
         if logit_bias:
             head.append(LogitBias(n_vocab, logit_bias))
-        if temperature is not None and temperature <= 0:
-            pen = Penalties(repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty)
-            filters = [TopK(top_k), Typical(typical_p, min_keep), TopP(top_p, min_keep), MinP(min_p, min_keep)]
-            return cls(head + ([] if pen.disabled else [pen]) + (filters if typical_p < 1.0 else []) + [Greedy()])
+        greedy = temperature is not None and temperature <= 0
+        if mirostat in (1, 2) and greedy:
+            return cls(head + [Greedy()])
         if mirostat == 1:
             return cls(head + [Temp(temperature), Mirostat(n_vocab, seed, mirostat_tau, mirostat_eta, 100)])
         if mirostat == 2:
             return cls(head + [Temp(temperature), MirostatV2(seed, mirostat_tau, mirostat_eta)])
         if mirostat not in (0, None):
             raise ValueError(f"unknown mirostat version {mirostat!r} (0, 1 or 2)")
-        pen = Penalties(repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty)
-        return cls(head + ([] if pen.disabled else [pen]) + [
-            TopK(top_k), Typical(typical_p, min_keep), TopP(top_p, min_keep), MinP(min_p, min_keep),
-            TempExt(temperature, dynatemp_range, dynatemp_exponent), Dist(seed)])
+        order = DEFAULT_ORDER if samplers is None else sampler_order(samplers)
+
+        def make(name):
+            if name == "penalties":
+                s = Penalties(repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty)
+            elif name == "dry":
+                from .sampling_dry import DEFAULT_BREAKERS, DRY, dry_breakers
+                s = DRY(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n)
+                brk = DEFAULT_BREAKERS if dry_sequence_breakers is None else dry_sequence_breakers
+                if not s.disabled and brk:
+                    if vocab is None:
+                        raise ValueError("DRY's sequence breakers need the vocabulary (vocab=)")
+                    s = DRY(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
+                            dry_breakers(vocab, brk))
+            elif name == "top_n_sigma":
+                s = TopNSigma(top_n_sigma)
+                return s if s.n > 0 else None
+            elif name == "top_k":
+                return TopK(top_k)
+            elif name == "typ_p":
+                return Typical(typical_p, min_keep)
+            elif name == "top_p":
+                return TopP(top_p, min_keep)
+            elif name == "min_p":
+                return MinP(min_p, min_keep)
+            elif name == "xtc":
+                s = XTC(xtc_probability, xtc_threshold, min_keep, seed)
+            else:
+                return TempExt(temperature, dynatemp_range, dynatemp_exponent)
+            return None if s.disabled else s
+
+        if greedy and "temperature" in order:
+            before = [(n, make(n)) for n in order[:order.index("temperature")]]
+            before = [(n, s) for n, s in before if s is not None]
+            # a filter keeps the largest logit: it matters only where a later sampler changes the logits or drops
+            # the top (penalties, DRY, typical, XTC)
+            changers = [k for k, (n, s) in enumerate(before) if n in ("penalties", "dry", "xtc")
+                        or (n == "typ_p" and typical_p < 1.0)]
+            last = changers[-1] if changers else -1
+            return cls(head + [s for k, (n, s) in enumerate(before) if k < last or n not in FILTERS] + [Greedy()])
+        return cls(head + [s for s in map(make, order) if s is not None] + [Dist(seed)])
+
+
+# common_sampler_type names (common/sampling.cpp), in llama.cpp's default order, and their letters
+DEFAULT_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+FILTERS = ("top_k", "top_p", "min_p", "top_n_sigma")
+UNSUPPORTED = ("infill", "adaptive_p")
+
+
+def _sampler_names() -> dict:
+    names = {}
+    for canon in set(SAMPLER_CHARS.values()):
+        names[canon] = canon
+        if "_" in canon:
+            names[canon.replace("_", "-")] = canon
+            names[canon.replace("_", "")] = canon
+    names.update(nucleus="top_p", temp="temperature", typ="typ_p")
+    return names
+
+
+SAMPLER_NAMES = _sampler_names()
+
+
+def sampler_order(samplers) -> tuple:
+    """llama.cpp's ``samplers`` setting as canonical names: a list of names (any case; top_k, top-k and topk
+    alike; nucleus, temp, typ) or a string of letters (``"dkyptsmxe"``...). Unknown names raise ValueError (llama.cpp
+    skips them with a warning), as do infill and adaptive_p, which llampy does not have."""
+    if isinstance(samplers, str):
+        bad = [ch for ch in samplers if ch not in SAMPLER_CHARS]
+        if bad:
+            raise ValueError(f"unknown sampler letter {bad[0]!r} (known: {''.join(SAMPLER_CHARS)})")
+        names = [SAMPLER_CHARS[ch] for ch in samplers]
+    elif isinstance(samplers, (list, tuple)) and all(isinstance(x, str) for x in samplers):
+        names = []
+        for x in samplers:
+            canon = SAMPLER_NAMES.get(x.lower())
+            if canon is None:
+                raise ValueError(f"unknown sampler {x!r} (known: {', '.join(DEFAULT_ORDER)})")
+            names.append(canon)
+    else:
+        raise ValueError("samplers must be a list of sampler names or a string of sampler letters")
+    for n in names:
+        if n in UNSUPPORTED:
+            raise ValueError(f"the {n} sampler is not supported")
+    return tuple(names)
 
 
 def top_logprobs(logits: np.ndarray, k: int) -> list:

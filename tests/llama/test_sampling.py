@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llampy.llama.sampling import (MT19937, Candidates, Chain, Dist, Greedy, LogitBias, MinP, Mirostat,
-                                   MirostatV2, Penalties, Temp, TempExt, TopK, TopP, Typical, top_logprobs)
+from llampy.llama.sampling import (MT19937, XTC, Candidates, Chain, Dist, Greedy, LogitBias, MinP, Mirostat,
+                                   MirostatV2, Penalties, Temp, TempExt, TopK, TopNSigma, TopP, Typical,
+                                   sampler_order, top_logprobs)
+from llampy.llama.sampling_dry import DRY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,6 +109,86 @@ def test_llamacpp_sampler_queue(seq, top_k, top_p, min_p):
         assert size == exp_size
         if c.sorted:
             assert c.ids[0] == max_id and c.ids[exp_size - 1] == min_id
+
+
+@pytest.mark.parametrize("expected, p, t", [
+    ([0.1], 0.99, 0.09), ([0.2, 0.1], 0.99, 0.19), ([0.3, 0.2, 0.1], 0.99, 0.29), (P4[::-1], 0.99, 0.39)])
+def test_llamacpp_xtc_cases(expected, p, t):
+    c = apply_then_dist(P4, XTC(p, t, 0, 0), then_dist=False)
+    np.testing.assert_allclose(c.p, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("probs, last, expected, mult, base, allowed, last_n, breakers", [
+    ([0.25] * 4, [0, 1], [0.25] * 4, 1.0, 1.1, 2, 4, {}),
+    ([0.25] * 4, [0, 1, 2, 0, 1], [0.296923, 0.296923, 0.109232, 0.296923], 1.0, 1.1, 2, 5, {}),
+    ([0.2] * 5, [0, 1, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 2, 6, {3: [()]}),
+    ([0.2] * 5, [0, 1, 2, 0, 1], [0.241818, 0.241818, 0.032727, 0.241818, 0.241818], 2.0, 1.1, 2, 5, {}),
+    ([0.2] * 5, [0, 1, 2, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 4, 7, {}),
+])
+def test_llamacpp_dry_cases(probs, last, expected, mult, base, allowed, last_n, breakers):
+    dry = DRY(mult, base, allowed, last_n, breakers)
+    for t in last:
+        dry.accept(t)
+    np.testing.assert_allclose(apply_then_dist(probs, dry).p, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, expected", [(1, [0, 0, 0.428571, 0.571429]), (0, P4), (3, P4)])
+def test_llamacpp_top_n_sigma_cases(n, expected):
+    np.testing.assert_allclose(apply_then_dist(P4, TopNSigma(n)).p, expected, atol=1e-5)
+
+
+def test_dry_restart_sequence_limits_the_repeat():
+    """History 7 8 1 2 3 4 7 8 1 2: the suffix 7 8 1 2 occurred before, followed by 3, so 3 extends a repeat of 4
+    (penalty 2 ** (4 - 1)). A restart sequence 7 8 caps the repeat at the 2 tokens after its latest occurrence; a
+    single-token breaker 1 caps it at 1; a breaker token itself is never penalised."""
+    hist = [7, 8, 1, 2, 3, 4, 7, 8, 1, 2]
+    logits = np.zeros(10, np.float32)
+
+    def penalised(breakers):
+        d = DRY(1.0, 2.0, 1, 64, breakers)
+        for t in hist:
+            d.accept(t)
+        c = Candidates(logits)
+        d.apply(c)
+        return {int(i): float(-l) for i, l in zip(c.ids, c.logits) if l != 0}
+    assert penalised({}) == {3: 8.0}
+    assert penalised({7: [(8,)]}) == {3: 2.0}
+    assert penalised({7: [(9,)]}) == {3: 8.0}          # the tail does not follow the head: no restart
+    assert penalised({1: [()]}) == {3: 1.0}
+    assert penalised({3: [()]}) == {}
+
+
+def test_sampler_order_names_and_letters():
+    assert sampler_order(["Top-K", "nucleus", "temp", "typ", "minp", "penalties", "DRY", "xtc", "top_n_sigma"]) == (
+        "top_k", "top_p", "temperature", "typ_p", "min_p", "penalties", "dry", "xtc", "top_n_sigma")
+    assert sampler_order("edskypmxt") == ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                                          "xtc", "temperature")
+    for bad in (["top_q"], "kz", ["infill"], "a", [1], 3):
+        with pytest.raises(ValueError):
+            sampler_order(bad)
+
+
+def test_sampler_order_builds_the_chain_in_that_order():
+    ch = Chain.from_params(samplers=["temperature", "min_p", "top_k"], temperature=0.7, top_k=5, min_p=0.1, seed=1)
+    assert [type(s).__name__ for s in ch.samplers] == ["TempExt", "MinP", "TopK", "Dist"]
+    # greedy: the pure filters after the last sampler that changes logits are dropped, the rest kept in order
+    ch = Chain.from_params(temperature=0, top_k=5, repeat_penalty=1.2, samplers="kept")
+    assert [type(s).__name__ for s in ch.samplers] == ["TopK", "Penalties", "Greedy"]
+    # no temperature in the order: llama.cpp samples at temperature 1 whatever the temperature says
+    assert type(Chain.from_params(temperature=0, samplers="k", seed=3).samplers[-1]).__name__ == "Dist"
+
+
+def test_greedy_respects_a_custom_order():
+    """[top_k, penalties] at temperature 0: the argmax among the top k after the penalty, not over all tokens."""
+    logits = np.array([5.0, 4.9, 4.8, 1.0], np.float32)
+    ch = Chain.from_params(temperature=0, top_k=2, repeat_penalty=100.0, samplers=["top_k", "penalties", "temp"])
+    for t in (0, 1):
+        ch.accept(t)
+    assert ch.sample(logits) == 0      # 0 and 1 both penalised (5/100 > 4.9/100): token 2 was cut by top_k
+    ch = Chain.from_params(temperature=0, top_k=2, repeat_penalty=100.0)    # default order: penalties first
+    for t in (0, 1):
+        ch.accept(t)
+    assert ch.sample(logits) == 2
 
 
 def test_dist_singleton_keeps_the_stream():
@@ -334,7 +416,9 @@ class LibLlama:
         vp, f, i32, u32, sz = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32, ctypes.c_uint32, ctypes.c_size_t
         sigs = {"greedy": [], "dist": [u32], "top_k": [i32], "top_p": [f, sz], "min_p": [f, sz], "typical": [f, sz],
                 "temp": [f], "temp_ext": [f, f, f], "mirostat": [i32, u32, f, f, i32], "mirostat_v2": [u32, f, f],
-                "penalties": [i32, i32, f, f, f], "logit_bias": [i32, i32, ctypes.POINTER(_Bias)]}
+                "penalties": [i32, i32, f, f, f], "logit_bias": [i32, i32, ctypes.POINTER(_Bias)],
+                "top_n_sigma": [f], "xtc": [f, f, sz, u32],
+                "dry": [vp, f, f, i32, i32, ctypes.POINTER(ctypes.c_char_p), sz]}
         for name, args in sigs.items():
             fn = getattr(lib, f"llama_sampler_init_{name}")
             fn.restype, fn.argtypes = vp, args
@@ -356,6 +440,11 @@ class LibLlama:
         if isinstance(s, Mirostat): return L.llama_sampler_init_mirostat(s.n_vocab, s.seed, s.tau, s.eta, s.m)
         if isinstance(s, Penalties): return L.llama_sampler_init_penalties(n_vocab, s.last_n, s.repeat, s.freq,
                                                                            s.present)
+        if isinstance(s, TopNSigma): return L.llama_sampler_init_top_n_sigma(s.n)
+        if isinstance(s, XTC): return L.llama_sampler_init_xtc(s.probability, s.threshold, s.min_keep, s.seed)
+        if isinstance(s, DRY):          # no vocabulary: breakers are tested through llama_cpp (test below)
+            assert not s.breakers
+            return L.llama_sampler_init_dry(None, s.multiplier, s.base, s.allowed_length, s.penalty_last_n, None, 0)
         if isinstance(s, LogitBias):
             arr = (_Bias * len(s.bias))(*[_Bias(t, b) for t, b in s.bias.items()])
             return L.llama_sampler_init_logit_bias(n_vocab, len(s.bias), arr)
@@ -383,7 +472,28 @@ CHAINS = {
     "greedy-temp0": lambda n: Chain([Penalties(8, 1.5, 0.0, 0.0), TopK(10), Temp(0.0), Dist(3)]),
     "min-keep": lambda n: Chain([TopP(0.5, 300), Typical(0.3, 5), MinP(0.9, 50), TempExt(0.8, 0.7, 2.0), Dist(77)]),
     "min-p-fallback": lambda n: Chain([LogitBias(n, {0: 5.0, 2999: 4.0}), MinP(0.9, 40), Greedy()]),
+    "top-n-sigma": lambda n: Chain([TopK(300), TopNSigma(1.3), Temp(0.9), Dist(5)]),
+    "top-n-sigma-first": lambda n: Chain.from_params(top_n_sigma=2.0, top_k=0, seed=6, n_vocab=n),
+    "xtc": lambda n: Chain([TopK(60), XTC(0.6, 0.04, 2, 123), Temp(1.0), Dist(123)]),
+    "xtc-min-keep": lambda n: Chain([Temp(0.3), XTC(0.9, 0.01, 40, 7), Dist(8)]),
+    "xtc-chain": lambda n: Chain.from_params(xtc_probability=0.5, xtc_threshold=0.02, min_keep=3, seed=44, n_vocab=n),
+    "dry": lambda n: Chain([DRY(0.8, 1.75, 2, 40), TopK(40), Dist(8)]),
+    "dry-greedy": lambda n: Chain([DRY(2.0, 1.5, 1, 16), Greedy()]),
+    "dry-chain": lambda n: Chain.from_params(dry_multiplier=0.5, dry_base=3.0, dry_allowed_length=3,
+                                             dry_penalty_last_n=64, dry_sequence_breakers=[], repeat_penalty=1.1,
+                                             seed=12, n_vocab=n),
 }
+# chains whose accepted tokens follow a repetitive script (a few tokens, repeated runs) rather than the sampled
+# token, so that DRY has repeats to find
+SCRIPTED = {"dry", "dry-greedy", "dry-chain"}
+
+
+def _script(name: str, steps: int) -> list:
+    rnd = np.random.default_rng(zlib.crc32(name.encode()) + 1)
+    out: list = []
+    while len(out) < steps:
+        out += [int(t) for t in rnd.integers(0, 6, 3)] if rnd.random() < 0.3 else out[-rnd.integers(1, 8):] or [1]
+    return out[:steps]
 
 
 @pytest.mark.parametrize("name", list(CHAINS))
@@ -394,8 +504,9 @@ def test_matches_libllama_step_by_step(libllama, name):
     ours = CHAINS[name](n)
     theirs = [libllama.make(s, n) for s in ours.samplers]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
+    script = _script(name, 60) if name in SCRIPTED else None
     try:
-        for step in range(25):
+        for step in range(60 if script else 25):
             logits = (rng.standard_normal(n) * rng.uniform(1, 4)).astype(np.float32)
             c = Candidates(logits)
             buf = np.zeros(n, _TD)
@@ -404,7 +515,8 @@ def test_matches_libllama_step_by_step(libllama, name):
             for s, cs in zip(ours.samplers, theirs):
                 s.apply(c)
                 libllama.lib.llama_sampler_apply(cs, ctypes.byref(arr))
-                got = buf[:arr.size]
+                off = (arr.data - buf.ctypes.data) // _TD.itemsize      # XTC moves the array's start
+                got = buf[off:off + arr.size]
                 where = f"{name} step {step} after {s!r}"
                 assert arr.size == c.size, where
                 assert np.array_equal(got["id"], c.ids), where
@@ -414,10 +526,79 @@ def test_matches_libllama_step_by_step(libllama, name):
                     ulps = np.abs(got["p"].view(np.int32).astype(np.int64) - c.p.view(np.int32))
                     assert ulps.max(initial=0) == 0, f"{where}: p differs by {ulps.max()} ulps"
             assert arr.selected == c.selected, name
-            tok = int(c.ids[c.selected])
+            tok = script[step] if script else int(c.ids[c.selected])
             ours.accept(tok)
             for cs in theirs:
                 libllama.lib.llama_sampler_accept(cs, tok)
     finally:
         for cs in theirs:
             libllama.lib.llama_sampler_free(cs)
+
+
+# DRY's sequence breakers as llama.cpp reads them from a vocabulary: through llama_cpp's low-level API (a vocabulary
+# needs a loaded model), one process per run
+_DRY_ORACLE = r"""
+import ctypes, json, sys
+import numpy as np
+import llama_cpp as L
+d = json.loads(sys.stdin.read())
+L.llama_backend_init()
+mp = L.llama_model_default_params()
+mp.vocab_only = True
+model = L.llama_model_load_from_file(d["model"].encode(), mp)
+vocab = L.llama_model_get_vocab(model)
+n = L.llama_vocab_n_tokens(vocab)
+brk = [b.encode() for b in d["breakers"]]
+s = L.llama_sampler_init_dry(vocab, d["mult"], d["base"], d["allowed"], d["last_n"],
+                             (ctypes.c_char_p * len(brk))(*brk), len(brk))
+TD = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+out = []
+for t in d["history"]:
+    buf = np.zeros(n, TD)
+    buf["id"] = np.arange(n)
+    arr = L.llama_token_data_array(data=ctypes.cast(buf.ctypes.data, ctypes.POINTER(L.llama_token_data)), size=n,
+                                   selected=-1, sorted=False)
+    L.llama_sampler_apply(s, ctypes.byref(arr))
+    hit = np.flatnonzero(buf["logit"] != 0)
+    out.append({int(i): float(buf["logit"][i]) for i in hit})
+    L.llama_sampler_accept(s, t)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_dry_sequence_breakers_match_libllama(model):
+    """DRY with string breakers (llama.cpp's defaults and multi-token ones) over a real vocabulary, against
+    libllama's, step by step over a repetitive text: which tokens are penalised, by how much."""
+    import json
+    import subprocess
+
+    from llampy.llama.model import Model
+    from llampy.llama.sampling_dry import dry_breakers
+    from llampy.models import resolve_model
+    from tests import llamacpp
+    py = llamacpp.python()
+    if py is None:
+        llamacpp.missing("a Python with llama_cpp")
+    path = resolve_model(model)
+    v = Model(path, vocab_only=True).vocab
+    text = ("the quick brown fox jumps over the lazy dog and then it rests for a while, " * 3 +
+            "the quick red fox jumps over ### the lazy dog and then it rests for a while\n" * 2 +
+            "\u00e9t\u00e9 the quick brown fox \"jumps\" over the lazy cat and then it rests for a while, ")
+    hist = v.tokenize(text, add_special=False, parse_special=False)
+    breakers = ["\n", ":", "\"", "*", "###", "brown fox", "zy dog", "\u00e9t\u00e9"]
+    cfg = dict(mult=0.8, base=1.75, allowed=2, last_n=48)
+    r = subprocess.run([py, "-c", _DRY_ORACLE], capture_output=True, text=True, timeout=300,
+                       input=json.dumps({"model": str(path), "breakers": breakers, "history": hist, **cfg}))
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = [{int(k): val for k, val in step.items()} for step in json.loads(r.stdout)]
+    dry = DRY(cfg["mult"], cfg["base"], cfg["allowed"], cfg["last_n"], dry_breakers(v, breakers))
+    got = []
+    for t in hist:
+        c = Candidates(np.zeros(v.n_tokens, np.float32))
+        dry.apply(c)
+        hit = np.flatnonzero(c.logits != 0)
+        got.append({int(c.ids[i]): float(c.logits[i]) for i in hit})
+        dry.accept(t)
+    assert sum(1 for step in want if step) > 10         # the text does make DRY penalise
+    assert got == want
