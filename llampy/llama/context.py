@@ -36,7 +36,8 @@ class CacheFull(ContextError, _CacheFull):
 class Context:
     def __init__(self, model, n_ctx: int | None = None, n_batch: int = 2048, n_ubatch: int = 512,
                  n_seq_max: int = 1, type_k=GGMLType.F16, type_v=GGMLType.F16, embeddings: bool = False,
-                 pooling: str = "mean", max_graphs: int = 8, kv_pad: int = KV_PAD, kv_pad_decode: int | None = None):
+                 pooling: str = "mean", max_graphs: int = 8, kv_pad: int = KV_PAD, kv_pad_decode: int | None = None,
+                 kv_unified: bool = True):
         hp = model.hparams
         self.model = model
         self.n_ctx = int(n_ctx or min(hp.n_ctx_train, 4096))
@@ -51,7 +52,10 @@ class Context:
         self.pooling = pooling
         if embeddings and pooling != "none":
             self.n_ubatch = self.n_batch  # a pooled sequence must be in one micro-batch
-        self.kv = KVCache(hp, self.n_ctx, self.n_seq_max, model.layer_backend, type_k, type_v)
+        # kv_unified=False (llama-server's default): one stream of n_ctx / n_seq_max cells per sequence, so that a
+        # sequence's cells stay in position order and its results do not depend on the other sequences' traffic
+        self.kv = KVCache(hp, self.n_ctx, self.n_seq_max, model.layer_backend, type_k, type_v,
+                          n_stream=1 if kv_unified else self.n_seq_max)
         self.sched = Scheduler(model.backends)
         self._graphs: OrderedDict = OrderedDict()
         self.max_graphs = max_graphs
@@ -121,10 +125,12 @@ class Context:
             batch.validate(self.n_vocab, self.n_seq_max)
         except ValueError as e:
             raise ContextError(f"decode: {e}") from None
-        free = int((self.kv.pos < 0).sum())
-        if free < n:
-            raise CacheFull(f"the context is full: {n} tokens need room but only {free} of {self.kv.size} cells "
-                            f"are free (n_ctx={self.n_ctx})")
+        try:
+            self.kv.check_room(batch.seq_id)
+        except _CacheFull as e:
+            raise CacheFull(f"{e} (n_ctx={self.n_ctx})") from None
+        except ValueError as e:
+            raise ContextError(f"decode: {e}") from None
         want = batch.logits.copy()
         if self.embeddings:
             want[:] = True
@@ -133,27 +139,46 @@ class Context:
         self._embd = np.zeros((n_out_total, self.model.hparams.n_embd), np.float32)
         self._out_rows = {}
         self._seq_embd = {}
-        row = 0
-        for i0 in range(0, n, self.n_ubatch):
-            ub = batch.slice(i0, min(n, i0 + self.n_ubatch))
-            w = want[i0:i0 + len(ub)]
-            out_idx = np.flatnonzero(w)
+        rank = np.cumsum(want) - 1          # outputs keep the batch's order, however it is split
+        for idx in self._split(batch):
+            ub = Batch(batch.tokens[idx], batch.pos[idx], [batch.seq_id[i] for i in idx], batch.logits[idx])
+            out_idx = np.flatnonzero(want[idx])
             res = self._decode_ubatch(ub, out_idx)
-            for j, bi in enumerate(out_idx):
-                self._out_rows[i0 + int(bi)] = row + j
+            rows = rank[idx[out_idx]]
+            for bi, r in zip(idx[out_idx], rows):
+                self._out_rows[int(bi)] = int(r)
             if self.embeddings:
-                self._embd[row:row + len(out_idx)] = res
+                self._embd[rows] = res
                 if self.pooling != "none":
                     self._pool(ub, res)
             else:
-                self._logits[row:row + len(out_idx)] = res
-            row += len(out_idx)
+                self._logits[rows] = res
+
+    def _split(self, batch: Batch) -> list:
+        """The micro-batches of a batch, as index arrays. A unified cache cuts the batch into runs of n_ubatch.
+        With one stream per sequence, a sequence with several tokens in the batch (a prompt) is decoded in
+        micro-batches of its own and the single tokens of the others (generation steps) together: as llama.cpp
+        gives each stream its own block of queries, a sequence's attention then takes the kernel path its own
+        token count picks (ggml's CPU flash attention switches to float32 tiles from 64 queries), whatever the
+        other sequences send in the same batch."""
+        n = len(batch)
+        if self.kv.n_stream == 1:
+            groups = [np.arange(n)]
+        else:
+            seqs = np.array([s[0] for s in batch.seq_id], dtype=np.int64)
+            _, first, inverse, counts = np.unique(seqs, return_index=True, return_inverse=True, return_counts=True)
+            single = np.flatnonzero(counts[inverse] == 1)
+            groups = [single] if len(single) else []
+            for u in np.argsort(first):
+                if counts[u] > 1:
+                    groups.append(np.flatnonzero(inverse == u))
+        return [g[i0:i0 + self.n_ubatch] for g in groups for i0 in range(0, len(g), self.n_ubatch)]
 
     def _decode_ubatch(self, ub: Batch, out_idx: np.ndarray) -> np.ndarray:
         n = len(ub)
         n_outputs = len(out_idx)
         try:
-            idxs = self.kv.find_slot(n)
+            idxs = self.kv.find_slot(n, ub.seq_id)
         except _CacheFull as e:
             raise CacheFull(str(e)) from None
         self.kv.apply(idxs, ub.pos, ub.seq_id)
@@ -214,7 +239,10 @@ class Context:
         return self.kv.seq_rm(seq_id, p0, p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        self.kv.seq_cp(src, dst, p0, p1)
+        try:
+            self.kv.seq_cp(src, dst, p0, p1)
+        except ValueError as e:
+            raise ContextError(str(e)) from None
 
     def seq_keep(self, seq_id: int) -> None:
         self.kv.seq_keep(seq_id)
@@ -276,7 +304,7 @@ class Context:
             used = int(z["used"][0])
             self.kv.pos[:] = z["pos"]
             self.kv.seq[:] = z["seq"]
-            self.kv.head = 0
+            self.kv.heads[:] = np.arange(self.kv.n_stream) * self.kv.stream_size
             for il in range(len(self.kv.k)):
                 tensor_set(self.kv.view_k(il, used), z[f"k{il}"])
                 tensor_set(self.kv.view_v(il, used), z[f"v{il}"])

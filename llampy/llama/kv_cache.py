@@ -4,6 +4,11 @@ Layout: K of layer il is ``[n_embd_head_k, kv_size, n_head_kv]`` (ne order): for
 contiguous, so attention reads one contiguous block per head. V likewise. New rows are written by SET_ROWS
 nodes in the graph at the cell indices this object picks (``find_slot``); the mask says which cells each token
 may see. Several sequences share the cache through per-cell sequence sets (a bool matrix).
+
+With ``n_stream`` > 1 (llama.cpp's ``kv_unified = false``, llama-server's default) the cells are cut into one
+equal range per sequence, each with its own ``head``: a sequence's cells then stay in position order whatever the
+other sequences did, and since flash attention sums the visible cells in cell order (with an F16 accumulator, as
+ggml's), a sequence's logits do not depend on where earlier traffic left holes in the cache.
 """
 from __future__ import annotations
 
@@ -23,17 +28,24 @@ class CacheFull(ValueError):
 
 class KVCache:
     def __init__(self, hparams, kv_size: int, n_seq_max: int, layer_backends, type_k=GGMLType.F16,
-                 type_v=GGMLType.F16):
+                 type_v=GGMLType.F16, n_stream: int = 1):
         hp = hparams
         self.hp = hp
         self.size = int(kv_size)
         self.n_seq_max = int(n_seq_max)
+        self.n_stream = int(n_stream)
+        if self.n_stream not in (1, self.n_seq_max):
+            raise ValueError(f"n_stream must be 1 (unified) or n_seq_max ({self.n_seq_max}), got {n_stream}")
+        self.stream_size = self.size // self.n_stream   # cells of one stream; a remainder past the last is unused
+        if self.stream_size < 1:
+            raise ValueError(f"{self.size} cells cannot hold {self.n_stream} streams")
         self.type_k = GGMLType(type_k)
         self.type_v = GGMLType(type_v)
         for t, d in ((self.type_k, hp.n_embd_head_k), (self.type_v, hp.n_embd_head_v)):
             row_size(t, d)  # raises if the head size is not whole blocks of the cache type
         self.pos = np.full(self.size, -1, dtype=np.int32)        # -1: empty
-        self.head = 0                                             # where find_slot starts looking
+        # per stream: where find_slot starts looking (its first cell to begin with)
+        self.heads = np.arange(self.n_stream, dtype=np.int64) * self.stream_size
         self.seq = np.zeros((self.size, self.n_seq_max), dtype=bool)
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
@@ -85,19 +97,70 @@ class KVCache:
         n = max(n_needed_p1, 1)
         return min(self.size, (n + pad - 1) // pad * pad)
 
-    def find_slot(self, n_tokens: int) -> np.ndarray:
+    @property
+    def head(self) -> int:
+        """The head of the first (with a unified cache, the only) stream."""
+        return int(self.heads[0])
+
+    @head.setter
+    def head(self, v: int) -> None:
+        self.heads[0] = v
+
+    def stream_of(self, seq_ids) -> int:
+        """The stream a token of these sequences goes to: 0 in a unified cache, else its sequence's own."""
+        if self.n_stream == 1:
+            return 0
+        if len(seq_ids) != 1:
+            raise ValueError(f"with one KV stream per sequence a token belongs to one sequence, not {list(seq_ids)}")
+        return int(seq_ids[0])
+
+    def _stream_range(self, st: int) -> tuple[int, int]:
+        lo = st * self.stream_size
+        return lo, lo + self.stream_size
+
+    def find_slot(self, n_tokens: int, seq_ids: list | None = None) -> np.ndarray:
         """Cell indices for n new tokens, as llama.cpp's llama_kv_cache::find_slot picks them: the empty cells met
         scanning from ``head`` (the cell after the previous batch's last, or the lowest one a removal freed), wrapping
-        to cell 0; the scan starts at 0 when head is beyond used + 2 n. Raises CacheFull if there are not enough.
+        to the start; the scan starts there when head is beyond used + 2 n. With streams, each token's cells come
+        from its sequence's stream, scanned from that stream's head. Raises CacheFull if there are not enough.
         (Where cells land decides the order flash attention sums them in, so this is part of matching llama.cpp
         when several sequences share the cache.)"""
-        free = np.flatnonzero(self.pos < 0)
+        if self.n_stream == 1 or seq_ids is None:
+            return self._find_in_stream(0, n_tokens)
+        streams = np.array([self.stream_of(s) for s in seq_ids], dtype=np.int64)
+        out = np.empty(len(streams), dtype=np.int64)
+        for st in np.unique(streams):
+            sel = streams == st
+            out[sel] = self._find_in_stream(int(st), int(sel.sum()))
+        return out
+
+    def _find_in_stream(self, st: int, n_tokens: int) -> np.ndarray:
+        lo, hi = self._stream_range(st) if self.n_stream > 1 else (0, self.size)
+        free = lo + np.flatnonzero(self.pos[lo:hi] < 0)
         if len(free) < n_tokens:
-            raise CacheFull(f"the KV cache is full: {n_tokens} new tokens need cells but only {len(free)} of "
-                            f"{self.size} are free (raise n_ctx, or remove sequences with seq_rm)")
-        head = self.head if self.head <= (self.size - len(free)) + 2 * n_tokens else 0
+            where = f"stream {st} (sequence {st}) of the KV cache" if self.n_stream > 1 else "the KV cache"
+            raise CacheFull(f"{where} is full: {n_tokens} new tokens need cells but only {len(free)} of "
+                            f"{hi - lo} are free (raise n_ctx, or remove sequences with seq_rm)")
+        head = int(self.heads[st])
+        head = head if head - lo <= ((hi - lo) - len(free)) + 2 * n_tokens else lo
         order = np.concatenate([free[free >= head], free[free < head]])
         return order[:n_tokens].astype(np.int64)
+
+    def check_room(self, seq_ids: list) -> None:
+        """Raises CacheFull unless every stream has room for its tokens of a batch (before any is placed)."""
+        if self.n_stream == 1:
+            free = int((self.pos < 0).sum())
+            if free < len(seq_ids):
+                raise CacheFull(f"the context is full: {len(seq_ids)} tokens need room but only {free} of "
+                                f"{self.size} cells are free")
+            return
+        streams = np.array([self.stream_of(s) for s in seq_ids], dtype=np.int64)
+        for st, n in zip(*np.unique(streams, return_counts=True)):
+            lo, hi = self._stream_range(int(st))
+            free = int((self.pos[lo:hi] < 0).sum())
+            if free < n:
+                raise CacheFull(f"the context of sequence {st} is full: {n} tokens need room but only {free} of "
+                                f"its {hi - lo} cells are free")
 
     def apply(self, idxs: np.ndarray, pos: np.ndarray, seq_ids: list) -> None:
         self.pos[idxs] = pos
@@ -105,13 +168,24 @@ class KVCache:
         for i, s in zip(idxs, seq_ids):
             self.seq[i, list(s)] = True
         if len(idxs):
-            self.head = int(idxs[-1]) + 1
+            if self.n_stream == 1:
+                self.heads[0] = int(idxs[-1]) + 1
+            else:   # each stream's head after its last new cell
+                for i in idxs:
+                    self.heads[int(i) // self.stream_size] = int(i) + 1
 
     def _freed(self, was_used: np.ndarray, lower_only: bool = True) -> None:
-        """llama.cpp's head after a removal: the lowest freed cell, if below the current head."""
+        """llama.cpp's head after a removal: the lowest freed cell (of each stream), if below its current head."""
         freed = np.flatnonzero(was_used & (self.pos < 0))
-        if len(freed) and (not lower_only or freed[0] < self.head):
-            self.head = int(freed[0])
+        if self.n_stream == 1:
+            if len(freed) and (not lower_only or freed[0] < self.heads[0]):
+                self.heads[0] = int(freed[0])
+            return
+        streams = freed // self.stream_size      # cells past the last stream are never used, never freed
+        for st in np.unique(streams):
+            first = int(freed[streams == st][0])
+            if not lower_only or first < self.heads[st]:
+                self.heads[st] = first
 
     def mask(self, n_kv: int, pos: np.ndarray, seq_ids: list, swa: int = 0, causal: bool = True) -> np.ndarray:
         """F16 [n_tokens, n_kv] (row-major, i.e. ggml [n_kv, n_tokens]): 0 where token i may see cell j, -inf elsewhere."""
@@ -147,6 +221,8 @@ class KVCache:
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int | None = None, p1: int | None = None) -> None:
+        if self.n_stream > 1 and src != dst:
+            raise ValueError("seq_cp between sequences needs a unified KV cache (their cells are in other streams)")
         r = self._range(p0, p1) & self.seq[:, src]
         self.seq[r, dst] = True
 
@@ -178,14 +254,16 @@ class KVCache:
         self.pos[gone] = -1
         shift[gone] = 0
         g = np.flatnonzero(gone)
-        self.head = int(g[0]) if len(g) else 0     # llama.cpp: the first removed cell, else start over
+        st = self.stream_of((seq_id,)) if seq_id >= 0 else 0
+        # llama.cpp: the first removed cell, else start over (in the sequence's stream)
+        self.heads[st] = int(g[0]) if len(g) else self._stream_range(st)[0]
         return shift
 
     def clear(self, data: bool = False) -> None:
         """Forget every cell; with ``data``, also zero K and V (llama.cpp's clear(data))."""
         self.pos[:] = -1
         self.seq[:] = False
-        self.head = 0
+        self.heads[:] = [self._stream_range(st)[0] for st in range(self.n_stream)]
         if data:
             for buf in self.buffers:
                 buf.clear(0)

@@ -94,8 +94,10 @@ class Engine:
         n_batch = self.prompt_budget + n_parallel
         # graphs are cached per (tokens, outputs, kv) shape, so keep more; decode steps read the whole cache
         # (n_kv padded to it), so theirs differ only in the batch size
+        # one KV stream per slot (llama-server's default, kv_unified off): a request's result does not depend on
+        # where earlier requests left cells in the cache
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_parallel,
-                           max_graphs=64, kv_pad_decode=n_ctx)
+                           max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False)
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
         # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
         # would otherwise move them), then a decode step of every number of generating slots
@@ -252,16 +254,18 @@ class Engine:
         batch = Batch.empty()
         rows: dict[int, int] = {}       # slot id -> batch position whose logits it samples from
         took: dict[int, int] = {}       # slot id -> prompt tokens of it in this batch
-        # Prompt chunks first, oldest request first, within the step's budget. The cache gives a batch the first
-        # free cells in batch order, and the free cells are mostly the holes a restarted slot left: filled by a new
-        # prompt, they stay in position order for its sequence. (A running sequence whose next token lands in a
-        # hole below its earlier cells gets its attention summed in another order; with ggml's F16 accumulation
-        # that changes the last bits, which SmolLM2 amplifies.)
+        # Prompt chunks first, oldest request first, within the step's budget. Each slot's cells come from its own
+        # stream of the cache, in position order (flash attention sums them in cell order, with ggml's F16
+        # accumulator: cells out of order would change the last bits, which SmolLM2 amplifies).
+        # A prompt is cut into chunks of prompt_budget tokens from where its slot's cache ends, each decoded whole
+        # (a later one waits for the next step rather than be cut to the budget left): where a prompt's chunks
+        # begin, and so the attention path of its tokens (the Context decodes each prompt's chunk apart), depends
+        # on that prompt only, not on the other requests of the step.
         budget = self.prompt_budget
         for s in sorted((s for s in active if s.pending), key=lambda s: s.req.t_arrival):
-            if budget <= 0:
-                break
-            chunk = s.pending[:budget]
+            chunk = s.pending[:self.prompt_budget]
+            if took and len(chunk) > budget:
+                continue
             for j, t in enumerate(chunk):
                 last = j == len(chunk) - 1 and len(chunk) == len(s.pending)
                 batch.add(t, len(s.cached) + j, [s.id], last)

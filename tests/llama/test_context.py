@@ -190,3 +190,24 @@ def test_reserve_builds_the_graph_before_its_first_batch(model):
     for i in range(9, 40):
         ctx.decode(Batch.from_tokens([TOKS[i % 10]], pos0=i))
     assert ctx.n_graph_builds == one
+
+
+def test_split_streams_make_a_sequence_independent_of_its_neighbours(model):
+    """kv_unified=False: a sequence's logits are the same bits whatever the others did before (cells left in the
+    cache) or send in the same batch (a 70-token prompt beside it would take flash attention's tiled path, from 64
+    queries, for both if they shared a micro-batch)."""
+    alone = Context(model, n_ctx=256, n_batch=128, n_ubatch=128, n_seq_max=2, kv_unified=False)
+    alone.decode(Batch.from_tokens(TOKS, 0, 0))
+    want = alone.get_logits_ith(-1).copy()
+    busy = Context(model, n_ctx=256, n_batch=128, n_ubatch=128, n_seq_max=2, kv_unified=False)
+    busy.decode(Batch.from_tokens(TOKS[:4], 0, 0))
+    busy.decode(Batch.from_tokens(list(range(300, 340)), 0, 1))
+    busy.seq_rm(0, 1, -1)                          # a restart keeps one cell of sequence 0
+    b = Batch.from_tokens(TOKS[1:], 1, 0)
+    for j in range(70):                            # another sequence's prompt in the same batch
+        b.add(400 + j, 40 + j, [1], j == 69)
+    busy.decode(b)
+    assert np.array_equal(busy.get_logits_ith(len(TOKS) - 2), want)
+    assert np.array_equal(busy.get_logits(), np.stack([want, busy.get_logits_ith(len(b) - 1)]))
+    with pytest.raises(ContextError):
+        busy.seq_cp(0, 1)

@@ -102,3 +102,33 @@ def test_find_slot_follows_llamacpps_head():
     assert kv.head == 0
     kv.clear()
     assert kv.head == 0 and put(2, 0, 0) == [0, 1]
+
+
+def test_streams_keep_each_sequence_in_position_order():
+    """n_stream = n_seq_max (llama.cpp's kv_unified = false): each sequence's cells come from its own range, from
+    that range's head, so restarts and removals in one sequence never put another's new cells out of order."""
+    kv = KVCache(make().hp, 16, 2, [Backend("host")] * 2, GGMLType.F16, GGMLType.F16, n_stream=2)
+    assert kv.stream_size == 8 and list(kv.heads) == [0, 8]
+
+    def put(seq, p0, n):
+        seqs = [(seq,)] * n
+        idx = kv.find_slot(n, seqs)
+        kv.apply(idx, np.arange(p0, p0 + n, dtype=np.int32), seqs)
+        return list(idx)
+
+    assert put(0, 0, 3) == [0, 1, 2] and put(1, 0, 5) == [8, 9, 10, 11, 12]
+    kv.seq_rm(0, 1, -1)                        # a restarted request keeps one cached token
+    assert list(kv.heads) == [1, 13]
+    assert put(1, 5, 1) == [13] and put(0, 1, 4) == [1, 2, 3, 4]
+    for s in (0, 1):                           # positions ascend with the cell index within each sequence
+        cells = np.flatnonzero(kv.seq[:, s])
+        assert list(kv.pos[cells]) == sorted(kv.pos[cells]) and (cells // 8 == s).all()
+    # a mixed batch takes each token's cells from its own stream
+    seqs = [(1,), (0,), (1,)]
+    assert list(kv.find_slot(3, seqs)) == [14, 5, 15]
+    with pytest.raises(CacheFull, match="sequence 1"):   # stream 1 holds 8 cells; 8 are free elsewhere
+        kv.check_room([(1,)] * 3)
+    with pytest.raises(ValueError):
+        kv.seq_cp(0, 1)
+    kv.clear()
+    assert list(kv.heads) == [0, 8]
