@@ -151,13 +151,14 @@ class Llama:
                                  logit_bias=logit_bias, seed=seed, n_vocab=self.n_vocab, grammar=grammar)
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, sampler, stop=(), n_probs: int = 0,
-                 ignore_eos: bool = False) -> Iterator[GenStep]:
-        """Sample up to max_tokens tokens after the prompt; the last step carries finish_reason."""
+                 ignore_eos: bool = False, keep_tokens: frozenset = frozenset()) -> Iterator[GenStep]:
+        """Sample up to max_tokens tokens after the prompt; the last step carries finish_reason. ``keep_tokens``:
+        control tokens whose text stays in the output (the rest give none)."""
         from .vocab import StreamDecoder
         if max_tokens is None or max_tokens < 0:
             max_tokens = self.n_ctx - len(prompt_tokens)
         logits = self.eval_prompt(prompt_tokens)
-        dec = StreamDecoder(self.vocab, special=False)
+        dec = StreamDecoder(self.vocab, special=False, keep=frozenset(keep_tokens))
         stop = [s for s in (stop or []) if s]
         text_all = ""
         emitted = 0
@@ -202,12 +203,14 @@ class Llama:
                           repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                           logprobs: int | None = None, stream: bool = False, logit_bias=None, echo: bool = False,
                           mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
-                          add_special: bool = True, grammar=None, response_format=None):
+                          add_special: bool = True, grammar=None, response_format=None, preserved_tokens=None):
         """``grammar``: a LlamaGrammar (``LlamaGrammar.from_string``/``from_json_schema``) or GBNF text;
         ``response_format``: OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
         ...}}. Either constrains the text token by token; one that cannot be compiled raises GrammarError (a
-        ValueError) before anything is generated."""
+        ValueError) before anything is generated. ``preserved_tokens`` (llama-server's field): token ids or texts
+        of single tokens whose text the output keeps although they are control tokens."""
         grammar = constraint(grammar, response_format)
+        keep = self._token_ids(preserved_tokens or ())
         tokens = prompt if isinstance(prompt, list) else self.vocab.tokenize(prompt, add_special=add_special,
                                                                                parse_special=True)
         if isinstance(stop, str):
@@ -216,7 +219,7 @@ class Llama:
                                     frequency_penalty, presence_penalty, mirostat_mode, mirostat_tau, mirostat_eta,
                                     logit_bias, seed, grammar)
         steps = self.generate(tokens, max_tokens if max_tokens is not None else -1, sampler, stop or [],
-                              n_probs=logprobs or 0)
+                              n_probs=logprobs or 0, keep_tokens=keep)
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = self.model_path
@@ -248,6 +251,15 @@ class Llama:
 
     __call__ = create_completion
 
+    def _token_ids(self, tokens) -> frozenset:
+        ids = set()
+        for t in tokens:
+            i = self.vocab.token_to_id.get(t) if isinstance(t, str) else t
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab.n_tokens:
+                raise ValueError(f"preserved_tokens: {t!r} is not a single token of the vocabulary")
+            ids.add(i)
+        return frozenset(ids)
+
     # ------------------------------------------------------------------ chat
     def chat_template(self):
         if self._chat_template is None:
@@ -263,16 +275,25 @@ class Llama:
                                stream: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                                repeat_penalty: float = 1.0, logit_bias=None, logprobs: bool = False,
                                top_logprobs: int | None = None, grammar=None, response_format=None, tools=None,
-                               tool_choice=None, parallel_tool_calls: bool | None = None):
+                               tool_choice=None, parallel_tool_calls: bool | None = None,
+                               reasoning_format: str | None = None, chat_template_kwargs: dict | None = None):
         """An OpenAI-shaped chat completion. ``grammar``/``response_format`` as in create_completion. ``tools``,
         ``tool_choice``, ``parallel_tool_calls`` as OpenAI's (llampy/llama/tools.py): calls come back in
         ``message.tool_calls`` with finish_reason "tool_calls"; a forced call (required, or a named function) is
-        constrained by the tools' parameter schemas. With tools, a stream sends the reply when it is complete."""
+        constrained by the tools' parameter schemas. With tools, a stream sends the reply when it is complete.
+        ``reasoning_format`` and ``chat_template_kwargs`` as llama-server's (llampy/llama/reasoning.py): the
+        reply's thinking block goes to ``message.reasoning_content`` (streamed as ``reasoning_content`` deltas)
+        unless "none"; the kwargs are extra template variables, e.g. {"enable_thinking": False}. Bad values
+        raise ValueError."""
+        from .reasoning import check_reasoning_format, check_template_kwargs, splitter_for
         from .tools import chat_plan
+        reasoning_format = check_reasoning_format(reasoning_format)
+        kwargs = check_template_kwargs(chat_template_kwargs)
         grammar = constraint(grammar, response_format)
         tp, grammar = chat_plan(self.chat_template(), messages, tools, tool_choice, parallel_tool_calls, self.vocab,
                                 grammar)
-        prompt = self.chat_template().render(tp.messages, add_generation_prompt=True, tools=tp.tools)
+        prompt = self.chat_template().render(tp.messages, add_generation_prompt=True, tools=tp.tools, **kwargs)
+        think = splitter_for(tp.source, prompt, reasoning_format)
         # the rendered template already holds BOS where the model wants it
         tokens = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
         if self.vocab.add_bos and self.vocab.bos is not None and (not tokens or tokens[0] != self.vocab.bos):
@@ -281,14 +302,18 @@ class Llama:
                                      top_k=top_k, stop=stop, seed=seed, stream=stream, repeat_penalty=repeat_penalty,
                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                      logit_bias=logit_bias, logprobs=(top_logprobs or 1) if logprobs else None,
-                                     grammar=grammar)
+                                     grammar=grammar, preserved_tokens=tp.keep_tokens)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if stream:
-            return self._stream_chat(res, cid) if tp.format == "none" else self._stream_tools(res, cid, tp)
+            return self._stream_chat(res, cid, think) if tp.format == "none" else \
+                self._stream_tools(res, cid, tp, think)
         ch = res["choices"][0]
-        message, finish = {"role": "assistant", "content": ch["text"]}, ch["finish_reason"]
+        reasoning, text = think.split(ch["text"]) if think else ("", ch["text"])
+        message, finish = {"role": "assistant", "content": text}, ch["finish_reason"]
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if tp.format != "none":
-            content, calls = tp.parse(ch["text"])
+            content, calls = tp.parse(text)
             message["content"] = (content or None) if calls else content
             if calls:
                 message["tool_calls"] = [c.to_openai() for c in calls]
@@ -297,7 +322,7 @@ class Llama:
                 "choices": [{"index": 0, "message": message, "logprobs": ch["logprobs"], "finish_reason": finish}],
                 "usage": res["usage"]}
 
-    def _stream_tools(self, chunks, cid, tp):
+    def _stream_tools(self, chunks, cid, tp, think=None):
         """A stream with tools: the reply is read whole (a call cannot be told from text until it ends), then sent
         as a content delta and/or tool-call deltas, and the finish."""
         from .tools import tool_call_deltas
@@ -305,8 +330,11 @@ class Llama:
         for c in chunks:
             text += c["choices"][0]["text"]
             finish, created, model = c["choices"][0]["finish_reason"], c["created"], c["model"]
+        reasoning, text = think.split(text) if think else ("", text)
         content, calls = tp.parse(text)
         deltas = [{"role": "assistant", "content": content if content or not calls else None}]
+        if reasoning:
+            deltas[0]["reasoning_content"] = reasoning
         deltas += tool_call_deltas(calls)
         for d in deltas:
             yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -314,11 +342,19 @@ class Llama:
         yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls" if calls else finish}]}
 
-    def _stream_chat(self, chunks, cid):
+    def _stream_chat(self, chunks, cid, think=None):
         first = True
         for c in chunks:
             ch = c["choices"][0]
-            delta = {"role": "assistant", "content": ch["text"]} if first else {"content": ch["text"]}
+            delta = {"content": ch["text"]}
+            if think is not None:       # held-back tails of a tag come out with the next piece or the finish
+                r, t = think.feed(ch["text"])
+                if ch["finish_reason"] is not None:
+                    r2, t2 = think.flush()
+                    r, t = r + r2, t + t2
+                delta = {k: v for k, v in (("reasoning_content", r), ("content", t)) if v}
+            if first:
+                delta = {"role": "assistant", **delta}
             first = False
             yield {"id": cid, "object": "chat.completion.chunk", "created": c["created"], "model": c["model"],
                    "choices": [{"index": 0, "delta": delta, "finish_reason": ch["finish_reason"]}]}

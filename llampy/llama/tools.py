@@ -5,7 +5,12 @@ them from the template's source:
 - ``hermes`` (Hermes 2 Pro, Qwen 2.5/3: the template mentions ``<tool_call>``): ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, one block per call.
 - ``llama3`` (the template has an ``ipython`` role): a bare ``{"name": ..., "parameters": {...}}``.
-- ``mistral`` (the template mentions ``[TOOL_CALLS]``): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+- ``mistral`` (the template mentions ``[TOOL_CALLS]``): Mistral Nemo's ``[TOOL_CALLS][{"name": ..., "arguments":
+  {...}, "id": ...}, ...]``, or, where the template has ``[ARGS]`` (Mistral Small 3.2, Devstral),
+  ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` per call. Call ids are 9 letters and digits, the only ids Mistral's
+  templates take back in the history.
+- ``gemma4`` (the template writes ``'<|tool_call>call:'``): ``<|tool_call>call:NAME{key:value}<tool_call|>`` in
+  Gemma's own notation (llampy/llama/tools_gemma4.py), reasoning in ``<|channel>thought ... <channel|>``.
 - ``generic`` (anything else, SmolLM2 and Gemma 3 among them): the tools and an instruction go into a system
   message, and the reply is JSON, ``{"tool_call": {"name", "arguments"}}`` (``{"tool_calls": [...]}`` with parallel
   calls) or ``{"response": "..."}``, always constrained by a schema of those shapes (the output cannot be parsed
@@ -14,14 +19,25 @@ them from the template's source:
 ``tool_choice``: "none" (tools are not shown, nothing is parsed), "auto", "required" (the reply must be a call),
 or {"type": "function", "function": {"name": ...}} (a call of that tool). A forced call is constrained by a grammar
 built from the tools' parameter schemas; under "auto" only the generic format is constrained.
+
+As llama.cpp does around the template: earlier calls' arguments reach a template that reads them as objects
+(found by rendering a probe conversation, as llama.cpp's template capabilities are) as objects rather than JSON text,
+and a call's message gets content "" where it has none; a format's markers that are control tokens of the
+vocabulary (``[TOOL_CALLS]``, ``<|tool_call>``, ...) are kept in the reply's text (llama.cpp's preserved tokens),
+or the reply could not be parsed.
 """
 from __future__ import annotations
 
+import functools
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass
 
+from . import reasoning
+from . import tools_gemma4 as gemma4
 from .grammar import JSON_OPTIONS, GrammarError, LlamaGrammar
 
 GENERIC_SYSTEM = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` reply "
@@ -41,6 +57,13 @@ class ToolCall:
     def __post_init__(self):
         self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
 
+    @classmethod
+    def mistral(cls, name: str, arguments: str, id: str = "") -> "ToolCall":
+        """A call whose id Mistral's templates take back: the model's own if it is 9 letters and digits."""
+        if not re.fullmatch(r"[A-Za-z0-9]{9}", id or ""):
+            id = "".join(random.choices(string.ascii_letters + string.digits, k=9))
+        return cls(name, arguments, id)
+
     def to_openai(self, index: int | None = None) -> dict:
         d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return d if index is None else {"index": index, **d}
@@ -49,11 +72,13 @@ class ToolCall:
 @dataclass
 class ToolPlan:
     """What one request with tools does: the template's inputs, the constraint, how to read the reply."""
-    format: str                     # hermes | llama3 | mistral | generic | none
+    format: str                     # hermes | llama3 | mistral | gemma4 | generic | none
     messages: list
     tools: list | None              # as the template receives them
     grammar: LlamaGrammar | None
     parallel: bool = False
+    keep_tokens: frozenset = frozenset()    # control tokens the reply's text keeps (the format's markers)
+    source: str = ""                        # the chat template that renders the request
 
     def parse(self, text: str) -> tuple[str, list]:
         return parse(self.format, text)
@@ -103,6 +128,8 @@ def check_tools(tools, tool_choice="auto") -> tuple[list, object]:
 # ------------------------------------------------------------------------------------------------ formats
 def detect_format(source: str) -> str:
     """The tool-call format of a chat template, by the markers llama.cpp's chat.cpp looks for."""
+    if gemma4.DETECT in source:
+        return "gemma4"
     if "<tool_call>" in source:
         return "hermes"
     if "[TOOL_CALLS]" in source:
@@ -113,10 +140,23 @@ def detect_format(source: str) -> str:
     return "generic"
 
 
-def _call_schema(tool: dict, args_key: str = "arguments") -> dict:
+def _call_schema(tool: dict, args_key: str = "arguments", with_id: bool = False) -> dict:
     f = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
-            "required": ["name", args_key], "additionalProperties": False}
+    props, required = {"name": {"const": f["name"]}, args_key: f["parameters"]}, ["name", args_key]
+    if with_id:         # Mistral Nemo writes the call's id itself (llama.cpp's grammar asks for it too)
+        props["id"], required = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}, required + ["id"]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
+           "mistral": ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"), "gemma4": gemma4.MARKERS}
+
+
+def keep_tokens(vocab, texts) -> frozenset:
+    """The ids of those of ``texts`` that are single tokens of the vocabulary."""
+    if vocab is None:
+        return frozenset()
+    return frozenset(i for i in (vocab.token_to_id.get(t) for t in texts) if i is not None)
 
 
 def _any(schemas: list) -> dict:
@@ -169,12 +209,73 @@ def plan(template_source: str, messages: list, tools: list, tool_choice, paralle
         elif fmt == "llama3":
             lark = f"%llguidance {{}}\nstart: call\ncall: " \
                    f"{_json_rule(_any([_call_schema(t, 'parameters') for t in chosen]))}\n"
-        else:   # mistral
+        elif fmt == "gemma4":
+            lark = gemma4.call_rules(chosen, parallel, lambda text: _token_or_text(vocab, text))
+        elif "[ARGS]" in template_source:       # mistral, one [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...} per call
+            call_id = f' ({_token_or_text(vocab, "[CALL_ID]")} /[a-zA-Z0-9]{{9}}/)?' \
+                if "[CALL_ID]" in template_source else ""
+            alts = " | ".join(f'{json.dumps(t["function"]["name"])}{call_id} {_token_or_text(vocab, "[ARGS]")} '
+                              f'args{i}' for i, t in enumerate(chosen))
+            args = "".join(f'args{i}: {_json_rule(t["function"]["parameters"])}\n' for i, t in enumerate(chosen))
+            lark = (f'%llguidance {{}}\nstart: call{"+" if parallel else ""}\n'
+                    f'call: {_token_or_text(vocab, "[TOOL_CALLS]")} ({alts})\n{args}')
+        else:   # mistral nemo
             more = ' (", " call)*' if parallel else ""
             lark = (f'%llguidance {{}}\nstart: {_token_or_text(vocab, "[TOOL_CALLS]")} "[" call{more} "]"\n'
-                    f"call: {_json_rule(_any([_call_schema(t) for t in chosen]))}\n")
+                    f"call: {_json_rule(_any([_call_schema(t, with_id=True) for t in chosen]))}\n")
         grammar = LlamaGrammar.from_string(lark)
-    return ToolPlan(fmt, messages, tools, grammar, parallel)
+    return ToolPlan(fmt, messages, tools, grammar, parallel, keep_tokens(vocab, MARKERS[fmt]))
+
+
+PROBE_ARG = "llampy-probe-value"
+
+
+@functools.lru_cache(maxsize=32)
+def object_arguments(template_source: str) -> bool:
+    """Whether a template reads a call's arguments as an object: it renders a conversation with an earlier call
+    whose arguments are {"arg": PROBE_ARG} and writes the value out (llama.cpp's supports_object_arguments).
+    Templates that only concatenate the arguments as text fail here and get JSON text."""
+    from .chat import ChatTemplate, ChatTemplateError
+    call = {"id": "call00001", "type": "function", "function": {"name": "tool1", "arguments": {"arg": PROBE_ARG}}}
+    msgs = [{"role": "user", "content": "User message"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call00001", "content": "Tool response"},
+            {"role": "assistant", "content": "The tool response was 'tool response'"},
+            {"role": "user", "content": "User message"}]
+    tools = [{"type": "function", "function": {
+        "name": "tool1", "description": "Tool description", "parameters": {
+            "type": "object", "properties": {"arg": {"type": "string", "description": "Arg description"}},
+            "required": ["arg"]}}}]
+    try:
+        return PROBE_ARG in ChatTemplate(template_source).render(msgs, tools=tools)
+    except ChatTemplateError:
+        return False
+
+
+def template_messages(template_source: str, messages: list) -> list:
+    """The messages as the template wants them: earlier calls' JSON-text arguments as objects where it reads
+    objects, and content "" instead of none beside calls (llama.cpp's func_args_not_string and
+    requires_non_null_content)."""
+    if not any(isinstance(m, dict) and m.get("tool_calls") for m in messages):
+        return messages
+    objects = object_arguments(template_source)
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls and isinstance(calls, list):
+            m = {**m, "content": m.get("content") or ""}
+            if objects:
+                m["tool_calls"] = [_with_object_arguments(c) for c in calls]
+        out.append(m)
+    return out
+
+
+def _with_object_arguments(call):
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str):
+        return call
+    args = _loads_or_text(f["arguments"])
+    return {**call, "function": {**f, "arguments": args}} if isinstance(args, dict) else call
 
 
 def _add_system(messages: list, text: str) -> list:
@@ -284,14 +385,38 @@ def parse(fmt: str, text: str) -> tuple[str, list]:
                 return text[end:].strip(), got
         return text, []
     if fmt == "mistral":
-        i = text.find("[TOOL_CALLS]")
-        if i >= 0:
-            v, end = _json_at(text, i + len("[TOOL_CALLS]"))
-            got = _calls_from(v if isinstance(v, list) else [v])
-            if got:
-                return (text[:i] + text[end:]).strip(), got
-        return text, []
+        return _parse_mistral(text)
+    if fmt == "gemma4":
+        content, calls = gemma4.parse_calls(text)
+        return content, [ToolCall(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
     raise GrammarError(f"unknown tool-call format {fmt!r}")
+
+
+_MISTRAL_ARGS = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]")
+
+
+def _parse_mistral(text: str) -> tuple[str, list]:
+    """Nemo's ``[TOOL_CALLS][{...}, ...]`` or Small 3.2's ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` blocks."""
+    calls, content, pos = [], [], 0
+    for m in _MISTRAL_ARGS.finditer(text):
+        if m.start() < pos:
+            continue
+        v, end = _json_at(text, m.end())
+        if not isinstance(v, dict):
+            continue
+        content.append(text[pos:m.start()])
+        calls.append(ToolCall.mistral(m.group(1), _args_text(v), m.group(2) or ""))
+        pos = end
+    if calls:
+        content.append(text[pos:])
+        return "".join(content).strip(), calls
+    i = text.find("[TOOL_CALLS]")
+    if i >= 0:
+        v, end = _json_at(text, i + len("[TOOL_CALLS]"))
+        got = [ToolCall.mistral(c.name, c.arguments, c.id) for c in _calls_from(v if isinstance(v, list) else [v])]
+        if got:
+            return (text[:i] + text[end:]).strip(), got
+    return text, []
 
 
 # ------------------------------------------------------------------------------------------------ requests
@@ -306,15 +431,17 @@ def chat_plan(template, messages: list, tools, tool_choice, parallel_tool_calls=
     # asked for "one or more" calls keeps adding them until max_tokens)
     parallel = bool(parallel_tool_calls)
     source = template.tool_use.source if (tools and getattr(template, "tool_use", None)) else template.source
+    keep = keep_tokens(vocab, reasoning.markers(source))
     if not tools or choice == "none":
-        return ToolPlan("none", messages, None, None, parallel), grammar
+        return ToolPlan("none", template_messages(source, messages), None, None, parallel, keep, source), grammar
     response_schema = None
     if grammar is not None:
         if detect_format(source) != "generic" or grammar.kind != "json_schema" or choice != "auto":
             raise ToolError("a grammar or response_format together with tools is supported only for a JSON schema, "
                             "with tool_choice 'auto', on a template without its own tool-call format")
         response_schema = grammar.source
-    p = plan(source, messages, tools, choice, parallel, vocab, response_schema)
+    p = plan(source, template_messages(source, messages), tools, choice, parallel, vocab, response_schema)
+    p.keep_tokens, p.source = p.keep_tokens | keep, source
     return p, p.grammar
 
 
@@ -322,75 +449,3 @@ def tool_call_deltas(calls: list) -> list:
     """Streamed chunks' deltas for finished calls: one delta per call, carrying its index, id, name and the whole
     arguments text (the openai client joins argument pieces by index; one piece is a valid stream)."""
     return [{"tool_calls": [c.to_openai(i)]} for i, c in enumerate(calls)]
-
-
-# ------------------------------------------------------------------------------------------------ reasoning
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def wants_reasoning(template_source: str, prompt: str, reasoning_format: str | None) -> bool:
-    """Whether a reply's <think> block is split off (llama.cpp's --reasoning-format): "none" keeps it in the
-    content; "auto", the default, splits it where the template knows think tags or opened one; "deepseek" asks for
-    the split whatever the template."""
-    if reasoning_format == "none":
-        return False
-    return (reasoning_format in ("deepseek", "deepseek-legacy") or THINK_OPEN in template_source
-            or prompt.rstrip().endswith(THINK_OPEN))
-
-
-class ReasoningSplitter:
-    """Splits a reply into reasoning (inside <think>...</think>) and content, incrementally for streams: ``feed``
-    returns (reasoning, content) text that is safe to send (a tail that may be the start of a tag is held back);
-    ``flush`` the rest. ``opened``: the prompt ended with <think> (the reply starts inside it)."""
-
-    def __init__(self, opened: bool = False):
-        self.state = "think" if opened else "start"
-        self.buf = ""
-
-    def feed(self, text: str) -> tuple[str, str]:
-        self.buf += text
-        reasoning, content = "", ""
-        while True:
-            if self.state == "start":
-                s = self.buf.lstrip()
-                if s.startswith(THINK_OPEN):
-                    self.buf, self.state = s[len(THINK_OPEN):], "think"
-                    continue
-                if THINK_OPEN.startswith(s) and s:       # might still become <think>
-                    return reasoning, content
-                if not s:
-                    return reasoning, content
-                self.state = "content"
-            if self.state == "think":
-                i = self.buf.find(THINK_CLOSE)
-                if i >= 0:
-                    reasoning += self.buf[:i]
-                    self.buf, self.state = self.buf[i + len(THINK_CLOSE):].lstrip(), "content"
-                    continue
-                keep = _partial_tail(self.buf, THINK_CLOSE)
-                reasoning += self.buf[:len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
-                return reasoning, content
-            content += self.buf
-            self.buf = ""
-            return reasoning, content
-
-    def flush(self) -> tuple[str, str]:
-        rest, self.buf = self.buf, ""
-        return (rest, "") if self.state == "think" else ("", rest)
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
-def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
-    """(reasoning, content) of a whole reply."""
-    sp = ReasoningSplitter(opened)
-    r1, c1 = sp.feed(text)
-    r2, c2 = sp.flush()
-    return (r1 + r2).strip(), c1 + c2

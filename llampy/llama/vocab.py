@@ -617,13 +617,16 @@ class StreamDecoder:
     (an incomplete sequence waits for the next token); ``flush`` at the end. The pieces concatenate to the
     token pieces decoded at once (llama.cpp's server streams the same way: pieces, no clean_spaces)."""
 
-    def __init__(self, vocab: Vocab, special: bool = True):
+    def __init__(self, vocab: Vocab, special: bool = True, keep: frozenset = frozenset()):
+        """``keep``: token ids whose text comes out even when ``special`` is off (llama.cpp's preserved tokens:
+        the control tokens that mark a tool call or a thinking block)."""
         self.vocab = vocab
         self.special = special
+        self.keep = keep
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, id: int) -> str:
-        return self._dec.decode(self.vocab.token_to_piece(id, self.special))
+        return self._dec.decode(self.vocab.token_to_piece(id, self.special or id in self.keep))
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)

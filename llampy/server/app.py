@@ -19,11 +19,13 @@ from ..llama.batch import Batch
 from ..llama.chat import ChatTemplateError, template_from_metadata
 from ..llama.context import Context
 from ..llama.grammar import Grammar, GrammarError
-from ..llama.tools import ReasoningSplitter, ToolError, chat_plan, split_reasoning, tool_call_deltas, wants_reasoning
+from ..llama.reasoning import splitter_for
+from ..llama.tools import ToolError, chat_plan, tool_call_deltas
 from ..llama.model import Model
 from ..llama.sampling import Chain
 from . import oai
-from .oai import APIError, check_messages, include_usage, new_id, now, openapi_body, sampling_params, usage
+from .oai import (APIError, check_fields, check_messages, include_usage, new_id, now, openapi_body, sampling_params,
+                  usage)
 from .slots import Engine, Event, Request
 
 MAX_BODY = 4 << 20          # bytes of one request body
@@ -269,6 +271,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=openapi_body("chat"))
     async def chat_completions(http: HTTPRequest):
         body = await read_json(http)
+        check_fields(body, "chat")
         server.check_model(body)
         msgs = check_messages(body)
         p = sampling_params(body, server.n_vocab)
@@ -276,15 +279,19 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         n_top = body.get("top_logprobs") or 0
         if not oai._is_int(n_top) or not 0 <= n_top <= 20:
             raise APIError(400, "'top_logprobs' must be an integer between 0 and 20", "top_logprobs")
+        if body.get("top_logprobs") is not None and not want_lp:     # as OpenAI and llama-server
+            raise APIError(400, "'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
         stream, with_usage = oai.flag(body, "stream"), include_usage(body)
         tp, g = server.tool_plan(body, msgs)
+        if want_lp and stream and tp.format != "none":      # a stream with tools is sent when the reply is whole
+            raise APIError(400, "'logprobs' is not supported with tools on a stream", "logprobs")
         prompt = server.render_chat(tp.messages, tp.tools, oai.template_kwargs(body))
-        # the reply's <think> block goes to reasoning_content (llama.cpp's --reasoning-format, per request here)
-        think = wants_reasoning(server.template.source, prompt, oai.reasoning_format(body))
-        opened = prompt.rstrip().endswith("<think>")
+        # the reply's thinking block goes to reasoning_content (llama.cpp's --reasoning-format, per request here)
+        think = splitter_for(tp.source, prompt, oai.reasoning_format(body))
         gs = await server.grammar_sampler(g)
         req = server.make_request(server.chat_tokens(None, text=prompt), p, n_top if want_lp else 0, want_lp,
                                   "messages", gs)
+        req.keep_tokens = tp.keep_tokens      # the format's markers stay in the text, or it cannot be parsed
         q = submit(server, req)
         cid, created = new_id("chatcmpl"), now()
 
@@ -307,7 +314,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                     text += ev.text
                     if ev.finish_reason is None:
                         continue
-                    reasoning, text = split_reasoning(text, opened) if think else ("", text)
+                    reasoning, text = think.split(text) if think else ("", text)
                     content, calls = tp.parse(text)
                     deltas = [{"role": "assistant", "content": content if content or not calls else None}]
                     if reasoning:
@@ -325,7 +332,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             async def gen():
                 yield sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]))
-                sp = ReasoningSplitter(opened) if think else None
+                sp = think
                 async for ev in events(req, q, http):
                     if ev.error:
                         yield sse(error_event(ev))
@@ -356,7 +363,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             last = ev
         if last is None:        # the client went away; nobody reads this
             return JSONResponse({}, status_code=499)
-        reasoning, text = split_reasoning(text, opened) if think else ("", text)
+        reasoning, text = think.split(text) if think else ("", text)
         message, finish = {"role": "assistant", "content": text}, last.finish_reason
         if reasoning:
             message["reasoning_content"] = reasoning
@@ -375,6 +382,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=openapi_body("completion"))
     async def completions(http: HTTPRequest):
         body = await read_json(http)
+        check_fields(body, "completion")
         server.check_model(body)
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required", "prompt")
@@ -434,6 +442,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/embeddings", openapi_extra=openapi_body("embeddings"))
     async def embeddings(http: HTTPRequest):
         body = await read_json(http)
+        check_fields(body, "embeddings")
         server.check_model(body)
         inp = body.get("input")
         texts = [inp] if isinstance(inp, str) else inp
@@ -468,6 +477,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/completion", openapi_extra=openapi_body("native"))
     async def completion(http: HTTPRequest):
         body = await read_json(http)
+        check_fields(body, "native")
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required", "prompt")
         p = sampling_params(body, server.n_vocab)
@@ -532,6 +542,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/tokenize", openapi_extra=openapi_body("tokenize"))
     async def tokenize(http: HTTPRequest):
         body = await read_json(http)
+        check_fields(body, "tokenize")
         content = body.get("content")
         if not isinstance(content, str):
             raise APIError(400, "'content' must be a string", "content")
@@ -544,6 +555,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/detokenize", openapi_extra=openapi_body("detokenize"))
     async def detokenize(http: HTTPRequest):
         body = await read_json(http)
+        check_fields(body, "detokenize")
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(oai._is_int(t) and 0 <= t < server.n_vocab for t in toks):
             raise APIError(400, "'tokens' must be a list of token ids of the vocabulary", "tokens")

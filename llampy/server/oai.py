@@ -2,7 +2,12 @@
 an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``.
 
 Requests are validated by hand rather than by pydantic models so that each error names the offending field the
-way OpenAI's API does (``param``) and unknown fields pass through, as clients send many we do not use."""
+way OpenAI's API does (``param``). A field a route does not know is a 400 as OpenAI gives it ("Unrecognized request
+argument supplied: <field>"), never silently ignored: the fields each route honours are listed once, in
+``SCHEMAS`` (which /openapi.json also shows), and ``check_fields`` holds a body to them. llama-server passes
+unknown fields through, but rejects ``best_of`` and ``suffix`` on /v1/completions, ``echo``, ``top_logprobs``
+without ``logprobs``, ``logprobs`` with tools on a stream, a string ``enable_thinking``, and a grammar with tools;
+those are 400s here too, each naming the field."""
 from __future__ import annotations
 
 import time
@@ -123,28 +128,47 @@ def grammar_param(body: dict):
 
 
 def template_kwargs(body: dict) -> dict:
-    """``chat_template_kwargs``: extra variables for the chat template (e.g. enable_thinking), as llama-server."""
-    kw = body.get("chat_template_kwargs")
-    if kw is None:
-        return {}
-    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
-        raise APIError(400, "'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
-    reserved = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"} & set(kw)
-    if reserved:
-        raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(sorted(reserved))}",
-                       "chat_template_kwargs")
+    """``chat_template_kwargs``: extra variables for the chat template (e.g. enable_thinking), as llama-server;
+    OpenAI's ``reasoning_effort`` as llama-server reads it: "none" turns thinking off (enable_thinking false),
+    another value reaches the template as ``reasoning_effort``."""
+    from ..llama.reasoning import check_template_kwargs
+    try:
+        kw = check_template_kwargs(body.get("chat_template_kwargs"))
+    except ValueError as e:
+        raise APIError(400, str(e), "chat_template_kwargs") from None
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str) or not effort:
+            raise APIError(400, "'reasoning_effort' must be a string such as 'low', 'medium', 'high' or 'none'",
+                           "reasoning_effort")
+        if effort == "none":
+            kw["enable_thinking"] = False
+        else:
+            kw["reasoning_effort"] = effort
     return kw
 
 
 def reasoning_format(body: dict) -> str:
-    """llama.cpp's reasoning_format: "none" keeps a <think> block in the content; "auto" (default) and
-    "deepseek" move it to reasoning_content."""
-    v = body.get("reasoning_format")
-    if v is None:
-        return "auto"
-    if v not in ("none", "auto", "deepseek", "deepseek-legacy"):
-        raise APIError(400, "'reasoning_format' must be 'none', 'auto' or 'deepseek'", "reasoning_format")
-    return v
+    """llama.cpp's reasoning_format: "none" keeps a thinking block in the content; "auto" (default) and
+    "deepseek" move it to reasoning_content (llampy/llama/reasoning.py)."""
+    from ..llama.reasoning import check_reasoning_format
+    try:
+        return check_reasoning_format(body.get("reasoning_format"))
+    except ValueError as e:
+        raise APIError(400, str(e), "reasoning_format") from None
+
+
+def check_fields(body: dict, route: str) -> None:
+    """A 400 naming the first field of ``body`` that ``route`` (a key of SCHEMAS) does not honour."""
+    known = SCHEMAS[route]["properties"]
+    for k in body:
+        if k not in known:
+            hint = UNSUPPORTED.get(k, "")
+            raise APIError(400, f"Unrecognized request argument supplied: {k}" + (f" ({hint})" if hint else ""), k)
+    cp = body.get("cache_prompt")
+    if cp is not None and cp is not True:
+        raise APIError(400, "'cache_prompt' can only be true: a slot always reuses the prompt prefix it holds",
+                       "cache_prompt")
 
 
 def check_messages(body: dict) -> list:
@@ -179,7 +203,7 @@ def check_messages(body: dict) -> list:
                 raise APIError(400, f"messages[{i}].tool_calls must be a list of {{'function': {{'name', "
                                     "'arguments'}}}}", f"messages[{i}].tool_calls")
             msg["tool_calls"] = calls
-        for k in ("tool_call_id", "name"):
+        for k in ("tool_call_id", "name", "reasoning_content"):
             if isinstance(m.get(k), str):
                 msg[k] = m[k]
         out.append(msg)
@@ -217,8 +241,18 @@ def completion_logprobs(pieces: list, logprobs: list, tops: list, offset0: int =
 
 
 # ---------------------------------------------------------------------- request schemas, for /openapi.json only
+# Every field a route honours (check_fields rejects the others), with its schema for /openapi.json.
 _SAMPLING = {
     "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "n_predict": {"type": "integer", "minimum": -1, "description": "llama.cpp's max_tokens; -1: until the context "
+                                                                   "is full"},
+    "n": {"type": "integer", "enum": [1]},
+    "repeat_penalty": {"type": "number", "minimum": 0, "maximum": 10},
+    "ignore_eos": {"type": "boolean"},
+    "cache_prompt": {"type": "boolean", "enum": [True], "description": "llama.cpp's; a slot always reuses the "
+                                                                         "prompt prefix it holds"},
+    "user": {"type": "string", "description": "OpenAI's end-user id; it does not change the reply"},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": 0},
     "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": {"type": "integer"},
@@ -247,20 +281,35 @@ SCHEMAS = {
                 "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}}}},
         "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object"}]},
         "parallel_tool_calls": {"type": "boolean"},
-        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
+        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "chat_template_kwargs": {"type": "object", "description": "extra chat template variables, e.g. "
+                                                                  "enable_thinking (a boolean)"},
+        "reasoning_format": {"type": "string", "enum": ["none", "auto", "deepseek", "deepseek-legacy"]},
+        "reasoning_effort": {"type": "string", "description": "'none' turns thinking off; another value reaches "
+                                                              "the template"}}},
     "completion": {"type": "object", "required": ["prompt"], "properties": {
-        **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
+        **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "echo": {"type": "boolean", "enum": [False]}}},
     "native": {"type": "object", "required": ["prompt"], "properties": {
         **_SAMPLING, "prompt": _PROMPT, "n_predict": {"type": "integer"}, "n_probs": {"type": "integer"},
         "return_tokens": {"type": "boolean"}}},
     "embeddings": {"type": "object", "required": ["input"], "properties": {
-        "model": {"type": "string"},
+        "model": {"type": "string"}, "user": {"type": "string"},
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
         "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}},
     "tokenize": {"type": "object", "required": ["content"], "properties": {
         "content": {"type": "string"}, "add_special": {"type": "boolean"}, "parse_special": {"type": "boolean"},
         "with_pieces": {"type": "boolean"}}},
     "detokenize": {"type": "object", "required": ["tokens"], "properties": {
         "tokens": {"type": "array", "items": {"type": "integer"}}}},
+}
+
+
+# why a field OpenAI or llama-server knows is refused (the 400 says so beside the field's name)
+UNSUPPORTED = {
+    "best_of": "one completion per request", "suffix": "no fill-in-the-middle", "functions": "use 'tools'",
+    "function_call": "use 'tool_choice'", "store": "replies are not stored", "audio": "text only",
+    "modalities": "text only",
 }
 
 

@@ -50,6 +50,7 @@ class Request:
     n_probs: int = 0                        # top log-probs per token
     logprobs: bool = False                  # the sampled token's log-prob
     ignore_eos: bool = False
+    keep_tokens: frozenset = frozenset()    # control tokens whose text the reply keeps (tool-call markers)
     # How events reach the client. The HTTP side replaces it with a thread-safe hand-off to its event loop;
     # the default queue serves synchronous callers (tests, scripts).
     emit: Callable[[Event], None] | None = None
@@ -238,7 +239,7 @@ class Engine:
         slot.cached = list(r.tokens[:n_common])
         slot.pending = list(r.tokens[n_common:])
         slot.req, slot.n_gen, slot.n_reused, slot.text, slot.emitted = r, 0, n_common, "", 0
-        slot.dec = StreamDecoder(self.vocab, special=False)
+        slot.dec = StreamDecoder(self.vocab, special=False, keep=r.keep_tokens)
         self.metrics["prompt_tokens_total"] += len(slot.pending)
         self.metrics["prompt_tokens_cached"] += n_common
 

@@ -172,7 +172,7 @@ def test_api_tool_calls_generic_and_hermes():
     (["a</thi", "nk>\n\nb"], True, "a", "b"),
 ])
 def test_reasoning_splitter_streams_what_the_whole_split_gives(pieces, opened, reasoning, content):
-    from llampy.llama.tools import ReasoningSplitter, split_reasoning
+    from llampy.llama.reasoning import ReasoningSplitter, split_reasoning
     sp = ReasoningSplitter(opened)
     got = [sp.feed(p) for p in pieces] + [sp.flush()]
     assert "".join(r for r, _ in got).strip() == reasoning and "".join(c for _, c in got) == content
