@@ -5,8 +5,12 @@ computed in the sampler (the default) and on a worker thread while the forward p
 sampler chain (temperature 1, top-k 40, top-p 0.95, min-p 0.05, fixed seed) in every case; the schema asks for a
 long array of short strings, so a reply runs to --n-gen tokens like the free one (which ignores end of
 generation). tok/s counts the steps after the first token: one forward pass, the sampling and the
-grammar's accept per token. Runs alternate between the cases; the median of --reps is reported. Also reported: the
-one-time cost of llguidance's view of the vocabulary, and the mean time of one mask on its own.
+grammar's accept per token. Runs alternate between the cases; the median of --reps is reported, and the cost as
+the ratio constrained / unconstrained tok/s (the target: >= 0.90). On a busy shared machine that ratio of medians
+swings with the other load; the grammar's share of the constrained runs' own loop time (its apply and accept,
+timed inside the same steps) does not, and 1 - share bounds the ratio from below (the samplers after the grammar
+see fewer candidates, so a constrained step is otherwise no slower). Also reported: the one-time cost of
+llguidance's view of the vocabulary, and the mean time of one mask on its own.
 
     .venv/bin/python benchmarks/grammar_cost.py                  # SmolLM2 and Gemma 3
     .venv/bin/python benchmarks/grammar_cost.py --models smollm2 --reps 5 --n-gen 128
@@ -116,6 +120,7 @@ def run(model: str, reps: int, n_gen: int, threads: int | None = None) -> dict:
                                                                         for k, v in res.items()},
             "tokens": lengths,
             "grammar_share_pct": {k: round(100 * statistics.median(v), 1) for k, v in share.items()},
+            "ratio": {k: round(med[k] / med["free"], 3) for k in med if k != "free"},
             "slowdown_pct": {k: round(100 * (1 - med[k] / med["free"]), 1) for k in med if k != "free"}}
 
 
@@ -137,16 +142,20 @@ def main():
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print("| model | vocab | free tok/s | schema tok/s | schema, overlap | slowdown | grammar's share of the "
-          "loop | one mask | vocab view |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | vocab | free tok/s | schema tok/s | schema / free | schema, overlap tok/s | overlap / free | "
+          "grammar's share of the loop | one mask | vocab view |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out:
-        t, s, sh = r["tps"], r["slowdown_pct"], r["grammar_share_pct"]
-        print(f"| {r['model']} | {r['n_vocab']} | {t['free']} | {t['schema']} | {t['schema, overlap']} | "
-              f"{s['schema']}% ({s['schema, overlap']}% overlap) | {sh['schema']}% ("
-              f"{sh['schema, overlap']}% overlap) | {r['mask_ms']} ms | {r['tokenizer_build_s']} s |")
+        t, q, sh = r["tps"], r["ratio"], r["grammar_share_pct"]
+        print(f"| {r['model']} | {r['n_vocab']} | {t['free']} | {t['schema']} | {q['schema']:.3f} | "
+              f"{t['schema, overlap']} | {q['schema, overlap']:.3f} | {sh['schema']}% ({sh['schema, overlap']}% "
+              f"overlap) | {r['mask_ms']} ms | {r['tokenizer_build_s']} s |")
     for r in out:
-        print(r["model"], "runs:", r["tps_runs"], "tokens:", r["tokens"])
+        bound = 1 - r["grammar_share_pct"]["schema"] / 100
+        ok = "meets" if min(r["ratio"]["schema"], bound) >= 0.90 else "misses"
+        print(f"{r['model']}: constrained / unconstrained decode = {r['ratio']['schema']:.3f} (ratio of medians), "
+              f">= {bound:.3f} (1 - the grammar's share): {ok} the target >= 0.90 (under 10% slower); runs: "
+              f"{r['tps_runs']}; tokens: {r['tokens']}")
 
 
 if __name__ == "__main__":
