@@ -85,6 +85,7 @@ BUILTIN = {"chatml": CHATML, "llama3": LLAMA3, "gemma": GEMMA}
 
 MAX_REPEAT = 1 << 20        # the longest string/list a template may build with `*`
 MAX_POW_EXP = 4096          # the largest integer exponent `**` may take
+MAX_INT_BITS = 1 << 16      # the largest integer `*` and `**` may build (one such operation is not interruptible)
 
 
 class ChatTemplateError(ValueError):
@@ -131,9 +132,16 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
                     raise SecurityError(f"repetition would build {len(seq) * n} items (limit {MAX_REPEAT})")
+            if isinstance(left, int) and isinstance(right, int) \
+                    and abs(left).bit_length() + abs(right).bit_length() > MAX_INT_BITS:
+                raise SecurityError(f"the product would have more than {MAX_INT_BITS} bits")
         elif (operator == "**" and isinstance(right, int) and isinstance(left, (int, float))
               and abs(right) > MAX_POW_EXP and abs(left) > 1):
             raise SecurityError(f"exponent {right} is too large (limit {MAX_POW_EXP})")
+        elif (operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0
+              and abs(left).bit_length() * right > MAX_INT_BITS):
+            # ((9**4096)**4096)**4096: each exponent is small, the result is not
+            raise SecurityError(f"the power would have more than {MAX_INT_BITS} bits")
         return super().call_binop(context, operator, left, right)
 
 
@@ -183,6 +191,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {e}") from None
         except RecursionError:
             raise ChatTemplateError("chat template failed: recursion too deep") from None
+        except MemoryError:     # the caller's budget (server/render.py), not a fault of the messages
+            raise
         except Exception as e:       # a template's own bug (None + str, bad index...): the caller's input error
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
 

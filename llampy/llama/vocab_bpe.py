@@ -332,6 +332,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 BYTE_TO_UNICODE = _bytes_to_unicode()
+HF_CHUNK = 4096         # pre-tokenized words per call into the tokenizers library (it keeps the GIL for a call)
 UNICODE_TO_BYTE = {c: b for b, c in BYTE_TO_UNICODE.items()}
 _BYTE_ENCODE = str.maketrans({chr(b): c for b, c in BYTE_TO_UNICODE.items()})
 
@@ -447,7 +448,12 @@ class BpeMerger:
         return out + self._merge_hf(run)
 
     def _merge_hf(self, words: list[str]) -> list[int]:
-        return self.hf.encode(words, is_pretokenized=True, add_special_tokens=False).ids if words else []
+        # in pieces: one call holds the GIL throughout (a 3 MB prompt's 700k words: seconds in which no other
+        # thread of a server, its event loop included, runs); words merge independently, so the ids are the same
+        out = []
+        for i in range(0, len(words), HF_CHUNK):
+            out += self.hf.encode(words[i:i + HF_CHUNK], is_pretokenized=True, add_special_tokens=False).ids
+        return out
 
     def _merge_py(self, words: list[str]) -> list[int]:
         out = []
