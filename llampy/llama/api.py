@@ -45,6 +45,40 @@ def top_logprobs(logits: np.ndarray, k: int) -> list:
     return [(int(i), float(lp[i])) for i in idx]
 
 
+class _Logprobs:
+    """A text completion's ``logprobs`` object as steps arrive: tokens (their pieces), token_logprobs, top_logprobs
+    (piece -> logprob) and text_offset (where each piece starts, counted from ``offset``)."""
+
+    def __init__(self, vocab, offset: int = 0):
+        self.vocab, self.offset = vocab, offset
+        self.tokens, self.lps, self.tops, self.offsets = [], [], [], []
+
+    def add(self, s: GenStep) -> None:
+        piece = self.vocab.token_to_piece(s.token).decode("utf-8", "replace")
+        self.tokens.append(piece)
+        self.lps.append(s.logprob)
+        self.tops.append({self.vocab.token_to_piece(i).decode("utf-8", "replace"): lp for i, lp in s.top})
+        self.offsets.append(self.offset)
+        self.offset += len(piece)
+
+    def obj(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.lps, "top_logprobs": self.tops,
+                "text_offset": self.offsets}
+
+
+def _chat_logprobs(lp: dict | None) -> dict | None:
+    """A text completion's logprobs in a chat completion's shape: {"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}]}."""
+    if lp is None:
+        return None
+
+    def entry(t: str, v: float) -> dict:
+        return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+    return {"content": [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in top.items()]}
+                        for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])],
+            "refusal": None}
+
+
 class Llama:
     def __init__(self, model_path=None, n_ctx: int = 2048, n_threads: int | None = None, seed: int | None = None,
                  n_batch: int = 512, n_ubatch: int = 512, embedding: bool = False, pooling: str = "mean",
@@ -106,6 +140,21 @@ class Llama:
         self.ctx.kv_clear()
         self._cached = []
 
+    # ------------------------------------------------------------------ saved state (llama-cpp-python's)
+    def save_state(self):
+        """The context's state (the cache and the tokens it holds) as a LlamaState; ``load_state`` brings it back,
+        here or in another Llama of the same model and n_ctx, and the next completion reuses its prefix."""
+        from .state import LlamaState
+        data = self.ctx.state_save()
+        logits = self.ctx.get_logits()
+        return LlamaState(self._cached, logits[-1:].copy() if len(logits) else np.zeros((0, self.n_vocab)),
+                          len(self._cached), data, len(data), self.seed)
+
+    def load_state(self, state) -> None:
+        """Restore a LlamaState from ``save_state`` (raises ContextError if it is for another cache size)."""
+        self.ctx.state_load(state.llama_state)
+        self._cached = [int(t) for t in state.input_ids]
+
     # ------------------------------------------------------------------ evaluation with prefix reuse
     def eval_prompt(self, tokens: list[int]) -> np.ndarray:
         """Bring the cache to hold exactly ``tokens`` (reusing the common prefix) and return the last logits."""
@@ -136,9 +185,11 @@ class Llama:
 
     def make_sampler(self, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                      repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, mirostat_mode=0,
-                     mirostat_tau=5.0, mirostat_eta=0.1, logit_bias=None, seed=None, grammar=None):
+                     mirostat_tau=5.0, mirostat_eta=0.1, logit_bias=None, seed=None, grammar=None, **more):
         """The sampler chain of these parameters; ``grammar`` (a LlamaGrammar or GBNF text) goes first, as a
-        Grammar sampler over this model's vocabulary."""
+        Grammar sampler over this model's vocabulary. ``more``: Chain.from_params' other settings (min_keep,
+        dynatemp_range, dynatemp_exponent, top_n_sigma, xtc_probability, xtc_threshold, dry_multiplier, dry_base,
+        dry_allowed_length, dry_penalty_last_n (-1: n_ctx), dry_sequence_breakers, samplers)."""
         from .sampling import Chain
         seed = seed if seed is not None else self.seed
         if grammar is not None:
@@ -148,7 +199,8 @@ class Llama:
                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                                  mirostat=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
-                                 logit_bias=logit_bias, seed=seed, n_vocab=self.n_vocab, grammar=grammar)
+                                 logit_bias=logit_bias, seed=seed, n_vocab=self.n_vocab, grammar=grammar,
+                                 vocab=self.vocab, **{"dry_penalty_last_n": self.n_ctx, **more})
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, sampler, stop=(), n_probs: int = 0,
                  ignore_eos: bool = False, keep_tokens: frozenset = frozenset()) -> Iterator[GenStep]:
@@ -203,12 +255,16 @@ class Llama:
                           repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                           logprobs: int | None = None, stream: bool = False, logit_bias=None, echo: bool = False,
                           mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
-                          add_special: bool = True, grammar=None, response_format=None, preserved_tokens=None):
+                          add_special: bool = True, grammar=None, response_format=None, preserved_tokens=None,
+                          **sampling):
         """``grammar``: a LlamaGrammar (``LlamaGrammar.from_string``/``from_json_schema``) or GBNF text;
         ``response_format``: OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
         ...}}. Either constrains the text token by token; one that cannot be compiled raises GrammarError (a
         ValueError) before anything is generated. ``preserved_tokens`` (llama-server's field): token ids or texts
-        of single tokens whose text the output keeps although they are control tokens."""
+        of single tokens whose text the output keeps although they are control tokens. ``sampling``: the other
+        samplers' settings (make_sampler's ``more``: DRY, XTC, top-n-sigma, dynatemp, min_keep, samplers order).
+        ``logprobs``: the top ``logprobs`` tokens per step with ``text_offset`` (from the prompt's end, or its start
+        with ``echo``), in every chunk of a stream too."""
         grammar = constraint(grammar, response_format)
         keep = self._token_ids(preserved_tokens or ())
         tokens = prompt if isinstance(prompt, list) else self.vocab.tokenize(prompt, add_special=add_special,
@@ -217,37 +273,41 @@ class Llama:
             stop = [stop]
         sampler = self.make_sampler(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, 64,
                                     frequency_penalty, presence_penalty, mirostat_mode, mirostat_tau, mirostat_eta,
-                                    logit_bias, seed, grammar)
+                                    logit_bias, seed, grammar, **sampling)
         steps = self.generate(tokens, max_tokens if max_tokens is not None else -1, sampler, stop or [],
                               n_probs=logprobs or 0, keep_tokens=keep)
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = self.model_path
+        prefix = self.vocab.detokenize(tokens, special=True) if echo else ""
         if stream:
-            return self._stream_completion(steps, cid, created, model, len(tokens), logprobs)
-        text, toks, lps, tops, finish = "", [], [], [], None
+            return self._stream_completion(steps, cid, created, model, logprobs, prefix)
+        text, lp, finish = prefix, _Logprobs(self.vocab, len(prefix)), None
         for s in steps:
             text += s.text
-            toks.append(s.token)
-            lps.append(s.logprob)
-            tops.append({self.vocab.token_to_piece(i).decode("utf-8", "replace"): lp for i, lp in s.top})
+            lp.add(s)
             finish = s.finish_reason
-        if echo:
-            text = self.vocab.detokenize(tokens, special=True) + text
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-        if logprobs is not None:
-            choice["logprobs"] = {"tokens": [self.vocab.token_to_piece(t).decode("utf-8", "replace") for t in toks],
-                                  "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
+        choice = {"text": text, "index": 0, "logprobs": lp.obj() if logprobs is not None else None,
+                  "finish_reason": finish}
         return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-                "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(toks),
-                          "total_tokens": len(tokens) + len(toks)}}
+                "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(lp.tokens),
+                          "total_tokens": len(tokens) + len(lp.tokens)}}
 
-    def _stream_completion(self, steps, cid, created, model, n_prompt, logprobs):
-        n = 0
+    def _stream_completion(self, steps, cid, created, model, logprobs, prefix=""):
+        def chunk(text, lp, finish):
+            return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
+        if prefix:
+            yield chunk(prefix, None, None)
+        offset = len(prefix)
         for s in steps:
-            n += 1
-            yield {"id": cid, "object": "text_completion", "created": created, "model": model,
-                   "choices": [{"text": s.text, "index": 0, "logprobs": None, "finish_reason": s.finish_reason}]}
+            lp = None
+            if logprobs is not None:
+                one = _Logprobs(self.vocab, offset)
+                one.add(s)
+                offset = one.offset
+                lp = one.obj()
+            yield chunk(s.text, lp, s.finish_reason)
 
     __call__ = create_completion
 
@@ -319,7 +379,8 @@ class Llama:
                 message["tool_calls"] = [c.to_openai() for c in calls]
                 finish = "tool_calls"
         return {"id": cid, "object": "chat.completion", "created": res["created"], "model": res["model"],
-                "choices": [{"index": 0, "message": message, "logprobs": ch["logprobs"], "finish_reason": finish}],
+                "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(ch["logprobs"]),
+                             "finish_reason": finish}],
                 "usage": res["usage"]}
 
     def _stream_tools(self, chunks, cid, tp, think=None):
@@ -357,7 +418,8 @@ class Llama:
                 delta = {"role": "assistant", **delta}
             first = False
             yield {"id": cid, "object": "chat.completion.chunk", "created": c["created"], "model": c["model"],
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": ch["finish_reason"]}]}
+                   "choices": [{"index": 0, "delta": delta, "logprobs": _chat_logprobs(ch["logprobs"]),
+                                "finish_reason": ch["finish_reason"]}]}
 
     # ------------------------------------------------------------------ embeddings
     def embed(self, input, normalize: bool = True):

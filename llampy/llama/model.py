@@ -51,14 +51,21 @@ class TensorLoader:
         if got != want:
             raise ModelLoadError(f"tensor {full!r} has shape {list(info.ne)}, expected {list(ne)}")
         self.used.add(full)
-        return self.model._weight(full, il)
+        t = self.model._weight(full, il)
+        cb = self.model.progress_callback
+        if cb is not None and cb(len(self.used) / max(len(self.model.reader.tensors), 1)) is False:
+            raise ModelLoadError("loading was cancelled by the progress callback")
+        return t
 
 
 class Model:
     def __init__(self, path, n_gpu_layers: int = 0, split_mode: str = "layer", tensor_split=None,
                  use_mmap: bool = True, devices: list[Backend] | None = None, n_threads: int | None = None,
-                 vocab_only: bool = False):
+                 vocab_only: bool = False, progress_callback=None):
+        """``progress_callback(fraction)``: called as each weight is placed (llama.cpp's progress_callback);
+        returning False cancels the load."""
         self.path = Path(path)
+        self.progress_callback = progress_callback
         self.reader = GGUFReader(self.path)
         md = self.reader.metadata
         self.metadata = md

@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama.batch import Batch
@@ -24,41 +23,76 @@ from ..llama.reasoning import splitter_for
 from ..llama.tools import ToolError, chat_plan, tool_call_deltas
 from ..llama.model import Model
 from ..llama.sampling import Chain
-from . import limits, oai
+from . import oai
 from .oai import (APIError, check_fields, check_messages, include_usage, new_id, now, openapi_body, sampling_params,
                   usage)
-from .render import RenderBudgetError, TemplateRenderer
-from .slots import Engine, Event, Request
+from .fields import request_options
+from .ops import Cors, Draining, llamacpp_metrics, log_request
+from .slots import Engine, Event, Request, ShuttingDown
 
 MAX_BODY = 4 << 20          # bytes of one request body
 EMBD_CTX = 2048             # tokens of one embedding input
-MAX_EMBD_INPUTS = 128       # inputs of one /v1/embeddings request
-MAX_EMBD_TOKENS = 8 * EMBD_CTX  # tokens of all the inputs of one request
 STATIC = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-DISCONNECT_CHECK = 0.5      # seconds between checks that a request's client is still there
 
 
 class Server:
     """One model, one engine, and what the routes need to turn requests into token lists."""
 
     def __init__(self, model_path, n_parallel: int = 4, n_ctx: int = 4096, api_key: str | None = None,
-                 alias: str | None = None, tune_process: bool = True):
+                 alias: str | None = None, tune_process: bool = True, n_threads: int | None = None,
+                 slot_save_path=None, prompt_cache=None, progress=None):
+        """``slot_save_path``: the folder /slots/{id}?action=save|restore reads and writes (None: those actions
+        are refused). ``prompt_cache``: a file of the slots' cached prompts, restored here when it exists (and
+        fits this model) and written by ``save_prompt_cache`` at shutdown. ``progress(fraction)``: called as the
+        weights load (Model's progress_callback)."""
         if tune_process:
             from .. import tuning
             tuning.install()     # before the model's first kernel (llampy/tuning.py)
-        self.model = Model(model_path)
+        self.n_threads = n_threads
+        self.slot_save_path = Path(slot_save_path) if slot_save_path else None
+        self.prompt_cache = Path(prompt_cache) if prompt_cache else None
+        self.model = Model(model_path, n_threads=n_threads, progress_callback=progress)
         self.model_id = alias or Path(model_path).stem
         self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path), "default"}
         self.engine = Engine(self.model, n_parallel, n_ctx)
         self.api_key = api_key
         self.template = template_from_metadata(self.model.metadata)
-        self.renderer = TemplateRenderer()      # chat templates render in child processes, within a budget
-        self._check_template()
         self.n_vocab = self.model.hparams.n_vocab
         self._embed_ctx = None
         self.engine.run_job(self._warmup).result()
+        self.n_restored = 0
+        if self.prompt_cache is not None and self.prompt_cache.is_file():
+            from ..llama.state import StateError
+            try:
+                self.n_restored = self.engine.run_job(lambda: self.engine.load_prompt_cache(self.prompt_cache)).result()
+            except StateError as e:      # another model's, or damaged: start without it, say so
+                import warnings
+                warnings.warn(f"--prompt-cache not restored: {e}", RuntimeWarning, stacklevel=2)
         self.t_start = time.time()
+
+    version = "0.1.0"
+
+    def save_prompt_cache(self) -> int:
+        """The slots' cached prompts to --prompt-cache (after the engine stopped, or from its thread)."""
+        return self.engine.save_prompt_cache(self.prompt_cache) if self.prompt_cache is not None else 0
+
+    def default_params(self) -> dict:
+        """The sampling settings a request gets when it sets none (GET /props)."""
+        p = sampling_params({}, self.n_vocab)
+        return {k: v for k, v in p.items() if k != "logit_bias"} | {"n_predict": -1, "n_probs": 0}
+
+    def kernel_threads(self) -> int:
+        """The threads the engine's kernels run on (Numba's count on the engine thread)."""
+        import numba
+        return self.engine.run_job(numba.get_num_threads).result(timeout=30)
+
+    def token_text(self, tok) -> str:
+        return "" if tok is None else self.model.vocab.token_to_piece(tok).decode("utf-8", errors="replace")
+
+    def supports_infill(self) -> bool:
+        fim = self.model.vocab.fim
+        return all(fim[k] is not None for k in ("fim_pre", "fim_suf", "fim_mid"))
 
     def _warmup(self) -> None:
         """One prompt batch and one decode step before the first request (as llama-server does): kernels are
@@ -79,10 +113,28 @@ class Server:
                            code="model_not_found")
 
     def sampler(self, p: dict, grammar: Grammar | None = None) -> Chain:
-        return Chain.from_params(temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"], min_p=p["min_p"],
-                                 repeat_penalty=p["repeat_penalty"], frequency_penalty=p["frequency_penalty"],
-                                 presence_penalty=p["presence_penalty"], logit_bias=p["logit_bias"], seed=p["seed"],
-                                 n_vocab=self.n_vocab, grammar=grammar)
+        """The request's sampler chain (llampy/llama/sampling.py): every field sampling_params read."""
+        from .fields import resolve_logit_bias
+        keys = ("typical_p", "min_keep", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+                "dynatemp_exponent", "repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier",
+                "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "samplers")
+        try:
+            return Chain.from_params(temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
+                                     min_p=p["min_p"], repeat_penalty=p["repeat_penalty"],
+                                     frequency_penalty=p["frequency_penalty"], presence_penalty=p["presence_penalty"],
+                                     logit_bias=resolve_logit_bias(p["logit_bias"], self.model.vocab),
+                                     seed=p["seed"], n_vocab=self.n_vocab, grammar=grammar, vocab=self.model.vocab,
+                                     **{k: p[k] for k in keys if k in p})
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def prepare_sampling(self, p: dict) -> None:
+        """Work a sampler chain needs once per vocabulary, done off the event loop: DRY's sequence-breaker table
+        (~0.5 s over SmolLM2's vocabulary, ~1.5 s over Gemma 3's)."""
+        if p.get("dry_multiplier"):
+            from ..llama.sampling_dry import DEFAULT_BREAKERS, dry_breakers
+            await asyncio.to_thread(dry_breakers, self.model.vocab,
+                                    p.get("dry_sequence_breakers") or DEFAULT_BREAKERS)
 
     async def grammar_sampler(self, g) -> Grammar | None:
         """The Grammar sampler of a compiled grammar (oai.grammar_param, or a tool plan's), built off the event
@@ -95,7 +147,8 @@ class Server:
             raise APIError(400, str(e), "grammar") from None
 
     def make_request(self, tokens: list, p: dict, n_probs: int = 0, logprobs: bool = False,
-                     param: str = "prompt", grammar: Grammar | None = None) -> Request:
+                     param: str = "prompt", grammar: Grammar | None = None, opts: dict | None = None) -> Request:
+        """A Request for the engine. ``opts``: fields.request_options' (cache_prompt, id_slot)."""
         if not tokens:
             raise APIError(400, "the prompt is empty", param)
         limit = self.engine.n_ctx_slot
@@ -104,8 +157,12 @@ class Server:
                                 f"({limit}); shorten it or start the server with a larger --ctx-size", param,
                            code="context_length_exceeded")
         max_tokens = p["max_tokens"] or (limit - len(tokens))
+        opts = opts or {}
+        shown = {k: v for k, v in p.items() if k != "logit_bias" and v is not None}
         return Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p, grammar), stop=p["stop"],
-                       n_probs=n_probs, logprobs=logprobs or n_probs > 0, ignore_eos=p["ignore_eos"])
+                       n_probs=n_probs, logprobs=logprobs or n_probs > 0, ignore_eos=p["ignore_eos"],
+                       cache_prompt=opts.get("cache_prompt", True), id_slot=opts.get("id_slot", -1),
+                       params={**shown, "n_predict": max_tokens, "n_probs": n_probs})
 
     def tokenize_prompt(self, prompt) -> list:
         v = self.model.vocab
@@ -118,7 +175,6 @@ class Server:
         if not isinstance(prompt, str):
             raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                            "prompt")
-        limits.check_fits(v, prompt, self.engine.n_ctx_slot, "prompt")
         return v.tokenize(prompt, add_special=True, parse_special=True)
 
     def tool_plan(self, body: dict, messages: list):
@@ -136,53 +192,15 @@ class Server:
         except GrammarError as e:       # a tool's parameters that are no usable schema
             raise APIError(400, f"tools: {e}", "tools") from None
 
-    def _check_template(self) -> None:
-        """Refuse at load a chat template that cannot render a short conversation within the render budget, and
-        make the in-process probes of tools.py (which render the template once, on a fixed conversation, the
-        first time a request carries tool calls) here, under the same time limit."""
-        from ..llama.tools import object_arguments
-        self.renderer.warm()
+    def render_chat(self, messages: list, tools: list | None = None, kwargs: dict | None = None) -> str:
         try:
-            try:
-                self.renderer.render(self.template, [{"role": "user", "content": "Hello"}])
-            except RenderBudgetError:
-                raise
-            except ChatTemplateError:
-                pass        # a template may refuse this conversation; a request's own messages will say
-            for t in (self.template, self.template.tool_use):
-                if t is not None and not _within(self.renderer.seconds, object_arguments, t.source):
-                    raise RenderBudgetError(f"took longer than {self.renderer.seconds:g} s to render a "
-                                            f"conversation with a tool call")
-        except RenderBudgetError as e:
-            self.engine.stop()
-            self.renderer.close()
-            raise ChatTemplateError(f"the model's chat template is refused: {e}") from None
-
-    def render_chat(self, messages: list, tools: list | None = None, kwargs: dict | None = None,
-                    add_generation_prompt: bool = True) -> str:
-        """The prompt of a chat, rendered in a render process within the time and memory budget (render.py); a
-        template that fails or runs over is a 400. Blocks: a route awaits render_chat_async."""
-        try:
-            return self.renderer.render(self.template, messages, add_generation_prompt=add_generation_prompt,
-                                        tools=tools, **(kwargs or {}))
+            return self.template.render(messages, add_generation_prompt=True, tools=tools, **(kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
-
-    async def render_chat_async(self, messages: list, tools: list | None = None, kwargs: dict | None = None,
-                                add_generation_prompt: bool = True) -> str:
-        return await self.renderer.run_async(self.render_chat, messages, tools, kwargs, add_generation_prompt)
-
-    async def tokenize_prompt_async(self, prompt) -> list:
-        """tokenize_prompt, off the event loop when the prompt is long (limits.run_sized)."""
-        return await limits.run_sized(limits.text_size(prompt), self.tokenize_prompt, prompt)
-
-    async def chat_tokens_async(self, text: str) -> list:
-        return await limits.run_sized(len(text), self.chat_tokens, None, None, text)
 
     def chat_tokens(self, messages: list, tools: list | None = None, text: str | None = None) -> list:
         text = self.render_chat(messages, tools) if text is None else text
         v = self.model.vocab
-        limits.check_fits(v, text, self.engine.n_ctx_slot, "messages")
         toks = v.tokenize(text, add_special=False, parse_special=True)
         if v.add_bos and v.bos is not None and (not toks or toks[0] != v.bos):
             toks = [v.bos] + toks
@@ -198,7 +216,7 @@ class Server:
         """Mean-pooled, L2-normalised embeddings. Runs on the engine thread (Engine.run_job)."""
         if self._embed_ctx is None:
             self._embed_ctx = Context(self.model, n_ctx=EMBD_CTX, n_batch=EMBD_CTX, n_ubatch=EMBD_CTX,
-                                      embeddings=True, pooling="mean", max_graphs=32)
+                                      embeddings=True, pooling="mean")
         out = []
         for toks in toks_list:
             self._embed_ctx.kv_clear()
@@ -243,19 +261,13 @@ async def read_json(http: HTTPRequest) -> dict:
         raw += part
         if len(raw) > MAX_BODY:
             raise APIError(413, f"the request body is larger than {MAX_BODY} bytes", code="request_too_large")
-    body = await limits.parse_json_body(bytes(raw))    # strict: depth, NaN/Infinity, lone surrogates
+    try:
+        body = json.loads(bytes(raw))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
-
-
-def _within(seconds: float, fn, *args) -> bool:
-    """Run fn(*args) in a daemon thread; False if it has not returned after ``seconds`` (it is left running:
-    only for a caller about to give up, as a server refusing its model)."""
-    t = threading.Thread(target=fn, args=args, daemon=True)
-    t.start()
-    t.join(seconds)
-    return not t.is_alive()
 
 
 def submit(server: Server, req: Request) -> asyncio.Queue:
@@ -265,6 +277,8 @@ def submit(server: Server, req: Request) -> asyncio.Queue:
     req.emit = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
     try:
         server.engine.submit(req)
+    except ShuttingDown as e:
+        raise APIError(503, str(e), type="unavailable_error") from None
     except ValueError as e:
         raise APIError(400, str(e), "prompt") from None
     return q
@@ -273,28 +287,25 @@ def submit(server: Server, req: Request) -> asyncio.Queue:
 async def events(req: Request, q: asyncio.Queue, http: HTTPRequest):
     """The engine's events for one request. If the client goes away (or the response is cancelled), the request is
     cancelled and its slot freed at the engine's next step."""
-    done = False
-    check_at = time.monotonic() + DISCONNECT_CHECK
+    done, last = False, None
     try:
         while True:
             try:
-                ev = await asyncio.wait_for(q.get(), timeout=DISCONNECT_CHECK)
+                ev = await asyncio.wait_for(q.get(), timeout=0.5)
             except asyncio.TimeoutError:
-                ev = None
-            # also while events flow: a client waiting for a whole (non-streamed) reply is only seen to leave here
-            if ev is None or time.monotonic() >= check_at:
-                check_at = time.monotonic() + DISCONNECT_CHECK
                 if await http.is_disconnected():
                     return
-            if ev is None:
                 continue
             done = ev.finish_reason is not None
+            if done:
+                last = ev
             yield ev
             if done:
                 return
     finally:
         if not done:
             req.cancel()
+        log_request(http.url.path, req, last, 499 if last is None else (last.status if last.error else 200))
 
 
 def sse(obj) -> bytes:
@@ -302,14 +313,19 @@ def sse(obj) -> bytes:
 
 
 def error_event(ev: Event) -> dict:
-    return {"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}}
+    kind = "unavailable_error" if ev.status == 503 else "server_error"
+    return {"error": {"message": ev.error, "type": kind, "param": None, "code": ev.status}}
 
 
-def create_app(server: Server, api_key: str | None = None) -> FastAPI:
+def create_app(server: Server, api_key: str | None = None, cors: dict | None = None) -> FastAPI:
+    """The routes over ``server``. ``cors``: ops.Cors' settings (origins, methods, headers, credentials);
+    default: origins "localhost"."""
     app = FastAPI(title="llampy", version="0.1.0",
                   description="OpenAI-compatible server of llampy: continuous batching over parallel slots")
     app.state.server = server
     app.add_middleware(Guard, api_key=api_key if api_key is not None else server.api_key)
+    app.add_middleware(Draining, server=server)
+    app.add_middleware(Cors, **{"origins": "localhost", **(cors or {})})     # outermost: preflights before the key
 
     @app.exception_handler(APIError)
     async def on_api_error(_, e: APIError):
@@ -333,6 +349,9 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         server.check_model(body)
         msgs = check_messages(body)
         p = sampling_params(body, server.n_vocab)
+        oai.choices_n(body, 1)
+        opts = request_options(body, server.engine.n_parallel)
+        await server.prepare_sampling(p)
         want_lp = oai.flag(body, "logprobs")
         n_top = body.get("top_logprobs") or 0
         if not oai._is_int(n_top) or not 0 <= n_top <= 20:
@@ -343,12 +362,12 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         tp, g = server.tool_plan(body, msgs)
         if want_lp and stream and tp.format != "none":      # a stream with tools is sent when the reply is whole
             raise APIError(400, "'logprobs' is not supported with tools on a stream", "logprobs")
-        prompt = await server.render_chat_async(tp.messages, tp.tools, oai.template_kwargs(body))
+        prompt = server.render_chat(tp.messages, tp.tools, oai.template_kwargs(body))
         # the reply's thinking block goes to reasoning_content (llama.cpp's --reasoning-format, per request here)
         think = splitter_for(tp.source, prompt, oai.reasoning_format(body))
         gs = await server.grammar_sampler(g)
-        req = server.make_request(await server.chat_tokens_async(prompt), p, n_top if want_lp else 0, want_lp,
-                                  "messages", gs)
+        req = server.make_request(server.chat_tokens(None, text=prompt), p, n_top if want_lp else 0, want_lp,
+                                  "messages", gs, opts)
         req.keep_tokens = tp.keep_tokens      # the format's markers stay in the text, or it cannot be parsed
         q = submit(server, req)
         cid, created = new_id("chatcmpl"), now()
@@ -391,10 +410,12 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                 yield sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]))
                 sp = think
+                n_gen = 0
                 async for ev in events(req, q, http):
                     if ev.error:
                         yield sse(error_event(ev))
                         break
+                    n_gen += ev.token is not None
                     delta = {"content": ev.text} if ev.text else {}
                     if sp is not None:
                         r, c = sp.feed(ev.text)
@@ -404,8 +425,12 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                         delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
                     if delta or ev.finish_reason or (want_lp and ev.token is not None):
                         lp = {"content": [lp_entry(ev)]} if want_lp and ev.token is not None else None
+                        extra = {}
+                        if opts["timings_per_token"]:     # llama-server's timings, in every chunk
+                            from .native import live_timings
+                            extra["timings"] = live_timings(req, n_gen)
                         yield sse(chunk([{"index": 0, "delta": delta, "logprobs": lp,
-                                          "finish_reason": ev.finish_reason}]))
+                                          "finish_reason": ev.finish_reason}], **extra))
                     if ev.finish_reason is not None and with_usage:
                         yield sse(chunk([], usage=usage(ev.n_prompt, ev.n_gen, ev.n_cached)))
                 yield b"data: [DONE]\n\n"
@@ -414,7 +439,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         text, lps, last = "", [], None
         async for ev in events(req, q, http):
             if ev.error:
-                raise APIError(500, ev.error, type="server_error")
+                raise APIError(ev.status, ev.error, type="server_error" if ev.status == 500 else
+                               "unavailable_error")
             text += ev.text
             if want_lp and ev.token is not None:
                 lps.append(lp_entry(ev))
@@ -437,65 +463,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                              "finish_reason": finish}],
                 "usage": usage(last.n_prompt, last.n_gen, last.n_cached)}
 
-    @app.post("/v1/completions", openapi_extra=openapi_body("completion"))
-    async def completions(http: HTTPRequest):
-        body = await read_json(http)
-        check_fields(body, "completion")
-        server.check_model(body)
-        if "prompt" not in body:
-            raise APIError(400, "'prompt' is required", "prompt")
-        p = sampling_params(body, server.n_vocab)
-        n_lp = body.get("logprobs")
-        n_lp = 0 if n_lp is None else n_lp
-        if not oai._is_int(n_lp) or not 0 <= n_lp <= 20:
-            raise APIError(400, "'logprobs' must be an integer between 0 and 20", "logprobs")
-        want_lp = body.get("logprobs") is not None
-        stream, with_usage = oai.flag(body, "stream"), include_usage(body)
-        if oai.flag(body, "echo"):
-            raise APIError(400, "'echo' is not supported", "echo")
-        req = server.make_request(await server.tokenize_prompt_async(body["prompt"]), p, n_lp, want_lp,
-                                  grammar=await server.grammar_sampler(oai.grammar_param(body)))
-        q = submit(server, req)
-        cid, created = new_id("cmpl"), now()
-
-        def lp_obj(evs, offset0=0):
-            return oai.completion_logprobs([server.text(e.token) for e in evs], [e.logprob for e in evs],
-                                           [[(server.text(i), l) for i, l in e.top] for e in evs], offset0)
-
-        def chunk(choices, **extra) -> dict:
-            return {"id": cid, "object": "text_completion", "created": created, "model": server.model_id,
-                    "system_fingerprint": "llampy", "choices": choices, **extra}
-
-        if stream:
-            async def gen():
-                offset = 0
-                async for ev in events(req, q, http):
-                    if ev.error:
-                        yield sse(error_event(ev))
-                        break
-                    if ev.text or ev.finish_reason or (want_lp and ev.token is not None):
-                        lp = lp_obj([ev], offset) if want_lp and ev.token is not None else None
-                        yield sse(chunk([{"index": 0, "text": ev.text, "logprobs": lp,
-                                          "finish_reason": ev.finish_reason}]))
-                        offset += len(ev.text)
-                    if ev.finish_reason is not None and with_usage:
-                        yield sse(chunk([], usage=usage(ev.n_prompt, ev.n_gen, ev.n_cached)))
-                yield b"data: [DONE]\n\n"
-            return StreamingResponse(gen(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-        text, evs, last = "", [], None
-        async for ev in events(req, q, http):
-            if ev.error:
-                raise APIError(500, ev.error, type="server_error")
-            text += ev.text
-            if ev.token is not None:
-                evs.append(ev)
-            last = ev
-        if last is None:
-            return JSONResponse({}, status_code=499)
-        return chunk([{"index": 0, "text": text, "logprobs": lp_obj(evs) if want_lp else None,
-                       "finish_reason": last.finish_reason}],
-                     usage=usage(last.n_prompt, last.n_gen, last.n_cached))
+    from .completions import add_completion_routes
+    add_completion_routes(app, server)
 
     @app.post("/v1/embeddings", openapi_extra=openapi_body("embeddings"))
     async def embeddings(http: HTTPRequest):
@@ -509,28 +478,14 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise APIError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
-        if len(texts) > MAX_EMBD_INPUTS:
-            raise APIError(400, f"'input' has {len(texts)} items; one request embeds at most {MAX_EMBD_INPUTS}",
-                           "input")
-        for i, t in enumerate(texts):
-            limits.check_fits(server.model.vocab, t, EMBD_CTX + 1, "input")
-        toks = [await limits.run_sized(len(t), server.model.vocab.tokenize, t, True, True) for t in texts]
+        toks = [server.model.vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
         for i, t in enumerate(toks):
             if not t:
                 raise APIError(400, f"input[{i}] is empty", "input")
             if len(t) > EMBD_CTX:
                 raise APIError(400, f"input[{i}] has {len(t)} tokens, more than {EMBD_CTX}", "input",
                                code="context_length_exceeded")
-        if sum(len(t) for t in toks) > MAX_EMBD_TOKENS:
-            raise APIError(400, f"the inputs have {sum(len(t) for t in toks)} tokens in all; one request embeds at "
-                                f"most {MAX_EMBD_TOKENS}", "input", code="context_length_exceeded")
-        vecs = []
-        for t in toks:
-            # one input per engine job, the next one handed over when this one is done: the generating slots get
-            # a decode step between two inputs, and a request that arrives meanwhile waits for one input at most
-            vecs += await asyncio.wrap_future(server.engine.run_job(lambda t=t: server.embed([t])))
-            if await http.is_disconnected():
-                return JSONResponse({}, status_code=499)
+        vecs = await asyncio.wrap_future(server.engine.run_job(lambda: server.embed(toks)))
         n = sum(len(t) for t in toks)
         if fmt == "base64":     # what the openai client asks for by default: little-endian float32 bytes
             vecs = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() for v in vecs]
@@ -546,71 +501,6 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                                                      "n_parallel": server.engine.n_parallel}}]}
 
     # ------------------------------------------------------------------ llama.cpp's native routes
-    @app.post("/completion", openapi_extra=openapi_body("native"))
-    async def completion(http: HTTPRequest):
-        body = await read_json(http)
-        check_fields(body, "native")
-        if "prompt" not in body:
-            raise APIError(400, "'prompt' is required", "prompt")
-        p = sampling_params(body, server.n_vocab)
-        n_probs = body.get("n_probs", 0)
-        if not oai._is_int(n_probs) or not 0 <= n_probs <= 100:
-            raise APIError(400, "'n_probs' must be an integer between 0 and 100", "n_probs")
-        stream, return_tokens = oai.flag(body, "stream"), oai.flag(body, "return_tokens")
-        req = server.make_request(await server.tokenize_prompt_async(body["prompt"]), p, n_probs, n_probs > 0,
-                                  grammar=await server.grammar_sampler(oai.grammar_param(body)))
-        q = submit(server, req)
-        t0 = time.perf_counter()
-
-        def prob(ev: Event) -> dict:
-            b = server.piece(ev.token)
-            return {"id": ev.token, "token": b.decode("utf-8", errors="replace"), "bytes": list(b),
-                    "logprob": ev.logprob,
-                    "top_logprobs": [{"id": i, "token": server.text(i), "bytes": list(server.piece(i)),
-                                      "logprob": l} for i, l in ev.top]}
-
-        def final(text: str, toks: list, probs: list, last: Event) -> dict:
-            out = {"content": text, "stop": True, "model": server.model_id, "tokens_predicted": last.n_gen,
-                   "tokens_evaluated": len(req.tokens), "tokens_cached": last.n_cached,
-                   "stop_type": "limit" if last.finish_reason == "length" else "eos",
-                   "timings": {"predicted_ms": (time.perf_counter() - t0) * 1e3, "predicted_n": last.n_gen}}
-            if return_tokens:
-                out["tokens"] = toks
-            if n_probs:
-                out["completion_probabilities"] = probs
-            return out
-
-        if stream:
-            async def gen():
-                async for ev in events(req, q, http):
-                    if ev.error:
-                        yield sse(error_event(ev))
-                        return
-                    part = {"content": ev.text, "stop": False}
-                    if ev.token is not None:
-                        if return_tokens:
-                            part["tokens"] = [ev.token]
-                        if n_probs:
-                            part["completion_probabilities"] = [prob(ev)]
-                    if ev.finish_reason is not None:
-                        part = final(ev.text, [], [], ev)
-                    yield sse(part)
-            return StreamingResponse(gen(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-        text, toks, probs, last = "", [], [], None
-        async for ev in events(req, q, http):
-            if ev.error:
-                raise APIError(500, ev.error, type="server_error")
-            text += ev.text
-            if ev.token is not None:
-                toks.append(ev.token)
-                if n_probs:
-                    probs.append(prob(ev))
-            last = ev
-        if last is None:
-            return JSONResponse({}, status_code=499)
-        return final(text, toks, probs, last)
-
     @app.post("/tokenize", openapi_extra=openapi_body("tokenize"))
     async def tokenize(http: HTTPRequest):
         body = await read_json(http)
@@ -618,14 +508,11 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         content = body.get("content")
         if not isinstance(content, str):
             raise APIError(400, "'content' must be a string", "content")
-        add, parse, pieces = oai.flag(body, "add_special"), body.get("parse_special", True) is not False, \
-            oai.flag(body, "with_pieces")
-
-        def work() -> bytes:    # the JSON too: FastAPI's encoder walks a returned dict in Python, item by item
-            ids = server.model.vocab.tokenize(content, add_special=add, parse_special=parse)
-            out = {"tokens": [{"id": i, "piece": server.text(i)} for i in ids] if pieces else ids}
-            return json.dumps(out, ensure_ascii=False).encode()
-        return Response(await limits.run_sized(len(content), work), media_type="application/json")
+        ids = server.model.vocab.tokenize(content, add_special=oai.flag(body, "add_special"),
+                                          parse_special=body.get("parse_special", True) is not False)
+        if oai.flag(body, "with_pieces"):
+            return {"tokens": [{"id": i, "piece": server.text(i)} for i in ids]}
+        return {"tokens": ids}
 
     @app.post("/detokenize", openapi_extra=openapi_body("detokenize"))
     async def detokenize(http: HTTPRequest):
@@ -636,16 +523,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             raise APIError(400, "'tokens' must be a list of token ids of the vocabulary", "tokens")
         return {"content": server.model.vocab.detokenize(toks)}
 
-    @app.post("/slots/{slot_id}")
-    async def slot_action(slot_id: int, action: str = ""):
-        """llama-server's slot actions; ``erase`` forgets an idle slot's cached prompt."""
-        if action != "erase":
-            raise APIError(400, f"unknown slot action {action!r}: this server supports 'erase'", "action")
-        try:
-            n = await asyncio.wrap_future(server.engine.run_job(lambda: server.engine.erase_slot(slot_id)))
-        except ValueError as e:
-            raise APIError(400, str(e), "id_slot") from None
-        return {"id_slot": slot_id, "n_erased": n}
+    from .native import add_native_routes
+    add_native_routes(app, server)
 
     @app.get("/health")
     async def health():
@@ -656,7 +535,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus(server), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(llamacpp_metrics(server) + prometheus(server),
+                                 media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ the chat page
     @app.get("/", include_in_schema=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 
 def add_serve_parser(sub) -> None:
@@ -12,25 +13,81 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--parallel", "-np", type=int, default=4, help="slots: requests decoded together (default 4)")
     p.add_argument("--ctx-size", "-c", type=int, default=4096,
                    help="KV cache cells in all, shared by the slots; each slot gets ctx-size / parallel")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads of the kernels (default: all)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     p.add_argument("--alias", default=None, help="the model name reported to clients")
+    p.add_argument("--cors-origins", default="localhost",
+                   help="origins browsers may call from: 'localhost' (default: pages served from this machine), "
+                        "'*' (any), or a comma-separated list")
+    p.add_argument("--cors-methods", default="GET, POST, OPTIONS", help="methods a CORS preflight allows")
+    p.add_argument("--cors-headers", default="*", help="request headers a CORS preflight allows")
+    p.add_argument("--cors-credentials", action="store_true", help="allow credentials in CORS requests")
+    p.add_argument("--slot-save-path", default=None,
+                   help="folder for POST /slots/{id}?action=save|restore (slot KV caches as files)")
+    p.add_argument("--prompt-cache", default=None,
+                   help="file of the slots' cached prompts: restored at start, written at shutdown")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds requests in flight may take to finish after SIGTERM/SIGINT before they are "
+                        "ended (default 30)")
+    p.add_argument("--log-format", choices=("json", "text", "none"), default="json",
+                   help="the per-request log lines on stderr (default json)")
     p.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
+class LoadProgress:
+    """llama.cpp's loading dots, as percentages on one line of stderr: every 10%, then a newline at 100%."""
 
+    def __init__(self, name: str, stream=None):
+        self.stream, self.shown = stream or sys.stderr, -1
+        self.t0 = time.perf_counter()
+        print(f"llampy: loading {name} ", end="", file=self.stream, flush=True)
+
+    def __call__(self, frac: float) -> bool:
+        step = int(frac * 10)
+        if step > self.shown:
+            self.shown = step
+            end = f" ({time.perf_counter() - self.t0:.1f} s)\n" if step >= 10 else ""
+            print(f"{step * 10}%" + ("" if step >= 10 else " "), end=end, file=self.stream, flush=True)
+        return True
+
+
+def cmd_serve(args) -> int:
     from ..models import resolve_model
     from .app import Server, create_app
+    from .ops import make_uvicorn, setup_logging
     if args.parallel < 1 or args.ctx_size // max(args.parallel, 1) < 8:
         print(f"llampy serve: --parallel {args.parallel} and --ctx-size {args.ctx_size} leave no room per slot",
               file=sys.stderr)
         return 2
-    server = Server(resolve_model(args.model), args.parallel, args.ctx_size, args.api_key, args.alias)
+    if args.threads is not None and args.threads < 1:
+        print(f"llampy serve: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+        return 2
+    if args.slot_save_path:
+        import os
+        os.makedirs(args.slot_save_path, exist_ok=True)
+    if args.log_format != "none":
+        setup_logging(args.log_format)
+    path = resolve_model(args.model)
+    server = Server(path, args.parallel, args.ctx_size, args.api_key, args.alias, n_threads=args.threads,
+                    slot_save_path=args.slot_save_path, prompt_cache=args.prompt_cache,
+                    progress=LoadProgress(path.name))
+    if server.n_restored:
+        print(f"llampy: restored {server.n_restored} cached prompt tokens from {args.prompt_cache}", file=sys.stderr)
     print(f"llampy: serving {server.model_id} on http://{args.host}:{args.port} "
           f"({args.parallel} slots of {args.ctx_size // args.parallel} tokens)", flush=True)
+    cors = {"origins": args.cors_origins, "methods": args.cors_methods, "headers": args.cors_headers,
+            "credentials": args.cors_credentials}
+    # uvicorn re-raises the signal that stopped it once it has shut down; received here it has done its work
+    import signal
+    old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+        make_uvicorn(create_app(server, cors=cors), server, args.host, args.port, args.shutdown_timeout).run()
     finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
         server.engine.stop()
+        n = server.save_prompt_cache()
+        if n:
+            print(f"llampy: saved {n} cached prompt tokens to {args.prompt_cache}", file=sys.stderr)
+    print("llampy: stopped", file=sys.stderr, flush=True)
     return 0

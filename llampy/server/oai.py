@@ -67,9 +67,6 @@ def sampling_params(body: dict, n_vocab: int) -> dict:
         # llama.cpp's native n_predict = -1 means "until the context is full"; OpenAI's fields must be >= 1
         if max_tokens <= 0 and not (key == "n_predict" and max_tokens == -1):
             raise APIError(400, f"'{key}' must be at least 1, got {max_tokens}", key)
-    n = body.get("n", 1)
-    if n is not None and (not _is_int(n) or n != 1):
-        raise APIError(400, "only 'n': 1 is supported (one choice per request)", "n")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -77,17 +74,8 @@ def sampling_params(body: dict, n_vocab: int) -> dict:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
         raise APIError(400, "'stop' must be a non-empty string or a list of up to 16 of them", "stop")
-    bias = body.get("logit_bias")
-    if bias is None:
-        bias = {}
-    if not isinstance(bias, dict):
-        raise APIError(400, "'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-    try:
-        bias = {int(k): float(v) for k, v in bias.items() if not isinstance(v, bool)}
-    except (TypeError, ValueError):
-        raise APIError(400, "'logit_bias' keys must be token ids and its values numbers", "logit_bias") from None
-    if any(not 0 <= k < n_vocab for k in bias):
-        raise APIError(400, f"'logit_bias' names a token id outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
+    from .fields import llama_sampling, logit_bias
+    bias = logit_bias(body, n_vocab)
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise APIError(400, f"'seed' must be an integer, got {seed!r}", "seed")
@@ -98,7 +86,16 @@ def sampling_params(body: dict, n_vocab: int) -> dict:
         presence_penalty=_num(body, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2, 2),
         repeat_penalty=_num(body, "repeat_penalty", 1.0, 0, 10), seed=seed, stop=stop, logit_bias=bias,
-        ignore_eos=flag(body, "ignore_eos"))
+        ignore_eos=flag(body, "ignore_eos"), **llama_sampling(body))
+
+
+def choices_n(body: dict, limit: int) -> int:
+    """OpenAI's ``n`` (llama-server's n_cmpl): completions per prompt, 1..limit."""
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= limit:
+        raise APIError(400, f"'n' must be an integer from 1 to {limit}, got {n!r}", "n")
+    return n
 
 
 def grammar_param(body: dict):
@@ -165,10 +162,6 @@ def check_fields(body: dict, route: str) -> None:
         if k not in known:
             hint = UNSUPPORTED.get(k, "")
             raise APIError(400, f"Unrecognized request argument supplied: {k}" + (f" ({hint})" if hint else ""), k)
-    cp = body.get("cache_prompt")
-    if cp is not None and cp is not True:
-        raise APIError(400, "'cache_prompt' can only be true: a slot always reuses the prompt prefix it holds",
-                       "cache_prompt")
 
 
 def check_messages(body: dict) -> list:
@@ -236,11 +229,13 @@ def completion_logprobs(pieces: list, logprobs: list, tops: list, offset0: int =
     for p in pieces:
         offs.append(o)
         o += len(p)
-    return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": [dict(t) for t in tops],
-            "text_offset": offs}
+    return {"tokens": pieces, "token_logprobs": logprobs,
+            "top_logprobs": [None if t is None else dict(t) for t in tops], "text_offset": offs}
 
 
 # ---------------------------------------------------------------------- request schemas, for /openapi.json only
+from . import fields as _fields  # noqa: E402  (fields imports APIError from here)
+
 # Every field a route honours (check_fields rejects the others), with its schema for /openapi.json.
 _SAMPLING = {
     "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
@@ -248,17 +243,19 @@ _SAMPLING = {
     "n_predict": {"type": "integer", "minimum": -1, "description": "llama.cpp's max_tokens; -1: until the context "
                                                                    "is full"},
     "n": {"type": "integer", "enum": [1]},
+    **_fields.SCHEMA,
     "repeat_penalty": {"type": "number", "minimum": 0, "maximum": 10},
     "ignore_eos": {"type": "boolean"},
-    "cache_prompt": {"type": "boolean", "enum": [True], "description": "llama.cpp's; a slot always reuses the "
-                                                                         "prompt prefix it holds"},
     "user": {"type": "string", "description": "OpenAI's end-user id; it does not change the reply"},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": 0},
     "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": {"type": "integer"},
     "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "presence_penalty": {"type": "number"}, "frequency_penalty": {"type": "number"},
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number"}},
+    "logit_bias": {"anyOf": [{"type": "object", "additionalProperties": {"anyOf": [{"type": "number"},
+                                                                                   {"const": False}]}},
+                             {"type": "array", "items": {"type": "array", "minItems": 2, "maxItems": 2}}],
+                   "description": "token id (or text) -> bias; false bans the token"},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "grammar": {"type": "string", "description": "a GBNF grammar the output must match"},
@@ -272,6 +269,10 @@ _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
     "content": {"anyOf": [{"type": "string"}, {"type": "array"}]}}}
 _PROMPT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}
+_PROMPTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                      {"type": "array", "items": {"anyOf": [{"type": "string"},
+                                                            {"type": "array", "items": {"type": "integer"}}]}}],
+            "description": "one prompt, or a list of them (a choice each)"}
 
 SCHEMAS = {
     "chat": {"type": "object", "required": ["messages"], "properties": {
@@ -288,11 +289,24 @@ SCHEMAS = {
         "reasoning_effort": {"type": "string", "description": "'none' turns thinking off; another value reaches "
                                                               "the template"}}},
     "completion": {"type": "object", "required": ["prompt"], "properties": {
-        **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        "echo": {"type": "boolean", "enum": [False]}}},
+        **_SAMPLING, "prompt": _PROMPTS, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "n": {"type": "integer", "minimum": 1, "description": "completions per prompt"},
+        "echo": {"type": "boolean", "description": "the prompt before the completion (with logprobs: its tokens' "
+                                                   "log-probs too); max_tokens may then be 0"},
+        "suffix": {"type": "string", "description": "the text after the completion: fill-in-the-middle, for "
+                                                    "models with FIM tokens"}}},
     "native": {"type": "object", "required": ["prompt"], "properties": {
         **_SAMPLING, "prompt": _PROMPT, "n_predict": {"type": "integer"}, "n_probs": {"type": "integer"},
         "return_tokens": {"type": "boolean"}}},
+    "infill": {"type": "object", "required": ["input_prefix", "input_suffix"], "properties": {
+        **_SAMPLING, "input_prefix": {"type": "string"}, "input_suffix": {"type": "string"},
+        "input_extra": {"type": "array", "items": {"type": "object", "required": ["text"], "properties": {
+            "text": {"type": "string"}, "filename": {"type": "string"}}}},
+        "prompt": {"type": "string", "description": "text after the prefix (llama-server's)"},
+        "n_predict": {"type": "integer"}, "n_probs": {"type": "integer"}, "return_tokens": {"type": "boolean"}}},
+    "apply_template": {"type": "object", "required": ["messages"], "properties": {
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1}, "tools": {"type": "array"},
+        "chat_template_kwargs": {"type": "object"}, "add_generation_prompt": {"type": "boolean"}}},
     "embeddings": {"type": "object", "required": ["input"], "properties": {
         "model": {"type": "string"}, "user": {"type": "string"},
         "encoding_format": {"type": "string", "enum": ["float", "base64"]},
@@ -307,7 +321,7 @@ SCHEMAS = {
 
 # why a field OpenAI or llama-server knows is refused (the 400 says so beside the field's name)
 UNSUPPORTED = {
-    "best_of": "one completion per request", "suffix": "no fill-in-the-middle", "functions": "use 'tools'",
+    "best_of": "one completion per request; use 'n'", "functions": "use 'tools'",
     "function_call": "use 'tool_choice'", "store": "replies are not stored", "audio": "text only",
     "modalities": "text only",
 }

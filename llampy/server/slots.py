@@ -12,6 +12,7 @@ import concurrent.futures as cf
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,6 +40,12 @@ class Event:
     n_gen: int = 0
     n_cached: int = 0                       # prompt tokens whose KV was reused from the slot's previous request
     error: str | None = None
+    status: int = 500                       # the HTTP status an error maps to (503: the server is shutting down)
+    slot: int = -1                          # on the last event: the slot that served the request
+    timings: dict | None = None             # on the last event: llama-server's timings (Engine._timings)
+    # once, before the first generated token, when the request asked for them (prompt_logprobs >= 0):
+    # [(token, logprob or None for the first, [(id, logprob)] top)] for every prompt token
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -57,6 +64,13 @@ class Request:
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     cancelled: bool = False
     t_arrival: float = field(default_factory=time.perf_counter)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    cache_prompt: bool = True               # reuse the slot's cached prefix (llama-server's cache_prompt)
+    id_slot: int = -1                       # the slot to run in (-1: any; llama-server's id_slot)
+    prompt_logprobs: int = -1               # >= 0: the prompt tokens' log-probs with this many top ones (echo)
+    params: dict = field(default_factory=dict)      # the request's settings, as GET /slots shows them
+    t_start: float = 0.0                    # admitted to a slot
+    t_first: float = 0.0                    # the prompt decoded (the first token sampled)
 
     def __post_init__(self):
         if self.emit is None:
@@ -79,6 +93,7 @@ class Slot:
         self.dec: StreamDecoder | None = None
         self.text = ""
         self.emitted = 0                # chars of ``text`` already sent
+        self.prompt_lps: list = []      # the prompt tokens' log-probs so far (Request.prompt_logprobs)
 
 
 class Engine:
@@ -108,9 +123,10 @@ class Engine:
         self.metrics = {"requests_total": 0, "requests_finished": 0, "requests_cancelled": 0,
                         "prompt_tokens_total": 0, "prompt_tokens_cached": 0, "generated_tokens_total": 0,
                         "decode_seconds_total": 0.0, "prompt_seconds_total": 0.0, "gen_seconds_total": 0.0,
-                        "steps_total": 0, "busy_slot_steps": 0}
+                        "steps_total": 0, "busy_slot_steps": 0, "n_tokens_max": 0}
         self._recent: list[tuple[float, int]] = []   # (time, tokens generated) per step, for a live tokens/s
         self._stop = False
+        self.draining = False           # set by begin_drain: new requests are refused
         self.thread = threading.Thread(target=self._loop, name="llampy-engine", daemon=True)
         self.thread.start()
 
@@ -120,6 +136,8 @@ class Engine:
         return self.slots[0].n_ctx
 
     def submit(self, req: Request) -> Request:
+        if self.draining:
+            raise ShuttingDown("the server is shutting down")
         if not req.tokens:
             raise ValueError("the prompt is empty")
         if len(req.tokens) >= self.n_ctx_slot:
@@ -149,6 +167,91 @@ class Engine:
         s.cached = []
         return n
 
+    def save_slot(self, sid: int, path) -> tuple[int, int]:
+        """An idle slot's cached prompt (tokens and KV) to a file (llama-server's /slots/{id}?action=save):
+        (tokens saved, bytes written). Call through run_job."""
+        from ..llama.state import save_seqs
+        s = self._idle_slot(sid)
+        return len(s.cached), save_seqs(path, self.ctx, {"slot": (s.cached, sid)})
+
+    def restore_slot(self, sid: int, path) -> tuple[int, int]:
+        """A file from save_slot into an idle slot: (tokens restored, bytes read). Raises StateError for a file of
+        another model, ValueError if it does not fit the slot. Call through run_job."""
+        from ..llama.state import StateError, load_seq, read_seqs
+        s = self._idle_slot(sid)
+        states, size = read_seqs(path, self.ctx)
+        st = states.get("slot")
+        if st is None:
+            raise StateError(f"{path} holds no slot")
+        if len(st["tokens"]) >= s.n_ctx:
+            raise ValueError(f"the saved prompt has {len(st['tokens'])} tokens, more than slot {sid} holds")
+        s.cached = []
+        s.cached = load_seq(st, self.ctx, sid)
+        return len(s.cached), size
+
+    def save_prompt_cache(self, path) -> int:
+        """Every slot's cached prompt to one file (--prompt-cache), for the next start; returns the tokens saved.
+        Call through run_job (or after the loop has stopped)."""
+        from ..llama.state import save_seqs
+        seqs = {f"slot{s.id}": (s.cached, s.id) for s in self.slots if s.cached and s.req is None}
+        if seqs:
+            save_seqs(path, self.ctx, seqs)
+        return sum(len(t) for t, _ in seqs.values())
+
+    def load_prompt_cache(self, path) -> int:
+        """The slots' prompts from a save_prompt_cache file, each into the slot it came from when that slot has
+        room; returns the tokens restored. Raises StateError for a file of another model."""
+        from ..llama.state import load_seq, read_seqs
+        states, _ = read_seqs(path, self.ctx)
+        n = 0
+        for key, st in states.items():
+            sid = int(key[4:]) if key.startswith("slot") and key[4:].isdigit() else -1
+            if not 0 <= sid < self.n_parallel or len(st["tokens"]) >= self.slots[sid].n_ctx:
+                continue
+            self.slots[sid].cached = load_seq(st, self.ctx, sid)
+            n += len(self.slots[sid].cached)
+        return n
+
+    def slots_info(self) -> list:
+        """GET /slots: each slot's state (read from any thread; a snapshot, not a lock-step view)."""
+        out = []
+        for s in self.slots:
+            r = s.req
+            out.append({"id": s.id, "id_task": r.id if r is not None else None, "n_ctx": s.n_ctx,
+                        "is_processing": r is not None, "n_cached": len(s.cached),
+                        "params": dict(r.params) if r is not None else {},
+                        "next_token": {"has_next_token": r is not None, "n_decoded": s.n_gen if r else 0,
+                                       "n_remain": max(r.max_tokens - s.n_gen, 0) if r else 0}})
+        return out
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (ShuttingDown); the ones in flight go on."""
+        self.draining = True
+
+    def idle(self) -> bool:
+        return not self.waiting and self.inbox.empty() and all(s.req is None for s in self.slots)
+
+    def cancel_all(self, msg: str = "the server is shutting down") -> int:
+        """End every request in flight or waiting with an error event (status 503): each client gets a complete
+        reply. Call through run_job; returns how many were ended."""
+        n = 0
+        for s in self.slots:
+            if s.req is not None:
+                self._fail(s, msg, 503)
+                n += 1
+        for r in self.waiting:
+            r.emit(Event(error=msg, finish_reason="error", status=503, n_prompt=len(r.tokens)))
+            n += 1
+        self.waiting = []
+        return n
+
+    def _idle_slot(self, sid: int) -> Slot:
+        if not 0 <= sid < self.n_parallel:
+            raise ValueError(f"there is no slot {sid} (the server has {self.n_parallel})")
+        if self.slots[sid].req is not None:
+            raise ValueError(f"slot {sid} is processing a request")
+        return self.slots[sid]
+
     def stop(self) -> None:
         self._stop = True
         self.inbox.put(None)
@@ -177,6 +280,11 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop (engine thread only)
     def _loop(self) -> None:
+        # Numba's thread count is per calling thread: the kernels run here, so the model's n_threads is set here
+        n_threads = getattr(getattr(self.model, "cpu", None), "n_threads", None)
+        if n_threads:
+            import numba
+            numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
         while not self._stop:
             try:
                 self._admit()
@@ -189,7 +297,7 @@ class Engine:
                         self._fail(s, f"internal error: {type(e).__name__}: {e}")
         for s in self.slots:
             if s.req is not None:
-                self._fail(s, "the server is shutting down")
+                self._fail(s, "the server is shutting down", 503)
 
     def _admit(self) -> None:
         idle = not self.waiting and all(s.req is None for s in self.slots)
@@ -225,7 +333,11 @@ class Engine:
                 self.metrics["requests_cancelled"] += 1
                 continue
             free = [s for s in self.slots if s.req is None]
-            if not free:
+            if r.id_slot >= 0:          # it waits for its own slot; the others go on being admitted
+                free = [s for s in free if s.id == r.id_slot]
+                if not free:
+                    continue
+            elif not free:
                 break
             # the free slot whose cache shares the longest prefix with this prompt (ties: the emptiest)
             slot = max(free, key=lambda s: (_common(s.cached, r.tokens), -len(s.cached)))
@@ -233,8 +345,14 @@ class Engine:
             self._start(slot, r)
 
     def _start(self, slot: Slot, r: Request) -> None:
-        # keep at least the last prompt token to decode: its logits give the first generated token
+        # keep at least the last prompt token to decode: its logits give the first generated token; a request
+        # without cache_prompt, or wanting its prompt's log-probs (which need the logits of every position),
+        # decodes its prompt whole
         n_common = min(_common(slot.cached, r.tokens), len(r.tokens) - 1)
+        if not r.cache_prompt or r.prompt_logprobs >= 0:
+            n_common = 0
+        r.t_start = time.perf_counter()
+        slot.prompt_lps = []
         self.ctx.seq_rm(slot.id, n_common, -1)
         slot.cached = list(r.tokens[:n_common])
         slot.pending = list(r.tokens[n_common:])
@@ -263,13 +381,17 @@ class Engine:
         # begin, and so the attention path of its tokens (the Context decodes each prompt's chunk apart), depends
         # on that prompt only, not on the other requests of the step.
         budget = self.prompt_budget
+        prows: dict[int, int] = {}      # slot id -> batch position of its chunk's first token (prompt log-probs)
         for s in sorted((s for s in active if s.pending), key=lambda s: s.req.t_arrival):
             chunk = s.pending[:self.prompt_budget]
             if took and len(chunk) > budget:
                 continue
+            every = s.req.prompt_logprobs >= 0
+            if every:
+                prows[s.id] = len(batch)
             for j, t in enumerate(chunk):
                 last = j == len(chunk) - 1 and len(chunk) == len(s.pending)
-                batch.add(t, len(s.cached) + j, [s.id], last)
+                batch.add(t, len(s.cached) + j, [s.id], last or every)
                 if last:
                     rows[s.id] = len(batch) - 1
             took[s.id] = len(chunk)
@@ -289,6 +411,9 @@ class Engine:
                 self.ctx.seq_rm(s.id, -1, -1)
             return
         dt = time.perf_counter() - t0
+        for sid, b0 in prows.items():
+            s = self.slots[sid]
+            self._prompt_logprobs(s, b0, took[sid])
         # the batch is in the cache: commit what each slot decoded
         for s in active:
             if s.id in took:
@@ -301,6 +426,7 @@ class Engine:
         m["decode_seconds_total"] += dt
         m["steps_total"] += 1
         m["busy_slot_steps"] += len(active)
+        m["n_tokens_max"] = max(m["n_tokens_max"], max(len(s.cached) for s in active))
         share = sum(took.values()) / len(batch)
         m["prompt_seconds_total"] += dt * share
         m["gen_seconds_total"] += dt * (1 - share)
@@ -315,28 +441,62 @@ class Engine:
         if now - self._recent[0][0] > 30:
             self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
 
-    def _fail(self, s: Slot, msg: str) -> None:
+    def _fail(self, s: Slot, msg: str, status: int = 500) -> None:
         r = s.req
         s.req = None
         if r is not None:
-            r.emit(Event(error=msg, finish_reason="error", n_prompt=len(r.tokens), n_gen=s.n_gen))
+            r.emit(Event(error=msg, finish_reason="error", n_prompt=len(r.tokens), n_gen=s.n_gen, status=status,
+                         slot=s.id, n_cached=s.n_reused, timings=self._timings(s, r)))
 
     def _finish(self, s: Slot, reason: str, text: str = "") -> None:
         r = s.req
         s.req = None
         self.metrics["requests_finished"] += 1
-        r.emit(Event(text=text, finish_reason=reason, n_prompt=len(r.tokens), n_gen=s.n_gen, n_cached=s.n_reused))
+        r.emit(Event(text=text, finish_reason=reason, n_prompt=len(r.tokens), n_gen=s.n_gen, n_cached=s.n_reused,
+                     slot=s.id, timings=self._timings(s, r)))
+
+    @staticmethod
+    def _timings(s: Slot, r: Request) -> dict:
+        """llama-server's timings of a request (milliseconds), plus the time it waited for a slot."""
+        now = time.perf_counter()
+        t_first = r.t_first or now
+        prompt_n, prompt_ms = len(r.tokens) - s.n_reused, (t_first - (r.t_start or now)) * 1e3
+        predicted_n, predicted_ms = s.n_gen, (now - t_first) * 1e3 if r.t_first else 0.0
+        return {"queue_ms": ((r.t_start or now) - r.t_arrival) * 1e3, "cache_n": s.n_reused,
+                "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+                "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+                "predicted_per_second": predicted_n / predicted_ms * 1e3 if predicted_ms > 0 else 0.0}
+
+    def _prompt_logprobs(self, s: Slot, b0: int, n: int) -> None:
+        """The log-probs of the prompt tokens that follow the ``n`` decoded from batch position b0 on."""
+        r = s.req
+        g0 = len(s.cached)                  # the chunk's first prompt index (not yet committed)
+        for j in range(n):
+            g = g0 + j
+            if g + 1 >= len(r.tokens):
+                break
+            x = self.ctx.get_logits_ith(b0 + j)
+            s.prompt_lps.append((r.tokens[g + 1], _logprob(x, r.tokens[g + 1]),
+                                 top_logprobs(x, r.prompt_logprobs) if r.prompt_logprobs else []))
 
     def _step(self, s: Slot, logits: np.ndarray) -> None:
         r = s.req
+        if s.n_gen == 0 and not r.t_first:
+            r.t_first = time.perf_counter()
+            if r.prompt_logprobs >= 0:
+                r.emit(Event(prompt_logprobs=[(r.tokens[0], None, [])] + s.prompt_lps))
+            if r.max_tokens <= 0:       # the prompt only (echo with max_tokens 0)
+                self._finish(s, "length")
+                return
         logits = np.array(logits, dtype=np.float32)   # samplers may edit their candidates; keep the raw row
         tok = int(r.sampler.sample(logits))
         r.sampler.accept(tok)
         lp, top = None, []
         if r.logprobs or r.n_probs:
-            x = logits.astype(np.float64)
-            mx = x.max()
-            lp = float(x[tok] - (mx + np.log(np.exp(x - mx).sum())))
+            lp = _logprob(logits, tok)
             top = top_logprobs(logits, r.n_probs) if r.n_probs else []
         self.metrics["generated_tokens_total"] += 1
         if self.vocab.is_eog(tok) and not r.ignore_eos:
@@ -367,6 +527,17 @@ class Engine:
             self._finish(s, "length", s.text[s.emitted:] + s.dec.flush())
             return
         s.next_token = tok
+
+
+class ShuttingDown(RuntimeError):
+    """A request submitted while the server drains for shutdown (a 503)."""
+
+
+def _logprob(logits: np.ndarray, tok: int) -> float:
+    """log softmax(logits)[tok], in float64 over the whole row."""
+    x = np.asarray(logits, dtype=np.float64)
+    mx = x.max()
+    return float(x[tok] - (mx + np.log(np.exp(x - mx).sum())))
 
 
 def _common(a: list, b: list) -> int:

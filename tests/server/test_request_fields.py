@@ -1,6 +1,6 @@
 """Request fields a route does not honour are a 400 naming the field, as OpenAI answers them ("Unrecognized request
-argument supplied: <field>"), never silently ignored; the fields llama-server itself refuses (best_of, suffix, echo,
-top_logprobs without logprobs, logprobs with tools on a stream, a string enable_thinking) are 400s too. Fields
+argument supplied: <field>"), never silently ignored; the fields llama-server itself refuses (best_of, suffix on a
+model without FIM tokens, top_logprobs without logprobs, logprobs with tools on a stream, a string enable_thinking) are 400s too. Fields
 that are honoured pass; reasoning_effort is read as llama-server reads it."""
 from __future__ import annotations
 
@@ -43,10 +43,9 @@ def test_unknown_field_is_400_naming_it(server_url, path):
 
 @pytest.mark.parametrize("path, field, value, says", [
     ("/v1/completions", "best_of", 2, "one completion per request"),
-    ("/v1/completions", "suffix", "x", "fill-in-the-middle"),
     ("/v1/chat/completions", "functions", [{"name": "f"}], "use 'tools'"),
-    ("/v1/chat/completions", "mirostat", 2, ""),           # a llama.cpp sampler this server does not run
-    ("/completion", "typical_p", 0.5, ""),
+    ("/v1/chat/completions", "adaptive_target", 0.5, ""),  # a llama.cpp sampler this server does not run
+    ("/completion", "lora", [], ""),
     ("/v1/embeddings", "dimensions", 64, ""),
 ])
 def test_fields_llama_server_or_openai_know_but_not_honoured(server_url, path, field, value, says):
@@ -55,12 +54,13 @@ def test_fields_llama_server_or_openai_know_but_not_honoured(server_url, path, f
 
 
 @pytest.mark.parametrize("path, extra, param", [
-    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "x"}, "suffix"),       # SmolLM2 has no FIM tokens
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "stream": True, "tools": TOOLS}, "logprobs"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": "false"}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"reasoning_effort": 3}, "reasoning_effort"),
-    ("/completion", {"cache_prompt": False}, "cache_prompt"),
+    ("/completion", {"cache_prompt": 0}, "cache_prompt"),
+    ("/completion", {"samplers": ["top_k", "infill"]}, "samplers"),
 ])
 def test_refused_values_name_the_field(server_url, path, extra, param):
     _error(post(server_url, path, {**ROUTES[path], **extra}), param)
@@ -70,8 +70,10 @@ def test_honoured_fields_pass(server_url):
     for path, extra in [("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2, "user": "u1", "n": 1,
                                                   "reasoning_effort": "none", "reasoning_format": "none",
                                                   "max_completion_tokens": 1, "stream_options": None}),
-                        ("/v1/completions", {"echo": False, "user": "u1", "ignore_eos": True, "min_p": 0.1}),
-                        ("/completion", {"cache_prompt": True, "n_probs": 2, "return_tokens": True}),
+                        ("/v1/completions", {"echo": True, "user": "u1", "ignore_eos": True, "min_p": 0.1,
+                                             "n": 2, "mirostat": 2}),
+                        ("/completion", {"cache_prompt": False, "n_probs": 2, "return_tokens": True,
+                                         "typical_p": 0.5, "samplers": "kt"}),
                         ("/v1/embeddings", {"encoding_format": "base64", "user": "u1"}),
                         ("/tokenize", {"add_special": True, "parse_special": False, "with_pieces": True})]:
         r = post(server_url, path, {**ROUTES[path], **extra})
