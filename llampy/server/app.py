@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama.batch import Batch
@@ -23,17 +24,21 @@ from ..llama.reasoning import splitter_for
 from ..llama.tools import ToolError, chat_plan, tool_call_deltas
 from ..llama.model import Model
 from ..llama.sampling import Chain
-from . import oai
+from . import limits, oai
 from .oai import (APIError, check_fields, check_messages, include_usage, new_id, now, openapi_body, sampling_params,
                   usage)
 from .fields import request_options
 from .ops import Cors, Draining, llamacpp_metrics, log_request
+from .render import RenderBudgetError, TemplateRenderer
 from .slots import Engine, Event, Request, ShuttingDown
 
 MAX_BODY = 4 << 20          # bytes of one request body
 EMBD_CTX = 2048             # tokens of one embedding input
+MAX_EMBD_INPUTS = 128       # inputs of one /v1/embeddings request
+MAX_EMBD_TOKENS = 8 * EMBD_CTX  # tokens of all the inputs of one request
 STATIC = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DISCONNECT_CHECK = 0.5      # seconds between checks that a request's client is still there
 
 
 class Server:
@@ -58,6 +63,8 @@ class Server:
         self.engine = Engine(self.model, n_parallel, n_ctx)
         self.api_key = api_key
         self.template = template_from_metadata(self.model.metadata)
+        self.renderer = TemplateRenderer()      # chat templates render in child processes, within a budget
+        self._check_template()
         self.n_vocab = self.model.hparams.n_vocab
         self._embed_ctx = None
         self.engine.run_job(self._warmup).result()
@@ -175,6 +182,7 @@ class Server:
         if not isinstance(prompt, str):
             raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                            "prompt")
+        limits.check_fits(v, prompt, self.engine.n_ctx_slot, "prompt")
         return v.tokenize(prompt, add_special=True, parse_special=True)
 
     def tool_plan(self, body: dict, messages: list):
@@ -192,15 +200,53 @@ class Server:
         except GrammarError as e:       # a tool's parameters that are no usable schema
             raise APIError(400, f"tools: {e}", "tools") from None
 
-    def render_chat(self, messages: list, tools: list | None = None, kwargs: dict | None = None) -> str:
+    def _check_template(self) -> None:
+        """Refuse at load a chat template that cannot render a short conversation within the render budget, and
+        make the in-process probes of tools.py (which render the template once, on a fixed conversation, the
+        first time a request carries tool calls) here, under the same time limit."""
+        from ..llama.tools import object_arguments
+        self.renderer.warm()
         try:
-            return self.template.render(messages, add_generation_prompt=True, tools=tools, **(kwargs or {}))
+            try:
+                self.renderer.render(self.template, [{"role": "user", "content": "Hello"}])
+            except RenderBudgetError:
+                raise
+            except ChatTemplateError:
+                pass        # a template may refuse this conversation; a request's own messages will say
+            for t in (self.template, self.template.tool_use):
+                if t is not None and not _within(self.renderer.seconds, object_arguments, t.source):
+                    raise RenderBudgetError(f"took longer than {self.renderer.seconds:g} s to render a "
+                                            f"conversation with a tool call")
+        except RenderBudgetError as e:
+            self.engine.stop()
+            self.renderer.close()
+            raise ChatTemplateError(f"the model's chat template is refused: {e}") from None
+
+    def render_chat(self, messages: list, tools: list | None = None, kwargs: dict | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt of a chat, rendered in a render process within the time and memory budget (render.py); a
+        template that fails or runs over is a 400. Blocks: a route awaits render_chat_async."""
+        try:
+            return self.renderer.render(self.template, messages, add_generation_prompt=add_generation_prompt,
+                                        tools=tools, **(kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+
+    async def render_chat_async(self, messages: list, tools: list | None = None, kwargs: dict | None = None,
+                                add_generation_prompt: bool = True) -> str:
+        return await self.renderer.run_async(self.render_chat, messages, tools, kwargs, add_generation_prompt)
+
+    async def tokenize_prompt_async(self, prompt) -> list:
+        """tokenize_prompt, off the event loop when the prompt is long (limits.run_sized)."""
+        return await limits.run_sized(limits.text_size(prompt), self.tokenize_prompt, prompt)
+
+    async def chat_tokens_async(self, text: str) -> list:
+        return await limits.run_sized(len(text), self.chat_tokens, None, None, text)
 
     def chat_tokens(self, messages: list, tools: list | None = None, text: str | None = None) -> list:
         text = self.render_chat(messages, tools) if text is None else text
         v = self.model.vocab
+        limits.check_fits(v, text, self.engine.n_ctx_slot, "messages")
         toks = v.tokenize(text, add_special=False, parse_special=True)
         if v.add_bos and v.bos is not None and (not toks or toks[0] != v.bos):
             toks = [v.bos] + toks
@@ -216,7 +262,7 @@ class Server:
         """Mean-pooled, L2-normalised embeddings. Runs on the engine thread (Engine.run_job)."""
         if self._embed_ctx is None:
             self._embed_ctx = Context(self.model, n_ctx=EMBD_CTX, n_batch=EMBD_CTX, n_ubatch=EMBD_CTX,
-                                      embeddings=True, pooling="mean")
+                                      embeddings=True, pooling="mean", max_graphs=32)
         out = []
         for toks in toks_list:
             self._embed_ctx.kv_clear()
@@ -261,13 +307,19 @@ async def read_json(http: HTTPRequest) -> dict:
         raw += part
         if len(raw) > MAX_BODY:
             raise APIError(413, f"the request body is larger than {MAX_BODY} bytes", code="request_too_large")
-    try:
-        body = json.loads(bytes(raw))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    body = await limits.parse_json_body(bytes(raw))    # strict: depth, NaN/Infinity, lone surrogates
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
+
+
+def _within(seconds: float, fn, *args) -> bool:
+    """Run fn(*args) in a daemon thread; False if it has not returned after ``seconds`` (it is left running:
+    only for a caller about to give up, as a server refusing its model)."""
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
 
 
 def submit(server: Server, req: Request) -> asyncio.Queue:
@@ -288,13 +340,19 @@ async def events(req: Request, q: asyncio.Queue, http: HTTPRequest):
     """The engine's events for one request. If the client goes away (or the response is cancelled), the request is
     cancelled and its slot freed at the engine's next step."""
     done, last = False, None
+    check_at = time.monotonic() + DISCONNECT_CHECK
     try:
         while True:
             try:
-                ev = await asyncio.wait_for(q.get(), timeout=0.5)
+                ev = await asyncio.wait_for(q.get(), timeout=DISCONNECT_CHECK)
             except asyncio.TimeoutError:
+                ev = None
+            # also while events flow: a client waiting for a whole (non-streamed) reply is only seen to leave here
+            if ev is None or time.monotonic() >= check_at:
+                check_at = time.monotonic() + DISCONNECT_CHECK
                 if await http.is_disconnected():
                     return
+            if ev is None:
                 continue
             done = ev.finish_reason is not None
             if done:
@@ -362,11 +420,11 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
         tp, g = server.tool_plan(body, msgs)
         if want_lp and stream and tp.format != "none":      # a stream with tools is sent when the reply is whole
             raise APIError(400, "'logprobs' is not supported with tools on a stream", "logprobs")
-        prompt = server.render_chat(tp.messages, tp.tools, oai.template_kwargs(body))
+        prompt = await server.render_chat_async(tp.messages, tp.tools, oai.template_kwargs(body))
         # the reply's thinking block goes to reasoning_content (llama.cpp's --reasoning-format, per request here)
         think = splitter_for(tp.source, prompt, oai.reasoning_format(body))
         gs = await server.grammar_sampler(g)
-        req = server.make_request(server.chat_tokens(None, text=prompt), p, n_top if want_lp else 0, want_lp,
+        req = server.make_request(await server.chat_tokens_async(prompt), p, n_top if want_lp else 0, want_lp,
                                   "messages", gs, opts)
         req.keep_tokens = tp.keep_tokens      # the format's markers stay in the text, or it cannot be parsed
         q = submit(server, req)
@@ -478,14 +536,28 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise APIError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
-        toks = [server.model.vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
+        if len(texts) > MAX_EMBD_INPUTS:
+            raise APIError(400, f"'input' has {len(texts)} items; one request embeds at most {MAX_EMBD_INPUTS}",
+                           "input")
+        for i, t in enumerate(texts):
+            limits.check_fits(server.model.vocab, t, EMBD_CTX + 1, "input")
+        toks = [await limits.run_sized(len(t), server.model.vocab.tokenize, t, True, True) for t in texts]
         for i, t in enumerate(toks):
             if not t:
                 raise APIError(400, f"input[{i}] is empty", "input")
             if len(t) > EMBD_CTX:
                 raise APIError(400, f"input[{i}] has {len(t)} tokens, more than {EMBD_CTX}", "input",
                                code="context_length_exceeded")
-        vecs = await asyncio.wrap_future(server.engine.run_job(lambda: server.embed(toks)))
+        if sum(len(t) for t in toks) > MAX_EMBD_TOKENS:
+            raise APIError(400, f"the inputs have {sum(len(t) for t in toks)} tokens in all; one request embeds at "
+                                f"most {MAX_EMBD_TOKENS}", "input", code="context_length_exceeded")
+        vecs = []
+        for t in toks:
+            # one input per engine job, the next one handed over when this one is done: the generating slots get
+            # a decode step between two inputs, and a request that arrives meanwhile waits for one input at most
+            vecs += await asyncio.wrap_future(server.engine.run_job(lambda t=t: server.embed([t])))
+            if await http.is_disconnected():
+                return JSONResponse({}, status_code=499)
         n = sum(len(t) for t in toks)
         if fmt == "base64":     # what the openai client asks for by default: little-endian float32 bytes
             vecs = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() for v in vecs]
@@ -508,11 +580,14 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
         content = body.get("content")
         if not isinstance(content, str):
             raise APIError(400, "'content' must be a string", "content")
-        ids = server.model.vocab.tokenize(content, add_special=oai.flag(body, "add_special"),
-                                          parse_special=body.get("parse_special", True) is not False)
-        if oai.flag(body, "with_pieces"):
-            return {"tokens": [{"id": i, "piece": server.text(i)} for i in ids]}
-        return {"tokens": ids}
+        add, parse, pieces = oai.flag(body, "add_special"), body.get("parse_special", True) is not False, \
+            oai.flag(body, "with_pieces")
+
+        def work() -> bytes:    # the JSON too: FastAPI's encoder walks a returned dict in Python, item by item
+            ids = server.model.vocab.tokenize(content, add_special=add, parse_special=parse)
+            out = {"tokens": [{"id": i, "piece": server.text(i)} for i in ids] if pieces else ids}
+            return json.dumps(out, ensure_ascii=False).encode()
+        return Response(await limits.run_sized(len(content), work), media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=openapi_body("detokenize"))
     async def detokenize(http: HTTPRequest):

@@ -9,7 +9,7 @@ import asyncio
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from . import oai
+from . import limits, oai
 from .fields import request_options
 from .native import format_infill, infill_batch
 from .oai import APIError, check_fields, include_usage, new_id, now, openapi_body, sampling_params, usage
@@ -73,10 +73,10 @@ def add_completion_routes(app, server) -> None:
                 if not isinstance(pr, str):
                     raise APIError(400, "'suffix' needs text prompts", "suffix")
                 limit = server.engine.n_ctx_slot
-                toks.append(format_infill(vocab, pr, suffix, [], [], infill_batch(limit), p["max_tokens"] or -1,
-                                          limit))
+                toks.append(await limits.run_sized(len(pr) + len(suffix), lambda: format_infill(
+                    vocab, pr, suffix, [], [], infill_batch(limit), p["max_tokens"] or -1, limit)))
             else:
-                toks.append(server.tokenize_prompt(pr))
+                toks.append(await server.tokenize_prompt_async(pr))
             shown.append(pr if isinstance(pr, str) else vocab.detokenize(pr))
         await server.prepare_sampling(p)
         g = oai.grammar_param(body)

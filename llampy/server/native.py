@@ -10,7 +10,7 @@ from pathlib import Path
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from . import oai
+from . import limits, oai
 from .fields import request_options
 from .oai import APIError, check_fields, openapi_body, sampling_params
 from .slots import Event
@@ -148,7 +148,7 @@ def add_native_routes(app, server) -> None:
         check_fields(body, "native")
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required", "prompt")
-        return await native_completion(http, body, server.tokenize_prompt(body["prompt"]))
+        return await native_completion(http, body, await server.tokenize_prompt_async(body["prompt"]))
 
     @app.post("/infill", openapi_extra=openapi_body("infill"))
     async def infill(http: HTTPRequest):
@@ -173,9 +173,10 @@ def add_native_routes(app, server) -> None:
                            "input_extra")
         n_predict = body.get("n_predict", body.get("max_tokens", -1))
         n_predict = n_predict if oai._is_int(n_predict) else -1
-        toks = format_infill(vocab, prefix, suffix, extra, vocab.tokenize(prompt, add_special=False,
-                                                                          parse_special=True),
-                             infill_batch(server.engine.n_ctx_slot), n_predict, server.engine.n_ctx_slot)
+        size = len(prefix) + len(suffix) + len(prompt) + sum(len(c["text"]) for c in extra)
+        toks = await limits.run_sized(size, lambda: format_infill(
+            vocab, prefix, suffix, extra, vocab.tokenize(prompt, add_special=False, parse_special=True),
+            infill_batch(server.engine.n_ctx_slot), n_predict, server.engine.n_ctx_slot))
         return await native_completion(http, body, toks, "input_prefix")
 
     @app.post("/apply-template", openapi_extra=openapi_body("apply_template"))
@@ -192,13 +193,7 @@ def add_native_routes(app, server) -> None:
         if not isinstance(agp, bool):
             raise APIError(400, "'add_generation_prompt' must be a boolean", "add_generation_prompt")
         kw = oai.template_kwargs(body)
-        if agp:
-            return {"prompt": server.render_chat(msgs, tools, kw)}
-        from ..llama.chat import ChatTemplateError
-        try:
-            return {"prompt": server.template.render(msgs, add_generation_prompt=False, tools=tools, **kw)}
-        except ChatTemplateError as err:
-            raise APIError(400, f"the chat template rejected the messages: {err}", "messages") from None
+        return {"prompt": await server.render_chat_async(msgs, tools, kw, agp)}
 
     @app.get("/props")
     async def props():
