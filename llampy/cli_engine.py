@@ -29,6 +29,9 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--prompt-cache", default=None,
+                   help="a file holding the cache of an earlier run: the prompt's common start is not decoded "
+                        "again; written after the run (llama-cli's --prompt-cache)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--grammar", default=None, help="a GBNF grammar (llama.cpp's syntax) the output must match")
     g.add_argument("--grammar-file", default=None, help="a file holding a GBNF grammar")
@@ -127,7 +130,11 @@ def cmd_run(args) -> int:
     except GrammarError as e:             # what only the vocabulary shows (a token terminal it lacks)
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
+    if args.prompt_cache:
+        _load_prompt_cache(llm, args.prompt_cache, tokens)
     steps = llm.generate(tokens, args.n_predict, sampler, n_probs=args.n_probs)
+    if args.prompt_cache:       # written once the run is over: the steps are consumed below
+        steps = _then(steps, lambda: llm.save_state().save(args.prompt_cache))
     if args.json:
         out = {"prompt_tokens": tokens, "tokens": [], "text": "", "probs": []}
         for s in steps:
@@ -141,6 +148,31 @@ def cmd_run(args) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _load_prompt_cache(llm, path, tokens) -> None:
+    """Restore a --prompt-cache file, saying on stderr how much of the prompt it holds; a file of another model or
+    context size is passed over with a warning."""
+    from .llama.context import ContextError
+    from .llama.state import LlamaState
+    if not os.path.isfile(path):
+        return
+    try:
+        llm.load_state(LlamaState.load(path))
+    except ContextError as e:
+        print(f"llampy: warning: --prompt-cache {path} not used: {e}", file=sys.stderr)
+        return
+    n = 0
+    for a, b in zip(llm._cached, tokens):
+        if a != b:
+            break
+        n += 1
+    print(f"llampy: --prompt-cache: {n} of the prompt's {len(tokens)} tokens reused", file=sys.stderr)
+
+
+def _then(steps, fn):
+    yield from steps
+    fn()
 
 
 def cmd_chat(args) -> int:

@@ -92,3 +92,23 @@ def test_more_samplers_through_the_api(llm):
     assert plain.count("one two three") > dry.count("one two three")
     with pytest.raises(TypeError):
         llm.create_completion(prompt, max_tokens=2, dry_multiplyer=1.0)
+
+
+def test_cli_run_prompt_cache(tmp_path, capsys):
+    """llampy run --prompt-cache: the second run finds the prompt in the file (says how much of it), and its greedy
+    text is the first run's."""
+    import json
+
+    from llampy.cli import main
+    f = tmp_path / "prompt.cache"
+    argv = ["run", "-p", PROMPT, "-n", "5", "--temp", "0", "--json", "--prompt-cache", str(f), "-c", "256"]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert f.is_file() and "reused" not in first.err
+    assert main(argv) == 0
+    second = capsys.readouterr()
+    n = len(json.loads(second.out)["prompt_tokens"])
+    assert f"{n} of the prompt's {n} tokens reused" in second.err
+    assert json.loads(second.out)["text"] == json.loads(first.out)["text"]
+    assert main(argv[:-2] + ["-c", "128"]) == 0            # another context size: passed over, with a warning
+    assert "not used" in capsys.readouterr().err
