@@ -81,8 +81,15 @@ class Server:
     version = "0.1.0"
 
     def save_prompt_cache(self) -> int:
-        """The slots' cached prompts to --prompt-cache (after the engine stopped, or from its thread)."""
-        return self.engine.save_prompt_cache(self.prompt_cache) if self.prompt_cache is not None else 0
+        """The slots' cached prompts to --prompt-cache, once the engine thread has stopped (it owns the cache)."""
+        if self.prompt_cache is None:
+            return 0
+        if self.engine.alive():
+            import warnings
+            warnings.warn("--prompt-cache not written: the engine thread is still running", RuntimeWarning,
+                          stacklevel=2)
+            return 0
+        return self.engine.save_prompt_cache(self.prompt_cache)
 
     def default_params(self) -> dict:
         """The sampling settings a request gets when it sets none (GET /props)."""
