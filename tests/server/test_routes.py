@@ -83,7 +83,7 @@ def test_props_and_slots(server_url):
 
 def test_slot_shows_its_request_while_processing(server_url):
     import threading
-    body = {"prompt": "Count: one, two,", "n_predict": 60, "temperature": 0, "ignore_eos": True, "id_slot": 3,
+    body = {"prompt": "Count: one, two,", "n_predict": 24, "temperature": 0, "ignore_eos": True, "id_slot": 3,
             "top_k": 7}
     th = threading.Thread(target=post, args=(server_url, "/completion", body))
     th.start()
@@ -95,7 +95,7 @@ def test_slot_shows_its_request_while_processing(server_url):
             break
         th.join(timeout=0.05)
     th.join()
-    assert seen is not None and seen["params"]["top_k"] == 7 and seen["params"]["n_predict"] == 60
+    assert seen is not None and seen["params"]["top_k"] == 7 and seen["params"]["n_predict"] == 24
 
 
 @pytest.fixture
