@@ -150,7 +150,7 @@ def test_completions_several_prompts_and_n(server_url):
                                   temperature=0.9, seed=3, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.usage.prompt_tokens == len(g[0]["prompt_ids"]) + len(g[1]["prompt_ids"])
-    assert r.usage.completion_tokens == sum(1 for c in r.choices for _ in range(5)) or r.usage.completion_tokens > 0
+    assert 4 <= r.usage.completion_tokens <= 4 * 5       # every choice generates, none past max_tokens
     # n choices of one prompt draw with their own seeds: seed 3 and 4
     again = client.completions.create(model="default", prompt=g[0]["prompt"], max_tokens=5, temperature=0.9,
                                       seed=4)
