@@ -94,6 +94,8 @@ def choices_n(body: dict, limit: int) -> int:
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not _is_int(n) or not 1 <= n <= limit:
+        if limit == 1:
+            raise APIError(400, f"only 'n': 1 is supported here (one choice per request), got {n!r}", "n")
         raise APIError(400, f"'n' must be an integer from 1 to {limit}, got {n!r}", "n")
     return n
 
