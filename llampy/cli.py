@@ -53,9 +53,16 @@ def main(argv=None) -> int:
         # before anything imports Numba (tuning.install does): its pool is sized from this when it starts, and
         # Numba refuses a different value once it has (it rereads the variable at every compile)
         os.environ.setdefault("NUMBA_NUM_THREADS", str(n_threads))
+    from .llama.devices import OffloadError
+    import warnings
+    # the command's own process: a warning is one line, as llama.cpp's log lines are
+    warnings.showwarning = lambda message, category, *a, **k: print(f"llampy: warning: {message}", file=sys.stderr)
     try:
         tuning.install()      # the command's process is llampy's own: tune it before any kernel runs
         return args.func(args) or 0
+    except OffloadError as e:
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
     except (tuning.TuningError, GGUFError, UnknownArchitecture, ContextError, MissingMetadata, ModelLoadError, ModelNotFound,
             FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"llampy: error: {e}", file=sys.stderr)

@@ -14,6 +14,38 @@ def _threads(args) -> int | None:
     return n
 
 
+def add_offload_args(p, default="auto") -> None:
+    """llama.cpp's offload flags (``llama.devices``)."""
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", default=default,
+                   help="layers on the GPU: N, 'all', or 'auto' (as many as fit; the default). Without a GPU the "
+                        "CPU runs them and a request for layers says so")
+    p.add_argument("-sm", "--split-mode", choices=["none", "layer", "row"], default="layer",
+                   help="across several GPUs: 'layer' (default) or 'none' (the main GPU only)")
+    p.add_argument("-ts", "--tensor-split", default=None, help="share of layers per GPU, e.g. 3,1")
+    p.add_argument("-mg", "--main-gpu", type=int, default=0)
+    p.add_argument("-ot", "--override-tensor", action="append", default=None,
+                   help="REGEX=BUFTYPE: weights whose name matches go to CPU, CUDA0, ... (e.g. 'exps=CPU')")
+
+
+def offload_kw(args) -> dict:
+    ts = getattr(args, "tensor_split", None)
+    ngl = getattr(args, "n_gpu_layers", 0)
+    if isinstance(ngl, str) and ngl.strip().lower() == "auto" and not _gpu_wanted():
+        ngl = 0
+    try:
+        split = [float(x) for x in ts.split(",")] if ts else None
+    except ValueError:
+        from .llama.devices import OffloadError
+        raise OffloadError(f"--tensor-split: expected numbers separated by commas, got {ts!r}") from None
+    return dict(n_gpu_layers=ngl, split_mode=getattr(args, "split_mode", "layer"), tensor_split=split,
+                main_gpu=getattr(args, "main_gpu", 0), override_tensor=getattr(args, "override_tensor", None))
+
+
+def _gpu_wanted() -> bool:
+    from .llama.devices import _gpu_present
+    return _gpu_present()
+
+
 def add_engine_parsers(sub) -> None:
     p = sub.add_parser("run", help="complete a prompt (streams the text)")
     p.add_argument("model", nargs="?", default=None, help="GGUF path, or 'smollm2' (default) / 'gemma3'")
@@ -37,6 +69,7 @@ def add_engine_parsers(sub) -> None:
     g.add_argument("--grammar-file", default=None, help="a file holding a GBNF grammar")
     g.add_argument("-j", "--json-schema", default=None, help="a JSON schema (JSON text) the output must match")
     g.add_argument("-jf", "--json-schema-file", default=None, help="a file holding a JSON schema")
+    add_offload_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat with the model's template (terminal or pipe)")
@@ -48,6 +81,7 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja template, or chatml/llama3/gemma")
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("-t", "--threads", type=int, default=None)
+    add_offload_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("warmup", help="compile ahead of time the kernels a model needs (reads its header only)")
@@ -76,6 +110,7 @@ def add_engine_parsers(sub) -> None:
                    help="batched products through dequantized weights and BLAS (not llama.cpp's arithmetic; slower "
                         "for the formats with integer kernels)")
     p.add_argument("-t", "--threads", type=int, default=None)
+    add_offload_args(p)
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("bench", help="llama-bench's pp and tg tests")
@@ -87,12 +122,13 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=2048)
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
     p.add_argument("--json", action="store_true")
+    add_offload_args(p)
     p.set_defaults(func=cmd_bench)
 
 
 def _load(args, **kw):
     from .llama.api import Llama
-    return Llama(args.model, n_threads=_threads(args), **kw)
+    return Llama(args.model, n_threads=_threads(args), **offload_kw(args), **kw)
 
 
 def _grammar(args):
@@ -219,7 +255,7 @@ def cmd_perplexity(args) -> int:
     from .llama.perplexity import perplexity
     from .models import resolve_model
     _threads(args)
-    m = Model(resolve_model(args.model))
+    m = Model(resolve_model(args.model), n_threads=args.threads, **offload_kw(args))
     with open(args.file, encoding="utf-8", errors="replace") as f:
         text = f.read()
     t0 = time.perf_counter()
@@ -267,14 +303,14 @@ def cmd_bench(args) -> int:
     _threads(args)
     import numba
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    m = Model(resolve_model(args.model), n_threads=args.threads)
+    m = Model(resolve_model(args.model), n_threads=args.threads, **offload_kw(args))
     results = bench(m, args.n_prompt, args.n_gen, args.reps, args.batch_size, args.ubatch_size, args.threads)
     if args.json:
         print(json.dumps([r.to_json() for r in results], indent=1))
         return 0
-    print("| model | size | params | backend | threads | test | t/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | size | params | backend | ngl | threads | test | t/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {m.hparams.arch} {m.hparams.name} | {r.model_size / 2**20:.2f} MiB | {r.model_n_params / 1e6:.2f} M "
-              f"| {r.backend} | {r.n_threads} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} |")
+              f"| {r.backend} | {r.n_gpu_layers} | {r.n_threads} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} |")
     return 0

@@ -82,20 +82,24 @@ def _chat_logprobs(lp: dict | None) -> dict | None:
 class Llama:
     def __init__(self, model_path=None, n_ctx: int = 2048, n_threads: int | None = None, seed: int | None = None,
                  n_batch: int = 512, n_ubatch: int = 512, embedding: bool = False, pooling: str = "mean",
-                 n_gpu_layers: int = 0, chat_template: str | None = None, n_seq_max: int = 1,
+                 n_gpu_layers: int | str = 0, chat_template: str | None = None, n_seq_max: int = 1,
                  type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False,
-                 tune_process: bool = True, vocab_only: bool = False):
+                 tune_process: bool = True, vocab_only: bool = False, split_mode: str = "layer",
+                 tensor_split=None, main_gpu: int = 0, override_tensor=None):
         """``tune_process``: install llampy's process tuning (``llampy.tuning``: OpenMP spin, single-threaded
         OpenBLAS, Numba patches, graphs frozen out of the garbage collector) before loading; False leaves the
         process as it is, for a program that hosts llampy beside other work. ``vocab_only``: the vocabulary
-        alone (tokenize, detokenize), from a GGUF of any architecture; no weights, no context."""
+        alone (tokenize, detokenize), from a GGUF of any architecture; no weights, no context. ``n_gpu_layers``,
+        ``split_mode``, ``tensor_split``, ``main_gpu``, ``override_tensor``: offload to CUDA GPUs as llama.cpp's
+        -ngl/-sm/-ts/-mg/-ot (``llama.devices``; 'auto' fits what free memory holds)."""
         from ..ggml.types import GGMLType
         if tune_process:
             from .. import tuning
             tuning.install()
         self.model_path = str(resolve_model(model_path))
         self.model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, n_threads=n_threads,
-                           vocab_only=vocab_only)
+                           vocab_only=vocab_only, split_mode=split_mode, tensor_split=tensor_split,
+                           main_gpu=main_gpu, override_tensor=override_tensor, n_ctx_hint=n_ctx)
         self.vocab = self.model.vocab
         self.verbose = verbose
         if vocab_only:

@@ -30,6 +30,7 @@ class BenchResult:
     avg_ts: float = 0.0
     stddev_ts: float = 0.0
     backend: str = "cpu"
+    n_gpu_layers: int = 0
     test: str = ""
 
     def to_json(self) -> dict:
@@ -76,6 +77,7 @@ def bench(model, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_batch: 
                         n_ubatch=ctx.n_ubatch, n_prompt=np_, n_gen=ng, samples_ns=samples, samples_ts=ts,
                         avg_ns=statistics.mean(samples), stddev_ns=statistics.stdev(samples) if len(samples) > 1 else 0.0,
                         avg_ts=statistics.mean(ts), stddev_ts=statistics.stdev(ts) if len(ts) > 1 else 0.0,
-                        test=f"{name}{n}")
+                        test=f"{name}{n}", n_gpu_layers=model.n_gpu_layers,
+                        backend="cuda" if model.n_gpu_layers else "cpu")
         results.append(r)
     return results

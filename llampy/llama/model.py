@@ -20,6 +20,7 @@ from ..ggml.types import GGMLType
 from ..gguf import GGUFReader
 from . import arch as arch_mod
 from .arch import LAYER
+from .devices import AUTO, OffloadError, fit_layers, gpu_backends, parse_n_gpu_layers, parse_override_tensor, warn_no_gpu
 from .hparams import HParams, load_hparams
 
 
@@ -57,13 +58,31 @@ class TensorLoader:
             raise ModelLoadError("loading was cancelled by the progress callback")
         return t
 
+    def tied(self, name: str, suffix: str = "weight") -> Tensor:
+        """The output head tied to an already created tensor: that tensor itself where the head runs on the CPU,
+        else a copy of it in the head's device memory (llama.cpp duplicates it there)."""
+        full = f"{name}.{suffix}"
+        t = self.model.tensors[full]
+        head = self.model.layer_backend[-1] if self.model.layer_backend else self.model.cpu
+        if head is self.model.cpu or head.supports_buffer(t.storage.buffer):
+            return t
+        if not getattr(head, "supports_weight", lambda ty: True)(t.type):
+            return t
+        return self.model._place(full, head, name_as=f"output.{suffix}")
+
 
 class Model:
-    def __init__(self, path, n_gpu_layers: int = 0, split_mode: str = "layer", tensor_split=None,
+    def __init__(self, path, n_gpu_layers: int | str = 0, split_mode: str = "layer", tensor_split=None,
                  use_mmap: bool = True, devices: list[Backend] | None = None, n_threads: int | None = None,
-                 vocab_only: bool = False, progress_callback=None):
-        """``progress_callback(fraction)``: called as each weight is placed (llama.cpp's progress_callback);
-        returning False cancels the load."""
+                 vocab_only: bool = False, main_gpu: int = 0, override_tensor=None, n_ctx_hint: int = 4096,
+                 strict_offload: bool = False, progress_callback=None):
+        """``n_gpu_layers``: layers on the accelerators (int; -1 or 'all': every one; 'auto': as many as fit in
+        free device memory with a KV cache of ``n_ctx_hint`` cells). ``devices``: the accelerator backends (None:
+        the CUDA GPUs when layers are asked for; ``split_mode`` 'none' takes ``main_gpu`` alone). ``tensor_split``:
+        the share of layers per device. ``override_tensor``: 'REGEX=BUFTYPE,...' (llama.cpp's -ot), weights whose
+        name matches go to that buffer type (CPU, CUDA0, ...). Without an accelerator a request for layers warns
+        in one line and runs on the CPU (``strict_offload``: raises instead). ``progress_callback(fraction)``:
+        called as each weight is placed (llama.cpp's progress_callback); returning False cancels the load."""
         self.path = Path(path)
         self.progress_callback = progress_callback
         self.reader = GGUFReader(self.path)
@@ -87,18 +106,36 @@ class Model:
         if self.hparams.n_vocab == 0:
             self.hparams.n_vocab = self.vocab.n_tokens
         self.use_mmap = use_mmap
-        self.cpu = backend_init("cpu", n_threads=n_threads)
-        self.devices = list(devices or [])
         if split_mode not in ("layer", "none", "row"):
             raise ValueError(f"split_mode must be 'none', 'layer' or 'row', got {split_mode!r}")
         if split_mode == "row":
-            raise NotImplementedError("split_mode 'row' needs an accelerator backend that supports split buffers")
+            raise NotImplementedError("split_mode 'row' (one matrix split across GPUs) is not implemented: "
+                                      "use 'layer' or 'none'")
         self.split_mode = split_mode
-        if n_gpu_layers and not self.devices:
-            # llama.cpp's words when it has no GPU: say so, rather than take the layers silently to the CPU
-            warnings.warn(f"n_gpu_layers={n_gpu_layers} is ignored: no accelerator backend is available, every "
-                          f"layer runs on the CPU", RuntimeWarning, stacklevel=3)
-        self.n_gpu_layers = n_gpu_layers if self.devices else 0
+        self.override_tensor = parse_override_tensor(override_tensor)
+        ngl = parse_n_gpu_layers(n_gpu_layers)
+        self.cpu = backend_init("cpu", n_threads=n_threads)
+        if devices is None and ngl != 0:
+            devices, reason = gpu_backends(main_gpu, split_mode)
+            if not devices and ngl != AUTO:
+                warn_no_gpu(n_gpu_layers, reason, strict_offload)
+        elif ngl not in (0, AUTO) and not devices:
+            warn_no_gpu(n_gpu_layers, "no accelerator backend was given", strict_offload)
+        self.devices = list(devices or [])
+        n_layer = self.hparams.n_layer
+        self.fit = None
+        if ngl == AUTO:
+            if self.devices:
+                hp = self.hparams
+                kv = n_ctx_hint * 2 * max(hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il) for il in range(n_layer))
+                free = sum(d.free_memory() for d in self.devices if hasattr(d, "free_memory"))
+                self.fit = fit_layers(self.reader, n_layer, kv, free)
+                ngl = self.fit.n_gpu_layers
+            else:
+                ngl = 0
+        elif ngl < 0:
+            ngl = n_layer + 1
+        self.n_gpu_layers = ngl if self.devices else 0
         self.layer_backend = self._assign_layers(tensor_split)
         self.tensors: dict[str, Tensor] = {}
         self.layers = [SimpleNamespace() for _ in range(self.hparams.n_layer)]
@@ -138,7 +175,7 @@ class Model:
         else:
             weights = list(tensor_split) if tensor_split else [1.0] * len(self.devices)
             if len(weights) != len(self.devices) or sum(weights) <= 0:
-                raise ValueError(f"tensor_split {weights} does not match {len(self.devices)} devices")
+                raise OffloadError(f"tensor_split {weights} does not match {len(self.devices)} devices")
         cum = np.cumsum(weights) / sum(weights)
         i_first = n_layer + 1 - n_gpu
         for il in range(i_first, n_layer + 1):
@@ -154,20 +191,41 @@ class Model:
     def _weight(self, name: str, il: int) -> Tensor:
         if name in self.tensors:
             return self.tensors[name]
-        info = self.reader.tensors[name]
-        t = Tensor(GGMLType(info.type), info.ne, name=name)
-        t.flags |= Flags.WEIGHT
         backend = self.layer_backend[il] if il >= 0 else self.cpu
-        if name.startswith("output") and not name.startswith("output_norm"):
+        if name.startswith("output"):                 # the head and its norm (llama.cpp's LAYER_OUTPUT)
             backend = self.layer_backend[-1]
+        for pat, where in self.override_tensor:       # -ot: the first pattern that matches decides
+            if pat.search(name):
+                backend = self._backend_named(where)
+                break
+        info = self.reader.tensors[name]
+        if backend is not self.cpu and not getattr(backend, "supports_weight", lambda ty: True)(GGMLType(info.type)):
+            backend = self.cpu                       # a type the device has no kernels for stays on the host
+        t = self._place(name, backend)
+        self.tensors[name] = t
+        return t
+
+    def _place(self, name: str, backend: Backend, name_as: str | None = None) -> Tensor:
+        """A weight tensor holding the file's tensor ``name``, in ``backend``'s memory."""
+        info = self.reader.tensors[name]
+        t = Tensor(GGMLType(info.type), info.ne, name=name_as or name)
+        t.flags |= Flags.WEIGHT
         buft = backend.get_default_buffer_type()
         if self.use_mmap:    # host memory wraps the file's pages; a device's buffer type uploads them
             tensor_alloc(buft.buffer_from_host(info.data, BufferUsage.WEIGHTS), t, 0)
         else:
             tensor_alloc(buft.alloc_buffer(info.nbytes, BufferUsage.WEIGHTS), t, 0)
             tensor_set_bytes(t, info.data)
-        self.tensors[name] = t
         return t
+
+    def _backend_named(self, where: str) -> Backend:
+        if where == "CPU":
+            return self.cpu
+        for d in self.devices:
+            if d.device == f"cuda:{where[4:]}":
+                return d
+        raise ModelLoadError(f"--override-tensor names {where}, which is not among the devices in use "
+                             f"({', '.join(d.device for d in self.devices) or 'none'})")
 
     def tensor_by_name(self, name: str) -> Tensor:
         return self.tensors[name]

@@ -46,18 +46,20 @@ class Server:
 
     def __init__(self, model_path, n_parallel: int = 4, n_ctx: int = 4096, api_key: str | None = None,
                  alias: str | None = None, tune_process: bool = True, n_threads: int | None = None,
-                 slot_save_path=None, prompt_cache=None, progress=None):
+                 slot_save_path=None, prompt_cache=None, progress=None, offload: dict | None = None):
         """``slot_save_path``: the folder /slots/{id}?action=save|restore reads and writes (None: those actions
         are refused). ``prompt_cache``: a file of the slots' cached prompts, restored here when it exists (and
         fits this model) and written by ``save_prompt_cache`` at shutdown. ``progress(fraction)``: called as the
-        weights load (Model's progress_callback)."""
+        weights load (Model's progress_callback). ``offload``: Model's GPU keywords (n_gpu_layers, split_mode,
+        tensor_split, main_gpu, override_tensor)."""
         if tune_process:
             from .. import tuning
             tuning.install()     # before the model's first kernel (llampy/tuning.py)
         self.n_threads = n_threads
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         self.prompt_cache = Path(prompt_cache) if prompt_cache else None
-        self.model = Model(model_path, n_threads=n_threads, progress_callback=progress)
+        self.model = Model(model_path, n_threads=n_threads, progress_callback=progress, n_ctx_hint=n_ctx,
+                           **(offload or {}))
         self.model_id = alias or Path(model_path).stem
         self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path), "default"}
         self.engine = Engine(self.model, n_parallel, n_ctx)

@@ -10,6 +10,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=None, help="GGUF path, or 'smollm2' (default) / 'gemma3'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
+    from ..cli_engine import add_offload_args
+    add_offload_args(p)
     p.add_argument("--parallel", "-np", type=int, default=4, help="slots: requests decoded together (default 4)")
     p.add_argument("--ctx-size", "-c", type=int, default=4096,
                    help="KV cache cells in all, shared by the slots; each slot gets ctx-size / parallel")
@@ -55,6 +57,7 @@ def cmd_serve(args) -> int:
     from ..models import resolve_model
     from .app import Server, create_app
     from .ops import make_uvicorn, setup_logging
+    from ..cli_engine import offload_kw
     if args.parallel < 1 or args.ctx_size // max(args.parallel, 1) < 8:
         print(f"llampy serve: --parallel {args.parallel} and --ctx-size {args.ctx_size} leave no room per slot",
               file=sys.stderr)
@@ -70,7 +73,7 @@ def cmd_serve(args) -> int:
     path = resolve_model(args.model)
     server = Server(path, args.parallel, args.ctx_size, args.api_key, args.alias, n_threads=args.threads,
                     slot_save_path=args.slot_save_path, prompt_cache=args.prompt_cache,
-                    progress=LoadProgress(path.name))
+                    progress=LoadProgress(path.name), offload=offload_kw(args))
     if server.n_restored:
         print(f"llampy: restored {server.n_restored} cached prompt tokens from {args.prompt_cache}", file=sys.stderr)
     print(f"llampy: serving {server.model_id} on http://{args.host}:{args.port} "

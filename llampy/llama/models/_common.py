@@ -9,8 +9,9 @@ def load_embd_and_output(model, ld, norm_bias: bool = False):
     model.tok_embd = ld.create(A.TOKEN_EMBD, (hp.n_embd, hp.n_vocab))
     model.output_norm = ld.create(A.OUTPUT_NORM, (hp.n_embd,))
     model.output_norm_b = ld.create(A.OUTPUT_NORM, (hp.n_embd,), suffix="bias") if norm_bias else None
-    # a missing output matrix is tied to the token embedding
-    model.output = ld.create(A.OUTPUT, (hp.n_embd, hp.n_vocab), required=False) or model.tok_embd
+    # a missing output matrix is tied to the token embedding (a copy of it on the output head's device, as
+    # llama.cpp's TENSOR_DUPLICATED, when that is not the CPU)
+    model.output = ld.create(A.OUTPUT, (hp.n_embd, hp.n_vocab), required=False) or ld.tied(A.TOKEN_EMBD)
 
 
 def load_qkv(model, ld, layer, il: int, bias: bool = False, bias_required: bool = False):

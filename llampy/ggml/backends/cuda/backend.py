@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -87,7 +88,10 @@ def _alibi(n_head: int, max_bias: float, dev) -> torch.Tensor | None:
 
 
 def _gelu(x):
-    return F.gelu(x, approximate="tanh")
+    """ggml's GELU (tanh form) as ggml-cpu computes it: the value at x's F16 rounding, rounded to F16 (its
+    table), 0 below -10 and x above 10 — so that GPU and CPU layers agree."""
+    g = F.gelu(x.to(torch.float16).float(), approximate="tanh").to(torch.float16).float()
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, g))
 
 
 _UNARY = {
@@ -119,6 +123,7 @@ class CUDABackend(Backend):
         self.cuda_graphs = cuda_graphs and self.dev.type == "cuda"
         self._lut = torch.tensor(kvalues_iq4nl.astype(np.int8), device=self.dev)
         self._dummy = torch.zeros(1, dtype=torch.int32, device=self.dev)
+        self._capture_warned = False
 
     def description(self) -> str:
         if self.dev.type == "cuda":
@@ -178,12 +183,20 @@ class CUDABackend(Backend):
             # the first run compiled every kernel; capture the second, then replay it (this run included)
             torch.cuda.synchronize(self.dev)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for c in plan.calls:
-                    c()
-            plan.graph = g
-            g.replay()
-            return
+            try:
+                with torch.cuda.graph(g):
+                    for c in plan.calls:
+                        c()
+            except Exception as e:          # a call the capture refuses: this plan runs eagerly from now on
+                plan.capturable = False
+                if not self._capture_warned:
+                    self._capture_warned = True
+                    warnings.warn(f"cuda: decode runs without CUDA graphs ({type(e).__name__}: {e})",
+                                  RuntimeWarning, stacklevel=2)
+            else:
+                plan.graph = g
+                g.replay()
+                return
         for c in plan.calls:
             c()
 
@@ -208,20 +221,55 @@ class CUDABackend(Backend):
         out = torch.empty((n, kdim), dtype=out_dtype, device=self.dev)
         if n == 0:
             return out
-        br, bk = 16, 256
+        br, bk = (16, 256) if self.dev.type == "cuda" else (256, 256)   # the interpreter runs programs one by one
         grid = (triton_cdiv(n, br), triton_cdiv(kdim, bk))
         K.dequant[grid](w, idx if idx is not None else self._dummy, out, self._lut, n, kdim, a.nb[1], kdim,
                         USE_IDX=idx is not None, TYPE=int(a.type), OUT_F16=out_dtype == torch.float16,
                         BR=br, BK=bk)
         return out
 
-    def _matvec(self, a: Tensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y [nc, N] = x [nc, K] @ a^T for a 2-D weight of a kernel type; x, y float32 with rows contiguous."""
-        nc = x.shape[0]
-        n = a.ne[1]
-        bn = 16 if nc > 1 else 8
-        K.matvec[(triton_cdiv(n, bn),)](w, x, y, self._lut, n, a.ne[0], a.nb[1], x.stride(0), y.stride(0),
-                                        NC=nc, TYPE=int(a.type), BN=bn, BK=256)
+    def _matvec_plan(self, a: Tensor, nc: int):
+        """(rows per program, K tile, K elements per split, number of splits) for a's decode product. One column:
+        4 rows and tiles of 1024 values per program, K split until there are about 32 programs per
+        multiprocessor (the fastest launch shape of benchmarks/gpu_matvec.py on an H200 for Q4_K and Q4_0).
+        Several columns: 16 rows (tensor-core tiles), tiles of 256."""
+        n, kdim = a.ne[1], a.ne[0]
+        bk = 1024 if nc == 1 else 256
+        nkb = triton_cdiv(kdim, bk)
+        if self.dev.type != "cuda":
+            return 128, bk, nkb * bk, 1                  # the interpreter runs programs one by one
+        bn = 4 if nc == 1 else 16
+        want = 32 * torch.cuda.get_device_properties(self.dev).multi_processor_count
+        split = max(1, min(nkb, want // triton_cdiv(n, bn)))
+        kc = triton_cdiv(nkb, split) * bk
+        return bn, bk, kc, triton_cdiv(kdim, kc)
+
+    def _matvec(self, a: Tensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, plan, part=None) -> None:
+        """y [nc, N] = round(x [nc, K]) @ a^T for a 2-D weight of a kernel type; x, y float32 with rows
+        contiguous; x rounded to a's dot type as llama.cpp does. With several splits, ``part`` [splits, nc, N]
+        takes the partial sums."""
+        bn, bk, kc, split = plan
+        nc, n = x.shape[0], a.ne[1]
+        out = y if split == 1 else part
+        K.matvec[(triton_cdiv(n, bn), split)](w, x, out, self._lut, n, a.ne[0], kc, a.nb[1], x.stride(0),
+                                              out.stride(-2), out.stride(0) if split > 1 else 0,
+                                              NC=nc, TYPE=int(a.type), ACT=_act(a.type), BN=bn, BK=bk)
+        if split > 1:
+            torch.sum(part, dim=0, out=y)
+
+    def _round_act(self, a_type: GGMLType, x: torch.Tensor) -> torch.Tensor:
+        """x [n, K] (float32, rows contiguous) rounded to a_type's dot type, as a new tensor."""
+        act = _act(a_type)
+        if act == 0:
+            return x
+        out = torch.empty_like(x)
+        kdim = x.shape[1]
+        K.round_act[(x.shape[0], triton_cdiv(kdim, 256))](x, out, kdim, x.stride(0), out.stride(0), ACT=act, BK=256)
+        return out
+
+
+def _act(t: GGMLType) -> int:
+    return K.ACT_OF_DOT_TYPE.get(TYPE_TRAITS[t].vec_dot_type, 0) if t in BLOCK_TYPES else 0
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -398,16 +446,19 @@ def b_mul_mat(be, node):
         d2 = d.reshape(-1, n_out) if d.is_contiguous() else None
         use_mv = n_act <= MATVEC_MAX_COLS
         big = torch.float16 if be.dev.type == "cuda" else F32
+        mv_plan = be._matvec_plan(a, n_act) if use_mv else None
+        part = torch.empty((mv_plan[3], n_act, n_out), dtype=F32, device=be.dev) if use_mv and mv_plan[3] > 1 \
+            else None
 
         def run():
             x = x2 if x2 is not None else bv.reshape(-1, kdim)
             x = x if x.dtype == F32 and x.is_contiguous() else _f(x).contiguous()
             if use_mv:
                 out = d2 if d2 is not None else torch.empty((n_act, n_out), dtype=F32, device=be.dev)
-                be._matvec(a, w, x, out)
+                be._matvec(a, w, x, out, mv_plan, part)
             else:
                 wd = be._dequant(a, w, big)
-                out = torch.matmul(x.to(big), wd.t())
+                out = torch.matmul(be._round_act(a.type, x).to(big), wd.t())
             if out is not d2:
                 d.copy_(out.reshape(d.shape))
         return run
@@ -470,7 +521,14 @@ def b_mul_mat_id(be, node):
             where = torch.nonzero(flat == int(e)).reshape(-1)
             t_i, u_i = where // n_used, where % n_used
             x = xs[t_i, cols[u_i]].contiguous()
-            if block:
+            if block and x.shape[0] <= MATVEC_MAX_COLS:       # the decode kernel, as for dense weights
+                ev = _ExpertView(as_, int(e))
+                y = torch.empty((x.shape[0], as_.ne[1]), dtype=F32, device=be.dev)
+                plan = be._matvec_plan(ev, x.shape[0])
+                part = torch.empty((plan[3],) + tuple(y.shape), dtype=F32, device=be.dev) if plan[3] > 1 else None
+                be._matvec(ev, w[0, int(e)], x, y, plan, part)
+            elif block:
+                x = be._round_act(as_.type, x)
                 we = be._dequant(_ExpertView(as_, int(e)), w[0, int(e)][None, None], big)
                 y = torch.matmul(x.to(big), we.t()).float()
             else:
@@ -595,7 +653,7 @@ def b_flash_attn(be, node):
 
     if manual:
         def run():
-            qq = _f(qv)
+            qq = _f(qv.to(torch.float16)) if kv.dtype == torch.float16 else _f(qv)
             kk = _f(expand_kv(kv)).repeat_interleave(rk, dim=1)
             vvv = _f(expand_kv(vv)).repeat_interleave(rk, dim=1)
             s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
@@ -610,7 +668,8 @@ def b_flash_attn(be, node):
         return run
 
     def run():
-        qq = qv.to(dt).reshape(ne3, Hkv, rk * n_q, qv.shape[-1])
+        qq = (qv.to(torch.float16).to(dt) if kv.dtype == torch.float16 else qv.to(dt)).reshape(
+            ne3, Hkv, rk * n_q, qv.shape[-1])
         kk, vvv = expand_kv(kv).to(dt), expand_kv(vv).to(dt)
         m = None
         if mv is not None:

@@ -174,30 +174,93 @@ def _value(p, k, lut, TYPE: tl.constexpr):
     return v
 
 
+# ------------------------------------------------------------------------------------------------ activations
+# Before a product with block-format weights, llama.cpp rounds the activations to the weight's dot type: 8-bit
+# blocks of 32 (Q8_0, Q8_1: d = amax/127 stored as F16, q = x * 127/amax rounded half to even, as the x86
+# quantizers) or of 256 (Q8_K: d = 1/iscale in float32, iscale = -127/max with max the value of largest |x|). The
+# kernels round the same way in registers (ACT 1 and 2; 0: no rounding), so the GPU's products are the CPU's.
+ACT_NONE: tl.constexpr = tl.constexpr(0)
+ACT_Q8: tl.constexpr = tl.constexpr(1)
+ACT_Q8_K: tl.constexpr = tl.constexpr(2)
+
+ACT_OF_DOT_TYPE = {T.Q8_0: 1, T.Q8_1: 1, T.Q8_K: 2}
+
+
+@triton.jit
+def _rint(v):
+    """Round to nearest, halves to even (|v| < 2^22): the float32 addition of 1.5 * 2^23 rounds the fraction away."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_blocks(xb, ACT: tl.constexpr):
+    """xb [NB, G] (G values per block along axis 1) rounded as the dot type's quantizer, as float32 values."""
+    if ACT == ACT_Q8:
+        amax = tl.max(tl.abs(xb), axis=1)
+        d = (amax / 127.0).to(tl.float16).to(tl.float32)
+        iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
+        return _rint(xb * iv[:, None]) * d[:, None]
+    else:
+        ax = tl.abs(xb)
+        j = tl.argmax(ax, axis=1)                                       # the first of the largest |x|
+        g = tl.arange(0, xb.shape[1])
+        mx = tl.sum(tl.where(g[None, :] == j[:, None], xb, 0.0), axis=1)
+        zero = mx == 0.0
+        isc = tl.where(zero, 0.0, -127.0 / tl.where(zero, 1.0, mx))
+        d = tl.where(zero, 0.0, 1.0 / tl.where(zero, 1.0, isc))
+        return tl.minimum(_rint(xb * isc[:, None]), 127.0) * d[:, None]
+
+
+@triton.jit
+def _round_act(x, BK: tl.constexpr, ACT: tl.constexpr):
+    """x [BK] rounded block by block (BK a multiple of the block size)."""
+    if ACT == ACT_NONE:
+        return x
+    G: tl.constexpr = 32 if ACT == ACT_Q8 else 256
+    return tl.reshape(_round_blocks(tl.reshape(x, [BK // G, G]), ACT), [BK])
+
+
+@triton.jit
+def round_act(x, out, K, sx, so, ACT: tl.constexpr, BK: tl.constexpr):
+    """out[r, :K] = x[r, :K] rounded to the dot type (the prompt path, before dequantized tiles and cuBLAS)."""
+    r = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BK + tl.arange(0, BK)
+    v = tl.load(x + r * sx + ks, mask=ks < K, other=0.0)
+    tl.store(out + r * so + ks, _round_act(v, BK, ACT), mask=ks < K)
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 @triton.jit
-def matvec(w, x, y, lut, N, K, sw, sx, sy, NC: tl.constexpr, TYPE: tl.constexpr, BN: tl.constexpr,
-           BK: tl.constexpr):
-    """y[c, r] = sum_k value(w row r, k) * x[c, k] for c < NC; w rows sw bytes apart, x and y float32 with column
-    strides sx and sy (elements)."""
+def matvec(w, x, y, lut, N, K, KC, sw, sx, sy, ss, NC: tl.constexpr, TYPE: tl.constexpr, ACT: tl.constexpr,
+           BN: tl.constexpr, BK: tl.constexpr):
+    """y[s, c, r] = sum over k in split s of value(w row r, k) * round(x[c])[k], for c < NC; split s covers
+    k in [s * KC, (s + 1) * KC) (KC a multiple of BK; the caller sums the splits, or there is one). w rows sw
+    bytes apart; x and y float32 with column strides sx and sy and split stride ss (elements); x rounded to the
+    dot type (ACT) block by block on the way in. Splitting K keeps enough loads in flight to fill the memory
+    system when N alone gives too few programs."""
     pid = tl.program_id(0)
+    sp = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     p = w + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * sw
     cols = tl.arange(0, 16)
+    y += sp * ss
     if NC == 1:
         acc = tl.zeros([BN], tl.float32)
     else:
         acc2 = tl.zeros([BN, 16], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(sp * KC, tl.minimum(sp * KC + KC, K), BK):
         ks = k0 + tl.arange(0, BK)
         km = ks < K
         v = _value(p, tl.minimum(ks, K - 1)[None, :], lut, TYPE)
         if NC == 1:
-            xv = tl.load(x + ks, mask=km, other=0.0)
+            xv = _round_act(tl.load(x + ks, mask=km, other=0.0), BK, ACT)
             acc += tl.sum(v * xv[None, :], axis=1)
         else:
-            xt = tl.load(x + cols[None, :] * sx + ks[:, None], mask=km[:, None] & (cols[None, :] < NC), other=0.0)
-            acc2 += tl.dot(v.to(tl.float16), xt.to(tl.float16))
+            xt = tl.load(x + cols[:, None] * sx + ks[None, :], mask=km[None, :] & (cols[:, None] < NC), other=0.0)
+            if ACT != ACT_NONE:
+                G: tl.constexpr = 32 if ACT == ACT_Q8 else 256
+                xt = tl.reshape(_round_blocks(tl.reshape(xt, [16 * BK // G, G]), ACT), [16, BK])
+            acc2 += tl.dot(v, tl.trans(xt), input_precision="ieee")
     if NC == 1:
         tl.store(y + rows, acc, mask=rows < N)
     else:
