@@ -33,11 +33,12 @@ run: $(STAMP)
 	$(BIN)/llampy run -p "The capital of France is" -n 32
 
 # llama.cpp's own build for the differential tests (scripts/llamacpp.sh: built once per machine, ~15 min on 2 cores),
-# and its tokenizer test vocabularies too large for the repository (scripts/llamacpp_vocabs.sh: from the same sdist)
+# its tokenizer test vocabularies too large for the repository (scripts/llamacpp_vocabs.sh: from the same sdist)
+# and its llama-gguf-split tool (scripts/llamacpp_tools.sh: compiled against that build)
 test: $(DEVSTAMP)
 	bash scripts/system-deps.sh
 	LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
-	  $(BIN)/python -m pytest -q
+	  LLAMPY_LLAMACPP_TOOLS=$$(bash scripts/llamacpp_tools.sh) $(BIN)/python -m pytest -q
 
 # The suite again with the AVX2 paths forced (llampy's intrinsics by LLAMPY_SIMD, Numba's code generation by
 # NUMBA_CPU_NAME), in a Numba cache of its own: what an AVX2-only CPU runs. On a CPU without AVX-512, `make test`

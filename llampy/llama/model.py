@@ -17,7 +17,7 @@ import numpy as np
 from ..ggml.backend import Backend, BufferUsage, backend_init, tensor_alloc, tensor_set_bytes
 from ..ggml.tensor import Flags, Tensor
 from ..ggml.types import GGMLType
-from ..gguf import GGUFReader
+from ..gguf.split import open_gguf
 from . import arch as arch_mod
 from .arch import LAYER
 from .devices import AUTO, OffloadError, fit_layers, gpu_backends, parse_n_gpu_layers, parse_override_tensor, warn_no_gpu
@@ -85,7 +85,7 @@ class Model:
         called as each weight is placed (llama.cpp's progress_callback); returning False cancels the load."""
         self.path = Path(path)
         self.progress_callback = progress_callback
-        self.reader = GGUFReader(self.path)
+        self.reader = open_gguf(self.path)       # a split model's parts read as one file
         md = self.reader.metadata
         self.metadata = md
         from .vocab import Vocab
