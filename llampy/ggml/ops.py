@@ -61,6 +61,7 @@ def gelu(a): return _unary(Op.GELU, a)            # tanh approximation, as ggml_
 def gelu_erf(a): return _unary(Op.GELU_ERF, a)    # exact erf form
 def relu(a): return _unary(Op.RELU, a)
 def sigmoid(a): return _unary(Op.SIGMOID, a)
+def softplus(a): return _unary(Op.SOFTPLUS, a)    # log(1 + exp(x)), x itself above 20 (ggml_softplus)
 
 
 # a * s + b
@@ -226,6 +227,45 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     params = {"scale": float(scale), "max_bias": float(max_bias), "softcap": float(logit_softcap),
               "has_mask": mask is not None}
     return _node(Op.FLASH_ATTN_EXT, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), src, params)
+
+
+# ---------------------------------------------------------------------------------------------- state-space models
+
+# sx: [d_conv - 1 + n_t, d_inner, n_s]  c: [d_conv, d_inner]  ->  [d_inner, n_t, n_s]
+# out[i, t, s] = sum over k < d_conv of sx[t + k, i, s] * c[k, i], a float sum in k order (ggml_ssm_conv): the
+# depthwise causal convolution of each sequence's previous d_conv - 1 columns followed by its n_t new ones.
+def ssm_conv(sx: Tensor, c: Tensor) -> Tensor:
+    _check(sx.ne[3] == 1 and c.ne[2] == 1 and c.ne[3] == 1, "ssm_conv: sx must be 3-D and c a matrix")
+    d_conv, d_inner = c.ne[0], c.ne[1]
+    n_t = sx.ne[0] - d_conv + 1
+    _check(n_t >= 0 and sx.ne[1] == d_inner, f"ssm_conv: sx {sx.shape_str()} for a kernel {c.shape_str()}")
+    _check(sx.type == F32 and c.type == F32, "ssm_conv: F32 only")
+    _check(sx.nb[0] == 4 and sx.nb[1] == 4 * sx.ne[0], "ssm_conv: sx rows must be contiguous")
+    return _node(Op.SSM_CONV, F32, (d_inner, n_t, sx.ne[2]), [sx, c])
+
+
+# s: [d_state, head_dim, n_head, n_rs]  x: [head_dim, n_head, n_seq_tokens, n_seqs]  dt: [n_head, n_seq_tokens, n_seqs]
+# A: [d_state, n_head] (Mamba-1: a decay per element) or [1, n_head] (Mamba-2: one per head)
+# B, C: [d_state, n_group, n_seq_tokens, n_seqs] (head h reads group h / (n_head / n_group))  ids: I32 [n_seqs]
+#   ->  F32 [x.nelements + d_state * head_dim * n_head * n_seqs]: y ([head_dim, n_head, n_seq_tokens, n_seqs]), then
+#       the final state of each sequence ([d_state, head_dim, n_head, n_seqs])
+# Sequence j starts from state row ids[j] of s; per token: dt' = softplus(dt), state = state * exp(dt' * A) +
+# B * (x * dt'), y = sum over d_state of state * C (ggml_ssm_scan with K = 1).
+def ssm_scan(s: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ids: Tensor) -> Tensor:
+    d_state, head_dim, n_head, n_seq_tokens, n_seqs = s.ne[0], x.ne[0], x.ne[1], x.ne[2], x.ne[3]
+    _check(all(t.type == F32 for t in (s, x, dt, A, B, C)), "ssm_scan: F32 tensors only")
+    _check(s.is_contiguous() and dt.is_contiguous() and A.is_contiguous(), "ssm_scan: s, dt and A must be contiguous")
+    for name, t in (("x", x), ("B", B), ("C", C)):
+        _check(t.nb[0] == 4 and t.nb[1] == t.ne[0] * 4, f"ssm_scan: {name} rows must be packed")
+    _check(B.ne == C.ne, f"ssm_scan: B {B.shape_str()} and C {C.shape_str()} differ")
+    _check(ids.type == I32 and ids.n_dims == 1 and ids.ne[0] == n_seqs, f"ssm_scan: ids must be I32 [{n_seqs}]")
+    _check(dt.ne[:3] == (n_head, n_seq_tokens, n_seqs) and dt.ne[3] == 1, f"ssm_scan: dt {dt.shape_str()}")
+    _check(s.ne[1] == head_dim and s.ne[2] == n_head, f"ssm_scan: states {s.shape_str()} for x {x.shape_str()}")
+    _check(B.ne[0] == d_state and B.ne[2] == n_seq_tokens and B.ne[3] == n_seqs, f"ssm_scan: B {B.shape_str()}")
+    _check(B.ne[1] >= 1 and n_head % B.ne[1] == 0, f"ssm_scan: {n_head} heads in {B.ne[1]} groups")
+    _check(A.ne[1] == n_head and A.ne[0] in (1, d_state) and A.ne[2] == A.ne[3] == 1, f"ssm_scan: A {A.shape_str()}")
+    n = x.nelements + d_state * head_dim * n_head * n_seqs
+    return _node(Op.SSM_SCAN, F32, (n,), [s, x, dt, A, B, C, ids])
 
 
 # ---------------------------------------------------------------------------------------------- copies and views

@@ -54,6 +54,8 @@ class Op(Enum):
     ARGSORT = "argsort"
     TOP_K = "top_k"
     FLASH_ATTN_EXT = "flash_attn_ext"
+    SSM_CONV = "ssm_conv"
+    SSM_SCAN = "ssm_scan"
     # unary (ggml keeps these under GGML_OP_UNARY; flat here)
     EXP = "exp"
     TANH = "tanh"
@@ -62,6 +64,7 @@ class Op(Enum):
     GELU_ERF = "gelu_erf"
     RELU = "relu"
     SIGMOID = "sigmoid"
+    SOFTPLUS = "softplus"
     # gated linear units (GGML_OP_GLU): out = act(gate) * up
     SWIGLU = "swiglu"
     GEGLU = "geglu"
@@ -72,7 +75,8 @@ class Op(Enum):
 
 
 VIEW_OPS = frozenset({Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})
-UNARY_OPS = frozenset({Op.SQR, Op.SQRT, Op.EXP, Op.TANH, Op.SILU, Op.GELU, Op.GELU_ERF, Op.RELU, Op.SIGMOID})
+UNARY_OPS = frozenset({Op.SQR, Op.SQRT, Op.EXP, Op.TANH, Op.SILU, Op.GELU, Op.GELU_ERF, Op.RELU, Op.SIGMOID,
+                       Op.SOFTPLUS})
 BINARY_OPS = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV})
 
 

@@ -167,7 +167,40 @@ CASES = {
     "argsort_asc_odd": (lambda B: ops.argsort(B(F32, (3, 2, 17))), 0),
     "top_k_large": (lambda B: ops.top_k(B(F32, (2, 100)), 17), 0),
     "argmax_long": (lambda B: ops.argmax(B(F32, (3, 300))), 0),
+    # ---- state-space models (Mamba): one token and many, several sequences, states below and above 64 lanes
+    "softplus": (lambda B: ops.softplus(B(F32, (3, 40), np.linspace(-30, 30, 120).reshape(3, 40))), 1e-6),
+    "ssm_conv_one_token": (lambda B: ops.ssm_conv(B(F32, (2, 10, 4)), B(F32, (10, 4))), 1e-6),
+    "ssm_conv_many": (lambda B: ops.ssm_conv(B(F32, (3, 24, 3 + 7)), B(F32, (24, 4))), 1e-6),
+    "ssm_scan_mamba1_one_token": (lambda B: _scan(B, d_state=16, head_dim=1, n_head=12, n_group=1, n_tok=1,
+                                                  ids=[2, 0], a_per_elem=True), 1e-5),
+    "ssm_scan_mamba1_many": (lambda B: _scan(B, d_state=16, head_dim=1, n_head=20, n_group=1, n_tok=5,
+                                             ids=[1, 2, 0], a_per_elem=True), 1e-4),
+    "ssm_scan_mamba1_state80": (lambda B: _scan(B, d_state=80, head_dim=1, n_head=6, n_group=1, n_tok=3,
+                                                ids=[0], a_per_elem=True), 1e-4),
+    "ssm_scan_mamba2_state128": (lambda B: _scan(B, d_state=128, head_dim=8, n_head=4, n_group=2, n_tok=6,
+                                                 ids=[1, 0], a_per_elem=False), 1e-4),
+    "ssm_scan_mamba2_state48_one_token": (lambda B: _scan(B, d_state=48, head_dim=4, n_head=3, n_group=1, n_tok=1,
+                                                          ids=[3, 1, 0], a_per_elem=False), 1e-5),
+    "ssm_scan_mamba2_x_view": (lambda B: _scan(B, d_state=64, head_dim=4, n_head=4, n_group=1, n_tok=4,
+                                               ids=[0, 1], a_per_elem=False, x_view=True), 1e-4),
 }
+
+
+def _scan(B, d_state, head_dim, n_head, n_group, n_tok, ids, a_per_elem, x_view=False):
+    """An ssm_scan of len(ids) sequences from a pool of max(ids) + 1 state rows, A < 0 as Mamba's -exp(A_log)."""
+    rng = np.random.default_rng(d_state + n_tok)
+    n_seqs, n_rs = len(ids), max(ids) + 1
+    s = B(F32, (n_rs, n_head, head_dim, d_state))
+    if x_view:      # x inside a wider row, as Mamba-2 takes it from the convolution's output
+        xw = B(F32, (n_seqs, n_tok, head_dim * n_head + 5))
+        x = ops.view_4d(xw, head_dim, n_head, n_tok, n_seqs, head_dim * 4, xw.nb[1], xw.nb[2], 0)
+    else:
+        x = B(F32, (n_seqs, n_tok, n_head, head_dim))
+    dt = B(F32, (n_seqs, n_tok, n_head), rng.uniform(-4, 3, (n_seqs, n_tok, n_head)))
+    A = B(F32, (n_head, d_state if a_per_elem else 1), -np.exp(rng.uniform(-1, 1.5, (n_head, d_state if a_per_elem else 1))))
+    Bm = B(F32, (n_seqs, n_tok, n_group, d_state))
+    Cm = B(F32, (n_seqs, n_tok, n_group, d_state))
+    return ops.ssm_scan(s, x, dt, A, Bm, Cm, B(I32, (n_seqs,), np.array(ids)))
 
 
 def _soft_mask(rows, n):
@@ -287,6 +320,37 @@ def test_plan_reads_current_inputs(be):
         np.testing.assert_array_equal(got, tensor_data(out))
         results.append(got)
     assert not np.array_equal(results[0], results[1])
+
+
+def test_reference_ssm_against_direct_loops():
+    """The oracle's convolution and scan against the formulas written out element by element."""
+    rng = np.random.default_rng(21)
+    sx, c = rng.standard_normal((2, 3, 6)), rng.standard_normal((3, 4))
+    (r,) = run(REF, ops.ssm_conv(leaf(REF, F32, sx.shape, sx), leaf(REF, F32, c.shape, c)))
+    r = r.reshape(2, 3, 3)                                            # (n_s, n_t, d_inner)
+    sx32, c32 = sx.astype(np.float32), c.astype(np.float32)
+    for s_ in range(2):
+        for t in range(3):
+            for i in range(3):
+                assert abs(r[s_, t, i] - sum(float(sx32[s_, i, t + k]) * float(c32[i, k]) for k in range(4))) < 1e-5
+    d_state, n_head, n_tok = 5, 3, 2
+    st0 = rng.standard_normal((2, n_head, 1, d_state)).astype(np.float32)
+    x = rng.standard_normal((1, n_tok, n_head, 1)).astype(np.float32)
+    dt = np.array([[[-1.0, 0.5, 25.0], [2.0, -3.0, 0.1]]], np.float32)
+    A = -rng.uniform(0.5, 2, (n_head, d_state)).astype(np.float32)
+    Bm = rng.standard_normal((1, n_tok, 1, d_state)).astype(np.float32)
+    Cm = rng.standard_normal((1, n_tok, 1, d_state)).astype(np.float32)
+    L = lambda a, t=F32: leaf(REF, t, a.shape, a)
+    (o,) = run(REF, ops.ssm_scan(L(st0), L(x), L(dt), L(A), L(Bm), L(Cm), L(np.array([1], np.int32), I32)))
+    o = o.reshape(-1)
+    st = st0[1, :, 0].astype(np.float64)
+    for t in range(n_tok):
+        for h in range(n_head):
+            d = float(dt[0, t, h])
+            dsp = d if d > 20 else math.log1p(math.exp(d))
+            st[h] = st[h] * np.exp(dsp * A[h]) + Bm[0, t, 0] * x[0, t, h, 0] * dsp
+            assert abs(o[t * n_head + h] - (st[h] * Cm[0, t, 0]).sum()) < 1e-5
+    np.testing.assert_allclose(o[n_tok * n_head:], st.reshape(-1), atol=1e-5)
 
 
 def test_reference_norms_and_masked_softmax_against_numpy():

@@ -93,6 +93,12 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
+def softplus(x: np.ndarray) -> np.ndarray:
+    """ggml's softplus: x above 20, else log(1 + exp(x))."""
+    with np.errstate(over="ignore"):
+        return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         return 1.0 / (1.0 + np.exp(-x))
@@ -311,7 +317,7 @@ def k_binary(node, dst, srcs):
 
 _UNARY = {
     Op.SQR: lambda x: x * x, Op.SQRT: np.sqrt, Op.EXP: np.exp, Op.TANH: np.tanh, Op.SILU: silu, Op.GELU: gelu,
-    Op.GELU_ERF: gelu_erf, Op.RELU: lambda x: np.maximum(x, 0.0), Op.SIGMOID: sigmoid,
+    Op.GELU_ERF: gelu_erf, Op.RELU: lambda x: np.maximum(x, 0.0), Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus,
 }
 
 
@@ -350,6 +356,46 @@ def k_glu(node, dst, srcs):
         g, u = (a[..., h:], a[..., :h]) if node.op_params.get("swapped") else (a[..., :h], a[..., h:])
     act = silu(g) if node.op is Op.SWIGLU else gelu(g)
     store(dst, node.type, act * u)
+
+
+# ---------------------------------------------------------------------------------------------- state-space models
+def k_ssm_conv(node, dst, srcs):
+    """out[s, t, i] = sum over k of sx[s, i, t + k] * c[i, k]."""
+    sx = values(srcs[0], node.src[0].type)[0]                     # (n_s, d_inner, d_conv - 1 + n_t)
+    c = values(srcs[1], node.src[1].type)[0, 0]                   # (d_inner, d_conv)
+    d_conv, n_t = c.shape[1], node.ne[1]
+    out = np.zeros((sx.shape[0], n_t, sx.shape[1]))
+    for k in range(d_conv):
+        out += sx[:, :, k:k + n_t].transpose(0, 2, 1) * c[:, k]
+    store(dst, node.type, out.reshape(dst.shape))
+
+
+def k_ssm_scan(node, dst, srcs):
+    """Each sequence from its state row ids[j], token by token: dt' = softplus(dt); state = state * exp(dt' * A) +
+    B[g] * x * dt'; y = state . C[g] (g: the head's group). y first, then the final states."""
+    s_t, x_t = node.src[0], node.src[1]
+    s = values(srcs[0], s_t.type)                                 # (n_rs, n_head, head_dim, d_state)
+    x = values(srcs[1], x_t.type)                                 # (n_seqs, n_tok, n_head, head_dim)
+    dt = values(srcs[2], node.src[2].type)[0]                     # (n_seqs, n_tok, n_head)
+    A = values(srcs[3], node.src[3].type)[0, 0]                   # (n_head, d_state | 1)
+    B = values(srcs[4], node.src[4].type)                         # (n_seqs, n_tok, n_group, d_state)
+    C = values(srcs[5], node.src[5].type)
+    ids = np.asarray(srcs[6]).reshape(-1)
+    n_seqs, n_tok, n_head, head_dim = x.shape
+    group = np.arange(n_head) // (n_head // B.shape[2])
+    y = np.empty(x.shape)
+    states = np.empty((n_seqs,) + s.shape[1:])
+    for j in range(n_seqs):
+        if not 0 <= ids[j] < s.shape[0]:
+            raise IndexError(f"ssm_scan: state row {ids[j]} out of range 0..{s.shape[0] - 1}")
+        st = s[ids[j]].copy()
+        for t in range(n_tok):
+            dtp = softplus(dt[j, t])                              # (n_head,)
+            dA = np.exp(dtp[:, None] * A)[:, None, :]             # (n_head, 1, d_state | 1)
+            st = st * dA + B[j, t][group][:, None, :] * (x[j, t] * dtp[:, None])[:, :, None]
+            y[j, t] = (st * C[j, t][group][:, None, :]).sum(axis=-1)
+        states[j] = st
+    store(dst, node.type, np.concatenate([y.reshape(-1), states.reshape(-1)]).reshape(dst.shape))
 
 
 # ---------------------------------------------------------------------------------------------- softmax, norms, rows
@@ -479,7 +525,7 @@ def k_top_k(node, dst, srcs):
 
 _TABLE = {
     Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_GLU: k_mul_mat_glu, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope,
-    Op.FLASH_ATTN_EXT: k_flash_attn,
+    Op.FLASH_ATTN_EXT: k_flash_attn, Op.SSM_CONV: k_ssm_conv, Op.SSM_SCAN: k_ssm_scan,
     Op.SOFT_MAX: k_soft_max, Op.RMS_NORM: k_rms_norm, Op.RMS_NORM_MUL: k_rms_norm_mul, Op.NORM: k_norm,
     Op.L2_NORM: k_l2_norm, Op.GET_ROWS: k_get_rows, Op.SET_ROWS: k_set_rows,
     Op.CPY: k_cpy, Op.CONT: k_cpy, Op.DUP: k_cpy, Op.CONCAT: k_concat, Op.REPEAT: k_repeat,

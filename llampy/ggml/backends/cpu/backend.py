@@ -13,6 +13,7 @@ from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
 from . import numpy_ops as K
 from .numba_ops import BINDERS
+from .ssm import bind_ssm_conv, bind_ssm_scan
 
 T = GGMLType
 
@@ -59,7 +60,7 @@ class CPUBackend(Backend):
     # ------------------------------------------------------------ ops
     def supports_op(self, node: Tensor) -> bool:
         if node.op in VIEW_OPS or node.op in _TABLE or node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.MUL_MAT_GLU,
-                                                                     Op.FLASH_ATTN_EXT):
+                                                                     Op.FLASH_ATTN_EXT, Op.SSM_CONV, Op.SSM_SCAN):
             if node.op == Op.FLASH_ATTN_EXT:
                 return all(s.type in (T.F16, T.F32) or TYPE_TRAITS[s.type].is_quantized for s in node.src[1:3])
             return True
@@ -86,6 +87,10 @@ class CPUBackend(Backend):
             return self._bind_mul_mat_glu(node, dst, srcs)
         if op == Op.FLASH_ATTN_EXT:
             return self._bind_flash_attn(node, dst, srcs)
+        if op == Op.SSM_CONV:
+            return bind_ssm_conv(node, dst, srcs)
+        if op == Op.SSM_SCAN:
+            return bind_ssm_scan(node, dst, srcs)
         binder = BINDERS.get(op)
         call = binder(node, dst, srcs) if binder is not None else None
         if call is not None:

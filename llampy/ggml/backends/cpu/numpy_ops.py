@@ -107,6 +107,8 @@ def k_unary(node, dst, srcs, acc):
             r = np.maximum(x, acc(0))
         elif op is Op.SIGMOID:
             r = acc(1.0) / (acc(1.0) + np.exp(-x))
+        elif op is Op.SOFTPLUS:             # ggml: x above 20, else logf(1 + expf(x))
+            r = np.where(x > acc(20.0), x, np.log(acc(1.0) + np.exp(np.minimum(x, acc(20.0)))))
         else:
             raise NotImplementedError(op)
     store(dst, node.type, r)

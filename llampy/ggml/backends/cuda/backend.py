@@ -97,6 +97,7 @@ def _gelu(x):
 _UNARY = {
     Op.SQR: lambda x: x * x, Op.SQRT: torch.sqrt, Op.EXP: torch.exp, Op.TANH: torch.tanh, Op.SILU: F.silu,
     Op.GELU: _gelu, Op.GELU_ERF: F.gelu, Op.RELU: torch.relu, Op.SIGMOID: torch.sigmoid,
+    Op.SOFTPLUS: lambda x: torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(torch.clamp(x, max=20.0)))),
 }
 _BINARY = {Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div}
 
