@@ -1,7 +1,6 @@
-"""GGUF reader: agreement with gguf-py (the oracle) on every key and tensor, zero-copy views, open times."""
+"""GGUF reader: agreement with gguf-py (the oracle) on every key and tensor, zero-copy views (open times: benchmarks/gguf_open.py)."""
 from __future__ import annotations
 
-import time
 
 import gguf
 import numpy as np
@@ -63,22 +62,6 @@ def test_gemma3_matches_gguf_py(gemma3_file):
     with GGUFReader(gemma3_file) as ours:
         assert_same_as_gguf_py(ours, gguf.GGUFReader(gemma3_file))
         assert {t.type for t in ours.tensors.values()} >= {GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K}
-
-
-def _best_open_time(path, n=3) -> float:
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        GGUFReader(path).close()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def test_open_is_fast(smollm2_file, gemma3_file):
-    # the brief's bound is 0.3 s for Gemma 3 (262k strings); measured ~0.09 s here, ~0.035 s for SmolLM2.
-    # Best of 3 keeps a busy shared machine from failing it.
-    assert _best_open_time(gemma3_file) < 0.3
-    assert _best_open_time(smollm2_file) < 0.15
 
 
 def test_views_are_zero_copy_and_typed(smollm2_file):
