@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
     from .cli_engine import add_engine_parsers
     add_engine_parsers(sub)
+    from .cli_quant import add_quant_parsers
+    add_quant_parsers(sub)
     from .cli_tools import add_tool_parsers
     add_tool_parsers(sub)
     try:

@@ -1,0 +1,613 @@
+"""Model quantization as llama.cpp's src/llama-quant.cpp does it (what ``llama-quantize`` runs).
+
+A file type (``LLAMA_FTYPE_MOSTLY_Q4_K_M``, ...) names a default tensor type and a mixture: per tensor category
+(attn_v, ffn_down, output, ...) and layer, ``tensor_get_type`` picks a type exactly as ``llama_tensor_get_type``
+does, including the shape fallbacks. ``quantize_model`` then writes the file llama-quantize writes: the input's
+metadata in order, ``general.quantization_version`` and ``general.file_type`` moved to the end (gguf_set_val
+removes and appends), the imatrix keys after them, tensors sorted as llama_model_loader's weights_map sorts them
+(layer number, then name), each at the next multiple of 32.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ggml.quants import QUANTIZE_TYPES, dequantize, quantize
+from ..ggml.types import GGMLType, TYPE_TRAITS
+from ..gguf.reader import GGUFReader
+from ..gguf.writer import GGUFWriter
+
+T = GGMLType
+GGML_QNT_VERSION = 2
+
+
+class QuantizeError(ValueError):
+    pass
+
+
+# name, LLAMA_FTYPE id, default tensor type (llama_ftype_get_default_type), description (tools/quantize's table)
+FTYPES = [
+    ("Q1_0", 40, T.Q1_0, " 1.125 bpw quantization"),
+    ("Q2_0", 41, T.Q2_0, " 2.25 bpw quantization (group 64)"),
+    ("Q4_0", 2, T.Q4_0, " 4.34G, +0.4685 ppl @ Llama-3-8B"),
+    ("Q4_1", 3, T.Q4_1, " 4.78G, +0.4511 ppl @ Llama-3-8B"),
+    ("MXFP4_MOE", 38, T.MXFP4, " MXFP4 MoE"),
+    ("Q5_0", 8, T.Q5_0, " 5.21G, +0.1316 ppl @ Llama-3-8B"),
+    ("Q5_1", 9, T.Q5_1, " 5.65G, +0.1062 ppl @ Llama-3-8B"),
+    ("IQ2_XXS", 19, T.IQ2_XXS, " 2.06 bpw quantization"),
+    ("IQ2_XS", 20, T.IQ2_XS, " 2.31 bpw quantization"),
+    ("IQ2_S", 28, T.IQ2_XS, " 2.5  bpw quantization"),
+    ("IQ2_M", 29, T.IQ2_S, " 2.7  bpw quantization"),
+    ("IQ1_S", 24, T.IQ1_S, " 1.56 bpw quantization"),
+    ("IQ1_M", 31, T.IQ1_M, " 1.75 bpw quantization"),
+    ("TQ1_0", 36, T.TQ1_0, " 1.69 bpw ternarization"),
+    ("TQ2_0", 37, T.TQ2_0, " 2.06 bpw ternarization"),
+    ("Q2_K", 10, T.Q2_K, " 2.96G, +3.5199 ppl @ Llama-3-8B"),
+    ("Q2_K_S", 21, T.Q2_K, " 2.96G, +3.1836 ppl @ Llama-3-8B"),
+    ("IQ3_XXS", 23, T.IQ3_XXS, " 3.06 bpw quantization"),
+    ("IQ3_S", 26, T.IQ3_S, " 3.44 bpw quantization"),
+    ("IQ3_M", 27, T.IQ3_S, " 3.66 bpw quantization mix"),
+    ("Q3_K", 12, T.Q3_K, "alias for Q3_K_M"),
+    ("IQ3_XS", 22, T.IQ3_S, " 3.3 bpw quantization"),
+    ("Q3_K_S", 11, T.Q3_K, " 3.41G, +1.6321 ppl @ Llama-3-8B"),
+    ("Q3_K_M", 12, T.Q3_K, " 3.74G, +0.6569 ppl @ Llama-3-8B"),
+    ("Q3_K_L", 13, T.Q3_K, " 4.03G, +0.5562 ppl @ Llama-3-8B"),
+    ("IQ4_NL", 25, T.IQ4_NL, " 4.50 bpw non-linear quantization"),
+    ("IQ4_XS", 30, T.IQ4_XS, " 4.25 bpw non-linear quantization"),
+    ("Q4_K", 15, T.Q4_K, "alias for Q4_K_M"),
+    ("Q4_K_S", 14, T.Q4_K, " 4.37G, +0.2689 ppl @ Llama-3-8B"),
+    ("Q4_K_M", 15, T.Q4_K, " 4.58G, +0.1754 ppl @ Llama-3-8B"),
+    ("Q5_K", 17, T.Q5_K, "alias for Q5_K_M"),
+    ("Q5_K_S", 16, T.Q5_K, " 5.21G, +0.1049 ppl @ Llama-3-8B"),
+    ("Q5_K_M", 17, T.Q5_K, " 5.33G, +0.0569 ppl @ Llama-3-8B"),
+    ("Q6_K", 18, T.Q6_K, " 6.14G, +0.0217 ppl @ Llama-3-8B"),
+    ("Q8_0", 7, T.Q8_0, " 7.96G, +0.0026 ppl @ Llama-3-8B"),
+    ("F16", 1, T.F16, "14.00G, +0.0020 ppl @ Mistral-7B"),
+    ("BF16", 32, T.BF16, "14.00G, -0.0050 ppl @ Mistral-7B"),
+    ("F32", 0, T.F32, "26.00G              @ 7B"),
+    ("COPY", 0, T.F32, "only copy tensors, no quantizing"),
+]
+_CANON = {}
+for _n, _i, _t, _d in FTYPES:
+    if not _d.startswith("alias"):
+        _CANON.setdefault(_i, _n)
+FTYPE_DEFAULT = {i: t for _, i, t, _ in FTYPES}
+
+
+class F:
+    """LLAMA_FTYPE_MOSTLY_* ids under short names, for the rules below."""
+    F32, F16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K_S, Q3_K_M, Q3_K_L = 0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13
+    Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, IQ2_XXS, IQ2_XS, Q2_K_S, IQ3_XS, IQ3_XXS = 14, 15, 16, 17, 18, 19, 20, 21, 22, 23
+    IQ1_S, IQ4_NL, IQ3_S, IQ3_M, IQ2_S, IQ2_M, IQ4_XS, IQ1_M, BF16 = 24, 25, 26, 27, 28, 29, 30, 31, 32
+    TQ1_0, TQ2_0, MXFP4_MOE, NVFP4, Q1_0, Q2_0 = 36, 37, 38, 39, 40, 41
+
+
+def parse_ftype(s: str) -> tuple[int, str]:
+    """try_parse_ftype: a name (any case) or a number -> (ftype id, canonical name)."""
+    u = s.upper()
+    for name, i, _, _ in FTYPES:
+        if name == u:
+            return i, name
+    try:
+        n = int(s)
+    except ValueError:
+        n = None
+    for name, i, _, _ in FTYPES:
+        if i == n:
+            return i, name
+    raise QuantizeError(f"invalid file type {s!r}")
+
+
+def ggml_type_name(t: GGMLType) -> str:
+    """ggml_type_name: lower case but for the K of k-quants ("q4_K")."""
+    n = T(t).name.lower()
+    return n[:-2] + "_K" if n.endswith("_k") else n
+
+
+def parse_ggml_type(s: str) -> GGMLType:
+    for t in T:
+        if t.name.lower() == s.lower():
+            return t
+    raise QuantizeError(f"invalid ggml_type {s!r}")
+
+
+# ------------------------------------------------------------------------------------------------ categories
+
+def tensor_category(name: str) -> str:
+    if name == "output.weight":
+        return "output"
+    if name in ("token_embd.weight", "per_layer_token_embd.weight"):
+        return "token_embd"
+    for key, cat in (("attn_qkv.weight", "attn_qkv"), ("attn_kv_b.weight", "attn_kv_b"), ("attn_v.weight", "attn_v"),
+                     ("attn_k.weight", "attn_k"), ("attn_q.weight", "attn_q"),
+                     ("attn_output.weight", "attn_output"), ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"),
+                     ("ffn_down", "ffn_down")):
+        if key in name:
+            return cat
+    return "other"
+
+
+def _is_attn_v(cat: str) -> bool:
+    return cat in ("attn_v", "attn_qkv", "attn_kv_b")
+
+
+_NO_QUANT = ("ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "altup", "laurel", "per_layer_model_proj",
+             "ssm_conv1d", "shortconv.conv.weight", "indexer.k_proj.weight", "indexer.q_proj.weight",
+             "time_mix_first.weight", "time_mix_w0.weight", "time_mix_w1.weight", "time_mix_w2.weight",
+             "time_mix_v0.weight", "time_mix_v1.weight", "time_mix_v2.weight", "time_mix_a0.weight",
+             "time_mix_a1.weight", "time_mix_a2.weight", "time_mix_g1.weight", "time_mix_g2.weight",
+             "time_mix_decay_w1.weight", "time_mix_decay_w2.weight", "time_mix_lerp_fused.weight",
+             "attn_rel_b.weight", ".position_embd", "sam.pos_embd", "sam.neck.", "sam.net_", ".rel_pos",
+             ".patch_embd", ".patch_merger", "a.rvq.codebook", "mm.a.code_embd")
+_NO_QUANT_GLM5 = ("hc_", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj", "indexer_compressor_gate",
+                  "indexer_compressor_ape", "ssm_f_a.weight", "ssm_f_b.weight", "ssm_g_a.weight", "ssm_g_b.weight",
+                  "ssm_beta.weight", "attn_kv_a_mqa.weight", "attn_k_b.weight", "attn_v_b.weight")
+
+
+def n_dims(ne) -> int:
+    """ggml_n_dims: trailing dimensions of 1 do not count."""
+    n = len(ne)
+    while n > 1 and ne[n - 1] == 1:
+        n -= 1
+    return n
+
+
+@dataclass
+class QuantizeParams:
+    """llama_model_quantize_params."""
+    ftype: int = F.Q8_0
+    nthread: int = 0
+    output_tensor_type: GGMLType | None = None
+    token_embedding_type: GGMLType | None = None
+    allow_requantize: bool = False
+    quantize_output_tensor: bool = True
+    only_copy: bool = False
+    pure: bool = False
+    dry_run: bool = False
+    imatrix: dict | None = None                        # name -> float32 [ne0 * n_expert], already normalised
+    kv_overrides: list = field(default_factory=list)   # (key, value, GGUFValueType)
+    tensor_types: list = field(default_factory=list)   # (regex pattern, GGMLType), first match wins
+
+
+def tensor_allows_quantization(params: QuantizeParams, arch: str, name: str, ne) -> bool:
+    if params.only_copy or n_dims(ne) < 2:
+        return False
+    q = name.endswith("weight") and "_norm.weight" not in name
+    q &= params.quantize_output_tensor or name != "output.weight"
+    q &= not any(s in name for s in _NO_QUANT)
+    q &= name not in ("position_embd.weight", "token_types.weight")
+    if arch == "glm5-next":
+        q &= not any(s in name for s in _NO_QUANT_GLM5)
+    return q
+
+
+class QuantizeState:
+    """quantize_state_impl: the counters the mixtures use, and the model facts they look at."""
+
+    def __init__(self, meta: dict, params: QuantizeParams, names: list):
+        arch = meta.get("general.architecture", "")
+        self.arch, self.params = arch, params
+
+        def hp(key, default=0):
+            v = meta.get(f"{arch}.{key}", default)
+            return int(np.asarray(v).reshape(-1)[0]) if np.size(v) else default
+        self.n_layer = hp("block_count")
+        n_head, n_head_kv = hp("attention.head_count"), hp("attention.head_count_kv", None)
+        n_head_kv = n_head if n_head_kv is None else n_head_kv
+        self.n_gqa = n_head // n_head_kv if n_head_kv else 0
+        self.n_expert = hp("expert_count")
+        self.is_70b = arch == "llama" and self.n_layer == 80 and n_head != n_head_kv
+        self.has_imatrix = bool(params.imatrix)
+        self.patterns = [(re.compile(p), t) for p, t in params.tensor_types]
+        cats = [tensor_category(n) for n in names]
+        self.n_attention_wv = sum(_is_attn_v(c) for c in cats)
+        self.has_tied_embeddings = "output" not in cats
+        self.n_ffn_down = self.n_ffn_gate = self.n_ffn_up = self.n_layer
+        self.i_attention_wv = self.i_ffn_down = self.i_ffn_gate = self.i_ffn_up = 0
+        self.n_fallback = 0
+        self.warnings: list[str] = []
+
+
+def _use_more_bits(i, n):
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _layer_info(qs: QuantizeState, i_layer: int, n_layer: int, name: str):
+    if max(1, qs.n_expert) > 1:
+        m = re.match(r"blk\.(-?\d+)\.", name)
+        if not m:
+            raise QuantizeError(f"Failed to determine layer for tensor {name}")
+        i_layer = int(m.group(1))
+        if not 0 <= i_layer < n_layer:
+            raise QuantizeError(f"Bad layer {i_layer} for tensor {name}. Must be in [0, {n_layer})")
+    return i_layer, n_layer
+
+
+def _type_impl(qs: QuantizeState, new_type, name: str, ne, ftype: int, cat: str):
+    """llama_tensor_get_type_impl, rule for rule."""
+    arch = qs.arch
+    if arch == "glm5-next" and any(s in name for s in ("attn_q_a", "attn_q_b", "nextn.eh_proj")):
+        if new_type not in (T.F32, T.BF16, T.F16):
+            return T.Q8_0
+    IQ_LOW = (F.IQ2_XXS, F.IQ2_XS, F.IQ1_S, F.IQ2_S, F.IQ2_M, F.IQ1_M)
+    if cat == "output" or (qs.has_tied_embeddings and cat == "token_embd"):
+        if qs.params.output_tensor_type is not None:
+            new_type = qs.params.output_tensor_type
+        else:
+            qk_k = TYPE_TRAITS[new_type].blck_size
+            if ftype == F.MXFP4_MOE:
+                new_type = T.Q8_0
+            elif arch == "falcon" or ne[0] % qk_k:
+                new_type = T.Q8_0
+            elif ftype in (F.IQ2_XXS, F.IQ2_XS, F.IQ3_XXS, F.IQ1_S, F.IQ2_S, F.IQ2_M, F.IQ1_M):
+                new_type = T.Q5_K
+            elif new_type != T.Q8_0:
+                new_type = T.Q6_K
+    elif ftype == F.MXFP4_MOE:
+        expert = arch != "bailingmoe3" or cat in ("ffn_up", "ffn_gate", "ffn_down")
+        new_type = T.MXFP4 if len(ne) > 2 and ne[2] > 1 and expert else T.Q8_0
+    elif cat == "token_embd":
+        if qs.params.token_embedding_type is not None:
+            new_type = qs.params.token_embedding_type
+        elif ftype in (F.IQ2_XXS, F.IQ2_XS, F.IQ1_S, F.IQ1_M):
+            new_type = T.Q2_K
+        elif ftype in (F.IQ2_S, F.IQ2_M, F.IQ3_XXS):
+            new_type = T.IQ3_S
+        elif ftype in (F.TQ1_0, F.TQ2_0, F.Q2_0):
+            new_type = T.Q4_K
+    elif ftype in IQ_LOW:
+        iq2sm = ftype in (F.IQ2_S, F.IQ2_M)
+        if _is_attn_v(cat):
+            if qs.n_gqa >= 4 or qs.n_expert >= 4:
+                new_type = T.Q4_K
+            else:
+                new_type = T.IQ3_S if iq2sm else T.Q2_K
+            qs.i_attention_wv += 1
+        elif qs.n_expert == 8 and cat == "attn_k":
+            new_type = T.Q4_K
+        elif cat == "ffn_down":
+            if qs.i_ffn_down < qs.n_ffn_down // 8:
+                new_type = T.IQ3_S if iq2sm else T.Q2_K
+            qs.i_ffn_down += 1
+        elif cat == "attn_output":
+            if qs.n_expert == 8:
+                new_type = T.Q5_K
+            elif ftype in (F.IQ1_S, F.IQ1_M):
+                new_type = T.IQ2_XXS
+            elif iq2sm:
+                new_type = T.IQ3_S
+    elif _is_attn_v(cat):
+        g4 = qs.n_gqa >= 4
+        if ftype == F.Q2_K:
+            new_type = T.Q4_K if g4 else T.Q3_K
+        elif ftype == F.Q2_K_S and g4:
+            new_type = T.Q4_K
+        elif ftype == F.IQ3_XXS:
+            new_type = T.Q4_K if g4 else (T.IQ3_S if not qs.has_imatrix else T.IQ3_XXS)
+        elif ftype in (F.IQ3_XS, F.IQ3_S) and g4:
+            new_type = T.Q4_K
+        elif ftype == F.IQ3_M:
+            new_type = T.Q4_K
+        elif ftype == F.Q3_K_M:
+            new_type = T.Q5_K if qs.i_attention_wv < 2 else T.Q4_K
+        elif ftype == F.Q3_K_L:
+            new_type = T.Q5_K
+        elif ftype in (F.IQ4_NL, F.IQ4_XS) and g4:
+            new_type = T.Q5_K
+        elif ftype in (F.Q4_K_M, F.Q5_K_M) and _use_more_bits(qs.i_attention_wv, qs.n_attention_wv):
+            new_type = T.Q6_K
+        elif ftype == F.Q4_K_S and qs.i_attention_wv < 4:
+            new_type = T.Q5_K
+        if qs.is_70b and new_type in (T.Q3_K, T.Q4_K):
+            new_type = T.Q5_K
+        if qs.n_expert == 8:
+            new_type = T.Q8_0
+        qs.i_attention_wv += 1
+    elif cat == "attn_k":
+        if qs.n_expert == 8:
+            new_type = T.Q8_0
+        elif ftype == F.IQ3_XS:
+            new_type = T.IQ3_XXS
+        elif ftype == F.IQ3_XXS:
+            new_type = T.IQ2_S
+    elif cat == "attn_q":
+        if ftype == F.IQ3_XS:
+            new_type = T.IQ3_XXS
+        elif ftype == F.IQ3_XXS:
+            new_type = T.IQ2_S
+    elif cat == "ffn_down":
+        i_layer, n_layer = _layer_info(qs, qs.i_ffn_down, qs.n_ffn_down, name)
+        falcon = arch == "falcon"
+        if ftype == F.Q2_K:
+            new_type = T.Q3_K
+        elif ftype == F.Q2_K_S:
+            if i_layer < n_layer // 8:
+                new_type = T.Q4_K
+        elif ftype == F.IQ3_XXS and not qs.has_imatrix:
+            new_type = T.Q4_K if i_layer < n_layer // 8 else T.Q3_K
+        elif ftype == F.Q3_K_M:
+            new_type = (T.Q5_K if i_layer < n_layer // 16 else
+                        T.Q4_K if not falcon or _use_more_bits(i_layer, n_layer) else T.Q3_K)
+        elif ftype == F.IQ3_M and (i_layer < n_layer // 8 or
+                                   (qs.n_expert == 8 and _use_more_bits(i_layer, n_layer))):
+            new_type = T.Q4_K
+        elif ftype == F.Q3_K_L:
+            new_type = T.Q4_K if falcon else T.Q5_K
+        elif ftype == F.Q4_K_M:
+            if falcon:
+                new_type = (T.Q6_K if i_layer < n_layer // 16 else
+                            T.Q5_K if _use_more_bits(i_layer, n_layer) else T.Q4_K)
+            elif _use_more_bits(i_layer, n_layer):
+                new_type = T.Q6_K
+        elif i_layer < n_layer // 8 and ftype in (F.IQ4_NL, F.IQ4_XS) and not qs.has_imatrix:
+            new_type = T.Q5_K
+        elif ftype == F.Q5_K_M and _use_more_bits(i_layer, n_layer):
+            new_type = T.Q6_K
+        elif ftype == F.Q4_K_S and not falcon and i_layer < n_layer // 8:
+            new_type = T.Q5_K
+        elif ftype in (F.Q4_0, F.Q5_0) and qs.has_imatrix and i_layer < n_layer // 8:
+            new_type = T.Q4_1 if ftype == F.Q4_0 else T.Q5_1
+        qs.i_ffn_down += 1
+    elif cat == "attn_output":
+        if arch != "falcon":
+            if qs.n_expert == 8:
+                if ftype in (F.Q2_K, F.IQ3_XS, F.IQ3_XXS, F.Q3_K_S, F.Q3_K_M, F.IQ4_NL, F.Q4_K_S, F.Q4_K_M,
+                             F.IQ3_S, F.IQ3_M, F.IQ4_XS):
+                    new_type = T.Q5_K
+            else:
+                new_type = {F.Q2_K: T.Q3_K, F.IQ3_XXS: T.IQ3_S, F.Q3_K_M: T.Q4_K, F.Q3_K_L: T.Q5_K,
+                            F.IQ3_M: T.Q4_K}.get(ftype, new_type)
+        elif ftype == F.Q3_K_L:
+            new_type = T.Q4_K
+    elif cat == "attn_qkv":
+        if ftype in (F.Q3_K_M, F.Q3_K_L, F.IQ3_M):
+            new_type = T.Q4_K
+        elif ftype == F.Q4_K_M:
+            new_type = T.Q5_K
+        elif ftype == F.Q5_K_M:
+            new_type = T.Q6_K
+    elif cat in ("ffn_gate", "ffn_up"):
+        attr = "i_ffn_gate" if cat == "ffn_gate" else "i_ffn_up"
+        i_layer, n_layer = _layer_info(qs, getattr(qs, attr), qs.n_ffn_gate, name)
+        if ftype == F.IQ3_XS and n_layer // 8 <= i_layer < 7 * n_layer // 8:
+            new_type = T.IQ3_XXS
+        setattr(qs, attr, getattr(qs, attr) + 1)
+    return new_type
+
+
+_FALLBACK = {T.IQ1_S: T.IQ4_NL, T.IQ1_M: T.IQ4_NL, T.IQ2_XXS: T.IQ4_NL, T.IQ2_XS: T.IQ4_NL, T.IQ2_S: T.IQ4_NL,
+             T.IQ3_XXS: T.IQ4_NL, T.IQ3_S: T.IQ4_NL, T.IQ4_XS: T.IQ4_NL, T.Q2_0: T.Q4_0, T.Q2_K: T.Q4_0,
+             T.Q3_K: T.Q4_0, T.TQ1_0: T.Q4_0, T.TQ2_0: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def _fallback(qs: QuantizeState, name: str, ne, target):
+    """tensor_type_fallback: a row that is not whole blocks of ``target`` takes a type with smaller blocks."""
+    qk = TYPE_TRAITS[target].blck_size
+    if ne[0] % qk == 0:
+        return target
+    qs.n_fallback += 1
+    ret = _FALLBACK.get(target)
+    if ret is None:
+        if qk > 32:
+            raise QuantizeError(f"no tensor type fallback is defined for type {ggml_type_name(target)}")
+        ret = target
+    if ne[0] % TYPE_TRAITS[ret].blck_size:
+        ret = T.F16
+    qs.warnings.append(f"{name}: ncols {ne[0]} not divisible by {qk} (required for type "
+                       f"{ggml_type_name(target)}) -> falling back to {ggml_type_name(ret)}")
+    return ret
+
+
+def tensor_get_type(qs: QuantizeState, name: str, cur_type, ne, default_type) -> GGMLType:
+    """llama_tensor_get_type: the type this tensor is written in."""
+    p = qs.params
+    if not tensor_allows_quantization(p, qs.arch, name, ne):
+        return T(cur_type)
+    cat = tensor_category(name)
+    if p.token_embedding_type is not None and cat == "token_embd":
+        named = name == "per_layer_token_embd.weight" and any(r.search(name) for r, _ in qs.patterns)
+        if not named:
+            return p.token_embedding_type
+    if p.output_tensor_type is not None and cat == "output":
+        return p.output_tensor_type
+    new_type = default_type
+    if TYPE_TRAITS[default_type].is_quantized:
+        manual = False
+        for r, t in qs.patterns:
+            if r.search(name):
+                new_type, manual = t, True
+                break
+        if not manual and not p.pure:
+            new_type = _type_impl(qs, new_type, name, ne, p.ftype, cat)
+        new_type = _fallback(qs, name, ne, new_type)
+    return T(new_type)
+
+
+def tensor_requires_imatrix(name: str, t, ftype: int) -> bool:
+    if name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return False
+    if t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_M, T.IQ1_S):
+        return True
+    return t == T.Q2_K and ftype == F.Q2_K_S
+
+
+def weights_order(names) -> list:
+    """llama_model_loader's weight_name_comparer: by layer number (-1 outside blocks), then by name (bytes)."""
+    def key(n):
+        m = re.match(r"blk\.(-?\d+)\.", n)
+        return (int(m.group(1)) if m else -1, n.encode())
+    return sorted(names, key=key)
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+
+@dataclass
+class QuantizeResult:
+    types: dict                 # name -> GGMLType written
+    size_org: int
+    size_new: int
+    n_elements: int
+    n_fallback: int
+    seconds: float
+
+
+def _rows_to_f32(raw: np.ndarray, t: GGMLType, ne0: int) -> np.ndarray:
+    if t == T.F32:
+        return raw.view(np.float32).reshape(-1, ne0)
+    if t == T.F16:
+        return raw.view("<f2").astype(np.float32).reshape(-1, ne0)
+    if t == T.BF16:
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(-1, ne0)
+    return dequantize(raw, t, ne0).reshape(-1, ne0)
+
+
+def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=None, rows_per_chunk=None) -> np.ndarray:
+    """x float32 [nrows, ne0] -> uint8 [nrows, row_bytes]; rows in chunks over ``pool`` (NumPy and Numba release
+    the GIL). Every format's rows are independent, so the chunking does not change a byte."""
+    from ..ggml.quants_imatrix import quantize_weighted
+    nrows, ne0 = x.shape
+
+    def run(a, b):
+        if imatrix is not None:
+            return quantize_weighted(x[a:b], t, imatrix)
+        return quantize(x[a:b], t)
+    if t == T.F32:
+        return np.ascontiguousarray(x).view(np.uint8)
+    if pool is None or nrows < 2:
+        return run(0, nrows)
+    step = rows_per_chunk or max(1, -(-nrows // (4 * pool._max_workers)))
+    parts = list(pool.map(lambda a: run(a, min(nrows, a + step)), range(0, nrows, step)))
+    return np.concatenate(parts, axis=0)
+
+
+def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) -> QuantizeResult:
+    """llama_model_quantize: ``inp`` a GGUF path, ``out`` the path written (nothing with ``dry_run``). ``log(line)``
+    gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor."""
+    t0 = time.perf_counter()
+    r = GGUFReader(inp)
+    try:
+        return _quantize(r, out, params, log or (lambda s: None), progress, t0)
+    finally:
+        r.close()
+
+
+def _quantize(r: GGUFReader, out, params: QuantizeParams, log, progress, t0) -> QuantizeResult:
+    ftype = params.ftype
+    if ftype not in FTYPE_DEFAULT:
+        raise QuantizeError(f"invalid output file type {ftype}")
+    default_type = FTYPE_DEFAULT[ftype]
+    if params.only_copy:
+        ftype = int(r.get("general.file_type", F.F32))
+    if params.imatrix:
+        for k, v in params.imatrix.items():
+            if not np.isfinite(v).all():
+                raise QuantizeError(f"imatrix contains non-finite values ({k})")
+    w = GGUFWriter(None)
+    for k, v in r.metadata.items():
+        w.add(k, v, r.value_types[k])
+    from ..gguf.constants import GGUFValueType as VT
+
+    def set_val(key, value, vt):
+        w.kv = [kv for kv in w.kv if kv[0] != key]
+        w.add(key, value, vt)
+    set_val("general.quantization_version", GGML_QNT_VERSION, VT.UINT32)
+    set_val("general.file_type", ftype, VT.UINT32)
+    for key in ("split.no", "split.count", "split.tensors.count"):
+        w.kv = [kv for kv in w.kv if kv[0] != key]
+    for key, value, vt in params.kv_overrides:
+        set_val(key, value, vt)
+
+    names = weights_order(list(r.tensors))
+    qs = QuantizeState(r.metadata, params, names)
+    plan = []
+    for name in names:
+        ti = r.tensors[name]
+        ne = tuple(ti.ne)
+        allows = tensor_allows_quantization(params, qs.arch, name, ne)
+        new_type = tensor_get_type(qs, name, ti.type, ne, default_type) if allows else T(ti.type)
+        if not params.imatrix and allows and tensor_requires_imatrix(name, new_type, ftype) and not params.dry_run:
+            raise QuantizeError(f"this quantization requires an importance matrix (tensor {name}, "
+                                f"type {ggml_type_name(new_type)})")
+        plan.append((name, ti, ne, new_type))
+
+    nthread = params.nthread if params.nthread > 0 else (os.cpu_count() or 1)
+    pool = ThreadPoolExecutor(nthread) if nthread > 1 else None
+    types, size_org, size_new, n_el = {}, 0, 0, 0
+    try:
+        for i, (name, ti, ne, new_type) in enumerate(plan):
+            n_el += ti.n_elements
+            size_org += ti.nbytes
+            shape = "[" + ", ".join(f"{x:5d}" for x in (tuple(ne) + (1,) * 4)[:4]) + "]"
+            head = f"[{i + 1:4d}/{len(plan):4d}] {name:<36s} - {shape}, type = {ggml_type_name(ti.type):>6s}, "
+            ne_out = ne[:n_dims(ne)]
+            if new_type == ti.type:
+                log(head + f"size = {ti.nbytes / 1048576:8.3f} MiB")
+                if not params.dry_run:
+                    w.add_tensor_raw(name, ti.type, ne_out, ti.data)
+                size_new += ti.nbytes
+            else:
+                tt = TYPE_TRAITS[new_type]
+                nbytes = ti.n_elements // tt.blck_size * tt.type_size
+                if params.dry_run:
+                    size_new += nbytes
+                    log(head + f"size = {ti.nbytes / 1048576:8.2f} MiB -> {nbytes / 1048576:8.2f} MiB "
+                               f"({ggml_type_name(new_type)})")
+                    continue
+                if TYPE_TRAITS[ti.type].is_quantized and not params.allow_requantize:
+                    raise QuantizeError(f"requantizing from type {ggml_type_name(ti.type)} is disabled")
+                if new_type not in QUANTIZE_TYPES and new_type != T.F32:
+                    raise QuantizeError(f"quantizing to {ggml_type_name(new_type)} is not implemented in llampy")
+                im = _imatrix_for(params, name, ne, new_type, ftype)
+                data = _quantize_tensor(ti, ne, new_type, im, pool)
+                assert data.nbytes == nbytes
+                w.add_tensor_raw(name, new_type, ne_out, data)
+                size_new += nbytes
+                log(head + f"converting to {ggml_type_name(new_type)} .. size = {ti.nbytes / 1048576:8.2f} MiB -> "
+                           f"{nbytes / 1048576:8.2f} MiB")
+            types[name] = new_type
+            if progress:
+                progress(i + 1, len(plan), name)
+    finally:
+        if pool:
+            pool.shutdown()
+    for msg in qs.warnings:
+        log("warning: " + msg)
+    if not params.dry_run:
+        w.target = out
+        w.write()
+    return QuantizeResult(types, size_org, size_new, n_el, qs.n_fallback, time.perf_counter() - t0)
+
+
+def _imatrix_for(params, name, ne, new_type, ftype):
+    if not params.imatrix:
+        if tensor_requires_imatrix(name, new_type, ftype):
+            raise QuantizeError(f"Missing importance matrix for tensor {name} in a very low-bit quantization")
+        return None
+    v = params.imatrix.get(name)
+    n_expert = ne[2] if len(ne) > 2 else 1
+    if v is None or len(v) != ne[0] * n_expert:
+        if v is not None and name not in ("token_embd.weight", "per_layer_token_embd.weight"):
+            raise QuantizeError(f"imatrix size {len(v)} is different from tensor size {ne[0] * n_expert} for {name}")
+        if tensor_requires_imatrix(name, new_type, ftype):
+            raise QuantizeError(f"Missing importance matrix for tensor {name} in a very low-bit quantization")
+        return None
+    return np.asarray(v, np.float32).reshape(n_expert, ne[0])
+
+
+def _quantize_tensor(ti, ne, new_type, im, pool) -> np.ndarray:
+    ne0 = ne[0]
+    n_expert = 1
+    for x in ne[2:]:
+        n_expert *= x
+    rows_per_expert = ne[1] if len(ne) > 1 else 1
+    x = _rows_to_f32(ti.data, T(ti.type), ne0)
+    if im is None:
+        return quantize_rows(x, new_type, None, pool).reshape(-1)
+    parts = [quantize_rows(x[e * rows_per_expert:(e + 1) * rows_per_expert], new_type, im[e], pool)
+             for e in range(n_expert)]
+    return np.concatenate([p.reshape(-1) for p in parts])
