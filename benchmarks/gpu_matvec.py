@@ -1,5 +1,5 @@
 """The CUDA backend's decode kernel alone: GB/s of the Triton matvec per block format and launch shape, against
-the device's copy bandwidth, and whether a CUDA graph captures it.
+the device's copy bandwidth, and whether a CUDA graph captures it. Formats with a word-wide kernel (backend.WORD_KERNELS) get rows "words BN" timed beside.
 
     python benchmarks/gpu_matvec.py [--types Q4_K,Q4_0,Q8_0,Q6_K] [--shape 4096x4096]
 
@@ -22,6 +22,7 @@ def main(argv=None) -> int:
     import torch
     import triton
     from llampy.ggml.backends.cuda import kernels as K
+    from llampy.ggml.backends.cuda.backend import WORD_KERNELS
     from llampy.ggml.quants import quantize
     from llampy.ggml.quants_tables import kvalues_iq4nl
     from llampy.ggml.types import GGMLType, TYPE_TRAITS
@@ -79,7 +80,33 @@ def main(argv=None) -> int:
                         err = float((y - ref).abs().max() / ref.abs().max())
                         t_ms = triton.testing.do_bench(go, warmup=5, rep=30)
                         results.append((w.numel() / t_ms / 1e6, bn, bk, warps, split, t_ms * 1e3, err))
-        results.sort(reverse=True)
+        if t in WORD_KERNELS:          # the word-wide kernel, activations rounded first (as the backend runs it)
+            xr = torch.empty_like(x)
+            for bn in (1, 2, 4, 8, 16):
+                for warps in (2, 4, 8):
+                    for want in (0, 16, 32):
+                        nkb = k // 256
+                        split = 1 if want == 0 else max(1, min(nkb, want * nsm // ((n + bn - 1) // bn)))
+                        kc = (nkb + split - 1) // split * 256
+                        split = (k + kc - 1) // kc
+                        part = torch.empty((split, 1, n), dtype=torch.float32, device=dev)
+                        y = torch.empty((1, n), dtype=torch.float32, device=dev)
+
+                        def go_w():
+                            K.round_act[(1, k // 256)](x, xr, k, k, k, ACT=act, BK=256)
+                            WORD_KERNELS[t][((n + bn - 1) // bn, split)](w, xr, part, n, k, kc, sw, n, BN=bn,
+                                                                        num_warps=warps)
+                            torch.sum(part, dim=0, out=y)
+                        try:
+                            go_w()
+                            torch.cuda.synchronize()
+                        except Exception as e:
+                            print(f"{name} words BN={bn} warps={warps}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                            continue
+                        err = float((y - ref).abs().max() / ref.abs().max())
+                        t_ms = triton.testing.do_bench(go_w, warmup=5, rep=30)
+                        results.append((w.numel() / t_ms / 1e6, f"words {bn}", 256, warps, split, t_ms * 1e3, err))
+        results.sort(key=lambda r: -r[0])
         print(f"\n{name} {n}x{k} ({w.numel() / 2**20:.1f} MiB): best launch shapes")
         print("| GB/s | BN | BK | warps | splits | us | rel. err vs first |")
         print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -185,3 +185,27 @@ def test_split_k_sums_to_the_whole_product(t):
         part = torch.empty((split, 1, n), dtype=torch.float32, device=CUDA.dev)
         CUDA._matvec(w, rows(w), x, y, (8, 256, kc, split), part)
         np.testing.assert_allclose(y.cpu().numpy(), whole.cpu().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_word_kernel_splits_agree_with_the_value_rules():
+    """Q4_K's word-wide decode kernel, whole and split along K, gives the value-rule kernel's product."""
+    import torch
+    from llampy.ggml.backends.cuda.backend import WORD_KERNELS
+    from llampy.ggml.backends.cuda.buffer import rows
+    assert T.Q4_K in WORD_KERNELS
+    rng = np.random.default_rng(12)
+    n, k = 19, 1024
+    q = quantize(rng.standard_normal((n, k)).astype(np.float32), T.Q4_K)
+    w = Tensor(T.Q4_K, (k, n))
+    tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
+    tensor_set(w, q)
+    x = torch.tensor(rng.standard_normal((1, k)).astype(np.float32), device=CUDA.dev)
+    want = torch.empty((1, n), dtype=torch.float32, device=CUDA.dev)
+    CUDA._matvec(w, rows(w), x, want, (8, 256, k, 1))
+    xr = torch.empty_like(x)
+    for bn, kc in ((8, k), (4, 512), (16, 256)):
+        split = k // kc
+        y = torch.empty((1, n), dtype=torch.float32, device=CUDA.dev)
+        part = torch.empty((split, 1, n), dtype=torch.float32, device=CUDA.dev)
+        CUDA._matvec_words(w, rows(w), x, xr, y, (bn, 256, kc, split), part)
+        np.testing.assert_allclose(y.cpu().numpy(), want.cpu().numpy(), rtol=1e-5, atol=1e-5)

@@ -258,6 +258,26 @@ class CUDABackend(Backend):
         if split > 1:
             torch.sum(part, dim=0, out=y)
 
+    def _matvec_words(self, a: Tensor, w: torch.Tensor, x: torch.Tensor, xr: torch.Tensor, y: torch.Tensor, plan,
+                      part=None) -> None:
+        """One activation row through a word-wide kernel (WORD_KERNELS): x rounded into xr first, then the product.
+        Falls back to the value-rule kernel (with a warning, once per type) if this device cannot compile it."""
+        bn, _bk, kc, split = plan
+        kdim, n = a.ne[0], a.ne[1]
+        K.round_act[(1, triton_cdiv(kdim, 256))](x, xr, kdim, x.stride(0), xr.stride(0), ACT=_act(a.type), BK=256)
+        out = y if split == 1 else part
+        try:
+            WORD_KERNELS[a.type][(triton_cdiv(n, bn), split)](w, xr, out, n, kdim, kc, a.nb[1],
+                                                              out.stride(0) if split > 1 else 0, BN=bn)
+        except Exception as e:          # a compiler that refuses the kernel: the value rules still work
+            WORD_KERNELS.pop(a.type, None)
+            warnings.warn(f"cuda: the word-wide {a.type.name} kernel failed ({type(e).__name__}: {e}); using the "
+                          f"per-element one", RuntimeWarning, stacklevel=2)
+            self._matvec(a, w, x, y, plan, part)
+            return
+        if split > 1:
+            torch.sum(part, dim=0, out=y)
+
     def _round_act(self, a_type: GGMLType, x: torch.Tensor) -> torch.Tensor:
         """x [n, K] (float32, rows contiguous) rounded to a_type's dot type, as a new tensor."""
         act = _act(a_type)
@@ -267,6 +287,10 @@ class CUDABackend(Backend):
         kdim = x.shape[1]
         K.round_act[(x.shape[0], triton_cdiv(kdim, 256))](x, out, kdim, x.stride(0), out.stride(0), ACT=act, BK=256)
         return out
+
+
+# formats with a word-wide decode kernel for one activation row (kernels.matvec_<type>)
+WORD_KERNELS = {T.Q4_K: K.matvec_q4_k}
 
 
 def _act(t: GGMLType) -> int:
@@ -448,6 +472,8 @@ def b_mul_mat(be, node):
         use_mv = n_act <= MATVEC_MAX_COLS
         big = torch.float16 if be.dev.type == "cuda" else F32
         mv_plan = be._matvec_plan(a, n_act) if use_mv else None
+        words = use_mv and n_act == 1 and a.type in WORD_KERNELS and kdim % 256 == 0
+        xr = torch.empty((1, kdim), dtype=F32, device=be.dev) if words else None
         part = torch.empty((mv_plan[3], n_act, n_out), dtype=F32, device=be.dev) if use_mv and mv_plan[3] > 1 \
             else None
 
@@ -456,7 +482,10 @@ def b_mul_mat(be, node):
             x = x if x.dtype == F32 and x.is_contiguous() else _f(x).contiguous()
             if use_mv:
                 out = d2 if d2 is not None else torch.empty((n_act, n_out), dtype=F32, device=be.dev)
-                be._matvec(a, w, x, out, mv_plan, part)
+                if words and a.type in WORD_KERNELS:
+                    be._matvec_words(a, w, x, xr, out, mv_plan, part)
+                else:
+                    be._matvec(a, w, x, out, mv_plan, part)
             else:
                 wd = be._dequant(a, w, big)
                 out = torch.matmul(be._round_act(a.type, x).to(big), wd.t())

@@ -286,3 +286,61 @@ def dequant(w, idx, out, lut, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.con
         tl.store(dst, v.to(tl.float16), mask=m)
     else:
         tl.store(dst, v, mask=m)
+
+
+# ------------------------------------------------------------------------------------------------ word-wide decode
+# The value rules read bytes per element: simple, but a load per field per element. The word kernels below read a
+# block as the format lays it out — Q4_K's 128 nibble bytes as 32 aligned 32-bit words, its scales once per
+# 32-value group — and take the activations pre-rounded (``round_act``), so that each weight byte is loaded once.
+
+@triton.jit
+def _q4k_scales(base, G, MIN: tl.constexpr):
+    """Q4_K's 6-bit scales (MIN False) or mins of the groups G ([1, n] ints in 0..7) of the blocks at base ([BN, 1])."""
+    lo = G < 4
+    a = _u8(base, 4 + G)                                         # s[g]
+    b = _u8(base, 4 + G + 4)                                     # s[g + 4]
+    if MIN:
+        return tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
+    c = _u8(base, 4 + tl.where(lo, G, G - 4))                    # s[g - 4]
+    return tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
+
+
+@triton.jit
+def matvec_q4_k(w, x, y, N, K, KC, sw, ss, BN: tl.constexpr):
+    """y[s, r] = sum over the superblocks of split s of Q4_K row r times x (one activation row, already rounded to
+    Q8_K): per superblock, 32 words of nibbles, the group sums of q * x and of x, then d * scale and dmin * min."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rowp = w + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * sw          # [BN, 1]
+    wi = tl.arange(0, 32)
+    xo = 64 * (wi // 8) + 4 * (wi % 8)                                    # element of each word's first low nibble
+    ge = 2 * tl.arange(0, 4)[None, :]                                     # groups of the low nibbles (even)
+    acc = tl.zeros([BN], tl.float32)
+    for b0 in range(sp * (KC // 256), tl.minimum(sp * (KC // 256) + KC // 256, K // 256)):
+        base = rowp + b0 * 144
+        words = tl.load((base + 16 + 4 * wi[None, :]).to(tl.pointer_type(tl.int32)))      # [BN, 32]
+        xb = x + b0 * 256
+        p_lo = tl.zeros([BN, 32], tl.float32)
+        p_hi = tl.zeros([BN, 32], tl.float32)
+        s_lo = tl.zeros([32], tl.float32)
+        s_hi = tl.zeros([32], tl.float32)
+        for j in tl.static_range(4):
+            xl = tl.load(xb + xo + j)
+            xh = tl.load(xb + xo + 32 + j)
+            p_lo += ((words >> (8 * j)) & 15).to(tl.float32) * xl[None, :]
+            p_hi += ((words >> (8 * j + 4)) & 15).to(tl.float32) * xh[None, :]
+            s_lo += xl
+            s_hi += xh
+        g_lo = tl.sum(tl.reshape(p_lo, [BN, 4, 8]), axis=2)              # [BN, 4]: group 2c
+        g_hi = tl.sum(tl.reshape(p_hi, [BN, 4, 8]), axis=2)              # group 2c + 1
+        x_lo = tl.sum(tl.reshape(s_lo, [4, 8]), axis=1)[None, :]
+        x_hi = tl.sum(tl.reshape(s_hi, [4, 8]), axis=1)[None, :]
+        d = _f16(base, 0)                                                # [BN, 1]
+        dmin = _f16(base, 2)
+        sc = tl.sum(_q4k_scales(base, ge, False).to(tl.float32) * g_lo
+                    + _q4k_scales(base, ge + 1, False).to(tl.float32) * g_hi, axis=1)
+        mn = tl.sum(_q4k_scales(base, ge, True).to(tl.float32) * x_lo
+                    + _q4k_scales(base, ge + 1, True).to(tl.float32) * x_hi, axis=1)
+        acc += tl.reshape(d, [BN]) * sc - tl.reshape(dmin, [BN]) * mn
+    tl.store(y + sp * ss + rows, acc, mask=rows < N)
