@@ -49,3 +49,9 @@ def missing(what: str):
     if os.environ.get("CI"):
         pytest.fail(msg + " (CI must run the differential tests)")
     pytest.skip(msg)
+
+
+def llama_quantize() -> str | None:
+    """llama.cpp's llama-quantize (scripts/llamacpp.sh builds it beside the venv's python)."""
+    cands = [os.environ.get("LLAMPY_LLAMA_QUANTIZE", "")] + [os.path.join(d, "bin", "llama-quantize") for d in _venvs()]
+    return next((c for c in cands if c and os.access(c, os.X_OK)), None)

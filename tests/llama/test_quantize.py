@@ -1,0 +1,186 @@
+"""llampy quantize against llama-quantize, byte for byte, on small random-weight GGUFs (n_embd 256, so the 256-value
+k-quant blocks fit) and on the tiny llama fixture (n_embd 64: every k-quant falls back); with and without an imatrix.
+Plus the mixing rules on their own, and the imatrix formats."""
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from llampy.cli import main
+from llampy.gguf.constants import GGUFValueType as VT
+from llampy.gguf.reader import GGUFReader
+from llampy.gguf.writer import GGUFWriter
+from llampy.ggml.types import GGMLType as T
+from llampy.llama.imatrix import IMatrix, quantize_weights, read_imatrix, write_imatrix
+from llampy.llama.quant import QuantizeParams, QuantizeState, tensor_get_type, weights_order
+from tests import llamacpp
+from tests.paths import ROOT
+
+TINY = ROOT.parent / "shared" / "fixtures" / "tiny" / "llama-F32.gguf"
+
+
+def write_random_llama(path, n_embd=256, n_ff=512, n_layer=4, n_head=4, n_head_kv=1, n_vocab=512, seed=0,
+                       dtype=np.float32, tied=False):
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path)
+    w.add("general.architecture", "llama")
+    w.add("general.name", "random")
+    w.add("general.file_type", 0, VT.UINT32)
+    for k, v in (("block_count", n_layer), ("context_length", 256), ("embedding_length", n_embd),
+                 ("feed_forward_length", n_ff), ("attention.head_count", n_head),
+                 ("attention.head_count_kv", n_head_kv), ("vocab_size", n_vocab)):
+        w.add(f"llama.{k}", v, VT.UINT32)
+    w.add("llama.attention.layer_norm_rms_epsilon", 1e-5, VT.FLOAT32)
+    hd = n_embd // n_head
+
+    def t(name, *shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(dtype))
+    t("token_embd.weight", n_vocab, n_embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        t(f"blk.{i}.attn_q.weight", n_embd, n_embd)
+        t(f"blk.{i}.attn_k.weight", hd * n_head_kv, n_embd)
+        t(f"blk.{i}.attn_v.weight", hd * n_head_kv, n_embd)
+        t(f"blk.{i}.attn_output.weight", n_embd, n_embd)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        t(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    if not tied:
+        t("output.weight", n_vocab, n_embd)
+    w.write()
+
+
+def write_random_imatrix(model, path, seed=1):
+    r = GGUFReader(model)
+    rng = np.random.default_rng(seed)
+    im = IMatrix(datasets=["random.txt"], chunk_count=3, chunk_size=128)
+    for n, t in r.tensors.items():
+        if len(t.ne) >= 2 and n.startswith("blk."):
+            im.entries[n] = ((rng.random(t.ne[0]) * 5 + 0.1).astype(np.float32) * 384, np.array([384]))
+    r.close()
+    write_imatrix(path, im)
+
+
+def _reference(tool, args):
+    p = subprocess.run([tool, *args], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def _ours(args):
+    assert main(["quantize", "--progress", "off", *args]) == 0
+
+
+@pytest.fixture(scope="module")
+def tool():
+    t = llamacpp.llama_quantize()
+    if t is None:
+        llamacpp.missing("llama-quantize")
+    return t
+
+
+@pytest.fixture(scope="module")
+def rand_model(tmp_path_factory):
+    p = tmp_path_factory.mktemp("q") / "rand.gguf"
+    write_random_llama(p)
+    return p
+
+
+FAST = ["Q4_0", "Q5_1", "Q8_0", "Q4_K_M", "Q6_K", "F16", "BF16"]
+MORE = ["Q4_1", "Q5_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q5_K_S", "Q5_K_M", "IQ4_NL", "IQ4_XS",
+        "TQ1_0", "TQ2_0", "Q1_0", "Q2_0", "MXFP4_MOE", "F32", "COPY"]
+
+
+@pytest.mark.parametrize("ftype", FAST)
+def test_same_bytes_as_llama_quantize(tool, rand_model, tmp_path, ftype):
+    ref, ours = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    _reference(tool, [str(rand_model), str(ref), ftype, "2"])
+    _ours([str(rand_model), str(ours), ftype, "2"])
+    assert ours.read_bytes() == ref.read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ftype", MORE)
+def test_same_bytes_every_type(tool, rand_model, tmp_path, ftype):
+    ref, ours = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    _reference(tool, [str(rand_model), str(ref), ftype, "2"])
+    _ours([str(rand_model), str(ours), ftype, "2"])
+    assert ours.read_bytes() == ref.read_bytes()
+
+
+@pytest.mark.parametrize("opts", [["--pure"], ["--leave-output-tensor"], ["--output-tensor-type", "q8_0"],
+                                  ["--token-embedding-type", "q4_k", "--tensor-type", "ffn_down=q5_0"],
+                                  ["--override-kv", "general.name=str:renamed"]])
+def test_same_bytes_with_options(tool, rand_model, tmp_path, opts):
+    ref, ours = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    _reference(tool, [*opts, str(rand_model), str(ref), "Q4_K_M", "2"])
+    _ours([*opts, str(rand_model), str(ours), "Q4_K_M", "2"])
+    assert ours.read_bytes() == ref.read_bytes()
+
+
+def test_same_bytes_tiny_fixture_fallbacks(tool, tmp_path):
+    """n_embd 64: k-quants fall back to Q5_0/Q8_0, the tied output rule picks token_embd's type."""
+    ref, ours = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    _reference(tool, [str(TINY), str(ref), "Q4_K_M", "2"])
+    _ours([str(TINY), str(ours), "Q4_K_M", "2"])
+    assert ours.read_bytes() == ref.read_bytes()
+
+
+def test_same_bytes_from_f16_and_tied(tool, tmp_path):
+    src, ref, ours = tmp_path / "f16.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    write_random_llama(src, n_layer=2, dtype=np.float16, tied=True, seed=3)
+    _reference(tool, [str(src), str(ref), "Q5_K_M", "2"])
+    _ours([str(src), str(ours), "Q5_K_M", "2"])
+    assert ours.read_bytes() == ref.read_bytes()
+
+
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q5_0", "Q8_0"])
+def test_same_bytes_with_imatrix(tool, rand_model, tmp_path, ftype):
+    im, ref, ours = tmp_path / "im.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    write_random_imatrix(rand_model, im)
+    _reference(tool, ["--imatrix", str(im), str(rand_model), str(ref), ftype, "2"])
+    _ours(["--imatrix", str(im), str(rand_model), str(ours), ftype, "2"])
+    assert ours.read_bytes() == ref.read_bytes()
+    assert GGUFReader(ours).get("quantize.imatrix.entries_count") == 28
+
+
+# ------------------------------------------------------------------------------------------------ without llama.cpp
+
+def _types(names_ne, ftype, **kw):
+    meta = {"general.architecture": "llama", "llama.block_count": 8, "llama.attention.head_count": 32,
+            "llama.attention.head_count_kv": 8}
+    names = weights_order([n for n, _ in names_ne])
+    p = QuantizeParams(ftype=ftype, **kw)
+    qs = QuantizeState(meta, p, names)
+    from llampy.llama.quant import FTYPE_DEFAULT
+    ne = dict(names_ne)
+    return {n: tensor_get_type(qs, n, T.F32, ne[n], FTYPE_DEFAULT[ftype]) for n in names}
+
+
+def test_mixture_rules_q4_k_m():
+    names = [("token_embd.weight", (4096, 1000)), ("output.weight", (4096, 1000))]
+    for i in range(8):
+        names += [(f"blk.{i}.attn_v.weight", (4096, 1024)), (f"blk.{i}.ffn_down.weight", (11008 // 256 * 256, 4096)),
+                  (f"blk.{i}.attn_q.weight", (4096, 4096))]
+    t = _types(names, 15)
+    assert t["output.weight"] == T.Q6_K and t["token_embd.weight"] == T.Q4_K
+    # use_more_bits(i, 8): layers 0, 7 and every third from 1 + 2
+    assert [t[f"blk.{i}.ffn_down.weight"] for i in range(8)] == [T.Q6_K, T.Q4_K, T.Q4_K, T.Q6_K, T.Q4_K, T.Q4_K,
+                                                                 T.Q6_K, T.Q6_K]
+    assert t["blk.3.attn_q.weight"] == T.Q4_K
+
+
+def test_imatrix_roundtrip_and_normalisation(tmp_path):
+    im = IMatrix(datasets=["a.txt"], chunk_count=2, chunk_size=64)
+    im.entries["blk.0.ffn_down.weight"] = (np.arange(8, dtype=np.float32), np.array([4, 0]))
+    p = tmp_path / "im.gguf"
+    write_imatrix(p, im)
+    back = read_imatrix(p)
+    assert back.has_metadata and back.datasets == ["a.txt"] and back.chunk_count == 2 and back.chunk_size == 64
+    s, c = back.entries["blk.0.ffn_down.weight"]
+    assert s.tolist() == list(range(8)) and c.tolist() == [4, 0]
+    w = quantize_weights(back)["blk.0.ffn_down.weight"]
+    assert w.tolist() == [0, 0.25, 0.5, 0.75, 1, 1, 1, 1]   # an expert that saw no token weighs 1
