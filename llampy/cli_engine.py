@@ -27,6 +27,14 @@ def add_offload_args(p, default="auto") -> None:
                    help="REGEX=BUFTYPE: weights whose name matches go to CPU, CUDA0, ... (e.g. 'exps=CPU')")
 
 
+def add_lora_args(p) -> None:
+    """llama.cpp's LoRA flags (``llama.lora``)."""
+    p.add_argument("--lora", action="append", default=None, metavar="FNAME",
+                   help="a GGUF LoRA adapter applied at scale 1 (repeatable)")
+    p.add_argument("--lora-scaled", nargs=2, action="append", default=None, metavar=("FNAME", "SCALE"),
+                   help="a GGUF LoRA adapter applied at a scale (repeatable)")
+
+
 def offload_kw(args) -> dict:
     ts = getattr(args, "tensor_split", None)
     ngl = getattr(args, "n_gpu_layers", 0)
@@ -70,6 +78,7 @@ def add_engine_parsers(sub) -> None:
     g.add_argument("-j", "--json-schema", default=None, help="a JSON schema (JSON text) the output must match")
     g.add_argument("-jf", "--json-schema-file", default=None, help="a file holding a JSON schema")
     add_offload_args(p)
+    add_lora_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat with the model's template (terminal or pipe)")
@@ -82,6 +91,7 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("-t", "--threads", type=int, default=None)
     add_offload_args(p)
+    add_lora_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("warmup", help="compile ahead of time the kernels a model needs (reads its header only)")
@@ -102,8 +112,13 @@ def add_engine_parsers(sub) -> None:
 
     p = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     p.add_argument("model", nargs="?", default=None)
-    p.add_argument("-f", "--file", required=True)
+    p.add_argument("-f", "--file", default=None, help="the text (not needed with --kl-divergence)")
     p.add_argument("-c", "--ctx-size", type=int, default=512)
+    p.add_argument("--kl-divergence-base", default=None, metavar="FILE",
+                   help="alone: save the model's log-probabilities to FILE (llama-perplexity's format); with "
+                        "--kl-divergence: compare with those in FILE")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="KL divergence, Δp and top-token agreement against --kl-divergence-base")
     p.add_argument("-b", "--batch-size", type=int, default=None)
     p.add_argument("--chunks", type=int, default=None, help="stop after this many chunks")
     p.add_argument("--blas", action="store_true",
@@ -128,7 +143,13 @@ def add_engine_parsers(sub) -> None:
 
 def _load(args, **kw):
     from .llama.api import Llama
-    return Llama(args.model, n_threads=_threads(args), **offload_kw(args), **kw)
+    from .llama.lora import parse_lora_args
+    try:
+        loras = parse_lora_args(getattr(args, "lora", None), getattr(args, "lora_scaled", None))
+    except ValueError:
+        from .llama.lora import LoraError
+        raise LoraError(f"--lora-scaled: the scale must be a number, got {args.lora_scaled}") from None
+    return Llama(args.model, n_threads=_threads(args), lora_adapters=loras, **offload_kw(args), **kw)
 
 
 def _grammar(args):
@@ -255,7 +276,15 @@ def cmd_perplexity(args) -> int:
     from .llama.perplexity import perplexity
     from .models import resolve_model
     _threads(args)
+    if args.kl_divergence and not args.kl_divergence_base:
+        print("llampy: error: --kl-divergence needs --kl-divergence-base FILE", file=sys.stderr)
+        return 2
+    if not args.kl_divergence and not args.file:
+        print("llampy: error: -f/--file is required", file=sys.stderr)
+        return 2
     m = Model(resolve_model(args.model), n_threads=args.threads, **offload_kw(args))
+    if args.kl_divergence:
+        return _kl_divergence(m, args)
     with open(args.file, encoding="utf-8", errors="replace") as f:
         text = f.read()
     t0 = time.perf_counter()
@@ -263,10 +292,45 @@ def cmd_perplexity(args) -> int:
     def progress(i, n, ppl):
         print(f"[{i + 1}/{n}] {ppl:.4f}", file=sys.stderr, flush=True)
 
-    res = perplexity(m, text, n_ctx=args.ctx_size, n_batch=args.batch_size, max_chunks=args.chunks, progress=progress,
-                     fast=args.blas)
+    writer = None
+    if args.kl_divergence_base:
+        from .llama.kld import BaseWriter
+        vocab = m.vocab
+        add_bos = bool(vocab.add_bos and vocab.bos is not None)
+        tokens = vocab.tokenize(text, add_special=add_bos, parse_special=False)
+        n_chunk = len(tokens) // args.ctx_size
+        if args.chunks:
+            n_chunk = min(n_chunk, args.chunks)
+        writer = BaseWriter(args.kl_divergence_base, args.ctx_size, m.hparams.n_vocab, tokens, n_chunk)
+    try:
+        res = perplexity(m, text, n_ctx=args.ctx_size, n_batch=args.batch_size, max_chunks=args.chunks,
+                         progress=progress, fast=args.blas, on_logits=writer)
+    finally:
+        if writer:
+            writer.close()
     print(f"Final estimate: PPL = {res.ppl:.4f} ({len(res.chunks)} chunks, {res.n_scored} tokens scored, "
           f"{time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _kl_divergence(m, args) -> int:
+    from .llama.kld import CHUNK_HEADER, kl_divergence, read_base
+    try:
+        base = read_base(args.kl_divergence_base)
+    except (OSError, ValueError) as e:
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
+    print(CHUNK_HEADER)
+    try:
+        st = kl_divergence(m, base, n_batch=args.batch_size, max_chunks=args.chunks, fast=args.blas,
+                           on_line=lambda s: print(s, flush=True))
+    except ValueError as e:
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
+    print()
+    summary = st.summary()
+    if summary:
+        print(summary)
     return 0
 
 

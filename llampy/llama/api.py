@@ -15,6 +15,7 @@ from ..models import resolve_model
 from .batch import Batch
 from .context import Context, ContextError
 from .grammar import GrammarError, LlamaGrammar, constraint  # noqa: F401  (GrammarError, LlamaGrammar: public)
+from .lora import LoraAdapter
 from .model import Model
 
 
@@ -85,13 +86,16 @@ class Llama:
                  n_gpu_layers: int | str = 0, chat_template: str | None = None, n_seq_max: int = 1,
                  type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False,
                  tune_process: bool = True, vocab_only: bool = False, split_mode: str = "layer",
-                 tensor_split=None, main_gpu: int = 0, override_tensor=None):
+                 tensor_split=None, main_gpu: int = 0, override_tensor=None, lora_path: str | None = None,
+                 lora_scale: float = 1.0, lora_adapters=None):
         """``tune_process``: install llampy's process tuning (``llampy.tuning``: OpenMP spin, single-threaded
         OpenBLAS, Numba patches, graphs frozen out of the garbage collector) before loading; False leaves the
         process as it is, for a program that hosts llampy beside other work. ``vocab_only``: the vocabulary
         alone (tokenize, detokenize), from a GGUF of any architecture; no weights, no context. ``n_gpu_layers``,
         ``split_mode``, ``tensor_split``, ``main_gpu``, ``override_tensor``: offload to CUDA GPUs as llama.cpp's
-        -ngl/-sm/-ts/-mg/-ot (``llama.devices``; 'auto' fits what free memory holds)."""
+        -ngl/-sm/-ts/-mg/-ot (``llama.devices``; 'auto' fits what free memory holds). ``lora_path`` (scaled by
+        ``lora_scale``) and ``lora_adapters`` ((path, scale) pairs): GGUF LoRA adapters applied at run time
+        (``llama.lora``; ``set_lora_scales`` changes the scales later)."""
         from ..ggml.types import GGMLType
         if tune_process:
             from .. import tuning
@@ -109,6 +113,9 @@ class Llama:
         kt, vt = GGMLType[type_k.upper()], GGMLType[type_v.upper()]
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
                            type_k=kt, type_v=vt)
+        pairs = ([(lora_path, lora_scale)] if lora_path else []) + list(lora_adapters or [])
+        self.lora_adapters = [LoraAdapter(self.model, p) for p, _ in pairs]
+        self.ctx.set_loras([(ad, s) for ad, (_, s) in zip(self.lora_adapters, pairs)])
         self._embed_ctx = None
         self._embedding = embedding
         self._pooling = pooling
@@ -118,6 +125,15 @@ class Llama:
         self.verbose = verbose
 
     # ------------------------------------------------------------------ basics
+    def set_lora_scales(self, scales) -> None:
+        """New scales for the adapters loaded at creation (one per adapter, in order; 0 switches one off). The
+        cached prompt is dropped: its K/V were computed with the old scales."""
+        scales = [float(x) for x in scales]
+        if len(scales) != len(self.lora_adapters):
+            raise ValueError(f"{len(scales)} scales for {len(self.lora_adapters)} LoRA adapters")
+        self.ctx.set_loras([(ad, sc) for ad, sc in zip(self.lora_adapters, scales) if sc != 0.0])
+        self.reset()
+
     @property
     def n_ctx(self) -> int:
         return self.ctx.n_ctx

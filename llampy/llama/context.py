@@ -72,6 +72,18 @@ class Context:
         self._out_rows: dict[int, int] = {}   # batch index -> row of _logits/_embd
         self._seq_embd: dict[int, np.ndarray] = {}
         self._shift_graph = None
+        self.loras: list = []                 # (LoraAdapter, scale) pairs applied by every graph (set_loras)
+
+    def set_loras(self, loras) -> None:
+        """The LoRA adapters applied from the next decode on, as (LoraAdapter, scale) pairs (llama.cpp's
+        llama_set_adapters_lora); the graphs built for other adapters or scales are dropped."""
+        loras = [(ad, float(s)) for ad, s in loras]
+        if [(id(a), s) for a, s in loras] == [(id(a), s) for a, s in self.loras]:
+            return
+        self.loras = loras
+        for gc in self._graphs.values():
+            self.sched.forget(gc.graph)
+        self._graphs.clear()
 
     @property
     def n_vocab(self) -> int:
@@ -84,7 +96,8 @@ class Context:
         if gc is not None:
             self._graphs.move_to_end(key)
             return gc
-        gc = build_graph(self.model, self.kv, n_tokens, n_outputs, n_kv, self.embeddings)
+        gc = build_graph(self.model, self.kv, n_tokens, n_outputs, n_kv, self.embeddings,
+                         loras=self.loras)
         self.n_graph_builds += 1
         # Graphs live long and hold most of the process's Python objects (a server's ~15 graphs: every full
         # collection walked them, 70-140 ms in the middle of a decode step). With the process tuning installed they

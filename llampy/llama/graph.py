@@ -15,7 +15,8 @@ class GraphContext:
     """One forward graph for a micro-batch shape: ``n_tokens`` new tokens, ``n_outputs`` of them returning logits,
     attention over ``n_kv`` cache cells. Inputs are tensors set before each run (``inputs``)."""
 
-    def __init__(self, model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False):
+    def __init__(self, model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False, *,
+                 loras=()):
         self.model = model
         self.hp = model.hparams
         self.kv = kv
@@ -27,6 +28,8 @@ class GraphContext:
         self.inputs: dict[str, Tensor] = {}
         self.t_logits: Tensor | None = None
         self.t_embd: Tensor | None = None
+        # (LoraAdapter, scale) pairs: every product mm() builds gains their low-rank terms (llama/lora.py)
+        self.loras = list(loras)
 
     # ------------------------------------------------------------------ naming (llama.cpp's cb)
     def cb(self, t: Tensor, name: str, il: int = -1) -> Tensor:
@@ -42,7 +45,13 @@ class GraphContext:
     # -> [n_embd, n_tokens]
     def inp_embd(self, tok_embd: Tensor) -> Tensor:
         tokens = self._input("tokens", I32, self.n_tokens)
-        return self.cb(ops.get_rows(tok_embd, tokens), "inp_embd")
+        cur = ops.get_rows(tok_embd, tokens)
+        for ad, scale in self.loras:      # the embedding's pair is flipped: A's rows are indexed by token
+            lw = ad.get(tok_embd)
+            if lw is not None:
+                delta = ops.mul_mat(lw.b, ops.get_rows(lw.a, tokens))
+                cur = ops.add(cur, ops.scale(delta, lw.scale(ad.alpha, scale)))
+        return self.cb(cur, "inp_embd")
 
     def inp_pos(self) -> Tensor:
         return self._input("pos", I32, self.n_tokens)
@@ -75,8 +84,19 @@ class GraphContext:
         return cur
 
     def mm(self, w: Tensor, cur: Tensor, b: Tensor | None = None) -> Tensor:
-        cur = ops.mul_mat(w, cur)
+        cur = self.lora_mm(w, cur)
         return ops.add(cur, b) if b is not None else cur
+
+    # w: [n_in, n_out]  cur: [n_in, n_tokens]  ->  [n_out, n_tokens]: w @ cur plus each adapter's scaled B @ (A @ cur)
+    # (llama.cpp's build_lora_mm)
+    def lora_mm(self, w: Tensor, cur: Tensor) -> Tensor:
+        res = ops.mul_mat(w, cur)
+        for ad, scale in self.loras:
+            lw = ad.get(w)
+            if lw is not None:
+                ab = ops.mul_mat(lw.b, ops.mul_mat(lw.a, cur))
+                res = ops.add(res, ops.scale(ab, lw.scale(ad.alpha, scale)))
+        return res
 
     # gated FFN: down(act(gate(x)) * up(x)); without gate: down(act(up(x))). gate may be None with up holding
     # [gate | up] rows (phi3's fused ffn_up).
@@ -186,7 +206,8 @@ class GraphContext:
         return self.graph
 
 
-def build_graph(model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False) -> GraphContext:
-    g = GraphContext(model, kv, n_tokens, n_outputs, n_kv, embeddings)
+def build_graph(model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False, *,
+                loras=()) -> GraphContext:
+    g = GraphContext(model, kv, n_tokens, n_outputs, n_kv, embeddings, loras=loras)
     model.arch.build_graph(model, g)
     return g

@@ -31,14 +31,18 @@ def _nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def perplexity(model, text: str, n_ctx: int = 512, n_batch: int | None = None, max_chunks: int | None = None,
-               progress=None, fast: bool = False) -> PerplexityResult:
+               progress=None, fast: bool = False, tokens=None, on_logits=None) -> PerplexityResult:
     """``fast``: batched matrix products through the dequantize-and-BLAS path instead of the integer kernels (the
     mean log-likelihood moves by ~1e-3). It used to be the default; since the integer kernels' prompt tiles it is
     the slower of the two (seeds/003 at -c 256 -b 256: SmolLM2 7.1 s BLAS vs 4.6 s integer, Gemma 3 19.4 vs 17.3),
-    and the integer path is llama.cpp's arithmetic (SmolLM2 52.0295 vs llama.cpp's 52.0007; BLAS 51.9299)."""
+    and the integer path is llama.cpp's arithmetic (SmolLM2 52.0295 vs llama.cpp's 52.0007; BLAS 51.9299).
+
+    ``tokens``: score these instead of tokenizing ``text`` (the KL-divergence mode reads them from the base file).
+    ``on_logits(c, chunk_tokens, logits)``: each chunk's scored rows, float32 [n_ctx - 1 - n_ctx/2, n_vocab]."""
     vocab = model.vocab
     add_bos = bool(vocab.add_bos and vocab.bos is not None)
-    tokens = vocab.tokenize(text, add_special=add_bos, parse_special=False)
+    if tokens is None:
+        tokens = vocab.tokenize(text, add_special=add_bos, parse_special=False)
     n_chunk = len(tokens) // n_ctx
     if max_chunks:
         n_chunk = min(n_chunk, max_chunks)
@@ -51,13 +55,13 @@ def perplexity(model, text: str, n_ctx: int = 512, n_batch: int | None = None, m
         for b in model.backends:
             b.exact_max_rows = 16
     try:
-        return _run(model, ctx, tokens, n_chunk, n_ctx, n_batch, add_bos, vocab, progress)
+        return _run(model, ctx, tokens, n_chunk, n_ctx, n_batch, add_bos, vocab, progress, on_logits)
     finally:
         for b, v in zip(model.backends, saved):
             b.exact_max_rows = v
 
 
-def _run(model, ctx, tokens, n_chunk, n_ctx, n_batch, add_bos, vocab, progress) -> PerplexityResult:
+def _run(model, ctx, tokens, n_chunk, n_ctx, n_batch, add_bos, vocab, progress, on_logits=None) -> PerplexityResult:
     first = n_ctx // 2
     nll, count, chunks = 0.0, 0, []
     for c in range(n_chunk):
@@ -75,6 +79,8 @@ def _run(model, ctx, tokens, n_chunk, n_ctx, n_batch, add_bos, vocab, progress) 
             if b.logits.any():
                 rows = np.flatnonzero(b.logits)
                 logits[i0 + rows] = ctx.get_logits()
+        if on_logits:
+            on_logits(c, chunk, logits[first:n_ctx - 1])
         nll += float(_nll_rows(logits[first:n_ctx - 1], chunk[first + 1:n_ctx]).sum())
         count += n_ctx - 1 - first
         chunks.append(math.exp(nll / count))

@@ -1,0 +1,145 @@
+"""LoRA adapters applied at run time: against libllama applying the same adapters (llama_set_adapters_lora), and
+against a model whose weights hold the merged product W + s * B @ A."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llampy.ggml.types import GGMLType
+from llampy.gguf import GGUFReader, GGUFWriter
+from llampy.llama.api import Llama
+from llampy.llama.batch import Batch
+from llampy.llama.context import Context
+from llampy.llama.lora import LoraAdapter, LoraError
+from llampy.llama.model import Model
+
+from tests.paths import TINY
+
+TOKENS = [1, 5, 9, 13, 2, 7, 300, 4000, 17, 12]
+TARGETS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def random_pairs(model_path, rank: int, seed: int, std: float = 0.3, embd: bool = True) -> dict:
+    """{weight name: (A, B)} in NumPy order (A [rank, n_in], B [n_out, rank]; the token embedding's flipped:
+    A [n_vocab, rank], B [n_embd, rank]) for every targeted weight of the model."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    with GGUFReader(model_path) as r:
+        for name, t in r.tensors.items():
+            if name.split(".")[-2] in TARGETS and name.endswith(".weight"):
+                n_in, n_out = t.ne[0], t.ne[1]
+                out[name] = (rng.normal(0, std / np.sqrt(n_in), (rank, n_in)).astype(np.float32),
+                             rng.normal(0, 1.0 / np.sqrt(rank), (n_out, rank)).astype(np.float32))
+        if embd:
+            n_embd, n_vocab = r.tensors["token_embd.weight"].ne[:2]
+            out["token_embd.weight"] = (rng.normal(0, 0.02, (n_vocab, rank)).astype(np.float32),
+                                        rng.normal(0, 1.0, (n_embd, rank)).astype(np.float32))
+    return out
+
+
+def write_lora(path, arch: str, pairs: dict, alpha: float = 0.0, type=GGMLType.F32):
+    w = GGUFWriter(path)
+    w.add("general.architecture", arch)
+    w.add("general.type", "adapter")
+    w.add("adapter.type", "lora")
+    w.add("adapter.lora.alpha", float(alpha))
+    for name, (a, b) in pairs.items():
+        dt = np.float16 if type == GGMLType.F16 else np.float32
+        w.add_tensor(f"{name}.lora_a", a.astype(dt))
+        w.add_tensor(f"{name}.lora_b", b.astype(dt))
+    w.write()
+    return path
+
+
+def llampy_logits(model, loras=()) -> np.ndarray:
+    ctx = Context(model, n_ctx=64)
+    ctx.set_loras(loras)
+    ctx.decode(Batch.from_tokens(TOKENS, logits_all=True))
+    return np.array([ctx.get_logits_ith(i).copy() for i in range(len(TOKENS))])
+
+
+def test_two_adapters_match_libllama(tmp_path):
+    from tests.llamacpp_run import llamacpp_logits
+    src = TINY / "qwen2-Q8_0.gguf"
+    # no token_embd pair: with the head tied to the embedding libllama would apply it to the head too, flipped,
+    # and abort (ggml_can_mul_mat)
+    a1 = write_lora(tmp_path / "a1.gguf", "qwen2", random_pairs(src, 4, 1, embd=False), alpha=8.0)
+    a2 = write_lora(tmp_path / "a2.gguf", "qwen2", random_pairs(src, 2, 2, embd=False), type=GGMLType.F16)
+    model = Model(src)
+    loras = [(LoraAdapter(model, a1), 0.7), (LoraAdapter(model, a2), 1.5)]
+    ours = log_softmax(llampy_logits(model, loras))
+    ref = log_softmax(llamacpp_logits(src, TOKENS, [(a1, 0.7), (a2, 1.5)]))
+    base = log_softmax(llamacpp_logits(src, TOKENS))
+    assert np.abs(ref - base).max() > 1.0               # the adapters change the model a lot
+    top = np.argsort(-ref, axis=-1)[:, :10]
+    err = np.abs(np.take_along_axis(ours, top, -1) - np.take_along_axis(ref, top, -1)).max()
+    assert err <= 1e-3, f"max |dlogprob| over the top 10: {err:.2e}"
+
+
+def test_adapter_equals_merged_weights(tmp_path):
+    """llama-F32 with an adapter at scale s against the same model with W + s * alpha/rank * B @ A written into
+    its weights (the output head, tied to the embedding, is kept as it was)."""
+    src, rank, alpha, s = TINY / "llama-F32.gguf", 4, 6.0, 0.8
+    pairs = random_pairs(src, rank, 3)
+    path = write_lora(tmp_path / "a.gguf", "llama", pairs, alpha=alpha)
+    k = s * alpha / rank
+    with GGUFReader(src) as r:
+        w = GGUFWriter(tmp_path / "merged.gguf")
+        for key, v in r.metadata.items():
+            w.add(key, v, r.value_types[key])
+        for name in r.tensors:
+            arr = r.tensor_array(name).astype(np.float32)
+            if name in pairs:
+                a, b = pairs[name]
+                arr = arr + k * (a @ b.T if name == "token_embd.weight" else b @ a)
+            w.add_tensor(name, arr)
+        w.add_tensor("output.weight", r.tensor_array("token_embd.weight").copy())
+        w.write()
+    model = Model(src)
+    ours = llampy_logits(model, [(LoraAdapter(model, path), s)])
+    merged = llampy_logits(Model(tmp_path / "merged.gguf"))
+    base = llampy_logits(model)
+    assert np.abs(merged - base).max() > 1.0
+    np.testing.assert_allclose(ours, merged, atol=2e-3 * np.abs(merged).max())
+
+
+def test_llama_api_and_scales(tmp_path):
+    src = TINY / "qwen2-Q8_0.gguf"
+    path = write_lora(tmp_path / "a.gguf", "qwen2", random_pairs(src, 4, 5))
+    base = Llama(str(src), n_ctx=64, tune_process=False)
+    llm = Llama(str(src), n_ctx=64, tune_process=False, lora_path=str(path), lora_scale=0.5)
+    model = Model(src)
+    want = llampy_logits(model, [(LoraAdapter(model, path), 0.5)])
+
+    def last_logits(l):
+        l.reset()
+        l.ctx.decode(Batch.from_tokens(TOKENS))
+        return l.ctx.get_logits_ith(-1).copy()
+    np.testing.assert_array_equal(last_logits(llm), want[-1])
+    llm.set_lora_scales([0.0])
+    np.testing.assert_array_equal(last_logits(llm), last_logits(base))
+    with pytest.raises(ValueError):
+        llm.set_lora_scales([1.0, 2.0])
+
+
+def test_bad_adapters_are_refused(tmp_path):
+    src = TINY / "qwen2-Q8_0.gguf"
+    model = Model(src)
+    pairs = random_pairs(src, 4, 6, embd=False)
+    with pytest.raises(LoraError, match="adapter for 'llama'"):
+        LoraAdapter(model, write_lora(tmp_path / "arch.gguf", "llama", pairs))
+    bad = dict(pairs)
+    bad["blk.7.attn_q.weight"] = bad.pop("blk.0.attn_q.weight")
+    with pytest.raises(LoraError, match="does not exist in the base model"):
+        LoraAdapter(model, write_lora(tmp_path / "missing.gguf", "qwen2", bad))
+    a, b = pairs["blk.0.attn_q.weight"]
+    with pytest.raises(LoraError, match="incorrect shape"):
+        LoraAdapter(model, write_lora(tmp_path / "shape.gguf", "qwen2", {"blk.0.attn_q.weight": (a[:, :32], b)}))
+    with pytest.raises(LoraError, match="general.type"):
+        LoraAdapter(model, src)
