@@ -1,4 +1,5 @@
-"""``llampy quantize``: llama-quantize's arguments (tools/quantize/quantize.cpp) over ``llama.quant``."""
+"""``llampy quantize`` (llama-quantize's arguments, over ``llama.quant``) and ``llampy imatrix`` (llama-imatrix's
+importance matrix, over ``llama.imatrix``)."""
 from __future__ import annotations
 
 import os
@@ -31,6 +32,18 @@ def add_quant_parsers(sub) -> None:
                    help="progress bar on stderr (auto: when stderr is a terminal)")
     p.add_argument("args", nargs="+", metavar="model-f32.gguf [model-quant.gguf] type [nthreads]")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("imatrix", help="importance matrix for quantization (llama-imatrix's GGUF format)")
+    p.add_argument("model", nargs="?", default=None, help="GGUF path, or 'smollm2' (default) / 'gemma3'")
+    p.add_argument("-f", "--file", required=True, help="the calibration text")
+    p.add_argument("-o", "--output-file", default="imatrix.gguf")
+    p.add_argument("-c", "--ctx-size", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=None, help="stop after this many chunks")
+    p.add_argument("--process-output", action="store_true", help="collect data for output.weight too")
+    p.add_argument("--output-format", choices=["gguf", "dat"], default="gguf")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--progress", choices=["auto", "on", "off"], default="auto")
+    p.set_defaults(func=cmd_imatrix)
 
 
 def _parse_override(s: str):
@@ -158,3 +171,33 @@ class _bar:
         if self.drawn:
             sys.stderr.write("\n")
             self.drawn = False
+
+
+def cmd_imatrix(args) -> int:
+    from .llama.imatrix import compute_imatrix, write_imatrix, write_imatrix_legacy
+    from .llama.model import Model
+    from .models import resolve_model
+    if args.threads:
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(args.threads))
+    m = Model(resolve_model(args.model), n_threads=args.threads)
+    with open(args.file, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    bar = _bar(args.progress)
+    t0 = time.perf_counter()
+
+    def on_chunk(c, n, ppl):
+        if bar.on:
+            bar.update(c + 1, n, f"PPL {ppl:.4f}")
+        else:
+            print(f"[{c + 1}/{n}] {ppl:.4f}", file=sys.stderr, flush=True)
+    col, n_chunk, ppl = compute_imatrix(m, text, n_ctx=args.ctx_size, n_chunks=args.chunks,
+                                        process_output=args.process_output, on_chunk=on_chunk)
+    bar.close()
+    im = col.to_imatrix([args.file], n_chunk, args.ctx_size)
+    if args.output_format == "dat":
+        write_imatrix_legacy(args.output_file, im)
+    else:
+        write_imatrix(args.output_file, im)
+    print(f"Final estimate: PPL = {ppl:.4f}; {len(im.entries)} entries over {n_chunk} chunks written to "
+          f"{args.output_file} ({time.perf_counter() - t0:.1f} s)")
+    return 0

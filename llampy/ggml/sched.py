@@ -91,6 +91,9 @@ class Scheduler:
         self._last: SchedPlan | None = None
         self.cur_copy = 0
         self.n_replans = 0
+        # ggml_backend_sched_set_eval_callback: cb_eval(node, ask) -> bool. With ask=True it says whether it wants
+        # the node; if so it is called again with ask=False once the node is computed (its sources still alive)
+        self.cb_eval = None
 
     # ------------------------------------------------------------------ backend helpers (defaults for fakes)
     def _supports_op(self, b: int, node: Tensor) -> bool:
@@ -368,6 +371,9 @@ class Scheduler:
             if debug_alloc:
                 self._run_poisoning(sp, p)
                 continue
+            if self.cb_eval is not None:
+                self._run_observed(sp)
+                continue
             run = getattr(sp.backend, "graph_plan_compute", None)
             if run is not None and sp.plan is not sp.nodes:
                 run(sp.plan)
@@ -394,6 +400,22 @@ class Scheduler:
         cpy = getattr(dst_backend, "cpy_tensor", None)
         if cpy is None or not cpy(src, dst):
             tensor_copy(src, dst)
+
+    def _run_observed(self, sp: Split) -> None:
+        """With an eval callback: run up to each node it wants, then show it the node (ggml's sched compute with
+        callback_eval, which also splits the graph at the nodes the callback asks for)."""
+        cb, pending = self.cb_eval, []
+        for n in sp.nodes:
+            if n.op in VIEW_OPS:
+                continue
+            pending.append(n)
+            if cb(n, True):
+                sp.backend.graph_compute(pending)
+                pending = []
+                getattr(sp.backend, "synchronize", lambda: None)()
+                cb(n, False)
+        if pending:
+            sp.backend.graph_compute(pending)
 
     def _run_poisoning(self, sp: Split, p: SchedPlan) -> None:
         """Debug: run node by node; after each step, poison what died there in every buffer."""
