@@ -33,6 +33,18 @@ def cmd_gguf_split(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from .convert import ConvertError, convert_hf
+    log = (lambda s: print(s, file=sys.stderr)) if args.verbose else None
+    try:
+        out = convert_hf(args.model_dir, args.outfile, outtype=args.outtype, name=args.name, log=log)
+    except ConvertError as e:
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
+    print(f"llampy convert: wrote {out}", file=sys.stderr)
+    return 0
+
+
 def add_tool_parsers(sub) -> None:
     p = sub.add_parser("gguf-split", help="split a GGUF file in parts or merge the parts (llama-gguf-split)")
     op = p.add_mutually_exclusive_group()
@@ -47,3 +59,12 @@ def add_tool_parsers(sub) -> None:
     p.add_argument("input", metavar="GGUF_IN")
     p.add_argument("output", metavar="GGUF_OUT")
     p.set_defaults(func=cmd_gguf_split)
+
+    p = sub.add_parser("convert", help="a Hugging Face checkpoint (safetensors, config.json, tokenizer) to GGUF")
+    p.add_argument("model_dir", metavar="HF_DIR")
+    p.add_argument("outfile", metavar="OUT.gguf")
+    p.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
+                   help="type of the matrices (norms and biases stay F32); default f16")
+    p.add_argument("--name", default=None, help="general.name (default: the directory's name)")
+    p.add_argument("-v", "--verbose", action="store_true", help="one line per tensor")
+    p.set_defaults(func=cmd_convert)

@@ -1,0 +1,370 @@
+"""Hugging Face checkpoints (config.json, *.safetensors, tokenizer.json, tokenizer_config.json) to GGUF, with
+llama.cpp's tensor names, metadata keys and type rules (convert_hf_to_gguf.py and conversion/*.py), so that
+llama.cpp and llampy load the result.
+
+    convert_hf("SmolLM2-135M/", "out.gguf", outtype="q8_0")
+
+Architectures: LlamaForCausalLM (Q and K rows permuted back to ggml's rope layout), Qwen2ForCausalLM,
+Qwen3ForCausalLM. Tokenizers: byte-level BPE tokenizer.json (llama.cpp's "gpt2" model) with the pre-tokenizer
+named by llama.cpp's hash table, the special tokens, add_bos/add_eos and the chat template of
+tokenizer_config.json (or chat_template.jinja / chat_template.json).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..ggml.quants import quantize
+from ..ggml.types import GGMLType
+from ..gguf import GGUFWriter
+from ..gguf.constants import GGUFValueType as VT
+from .pretok_hashes import CHKTXT, PRE_BY_HASH
+
+
+class ConvertError(ValueError):
+    pass
+
+
+# llama.cpp's LlamaFileType for each --outtype, and the tensor type a matrix gets under it
+OUTTYPES = {"f32": (0, GGMLType.F32), "f16": (1, GGMLType.F16), "q8_0": (7, GGMLType.Q8_0),
+            "bf16": (32, GGMLType.BF16)}
+QUANT_VERSION = 2      # GGML_QNT_VERSION
+
+# HF name (after "model.layers.N.") -> GGUF name (after "blk.N."): llama.cpp's TensorNameMap for these families
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+
+
+# ---------------------------------------------------------------------------------------------- safetensors
+def read_safetensors(path) -> dict[str, np.ndarray]:
+    """name -> array (BF16 as float32) of a safetensors file: a u64 header length, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes. Memory-mapped."""
+    path = Path(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    n = int(raw[:8].view("<u8")[0])
+    if n > raw.size - 8:
+        raise ConvertError(f"{path}: safetensors header length {n} runs past the end of the file")
+    header = json.loads(bytes(raw[8:8 + n]).decode("utf-8"))
+    base = 8 + n
+    out = {}
+    for name in sorted(k for k in header if k != "__metadata__"):      # safe_open's key order
+        h = header[name]
+        dt = _ST_DTYPES.get(h["dtype"])
+        if dt is None:
+            raise ConvertError(f"{path}: tensor {name!r} has dtype {h['dtype']}, not a float type")
+        a, b = h["data_offsets"]
+        arr = raw[base + a:base + b].view(np.dtype(dt).newbyteorder("<")).reshape(h["shape"])
+        if h["dtype"] == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = arr
+    return out
+
+
+def _checkpoint_tensors(d: Path) -> dict[str, np.ndarray]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+    if not files:
+        raise ConvertError(f"{d}: no *.safetensors files")
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        out.update(read_safetensors(d / f))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """LlamaModel.permute: HF's rotate-half Q/K rows back to ggml's interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str | None:
+    """llama.cpp's name for an HF tensor name, or None when it is not one of the mapped tensors."""
+    stem, _, suffix = hf.rpartition(".")
+    if stem in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[stem]}.{suffix}"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"blk.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{suffix}"
+    return None
+
+
+def _tensor_type(name: str, data: np.ndarray, matrix_type: GGMLType) -> GGMLType:
+    """convert_hf_to_gguf's prepare_tensors: 1-D tensors and norms in F32, every other .weight in the file type;
+    a row that is not whole Q8_0 blocks falls back to F16."""
+    if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return GGMLType.F32
+    if matrix_type == GGMLType.Q8_0 and data.shape[-1] % 32:
+        return GGMLType.F16
+    return matrix_type
+
+
+def _encode(data: np.ndarray, t: GGMLType) -> np.ndarray:
+    x = np.asarray(data, np.float32)
+    if t == GGMLType.F32:
+        return x
+    if t == GGMLType.F16:
+        return np.asarray(data).astype(np.float16) if data.dtype == np.float16 else x.astype(np.float16)
+    q = quantize(x, t)
+    return q.view(np.uint16) if t == GGMLType.BF16 else q
+
+
+# ---------------------------------------------------------------------------------------------- vocabulary
+def _load_json(p: Path):
+    return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+
+
+def _looks_special(tok: str) -> bool:
+    """TextModel.does_token_look_special."""
+    return (tok in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (tok.startswith("<|") and tok.endswith("|>"))
+            or (tok.startswith("<｜") and tok.endswith("｜>")) or (tok.startswith("<unused") and tok.endswith(">")))
+
+
+def _pre_tokenizer(tok_path: Path) -> str:
+    """get_vocab_base_pre: the hash of CHKTXT's ids names the pre-tokenizer. llama.cpp's convert refuses an
+    unknown hash; we take a plain ByteLevel pre-tokenizer (GPT-2's regex) as 'gpt-2', anything else as 'default'
+    with a warning."""
+    from tokenizers import Tokenizer
+    ids = Tokenizer.from_file(str(tok_path)).encode(CHKTXT).ids
+    h = hashlib.sha256(str(ids).encode()).hexdigest()
+    pre = PRE_BY_HASH.get(h)
+    if pre is not None:
+        return pre
+    pt = (_load_json(tok_path) or {}).get("pre_tokenizer") or {}
+    if pt.get("type") == "ByteLevel" and pt.get("use_regex", True):
+        return "gpt-2"      # GPT-2's own regex, which llama.cpp implements as 'gpt-2'
+    warnings.warn(f"unknown BPE pre-tokenizer (hash {h}): written as 'default'", RuntimeWarning, stacklevel=3)
+    return "default"
+
+
+def vocab_metadata(d: Path, vocab_size: int | None) -> list[tuple[str, object, tuple]]:
+    """tokenizer.* keys of a byte-level BPE tokenizer.json (_set_vocab_gpt2 and gguf-py's SpecialVocab)."""
+    tj = _load_json(d / "tokenizer.json")
+    if tj is None:
+        raise ConvertError(f"{d}: no tokenizer.json (llampy converts byte-level BPE tokenizers only)")
+    model = tj.get("model", {})
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ConvertError(f"{d}: tokenizer.json is not a byte-level BPE tokenizer (SentencePiece-style tokenizers "
+                           f"are not converted yet)")
+    cfg = _load_json(d / "tokenizer_config.json") or {}
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {a["content"]: a for a in tj.get("added_tokens", [])}
+    for a in added.values():
+        vocab[a["content"]] = a["id"]
+    n = vocab_size or (max(vocab.values()) + 1)
+    if max(vocab.values()) >= n:
+        raise ConvertError(f"token id {max(vocab.values())} is beyond vocab_size {n}")
+    rev = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(n):
+        t = rev.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(5)                                    # UNUSED
+        elif t in added:
+            tokens.append(t)
+            types.append(3 if added[t].get("special") or _looks_special(t) else 4)    # CONTROL / USER_DEFINED
+        else:
+            tokens.append(t)
+            types.append(1)                                    # NORMAL
+    merges = model.get("merges") or []
+    if merges and isinstance(merges[0], list):
+        merges = [" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in pair)
+                  for pair in merges]
+    kv = [("tokenizer.ggml.model", "gpt2", (VT.STRING,)),
+          ("tokenizer.ggml.pre", _pre_tokenizer(d / "tokenizer.json"), (VT.STRING,)),
+          ("tokenizer.ggml.tokens", tokens, (VT.ARRAY, VT.STRING)),
+          ("tokenizer.ggml.token_type", np.array(types, np.int32), (VT.ARRAY, VT.INT32)),
+          ("tokenizer.ggml.merges", list(merges), (VT.ARRAY, VT.STRING))]
+    ids, add = _special_tokens(d, tj, cfg, added)
+    kv += [(f"tokenizer.ggml.{typ}_token_id", i, (VT.UINT32,)) for typ, i in ids.items()]
+    kv += [(f"tokenizer.ggml.add_{typ}_token", v, (VT.BOOL,)) for typ, v in add.items()]
+    tmpl = cfg.get("chat_template")
+    if tmpl is None and (d / "chat_template.jinja").is_file():
+        tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    elif tmpl is None and (d / "chat_template.json").is_file():
+        tmpl = (_load_json(d / "chat_template.json") or {}).get("chat_template")
+    if isinstance(tmpl, list):      # named templates: the default one goes to tokenizer.chat_template
+        named = {t["name"]: t["template"] for t in tmpl}
+        for name, t in named.items():
+            if name != "default":
+                kv.append((f"tokenizer.chat_template.{name}", t, (VT.STRING,)))
+        kv.append(("tokenizer.chat_templates", [k for k in named if k != "default"], (VT.ARRAY, VT.STRING)))
+        tmpl = named.get("default")
+    if isinstance(tmpl, str):
+        kv.append(("tokenizer.chat_template", tmpl, (VT.STRING,)))
+    return kv
+
+
+def _special_tokens(d: Path, tj: dict, cfg: dict, added: dict):
+    """SpecialVocab's reading: token ids of bos/eos/unk/sep/pad from tokenizer_config.json (matched against the
+    added tokens) or config.json, add_bos/add_eos from the post-processor and tokenizer_config.json."""
+    add: dict[str, bool] = {}
+    pp = tj.get("post_processor") or {}
+    for proc in pp.get("processors", [pp]) if pp else []:
+        kind = proc.get("type")
+        if kind == "ByteLevel":
+            add.setdefault("bos", False)
+            add.setdefault("eos", False)
+        elif kind == "TemplateProcessing":
+            single = proc.get("single", [])
+            bos = cfg.get("bos_token")
+            bos = bos.get("content") if isinstance(bos, dict) else bos
+            eos = cfg.get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if len(single) > 1:
+                first = single[0].get("SpecialToken", {}).get("id")
+                if first:
+                    add["bos"] = first == bos
+                last = single[-1].get("SpecialToken", {}).get("id")
+                if last:
+                    add["eos"] = last == eos
+            else:
+                add.setdefault("bos", False)
+                add.setdefault("eos", False)
+    ids: dict[str, int] = {}
+    for typ in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"):
+        v = cfg.get(f"add_{typ}_token")
+        if isinstance(v, bool) and typ not in add:
+            add[typ] = v
+        e = cfg.get(f"{typ}_token")
+        content = e.get("content") if isinstance(e, dict) else e
+        if isinstance(content, str) and content in added:
+            ids[typ] = added[content]["id"]
+    conf = _load_json(d / "config.json") or {}
+    for typ in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"):
+        v = conf.get(f"{typ}_token_id")
+        if typ not in ids and isinstance(v, int) and v >= 0:
+            ids[typ] = v
+    order = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+    return {k: ids[k] for k in order if k in ids}, {k: add[k] for k in order if k in add}
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> list[tuple[str, object, tuple]]:
+    """TextModel.set_gguf_parameters (and LlamaModel's additions) for these families."""
+    a, U32, F32 = arch, (VT.UINT32,), (VT.FLOAT32,)
+    kv = [(f"{a}.block_count", n_layer, U32)]
+    for key, hf in (("context_length", "max_position_embeddings"), ("embedding_length", "hidden_size"),
+                    ("feed_forward_length", "intermediate_size"), ("attention.head_count", "num_attention_heads"),
+                    ("attention.head_count_kv", "num_key_value_heads")):
+        if cfg.get(hf) is not None:
+            kv.append((f"{a}.{key}", int(cfg[hf]), U32))
+    rope = cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type == "linear" and rope.get("factor") is not None:
+        kv += [(f"{a}.rope.scaling.type", "linear", (VT.STRING,)), (f"{a}.rope.scaling.factor", float(rope["factor"]), F32)]
+    elif rope_type == "yarn" and rope.get("factor") is not None:
+        kv += [(f"{a}.rope.scaling.type", "yarn", (VT.STRING,)), (f"{a}.rope.scaling.factor", float(rope["factor"]), F32),
+               (f"{a}.rope.scaling.original_context_length", int(rope["original_max_position_embeddings"]), U32)]
+    elif rope_type not in (None, "default", "llama3"):
+        raise ConvertError(f"rope_scaling {rope_type!r} is not converted by llampy")
+    theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
+    if theta is not None:
+        kv.append((f"{a}.rope.freq_base", float(theta), F32))
+    if cfg.get("rms_norm_eps") is not None:
+        kv.append((f"{a}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]), F32))
+    if cfg.get("head_dim") is not None:
+        kv += [(f"{a}.attention.key_length", int(cfg["head_dim"]), U32),
+               (f"{a}.attention.value_length", int(cfg["head_dim"]), U32)]
+    kv.append(("general.file_type", file_type, U32))
+    if arch == "llama":
+        kv.append((f"{a}.vocab_size", int(cfg["vocab_size"]), U32))
+        kv.append((f"{a}.rope.dimension_count",
+                   int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]), U32))
+    return kv
+
+
+def _llama3_rope_factors(cfg: dict) -> np.ndarray | None:
+    """LlamaModel.generate_extra_tensors: rope_freqs for rope_scaling type llama3."""
+    rope = cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    base = cfg.get("rope_theta", 10000.0)
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_ctx = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            out.append(1)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None) -> Path:
+    """Writes the GGUF of the checkpoint in directory ``src`` to ``dst``; returns ``dst``."""
+    log = log or (lambda s: None)
+    d, dst = Path(src), Path(dst)
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {outtype!r}")
+    file_type, matrix_type = OUTTYPES[outtype]
+    cfg = _load_json(d / "config.json")
+    if cfg is None:
+        raise ConvertError(f"{d}: no config.json")
+    hf_arch = (cfg.get("architectures") or [None])[0]
+    arch = ARCHITECTURES.get(hf_arch)
+    if arch is None:
+        raise ConvertError(f"{d}: architecture {hf_arch!r} is not converted by llampy "
+                           f"(supported: {', '.join(ARCHITECTURES)})")
+    n_layer = int(cfg["num_hidden_layers"])
+    n_head = int(cfg["num_attention_heads"])
+    n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
+    tensors = _checkpoint_tensors(d)
+
+    w = GGUFWriter(dst)
+    w.add("general.architecture", arch)
+    w.add("general.type", "model")
+    w.add("general.name", name or d.resolve().name)
+    w.add("general.quantization_version", QUANT_VERSION, VT.UINT32)
+    for k, v, sig in _hparams_metadata(arch, cfg, n_layer, file_type):
+        w.add(k, v, sig)
+    for k, v, sig in vocab_metadata(d, cfg.get("vocab_size")):
+        w.add(k, v, sig)
+
+    factors = _llama3_rope_factors(cfg) if arch == "llama" else None
+    if factors is not None:
+        w.add_tensor("rope_freqs.weight", factors)
+    for hf, data in tensors.items():
+        if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        if re.search(r"\.rotary_emb\.inv_freq$", hf):
+            continue
+        gn = gguf_name(hf)
+        if gn is None:
+            raise ConvertError(f"{d}: cannot map tensor {hf!r} to a llama.cpp name")
+        if arch == "llama":
+            if hf.endswith(("q_proj.weight", "q_proj.bias")):
+                data = _permute(np.asarray(data), n_head)
+            elif hf.endswith(("k_proj.weight", "k_proj.bias")):
+                data = _permute(np.asarray(data), n_head_kv)
+        t = _tensor_type(gn, data, matrix_type)
+        w.add_tensor(gn, _encode(data, t), t)
+        log(f"{gn:32s} {str(data.dtype):8s} -> {t.name}, shape = {{{', '.join(map(str, reversed(data.shape)))}}}")
+    w.write()
+    return dst

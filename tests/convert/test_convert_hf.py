@@ -1,0 +1,213 @@
+"""llampy convert on tiny Hugging Face checkpoints written here (safetensors by hand, a BPE tokenizer.json trained
+with the tokenizers library): the file's metadata and vocabulary, logits against a NumPy forward pass written the
+way transformers computes these models, and libllama loading the file and agreeing with llampy."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from llampy.cli import main
+from llampy.ggml.types import GGMLType
+from llampy.gguf import GGUFReader
+from llampy.convert.hf import read_safetensors
+from llampy.llama.batch import Batch
+from llampy.llama.context import Context
+from llampy.llama.model import Model
+
+N_EMBD, N_HEAD, N_HEAD_KV, N_FF, N_LAYER = 64, 4, 2, 128, 2
+HEAD_DIM = N_EMBD // N_HEAD
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
+
+
+def write_safetensors(path, tensors: dict[str, np.ndarray], dtype: str = "F32"):
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        if dtype == "BF16":
+            raw = (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+        else:
+            raw = np.ascontiguousarray(a, {"F32": "<f4", "F16": "<f2"}[dtype]).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * ((-len(h)) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def write_tokenizer(d):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tr = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT] * 20 + ["Hello, world! 123 4567 ... ok?"] * 5, tr)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+        "add_bos_token": False, "chat_template": CHATML}))
+    return tok
+
+
+def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0):
+    d.mkdir(parents=True, exist_ok=True)
+    tok = write_tokenizer(d)
+    n_vocab = tok.get_vocab_size()
+    rng = np.random.default_rng(seed)
+
+    def lin(n_out, n_in):
+        return rng.normal(0, 1 / np.sqrt(n_in), (n_out, n_in)).astype(np.float32)
+    t = {"model.embed_tokens.weight": rng.normal(0, 0.5, (n_vocab, N_EMBD)).astype(np.float32),
+         "model.norm.weight": (1 + rng.normal(0, 0.1, N_EMBD)).astype(np.float32)}
+    if not tied:
+        t["lm_head.weight"] = lin(n_vocab, N_EMBD)
+    for il in range(N_LAYER):
+        p = f"model.layers.{il}."
+        t[p + "input_layernorm.weight"] = (1 + rng.normal(0, 0.1, N_EMBD)).astype(np.float32)
+        t[p + "post_attention_layernorm.weight"] = (1 + rng.normal(0, 0.1, N_EMBD)).astype(np.float32)
+        t[p + "self_attn.q_proj.weight"] = lin(N_HEAD * HEAD_DIM, N_EMBD)
+        t[p + "self_attn.k_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
+        t[p + "self_attn.v_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
+        t[p + "self_attn.o_proj.weight"] = lin(N_EMBD, N_HEAD * HEAD_DIM)
+        if arch == "qwen2":
+            for x, n in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
+                t[p + f"self_attn.{x}_proj.bias"] = rng.normal(0, 0.3, n * HEAD_DIM).astype(np.float32)
+        if arch == "qwen3":
+            t[p + "self_attn.q_norm.weight"] = (1 + rng.normal(0, 0.1, HEAD_DIM)).astype(np.float32)
+            t[p + "self_attn.k_norm.weight"] = (1 + rng.normal(0, 0.1, HEAD_DIM)).astype(np.float32)
+        t[p + "mlp.gate_proj.weight"] = lin(N_FF, N_EMBD)
+        t[p + "mlp.up_proj.weight"] = lin(N_FF, N_EMBD)
+        t[p + "mlp.down_proj.weight"] = lin(N_EMBD, N_FF)
+    if dtype == "BF16":     # the reference computes with what the file holds
+        t = {k: ((v.view(np.uint32) >> 16).astype(np.uint32) << 16).view(np.float32) for k, v in t.items()}
+    names = sorted(t)
+    half = len(names) // 2        # two shards with an index, as large checkpoints come
+    write_safetensors(d / "model-00001-of-00002.safetensors", {k: t[k] for k in names[:half]}, dtype)
+    write_safetensors(d / "model-00002-of-00002.safetensors", {k: t[k] for k in names[half:]}, dtype)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
+    cfg = {"architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "qwen3": "Qwen3ForCausalLM"}[arch]],
+           "hidden_size": N_EMBD, "intermediate_size": N_FF, "num_hidden_layers": N_LAYER,
+           "num_attention_heads": N_HEAD, "num_key_value_heads": N_HEAD_KV, "max_position_embeddings": 256,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": n_vocab, "tie_word_embeddings": tied,
+           "eos_token_id": 2}
+    if arch == "qwen3":
+        cfg["head_dim"] = HEAD_DIM
+    (d / "config.json").write_text(json.dumps(cfg))
+    return t, cfg, tok
+
+
+def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
+    """Logits [n_tokens, n_vocab] as transformers computes these models (rotate-half RoPE, GQA, SwiGLU), in
+    float64."""
+    w = {k: v.astype(np.float64) for k, v in t.items()}
+    eps = cfg["rms_norm_eps"]
+
+    def rms(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+    n = len(ids)
+    inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    ang = np.arange(n)[:, None] * inv[None, :]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rope(x):       # x [n, heads, head_dim]
+        x1, x2 = x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]
+        return x * cos[:, None] + np.concatenate([-x2, x1], -1) * sin[:, None]
+    h = w["model.embed_tokens.weight"][ids]
+    mask = np.triu(np.full((n, n), -np.inf), 1)
+    for il in range(N_LAYER):
+        p = f"model.layers.{il}."
+        x = rms(h, w[p + "input_layernorm.weight"])
+        proj = {}
+        for s, nh in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
+            y = x @ w[p + f"self_attn.{s}_proj.weight"].T + w.get(p + f"self_attn.{s}_proj.bias", 0)
+            proj[s] = y.reshape(n, nh, HEAD_DIM)
+        if arch == "qwen3":
+            proj["q"] = rms(proj["q"], w[p + "self_attn.q_norm.weight"])
+            proj["k"] = rms(proj["k"], w[p + "self_attn.k_norm.weight"])
+        q, k, v = rope(proj["q"]), rope(proj["k"]), proj["v"]
+        rep = N_HEAD // N_HEAD_KV
+        k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+        att = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(HEAD_DIM) + mask
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        o = np.einsum("hij,jhd->ihd", att, v).reshape(n, -1)
+        h = h + o @ w[p + "self_attn.o_proj.weight"].T
+        x = rms(h, w[p + "post_attention_layernorm.weight"])
+        g = x @ w[p + "mlp.gate_proj.weight"].T
+        u = x @ w[p + "mlp.up_proj.weight"].T
+        h = h + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+    h = rms(h, w["model.norm.weight"])
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return h @ head.T
+
+
+def llampy_logits(path, ids) -> np.ndarray:
+    m = Model(path)
+    ctx = Context(m, n_ctx=64)
+    ctx.decode(Batch.from_tokens(ids, logits_all=True))
+    return np.array([ctx.get_logits_ith(i).copy() for i in range(len(ids))])
+
+
+CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3", False, "F16", "f16")]
+
+
+@pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
+def test_converted_model_matches_transformers_math(tmp_path, arch, tied, dtype, outtype):
+    t, cfg, tok = make_checkpoint(tmp_path / "hf", arch, tied, dtype)
+    out = tmp_path / "out.gguf"
+    assert main(["convert", str(tmp_path / "hf"), str(out), "--outtype", outtype]) == 0
+    with GGUFReader(out) as r:
+        md = r.metadata
+        assert md["general.architecture"] == arch and md["tokenizer.ggml.model"] == "gpt2"
+        assert md["tokenizer.ggml.pre"] == "gpt-2" and md["tokenizer.chat_template"] == CHATML
+        assert md["tokenizer.ggml.eos_token_id"] == tok.token_to_id("<|im_end|>")
+        assert md["tokenizer.ggml.add_bos_token"] is False
+        assert ("output.weight" in r.tensors) == (not tied)
+        assert r.tensors["blk.0.attn_norm.weight"].type == GGMLType.F32
+        assert r.tensors["blk.0.ffn_down.weight"].type == GGMLType[outtype.upper()]
+    ids = tok.encode(TEXT).ids[:12]
+    m = Model(out)
+    assert m.vocab.tokenize(TEXT, add_special=True, parse_special=False) == tok.encode(TEXT).ids
+    assert m.vocab.tokenize("<|im_start|>user", add_special=False, parse_special=True)[0] == 1
+    ours = llampy_logits(out, ids)
+    ref = hf_forward(t, cfg, arch, ids)
+    tol = 2e-3 if outtype == "f32" else 3e-2
+    assert np.abs(ours - ref).max() <= tol * np.abs(ref).max(), np.abs(ours - ref).max()
+
+
+def test_outtypes_and_libllama(tmp_path):
+    from tests.llamacpp_run import llamacpp_logits
+    t, cfg, tok = make_checkpoint(tmp_path / "hf", "llama", True, "BF16", seed=1)
+    ids = tok.encode(TEXT).ids[:12]
+    ref = hf_forward(t, cfg, "llama", ids)
+    for outtype, tol in (("bf16", 3e-2), ("q8_0", 3e-2)):
+        out = tmp_path / f"{outtype}.gguf"
+        assert main(["convert", str(tmp_path / "hf"), str(out), "--outtype", outtype]) == 0
+        with GGUFReader(out) as r:
+            assert r.metadata["general.file_type"] == {"bf16": 32, "q8_0": 7}[outtype]
+            assert r.tensors["blk.1.attn_q.weight"].type == GGMLType[outtype.upper()]
+        ours = llampy_logits(out, ids)
+        assert np.abs(ours - ref).max() <= tol * np.abs(ref).max()
+        theirs = llamacpp_logits(out, ids)
+        assert np.abs(ours - theirs).max() <= 2e-3 * np.abs(theirs).max()
+
+
+def test_safetensors_reader_and_refusals(tmp_path):
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    write_safetensors(tmp_path / "x.safetensors", {"b": a, "a": a.T.copy()}, "BF16")
+    got = read_safetensors(tmp_path / "x.safetensors")
+    assert list(got) == ["a", "b"] and got["b"].dtype == np.float32
+    np.testing.assert_allclose(got["b"], a, rtol=1e-2)
+    make_checkpoint(tmp_path / "hf", "llama", True)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.gguf")]) == 1
