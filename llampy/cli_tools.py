@@ -34,10 +34,13 @@ def cmd_gguf_split(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .convert import ConvertError, convert_hf
+    from .convert import ConvertError, convert_hf, convert_peft_lora
     log = (lambda s: print(s, file=sys.stderr)) if args.verbose else None
     try:
-        out = convert_hf(args.model_dir, args.outfile, outtype=args.outtype, name=args.name, log=log)
+        if args.lora:
+            out = convert_peft_lora(args.model_dir, args.outfile, base=args.base, outtype=args.outtype, log=log)
+        else:
+            out = convert_hf(args.model_dir, args.outfile, outtype=args.outtype, name=args.name, log=log)
     except ConvertError as e:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
@@ -66,5 +69,9 @@ def add_tool_parsers(sub) -> None:
     p.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
                    help="type of the matrices (norms and biases stay F32); default f16")
     p.add_argument("--name", default=None, help="general.name (default: the directory's name)")
+    p.add_argument("--lora", action="store_true",
+                   help="HF_DIR is a PEFT LoRA adapter: write a GGUF LoRA (convert_lora_to_gguf.py)")
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="with --lora: the base model's directory (default: the adapter's base_model_name_or_path)")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per tensor")
     p.set_defaults(func=cmd_convert)

@@ -1,5 +1,6 @@
 """llama.cpp's table of BPE pre-tokenizers (convert_hf_to_gguf.py, get_vocab_base_pre): the SHA-256 of the
-token ids a tokenizer gives CHKTXT names the pre-tokenizer llama.cpp implements for it (tokenizer.ggml.pre)."""
+token ids a tokenizer gives CHKTXT names the pre-tokenizer llama.cpp implements for it (tokenizer.ggml.pre). A hash listed
+twice there keeps its last name, as that chain of ifs does."""
 
 CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 
@@ -30,10 +31,8 @@ PRE_BY_HASH = {
     "049ecf7629871e3041641907f3de7c733e4dbfdc736f57d882ba0b0845599754": "deepseek-llm",  # https://huggingface.co/deepseek-ai/deepseek-llm-7b-base
     "347715f544604f9118bb75ed199f68779f423cabb20db6de6f31b908d04d7821": "deepseek-coder",  # https://huggingface.co/deepseek-ai/deepseek-coder-6.7b-base
     "8aeee3860c56296a157a1fe2fad249ec40aa59b1bb5709f4ade11c4e6fe652ed": "falcon",  # https://huggingface.co/tiiuae/falcon-7b
-    "0876d13b50744004aa9aeae05e7b0647eac9d801b5ba4668afc01e709c15e19f": "bert-bge",  # https://huggingface.co/BAAI/bge-small-en-v1.5
     "9d032fcbd5501f4a38150912590928bfb36091efb5df11b8e2124b0390e3fb1e": "falcon3",  # https://huggingface.co/tiiuae/Falcon3-7B-Base
     "8e62295832751ca1e8f92f2226f403dea30dc5165e448b5bfa05af5340c64ec7": "bert-bge-large",  # https://huggingface.co/BAAI/bge-large-zh-v1.5
-    "b6dc8df998e1cfbdc4eac8243701a65afe638679230920b50d6f17d81c098166": "mpt",  # https://huggingface.co/mosaicml/mpt-7b
     "35d91631860c815f952d711435f48d356ebac988362536bed955d43bfa436e34": "starcoder",  # https://huggingface.co/bigcode/starcoder2-3b
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",  # https://huggingface.co/openai-community/gpt2
     "32d85c31273f8019248f2559fed492d929ea28b17e51d81d3bb36fff23ca72b3": "stablelm2",  # https://huggingface.co/stabilityai/stablelm-2-zephyr-1_6b

@@ -211,3 +211,45 @@ def test_safetensors_reader_and_refusals(tmp_path):
     cfg["architectures"] = ["MambaForCausalLM"]
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.gguf")]) == 1
+
+
+def test_peft_lora_matches_merged_weights_and_libllama(tmp_path):
+    """A PEFT adapter of the tiny llama (Q and K among its targets, whose rows the conversion permutes), converted
+    with --lora: llampy with the adapter against the NumPy forward pass on W + alpha/r * B @ A, and libllama."""
+    from llampy.llama.lora import LoraAdapter
+    from tests.llamacpp_run import llamacpp_logits
+    t, cfg, tok = make_checkpoint(tmp_path / "hf", "llama", False, seed=2)
+    r, alpha = 4, 6.0
+    rng = np.random.default_rng(9)
+    peft, merged = {}, dict(t)
+    for il in range(N_LAYER):
+        for mod in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"):
+            base = f"model.layers.{il}.{mod}.weight"
+            n_out, n_in = t[base].shape
+            a = rng.normal(0, 0.5 / np.sqrt(n_in), (r, n_in)).astype(np.float32)
+            b = rng.normal(0, 0.5, (n_out, r)).astype(np.float32)
+            peft[f"base_model.model.model.layers.{il}.{mod}.lora_A.weight"] = a
+            peft[f"base_model.model.model.layers.{il}.{mod}.lora_B.weight"] = b
+            merged[base] = t[base] + alpha / r * (b @ a)
+    (tmp_path / "lora").mkdir()
+    write_safetensors(tmp_path / "lora" / "adapter_model.safetensors", peft)
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": alpha, "base_model_name_or_path": str(tmp_path / "hf"),
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]}))
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "base.gguf"), "--outtype", "f32"]) == 0
+    assert main(["convert", "--lora", str(tmp_path / "lora"), str(tmp_path / "lora.gguf"), "--outtype", "f32"]) == 0
+    with GGUFReader(tmp_path / "lora.gguf") as rd:
+        assert rd.metadata["general.type"] == "adapter" and rd.metadata["adapter.lora.alpha"] == alpha
+        assert rd.tensors["blk.0.attn_q.weight.lora_a"].ne == (N_EMBD, r)
+        assert rd.tensors["blk.0.attn_q.weight.lora_b"].ne == (r, N_HEAD * HEAD_DIM)
+    ids = tok.encode(TEXT).ids[:12]
+    ref = hf_forward(merged, cfg, "llama", ids)
+    assert np.abs(ref - hf_forward(t, cfg, "llama", ids)).max() > 0.2 * np.abs(ref).max()
+    m = Model(tmp_path / "base.gguf")
+    ctx = Context(m, n_ctx=64)
+    ctx.set_loras([(LoraAdapter(m, tmp_path / "lora.gguf"), 1.0)])
+    ctx.decode(Batch.from_tokens(ids, logits_all=True))
+    ours = np.array([ctx.get_logits_ith(i).copy() for i in range(len(ids))])
+    assert np.abs(ours - ref).max() <= 2e-3 * np.abs(ref).max()
+    theirs = llamacpp_logits(tmp_path / "base.gguf", ids, [(tmp_path / "lora.gguf", 1.0)])
+    assert np.abs(ours - theirs).max() <= 2e-3 * np.abs(theirs).max()
