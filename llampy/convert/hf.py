@@ -5,7 +5,8 @@ llama.cpp and llampy load the result.
     convert_hf("SmolLM2-135M/", "out.gguf", outtype="q8_0")
 
 Architectures: LlamaForCausalLM (Q and K rows permuted back to ggml's rope layout), Qwen2ForCausalLM,
-Qwen3ForCausalLM; ``convert_peft_lora`` writes a PEFT LoRA adapter of such a model as a GGUF LoRA
+Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (norm weights + 1), Phi3ForCausalLM (fused QKV and
+gate+up; no long-context rope factors yet); ``convert_peft_lora`` writes a PEFT LoRA adapter of such a model as a GGUF LoRA
 (convert_lora_to_gguf.py). Tokenizers: byte-level BPE tokenizer.json (llama.cpp's "gpt2" model) with the pre-tokenizer
 named by llama.cpp's hash table, the special tokens, add_bos/add_eos and the chat template of
 tokenizer_config.json (or chat_template.jinja / chat_template.json).
@@ -47,7 +48,16 @@ LAYER_NAMES = {
 }
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# per-architecture renames on top of LAYER_NAMES: Gemma's four norms per block, Phi-3's fused projections
+ARCH_LAYER_NAMES = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+ARCH_LAYER_NAMES["gemma3"] = ARCH_LAYER_NAMES["gemma2"]
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
@@ -97,14 +107,16 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str | None:
+def gguf_name(hf: str, arch: str = "llama") -> str | None:
     """llama.cpp's name for an HF tensor name, or None when it is not one of the mapped tensors."""
     stem, _, suffix = hf.rpartition(".")
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{suffix}"
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"blk.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{suffix}"
+    if m:
+        names = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
+        if m.group(2) in names:
+            return f"blk.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     return None
 
 
@@ -291,7 +303,56 @@ def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> lis
         kv.append((f"{a}.vocab_size", int(cfg["vocab_size"]), U32))
         kv.append((f"{a}.rope.dimension_count",
                    int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]), U32))
-    return kv
+    elif arch == "gemma2":       # Gemma2Model.set_gguf_parameters replaces the generic keys
+        kv = [(f"{a}.{k}", v, sig) for k, v, sig in (
+            ("context_length", int(cfg["max_position_embeddings"]), U32),
+            ("embedding_length", int(cfg["hidden_size"]), U32), ("block_count", n_layer, U32),
+            ("feed_forward_length", int(cfg["intermediate_size"]), U32),
+            ("attention.head_count", int(cfg["num_attention_heads"]), U32),
+            ("attention.head_count_kv", int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]), U32),
+            ("attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]), F32),
+            ("attention.key_length", int(cfg["head_dim"]), U32), ("attention.value_length", int(cfg["head_dim"]), U32))]
+        kv.append(("general.file_type", file_type, U32))
+        kv += [(f"{a}.attn_logit_softcapping", float(cfg["attn_logit_softcapping"]), F32),
+               (f"{a}.final_logit_softcapping", float(cfg["final_logit_softcapping"]), F32),
+               (f"{a}.attention.sliding_window", int(cfg["sliding_window"]), U32)]
+    elif arch == "gemma3":       # Gemma3Model's defaults for keys its configs leave out
+        kv += [(f"{a}.context_length", int(cfg.get("max_position_embeddings", 131072)), U32),
+               (f"{a}.attention.head_count", int(cfg.get("num_attention_heads", 8)), U32),
+               (f"{a}.attention.layer_norm_rms_epsilon", float(cfg.get("rms_norm_eps", 1e-6)), F32),
+               (f"{a}.attention.key_length", int(cfg.get("head_dim", 256)), U32),
+               (f"{a}.attention.value_length", int(cfg.get("head_dim", 256)), U32),
+               (f"{a}.rope.freq_base", float(cfg.get("rope_theta", 1_000_000.0)), F32)]
+        if cfg.get("rope_local_base_freq") is not None:
+            kv.append((f"{a}.rope.freq_base_swa", float(cfg["rope_local_base_freq"]), F32))
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ConvertError("gemma3 has no attention soft-capping (attn_logit_softcapping is set)")
+        if cfg.get("final_logit_softcapping"):
+            kv.append((f"{a}.final_logit_softcapping", float(cfg["final_logit_softcapping"]), F32))
+        if cfg.get("sliding_window_pattern") != 1:
+            kv.append((f"{a}.attention.sliding_window", int(cfg["sliding_window"]), U32))
+        kv.append((f"{a}.attention.head_count_kv", int(cfg.get("num_key_value_heads", 4)), U32))
+    elif arch == "phi3":         # Phi3MiniModel.set_gguf_parameters
+        if (cfg.get("rope_scaling") or {}).get("long_factor"):
+            raise ConvertError("phi3 with long-context rope factors (rope_scaling.long_factor) is not converted yet")
+        n_embd, n_head = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        rope_dims = int(cfg.get("partial_rotary_factor", 1.0) * n_embd) // n_head
+        kv = [(f"{a}.{k}", v, sig) for k, v, sig in (
+            ("context_length", int(cfg["max_position_embeddings"]), U32),
+            ("rope.scaling.original_context_length",
+             int(cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"])), U32),
+            ("embedding_length", n_embd, U32), ("feed_forward_length", int(cfg["intermediate_size"]), U32),
+            ("block_count", n_layer, U32), ("attention.head_count", n_head, U32),
+            ("attention.head_count_kv", int(cfg.get("num_key_value_heads") or n_head), U32),
+            ("attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]), F32),
+            ("rope.dimension_count", rope_dims, U32), ("rope.freq_base", float(cfg.get("rope_theta", 10000.0)), F32))]
+        kv += [("general.file_type", file_type, U32),
+               (f"{a}.attention.sliding_window", int(cfg.get("sliding_window") or 0), U32)]
+    # gguf-py's writer keeps a key's first place and its last value when a key is added again
+    out: dict[str, tuple] = {}
+    for k, v, sig in kv:
+        out[k] = (v, sig)
+    return [(k, v, sig) for k, (v, sig) in out.items()]
 
 
 def _llama3_rope_factors(cfg: dict) -> np.ndarray | None:
@@ -351,12 +412,20 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
     factors = _llama3_rope_factors(cfg) if arch == "llama" else None
     if factors is not None:
         w.add_tensor("rope_freqs.weight", factors)
+    n_vocab_real = None
+    if arch == "gemma3":      # Gemma3Model drops the embedding's rows past the tokenizer's tokens
+        tj = _load_json(d / "tokenizer.json") or {}
+        n_vocab_real = len(tj.get("model", {}).get("vocab", {})) + len(tj.get("added_tokens", []))
     for hf, data in tensors.items():
-        if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+        if hf == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch in ("gemma2", "gemma3")):
             continue
         if re.search(r"\.rotary_emb\.inv_freq$", hf):
             continue
-        gn = gguf_name(hf)
+        gn = gguf_name(hf, arch)
+        if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
+            data = np.asarray(data, np.float32) + 1.0      # Gemma's RMSNorm multiplies by (1 + weight)
+        if n_vocab_real is not None and hf == "model.embed_tokens.weight":
+            data = data[:n_vocab_real]
         if gn is None:
             raise ConvertError(f"{d}: cannot map tensor {hf!r} to a llama.cpp name")
         if arch == "llama":
@@ -426,7 +495,7 @@ def convert_peft_lora(src, dst, base=None, outtype: str = "f16", log=None) -> Pa
         ab = pairs[hf]
         if set(ab) != {"A", "B"}:
             raise ConvertError(f"{d}: {hf} has lora_{'A' if 'A' not in ab else 'B'} missing")
-        gn = gguf_name(hf)
+        gn = gguf_name(hf, arch)
         if gn is None or gn.startswith(("token_embd", "output.")):
             raise ConvertError(f"{d}: cannot convert a LoRA of {hf!r}")
         a, b = np.asarray(ab["A"], np.float32), np.asarray(ab["B"], np.float32)

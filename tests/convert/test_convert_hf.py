@@ -1,6 +1,8 @@
 """llampy convert on tiny Hugging Face checkpoints written here (safetensors by hand, a BPE tokenizer.json trained
 with the tokenizers library): the file's metadata and vocabulary, logits against a NumPy forward pass written the
-way transformers computes these models, and libllama loading the file and agreeing with llampy."""
+way transformers computes these models, and libllama loading the file and agreeing with llampy. (The checkpoint's
+directory is never named after its architecture: libllama gives models named phi3 special-token rules that look
+up SentencePiece tokens.)"""
 from __future__ import annotations
 
 import json
@@ -55,6 +57,15 @@ def write_tokenizer(d):
     return tok
 
 
+GEMMA = ("gemma2", "gemma3")
+HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def n_layers(arch: str) -> int:
+    return 6 if arch == "gemma3" else N_LAYER     # gemma3: five sliding-window layers, then a global one
+
+
 def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0):
     d.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer(d)
@@ -63,26 +74,39 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
 
     def lin(n_out, n_in):
         return rng.normal(0, 1 / np.sqrt(n_in), (n_out, n_in)).astype(np.float32)
-    t = {"model.embed_tokens.weight": rng.normal(0, 0.5, (n_vocab, N_EMBD)).astype(np.float32),
-         "model.norm.weight": (1 + rng.normal(0, 0.1, N_EMBD)).astype(np.float32)}
+    one = 0.0 if arch in GEMMA else 1.0       # Gemma's norms hold weight - 1
+
+    def norm(n):
+        return (one + rng.normal(0, 0.1, n)).astype(np.float32)
+    t = {"model.embed_tokens.weight": rng.normal(0, 0.5 if arch not in GEMMA else 0.1, (n_vocab, N_EMBD)).astype(np.float32),
+         "model.norm.weight": norm(N_EMBD)}
     if not tied:
         t["lm_head.weight"] = lin(n_vocab, N_EMBD)
-    for il in range(N_LAYER):
+    for il in range(n_layers(arch)):
         p = f"model.layers.{il}."
-        t[p + "input_layernorm.weight"] = (1 + rng.normal(0, 0.1, N_EMBD)).astype(np.float32)
-        t[p + "post_attention_layernorm.weight"] = (1 + rng.normal(0, 0.1, N_EMBD)).astype(np.float32)
-        t[p + "self_attn.q_proj.weight"] = lin(N_HEAD * HEAD_DIM, N_EMBD)
-        t[p + "self_attn.k_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
-        t[p + "self_attn.v_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
+        t[p + "input_layernorm.weight"] = norm(N_EMBD)
+        t[p + "post_attention_layernorm.weight"] = norm(N_EMBD)
+        if arch in GEMMA:
+            t[p + "pre_feedforward_layernorm.weight"] = norm(N_EMBD)
+            t[p + "post_feedforward_layernorm.weight"] = norm(N_EMBD)
+        if arch == "phi3":
+            t[p + "self_attn.qkv_proj.weight"] = lin((N_HEAD + 2 * N_HEAD_KV) * HEAD_DIM, N_EMBD)
+        else:
+            t[p + "self_attn.q_proj.weight"] = lin(N_HEAD * HEAD_DIM, N_EMBD)
+            t[p + "self_attn.k_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
+            t[p + "self_attn.v_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
         t[p + "self_attn.o_proj.weight"] = lin(N_EMBD, N_HEAD * HEAD_DIM)
         if arch == "qwen2":
             for x, n in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
                 t[p + f"self_attn.{x}_proj.bias"] = rng.normal(0, 0.3, n * HEAD_DIM).astype(np.float32)
-        if arch == "qwen3":
-            t[p + "self_attn.q_norm.weight"] = (1 + rng.normal(0, 0.1, HEAD_DIM)).astype(np.float32)
-            t[p + "self_attn.k_norm.weight"] = (1 + rng.normal(0, 0.1, HEAD_DIM)).astype(np.float32)
-        t[p + "mlp.gate_proj.weight"] = lin(N_FF, N_EMBD)
-        t[p + "mlp.up_proj.weight"] = lin(N_FF, N_EMBD)
+        if arch in ("qwen3", "gemma3"):
+            t[p + "self_attn.q_norm.weight"] = norm(HEAD_DIM)
+            t[p + "self_attn.k_norm.weight"] = norm(HEAD_DIM)
+        if arch == "phi3":
+            t[p + "mlp.gate_up_proj.weight"] = lin(2 * N_FF, N_EMBD)
+        else:
+            t[p + "mlp.gate_proj.weight"] = lin(N_FF, N_EMBD)
+            t[p + "mlp.up_proj.weight"] = lin(N_FF, N_EMBD)
         t[p + "mlp.down_proj.weight"] = lin(N_EMBD, N_FF)
     if dtype == "BF16":     # the reference computes with what the file holds
         t = {k: ((v.view(np.uint32) >> 16).astype(np.uint32) << 16).view(np.float32) for k, v in t.items()}
@@ -92,14 +116,22 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
     write_safetensors(d / "model-00002-of-00002.safetensors", {k: t[k] for k in names[half:]}, dtype)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         k: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
-    cfg = {"architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                              "qwen3": "Qwen3ForCausalLM"}[arch]],
-           "hidden_size": N_EMBD, "intermediate_size": N_FF, "num_hidden_layers": N_LAYER,
+    cfg = {"architectures": [HF_ARCH[arch]],
+           "hidden_size": N_EMBD, "intermediate_size": N_FF, "num_hidden_layers": n_layers(arch),
            "num_attention_heads": N_HEAD, "num_key_value_heads": N_HEAD_KV, "max_position_embeddings": 256,
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": n_vocab, "tie_word_embeddings": tied,
            "eos_token_id": 2}
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma2", "gemma3"):
         cfg["head_dim"] = HEAD_DIM
+    if arch in GEMMA:
+        cfg.update(query_pre_attn_scalar=HEAD_DIM, sliding_window=4, hidden_activation="gelu_pytorch_tanh")
+    if arch == "gemma2":
+        cfg.update(attn_logit_softcapping=20.0, final_logit_softcapping=15.0)
+    if arch == "gemma3":
+        cfg.update(rope_theta=1_000_000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+                   final_logit_softcapping=None, attn_logit_softcapping=None)
+    if arch == "phi3":
+        cfg.update(original_max_position_embeddings=256, sliding_window=None)
     (d / "config.json").write_text(json.dumps(cfg))
     return t, cfg, tok
 
@@ -109,44 +141,74 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
     float64."""
     w = {k: v.astype(np.float64) for k, v in t.items()}
     eps = cfg["rms_norm_eps"]
+    gemma = arch in GEMMA
 
     def rms(x, g):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1 + g if gemma else g)
     n = len(ids)
-    inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
-    ang = np.arange(n)[:, None] * inv[None, :]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
 
-    def rope(x):       # x [n, heads, head_dim]
+    def rope(x, base):       # x [n, heads, head_dim], rotate-half
+        inv = 1.0 / base ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+        ang = np.arange(n)[:, None] * inv[None, :]
+        cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
         x1, x2 = x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]
         return x * cos[:, None] + np.concatenate([-x2, x1], -1) * sin[:, None]
-    h = w["model.embed_tokens.weight"][ids]
-    mask = np.triu(np.full((n, n), -np.inf), 1)
-    for il in range(N_LAYER):
+
+    def gelu_tanh(x):
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    h = w["model.embed_tokens.weight"][ids] * (np.sqrt(N_EMBD) if gemma else 1.0)
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    for il in range(n_layers(arch)):
         p = f"model.layers.{il}."
+        sliding = gemma and (il % 2 == 0 if arch == "gemma2" else (il + 1) % cfg["sliding_window_pattern"] != 0)
+        seen = (j <= i) & ((i - j < cfg["sliding_window"]) if sliding else True)
+        mask = np.where(seen, 0.0, -np.inf)
         x = rms(h, w[p + "input_layernorm.weight"])
         proj = {}
-        for s, nh in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
-            y = x @ w[p + f"self_attn.{s}_proj.weight"].T + w.get(p + f"self_attn.{s}_proj.bias", 0)
-            proj[s] = y.reshape(n, nh, HEAD_DIM)
-        if arch == "qwen3":
+        if arch == "phi3":
+            qkv = x @ w[p + "self_attn.qkv_proj.weight"].T
+            sizes = {"q": N_HEAD * HEAD_DIM, "k": N_HEAD_KV * HEAD_DIM, "v": N_HEAD_KV * HEAD_DIM}
+            parts = np.split(qkv, [sizes["q"], sizes["q"] + sizes["k"]], axis=-1)
+            proj = {s: y.reshape(n, -1, HEAD_DIM) for s, y in zip("qkv", parts)}
+        else:
+            for s, nh in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
+                y = x @ w[p + f"self_attn.{s}_proj.weight"].T + w.get(p + f"self_attn.{s}_proj.bias", 0)
+                proj[s] = y.reshape(n, nh, HEAD_DIM)
+        if arch in ("qwen3", "gemma3"):
             proj["q"] = rms(proj["q"], w[p + "self_attn.q_norm.weight"])
             proj["k"] = rms(proj["k"], w[p + "self_attn.k_norm.weight"])
-        q, k, v = rope(proj["q"]), rope(proj["k"]), proj["v"]
+        base = cfg["rope_local_base_freq"] if arch == "gemma3" and sliding else cfg["rope_theta"]
+        q, k, v = rope(proj["q"], base), rope(proj["k"], base), proj["v"]
         rep = N_HEAD // N_HEAD_KV
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-        att = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(HEAD_DIM) + mask
+        scale = cfg["query_pre_attn_scalar"] ** -0.5 if gemma else HEAD_DIM ** -0.5
+        att = np.einsum("ihd,jhd->hij", q, k) * scale
+        if cfg.get("attn_logit_softcapping"):
+            att = np.tanh(att / cfg["attn_logit_softcapping"]) * cfg["attn_logit_softcapping"]
+        att = att + mask
         att = np.exp(att - att.max(-1, keepdims=True))
         att /= att.sum(-1, keepdims=True)
-        o = np.einsum("hij,jhd->ihd", att, v).reshape(n, -1)
-        h = h + o @ w[p + "self_attn.o_proj.weight"].T
-        x = rms(h, w[p + "post_attention_layernorm.weight"])
-        g = x @ w[p + "mlp.gate_proj.weight"].T
-        u = x @ w[p + "mlp.up_proj.weight"].T
-        h = h + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+        o = np.einsum("hij,jhd->ihd", att, v).reshape(n, -1) @ w[p + "self_attn.o_proj.weight"].T
+        if gemma:
+            o = rms(o, w[p + "post_attention_layernorm.weight"])
+            h = h + o
+            x = rms(h, w[p + "pre_feedforward_layernorm.weight"])
+        else:
+            h = h + o
+            x = rms(h, w[p + "post_attention_layernorm.weight"])
+        if arch == "phi3":
+            g, u = np.split(x @ w[p + "mlp.gate_up_proj.weight"].T, 2, axis=-1)
+        else:
+            g, u = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        act = gelu_tanh(g) if gemma else g / (1 + np.exp(-g))
+        y = (act * u) @ w[p + "mlp.down_proj.weight"].T
+        h = h + (rms(y, w[p + "post_feedforward_layernorm.weight"]) if gemma else y)
     h = rms(h, w["model.norm.weight"])
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    return h @ head.T
+    logits = h @ head.T
+    if cfg.get("final_logit_softcapping"):
+        logits = np.tanh(logits / cfg["final_logit_softcapping"]) * cfg["final_logit_softcapping"]
+    return logits
 
 
 def llampy_logits(path, ids) -> np.ndarray:
@@ -156,7 +218,8 @@ def llampy_logits(path, ids) -> np.ndarray:
     return np.array([ctx.get_logits_ith(i).copy() for i in range(len(ids))])
 
 
-CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3", False, "F16", "f16")]
+CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3", False, "F16", "f16"),
+         ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32")]
 
 
 @pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
@@ -181,6 +244,9 @@ def test_converted_model_matches_transformers_math(tmp_path, arch, tied, dtype, 
     ref = hf_forward(t, cfg, arch, ids)
     tol = 2e-3 if outtype == "f32" else 3e-2
     assert np.abs(ours - ref).max() <= tol * np.abs(ref).max(), np.abs(ours - ref).max()
+    from tests.llamacpp_run import llamacpp_logits      # last: it skips without llama.cpp's build
+    theirs = llamacpp_logits(out, ids)
+    assert np.abs(ours - theirs).max() <= 2e-3 * np.abs(theirs).max()
 
 
 def test_outtypes_and_libllama(tmp_path):
