@@ -64,3 +64,31 @@ def llamacpp_logits(model, tokens: list[int], loras=(), n_ctx: int = 256) -> np.
         res = json.loads(r.stdout.strip().splitlines()[-1])
         assert "error" not in res, f"libllama: {res['error']}\n{r.stderr[-3000:]}"
         return np.load(out)
+
+
+_TOKENIZE = r'''
+import json, sys
+import llama_cpp as L
+L.llama_backend_init()
+req = json.load(sys.stdin)
+mp = L.llama_model_default_params(); mp.vocab_only = True
+model = L.llama_model_load_from_file(req["model"].encode(), mp)
+vocab = L.llama_model_get_vocab(model)
+out = []
+for t in req["texts"]:
+    b = t.encode("utf-8"); n = 2 * len(b) + 8; buf = (L.llama_token * n)()
+    r = L.llama_tokenize(vocab, b, len(b), buf, n, req["add_special"], req["parse_special"])
+    out.append(list(buf[:r]))
+json.dump(out, sys.stdout)
+'''
+
+
+def llamacpp_tokenize(model, texts: list[str], add_special: bool = True, parse_special: bool = False) -> list:
+    """libllama's token ids for each text (llama_tokenize on a vocab-only load)."""
+    py = llamacpp.python()
+    if py is None:
+        llamacpp.missing("a Python with llama_cpp")
+    req = {"model": str(model), "texts": texts, "add_special": add_special, "parse_special": parse_special}
+    r = subprocess.run([py, "-c", _TOKENIZE], input=json.dumps(req), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

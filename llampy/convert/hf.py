@@ -6,16 +6,20 @@ llama.cpp and llampy load the result.
 
 Architectures: LlamaForCausalLM (Q and K rows permuted back to ggml's rope layout), Qwen2ForCausalLM,
 Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (norm weights + 1), Phi3ForCausalLM (fused QKV and
-gate+up; no long-context rope factors yet); ``convert_peft_lora`` writes a PEFT LoRA adapter of such a model as a GGUF LoRA
-(convert_lora_to_gguf.py). Tokenizers: byte-level BPE tokenizer.json (llama.cpp's "gpt2" model) with the pre-tokenizer
-named by llama.cpp's hash table, the special tokens, add_bos/add_eos and the chat template of
-tokenizer_config.json (or chat_template.jinja / chat_template.json).
+gate+up; no long-context rope factors yet). ``convert_peft_lora`` writes a PEFT LoRA adapter of such a model as a
+GGUF LoRA (convert_lora_to_gguf.py).
+
+Tokenizers: a SentencePiece tokenizer.model (llama.cpp's "llama" model; the protobuf is read directly), else a
+byte-level BPE tokenizer.json (llama.cpp's "gpt2" model, the pre-tokenizer named by llama.cpp's hash table); with
+the special tokens, add_bos/add_eos and the chat template of tokenizer_config.json (or chat_template.jinja /
+chat_template.json).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import struct
 import warnings
 from pathlib import Path
 
@@ -210,6 +214,108 @@ def vocab_metadata(d: Path, vocab_size: int | None) -> list[tuple[str, object, t
     ids, add = _special_tokens(d, tj, cfg, added)
     kv += [(f"tokenizer.ggml.{typ}_token_id", i, (VT.UINT32,)) for typ, i in ids.items()]
     kv += [(f"tokenizer.ggml.add_{typ}_token", v, (VT.BOOL,)) for typ, v in add.items()]
+    kv += _chat_template(d, cfg)
+    return kv
+
+
+def _spm_pieces(path: Path) -> list[tuple[str, float, int]]:
+    """(piece, score, type) of a SentencePiece model file: ModelProto's repeated field 1, each a message of
+    piece (1, string), score (2, float) and type (3, enum; NORMAL when absent), read from the protobuf wire format
+    directly."""
+    buf = path.read_bytes()
+
+    def varint(b, i):
+        v = shift = 0
+        while True:
+            if i >= len(b):
+                raise ConvertError(f"{path}: truncated protobuf")
+            c = b[i]
+            i += 1
+            v |= (c & 0x7F) << shift
+            shift += 7
+            if c < 0x80:
+                return v, i
+
+    def fields(b):
+        i = 0
+        while i < len(b):
+            key, i = varint(b, i)
+            fn, wt = key >> 3, key & 7
+            if wt == 0:
+                v, i = varint(b, i)
+            elif wt == 1:
+                v, i = b[i:i + 8], i + 8
+            elif wt == 2:
+                n, i = varint(b, i)
+                v, i = b[i:i + n], i + n
+            elif wt == 5:
+                v, i = b[i:i + 4], i + 4
+            else:
+                raise ConvertError(f"{path}: unsupported protobuf wire type {wt}")
+            yield fn, wt, v
+    out = []
+    for fn, wt, v in fields(buf):
+        if fn == 1 and wt == 2:
+            piece, score, typ = "", 0.0, 1
+            for f2, w2, v2 in fields(v):
+                if f2 == 1 and w2 == 2:
+                    piece = v2.decode("utf-8")
+                elif f2 == 2 and w2 == 5:
+                    score = struct.unpack("<f", v2)[0]
+                elif f2 == 3 and w2 == 0:
+                    typ = v2
+            out.append((piece, score, typ))
+    if not out:
+        raise ConvertError(f"{path}: no pieces: not a SentencePiece model")
+    return out
+
+
+def spm_vocab_metadata(d: Path, vocab_size: int | None, arch: str) -> list[tuple[str, object, tuple]]:
+    """tokenizer.* keys of a SentencePiece tokenizer.model (_create_vocab_sentencepiece and SpecialVocab):
+    llama.cpp's "llama" tokenizer with pieces, scores and types; added_tokens.json and tokenizer_config.json's
+    added_tokens_decoder override their ids."""
+    pieces = _spm_pieces(d / "tokenizer.model")
+    n = vocab_size or len(pieces)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    scores = [-10000.0] * n
+    types = [5] * n
+    for i, (piece, score, typ) in enumerate(pieces[:n]):
+        # the processor's IsUnknown/IsControl/IsUnused/IsByte; any other type (USER_DEFINED too) is NORMAL
+        tokens[i], scores[i], types[i] = piece, score, typ if typ in (2, 3, 5, 6) else 1
+    for key, i in (_load_json(d / "added_tokens.json") or {}).items():
+        if i < n:
+            tokens[i], scores[i], types[i] = key, -1000.0, 4
+    cfg = _load_json(d / "tokenizer_config.json") or {}
+    for i, data in (cfg.get("added_tokens_decoder") or {}).items():
+        i, tok = int(i), data["content"]
+        if i >= n:
+            continue
+        if data.get("special") or _looks_special(tok):
+            types[i] = 3
+        else:
+            tok = tok.replace("\u2581", " ")
+            types[i] = 4
+        tokens[i], scores[i] = tok, -1000.0
+    kv = [("tokenizer.ggml.model", "llama", (VT.STRING,)), ("tokenizer.ggml.pre", "default", (VT.STRING,)),
+          ("tokenizer.ggml.tokens", tokens, (VT.ARRAY, VT.STRING)),
+          ("tokenizer.ggml.scores", np.array(scores, np.float32), (VT.ARRAY, VT.FLOAT32)),
+          ("tokenizer.ggml.token_type", np.array(types, np.int32), (VT.ARRAY, VT.INT32))]
+    tj = _load_json(d / "tokenizer.json") or {}
+    added = {t: {"id": i} for i, t in enumerate(tokens) if types[i] in (2, 3, 4)}
+    added.update({a["content"]: a for a in tj.get("added_tokens", [])})
+    ids, add = _special_tokens(d, tj, cfg, added)
+    kv += [(f"tokenizer.ggml.{typ}_token_id", i, (VT.UINT32,)) for typ, i in ids.items()]
+    kv += [(f"tokenizer.ggml.add_{typ}_token", v, (VT.BOOL,)) for typ, v in add.items()]
+    kv += _chat_template(d, cfg)
+    if arch in ("gemma2", "gemma3"):
+        kv.append(("tokenizer.ggml.add_space_prefix", False, (VT.BOOL,)))
+    elif isinstance(cfg.get("add_prefix_space"), bool):
+        kv.append(("tokenizer.ggml.add_space_prefix", cfg["add_prefix_space"], (VT.BOOL,)))
+    return kv
+
+
+def _chat_template(d: Path, cfg: dict) -> list[tuple[str, object, tuple]]:
+    kv = []
     tmpl = cfg.get("chat_template")
     if tmpl is None and (d / "chat_template.jinja").is_file():
         tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
@@ -406,7 +512,12 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
     w.add("general.quantization_version", QUANT_VERSION, VT.UINT32)
     for k, v, sig in _hparams_metadata(arch, cfg, n_layer, file_type):
         w.add(k, v, sig)
-    for k, v, sig in vocab_metadata(d, cfg.get("vocab_size")):
+    vocab = vocab_metadata
+    if (d / "tokenizer.model").is_file():
+        tc = _load_json(d / "tokenizer_config.json") or {}
+        if not (arch == "phi3" and tc.get("tokenizer_class") == "GPT2Tokenizer"):
+            vocab = lambda d, n: spm_vocab_metadata(d, n, arch)    # noqa: E731  (llama.cpp tries SentencePiece first)
+    for k, v, sig in vocab(d, cfg.get("vocab_size")):
         w.add(k, v, sig)
 
     factors = _llama3_rope_factors(cfg) if arch == "llama" else None

@@ -319,3 +319,73 @@ def test_peft_lora_matches_merged_weights_and_libllama(tmp_path):
     assert np.abs(ours - ref).max() <= 2e-3 * np.abs(ref).max()
     theirs = llamacpp_logits(tmp_path / "base.gguf", ids, [(tmp_path / "lora.gguf", 1.0)])
     assert np.abs(ours - theirs).max() <= 2e-3 * np.abs(theirs).max()
+
+
+def write_spm_model(path, words: list[str]):
+    """A SentencePiece model file in protobuf wire format: <unk>, <s>, </s>, the 256 byte pieces, then '▁'-prefixed
+    words and their pieces with descending scores (what llama.cpp's SPM tokenizer merges by)."""
+    def varint(v):
+        out = b""
+        while True:
+            c, v = v & 0x7F, v >> 7
+            out += bytes([c | (0x80 if v else 0)])
+            if not v:
+                return out
+
+    def piece(text, score, typ):
+        t = text.encode()
+        body = b"\x0a" + varint(len(t)) + t + b"\x15" + struct.pack("<f", score) + b"\x18" + varint(typ)
+        return b"\x0a" + varint(len(body)) + body
+    pieces = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)]
+    pieces += [(f"<0x{i:02X}>", 0.0, 6) for i in range(256)]
+    seen, score = set(), -1.0
+    for w in words:
+        w = "\u2581" + w
+        for k in range(2, len(w) + 1):          # every prefix, so that merges can build each word
+            if w[:k] not in seen:
+                seen.add(w[:k])
+                pieces.append((w[:k], score, 1))
+                score -= 1.0
+    for ch in sorted(set("".join(words)) | {"\u2581"}):
+        if ch not in seen:
+            pieces.append((ch, score, 1))
+            score -= 1.0
+    path.write_bytes(b"".join(piece(*p) for p in pieces))
+    return len(pieces)
+
+
+@pytest.mark.slow
+def test_sentencepiece_vocabulary(tmp_path):
+    """A llama checkpoint with a tokenizer.model and no tokenizer.json: llama.cpp's "llama" vocabulary, the same
+    token ids from llampy and libllama, and logits as the transformers-style forward pass gives them."""
+    from tests.llamacpp_run import llamacpp_logits, llamacpp_tokenize
+    d = tmp_path / "hf"
+    t, cfg, _ = make_checkpoint(d, "llama", True, seed=4)
+    (d / "tokenizer.json").unlink()
+    n = write_spm_model(d / "tokenizer.model", TEXT.split())
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                                        "add_bos_token": True, "add_eos_token": False}))
+    cfg.update(vocab_size=n, bos_token_id=1, eos_token_id=2)
+    t["model.embed_tokens.weight"] = np.random.default_rng(5).normal(0, 0.5, (n, N_EMBD)).astype(np.float32)
+    write_safetensors(d / "model-00001-of-00002.safetensors",
+                      {**read_safetensors(d / "model-00001-of-00002.safetensors"),
+                       "model.embed_tokens.weight": t["model.embed_tokens.weight"]})
+    (d / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "spm.gguf"
+    assert main(["convert", str(d), str(out), "--outtype", "f32"]) == 0
+    with GGUFReader(out) as r:
+        md = r.metadata
+        assert md["tokenizer.ggml.model"] == "llama" and md["tokenizer.ggml.pre"] == "default"
+        assert md["tokenizer.ggml.bos_token_id"] == 1 and md["tokenizer.ggml.add_bos_token"] is True
+        assert md["tokenizer.ggml.token_type"][3] == 6 and len(md["tokenizer.ggml.tokens"]) == n
+    texts = [TEXT, "the lazy fox", "quick quick brown dogs", "zebra ß 12"]
+    m = Model(out)
+    ours = [m.vocab.tokenize(x, add_special=True, parse_special=False) for x in texts]
+    assert ours[0][0] == 1 and len(ours[0]) == len(TEXT.split()) + 1     # every word one piece after BOS
+    ids = ours[0][:12]
+    logits = llampy_logits(out, ids)
+    ref = hf_forward(t, cfg, "llama", ids)
+    assert np.abs(logits - ref).max() <= 2e-3 * np.abs(ref).max()
+    assert llamacpp_tokenize(out, texts) == ours
+    theirs = llamacpp_logits(out, ids)
+    assert np.abs(logits - theirs).max() <= 2e-3 * np.abs(theirs).max()
