@@ -36,14 +36,19 @@ def cmd_gguf_split(args) -> int:
 def cmd_convert(args) -> int:
     from .convert import ConvertError, convert_hf, convert_peft_lora
     log = (lambda s: print(s, file=sys.stderr)) if args.verbose else None
+    from .cli_quant import _bar
+    bar = _bar("off" if args.verbose else args.progress)
     try:
         if args.lora:
             out = convert_peft_lora(args.model_dir, args.outfile, base=args.base, outtype=args.outtype, log=log)
         else:
-            out = convert_hf(args.model_dir, args.outfile, outtype=args.outtype, name=args.name, log=log)
+            out = convert_hf(args.model_dir, args.outfile, outtype=args.outtype, name=args.name, log=log,
+                             progress=bar.update)
     except ConvertError as e:
+        bar.close()
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
+    bar.close()
     print(f"llampy convert: wrote {out}", file=sys.stderr)
     return 0
 
@@ -74,4 +79,6 @@ def add_tool_parsers(sub) -> None:
     p.add_argument("--base", default=None, metavar="DIR",
                    help="with --lora: the base model's directory (default: the adapter's base_model_name_or_path)")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per tensor")
+    p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
     p.set_defaults(func=cmd_convert)

@@ -67,31 +67,47 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np
 
 
 # ---------------------------------------------------------------------------------------------- safetensors
-def read_safetensors(path) -> dict[str, np.ndarray]:
-    """name -> array (BF16 as float32) of a safetensors file: a u64 header length, a JSON header of
-    {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes. Memory-mapped."""
-    path = Path(path)
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    n = int(raw[:8].view("<u8")[0])
-    if n > raw.size - 8:
-        raise ConvertError(f"{path}: safetensors header length {n} runs past the end of the file")
-    header = json.loads(bytes(raw[8:8 + n]).decode("utf-8"))
-    base = 8 + n
-    out = {}
-    for name in sorted(k for k in header if k != "__metadata__"):      # safe_open's key order
-        h = header[name]
-        dt = _ST_DTYPES.get(h["dtype"])
-        if dt is None:
-            raise ConvertError(f"{path}: tensor {name!r} has dtype {h['dtype']}, not a float type")
+class SafeTensors:
+    """A safetensors file: a u64 header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the
+    raw little-endian bytes. Memory-mapped; ``load`` reads one tensor (BF16 widened to float32)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.raw = np.memmap(self.path, dtype=np.uint8, mode="r")
+        n = int(self.raw[:8].view("<u8")[0]) if self.raw.size >= 8 else -1
+        if not 0 <= n <= self.raw.size - 8:
+            raise ConvertError(f"{self.path}: not a safetensors file (header length {n})")
+        self.header = {k: v for k, v in json.loads(bytes(self.raw[8:8 + n]).decode("utf-8")).items()
+                       if k != "__metadata__"}
+        self.base = 8 + n
+        for name, h in self.header.items():
+            if h["dtype"] not in _ST_DTYPES:
+                raise ConvertError(f"{self.path}: tensor {name!r} has dtype {h['dtype']}, not a float type")
+
+    def names(self) -> list[str]:
+        return sorted(self.header)          # safe_open's key order
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.header[name]["shape"])
+
+    def load(self, name: str) -> np.ndarray:
+        h = self.header[name]
         a, b = h["data_offsets"]
-        arr = raw[base + a:base + b].view(np.dtype(dt).newbyteorder("<")).reshape(h["shape"])
+        arr = self.raw[self.base + a:self.base + b].view(np.dtype(_ST_DTYPES[h["dtype"]]).newbyteorder("<"))
+        arr = arr.reshape(h["shape"])
         if h["dtype"] == "BF16":
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = arr
-    return out
+        return arr
 
 
-def _checkpoint_tensors(d: Path) -> dict[str, np.ndarray]:
+def read_safetensors(path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file, by name (BF16 as float32)."""
+    st = SafeTensors(path)
+    return {n: st.load(n) for n in st.names()}
+
+
+def _checkpoint_tensors(d: Path) -> dict[str, tuple]:
+    """name -> (shape, loader) over the checkpoint's safetensors files (one, or the shards of an index)."""
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -99,9 +115,11 @@ def _checkpoint_tensors(d: Path) -> dict[str, np.ndarray]:
         files = sorted(p.name for p in d.glob("*.safetensors"))
     if not files:
         raise ConvertError(f"{d}: no *.safetensors files")
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, tuple] = {}
     for f in files:
-        out.update(read_safetensors(d / f))
+        st = SafeTensors(d / f)
+        for n in st.names():
+            out[n] = (st.shape(n), lambda st=st, n=n: st.load(n))
     return out
 
 
@@ -124,12 +142,12 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
     return None
 
 
-def _tensor_type(name: str, data: np.ndarray, matrix_type: GGMLType) -> GGMLType:
+def _tensor_type(name: str, shape: tuple, matrix_type: GGMLType) -> GGMLType:
     """convert_hf_to_gguf's prepare_tensors: 1-D tensors and norms in F32, every other .weight in the file type;
     a row that is not whole Q8_0 blocks falls back to F16."""
-    if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith((".weight", ".lora_a", ".lora_b")):
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith((".weight", ".lora_a", ".lora_b")):
         return GGMLType.F32
-    if matrix_type == GGMLType.Q8_0 and data.shape[-1] % 32:
+    if matrix_type == GGMLType.Q8_0 and shape[-1] % 32:
         return GGMLType.F16
     return matrix_type
 
@@ -485,8 +503,9 @@ def _llama3_rope_factors(cfg: dict) -> np.ndarray | None:
     return np.array(out, np.float32)
 
 
-def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None) -> Path:
-    """Writes the GGUF of the checkpoint in directory ``src`` to ``dst``; returns ``dst``."""
+def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None, progress=None) -> Path:
+    """Writes the GGUF of the checkpoint in directory ``src`` to ``dst``; returns ``dst``. One tensor at a time is
+    read, converted and written; ``progress(i, n, name)`` is called before each."""
     log = log or (lambda s: None)
     d, dst = Path(src), Path(dst)
     if outtype not in OUTTYPES:
@@ -527,27 +546,33 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
     if arch == "gemma3":      # Gemma3Model drops the embedding's rows past the tokenizer's tokens
         tj = _load_json(d / "tokenizer.json") or {}
         n_vocab_real = len(tj.get("model", {}).get("vocab", {})) + len(tj.get("added_tokens", []))
-    for hf, data in tensors.items():
+    for hf, (shape, load) in tensors.items():
         if hf == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch in ("gemma2", "gemma3")):
             continue
         if re.search(r"\.rotary_emb\.inv_freq$", hf):
             continue
         gn = gguf_name(hf, arch)
-        if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
-            data = np.asarray(data, np.float32) + 1.0      # Gemma's RMSNorm multiplies by (1 + weight)
-        if n_vocab_real is not None and hf == "model.embed_tokens.weight":
-            data = data[:n_vocab_real]
         if gn is None:
             raise ConvertError(f"{d}: cannot map tensor {hf!r} to a llama.cpp name")
+        if n_vocab_real is not None and hf == "model.embed_tokens.weight":
+            shape = (min(shape[0], n_vocab_real),) + tuple(shape[1:])
+        t = _tensor_type(gn, shape, matrix_type)
+        w.add_tensor_lazy(gn, t, tuple(reversed(shape)),
+                          lambda hf=hf, load=load, shape=shape, t=t: _encode(_prepare(hf, load(), shape), t))
+        log(f"{gn:32s} -> {t.name}, shape = {{{', '.join(map(str, reversed(shape)))}}}")
+
+    def _prepare(hf: str, data: np.ndarray, shape: tuple) -> np.ndarray:
+        """modify_tensors: the rows kept, Gemma's norm shift, llama's Q/K permutation."""
+        data = data[:shape[0]] if data.shape != shape else data
+        if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
+            data = np.asarray(data, np.float32) + 1.0      # Gemma's RMSNorm multiplies by (1 + weight)
         if arch == "llama":
             if hf.endswith(("q_proj.weight", "q_proj.bias")):
                 data = _permute(np.asarray(data), n_head)
             elif hf.endswith(("k_proj.weight", "k_proj.bias")):
                 data = _permute(np.asarray(data), n_head_kv)
-        t = _tensor_type(gn, data, matrix_type)
-        w.add_tensor(gn, _encode(data, t), t)
-        log(f"{gn:32s} {str(data.dtype):8s} -> {t.name}, shape = {{{', '.join(map(str, reversed(data.shape)))}}}")
-    w.write()
+        return data
+    w.write(progress=progress)
     return dst
 
 
@@ -616,7 +641,7 @@ def convert_peft_lora(src, dst, base=None, outtype: str = "f16", log=None) -> Pa
             elif hf.endswith("k_proj.weight"):
                 b = _permute(b, n_head_kv)
         for suffix, data in ((".lora_a", a), (".lora_b", b)):
-            t = _tensor_type(gn + suffix, data, matrix_type)
+            t = _tensor_type(gn + suffix, data.shape, matrix_type)
             w.add_tensor(gn + suffix, _encode(data, t), t)
             log(f"{gn + suffix:40s} -> {t.name}, shape = {{{', '.join(map(str, reversed(data.shape)))}}}")
     w.write()

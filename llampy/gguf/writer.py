@@ -181,6 +181,13 @@ class GGUFWriter:
                              f"which takes {nbytes}")
         self.tensors.append((name, type, ne, raw))
 
+    def add_tensor_lazy(self, name: str, type: GGMLType | int, ne, make) -> None:
+        """A tensor whose bytes ``make()`` returns when ``write`` reaches it (bytes or a contiguous ndarray of the
+        exact size), so that a converter holds one tensor at a time rather than the whole file."""
+        self.add_tensor_raw(name, type, ne, _ZEROS)
+        name, type, ne, z = self.tensors[-1]
+        self.tensors[-1] = (name, type, ne, _Lazy(z.nbytes, make))
+
     def add_tensor_zeros(self, name: str, type: GGMLType | int, ne) -> None:
         """A tensor of zero bytes, never held in memory: written as a hole in the file (the file system allocates
         nothing for it, and it reads as zeros). For files whose values do not matter (kernel warm-up, benchmarks)."""
@@ -229,20 +236,30 @@ class GGUFWriter:
         head = b"".join(out)
         return head + b"\0" * ((-len(head)) % a)
 
-    def write(self) -> None:
+    def write(self, progress=None) -> None:
+        """Writes the file; ``progress(i, n, name)`` is called before each tensor's bytes."""
         head = self.header_bytes()
         if hasattr(self.target, "write"):
-            self._write_to(self.target, head)
+            self._write_to(self.target, head, progress)
         else:
             with open(os.fspath(self.target), "wb") as f:
-                self._write_to(f, head)
+                self._write_to(f, head, progress)
 
-    def _write_to(self, f, head: bytes) -> None:
+    def _write_to(self, f, head: bytes, progress=None) -> None:
         f.write(head)
         hole = 0                      # zero bytes still owed: skipped over, then made a hole by truncate
-        for _, _, _, raw in self.tensors:
+        for i, (name, _, _, raw) in enumerate(self.tensors):
+            if progress is not None:
+                progress(i, len(self.tensors), name)
             pad = (-raw.nbytes) % self.alignment
-            if isinstance(raw, _Zeros):
+            if isinstance(raw, _Lazy):
+                data = raw.make()
+                data = (np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
+                        else np.frombuffer(data, dtype=np.uint8))
+                if data.nbytes != raw.nbytes:
+                    raise ValueError(f"tensor {name!r}: {data.nbytes} bytes made, {raw.nbytes} announced")
+                raw = data
+            elif isinstance(raw, _Zeros):
                 hole += raw.nbytes + pad
                 continue
             if hole:
@@ -260,6 +277,14 @@ class _Zeros:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
+
+
+class _Lazy:
+    """The bytes of a tensor added by ``add_tensor_lazy``: their count and the function that makes them."""
+    __slots__ = ("nbytes", "make")
+
+    def __init__(self, nbytes: int, make):
+        self.nbytes, self.make = nbytes, make
 
 
 _ZEROS = object()

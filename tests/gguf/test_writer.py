@@ -159,3 +159,23 @@ def test_add_tensor_infers_types_and_lays_out_with_alignment(tmp_path):
     g = gguf.GGUFReader(p)
     assert [t.name for t in g.tensors] == ["f32", "f16", "i32", "q8", "bf16"]
     np.testing.assert_array_equal(g.tensors[0].data, f32)
+
+
+def test_lazy_tensors_are_made_at_write_time(tmp_path):
+    made = []
+    a = np.arange(96, dtype=np.float32).reshape(3, 32)
+    w = GGUFWriter(tmp_path / "lazy.gguf")
+    w.add("general.architecture", "llama")
+    w.add_tensor_lazy("a", GGMLType.F32, (32, 3), lambda: made.append("a") or a)
+    w.add_tensor("b", a * 2)
+    seen = []
+    assert made == []
+    w.write(progress=lambda i, n, name: seen.append((i, n, name)))
+    assert made == ["a"] and seen == [(0, 2, "a"), (1, 2, "b")]
+    with GGUFReader(tmp_path / "lazy.gguf") as r:
+        np.testing.assert_array_equal(r.tensor_array("a"), a)
+        np.testing.assert_array_equal(r.tensor_array("b"), a * 2)
+    w = GGUFWriter(tmp_path / "bad.gguf")
+    w.add_tensor_lazy("a", GGMLType.F32, (32, 3), lambda: a[:2])
+    with pytest.raises(ValueError, match="bytes made"):
+        w.write()
