@@ -6,7 +6,8 @@ llama.cpp and llampy load the result.
 
 Architectures: LlamaForCausalLM (Q and K rows permuted back to ggml's rope layout), Qwen2ForCausalLM,
 Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (norm weights + 1), Phi3ForCausalLM (fused QKV and
-gate+up; no long-context rope factors yet). ``convert_peft_lora`` writes a PEFT LoRA adapter of such a model as a
+gate+up; no long-context rope factors yet), Qwen3MoeForCausalLM (experts stacked) and GraniteForCausalLM (its
+multipliers as scales). ``convert_peft_lora`` writes a PEFT LoRA adapter of such a model as a
 GGUF LoRA (convert_lora_to_gguf.py).
 
 Tokenizers: a SentencePiece tokenizer.model (llama.cpp's "llama" model; the protobuf is read directly), else a
@@ -49,6 +50,10 @@ LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    # a mixture of experts' weights, stacked from mlp.experts.E.*_proj by the converter
+    "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -61,7 +66,9 @@ ARCH_LAYER_NAMES = {
 ARCH_LAYER_NAMES["gemma3"] = ARCH_LAYER_NAMES["gemma2"]
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+                 "Qwen3MoeForCausalLM": "qwen3moe", "GraniteForCausalLM": "granite"}
+PERMUTED = ("llama", "granite")      # LlamaModel and its subclasses undo HF's Q/K permutation
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
@@ -145,7 +152,8 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
 def _tensor_type(name: str, shape: tuple, matrix_type: GGMLType) -> GGMLType:
     """convert_hf_to_gguf's prepare_tensors: 1-D tensors and norms in F32, every other .weight in the file type;
     a row that is not whole Q8_0 blocks falls back to F16."""
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith((".weight", ".lora_a", ".lora_b")):
+    if (len(shape) <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight"))
+            or not name.endswith((".weight", ".lora_a", ".lora_b"))):
         return GGMLType.F32
     if matrix_type == GGMLType.Q8_0 and shape[-1] % 32:
         return GGMLType.F16
@@ -423,7 +431,17 @@ def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> lis
         kv += [(f"{a}.attention.key_length", int(cfg["head_dim"]), U32),
                (f"{a}.attention.value_length", int(cfg["head_dim"]), U32)]
     kv.append(("general.file_type", file_type, U32))
-    if arch == "llama":
+    if cfg.get("num_experts") is not None:
+        kv += [(f"{a}.expert_count", int(cfg["num_experts"]), U32),
+               (f"{a}.expert_used_count", int(cfg["num_experts_per_tok"]), U32)]
+    if arch == "qwen3moe" and cfg.get("moe_intermediate_size") is not None:
+        kv.append((f"{a}.expert_feed_forward_length", int(cfg["moe_intermediate_size"]), U32))
+    if arch == "granite":        # GraniteModel: the multipliers, named as scales
+        for key, hf in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                        ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+            if cfg.get(hf):
+                kv.append((f"{a}.{key}", float(cfg[hf]), F32))
+    if arch in PERMUTED:
         kv.append((f"{a}.vocab_size", int(cfg["vocab_size"]), U32))
         kv.append((f"{a}.rope.dimension_count",
                    int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]), U32))
@@ -503,6 +521,26 @@ def _llama3_rope_factors(cfg: dict) -> np.ndarray | None:
     return np.array(out, np.float32)
 
 
+def _stack_experts(tensors: dict[str, tuple]) -> dict[str, tuple]:
+    """Qwen2MoeModel.modify_tensors: model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight stacked over E into
+    model.layers.N.mlp.experts.{gate,up,down}_proj.weight [n_expert, rows, cols] (read when written)."""
+    groups: dict[str, dict[int, tuple]] = {}
+    out: dict[str, tuple] = {}
+    for hf, (shape, load) in tensors.items():
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.((?:gate|up|down)_proj\.weight)", hf)
+        if m is None:
+            out[hf] = (shape, load)
+            continue
+        groups.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = (shape, load)
+    for name, experts in groups.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ConvertError(f"experts of {name} are not numbered 0..{len(experts) - 1}")
+        parts = [experts[e] for e in range(len(experts))]
+        shape = (len(parts),) + tuple(parts[0][0])
+        out[name] = (shape, lambda parts=parts: np.stack([np.asarray(load()) for _, load in parts]))
+    return out
+
+
 def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None, progress=None) -> Path:
     """Writes the GGUF of the checkpoint in directory ``src`` to ``dst``; returns ``dst``. One tensor at a time is
     read, converted and written; ``progress(i, n, name)`` is called before each."""
@@ -519,10 +557,12 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
     if arch is None:
         raise ConvertError(f"{d}: architecture {hf_arch!r} is not converted by llampy "
                            f"(supported: {', '.join(ARCHITECTURES)})")
+    if arch == "granite":
+        cfg = {k: v for k, v in cfg.items() if k != "head_dim"}     # GraniteModel ignores it
     n_layer = int(cfg["num_hidden_layers"])
     n_head = int(cfg["num_attention_heads"])
     n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
-    tensors = _checkpoint_tensors(d)
+    tensors = _stack_experts(_checkpoint_tensors(d))
 
     w = GGUFWriter(dst)
     w.add("general.architecture", arch)
@@ -536,10 +576,14 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
         tc = _load_json(d / "tokenizer_config.json") or {}
         if not (arch == "phi3" and tc.get("tokenizer_class") == "GPT2Tokenizer"):
             vocab = lambda d, n: spm_vocab_metadata(d, n, arch)    # noqa: E731  (llama.cpp tries SentencePiece first)
-    for k, v, sig in vocab(d, cfg.get("vocab_size")):
+    vkv = vocab(d, cfg.get("vocab_size"))
+    if arch in PERMUTED and cfg.get("vocab_size") == 49152:     # LlamaModel.set_vocab: granite's small models
+        vkv = [x for x in vkv if x[0] != "tokenizer.ggml.add_bos_token"]
+        vkv.append(("tokenizer.ggml.add_bos_token", False, (VT.BOOL,)))
+    for k, v, sig in vkv:
         w.add(k, v, sig)
 
-    factors = _llama3_rope_factors(cfg) if arch == "llama" else None
+    factors = _llama3_rope_factors(cfg) if arch in PERMUTED else None
     if factors is not None:
         w.add_tensor("rope_freqs.weight", factors)
     n_vocab_real = None
@@ -566,7 +610,7 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
         data = data[:shape[0]] if data.shape != shape else data
         if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
             data = np.asarray(data, np.float32) + 1.0      # Gemma's RMSNorm multiplies by (1 + weight)
-        if arch == "llama":
+        if arch in PERMUTED:
             if hf.endswith(("q_proj.weight", "q_proj.bias")):
                 data = _permute(np.asarray(data), n_head)
             elif hf.endswith(("k_proj.weight", "k_proj.bias")):
@@ -635,7 +679,7 @@ def convert_peft_lora(src, dst, base=None, outtype: str = "f16", log=None) -> Pa
         if gn is None or gn.startswith(("token_embd", "output.")):
             raise ConvertError(f"{d}: cannot convert a LoRA of {hf!r}")
         a, b = np.asarray(ab["A"], np.float32), np.asarray(ab["B"], np.float32)
-        if arch == "llama":          # the product's rows are permuted as the base weight's are: B's rows
+        if arch in PERMUTED:          # the product's rows are permuted as the base weight's are: B's rows
             if hf.endswith("q_proj.weight"):
                 b = _permute(b, n_head)
             elif hf.endswith("k_proj.weight"):

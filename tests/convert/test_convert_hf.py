@@ -59,7 +59,9 @@ def write_tokenizer(d):
 
 GEMMA = ("gemma2", "gemma3")
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+           "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM"}
+N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
 
 
 def n_layers(arch: str) -> int:
@@ -99,9 +101,16 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
         if arch == "qwen2":
             for x, n in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
                 t[p + f"self_attn.{x}_proj.bias"] = rng.normal(0, 0.3, n * HEAD_DIM).astype(np.float32)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3moe"):
             t[p + "self_attn.q_norm.weight"] = norm(HEAD_DIM)
             t[p + "self_attn.k_norm.weight"] = norm(HEAD_DIM)
+        if arch == "qwen3moe":
+            t[p + "mlp.gate.weight"] = rng.normal(0, 4 / np.sqrt(N_EMBD), (N_EXPERT, N_EMBD)).astype(np.float32)
+            for e in range(N_EXPERT):
+                t[p + f"mlp.experts.{e}.gate_proj.weight"] = lin(N_FF_EXP, N_EMBD)
+                t[p + f"mlp.experts.{e}.up_proj.weight"] = lin(N_FF_EXP, N_EMBD)
+                t[p + f"mlp.experts.{e}.down_proj.weight"] = lin(N_EMBD, N_FF_EXP)
+            continue
         if arch == "phi3":
             t[p + "mlp.gate_up_proj.weight"] = lin(2 * N_FF, N_EMBD)
         else:
@@ -121,8 +130,13 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
            "num_attention_heads": N_HEAD, "num_key_value_heads": N_HEAD_KV, "max_position_embeddings": 256,
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": n_vocab, "tie_word_embeddings": tied,
            "eos_token_id": 2}
-    if arch in ("qwen3", "gemma2", "gemma3"):
+    if arch in ("qwen3", "gemma2", "gemma3", "qwen3moe"):
         cfg["head_dim"] = HEAD_DIM
+    if arch == "qwen3moe":
+        cfg.update(num_experts=N_EXPERT, num_experts_per_tok=N_USED, moe_intermediate_size=N_FF_EXP,
+                   norm_topk_prob=True)
+    if arch == "granite":
+        cfg.update(attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.6, logits_scaling=2.0)
     if arch in GEMMA:
         cfg.update(query_pre_attn_scalar=HEAD_DIM, sliding_window=4, hidden_activation="gelu_pytorch_tanh")
     if arch == "gemma2":
@@ -156,7 +170,8 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
 
     def gelu_tanh(x):
         return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-    h = w["model.embed_tokens.weight"][ids] * (np.sqrt(N_EMBD) if gemma else 1.0)
+    h = w["model.embed_tokens.weight"][ids] * (np.sqrt(N_EMBD) if gemma else cfg.get("embedding_multiplier", 1.0))
+    res = cfg.get("residual_multiplier", 1.0)
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     for il in range(n_layers(arch)):
         p = f"model.layers.{il}."
@@ -174,14 +189,14 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
             for s, nh in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
                 y = x @ w[p + f"self_attn.{s}_proj.weight"].T + w.get(p + f"self_attn.{s}_proj.bias", 0)
                 proj[s] = y.reshape(n, nh, HEAD_DIM)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3moe"):
             proj["q"] = rms(proj["q"], w[p + "self_attn.q_norm.weight"])
             proj["k"] = rms(proj["k"], w[p + "self_attn.k_norm.weight"])
         base = cfg["rope_local_base_freq"] if arch == "gemma3" and sliding else cfg["rope_theta"]
         q, k, v = rope(proj["q"], base), rope(proj["k"], base), proj["v"]
         rep = N_HEAD // N_HEAD_KV
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-        scale = cfg["query_pre_attn_scalar"] ** -0.5 if gemma else HEAD_DIM ** -0.5
+        scale = cfg["query_pre_attn_scalar"] ** -0.5 if gemma else cfg.get("attention_multiplier", HEAD_DIM ** -0.5)
         att = np.einsum("ihd,jhd->hij", q, k) * scale
         if cfg.get("attn_logit_softcapping"):
             att = np.tanh(att / cfg["attn_logit_softcapping"]) * cfg["attn_logit_softcapping"]
@@ -194,18 +209,32 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
             h = h + o
             x = rms(h, w[p + "pre_feedforward_layernorm.weight"])
         else:
-            h = h + o
+            h = h + o * res
             x = rms(h, w[p + "post_attention_layernorm.weight"])
+        if arch == "qwen3moe":          # softmax router, top-k experts, weights renormalised
+            probs = np.exp(x @ w[p + "mlp.gate.weight"].T)
+            probs /= probs.sum(-1, keepdims=True)
+            y = np.zeros_like(h)
+            for tok in range(n):
+                top = np.argsort(-probs[tok])[:N_USED]
+                wt = probs[tok, top] / probs[tok, top].sum()
+                for e, we in zip(top, wt):
+                    g = x[tok] @ w[p + f"mlp.experts.{e}.gate_proj.weight"].T
+                    u = x[tok] @ w[p + f"mlp.experts.{e}.up_proj.weight"].T
+                    y[tok] += we * ((g / (1 + np.exp(-g)) * u) @ w[p + f"mlp.experts.{e}.down_proj.weight"].T)
+            h = h + y
+            continue
         if arch == "phi3":
             g, u = np.split(x @ w[p + "mlp.gate_up_proj.weight"].T, 2, axis=-1)
         else:
             g, u = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
         act = gelu_tanh(g) if gemma else g / (1 + np.exp(-g))
         y = (act * u) @ w[p + "mlp.down_proj.weight"].T
-        h = h + (rms(y, w[p + "post_feedforward_layernorm.weight"]) if gemma else y)
+        h = h + (rms(y, w[p + "post_feedforward_layernorm.weight"]) if gemma else y * res)
     h = rms(h, w["model.norm.weight"])
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     logits = h @ head.T
+    logits = logits / cfg.get("logits_scaling", 1.0)
     if cfg.get("final_logit_softcapping"):
         logits = np.tanh(logits / cfg["final_logit_softcapping"]) * cfg["final_logit_softcapping"]
     return logits
@@ -219,7 +248,8 @@ def llampy_logits(path, ids) -> np.ndarray:
 
 
 CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3", False, "F16", "f16"),
-         ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32")]
+         ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32"),
+         ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32")]
 
 
 @pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
@@ -235,7 +265,11 @@ def test_converted_model_matches_transformers_math(tmp_path, arch, tied, dtype, 
         assert md["tokenizer.ggml.add_bos_token"] is False
         assert ("output.weight" in r.tensors) == (not tied)
         assert r.tensors["blk.0.attn_norm.weight"].type == GGMLType.F32
-        assert r.tensors["blk.0.ffn_down.weight"].type == GGMLType[outtype.upper()]
+        down = "blk.0.ffn_down_exps.weight" if arch == "qwen3moe" else "blk.0.ffn_down.weight"
+        assert r.tensors[down].type == GGMLType[outtype.upper()]
+        if arch == "qwen3moe":
+            assert r.tensors[down].ne == (N_FF_EXP, N_EMBD, N_EXPERT)
+            assert r.tensors["blk.0.ffn_gate_inp.weight"].type == GGMLType.F32
     ids = tok.encode(TEXT).ids[:12]
     m = Model(out)
     assert m.vocab.tokenize(TEXT, add_special=True, parse_special=False) == tok.encode(TEXT).ids
