@@ -60,7 +60,7 @@ def write_tokenizer(d):
 GEMMA = ("gemma2", "gemma3")
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-           "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM"}
+           "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
 N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
 
 
@@ -98,12 +98,21 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
             t[p + "self_attn.k_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
             t[p + "self_attn.v_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
         t[p + "self_attn.o_proj.weight"] = lin(N_EMBD, N_HEAD * HEAD_DIM)
-        if arch == "qwen2":
+        if arch == "starcoder2":
+            for key, n in (("input_layernorm", N_EMBD), ("post_attention_layernorm", N_EMBD),
+                           ("self_attn.o_proj", N_EMBD)):
+                t[p + f"{key}.bias"] = rng.normal(0, 0.1, n).astype(np.float32)
+            t[p + "mlp.c_fc.weight"], t[p + "mlp.c_fc.bias"] = lin(N_FF, N_EMBD), rng.normal(0, 0.1, N_FF).astype(np.float32)
+            t[p + "mlp.c_proj.weight"] = lin(N_EMBD, N_FF)
+            t[p + "mlp.c_proj.bias"] = rng.normal(0, 0.1, N_EMBD).astype(np.float32)
+        if arch in ("qwen2", "starcoder2"):
             for x, n in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
                 t[p + f"self_attn.{x}_proj.bias"] = rng.normal(0, 0.3, n * HEAD_DIM).astype(np.float32)
         if arch in ("qwen3", "gemma3", "qwen3moe"):
             t[p + "self_attn.q_norm.weight"] = norm(HEAD_DIM)
             t[p + "self_attn.k_norm.weight"] = norm(HEAD_DIM)
+        if arch == "starcoder2":
+            continue
         if arch == "qwen3moe":
             t[p + "mlp.gate.weight"] = rng.normal(0, 4 / np.sqrt(N_EMBD), (N_EXPERT, N_EMBD)).astype(np.float32)
             for e in range(N_EXPERT):
@@ -135,6 +144,16 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
     if arch == "qwen3moe":
         cfg.update(num_experts=N_EXPERT, num_experts_per_tok=N_USED, moe_intermediate_size=N_FF_EXP,
                    norm_topk_prob=True)
+    if arch == "starcoder2":
+        del cfg["rms_norm_eps"]
+        cfg.update(norm_epsilon=1e-5, use_bias=True, hidden_act="gelu_pytorch_tanh")
+        t["model.norm.bias"] = rng.normal(0, 0.1, N_EMBD).astype(np.float32)
+        write_safetensors(d / "model-00002-of-00002.safetensors",
+                          {**read_safetensors(d / "model-00002-of-00002.safetensors"),
+                           "model.norm.bias": t["model.norm.bias"]}, dtype)
+        idx = json.loads((d / "model.safetensors.index.json").read_text())
+        idx["weight_map"]["model.norm.bias"] = "model-00002-of-00002.safetensors"
+        (d / "model.safetensors.index.json").write_text(json.dumps(idx))
     if arch == "granite":
         cfg.update(attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.6, logits_scaling=2.0)
     if arch in GEMMA:
@@ -154,10 +173,13 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
     """Logits [n_tokens, n_vocab] as transformers computes these models (rotate-half RoPE, GQA, SwiGLU), in
     float64."""
     w = {k: v.astype(np.float64) for k, v in t.items()}
-    eps = cfg["rms_norm_eps"]
+    eps = cfg.get("rms_norm_eps", cfg.get("norm_epsilon"))
     gemma = arch in GEMMA
 
-    def rms(x, g):
+    def rms(x, g, name=None):
+        if arch == "starcoder2" and name is not None:     # LayerNorm with a bias
+            x = x - x.mean(-1, keepdims=True)
+            return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g + w[name + ".bias"]
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1 + g if gemma else g)
     n = len(ids)
 
@@ -178,7 +200,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         sliding = gemma and (il % 2 == 0 if arch == "gemma2" else (il + 1) % cfg["sliding_window_pattern"] != 0)
         seen = (j <= i) & ((i - j < cfg["sliding_window"]) if sliding else True)
         mask = np.where(seen, 0.0, -np.inf)
-        x = rms(h, w[p + "input_layernorm.weight"])
+        x = rms(h, w[p + "input_layernorm.weight"], p + "input_layernorm")
         proj = {}
         if arch == "phi3":
             qkv = x @ w[p + "self_attn.qkv_proj.weight"].T
@@ -204,13 +226,14 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         att = np.exp(att - att.max(-1, keepdims=True))
         att /= att.sum(-1, keepdims=True)
         o = np.einsum("hij,jhd->ihd", att, v).reshape(n, -1) @ w[p + "self_attn.o_proj.weight"].T
+        o = o + w.get(p + "self_attn.o_proj.bias", 0)
         if gemma:
             o = rms(o, w[p + "post_attention_layernorm.weight"])
             h = h + o
             x = rms(h, w[p + "pre_feedforward_layernorm.weight"])
         else:
             h = h + o * res
-            x = rms(h, w[p + "post_attention_layernorm.weight"])
+            x = rms(h, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm")
         if arch == "qwen3moe":          # softmax router, top-k experts, weights renormalised
             probs = np.exp(x @ w[p + "mlp.gate.weight"].T)
             probs /= probs.sum(-1, keepdims=True)
@@ -224,6 +247,10 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
                     y[tok] += we * ((g / (1 + np.exp(-g)) * u) @ w[p + f"mlp.experts.{e}.down_proj.weight"].T)
             h = h + y
             continue
+        if arch == "starcoder2":
+            u = gelu_tanh(x @ w[p + "mlp.c_fc.weight"].T + w[p + "mlp.c_fc.bias"])
+            h = h + u @ w[p + "mlp.c_proj.weight"].T + w[p + "mlp.c_proj.bias"]
+            continue
         if arch == "phi3":
             g, u = np.split(x @ w[p + "mlp.gate_up_proj.weight"].T, 2, axis=-1)
         else:
@@ -231,7 +258,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         act = gelu_tanh(g) if gemma else g / (1 + np.exp(-g))
         y = (act * u) @ w[p + "mlp.down_proj.weight"].T
         h = h + (rms(y, w[p + "post_feedforward_layernorm.weight"]) if gemma else y * res)
-    h = rms(h, w["model.norm.weight"])
+    h = rms(h, w["model.norm.weight"], "model.norm")
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     logits = h @ head.T
     logits = logits / cfg.get("logits_scaling", 1.0)
@@ -249,7 +276,7 @@ def llampy_logits(path, ids) -> np.ndarray:
 
 CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3", False, "F16", "f16"),
          ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32"),
-         ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32")]
+         ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32"), ("starcoder2", True, "F32", "f32")]
 
 
 @pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
