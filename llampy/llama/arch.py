@@ -1,12 +1,17 @@
 """Architectures: the registry from ``general.architecture`` to the module that builds it, and the GGUF tensor names.
 
 A model file is found lazily (``llampy.llama.models.<module>``), as vLLM's registry does, so an architecture costs
-nothing until it is used. Each module defines ``load_hparams(hp, md)``, ``load_tensors(loader)`` and
-``build_graph(g)`` (see models/llama.py).
+nothing until it is used. Each module defines ``load_hparams(hp, md)``, ``load_tensors(model, loader)`` and
+``build_graph(model, g)`` (see models/llama.py).
+
+Another package adds architectures without editing llampy: an entry point in the group ``llampy.architectures``
+whose name is the ``general.architecture`` string and whose value is the module (docs/architectures.md). A
+built-in name wins over a plugin's.
 """
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 
 # general.architecture -> module in llampy.llama.models
 ARCHITECTURES = {
@@ -20,17 +25,50 @@ ARCHITECTURES = {
     "gemma3": "gemma3",
     "phi3": "phi3",
     "starcoder2": "starcoder2",
+    "phi2": "phi2",
+    "olmo2": "olmo2",
+    "smollm3": "smollm3",
+    "exaone": "exaone",
+    "internlm2": "internlm2",
+    "command-r": "command_r",
+    "cohere2": "cohere2",
+    "mistral3": "mistral3",
+    "bert": "bert",
+    "nomic-bert": "bert",
 }
+
+ENTRY_POINT_GROUP = "llampy.architectures"
 
 class UnknownArchitecture(ValueError):
     pass
 
 
+def plugin_architectures() -> dict:
+    """general.architecture -> entry point, for the architectures installed packages add (read each call: a package
+    installed while the process runs is seen)."""
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(set(ARCHITECTURES) | set(plugin_architectures()))
+
+
 def arch_module(arch: str):
-    if arch not in ARCHITECTURES:
-        raise UnknownArchitecture(
-            f"unknown model architecture {arch!r} (general.architecture); supported: {', '.join(sorted(ARCHITECTURES))}")
-    return importlib.import_module(f"llampy.llama.models.{ARCHITECTURES[arch]}")
+    if arch in ARCHITECTURES:
+        return importlib.import_module(f"llampy.llama.models.{ARCHITECTURES[arch]}")
+    ep = plugin_architectures().get(arch)
+    if ep is None:
+        raise UnknownArchitecture(f"unknown model architecture {arch!r} (general.architecture); supported: "
+                                  f"{', '.join(supported_architectures())}")
+    try:
+        module = ep.load()
+    except Exception as e:
+        raise UnknownArchitecture(f"architecture {arch!r}: its entry point {ep.value!r} ({ENTRY_POINT_GROUP}) "
+                                  f"failed to load: {type(e).__name__}: {e}") from e
+    missing = [f for f in ("load_hparams", "load_tensors", "build_graph") if not callable(getattr(module, f, None))]
+    if missing:
+        raise UnknownArchitecture(f"architecture {arch!r}: module {ep.value!r} does not define {', '.join(missing)}")
+    return module
 
 
 # GGUF tensor names (llama.cpp's LLM_TENSOR_NAMES); "{}" is the layer index
@@ -56,4 +94,6 @@ LAYER = {
     "ffn_gate_exps": "blk.{}.ffn_gate_exps",
     "ffn_up_exps": "blk.{}.ffn_up_exps",
     "ffn_down_exps": "blk.{}.ffn_down_exps",
+    "attn_out_norm": "blk.{}.attn_output_norm",
+    "layer_out_norm": "blk.{}.layer_output_norm",
 }

@@ -22,7 +22,7 @@ from .batch import Batch
 from .graph import build_graph
 from .kv_cache import KV_PAD, CacheFull as _CacheFull, KVCache
 
-POOLING = ("none", "mean", "last", "cls")
+POOLING = ("none", "mean", "last", "cls", "rank")
 
 
 class ContextError(ValueError):
@@ -50,6 +50,13 @@ class Context:
         if pooling not in POOLING:
             raise ContextError(f"pooling must be one of {POOLING}, got {pooling!r}")
         self.pooling = pooling
+        # an encoder (bert) attends within the micro-batch and keeps no cache (llama.cpp creates no memory for it)
+        self.uses_cache = getattr(model.arch, "USES_KV_CACHE", True)
+        if not self.uses_cache and not embeddings:
+            raise ContextError(f"{hp.arch} is an encoder without a language-model head: create its context with "
+                               f"embeddings=True")
+        if pooling == "rank" and not getattr(model.arch, "RANK_HEAD", False):
+            raise ContextError(f"pooling 'rank' needs a classification head, which {hp.arch} models do not have")
         if embeddings and pooling != "none":
             self.n_ubatch = self.n_batch  # a pooled sequence must be in one micro-batch
         # kv_unified=False (llama-server's default): one stream of n_ctx / n_seq_max cells per sequence, so that a
@@ -96,7 +103,7 @@ class Context:
         if gc is not None:
             self._graphs.move_to_end(key)
             return gc
-        gc = build_graph(self.model, self.kv, n_tokens, n_outputs, n_kv, self.embeddings,
+        gc = build_graph(self.model, self.kv, n_tokens, n_outputs, n_kv, self.embeddings, self.pooling,
                          loras=self.loras)
         self.n_graph_builds += 1
         # Graphs live long and hold most of the process's Python objects (a server's ~15 graphs: every full
@@ -139,7 +146,8 @@ class Context:
         except ValueError as e:
             raise ContextError(f"decode: {e}") from None
         try:
-            self.kv.check_room(batch.seq_id)
+            if self.uses_cache:
+                self.kv.check_room(batch.seq_id)
         except _CacheFull as e:
             raise CacheFull(f"{e} (n_ctx={self.n_ctx})") from None
         except ValueError as e:
@@ -149,7 +157,9 @@ class Context:
             want[:] = True
         n_out_total = int(want.sum())
         self._logits = np.zeros((n_out_total, self.n_vocab), np.float32) if not self.embeddings else self._logits
-        self._embd = np.zeros((n_out_total, self.model.hparams.n_embd), np.float32)
+        # with pooling 'rank' the graph's per-token output is the classifier's scores
+        width = self.model.hparams.n_cls_out if self.pooling == "rank" else self.model.hparams.n_embd
+        self._embd = np.zeros((n_out_total, width), np.float32)
         self._out_rows = {}
         self._seq_embd = {}
         rank = np.cumsum(want) - 1          # outputs keep the batch's order, however it is split
@@ -190,18 +200,25 @@ class Context:
     def _decode_ubatch(self, ub: Batch, out_idx: np.ndarray) -> np.ndarray:
         n = len(ub)
         n_outputs = len(out_idx)
-        try:
-            idxs = self.kv.find_slot(n, ub.seq_id)
-        except _CacheFull as e:
-            raise CacheFull(str(e)) from None
-        self.kv.apply(idxs, ub.pos, ub.seq_id)
-        n_kv = self._n_kv(n)
+        if self.uses_cache:
+            try:
+                idxs = self.kv.find_slot(n, ub.seq_id)
+            except _CacheFull as e:
+                raise CacheFull(str(e)) from None
+            self.kv.apply(idxs, ub.pos, ub.seq_id)
+            n_kv = self._n_kv(n)
+        else:
+            n_kv = n
         gc = self._graph(n, max(n_outputs, 1), n_kv)
         self.sched.alloc_graph(gc.graph)
         inp = gc.inputs
         tensor_set(inp["tokens"], ub.tokens)
-        tensor_set(inp["pos"], ub.pos)
-        tensor_set(inp["kv_idxs"], idxs.astype(np.int64))
+        if "pos" in inp:
+            tensor_set(inp["pos"], ub.pos)
+        if "kv_idxs" in inp:
+            tensor_set(inp["kv_idxs"], idxs.astype(np.int64))
+        for key, fill in gc.input_fns.items():
+            tensor_set(inp[key], fill(ub))
         if "kq_mask" in inp:
             tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id))
         if "kq_mask_swa" in inp:
@@ -221,7 +238,7 @@ class Context:
                 self._seq_embd[int(s)] = rows.mean(axis=0)
             elif self.pooling == "last":
                 self._seq_embd[int(s)] = rows[-1]
-            elif self.pooling == "cls":
+            elif self.pooling in ("cls", "rank"):       # rank: the classifier's scores of the first token
                 self._seq_embd[int(s)] = rows[0]
 
     # ------------------------------------------------------------------ results

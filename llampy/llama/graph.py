@@ -3,6 +3,8 @@ and attention over the KV cache. Architecture files call these and never see a c
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..ggml import ops
 from ..ggml.graph import Graph
 from ..ggml.tensor import Tensor
@@ -15,8 +17,8 @@ class GraphContext:
     """One forward graph for a micro-batch shape: ``n_tokens`` new tokens, ``n_outputs`` of them returning logits,
     attention over ``n_kv`` cache cells. Inputs are tensors set before each run (``inputs``)."""
 
-    def __init__(self, model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False, *,
-                 loras=()):
+    def __init__(self, model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False,
+                 pooling: str = "none", *, loras=()):
         self.model = model
         self.hp = model.hparams
         self.kv = kv
@@ -24,8 +26,11 @@ class GraphContext:
         self.n_outputs = n_outputs
         self.n_kv = n_kv
         self.embeddings = embeddings
+        self.pooling = pooling if embeddings else "none"
         self.graph = Graph()
         self.inputs: dict[str, Tensor] = {}
+        # inputs an architecture adds, each with the function of the micro-batch that fills it (set_input)
+        self.input_fns: dict[str, object] = {}
         self.t_logits: Tensor | None = None
         self.t_embd: Tensor | None = None
         # (LoraAdapter, scale) pairs: every product mm() builds gains their low-rank terms (llama/lora.py)
@@ -61,6 +66,31 @@ class GraphContext:
         if self.n_outputs == self.n_tokens:
             return None
         return self._input("out_ids", I32, self.n_outputs)
+
+    def _input_fn(self, key: str, type, ne, fn) -> Tensor:
+        """An input filled before each run with ``fn(ubatch)`` (an array of ``ne``, in ggml order)."""
+        if key not in self.inputs:
+            self._input(key, type, *ne)
+            self.input_fns[key] = fn
+        return self.inputs[key]
+
+    # -> [1, 1, n_tokens]: llama 4's attention temperature, log(floor((pos + offset) / floor_scale) + 1) * scale + 1
+    def inp_attn_scale(self, f_scale: float, floor_scale: int, offset: float = 0.0) -> Tensor:
+        def fill(ub):
+            pos = np.asarray(ub.pos, np.float64)
+            return (np.log(np.floor((pos + offset) / floor_scale) + 1.0) * f_scale + 1.0).astype(np.float32)
+        return self._input_fn("attn_scale", F32, (1, 1, self.n_tokens), fill)
+
+    # -> F16 [n_tokens, n_tokens]: a token sees every token of its own sequence, before and after it unless causal
+    # (llm_graph_input_attn_no_cache)
+    def _kq_mask_no_cache(self, causal: bool) -> Tensor:
+        def fill(ub):
+            seqs, pos = np.array([s[0] for s in ub.seq_id]), np.asarray(ub.pos)
+            seen = seqs[:, None] == seqs[None, :]
+            if causal:
+                seen &= pos[None, :] <= pos[:, None]
+            return np.where(seen, 0.0, -np.inf).astype(np.float16)
+        return self._input_fn("kq_mask_no_cache", F16, (self.n_tokens, self.n_tokens), fill)
 
     def _kq_mask(self, swa: bool) -> Tensor:
         key = "kq_mask_swa" if swa else "kq_mask"
@@ -179,6 +209,21 @@ class GraphContext:
             cur = self.mm(wo, cur, wo_b)
         return cur
 
+    # Encoders (bert): attention over this micro-batch only, no cache and no causal mask. Flash attention takes
+    # K and V in F16, cast here as llama.cpp's build_attn_mha does when there is no cache to store them in.
+    # q: [head_dim, n_head, n_tokens]  k, v: [head_dim, n_head_kv, n_tokens]  ->  [n_embd_out, n_tokens]
+    def attn_no_cache(self, il: int, wo: Tensor | None, wo_b: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                      kq_scale: float, causal: bool = False) -> Tensor:
+        mask = self._kq_mask_no_cache(causal)
+        qp = ops.permute(q, 0, 2, 1, 3)                        # [head_dim, n_tokens, n_head]
+        kp = ops.cast(ops.permute(k, 0, 2, 1, 3), F16)
+        vp = ops.cast(ops.permute(v, 0, 2, 1, 3), F16)
+        cur = self.cb(ops.flash_attn_ext(qp, kp, vp, mask, kq_scale), "kqv_out", il)
+        cur = ops.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2])
+        if wo is not None:
+            cur = self.mm(wo, cur, wo_b)
+        return cur
+
     def rope(self, x: Tensor, pos: Tensor, il: int, freq_factors: Tensor | None = None) -> Tensor:
         hp = self.hp
         base, scale = hp.rope_freq_base, hp.rope_freq_scale
@@ -206,8 +251,8 @@ class GraphContext:
         return self.graph
 
 
-def build_graph(model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False, *,
-                loras=()) -> GraphContext:
-    g = GraphContext(model, kv, n_tokens, n_outputs, n_kv, embeddings, loras=loras)
+def build_graph(model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False,
+                pooling: str = "none", *, loras=()) -> GraphContext:
+    g = GraphContext(model, kv, n_tokens, n_outputs, n_kv, embeddings, pooling, loras=loras)
     model.arch.build_graph(model, g)
     return g

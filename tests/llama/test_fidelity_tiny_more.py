@@ -1,0 +1,169 @@
+"""More architectures against llama.cpp: the tiny random-weight models of tests/fixtures/tiny_more (README there).
+Each GGUF is written by make_tiny_more.py when absent (deterministic; its sha256 must be the one llama.cpp ran on).
+Decoders: teacher-forced log-probs, greedy ids up to the first near-tie, perplexity. Encoders: embeddings under
+each pooling type."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llampy.llama.batch import Batch
+from llampy.llama.context import Context
+from llampy.llama.model import Model
+from llampy.llama.perplexity import perplexity
+
+from tests.paths import TINY
+
+HERE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_more"
+DECODERS = ["phi2", "olmo2", "smollm3", "exaone", "internlm2", "command-r", "cohere2", "mistral3"]
+ENCODERS = ["bert", "nomic-bert"]
+TOL = 1e-3
+MARGIN = 0.05
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("make_tiny_more", HERE / "make_tiny_more.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def tiny_more_model(name: str) -> tuple[Path, dict]:
+    """The model's path (written now if absent) and llama.cpp's references on it."""
+    ref = json.loads((HERE / f"{name}.json").read_text())
+    path = HERE / f"{name}.gguf"
+    if not path.exists():
+        fd, tmp = tempfile.mkstemp(suffix=".gguf", dir=HERE)
+        os.close(fd)
+        _maker().write_model(name, Path(tmp))
+        os.replace(tmp, path)      # atomic: a concurrent test sees the whole file or none
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == ref["sha256"], (f"{path.name} is not the file llama.cpp's outputs were recorded on: delete it, or "
+                                     f"re-record with make_tiny_more.py")
+    return path, ref
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module", params=DECODERS)
+def decoder(request):
+    path, ref = tiny_more_model(request.param)
+    return request.param, Model(path), ref
+
+
+def test_tokenize_prompts(decoder):
+    name, model, ref = decoder
+    for p in ref["prompts"]:
+        assert model.vocab.tokenize(p["prompt"], add_special=True, parse_special=True) == p["prompt_ids"]
+
+
+def test_teacher_forced_logprobs(decoder):
+    name, model, ref = decoder
+    worst = 0.0
+    for p in ref["prompts"]:
+        ctx = Context(model, n_ctx=256, n_batch=256, n_ubatch=256)
+        ctx.decode(Batch.from_tokens(p["prompt_ids"] + p["ids"], logits_all=True))
+        lp = log_softmax(ctx.get_logits())
+        n_p = len(p["prompt_ids"])
+        for k, step in enumerate(p["steps"]):
+            row = lp[n_p - 1 + k]
+            worst = max(worst, max(abs(row[tid] - ref_lp) for tid, ref_lp in step["top"]))
+            top = step["top"]
+            if top[0][1] - top[1][1] > MARGIN:
+                assert int(np.argmax(row)) == step["id"], f"{name} step {k}: argmax differs"
+    assert worst <= TOL, f"{name}: max |dlogprob| {worst:.4f} > {TOL}"
+
+
+def test_greedy_free_running(decoder):
+    name, model, ref = decoder
+    for p in ref["prompts"]:
+        ctx = Context(model, n_ctx=256)
+        ctx.decode(Batch.from_tokens(p["prompt_ids"]))
+        pos = len(p["prompt_ids"])
+        for k, step in enumerate(p["steps"]):
+            top = step["top"]
+            if top[0][1] - top[1][1] <= MARGIN:
+                break  # a near-tie: beyond it the two continuations may rightly part
+            tok = int(np.argmax(ctx.get_logits_ith(-1)))
+            assert tok == p["ids"][k], f"{name} prompt {p['prompt'][:20]!r} step {k}"
+            ctx.decode(Batch.from_tokens([tok], pos0=pos))
+            pos += 1
+
+
+@pytest.mark.slow
+def test_perplexity(decoder):
+    name, model, ref = decoder
+    pp = ref["perplexity"]
+    text = (TINY / "seed004_first6000.txt").read_text(encoding="utf-8")
+    res = perplexity(model, text, n_ctx=pp["n_ctx"], n_batch=pp["n_batch"])
+    assert len(res.chunks) == len(pp["chunks"])
+    assert abs(res.nll - pp["nll"]) <= 0.005, f"{name}: ln PPL {res.nll:.5f} vs {pp['nll']:.5f}"
+
+
+# ------------------------------------------------------------------------------------------------ encoders
+@pytest.fixture(scope="module", params=ENCODERS)
+def encoder(request):
+    path, ref = tiny_more_model(request.param)
+    return request.param, Model(path), ref
+
+
+def _cos(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.parametrize("pooling", ["none", "mean", "cls", "last", "rank"])
+def test_encoder_embeddings(encoder, pooling):
+    name, model, ref = encoder
+    if pooling == "rank" and name != "bert":
+        pytest.skip("only the bert model has a classification head")
+    ctx = Context(model, n_ctx=256, n_batch=256, n_ubatch=256, embeddings=True, pooling=pooling)
+    for p in ref["prompts"]:
+        assert model.vocab.tokenize(p["prompt"], add_special=True, parse_special=True) == p["prompt_ids"]
+        ctx.decode(Batch.from_tokens(p["prompt_ids"], logits_all=True))
+        want = p["embeddings"][pooling]
+        if pooling == "none":
+            got = [ctx.get_embeddings_ith(i) for i in range(len(p["prompt_ids"]))]
+            for g, w in zip(got, want):
+                assert 1 - _cos(g, w) <= 1e-3 and np.allclose(g, w, atol=1e-2), name
+        elif pooling == "rank":
+            got = ctx.get_embeddings_seq(0)
+            assert np.allclose(got, want, atol=1e-3), f"{name}: score {got} vs llama.cpp {want}"
+        else:
+            got = ctx.get_embeddings_seq(0)
+            assert 1 - _cos(got, want) <= 1e-3 and np.allclose(got, want, atol=1e-2), name
+
+
+def test_encoder_sequences_in_one_batch_do_not_see_each_other(encoder):
+    """Two prompts decoded together give each its own embedding (the mask keeps sequences apart)."""
+    name, model, ref = encoder
+    ctx = Context(model, n_ctx=256, n_batch=256, n_ubatch=256, n_seq_max=2, embeddings=True, pooling="mean")
+    a, b = ref["prompts"][0]["prompt_ids"], ref["prompts"][1]["prompt_ids"]
+    batch = Batch(np.array(a + b, np.int32), np.array(list(range(len(a))) + list(range(len(b))), np.int32),
+                  [[0]] * len(a) + [[1]] * len(b), np.ones(len(a) + len(b), bool))
+    ctx.decode(batch)
+    for s, p in enumerate(ref["prompts"][:2]):
+        assert 1 - _cos(ctx.get_embeddings_seq(s), p["embeddings"]["mean"]) <= 1e-3
+
+
+def test_encoder_needs_embeddings_context(encoder):
+    name, model, ref = encoder
+    with pytest.raises(ValueError, match="embeddings=True"):
+        Context(model, n_ctx=64)
+
+
+def test_rank_needs_a_classification_head():
+    path, _ = tiny_more_model("olmo2")
+    with pytest.raises(ValueError, match="classification head"):
+        Context(Model(path), n_ctx=64, embeddings=True, pooling="rank")
