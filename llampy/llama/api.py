@@ -189,7 +189,9 @@ class Llama:
                 break
             n_common += 1
         n_common = min(n_common, len(tokens) - 1)   # re-evaluate at least the last token to get its logits
-        self.ctx.seq_rm(0, n_common, -1)
+        if not self.ctx.seq_rm(0, n_common, -1):     # a recurrent state cannot drop a suffix: start over
+            self.ctx.seq_rm(0, -1, -1)
+            n_common = 0
         self._cached = list(tokens[:n_common])
         rest = tokens[n_common:]
         for i0 in range(0, len(rest), self.ctx.n_batch):

@@ -20,7 +20,8 @@ from ..ggml.tensor import Tensor
 from ..ggml.types import GGMLType
 from .batch import Batch
 from .graph import build_graph
-from .kv_cache import KV_PAD, CacheFull as _CacheFull, KVCache
+from .kv_cache import KV_PAD, CacheFull as _CacheFull
+from .memory import create_memory
 
 POOLING = ("none", "mean", "last", "cls", "rank")
 
@@ -61,8 +62,8 @@ class Context:
             self.n_ubatch = self.n_batch  # a pooled sequence must be in one micro-batch
         # kv_unified=False (llama-server's default): one stream of n_ctx / n_seq_max cells per sequence, so that a
         # sequence's cells stay in position order and its results do not depend on the other sequences' traffic
-        self.kv = KVCache(hp, self.n_ctx, self.n_seq_max, model.layer_backend, type_k, type_v,
-                          n_stream=1 if kv_unified else self.n_seq_max)
+        self.kv = create_memory(model, self.n_ctx, self.n_seq_max, type_k, type_v,
+                                n_stream=1 if kv_unified else self.n_seq_max)
         self.sched = Scheduler(model.backends)
         self._graphs: OrderedDict = OrderedDict()
         self.max_graphs = max_graphs
@@ -163,7 +164,11 @@ class Context:
         self._out_rows = {}
         self._seq_embd = {}
         rank = np.cumsum(want) - 1          # outputs keep the batch's order, however it is split
-        for idx in self._split(batch):
+        try:
+            ubatches = self._split(batch)
+        except ValueError as e:
+            raise ContextError(f"decode: {e}") from None
+        for idx in ubatches:
             ub = Batch(batch.tokens[idx], batch.pos[idx], [batch.seq_id[i] for i in idx], batch.logits[idx])
             out_idx = np.flatnonzero(want[idx])
             res = self._decode_ubatch(ub, out_idx)
@@ -178,24 +183,8 @@ class Context:
                 self._logits[rows] = res
 
     def _split(self, batch: Batch) -> list:
-        """The micro-batches of a batch, as index arrays. A unified cache cuts the batch into runs of n_ubatch.
-        With one stream per sequence, a sequence with several tokens in the batch (a prompt) is decoded in
-        micro-batches of its own and the single tokens of the others (generation steps) together: as llama.cpp
-        gives each stream its own block of queries, a sequence's attention then takes the kernel path its own
-        token count picks (ggml's CPU flash attention switches to float32 tiles from 64 queries), whatever the
-        other sequences send in the same batch."""
-        n = len(batch)
-        if self.kv.n_stream == 1:
-            groups = [np.arange(n)]
-        else:
-            seqs = np.array([s[0] for s in batch.seq_id], dtype=np.int64)
-            _, first, inverse, counts = np.unique(seqs, return_index=True, return_inverse=True, return_counts=True)
-            single = np.flatnonzero(counts[inverse] == 1)
-            groups = [single] if len(single) else []
-            for u in np.argsort(first):
-                if counts[u] > 1:
-                    groups.append(np.flatnonzero(inverse == u))
-        return [g[i0:i0 + self.n_ubatch] for g in groups for i0 in range(0, len(g), self.n_ubatch)]
+        """The micro-batches of a batch, as index arrays: the memory's to choose (KVCache.split)."""
+        return self.kv.split(batch, self.n_ubatch)
 
     def _decode_ubatch(self, ub: Batch, out_idx: np.ndarray) -> np.ndarray:
         n = len(ub)
@@ -219,6 +208,8 @@ class Context:
             tensor_set(inp["kv_idxs"], idxs.astype(np.int64))
         for key, fill in gc.input_fns.items():
             tensor_set(inp[key], fill(ub))
+        for key, value in self.kv.input_values().items():
+            tensor_set(inp[key], value)
         if "kq_mask" in inp:
             tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id))
         if "kq_mask_swa" in inp:
@@ -315,29 +306,16 @@ class Context:
 
     # ------------------------------------------------------------------ state
     def state_save(self) -> bytes:
-        """The cache cells and the used rows of every layer's K and V, as bytes (llama_state_get_data)."""
-        used = self.kv.used_max_p1()
-        arrays = {"pos": self.kv.pos, "seq": self.kv.seq, "n_ctx": np.array([self.kv.size]),
-                  "used": np.array([used])}
-        for il, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
-            arrays[f"k{il}"] = tensor_get(self.kv.view_k(il, used))
-            arrays[f"v{il}"] = tensor_get(self.kv.view_v(il, used))
+        """The memory's cells and rows, as bytes (llama_state_get_data)."""
         f = io.BytesIO()
-        np.savez(f, **arrays)
+        np.savez(f, **self.kv.state_write())
         return f.getvalue()
 
     def state_load(self, data: bytes) -> None:
+        """Restore what state_save gave; a state of another model or memory size raises ContextError."""
         try:
             z = np.load(io.BytesIO(data), allow_pickle=False)
-            if int(z["n_ctx"][0]) != self.kv.size or z["seq"].shape != self.kv.seq.shape:
-                raise ContextError(f"state is for a cache of {int(z['n_ctx'][0])} cells, this one has {self.kv.size}")
-            used = int(z["used"][0])
-            self.kv.pos[:] = z["pos"]
-            self.kv.seq[:] = z["seq"]
-            self.kv.heads[:] = np.arange(self.kv.n_stream) * self.kv.stream_size
-            for il in range(len(self.kv.k)):
-                tensor_set(self.kv.view_k(il, used), z[f"k{il}"])
-                tensor_set(self.kv.view_v(il, used), z[f"v{il}"])
+            self.kv.state_read(z)
         except (KeyError, ValueError, OSError) as e:
             raise ContextError(f"invalid state data: {e}") from None
 

@@ -232,6 +232,35 @@ class GraphContext:
         return ops.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn, base, scale,
                             hp.yarn_ext_factor, hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow)
 
+    # ------------------------------------------------------------------ recurrent state (llama.cpp's build_rs)
+    # With a recurrent memory the micro-batch holds n_seqs sequences of n_seq_tokens tokens each, grouped by
+    # sequence, and n_kv is n_seqs: the state rows the graph reads. Each sequence reads its state from row rs_src
+    # and writes the new one to row rs_dst (another row when its state was shared: copy on write).
+    @property
+    def n_seqs(self) -> int:
+        return self.n_kv
+
+    def _rs_ids(self) -> tuple[Tensor, Tensor]:
+        if "rs_src" not in self.inputs:
+            self._input("rs_src", I32, self.n_seqs)
+            self._input("rs_dst", I32, self.n_seqs)
+        return self.inputs["rs_src"], self.inputs["rs_dst"]
+
+    # -> [n_embd_r, n_seqs]: the rolling rows (the convolution's last inputs) of the sequences
+    def rs_get_r(self, il: int) -> Tensor:
+        return self.kv.get_r(il, self._rs_ids()[0])
+
+    # new: [n_embd_r, n_seqs], written back after the graph has read the old rows (its sources depend on them)
+    def rs_store_r(self, il: int, new: Tensor) -> None:
+        self.graph.expand(self.kv.store_r(il, new, self._rs_ids()[1]))
+
+    # -> (every state row [n_embd_s, n_cells], I32 [n_seqs] the row each sequence starts from): for ssm_scan
+    def rs_s(self, il: int) -> tuple[Tensor, Tensor]:
+        return self.kv.states_s(il), self._rs_ids()[0]
+
+    def rs_store_s(self, il: int, new: Tensor) -> None:
+        self.graph.expand(self.kv.store_s(il, new, self._rs_ids()[1]))
+
     # the last layer keeps only the rows that return outputs
     def select_outputs(self, *ts: Tensor, out_ids: Tensor | None):
         if out_ids is None:

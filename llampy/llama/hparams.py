@@ -55,6 +55,14 @@ class HParams:
     f_embedding_scale: float = 0.0
     f_residual_scale: float = 0.0
     f_logit_scale: float = 0.0
+    # state-space layers (mamba, mamba2, hybrids): llama.cpp's ssm_* hparams; recurrent_layers: bool per layer
+    ssm_d_conv: int = 0
+    ssm_d_inner: int = 0
+    ssm_d_state: int = 0
+    ssm_dt_rank: int = 0
+    ssm_n_group: int = 0
+    ssm_dt_b_c_rms: bool = False
+    recurrent_layers: list = field(default_factory=list)
 
     def n_head(self, il: int = 0) -> int:
         return self.n_head_arr[il]
@@ -70,6 +78,17 @@ class HParams:
 
     def n_embd_v_gqa(self, il: int = 0) -> int:
         return self.n_embd_head_v * self.n_head_kv(il)
+
+    def is_recurrent(self, il: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[il]
+
+    def n_embd_r(self) -> int:
+        """Floats of a recurrent layer's rolling row per sequence: the convolution's last d_conv - 1 inputs."""
+        return max(self.ssm_d_conv - 1, 0) * (self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state)
+
+    def n_embd_s(self) -> int:
+        """Floats of a recurrent layer's state per sequence."""
+        return self.ssm_d_state * self.ssm_d_inner
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]
@@ -127,10 +146,11 @@ def load_hparams(md: dict) -> HParams:
         hp.n_head_kv_arr = list(hp.n_head_arr)
     hp.n_head_arr = [int(x) for x in hp.n_head_arr]
     hp.n_head_kv_arr = [int(x) for x in hp.n_head_kv_arr]
-    if hp.n_head() <= 0:
-        raise MissingMetadata(f"{arch}.attention.head_count must be positive")
-    hp.n_embd_head_k = int(m.get("attention.key_length", hp.n_embd // hp.n_head()))
-    hp.n_embd_head_v = int(m.get("attention.value_length", hp.n_embd // hp.n_head()))
+    if hp.n_head() < 0:     # 0 for recurrent layers (mamba)
+        raise MissingMetadata(f"{arch}.attention.head_count must not be negative")
+    head = hp.n_embd // hp.n_head() if hp.n_head() else 0
+    hp.n_embd_head_k = int(m.get("attention.key_length", head))
+    hp.n_embd_head_v = int(m.get("attention.value_length", head))
     hp.n_rot = int(m.get("rope.dimension_count", hp.n_embd_head_k))
     hp.f_norm_eps = float(m.get("attention.layer_norm_epsilon", 1e-5))
     hp.f_norm_rms_eps = float(m.get("attention.layer_norm_rms_epsilon", 1e-5))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ggml import ops
-from ..ggml.backend import BufferUsage, tensor_alloc
+from ..ggml.backend import BufferUsage, tensor_alloc, tensor_get, tensor_set
 from ..ggml.tensor import Tensor, Flags
 from ..ggml.types import GGMLType, row_size
 
@@ -24,6 +24,33 @@ KV_PAD = 256  # n_kv is padded to this so that decode graphs are reused for 256 
 
 class CacheFull(ValueError):
     """No room in the KV cache for a batch (a ContextError too: see context.py)."""
+
+
+def place_tensors(per_backend) -> list:
+    """The tensors of each (backend, tensors) pair in its buffer type's buffers: aligned as it asks, a new buffer
+    where one would pass its largest size (ggml_backend_alloc_ctx_tensors_from_buft). Fresh buffers are zeroed.
+    Returns the buffers."""
+    buffers = []
+    for backend, tensors in per_backend:
+        buft = backend.get_default_buffer_type()
+        align, max_size = buft.get_alignment(), buft.get_max_size()
+        groups, total = [[]], 0
+        for t in tensors:
+            size = (t.nbytes + align - 1) // align * align
+            if groups[-1] and total + size > max_size:
+                groups.append([])
+                total = 0
+            groups[-1].append((t, total))
+            total += size
+        for group in groups:
+            if not group:
+                continue
+            end = group[-1][1] + group[-1][0].nbytes
+            buf = buft.alloc_buffer(end, BufferUsage.COMPUTE)
+            for t, o in group:
+                tensor_alloc(buf, t, o)
+            buffers.append(buf)
+    return buffers
 
 
 class KVCache:
@@ -60,25 +87,7 @@ class KVCache:
             self.k.append(k)
             self.v.append(v)
             by_backend.setdefault(id(layer_backends[il]), [layer_backends[il], []])[1].extend([k, v])
-        # the tensors of each backend in its buffer type's buffers: aligned as it asks, a new buffer where one would
-        # pass its largest size (ggml_backend_alloc_ctx_tensors_from_buft). Fresh buffers are zeroed.
-        for backend, tensors in by_backend.values():
-            buft = backend.get_default_buffer_type()
-            align, max_size = buft.get_alignment(), buft.get_max_size()
-            groups, total = [[]], 0
-            for t in tensors:
-                size = (t.nbytes + align - 1) // align * align
-                if groups[-1] and total + size > max_size:
-                    groups.append([])
-                    total = 0
-                groups[-1].append((t, total))
-                total += size
-            for group in groups:
-                end = group[-1][1] + group[-1][0].nbytes
-                buf = buft.alloc_buffer(end, BufferUsage.COMPUTE)
-                for t, o in group:
-                    tensor_alloc(buf, t, o)
-                self.buffers.append(buf)
+        self.buffers = place_tensors(by_backend.values())
 
     @property
     def nbytes(self) -> int:
@@ -161,6 +170,30 @@ class KVCache:
             if free < n:
                 raise CacheFull(f"the context of sequence {st} is full: {n} tokens need room but only {free} of "
                                 f"its {hi - lo} cells are free")
+
+    def split(self, batch, n_ubatch: int) -> list:
+        """The micro-batches of a batch, as index arrays. A unified cache cuts the batch into runs of n_ubatch.
+        With one stream per sequence, a sequence with several tokens in the batch (a prompt) is decoded in
+        micro-batches of its own and the single tokens of the others (generation steps) together: as llama.cpp
+        gives each stream its own block of queries, a sequence's attention then takes the kernel path its own
+        token count picks (ggml's CPU flash attention switches to float32 tiles from 64 queries), whatever the
+        other sequences send in the same batch."""
+        n = len(batch)
+        if self.n_stream == 1:
+            groups = [np.arange(n)]
+        else:
+            seqs = np.array([s[0] for s in batch.seq_id], dtype=np.int64)
+            _, first, inverse, counts = np.unique(seqs, return_index=True, return_inverse=True, return_counts=True)
+            single = np.flatnonzero(counts[inverse] == 1)
+            groups = [single] if len(single) else []
+            for u in np.argsort(first):
+                if counts[u] > 1:
+                    groups.append(np.flatnonzero(inverse == u))
+        return [g[i0:i0 + n_ubatch] for g in groups for i0 in range(0, len(g), n_ubatch)]
+
+    def input_values(self) -> dict:
+        """Graph inputs this memory fills beyond the cells and masks the context sets: none."""
+        return {}
 
     def apply(self, idxs: np.ndarray, pos: np.ndarray, seq_ids: list) -> None:
         self.pos[idxs] = pos
@@ -267,6 +300,27 @@ class KVCache:
         if data:
             for buf in self.buffers:
                 buf.clear(0)
+
+    # ------------------------------------------------------------------ state
+    def state_write(self) -> dict:
+        """The cells and the used rows of every layer's K and V (llama_state_get_data's memory part)."""
+        used = self.used_max_p1()
+        out = {"pos": self.pos, "seq": self.seq, "n_ctx": np.array([self.size]), "used": np.array([used])}
+        for il in range(len(self.k)):
+            out[f"k{il}"] = tensor_get(self.view_k(il, used))
+            out[f"v{il}"] = tensor_get(self.view_v(il, used))
+        return out
+
+    def state_read(self, z) -> None:
+        if int(z["n_ctx"][0]) != self.size or z["seq"].shape != self.seq.shape:
+            raise ValueError(f"state is for a cache of {int(z['n_ctx'][0])} cells, this one has {self.size}")
+        used = int(z["used"][0])
+        self.pos[:] = z["pos"]
+        self.seq[:] = z["seq"]
+        self.heads[:] = np.arange(self.n_stream) * self.stream_size
+        for il in range(len(self.k)):
+            tensor_set(self.view_k(il, used), z[f"k{il}"])
+            tensor_set(self.view_v(il, used), z[f"v{il}"])
 
     # ------------------------------------------------------------------ graph views
     # k: [n_embd_head_k, n_kv, n_head_kv] — contiguous per head

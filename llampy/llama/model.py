@@ -37,10 +37,11 @@ class TensorLoader:
         self.used: set[str] = set()
 
     def create(self, name: str, ne, il: int = -1, required: bool = True, suffix: str = "weight") -> Tensor | None:
-        """The tensor ``name.suffix`` (``name`` may be a LAYER key, formatted with ``il``), of shape ``ne``."""
+        """The tensor ``name.suffix`` (``name`` may be a LAYER key, formatted with ``il``; no suffix: ``name``
+        alone, as ssm_a and ssm_d are named), of shape ``ne``."""
         if name in LAYER:
             name = LAYER[name].format(il)
-        full = f"{name}.{suffix}"
+        full = f"{name}.{suffix}" if suffix else name
         info = self.model.reader.tensors.get(full)
         if info is None:
             if required:

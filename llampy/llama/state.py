@@ -27,15 +27,27 @@ class StateError(ContextError):
 
 def _header(ctx) -> dict:
     hp, kv = ctx.model.hparams, ctx.kv
-    return {"magic": MAGIC, "arch": hp.arch, "n_layer": hp.n_layer, "n_vocab": hp.n_vocab,
-            "n_head_kv": [hp.n_head_kv(il) for il in range(hp.n_layer)], "n_embd_head_k": hp.n_embd_head_k,
-            "n_embd_head_v": hp.n_embd_head_v, "type_k": kv.type_k.name, "type_v": kv.type_v.name}
+    h = {"magic": MAGIC, "arch": hp.arch, "n_layer": hp.n_layer, "n_vocab": hp.n_vocab,
+         "n_head_kv": [hp.n_head_kv(il) for il in range(hp.n_layer)], "n_embd_head_k": hp.n_embd_head_k,
+         "n_embd_head_v": hp.n_embd_head_v}
+    if hasattr(kv, "seq_state_get"):       # a recurrent memory: the state rows' sizes
+        h["n_embd_r"], h["n_embd_s"] = hp.n_embd_r(), hp.n_embd_s()
+    else:
+        h["type_k"], h["type_v"] = kv.type_k.name, kv.type_v.name
+    return h
+
+
+def _n_tokens(state: dict) -> int:
+    """The tokens a saved sequence holds: a recurrent state counts them, a KV cache has a cell for each."""
+    return int(state["rs_n_tok"][0]) if "rs_n_tok" in state else len(state["pos"])
 
 
 def seq_get(ctx, seq_id: int) -> dict:
     """The cells of ``seq_id``, in position order: {"pos": int32[n], "k<il>", "v<il>": their rows per layer}. A cell
     shared with another sequence is copied too (it then belongs to this one alone once restored)."""
     kv = ctx.kv
+    if hasattr(kv, "seq_state_get"):
+        return kv.seq_state_get(seq_id)
     cells = np.flatnonzero(kv.seq[:, seq_id] & (kv.pos >= 0))
     cells = cells[np.argsort(kv.pos[cells], kind="stable")]
     out = {"pos": kv.pos[cells].astype(np.int32)}
@@ -49,6 +61,11 @@ def seq_set(ctx, seq_id: int, state: dict) -> int:
     """Replace ``seq_id``'s cells with ``state``'s (from seq_get): cells found as a decode would find them, rows
     written per layer. Returns the number of cells restored. On a failure the sequence is left empty."""
     kv = ctx.kv
+    if hasattr(kv, "seq_state_set"):
+        try:
+            return kv.seq_state_set(seq_id, state)
+        except (KeyError, ValueError) as e:
+            raise StateError(f"the saved sequence does not fit this model's state: {e}") from None
     pos = np.asarray(state["pos"], dtype=np.int32)
     n = len(pos)
     kv.seq_rm(seq_id, -1, -1)
@@ -79,8 +96,8 @@ def save_seqs(path, ctx, seqs: dict) -> int:
               "keys": np.frombuffer(json.dumps([str(k) for k in seqs]).encode(), np.uint8)}
     for key, (tokens, seq_id) in seqs.items():
         st = seq_get(ctx, seq_id)
-        if len(st["pos"]) != len(tokens):
-            raise StateError(f"sequence {seq_id} holds {len(st['pos'])} cells but {len(tokens)} tokens were given")
+        if _n_tokens(st) != len(tokens):
+            raise StateError(f"sequence {seq_id} holds {_n_tokens(st)} cells but {len(tokens)} tokens were given")
         arrays[f"{key}/tokens"] = np.asarray(tokens, dtype=np.int32)
         for name, a in st.items():
             arrays[f"{key}/{name}"] = a
@@ -118,7 +135,7 @@ def read_seqs(path, ctx) -> tuple[dict, int]:
 def load_seq(state: dict, ctx, seq_id: int) -> list:
     """Restore one state of read_seqs into ``seq_id``; returns its tokens."""
     tokens = [int(t) for t in state["tokens"]]
-    if len(tokens) != len(state["pos"]):
+    if len(tokens) != _n_tokens(state):
         raise StateError("a saved sequence's tokens and cells disagree")
     seq_set(ctx, seq_id, state)
     return tokens

@@ -353,7 +353,9 @@ class Engine:
             n_common = 0
         r.t_start = time.perf_counter()
         slot.prompt_lps = []
-        self.ctx.seq_rm(slot.id, n_common, -1)
+        if not self.ctx.seq_rm(slot.id, n_common, -1):   # a recurrent state cannot drop a suffix: start over
+            self.ctx.seq_rm(slot.id, -1, -1)
+            n_common = 0
         slot.cached = list(r.tokens[:n_common])
         slot.pending = list(r.tokens[n_common:])
         slot.req, slot.n_gen, slot.n_reused, slot.text, slot.emitted = r, 0, n_common, "", 0
