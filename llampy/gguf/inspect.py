@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from .constants import GGUFValueType as VT
-from .reader import GGUFReader
+from .split import open_gguf
 
 ARRAY_SHOWN = 8      # arrays up to this long are shown whole
 ARRAY_HEAD = 3       # longer ones: their first few items, then "..."
@@ -59,7 +59,8 @@ def _summary(value: list, sig: tuple, n: int) -> str:
 
 
 def inspect_report(path) -> dict:
-    with GGUFReader(path) as r:
+    """The report of a GGUF file, or of every part of a split model (any part named) read as one."""
+    with open_gguf(path) as r:
         tensors = [{"name": t.name, "type": t.type.name, "shape": list(t.ne), "bytes": t.nbytes,
                     "offset": t.offset} for t in r.tensors.values()]
         totals: dict = {}
@@ -76,6 +77,8 @@ def inspect_report(path) -> dict:
             "tensors": tensors,
             "totals": dict(sorted(totals.items(), key=lambda kv: -kv[1]["bytes"])),
             "tensor_bytes": sum(t["bytes"] for t in tensors),
+            "parts": [{"path": p.path, "file_size": p.file_size, "n_tensors": len(p.tensors)}
+                      for p in getattr(r, "readers", [])],
         }
 
 
@@ -107,4 +110,7 @@ def format_report(rep: dict) -> str:
                  f"({_mib(rep['tensor_bytes'])})")
     lines += ["", f"file size: {rep['file_size']} bytes ({_mib(rep['file_size'])}), "
                   f"header {rep['data_offset']} bytes"]
+    for i, part in enumerate(rep.get("parts", [])):
+        lines.append(f"  part {i + 1}/{len(rep['parts'])}: {part['path']}, {part['file_size']} bytes, "
+                     f"{part['n_tensors']} tensors")
     return "\n".join(lines)

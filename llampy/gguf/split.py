@@ -50,6 +50,7 @@ class SplitReader:
         self.version, self.alignment = first.version, first.alignment
         self.metadata, self.value_types = first.metadata, first.value_types
         self.file_size = sum(r.file_size for r in readers)
+        self.data_offset = first.data_offset      # the first part's
         self.tensors = {}
         self._owner = {}
         for r in readers:

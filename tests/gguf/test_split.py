@@ -138,3 +138,13 @@ def test_broken_splits_are_errors(tmp_path):
     with pytest.raises(GGUFError, match="must be named"):
         open_gguf(renamed)
     assert main(["gguf-split", "--split-max-size", "1K", str(SRC), str(tmp_path / "z")]) == 1
+
+
+def test_inspect_reports_every_part(tmp_path):
+    from llampy.gguf.inspect import format_report, inspect_report
+    parts = gguf_split(SRC, tmp_path / "m", max_tensors=10)
+    rep, whole = inspect_report(parts[1]), inspect_report(SRC)
+    assert [p["path"] for p in rep["parts"]] == [str(p) for p in parts]
+    assert sum(p["n_tensors"] for p in rep["parts"]) == len(whole["tensors"]) == len(rep["tensors"])
+    assert rep["tensor_bytes"] == whole["tensor_bytes"] and rep["n_params"] == whole["n_params"]
+    assert "part 3/3" in format_report(rep) and whole["parts"] == []
