@@ -267,8 +267,9 @@ class CUDABackend(Backend):
         K.round_act[(1, triton_cdiv(kdim, 256))](x, xr, kdim, x.stride(0), xr.stride(0), ACT=_act(a.type), BK=256)
         out = y if split == 1 else part
         try:
+            extra = {"TYPE": int(a.type)} if a.type in _WORD_TYPE_ARG else {}
             WORD_KERNELS[a.type][(triton_cdiv(n, bn), split)](w, xr, out, n, kdim, kc, a.nb[1],
-                                                              out.stride(0) if split > 1 else 0, BN=bn)
+                                                              out.stride(0) if split > 1 else 0, BN=bn, **extra)
         except Exception as e:          # a compiler that refuses the kernel: the value rules still work
             WORD_KERNELS.pop(a.type, None)
             warnings.warn(f"cuda: the word-wide {a.type.name} kernel failed ({type(e).__name__}: {e}); using the "
@@ -290,7 +291,9 @@ class CUDABackend(Backend):
 
 
 # formats with a word-wide decode kernel for one activation row (kernels.matvec_<type>)
-WORD_KERNELS = {T.Q4_K: K.matvec_q4_k}
+WORD_KERNELS = {T.Q4_K: K.matvec_q4_k, T.Q6_K: K.matvec_q6_k, T.Q4_0: K.matvec_q32, T.Q4_1: K.matvec_q32,
+                T.Q8_0: K.matvec_q32}
+_WORD_TYPE_ARG = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})       # kernels that take the format as a constexpr
 
 
 def _act(t: GGMLType) -> int:
@@ -472,7 +475,7 @@ def b_mul_mat(be, node):
         use_mv = n_act <= MATVEC_MAX_COLS
         big = torch.float16 if be.dev.type == "cuda" else F32
         mv_plan = be._matvec_plan(a, n_act) if use_mv else None
-        words = use_mv and n_act == 1 and a.type in WORD_KERNELS and kdim % 256 == 0
+        words = use_mv and n_act == 1 and a.type in WORD_KERNELS and kdim % TYPE_TRAITS[a.type].blck_size == 0
         xr = torch.empty((1, kdim), dtype=F32, device=be.dev) if words else None
         part = torch.empty((mv_plan[3], n_act, n_out), dtype=F32, device=be.dev) if use_mv and mv_plan[3] > 1 \
             else None

@@ -344,3 +344,82 @@ def matvec_q4_k(w, x, y, N, K, KC, sw, ss, BN: tl.constexpr):
                     + _q4k_scales(base, ge + 1, True).to(tl.float32) * x_hi, axis=1)
         acc += tl.reshape(d, [BN]) * sc - tl.reshape(dmin, [BN]) * mn
     tl.store(y + sp * ss + rows, acc, mask=rows < N)
+
+
+@triton.jit
+def matvec_q6_k(w, x, y, N, K, KC, sw, ss, BN: tl.constexpr):
+    """Q6_K for one activation row (rounded to Q8_K): per half of a superblock, three loads of 32 consecutive
+    bytes (ql, ql + 32, qh) give its 128 values in four quarters; sums of q * x per 16 values meet their int8
+    scales."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rowp = w + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * sw          # [BN, 1]
+    li = tl.arange(0, 32)
+    hs = tl.arange(0, 2)[None, :]
+    acc = tl.zeros([BN], tl.float32)
+    for b0 in range(sp * (KC // 256), tl.minimum(sp * (KC // 256) + KC // 256, K // 256)):
+        base = rowp + b0 * 210
+        tot = tl.zeros([BN], tl.float32)
+        for n in tl.static_range(2):
+            a = _u8(base, 64 * n + li[None, :])                          # ql[64n + l]
+            b = _u8(base, 64 * n + 32 + li[None, :])                     # ql[64n + 32 + l]
+            h = _u8(base, 128 + 32 * n + li[None, :])                    # qh[32n + l]
+            xb = x + b0 * 256 + 128 * n + li
+            for i in tl.static_range(4):
+                if i == 0:
+                    q = (a & 15) | ((h & 3) << 4)
+                elif i == 1:
+                    q = (b & 15) | (((h >> 2) & 3) << 4)
+                elif i == 2:
+                    q = (a >> 4) | (((h >> 4) & 3) << 4)
+                else:
+                    q = (b >> 4) | (((h >> 6) & 3) << 4)
+                prod = (q - 32).to(tl.float32) * tl.load(xb + 32 * i)[None, :]
+                g = tl.sum(tl.reshape(prod, [BN, 2, 16]), axis=2)          # [BN, 2]: l < 16, l >= 16
+                sc = _i8(base, 192 + 8 * n + 2 * i + hs).to(tl.float32)
+                tot += tl.sum(sc * g, axis=1)
+        acc += tl.reshape(_f16(base, 208), [BN]) * tot
+    tl.store(y + sp * ss + rows, acc, mask=rows < N)
+
+
+@triton.jit
+def matvec_q32(w, x, y, N, K, KC, sw, ss, TYPE: tl.constexpr, BN: tl.constexpr):
+    """The 32-value formats Q4_0, Q4_1 and Q8_0 for one activation row (rounded to Q8_0/Q8_1): per block one load
+    of its 16 (or 32) consecutive quant bytes per row, q * x summed, then times d (plus m * sum x for Q4_1).
+    Blocks go eight at a time; a row's last group may be partial (K need not be a multiple of 256)."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rowp = w + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * sw          # [BN, 1]
+    nb = K // 32
+    l16 = tl.arange(0, 16)
+    l32 = tl.arange(0, 32)
+    acc = tl.zeros([BN], tl.float32)
+    for g0 in range(sp * (KC // 256), tl.minimum(sp * (KC // 256) + KC // 256, (nb + 7) // 8)):
+        for i in tl.static_range(8):
+            bi = g0 * 8 + i
+            if bi < nb:
+                xb = x + bi * 32
+                if TYPE == Q8_0:
+                    base = rowp + bi * 34
+                    q = _i8(base, 2 + l32[None, :]).to(tl.float32)
+                    s = tl.sum(q * tl.load(xb + l32)[None, :], axis=1)
+                    acc += tl.reshape(_f16(base, 0), [BN]) * s
+                else:
+                    if TYPE == Q4_1:
+                        base = rowp + bi * 20
+                        a = _u8(base, 4 + l16[None, :])
+                        off = 0
+                    else:
+                        base = rowp + bi * 18
+                        a = _u8(base, 2 + l16[None, :])
+                        off = 8
+                    xl = tl.load(xb + l16)
+                    xh = tl.load(xb + 16 + l16)
+                    s = tl.sum(((a & 15) - off).to(tl.float32) * xl[None, :]
+                               + ((a >> 4) - off).to(tl.float32) * xh[None, :], axis=1)
+                    acc += tl.reshape(_f16(base, 0), [BN]) * s
+                    if TYPE == Q4_1:
+                        acc += tl.reshape(_f16(base, 2), [BN]) * (tl.sum(xl, axis=0) + tl.sum(xh, axis=0))
+    tl.store(y + sp * ss + rows, acc, mask=rows < N)
