@@ -143,3 +143,22 @@ def test_bad_adapters_are_refused(tmp_path):
         LoraAdapter(model, write_lora(tmp_path / "shape.gguf", "qwen2", {"blk.0.attn_q.weight": (a[:, :32], b)}))
     with pytest.raises(LoraError, match="general.type"):
         LoraAdapter(model, src)
+
+
+def test_cli_lora_flags(tmp_path, capsys):
+    import json
+    from llampy.cli import main
+    src = TINY / "qwen2-Q8_0.gguf"
+    path = write_lora(tmp_path / "a.gguf", "qwen2", random_pairs(src, 4, 5))
+    runs = {}
+    for name, extra in (("lora", ["--lora-scaled", str(path), "1.0"]), ("lora1", ["--lora", str(path)]),
+                        ("base", [])):
+        assert main(["run", str(src), "-p", "hello there", "-n", "6", "--temp", "0", "-ngl", "0", "--json",
+                     *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+    assert runs["lora"] == runs["lora1"] != runs["base"]
+    llm = Llama(str(src), n_ctx=64, tune_process=False, lora_path=str(path))
+    want = llm.create_completion("hello there", max_tokens=6, temperature=0)["choices"][0]["text"]
+    assert llm.detokenize(runs["lora"]).decode("utf-8", "replace") == want
+    assert main(["run", str(src), "-p", "x", "-n", "1", "-ngl", "0", "--lora", str(src)]) == 1
+    assert "general.type" in capsys.readouterr().err
