@@ -1,0 +1,77 @@
+"""Loading state-space models: the errors llama.cpp gives for files it cannot run, and what it accepts."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from llampy.gguf import GGUFReader
+from llampy.gguf.writer import GGUFWriter
+from llampy.llama.arch import UnknownArchitecture
+from llampy.llama.hparams import MissingMetadata
+from llampy.llama.model import Model, ModelLoadError
+
+from tests.paths import ROOT, TINY
+
+HERE = ROOT / "tests" / "fixtures" / "tiny_recurrent"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if not (TINY / "qwen2-Q8_0.gguf").exists():
+        pytest.skip("the shared tiny fixtures (their vocabulary) are not here")
+    spec = importlib.util.spec_from_file_location("make_fixtures", HERE / "make_fixtures.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    d = tmp_path_factory.mktemp("rs_load")
+    return {n: mod.build(n, d / f"{n}.gguf") for n in ("mamba-s128-Q8_0", "mamba2-s16-g2-Q8_0")}
+
+
+def _rewrite(src, dst, drop=(), set_=None, drop_tensors=()):
+    """A copy of the GGUF ``src`` with keys dropped or replaced (same value type) and tensors left out."""
+    r = GGUFReader(src)
+    w = GGUFWriter(dst)
+    for k, v in r.metadata.items():
+        if k in drop or k == "general.alignment":
+            continue
+        w.add(k, (set_ or {}).get(k, v), r.value_types[k])
+    for name, t in r.tensors.items():
+        if name not in drop_tensors:
+            w.add_tensor_raw(name, t.type, t.ne, t.data)
+    w.write()
+    r.close()
+    return dst
+
+
+@pytest.mark.parametrize("key", ["ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
+                                 "ssm.group_count", "attention.layer_norm_rms_epsilon"])
+def test_missing_ssm_key_is_named(built, tmp_path, key):
+    path = _rewrite(built["mamba2-s16-g2-Q8_0"], tmp_path / "m.gguf", drop=(f"mamba2.{key}",))
+    with pytest.raises(MissingMetadata, match=f"mamba2.{key}"):
+        Model(path)
+
+
+def test_mamba_inner_size_must_be_twice_the_width(built, tmp_path):
+    path = _rewrite(built["mamba-s128-Q8_0"], tmp_path / "m.gguf", set_={"mamba.ssm.inner_size": 96})
+    with pytest.raises(ModelLoadError, match="only an expansion factor of 2 is supported for now"):
+        Model(path)
+
+
+def test_missing_ssm_tensor_is_named(built, tmp_path):
+    path = _rewrite(built["mamba-s128-Q8_0"], tmp_path / "m.gguf", drop_tensors=("blk.1.ssm_a",))
+    with pytest.raises(ModelLoadError, match="blk.1.ssm_a"):
+        Model(path)
+
+
+def test_unsupported_recurrent_architecture_is_named(built, tmp_path):
+    path = _rewrite(built["mamba2-s16-g2-Q8_0"], tmp_path / "m.gguf", set_={"general.architecture": "rwkv7"})
+    with pytest.raises(UnknownArchitecture, match="rwkv7"):
+        Model(path)
+
+
+def test_state_per_sequence_is_llama_cpps(built):
+    m = Model(built["mamba2-s16-g2-Q8_0"])
+    hp = m.hparams
+    # llama.cpp: n_embd_r = (d_conv - 1) * (d_inner + 2 n_group d_state), n_embd_s = d_state * d_inner
+    assert hp.n_embd_r() == 3 * (128 + 2 * 2 * 16) and hp.n_embd_s() == 16 * 128
+    assert all(hp.is_recurrent(il) for il in range(hp.n_layer))
