@@ -11,8 +11,9 @@ import numpy as np
 from numba import njit, prange
 
 from .quants import quantize
-from .quants_base import F32, to_f16_bytes
-from .types import GGMLType
+from .quants_base import F32, round_f16, to_f16_bytes
+from .quants_k import _requant, quantize_q6_k_from
+from .types import GGMLType, QK_K
 
 T = GGMLType
 
@@ -117,7 +118,283 @@ def quantize_q5_0_weighted(x, imatrix):
     return np.concatenate([d, qh_b, qs], axis=-1).reshape(x.shape[0], -1)
 
 
-_WEIGHTED = {T.Q4_0: quantize_q4_0_weighted, T.Q5_0: quantize_q5_0_weighted}
+@njit(cache=True)
+def _make_qkx3(x, w, nmax, L, Laux, rmin, rdelta, nstep):
+    """make_qkx3_quants(n, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep, use_mad=false):
+    returns (scale, the_min)."""
+    n = x.shape[0]
+    mn = x[0]
+    mx = x[0]
+    sum_w = w[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        sum_w += w[i]
+        sum_x += w[i] * x[i]
+    if mn > 0:
+        mn = F32(0.0)
+    if mx <= mn:
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0), -mn
+    fn = F32(nmax)
+    iscale = fn / (mx - mn)
+    scale = F32(1.0) / iscale
+    best_mad = F32(0.0)
+    for i in range(n):
+        l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
+        L[i] = l
+        diff = scale * F32(l) + mn - x[i]
+        best_mad += w[i] * (diff * diff)
+    for is_ in range(nstep + 1):
+        iscale = (rmin + rdelta * F32(is_) + fn) / (mx - mn)
+        sum_l = F32(0.0)
+        sum_l2 = F32(0.0)
+        sum_xl = F32(0.0)
+        for i in range(n):
+            l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
+            Laux[i] = l
+            fl = F32(l)
+            sum_l += w[i] * fl
+            sum_l2 += w[i] * fl * fl
+            sum_xl += w[i] * fl * x[i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > 0:
+                this_min = F32(0.0)
+                this_scale = sum_xl / sum_l2
+            mad = F32(0.0)
+            for i in range(n):
+                diff = this_scale * F32(Laux[i]) + this_min - x[i]
+                mad += w[i] * (diff * diff)
+            if mad < best_mad:
+                for i in range(n):
+                    L[i] = Laux[i]
+                best_mad = mad
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
+
+
+@njit(cache=True)
+def _make_qp(x, nmax, L, qw):
+    """make_qp_quants(n, nmax, x, L, quant_weights): levels 0..nmax of non-negative values; returns the scale."""
+    n = x.shape[0]
+    mx = F32(0.0)
+    for i in range(n):
+        mx = max(mx, x[i])
+    if mx < F32(1e-15):
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0)
+    fn = F32(nmax)
+    iscale = fn / mx
+    for i in range(n):
+        L[i] = _nearest_int(iscale * x[i])
+    scale = F32(1.0) / iscale
+    best_mse = F32(0.0)
+    for i in range(n):
+        diff = x[i] - scale * F32(L[i])
+        best_mse += qw[i] * diff * diff
+    for is_ in range(-4, 5):
+        if is_ == 0:
+            continue
+        iscale_is = (F32(0.1) * F32(is_) + fn) / mx
+        scale_is = F32(1.0) / iscale_is
+        mse = F32(0.0)
+        for i in range(n):
+            l = min(nmax, _nearest_int(iscale_is * x[i]))
+            diff = x[i] - scale_is * F32(l)
+            mse += qw[i] * diff * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        l = min(nmax, _nearest_int(iscale * x[i]))
+        L[i] = l
+        sumlx += qw[i] * x[i] * F32(l)
+        suml2 += qw[i] * F32(l) * F32(l)
+    for itry in range(5):
+        n_changed = 0
+        for i in range(n):
+            w = qw[i]
+            fl = F32(L[i])
+            slx = sumlx - w * x[i] * fl
+            sl2 = suml2 - w * fl * fl
+            if slx > 0 and sl2 > 0:
+                new_l = min(nmax, _nearest_int(x[i] * sl2 / slx))
+                if new_l != L[i]:
+                    fnl = F32(new_l)
+                    slx += w * x[i] * fnl
+                    sl2 += w * fnl * fnl
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    return sumlx / suml2 if suml2 > 0 else F32(0.0)
+
+
+@njit(cache=True, parallel=True)
+def _q1_rows(x, imatrix, nmax, d_out, m_out, L_out):
+    """Q4_1 / Q5_1 with weights: per block of 32, make_qkx3_quants(32, nmax, .., -0.9, 0.05, 36)."""
+    nrows, n = x.shape
+    nb = n // 32
+    for r in prange(nrows):
+        row = x[r]
+        sum_x2 = F32(0.0)
+        for j in range(n):
+            sum_x2 += row[j] * row[j]
+        sigma2 = sum_x2 / F32(n)
+        w = np.empty(32, np.float32)
+        L = np.empty(32, np.int32)
+        Laux = np.empty(32, np.int32)
+        for ib in range(nb):
+            xb = row[ib * 32:(ib + 1) * 32]
+            for j in range(32):
+                w[j] = imatrix[ib * 32 + j] * np.sqrt(sigma2 + xb[j] * xb[j])
+            d, the_min = _make_qkx3(xb, w, nmax, L, Laux, F32(-0.9), F32(0.05), 36)
+            d_out[r, ib] = d
+            m_out[r, ib] = -the_min
+            for j in range(32):
+                L_out[r, ib, j] = L[j]
+
+
+def _weighted_q1(x, imatrix, nmax):
+    x = np.ascontiguousarray(x, F32)
+    nrows, n = x.shape
+    d = np.empty((nrows, n // 32), F32)
+    m = np.empty((nrows, n // 32), F32)
+    L = np.empty((nrows, n // 32, 32), np.uint8)
+    _q1_rows(x, np.ascontiguousarray(imatrix, F32), nmax, d, m, L)
+    sh = (nrows, n // 32, 2)
+    return to_f16_bytes(d).reshape(sh), to_f16_bytes(m).reshape(sh), L
+
+
+def quantize_q4_1_weighted(x, imatrix):
+    d, m, L = _weighted_q1(x, imatrix, 15)
+    qs = L[..., :16] | (L[..., 16:] << 4)
+    return np.concatenate([d, m, qs], axis=-1).reshape(x.shape[0], -1)
+
+
+def quantize_q5_1_weighted(x, imatrix):
+    d, m, L = _weighted_q1(x, imatrix, 31)
+    qs = (L[..., :16] & 0x0F) | ((L[..., 16:] & 0x0F) << 4)
+    qh = (((L >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    qh_b = qh.astype("<u4").view(np.uint8).reshape(qh.shape + (4,))
+    return np.concatenate([d, m, qh_b, qs], axis=-1).reshape(x.shape[0], -1)
+
+
+@njit(cache=True, parallel=True)
+def _q45k_blocks(b, qw, nmax, ls_out, lm_out, d_out, m_out, L_out):
+    """quantize_row_q4_K_impl / q5_K_impl up to the block scales: b [n, 256], qw [n, 256] the block's importances."""
+    n = b.shape[0]
+    for i in prange(n):
+        x = b[i]
+        sum_x2 = F32(0.0)
+        for l in range(QK_K):
+            sum_x2 += x[l] * x[l]
+        sigma2 = F32(2.0) * sum_x2 / F32(QK_K)
+        w = np.empty(32, np.float32)
+        sw = np.empty(8, np.float32)
+        scales = np.empty(8, np.float32)
+        mins = np.empty(8, np.float32)
+        Laux = np.empty(32, np.int32)
+        Lj = np.empty(32, np.int32)
+        Ls = np.empty(8, np.int32)
+        Lm = np.empty(8, np.int32)
+        for j in range(8):
+            for l in range(32):
+                w[l] = qw[i, 32 * j + l] * np.sqrt(sigma2 + x[32 * j + l] * x[32 * j + l])
+            sumw = F32(0.0)
+            for l in range(32):
+                sumw += w[l]
+            sw[j] = sumw
+            s, m = _make_qkx3(x[32 * j:32 * j + 32], w, nmax, Lj, Laux, F32(-0.9), F32(0.05), 36)
+            scales[j] = s
+            mins[j] = m
+            for l in range(32):
+                L_out[i, 32 * j + l] = Lj[l]
+        d_out[i] = _make_qp(scales, 63, Ls, sw)
+        m_out[i] = _make_qp(mins, 63, Lm, sw)
+        for j in range(8):
+            ls_out[i, j] = min(63, Ls[j])
+            lm_out[i, j] = min(63, Lm[j])
+
+
+def _weighted_q45k(x, imatrix, nmax):
+    x = np.ascontiguousarray(x, F32)
+    nrows, k = x.shape
+    nb = k // QK_K
+    b = x.reshape(-1, QK_K)
+    qw = np.ascontiguousarray(np.broadcast_to(np.asarray(imatrix, F32).reshape(1, nb, QK_K), (nrows, nb, QK_K))
+                              ).reshape(-1, QK_K)
+    n = len(b)
+    ls, lm = np.empty((n, 8), np.uint8), np.empty((n, 8), np.uint8)
+    d, dmin = np.empty(n, F32), np.empty(n, F32)
+    L = np.empty((n, QK_K), np.uint8)
+    _q45k_blocks(b, qw, nmax, ls, lm, d, dmin, L)
+    sc = np.empty((n, 12), np.uint8)
+    sc[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    sc[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    sc[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    dq = round_f16(d)[:, None] * ls.astype(F32)
+    dm = round_f16(dmin)[:, None] * lm.astype(F32)
+    L = _requant(L, b, dq, dm, 0, nmax, 0).astype(np.uint8).reshape(n, 4, 2, 32)
+    return b, nrows, n, d, dmin, sc, L
+
+
+def quantize_q4_k_weighted(x, imatrix):
+    b, nrows, n, d, dmin, sc, L = _weighted_q45k(x, imatrix, 15)
+    qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(n, 128)
+    out = np.concatenate([to_f16_bytes(d).reshape(n, 2), to_f16_bytes(dmin).reshape(n, 2), sc, qs], axis=1)
+    return out.reshape(nrows, -1)
+
+
+def quantize_q5_k_weighted(x, imatrix):
+    b, nrows, n, d, dmin, sc, L = _weighted_q45k(x, imatrix, 31)
+    qs = ((L[:, :, 0] & 0xF) | ((L[:, :, 1] & 0xF) << 4)).reshape(n, 128)
+    qh = np.bitwise_or.reduce((L >> 4).reshape(n, 8, 32) << np.arange(8, dtype=np.uint8)[:, None], axis=1)
+    out = np.concatenate([to_f16_bytes(d).reshape(n, 2), to_f16_bytes(dmin).reshape(n, 2), sc, qh, qs], axis=1)
+    return out.reshape(nrows, -1)
+
+
+@njit(cache=True, parallel=True)
+def _q6k_search(b, qw, scales, L):
+    n = b.shape[0]
+    for i in prange(n):
+        Lj = np.empty(16, np.int32)
+        for j in range(16):
+            scales[i, j] = _make_qx_weighted(b[i, 16 * j:16 * (j + 1)], 32, Lj, qw[i, 16 * j:16 * (j + 1)])
+            for l in range(16):
+                L[i, 16 * j + l] = Lj[l]
+
+
+def quantize_q6_k_weighted(x, imatrix):
+    x = np.ascontiguousarray(x, F32)
+    nrows, k = x.shape
+    nb = k // QK_K
+    b = x.reshape(-1, QK_K)
+    qw = np.ascontiguousarray(np.broadcast_to(np.asarray(imatrix, F32).reshape(1, nb, QK_K), (nrows, nb, QK_K))
+                              ).reshape(-1, QK_K)
+    scales = np.empty((len(b), 16), F32)
+    L = np.empty((len(b), QK_K), np.int8)
+    _q6k_search(b, qw, scales, L)
+    return quantize_q6_k_from(b, (nrows,), k, scales, L)
+
+
+_WEIGHTED = {T.Q4_0: quantize_q4_0_weighted, T.Q5_0: quantize_q5_0_weighted, T.Q4_1: quantize_q4_1_weighted,
+             T.Q5_1: quantize_q5_1_weighted, T.Q4_K: quantize_q4_k_weighted, T.Q5_K: quantize_q5_k_weighted,
+             T.Q6_K: quantize_q6_k_weighted}
 
 WEIGHTED_TYPES = frozenset(_WEIGHTED) | IGNORES_IMATRIX
 

@@ -408,8 +408,13 @@ def quantize_q5_k(x):
 
 def quantize_q6_k(x):
     b, lead = to_blocks(x, QK_K)
-    n = len(b)
     scales, L = _search_q3(b, 32, False)
+    return quantize_q6_k_from(b, lead, x.shape[-1], scales, L)
+
+
+def quantize_q6_k_from(b, lead, k, scales, L):
+    """Q6_K's blocks from the sub-block scales and levels of a search (with or without an importance matrix)."""
+    n = len(b)
     max_scale = scales[np.arange(n), np.abs(scales).argmax(axis=1)]
     zero = np.abs(max_scale) < GROUP_MAX_EPS
     with np.errstate(divide="ignore"):
@@ -423,7 +428,7 @@ def quantize_q6_k(x):
     qh = np.bitwise_or.reduce((L >> 4) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1), axis=2)
     out = np.concatenate([ql, qh.reshape(n, 64), sc.view(np.uint8), to_f16_bytes(d)], axis=1)
     out[zero] = 0                                        # an all-zero super-block is all zero bytes
-    return out.reshape(lead + (x.shape[-1] // QK_K * 210,))
+    return out.reshape(lead + (k // QK_K * 210,))
 
 
 QUANT = {T.Q2_K: quantize_q2_k, T.Q3_K: quantize_q3_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
