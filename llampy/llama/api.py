@@ -82,7 +82,7 @@ def _chat_logprobs(lp: dict | None) -> dict | None:
 
 class Llama:
     def __init__(self, model_path=None, n_ctx: int = 2048, n_threads: int | None = None, seed: int | None = None,
-                 n_batch: int = 512, n_ubatch: int = 512, embedding: bool = False, pooling: str = "mean",
+                 n_batch: int = 512, n_ubatch: int = 512, embedding: bool = False, pooling: str | None = None,
                  n_gpu_layers: int | str = 0, chat_template: str | None = None, n_seq_max: int = 1,
                  type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False,
                  tune_process: bool = True, vocab_only: bool = False, split_mode: str = "layer",
@@ -95,7 +95,8 @@ class Llama:
         ``split_mode``, ``tensor_split``, ``main_gpu``, ``override_tensor``: offload to CUDA GPUs as llama.cpp's
         -ngl/-sm/-ts/-mg/-ot (``llama.devices``; 'auto' fits what free memory holds). ``lora_path`` (scaled by
         ``lora_scale``) and ``lora_adapters`` ((path, scale) pairs): GGUF LoRA adapters applied at run time
-        (``llama.lora``; ``set_lora_scales`` changes the scales later)."""
+        (``llama.lora``; ``set_lora_scales`` changes the scales later). ``pooling`` (``embed``): mean, cls, last
+        or rank; None: the file's pooling_type for an encoder (bert), else mean. An encoder embeds only."""
         from ..ggml.types import GGMLType
         if tune_process:
             from .. import tuning
@@ -112,7 +113,7 @@ class Llama:
         self.seed = seed
         kt, vt = GGMLType[type_k.upper()], GGMLType[type_v.upper()]
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
-                           type_k=kt, type_v=vt)
+                           type_k=kt, type_v=vt, embeddings=not getattr(self.model.arch, "USES_KV_CACHE", True))
         pairs = ([(lora_path, lora_scale)] if lora_path else []) + list(lora_adapters or [])
         self.lora_adapters = [LoraAdapter(self.model, p) for p, _ in pairs]
         self.ctx.set_loras([(ad, s) for ad, (_, s) in zip(self.lora_adapters, pairs)])
@@ -445,17 +446,23 @@ class Llama:
 
     # ------------------------------------------------------------------ embeddings
     def embed(self, input, normalize: bool = True):
-        """One pooled embedding per input string (mean pooling over the last hidden state)."""
+        """One pooled embedding per input string: the pooling asked for at creation, else the file's (an encoder's
+        pooling_type), else the mean over the last hidden state. With rank pooling, the classifier's scores."""
         single = isinstance(input, str)
         texts = [input] if single else list(input)
+        encoder = not getattr(self.model.arch, "USES_KV_CACHE", True)
+        # an encoder's learned positions end at its training context
+        limit = min(self.n_ctx, self.model.hparams.n_ctx_train or self.n_ctx) if encoder else self.n_ctx
         if self._embed_ctx is None:
+            pooling = self._pooling or getattr(self.model.hparams, "pooling_type", None)
+            pooling = pooling if pooling in ("mean", "cls", "last", "rank") else "mean"
             self._embed_ctx = Context(self.model, n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=self.n_ctx,
-                                      embeddings=True, pooling=self._pooling if self._pooling != "none" else "mean")
+                                      embeddings=True, pooling=pooling)
         out = []
         for text in texts:
             toks = self.vocab.tokenize(text, add_special=True, parse_special=True)
-            if len(toks) >= self.n_ctx:
-                raise PromptTooLong(f"the input has {len(toks)} tokens, but the context holds {self.n_ctx}")
+            if len(toks) >= limit:
+                raise PromptTooLong(f"the input has {len(toks)} tokens, but the context holds {limit}")
             if not toks:
                 raise ContextError("cannot embed an empty input")
             self._embed_ctx.kv_clear()

@@ -60,6 +60,10 @@ class Server:
         self.prompt_cache = Path(prompt_cache) if prompt_cache else None
         self.model = Model(model_path, n_threads=n_threads, progress_callback=progress, n_ctx_hint=n_ctx,
                            **(offload or {}))
+        # an encoder (bert) serves /v1/embeddings and /rerank only; its inputs are bounded by its position table
+        self.encoder = not getattr(self.model.arch, "USES_KV_CACHE", True)
+        self.embd_n_ctx = min(EMBD_CTX, self.model.hparams.n_ctx_train or EMBD_CTX) if self.encoder else EMBD_CTX
+        self._rank_ctx = None
         self.model_id = alias or Path(model_path).stem
         self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path), "default"}
         self.engine = Engine(self.model, n_parallel, n_ctx)
@@ -116,6 +120,9 @@ class Server:
         ctx, sid = self.engine.ctx, 0
         toks = self.model.vocab.tokenize("Hello, world. This warms the kernels up.", add_special=True,
                                          parse_special=False)
+        if self.encoder:
+            self.embed([toks])
+            return
         ctx.decode(Batch.from_tokens(toks, 0, sid))
         ctx.decode(Batch.from_tokens([toks[-1]], len(toks), sid))
         ctx.seq_rm(sid, -1, -1)
@@ -165,6 +172,9 @@ class Server:
     def make_request(self, tokens: list, p: dict, n_probs: int = 0, logprobs: bool = False,
                      param: str = "prompt", grammar: Grammar | None = None, opts: dict | None = None) -> Request:
         """A Request for the engine. ``opts``: fields.request_options' (cache_prompt, id_slot)."""
+        if self.encoder:
+            raise APIError(501, f"This server's model ({self.model.hparams.arch}) is an encoder: it serves "
+                                f"/v1/embeddings and /rerank, not completions", type="not_supported_error")
         if not tokens:
             raise APIError(400, "the prompt is empty", param)
         limit = self.engine.n_ctx_slot
@@ -268,16 +278,42 @@ class Server:
         return self.piece(tok).decode("utf-8", errors="replace")
 
     def embed(self, toks_list: list) -> list:
-        """Mean-pooled, L2-normalised embeddings. Runs on the engine thread (Engine.run_job)."""
+        """Pooled, L2-normalised embeddings: an encoder's own pooling (its pooling_type: mean, cls or last), mean
+        for the others. Runs on the engine thread (Engine.run_job)."""
         if self._embed_ctx is None:
-            self._embed_ctx = Context(self.model, n_ctx=EMBD_CTX, n_batch=EMBD_CTX, n_ubatch=EMBD_CTX,
-                                      embeddings=True, pooling="mean", max_graphs=32)
+            pooling = getattr(self.model.hparams, "pooling_type", None)
+            pooling = pooling if self.encoder and pooling in ("mean", "cls", "last") else "mean"
+            n = self.embd_n_ctx
+            self._embed_ctx = Context(self.model, n_ctx=n, n_batch=n, n_ubatch=n, embeddings=True, pooling=pooling,
+                                      max_graphs=32)
         out = []
         for toks in toks_list:
             self._embed_ctx.kv_clear()
             self._embed_ctx.decode(Batch.from_tokens(toks, logits_all=True))
             e = self._embed_ctx.get_embeddings_seq(0).astype("float64")
             out.append((e / max(float((e ** 2).sum()) ** 0.5, 1e-12)).tolist())
+        return out
+
+
+    def can_rank(self) -> bool:
+        """Whether the model has a classification head for /rerank."""
+        return getattr(self.model.arch, "RANK_HEAD", False) and any(
+            getattr(self.model, t, None) is not None for t in ("cls", "cls_out"))
+
+    def rank_n_ctx(self) -> int:
+        return self.embd_n_ctx
+
+    def rank(self, toks_list: list) -> list:
+        """The classification head's first score of each token list (llama-server's rerank). Engine thread."""
+        if self._rank_ctx is None:
+            n = self.embd_n_ctx
+            self._rank_ctx = Context(self.model, n_ctx=n, n_batch=n, n_ubatch=n, embeddings=True, pooling="rank",
+                                     max_graphs=32)
+        out = []
+        for toks in toks_list:
+            self._rank_ctx.kv_clear()
+            self._rank_ctx.decode(Batch.from_tokens(toks, logits_all=True))
+            out.append(float(self._rank_ctx.get_embeddings_seq(0)[0]))
         return out
 
 
@@ -532,6 +568,8 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
 
     from .completions import add_completion_routes
     add_completion_routes(app, server)
+    from .rerank import add_rerank_routes
+    add_rerank_routes(app, server)
 
     @app.post("/v1/embeddings", openapi_extra=openapi_body("embeddings"))
     async def embeddings(http: HTTPRequest):
@@ -549,13 +587,13 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
             raise APIError(400, f"'input' has {len(texts)} items; one request embeds at most {MAX_EMBD_INPUTS}",
                            "input")
         for i, t in enumerate(texts):
-            limits.check_fits(server.model.vocab, t, EMBD_CTX + 1, "input")
+            limits.check_fits(server.model.vocab, t, server.embd_n_ctx + 1, "input")
         toks = [await limits.run_sized(len(t), server.model.vocab.tokenize, t, True, True) for t in texts]
         for i, t in enumerate(toks):
             if not t:
                 raise APIError(400, f"input[{i}] is empty", "input")
-            if len(t) > EMBD_CTX:
-                raise APIError(400, f"input[{i}] has {len(t)} tokens, more than {EMBD_CTX}", "input",
+            if len(t) > server.embd_n_ctx:
+                raise APIError(400, f"input[{i}] has {len(t)} tokens, more than {server.embd_n_ctx}", "input",
                                code="context_length_exceeded")
         if sum(len(t) for t in toks) > MAX_EMBD_TOKENS:
             raise APIError(400, f"the inputs have {sum(len(t) for t in toks)} tokens in all; one request embeds at "

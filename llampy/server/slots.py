@@ -113,7 +113,8 @@ class Engine:
         # one KV stream per slot (llama-server's default, kv_unified off): a request's result does not depend on
         # where earlier requests left cells in the cache
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_parallel,
-                           max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False)
+                           max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False,
+                           embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
         # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
         # would otherwise move them), then a decode step of every number of generating slots

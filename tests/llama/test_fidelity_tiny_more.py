@@ -167,3 +167,16 @@ def test_rank_needs_a_classification_head():
     path, _ = tiny_more_model("olmo2")
     with pytest.raises(ValueError, match="classification head"):
         Context(Model(path), n_ctx=64, embeddings=True, pooling="rank")
+
+
+def test_llama_api_embeds_with_the_files_pooling():
+    """Llama(embedding=True) on an encoder: the file's pooling_type (bert: mean, nomic-bert: cls) unless asked."""
+    from llampy.llama.api import Llama
+    for name, pooling in (("bert", "mean"), ("nomic-bert", "cls")):
+        path, ref = tiny_more_model(name)
+        texts = [p["prompt"] for p in ref["prompts"]]
+        for asked, want_pool in ((None, pooling), ("last", "last")):
+            llm = Llama(str(path), n_ctx=128, embedding=True, pooling=asked, tune_process=False)
+            for e, p in zip(llm.embed(texts), ref["prompts"]):
+                assert abs(np.linalg.norm(e) - 1) < 1e-6
+                assert _cos(e, p["embeddings"][want_pool]) >= 1 - 1e-3, (name, asked)

@@ -1,0 +1,86 @@
+"""A server on an encoder (the tiny BERT of tests/fixtures/tiny_more): /v1/embeddings through the openai client
+gives llama.cpp's pooled embeddings, /v1/rerank (llama-server's Jina/Cohere and TEI shapes) the classification
+head's scores, and generation routes are refused."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from llampy.llama.batch import Batch
+from llampy.llama.context import Context
+from llampy.server.rerank import rerank_tokens
+
+from tests.llama.test_fidelity_tiny_more import tiny_more_model
+from tests.server.conftest import serve_in_thread
+
+
+@pytest.fixture(scope="module")
+def bert_server():
+    from llampy.server.app import Server, create_app
+    path, ref = tiny_more_model("bert")
+    server = Server(path, n_parallel=1, n_ctx=256)
+    url, uv, t = serve_in_thread(create_app(server))
+    yield url, server, ref
+    uv.should_exit = True
+    t.join(timeout=5)
+    server.engine.stop()
+
+
+def test_embeddings_through_the_openai_client(bert_server):
+    openai = pytest.importorskip("openai")
+    url, server, ref = bert_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    texts = [p["prompt"] for p in ref["prompts"]]
+    got = client.embeddings.create(model="default", input=texts)
+    assert [d.index for d in got.data] == [0, 1, 2]
+    for d, p in zip(got.data, ref["prompts"]):
+        want = np.asarray(p["embeddings"]["mean"])       # the file's pooling_type is mean
+        want /= np.linalg.norm(want)
+        v = np.asarray(d.embedding)
+        assert abs(np.linalg.norm(v) - 1) < 1e-5
+        assert v @ want >= 1 - 1e-3
+    assert got.usage.prompt_tokens == sum(len(p["prompt_ids"]) for p in ref["prompts"])
+
+
+def test_rerank_jina_shape(bert_server):
+    url, server, ref = bert_server
+    query = "what is panda?"
+    docs = ["hi", "it is a bear", "The giant panda is a bear species endemic to China."]
+    r = httpx.post(url + "/v1/rerank", json={"model": "default", "query": query, "documents": docs, "top_n": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and len(body["results"]) == 2
+    # the scores are the model's rank pooling on [CLS] query [SEP] document (WPM adds no EOS)
+    model, vocab = server.model, server.model.vocab
+    toks = [rerank_tokens(vocab, model.metadata, query, d) for d in docs]
+    assert toks[0] == [vocab.bos] + vocab.tokenize(query, add_special=False) + [vocab.sep] + \
+        vocab.tokenize(docs[0], add_special=False)
+    ctx = Context(model, n_ctx=128, n_batch=128, n_ubatch=128, embeddings=True, pooling="rank")
+    scores = []
+    for t in toks:
+        ctx.decode(Batch.from_tokens(t, logits_all=True))
+        scores.append(float(ctx.get_embeddings_seq(0)[0]))
+    order = list(np.argsort(scores)[::-1][:2])
+    assert [x["index"] for x in body["results"]] == order
+    for x in body["results"]:
+        assert abs(x["relevance_score"] - scores[x["index"]]) < 1e-5
+    assert body["usage"]["prompt_tokens"] == sum(len(t) for t in toks)
+
+
+def test_rerank_tei_shape_and_errors(bert_server):
+    url, server, ref = bert_server
+    r = httpx.post(url + "/rerank", json={"query": "q", "texts": ["a", "b"], "return_text": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert isinstance(body, list) and {x["text"] for x in body} == {"a", "b"} and "score" in body[0]
+    assert httpx.post(url + "/v1/rerank", json={"documents": ["a"]}).status_code == 400
+    assert httpx.post(url + "/v1/rerank", json={"query": "q", "documents": []}).status_code == 400
+
+
+def test_generation_refused_on_an_encoder(bert_server):
+    url, server, ref = bert_server
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 501, r.text
+    assert "encoder" in r.json()["error"]["message"]
