@@ -202,18 +202,13 @@ def test_python_bpe_matches_hf_engine():
     assert py == m.merge(words) == v.tokenize(text)
 
 
-def test_load_and_tokenize_speed():
-    md = metadata("gemma3")
-    t0 = time.perf_counter()
-    g = Vocab.from_metadata(md)
-    load = time.perf_counter() - t0
+def test_long_text_round_trip():
+    """12 kB of text with a special token through Gemma 3's vocabulary and back (its speed: benchmarks/sampler_step.py)."""
+    g = Vocab.from_metadata(metadata("gemma3"))
     text = (LLAMACPP.parent / "tiny" / "seed004_first6000.txt").read_text() * 2 + "<start_of_turn>user\nhi"
     assert len(text.encode()) > 12000
-    g.tokenize("warm up")
-    t0 = time.perf_counter()
     ids = g.tokenize(text, add_special=True, parse_special=True)
-    tok = time.perf_counter() - t0
-    assert load < 1.0 and tok < 1.0, (load, tok)
+    assert g.token_to_id["<start_of_turn>"] in ids
     assert g.detokenize(ids, remove_special=True) == text
 
 
