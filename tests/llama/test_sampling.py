@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import time
 import zlib
 from pathlib import Path
 
