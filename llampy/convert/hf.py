@@ -7,7 +7,8 @@ llama.cpp and llampy load the result.
 Architectures: LlamaForCausalLM (Q and K rows permuted back to ggml's rope layout), Qwen2ForCausalLM,
 Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (norm weights + 1), Phi3ForCausalLM (fused QKV and
 gate+up; no long-context rope factors yet), Qwen3MoeForCausalLM (experts stacked) and GraniteForCausalLM (its
-multipliers as scales), Starcoder2ForCausalLM (LayerNorm with biases, plain GELU MLP). ``convert_peft_lora`` writes a PEFT LoRA adapter of such a model as a
+multipliers as scales), Starcoder2ForCausalLM (LayerNorm with biases, plain GELU MLP), MistralForCausalLM (as
+llama), SmolLM3ForCausalLM, Olmo2ForCausalLM. ``convert_peft_lora`` writes a PEFT LoRA adapter of such a model as a
 GGUF LoRA (convert_lora_to_gguf.py).
 
 Tokenizers: a SentencePiece tokenizer.model (llama.cpp's "llama" model; the protobuf is read directly), else a
@@ -65,12 +66,15 @@ ARCH_LAYER_NAMES = {
 }
 ARCH_LAYER_NAMES["gemma3"] = ARCH_LAYER_NAMES["gemma2"]
 ARCH_LAYER_NAMES["starcoder2"] = {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+ARCH_LAYER_NAMES["olmo2"] = {"post_attention_layernorm": "post_attention_norm",
+                             "post_feedforward_layernorm": "post_ffw_norm"}
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
                  "Qwen3MoeForCausalLM": "qwen3moe", "GraniteForCausalLM": "granite",
-                 "Starcoder2ForCausalLM": "starcoder2"}
-PERMUTED = ("llama", "granite")      # LlamaModel and its subclasses undo HF's Q/K permutation
+                 "Starcoder2ForCausalLM": "starcoder2", "MistralForCausalLM": "llama",
+                 "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2"}
+PERMUTED = ("llama", "granite", "smollm3")   # LlamaModel and its subclasses undo HF's Q/K permutation
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
@@ -418,9 +422,11 @@ def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> lis
     rope = cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type == "linear" and rope.get("factor") is not None:
-        kv += [(f"{a}.rope.scaling.type", "linear", (VT.STRING,)), (f"{a}.rope.scaling.factor", float(rope["factor"]), F32)]
+        kv += [(f"{a}.rope.scaling.type", "linear", (VT.STRING,)),
+               (f"{a}.rope.scaling.factor", float(rope["factor"]), F32)]
     elif rope_type == "yarn" and rope.get("factor") is not None:
-        kv += [(f"{a}.rope.scaling.type", "yarn", (VT.STRING,)), (f"{a}.rope.scaling.factor", float(rope["factor"]), F32),
+        kv += [(f"{a}.rope.scaling.type", "yarn", (VT.STRING,)),
+               (f"{a}.rope.scaling.factor", float(rope["factor"]), F32),
                (f"{a}.rope.scaling.original_context_length", int(rope["original_max_position_embeddings"]), U32)]
     elif rope_type not in (None, "default", "llama3"):
         raise ConvertError(f"rope_scaling {rope_type!r} is not converted by llampy")
@@ -429,7 +435,8 @@ def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> lis
         kv.append((f"{a}.rope.freq_base", float(theta), F32))
     if cfg.get("rms_norm_eps") is not None:
         kv.append((f"{a}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]), F32))
-    eps = next((cfg[k] for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon") if cfg.get(k) is not None), None)
+    eps = next((cfg[k] for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon") if cfg.get(k) is not None),
+               None)
     if eps is not None:
         kv.append((f"{a}.attention.layer_norm_epsilon", float(eps), F32))
     if cfg.get("head_dim") is not None:

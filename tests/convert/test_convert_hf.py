@@ -60,12 +60,14 @@ def write_tokenizer(d):
 GEMMA = ("gemma2", "gemma3")
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-           "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
+           "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+           "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
 
 
 def n_layers(arch: str) -> int:
-    return 6 if arch == "gemma3" else N_LAYER     # gemma3: five sliding-window layers, then a global one
+    # gemma3: five sliding-window layers, then a global one; smollm3: every fourth layer without RoPE
+    return {"gemma3": 6, "smollm3": 4}.get(arch, N_LAYER)
 
 
 def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0):
@@ -80,7 +82,8 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
 
     def norm(n):
         return (one + rng.normal(0, 0.1, n)).astype(np.float32)
-    t = {"model.embed_tokens.weight": rng.normal(0, 0.5 if arch not in GEMMA else 0.1, (n_vocab, N_EMBD)).astype(np.float32),
+    embd_std = 0.1 if arch in GEMMA else 0.5
+    t = {"model.embed_tokens.weight": rng.normal(0, embd_std, (n_vocab, N_EMBD)).astype(np.float32),
          "model.norm.weight": norm(N_EMBD)}
     if not tied:
         t["lm_head.weight"] = lin(n_vocab, N_EMBD)
@@ -102,7 +105,8 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
             for key, n in (("input_layernorm", N_EMBD), ("post_attention_layernorm", N_EMBD),
                            ("self_attn.o_proj", N_EMBD)):
                 t[p + f"{key}.bias"] = rng.normal(0, 0.1, n).astype(np.float32)
-            t[p + "mlp.c_fc.weight"], t[p + "mlp.c_fc.bias"] = lin(N_FF, N_EMBD), rng.normal(0, 0.1, N_FF).astype(np.float32)
+            t[p + "mlp.c_fc.weight"] = lin(N_FF, N_EMBD)
+            t[p + "mlp.c_fc.bias"] = rng.normal(0, 0.1, N_FF).astype(np.float32)
             t[p + "mlp.c_proj.weight"] = lin(N_EMBD, N_FF)
             t[p + "mlp.c_proj.bias"] = rng.normal(0, 0.1, N_EMBD).astype(np.float32)
         if arch in ("qwen2", "starcoder2"):
@@ -113,6 +117,11 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
             t[p + "self_attn.k_norm.weight"] = norm(HEAD_DIM)
         if arch == "starcoder2":
             continue
+        if arch == "olmo2":             # no input norm; Q/K norms over all heads; post-norms on both branches
+            del t[p + "input_layernorm.weight"]
+            t[p + "self_attn.q_norm.weight"] = norm(N_HEAD * HEAD_DIM)
+            t[p + "self_attn.k_norm.weight"] = norm(N_HEAD_KV * HEAD_DIM)
+            t[p + "post_feedforward_layernorm.weight"] = norm(N_EMBD)
         if arch == "qwen3moe":
             t[p + "mlp.gate.weight"] = rng.normal(0, 4 / np.sqrt(N_EMBD), (N_EXPERT, N_EMBD)).astype(np.float32)
             for e in range(N_EXPERT):
@@ -200,7 +209,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         sliding = gemma and (il % 2 == 0 if arch == "gemma2" else (il + 1) % cfg["sliding_window_pattern"] != 0)
         seen = (j <= i) & ((i - j < cfg["sliding_window"]) if sliding else True)
         mask = np.where(seen, 0.0, -np.inf)
-        x = rms(h, w[p + "input_layernorm.weight"], p + "input_layernorm")
+        x = h if arch == "olmo2" else rms(h, w[p + "input_layernorm.weight"], p + "input_layernorm")
         proj = {}
         if arch == "phi3":
             qkv = x @ w[p + "self_attn.qkv_proj.weight"].T
@@ -210,12 +219,16 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         else:
             for s, nh in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
                 y = x @ w[p + f"self_attn.{s}_proj.weight"].T + w.get(p + f"self_attn.{s}_proj.bias", 0)
+                if arch == "olmo2" and s != "v":
+                    y = rms(y, w[p + f"self_attn.{s}_norm.weight"])
                 proj[s] = y.reshape(n, nh, HEAD_DIM)
         if arch in ("qwen3", "gemma3", "qwen3moe"):
             proj["q"] = rms(proj["q"], w[p + "self_attn.q_norm.weight"])
             proj["k"] = rms(proj["k"], w[p + "self_attn.k_norm.weight"])
         base = cfg["rope_local_base_freq"] if arch == "gemma3" and sliding else cfg["rope_theta"]
         q, k, v = rope(proj["q"], base), rope(proj["k"], base), proj["v"]
+        if arch == "smollm3" and (il + 1) % 4 == 0:
+            q, k = proj["q"], proj["k"]
         rep = N_HEAD // N_HEAD_KV
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
         scale = cfg["query_pre_attn_scalar"] ** -0.5 if gemma else cfg.get("attention_multiplier", HEAD_DIM ** -0.5)
@@ -231,6 +244,9 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
             o = rms(o, w[p + "post_attention_layernorm.weight"])
             h = h + o
             x = rms(h, w[p + "pre_feedforward_layernorm.weight"])
+        elif arch == "olmo2":
+            h = h + rms(o, w[p + "post_attention_layernorm.weight"])
+            x = h
         else:
             h = h + o * res
             x = rms(h, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm")
@@ -257,7 +273,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
             g, u = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
         act = gelu_tanh(g) if gemma else g / (1 + np.exp(-g))
         y = (act * u) @ w[p + "mlp.down_proj.weight"].T
-        h = h + (rms(y, w[p + "post_feedforward_layernorm.weight"]) if gemma else y * res)
+        h = h + (rms(y, w[p + "post_feedforward_layernorm.weight"]) if gemma or arch == "olmo2" else y * res)
     h = rms(h, w["model.norm.weight"], "model.norm")
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     logits = h @ head.T
@@ -276,7 +292,8 @@ def llampy_logits(path, ids) -> np.ndarray:
 
 CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3", False, "F16", "f16"),
          ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32"),
-         ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32"), ("starcoder2", True, "F32", "f32")]
+         ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32"), ("starcoder2", True, "F32", "f32"),
+         ("smollm3", True, "F32", "f32"), ("olmo2", False, "F32", "f32")]
 
 
 @pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
@@ -291,7 +308,8 @@ def test_converted_model_matches_transformers_math(tmp_path, arch, tied, dtype, 
         assert md["tokenizer.ggml.eos_token_id"] == tok.token_to_id("<|im_end|>")
         assert md["tokenizer.ggml.add_bos_token"] is False
         assert ("output.weight" in r.tensors) == (not tied)
-        assert r.tensors["blk.0.attn_norm.weight"].type == GGMLType.F32
+        first_norm = "blk.0.post_attention_norm.weight" if arch == "olmo2" else "blk.0.attn_norm.weight"
+        assert r.tensors[first_norm].type == GGMLType.F32
         down = "blk.0.ffn_down_exps.weight" if arch == "qwen3moe" else "blk.0.ffn_down.weight"
         assert r.tensors[down].type == GGMLType[outtype.upper()]
         if arch == "qwen3moe":

@@ -20,7 +20,8 @@ from tests.paths import TINY
 
 SRC = TINY / "qwen2-Q8_0.gguf"
 TOKENS = [1, 5, 9, 13, 2, 7, 300, 4000]
-CASES = [["--split-max-tensors", "7"], ["--split-max-size", "1M"], ["--no-tensor-first-split", "--split-max-tensors", "20"]]
+CASES = [["--split-max-tensors", "7"], ["--split-max-size", "1M"],
+         ["--no-tensor-first-split", "--split-max-tensors", "20"]]
 
 
 def _llampy_logits(path) -> np.ndarray:
@@ -60,10 +61,12 @@ def test_split_and_merge_round_trip(tmp_path, args):
         for name, t in whole.tensors.items():
             assert split.tensors[name].type == t.type and bytes(split.tensors[name].data) == bytes(t.data)
         assert {k: v for k, v in split.metadata.items() if not k.startswith("split.")}.keys() == whole.metadata.keys()
-        assert split.metadata["split.count"] == len(parts) and split.metadata["split.tensors.count"] == len(whole.tensors)
+        assert split.metadata["split.count"] == len(parts)
+        assert split.metadata["split.tensors.count"] == len(whole.tensors)
     for i, p in enumerate(parts[1:], 1):          # later parts carry the split keys only
         with GGUFReader(p) as r:
-            assert list(r.metadata) == ["split.no", "split.tensors.count", "split.count"] and r.metadata["split.no"] == i
+            assert list(r.metadata) == ["split.no", "split.tensors.count", "split.count"]
+            assert r.metadata["split.no"] == i
     assert main(["gguf-split", "--merge", str(parts[0]), str(tmp_path / "merged.gguf")]) == 0
     with GGUFReader(tmp_path / "merged.gguf") as r, GGUFReader(SRC) as whole:
         assert r.metadata["split.count"] == 0 and list(r.metadata)[-1] == "split.count"
