@@ -217,3 +217,21 @@ def test_word_kernel_splits_agree_with_the_value_rules(t, k):
         part = torch.empty((split, 1, n), dtype=torch.float32, device=CUDA.dev)
         CUDA._matvec_words(w, rows(w), x, xr, y, (bn, 256, kc, split), part)
         np.testing.assert_allclose(y.cpu().numpy(), want.cpu().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_norm_and_weight_fuse_into_one_row_kernel():
+    """rms_norm then mul by a weight becomes one RMS_NORM_MUL node in the backend's split (graph_optimize), and
+    gives the unfused result."""
+    from llampy.ggml.tensor import Op
+    rng = np.random.default_rng(4)
+    xv = rng.standard_normal((6, 64)).astype(np.float32)
+    wv = rng.standard_normal(64).astype(np.float32)
+    x = device_leaf(CUDA, T.F32, (6, 64), xv)
+    w = device_leaf(CUDA, T.F32, (64,), wv)
+    y = ops.mul(ops.rms_norm(x, 1e-6), w).set_output()
+    g = Graph.build(y)
+    s = Scheduler([CUDA])
+    s.graph_compute(g)
+    assert y.op is Op.RMS_NORM_MUL
+    want = xv / np.sqrt((xv.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * wv
+    np.testing.assert_allclose(tensor_get(y).reshape(6, 64), want, rtol=1e-5, atol=1e-5)

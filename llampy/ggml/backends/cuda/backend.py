@@ -24,6 +24,7 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
+import triton
 
 from ...backend import Backend, register_backend
 from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
@@ -163,6 +164,13 @@ class CUDABackend(Backend):
         if op in _TABLE:
             return all(s.type in TORCH_DTYPE for s in srcs) and node.type in TORCH_DTYPE
         return False
+
+    FUSED = frozenset({Op.RMS_NORM_MUL, Op.SOFTCAP})     # the fused ops this backend binds to one kernel or two
+
+    def graph_optimize(self, graph_nodes: list[Tensor], nodes: list[Tensor]) -> list[Tensor]:
+        """Fuse RMS norm with its weight (and residual add) and soft-capping within the split: fewer launches."""
+        from ...fusion import fuse_nodes
+        return fuse_nodes(graph_nodes, nodes, lambda n: n.op in self.FUSED and self.supports_op(n))[0]
 
     def offload_op(self, node: Tensor) -> bool:
         """A large matrix product whose weights live on the host is still worth running here (ggml-cuda: batches of
@@ -374,24 +382,54 @@ def b_soft_max(be, node):
     return run
 
 
-def b_rms_norm(be, node):
+def _rows2d(t: torch.Tensor, ne0: int) -> torch.Tensor | None:
+    """t as [rows, ne0] without a copy (rows evenly strided, values contiguous), or None."""
+    if t.dtype != F32 or (t.dim() and t.stride(-1) != 1):
+        return None
+    try:
+        return t.view(-1, ne0)
+    except RuntimeError:
+        return None
+
+
+def _bind_rms(be, node, w_t, add_t):
+    """The Triton row kernel for RMS norm (with weight and residual add) where the layouts allow, else torch."""
     a, d, eps = view(node.src[0]), view(node), _param(node, "eps")
+    ne0 = node.src[0].ne[0]
+    x2, d2 = _rows2d(a, ne0), _rows2d(d, ne0)
+    w = view(w_t) if w_t is not None else None
+    add = view(add_t) if add_t is not None else None
+    w2 = _rows2d(w, ne0) if w is not None else None
+    a2 = _rows2d(add, ne0) if add is not None else None
+    fast = x2 is not None and d2 is not None and (w is None or (w2 is not None and w2.shape[0] in (1, x2.shape[0]))) \
+        and (add is None or (a2 is not None and a2.shape[0] == x2.shape[0]))
+    if fast:
+        nrows = x2.shape[0]
+        block = triton.next_power_of_2(ne0)
+        sw = 0 if w2 is None or w2.shape[0] == 1 else w2.stride(0)
+
+        def run():
+            K.rms_norm_mul[(nrows,)](x2, w2 if w2 is not None else x2, a2 if a2 is not None else x2, d2, ne0,
+                                     x2.stride(0), sw, a2.stride(0) if a2 is not None else 0, d2.stride(0), eps,
+                                     HAS_W=w2 is not None, HAS_ADD=a2 is not None, BLOCK=block)
+        return run
 
     def run():
         x = _f(a)
-        d.copy_(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        if w is not None:
+            y = y * _bcast(_f(w), tuple(x.shape))
+        d.copy_(y if add is None else y + _f(add))
     return run
+
+
+def b_rms_norm(be, node):
+    return _bind_rms(be, node, None, None)
 
 
 def b_rms_norm_mul(be, node):
-    a, w, d, eps = view(node.src[0]), view(node.src[1]), view(node), _param(node, "eps")
-    add = view(node.src[2]) if len(node.src) > 2 and node.src[2] is not None else None
-
-    def run():
-        x = _f(a)
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * _bcast(_f(w), tuple(x.shape))
-        d.copy_(y if add is None else y + _f(add))
-    return run
+    add = node.src[2] if len(node.src) > 2 and node.src[2] is not None else None
+    return _bind_rms(be, node, node.src[1], add)
 
 
 def b_norm(be, node):
@@ -437,6 +475,19 @@ def b_rope(be, node):
         mscale = float(np.float32(mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale))))
     neox = p["mode"] == 2
     ne0 = node.src[0].ne[0]
+    if x.dtype == F32 and d.dtype == F32 and x.shape[0] == 1 and x.stride(-1) == 1 and d.stride(-1) == 1:
+        n_tok, n_head = x.shape[1], x.shape[2]
+        half_p2 = triton.next_power_of_2(max(half, 1))
+        tail = triton.next_power_of_2(ne0 - n_dims) if ne0 > n_dims else 0
+        posv = pos.reshape(-1)
+        ffv = ff if ff is not None else powers
+        mixv = mix if mix is not None else powers
+
+        def run_fast():
+            K.rope[(n_tok, n_head)](x, posv, powers, ffv, mixv, d, n_head, x.stride(1), x.stride(2), d.stride(1),
+                                    d.stride(2), ne0, freq_scale, mscale, N_DIMS=n_dims, NEOX=neox,
+                                    HAS_FF=ff is not None, HAS_MIX=mix is not None, HALF=half_p2, TAIL=tail)
+        return run_fast
 
     def run():
         th = pos.reshape(-1).to(F32)[:, None] * powers[None, :]                  # [n_tokens, half]

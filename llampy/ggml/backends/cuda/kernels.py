@@ -423,3 +423,60 @@ def matvec_q32(w, x, y, N, K, KC, sw, ss, TYPE: tl.constexpr, BN: tl.constexpr):
                     if TYPE == Q4_1:
                         acc += tl.reshape(_f16(base, 2), [BN]) * (tl.sum(xl, axis=0) + tl.sum(xh, axis=0))
     tl.store(y + sp * ss + rows, acc, mask=rows < N)
+
+
+# ------------------------------------------------------------------------------------------------ row kernels
+# One launch where torch would take several: RMS norm with its weight (and a residual add), and rope.
+
+@triton.jit
+def rms_norm_mul(x, w, a, out, ne0, sx, sw, sa, so, eps, HAS_W: tl.constexpr, HAS_ADD: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) (* w[r % rows of w]) (+ a[r]); rows of ne0 float32 values,
+    contiguous within a row, row strides sx, sw, sa, so (sw 0: one weight row for all)."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    m = i < ne0
+    v = tl.load(x + r * sx + i, mask=m, other=0.0)
+    y = v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / ne0 + eps))
+    if HAS_W:
+        y = y * tl.load(w + r * sw + i, mask=m, other=0.0)
+    if HAS_ADD:
+        y = y + tl.load(a + r * sa + i, mask=m, other=0.0)
+    tl.store(out + r * so + i, y, mask=m)
+
+
+@triton.jit
+def rope(x, pos, powers, ff, mix, out, n_head, sx_t, sx_h, so_t, so_h, ne0, freq_scale, mscale,
+         N_DIMS: tl.constexpr, NEOX: tl.constexpr, HAS_FF: tl.constexpr, HAS_MIX: tl.constexpr,
+         HALF: tl.constexpr, TAIL: tl.constexpr):
+    """Rotate the first N_DIMS values of row (token t, head h) by theta_i = pos[t] * powers[i] (/ ff[i]), YaRN's
+    mix where given; NEOX pairs (i, i + N_DIMS/2), else (2i, 2i + 1); values past N_DIMS copied. ggml-cuda's form."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, HALF)
+    m = i < N_DIMS // 2
+    th = tl.load(pos + t).to(tl.float32) * tl.load(powers + i, mask=m, other=0.0)
+    if HAS_FF:
+        th = th / tl.load(ff + i, mask=m, other=1.0)
+    theta = th * freq_scale
+    if HAS_MIX:
+        mx = tl.load(mix + i, mask=m, other=0.0)
+        theta = theta * (1.0 - mx) + th * mx
+    c = tl.cos(theta) * mscale
+    s = tl.sin(theta) * mscale
+    xr = x + t * sx_t + h * sx_h
+    orow = out + t * so_t + h * so_h
+    if NEOX:
+        i0 = i
+        i1 = i + N_DIMS // 2
+    else:
+        i0 = 2 * i
+        i1 = 2 * i + 1
+    x0 = tl.load(xr + i0, mask=m, other=0.0)
+    x1 = tl.load(xr + i1, mask=m, other=0.0)
+    tl.store(orow + i0, x0 * c - x1 * s, mask=m)
+    tl.store(orow + i1, x0 * s + x1 * c, mask=m)
+    if TAIL > 0:
+        j = N_DIMS + tl.arange(0, TAIL)
+        mj = j < ne0
+        tl.store(orow + j, tl.load(xr + j, mask=mj, other=0.0), mask=mj)
