@@ -14,7 +14,7 @@ import pytest
 from llampy.cli import main
 from llampy.ggml.types import GGMLType
 from llampy.gguf import GGUFReader
-from llampy.convert.hf import read_safetensors
+from llampy.convert.files import read_safetensors
 from llampy.llama.batch import Batch
 from llampy.llama.context import Context
 from llampy.llama.model import Model
