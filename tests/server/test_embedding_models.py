@@ -7,8 +7,6 @@ import httpx
 import numpy as np
 import pytest
 
-from llampy.llama.batch import Batch
-from llampy.llama.context import Context
 from llampy.server.rerank import rerank_tokens
 
 from tests.llama.test_fidelity_tiny_more import tiny_more_model
@@ -44,28 +42,22 @@ def test_embeddings_through_the_openai_client(bert_server):
 
 
 def test_rerank_jina_shape(bert_server):
+    """Tokens and scores as llama.cpp's: each pair laid out as format_prompt_rerank ([CLS] query [SEP] document:
+    WPM adds no EOS), scored by the rank-pooling head (make_tiny_more.py recorded them through libllama)."""
     url, server, ref = bert_server
-    query = "what is panda?"
-    docs = ["hi", "it is a bear", "The giant panda is a bear species endemic to China."]
+    rr = ref["rerank"]
+    query, docs = rr["query"], rr["documents"]
+    toks = [rerank_tokens(server.model.vocab, server.model.metadata, query, d) for d in docs]
+    assert toks == rr["tokens"]
     r = httpx.post(url + "/v1/rerank", json={"model": "default", "query": query, "documents": docs, "top_n": 2},
                    timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "list" and len(body["results"]) == 2
-    # the scores are the model's rank pooling on [CLS] query [SEP] document (WPM adds no EOS)
-    model, vocab = server.model, server.model.vocab
-    toks = [rerank_tokens(vocab, model.metadata, query, d) for d in docs]
-    assert toks[0] == [vocab.bos] + vocab.tokenize(query, add_special=False) + [vocab.sep] + \
-        vocab.tokenize(docs[0], add_special=False)
-    ctx = Context(model, n_ctx=128, n_batch=128, n_ubatch=128, embeddings=True, pooling="rank")
-    scores = []
-    for t in toks:
-        ctx.decode(Batch.from_tokens(t, logits_all=True))
-        scores.append(float(ctx.get_embeddings_seq(0)[0]))
-    order = list(np.argsort(scores)[::-1][:2])
+    order = [int(i) for i in np.argsort(rr["scores"])[::-1][:2]]
     assert [x["index"] for x in body["results"]] == order
     for x in body["results"]:
-        assert abs(x["relevance_score"] - scores[x["index"]]) < 1e-5
+        assert abs(x["relevance_score"] - rr["scores"][x["index"]]) < 1e-4
     assert body["usage"]["prompt_tokens"] == sum(len(t) for t in toks)
 
 
