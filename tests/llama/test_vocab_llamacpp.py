@@ -90,21 +90,24 @@ def test_vocab_cases_cover_every_tokenizer_family():
 
 
 def test_vocab_only_any_architecture(capsys):
-    """bert is no architecture llampy builds, yet its vocabulary loads (Model, Llama, `llampy tokenize`); wanting
-    the weights still fails with the architecture named."""
+    """A WPM vocabulary loads without weights (Model, Llama, `llampy tokenize`); so does one of an architecture
+    llampy does not build (falcon), whose weights then fail with the architecture named."""
     from llampy.cli import main
     from llampy.llama.api import Llama
     path = vocab_path("bert-bge")
     m = Model(path, vocab_only=True)
-    assert m.arch is None and m.hparams.arch == "bert" and m.vocab.type == "wpm" and m.hparams.n_vocab == 30522
+    assert m.hparams.arch == "bert" and m.vocab.type == "wpm" and m.hparams.n_vocab == 30522
     llm = Llama(str(path), vocab_only=True, tune_process=False)
     ids = llm.tokenize(b"Hello world!")
     assert ids == [101, 7592, 2088, 999, 102] and llm.ctx is None
     assert llm.detokenize(ids[1:-1]) == b" hello world !" and llm.vocab.detokenize(ids[1:-1]) == " hello world!"
     assert main(["tokenize", str(path), "Hello world!", "--add-special"]) == 0
     assert json.loads(capsys.readouterr().out) == {"ids": [101, 7592, 2088, 999, 102]}
-    with pytest.raises(UnknownArchitecture, match="'bert'"):
-        Model(path)
+    falcon = vocab_path("falcon")
+    f = Model(falcon, vocab_only=True)
+    assert f.arch is None and f.hparams.arch == "falcon" and f.vocab.n_tokens > 0
+    with pytest.raises(UnknownArchitecture, match="'falcon'"):
+        Model(falcon)
     # a known architecture keeps its hyper-parameters and module under vocab_only
     s = Model(vocab_path("llama-spm"), vocab_only=True)
     assert s.arch is not None and s.hparams.n_layer > 0

@@ -4,7 +4,7 @@ d_conv inputs (its rolling row in the recurrent memory), SiLU, a data-dependent 
 sequence, the skip term D * x, a SiLU gate by z, the out-projection (llama.cpp's build_mamba_layer)."""
 from __future__ import annotations
 
-import numpy as np
+import numbers
 
 from ...ggml import ops
 from ...ggml.tensor import Tensor
@@ -16,7 +16,7 @@ def _positive(m, k: str, required: bool = True) -> int:
     v = m.get(k, None, required=required)
     if v is None:
         return 0
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise MissingMetadata(f"metadata {m.key(k)!r} is {v!r}; it must be a positive integer")
     return int(v)
 
