@@ -99,7 +99,7 @@ class Context:
 
     # ------------------------------------------------------------------ graphs
     def _graph(self, n_tokens: int, n_outputs: int, n_kv: int):
-        key = (n_tokens, n_outputs, n_kv)
+        key = (n_tokens, n_outputs, n_kv, self.kv.n_seqs())
         gc = self._graphs.get(key)
         if gc is not None:
             self._graphs.move_to_end(key)
@@ -124,7 +124,7 @@ class Context:
         n_tokens = min(max(1, int(n_tokens)), self.n_ubatch)
         n_outputs = min(max(1, int(n_outputs)), n_tokens)
         n_kv = self._n_kv(n_tokens)
-        if (n_tokens, n_outputs, n_kv) in self._graphs:
+        if (n_tokens, n_outputs, n_kv, self.kv.n_seqs()) in self._graphs:
             return False
         self.sched.alloc_graph(self._graph(n_tokens, n_outputs, n_kv).graph)
         return True
@@ -276,7 +276,7 @@ class Context:
         if delta == 0:
             return
         shift = self.kv.seq_add_cells(seq_id, p0, p1, delta)
-        if not shift.any():
+        if not shift.any() or self.model.hparams.rope_type < 0:     # no RoPE (LLAMA_ROPE_TYPE_NONE): no K to turn
             return
         if self._shift_graph is None:
             self._shift_graph = self._build_shift_graph()
@@ -294,6 +294,8 @@ class Context:
         gc = GraphContext(self.model, self.kv, size, size, size)
         for il in range(hp.n_layer):
             k = self.kv.k[il]
+            if k is None:               # a recurrent layer of a hybrid
+                continue
             kv_view = ops.permute(k, 0, 2, 1, 3)                          # [d, n_head_kv, size]
             kf = ops.cont(ops.cast(kv_view, GGMLType.F32))
             kr = gc.rope(kf, pos, il)

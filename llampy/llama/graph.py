@@ -82,14 +82,15 @@ class GraphContext:
         return self._input_fn("attn_scale", F32, (1, 1, self.n_tokens), fill)
 
     # -> F16 [n_tokens, n_tokens]: a token sees every token of its own sequence, before and after it unless causal
-    # (llm_graph_input_attn_no_cache)
-    def _kq_mask_no_cache(self, causal: bool) -> Tensor:
+    # (llm_graph_input_attn_no_cache); with ALiBi a seen token's entry is -|distance| (the slopes are the kernel's)
+    def _kq_mask_no_cache(self, causal: bool, alibi: bool = False) -> Tensor:
         def fill(ub):
-            seqs, pos = np.array([s[0] for s in ub.seq_id]), np.asarray(ub.pos)
+            seqs, pos = np.array([s[0] for s in ub.seq_id]), np.asarray(ub.pos, np.int64)
             seen = seqs[:, None] == seqs[None, :]
             if causal:
                 seen &= pos[None, :] <= pos[:, None]
-            return np.where(seen, 0.0, -np.inf).astype(np.float16)
+            val = -np.abs(pos[None, :] - pos[:, None]).astype(np.float64) if alibi else 0.0
+            return np.where(seen, val, -np.inf).astype(np.float16)
         return self._input_fn("kq_mask_no_cache", F16, (self.n_tokens, self.n_tokens), fill)
 
     def _kq_mask(self, swa: bool) -> Tensor:
@@ -213,12 +214,12 @@ class GraphContext:
     # K and V in F16, cast here as llama.cpp's build_attn_mha does when there is no cache to store them in.
     # q: [head_dim, n_head, n_tokens]  k, v: [head_dim, n_head_kv, n_tokens]  ->  [n_embd_out, n_tokens]
     def attn_no_cache(self, il: int, wo: Tensor | None, wo_b: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-                      kq_scale: float, causal: bool = False) -> Tensor:
-        mask = self._kq_mask_no_cache(causal)
+                      kq_scale: float, causal: bool = False, max_alibi_bias: float = 0.0) -> Tensor:
+        mask = self._kq_mask_no_cache(causal, alibi=max_alibi_bias > 0)
         qp = ops.permute(q, 0, 2, 1, 3)                        # [head_dim, n_tokens, n_head]
         kp = ops.cast(ops.permute(k, 0, 2, 1, 3), F16)
         vp = ops.cast(ops.permute(v, 0, 2, 1, 3), F16)
-        cur = self.cb(ops.flash_attn_ext(qp, kp, vp, mask, kq_scale), "kqv_out", il)
+        cur = self.cb(ops.flash_attn_ext(qp, kp, vp, mask, kq_scale, max_alibi_bias), "kqv_out", il)
         cur = ops.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2])
         if wo is not None:
             cur = self.mm(wo, cur, wo_b)
@@ -234,11 +235,12 @@ class GraphContext:
 
     # ------------------------------------------------------------------ recurrent state (llama.cpp's build_rs)
     # With a recurrent memory the micro-batch holds n_seqs sequences of n_seq_tokens tokens each, grouped by
-    # sequence, and n_kv is n_seqs: the state rows the graph reads. Each sequence reads its state from row rs_src
-    # and writes the new one to row rs_dst (another row when its state was shared: copy on write).
+    # sequence (the graph's shape depends on n_seqs: the context's graph key holds it). Each sequence reads its
+    # state from row rs_src and writes the new one to row rs_dst (another row when its state was shared: copy on
+    # write).
     @property
     def n_seqs(self) -> int:
-        return self.n_kv
+        return self.kv.n_seqs()
 
     def _rs_ids(self) -> tuple[Tensor, Tensor]:
         if "rs_src" not in self.inputs:

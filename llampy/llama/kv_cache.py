@@ -80,6 +80,10 @@ class KVCache:
         # one buffer per layer's backend, tensors placed in it
         by_backend: dict[int, list] = {}
         for il in range(hp.n_layer):
+            if hp.is_recurrent(il):             # a hybrid's recurrent layer keeps no K and V
+                self.k.append(None)
+                self.v.append(None)
+                continue
             k = Tensor(self.type_k, (hp.n_embd_head_k, self.size, hp.n_head_kv(il)), name=f"cache_k_l{il}")
             v = Tensor(self.type_v, (hp.n_embd_head_v, self.size, hp.n_head_kv(il)), name=f"cache_v_l{il}")
             k.flags |= Flags.WEIGHT
@@ -190,6 +194,10 @@ class KVCache:
                 if counts[u] > 1:
                     groups.append(np.flatnonzero(inverse == u))
         return [g[i0:i0 + n_ubatch] for g in groups for i0 in range(0, len(g), n_ubatch)]
+
+    def n_seqs(self) -> int:
+        """Sequences of the micro-batch that decides the graph's shape: a KV cache's graphs do not depend on it."""
+        return 1
 
     def input_values(self) -> dict:
         """Graph inputs this memory fills beyond the cells and masks the context sets: none."""
@@ -307,6 +315,8 @@ class KVCache:
         used = self.used_max_p1()
         out = {"pos": self.pos, "seq": self.seq, "n_ctx": np.array([self.size]), "used": np.array([used])}
         for il in range(len(self.k)):
+            if self.k[il] is None:
+                continue
             out[f"k{il}"] = tensor_get(self.view_k(il, used))
             out[f"v{il}"] = tensor_get(self.view_v(il, used))
         return out
@@ -319,6 +329,8 @@ class KVCache:
         self.seq[:] = z["seq"]
         self.heads[:] = np.arange(self.n_stream) * self.stream_size
         for il in range(len(self.k)):
+            if self.k[il] is None:
+                continue
             tensor_set(self.view_k(il, used), z[f"k{il}"])
             tensor_set(self.view_v(il, used), z[f"v{il}"])
 

@@ -78,7 +78,7 @@ class RecurrentMemory:
 
     def n_kv_for(self, n_needed_p1: int, pad: int = 1) -> int:
         """The state rows a micro-batch's graph reads: one per sequence in it."""
-        return max(len(self._src), 1)
+        return self.n_seqs()
 
     def check_room(self, seq_ids) -> None:
         for s in seq_ids:
@@ -147,8 +147,12 @@ class RecurrentMemory:
                 dst.append(cell)
         self._src = np.array(src, np.int32)
         self._dst = np.array(dst, np.int32)
-        cell_of = dict(zip(order, dst))
-        return np.array([cell_of[s] for s in seqs], np.int64)
+        self._cell_of = dict(zip(order, dst))
+        return self.find_cells(seq_ids)
+
+    def find_cells(self, seq_ids) -> np.ndarray:
+        """Per token, the cell find_slot chose for its sequence."""
+        return np.array([self._cell_of[s[0]] for s in seq_ids], np.int64)
 
     def apply(self, idxs: np.ndarray, pos: np.ndarray, seq_ids) -> None:
         for c, src in zip(self._dst, self._src):
@@ -172,6 +176,10 @@ class RecurrentMemory:
         for t in self.r + self.s:
             if t is not None:
                 tensor_set(ops.view_1d(t, t.ne[0], cell * t.nb[1]), np.zeros(t.ne[0], np.float32))
+
+    def n_seqs(self) -> int:
+        """Sequences of the micro-batch being decoded (its graph reads one state row each)."""
+        return max(len(self._src), 1)
 
     def input_values(self) -> dict:
         return {"rs_src": self._src, "rs_dst": self._dst}

@@ -30,9 +30,9 @@ def _header(ctx) -> dict:
     h = {"magic": MAGIC, "arch": hp.arch, "n_layer": hp.n_layer, "n_vocab": hp.n_vocab,
          "n_head_kv": [hp.n_head_kv(il) for il in range(hp.n_layer)], "n_embd_head_k": hp.n_embd_head_k,
          "n_embd_head_v": hp.n_embd_head_v}
-    if hasattr(kv, "seq_state_get"):       # a recurrent memory: the state rows' sizes
+    if _parts(kv)[1] is not None:          # a recurrent memory: the state rows' sizes
         h["n_embd_r"], h["n_embd_s"] = hp.n_embd_r(), hp.n_embd_s()
-    else:
+    if _parts(kv)[0] is not None:
         h["type_k"], h["type_v"] = kv.type_k.name, kv.type_v.name
     return h
 
@@ -42,16 +42,29 @@ def _n_tokens(state: dict) -> int:
     return int(state["rs_n_tok"][0]) if "rs_n_tok" in state else len(state["pos"])
 
 
+def _parts(mem):
+    """(the KV cache, the recurrent memory) of a context's memory, None for the part it does not have."""
+    if hasattr(mem, "recr"):
+        return mem.attn, mem.recr
+    if hasattr(mem, "seq_state_get"):
+        return None, mem
+    return mem, None
+
+
 def seq_get(ctx, seq_id: int) -> dict:
     """The cells of ``seq_id``, in position order: {"pos": int32[n], "k<il>", "v<il>": their rows per layer}. A cell
-    shared with another sequence is copied too (it then belongs to this one alone once restored)."""
-    kv = ctx.kv
-    if hasattr(kv, "seq_state_get"):
-        return kv.seq_state_get(seq_id)
+    shared with another sequence is copied too (it then belongs to this one alone once restored). A recurrent
+    memory gives its state rows instead; a hybrid's, both."""
+    kv, recr = _parts(ctx.kv)
+    out = recr.seq_state_get(seq_id) if recr is not None else {}
+    if kv is None:
+        return out
     cells = np.flatnonzero(kv.seq[:, seq_id] & (kv.pos >= 0))
     cells = cells[np.argsort(kv.pos[cells], kind="stable")]
-    out = {"pos": kv.pos[cells].astype(np.int32)}
+    out["pos"] = kv.pos[cells].astype(np.int32)
     for il in range(len(kv.k)):
+        if kv.k[il] is None:
+            continue
         out[f"k{il}"] = tensor_get(kv.k[il])[..., cells, :]      # [.., n_head_kv, n, row]: these cells' rows
         out[f"v{il}"] = tensor_get(kv.v[il])[..., cells, :]
     return out
@@ -60,12 +73,14 @@ def seq_get(ctx, seq_id: int) -> dict:
 def seq_set(ctx, seq_id: int, state: dict) -> int:
     """Replace ``seq_id``'s cells with ``state``'s (from seq_get): cells found as a decode would find them, rows
     written per layer. Returns the number of cells restored. On a failure the sequence is left empty."""
-    kv = ctx.kv
-    if hasattr(kv, "seq_state_set"):
+    kv, recr = _parts(ctx.kv)
+    if recr is not None:
         try:
-            return kv.seq_state_set(seq_id, state)
+            n_tok = recr.seq_state_set(seq_id, state)
         except (KeyError, ValueError) as e:
             raise StateError(f"the saved sequence does not fit this model's state: {e}") from None
+        if kv is None:
+            return n_tok
     pos = np.asarray(state["pos"], dtype=np.int32)
     n = len(pos)
     kv.seq_rm(seq_id, -1, -1)
@@ -77,6 +92,8 @@ def seq_set(ctx, seq_id: int, state: dict) -> int:
     except ValueError as e:
         raise StateError(f"the saved sequence ({n} cells) does not fit: {e}") from None
     for il in range(len(kv.k)):
+        if kv.k[il] is None:
+            continue
         for name, t in ((f"k{il}", kv.k[il]), (f"v{il}", kv.v[il])):
             rows = np.asarray(state[name])
             cur = tensor_get(t)

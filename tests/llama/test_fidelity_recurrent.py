@@ -1,4 +1,4 @@
-"""The tiny random-weight Mamba and Mamba-2 models of tests/fixtures/tiny_recurrent against llama.cpp's outputs on
+"""The tiny random-weight Mamba, Mamba-2 and Jamba (hybrid) models of tests/fixtures/tiny_recurrent against llama.cpp's outputs on
 them: teacher-forced log-probs of the top 10 at every step, greedy continuations token by token, perplexity. The
 GGUFs are built again by the fixture script (deterministic: their sha256 must be the one the JSON was recorded
 on)."""
@@ -19,7 +19,7 @@ from llampy.llama.perplexity import perplexity
 from tests.paths import ROOT, TINY
 
 HERE = ROOT / "tests" / "fixtures" / "tiny_recurrent"
-MODELS = ["mamba-s16-F32", "mamba-s128-Q8_0", "mamba2-s128-g1-F32", "mamba2-s16-g2-Q8_0"]
+MODELS = ["mamba-s16-F32", "mamba-s128-Q8_0", "mamba2-s128-g1-F32", "mamba2-s16-g2-Q8_0", "jamba-hybrid-Q8_0"]
 TOL = 1e-3
 MARGIN = 0.05
 

@@ -41,21 +41,30 @@ def load_hparams(hp, md):
 def load_tensors(model, ld):
     from ..model import ModelLoadError
     hp = model.hparams
-    d_conv, d_inner, d_state, dt_rank = hp.ssm_d_conv, hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_dt_rank
-    if 2 * hp.n_embd != d_inner:
+    if 2 * hp.n_embd != hp.ssm_d_inner:
         raise ModelLoadError("only an expansion factor of 2 is supported for now")
     load_embd_and_output(model, ld)
     for il, layer in enumerate(model.layers):
         layer.attn_norm = ld.create("attn_norm", (hp.n_embd,), il)
-        layer.ssm_in = ld.create("ssm_in", (hp.n_embd, 2 * d_inner), il)
-        layer.ssm_conv1d = ld.create("ssm_conv1d", (d_conv, d_inner), il)
-        layer.ssm_conv1d_b = ld.create("ssm_conv1d", (d_inner,), il, suffix="bias")
-        layer.ssm_x = ld.create("ssm_x", (d_inner, dt_rank + 2 * d_state), il)
-        layer.ssm_dt = ld.create("ssm_dt", (dt_rank, d_inner), il)
-        layer.ssm_dt_b = ld.create("ssm_dt", (d_inner,), il, suffix="bias")
-        layer.ssm_a = ld.create("ssm_a", (d_state, d_inner), il, suffix=None)
-        layer.ssm_d = ld.create("ssm_d", (d_inner,), il, suffix=None)
-        layer.ssm_out = ld.create("ssm_out", (d_inner, hp.n_embd), il)
+        load_mamba_layer(hp, ld, layer, il)
+
+
+def load_mamba_layer(hp, ld, layer, il: int, bcdt_norms: bool = False):
+    """A Mamba-1 mixer's tensors; with ``bcdt_norms`` the RMS-norm weights of dt, B and C (Jamba)."""
+    d_conv, d_inner, d_state, dt_rank = hp.ssm_d_conv, hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_dt_rank
+    layer.ssm_in = ld.create("ssm_in", (hp.n_embd, 2 * d_inner), il)
+    layer.ssm_conv1d = ld.create("ssm_conv1d", (d_conv, d_inner), il)
+    layer.ssm_conv1d_b = ld.create("ssm_conv1d", (d_inner,), il, suffix="bias")
+    layer.ssm_x = ld.create("ssm_x", (d_inner, dt_rank + 2 * d_state), il)
+    if bcdt_norms:
+        layer.ssm_dt_norm = ld.create("ssm_dt_norm", (dt_rank,), il)
+        layer.ssm_b_norm = ld.create("ssm_b_norm", (d_state,), il)
+        layer.ssm_c_norm = ld.create("ssm_c_norm", (d_state,), il)
+    layer.ssm_dt = ld.create("ssm_dt", (dt_rank, d_inner), il)
+    layer.ssm_dt_b = ld.create("ssm_dt", (d_inner,), il, suffix="bias")
+    layer.ssm_a = ld.create("ssm_a", (d_state, d_inner), il, suffix=None)
+    layer.ssm_d = ld.create("ssm_d", (d_inner,), il, suffix=None)
+    layer.ssm_out = ld.create("ssm_out", (d_inner, hp.n_embd), il)
 
 
 # cur: [width, n_tokens] -> conv_x [d_conv - 1 + n_seq_tokens, width, n_seqs]: each sequence's rolling row
@@ -87,9 +96,11 @@ def mamba_layer(g, layer, cur, il: int):
     B = ops.view_4d(x_db, d_state, 1, n_seq_tokens, n_seqs, d_state * 4, x_db.nb[1], x_db.nb[2], dt_rank * 4)
     C = ops.view_4d(x_db, d_state, 1, n_seq_tokens, n_seqs, d_state * 4, x_db.nb[1], x_db.nb[2],
                     (dt_rank + d_state) * 4)
-    if hp.ssm_dt_b_c_rms:           # FalconMamba: RMS norm without a weight on dt, B and C
-        eps = hp.f_norm_rms_eps
-        dt, B, C = ops.rms_norm(dt, eps), ops.rms_norm(B, eps), ops.rms_norm(C, eps)
+    dt_norm = getattr(layer, "ssm_dt_norm", None)
+    if hp.ssm_dt_b_c_rms or dt_norm is not None:    # FalconMamba (no weights), Jamba: RMS norm of dt, B and C
+        dt = g.norm(dt, dt_norm, il=il)
+        B = g.norm(B, getattr(layer, "ssm_b_norm", None), il=il)
+        C = g.norm(C, getattr(layer, "ssm_c_norm", None), il=il)
     else:
         dt = ops.cont(dt)
     dt = g.mm(layer.ssm_dt, ops.reshape(dt, dt_rank, g.n_tokens), layer.ssm_dt_b)
