@@ -7,8 +7,9 @@ llama.cpp and llampy load the result.
 Architectures: LlamaForCausalLM (Q and K rows permuted back to ggml's rope layout), Qwen2ForCausalLM,
 Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (norm weights + 1), Phi3ForCausalLM (fused QKV and
 gate+up; no long-context rope factors yet), Qwen3MoeForCausalLM (experts stacked) and GraniteForCausalLM (its
-multipliers as scales), Starcoder2ForCausalLM (LayerNorm with biases, plain GELU MLP), MistralForCausalLM (as
-llama), SmolLM3ForCausalLM, Olmo2ForCausalLM. Tokenizers: vocab.py. PEFT adapters of these models: peft.py.
+multipliers as scales), Starcoder2ForCausalLM (LayerNorm with biases, plain GELU MLP), MistralForCausalLM and
+MixtralForCausalLM (as llama), SmolLM3ForCausalLM, Olmo2ForCausalLM. Tokenizers: vocab.py. PEFT adapters of these
+models: peft.py.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
     # a mixture of experts' weights, stacked from mlp.experts.E.*_proj by the converter
     "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
@@ -60,7 +61,7 @@ ARCH_LAYER_NAMES["olmo2"] = {"post_attention_layernorm": "post_attention_norm",
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
                  "Qwen3MoeForCausalLM": "qwen3moe", "GraniteForCausalLM": "granite",
-                 "Starcoder2ForCausalLM": "starcoder2", "MistralForCausalLM": "llama",
+                 "Starcoder2ForCausalLM": "starcoder2", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
                  "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2"}
 PERMUTED = ("llama", "granite", "smollm3")   # LlamaModel and its subclasses undo HF's Q/K permutation
 
@@ -156,8 +157,9 @@ def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> lis
         kv += [(f"{a}.attention.key_length", int(cfg["head_dim"]), U32),
                (f"{a}.attention.value_length", int(cfg["head_dim"]), U32)]
     kv.append(("general.file_type", file_type, U32))
-    if cfg.get("num_experts") is not None:
-        kv += [(f"{a}.expert_count", int(cfg["num_experts"]), U32),
+    n_expert = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if n_expert is not None:
+        kv += [(f"{a}.expert_count", int(n_expert), U32),
                (f"{a}.expert_used_count", int(cfg["num_experts_per_tok"]), U32)]
     if arch == "qwen3moe" and cfg.get("moe_intermediate_size") is not None:
         kv.append((f"{a}.expert_feed_forward_length", int(cfg["moe_intermediate_size"]), U32))
@@ -247,16 +249,20 @@ def _llama3_rope_factors(cfg: dict) -> np.ndarray | None:
 
 
 def _stack_experts(tensors: dict[str, tuple]) -> dict[str, tuple]:
-    """Qwen2MoeModel.modify_tensors: model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight stacked over E into
+    """Qwen2MoeModel.modify_tensors (and LlamaModel's for Mixtral's block_sparse_moe.experts.E.w1/w2/w3):
+    model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight stacked over E into
     model.layers.N.mlp.experts.{gate,up,down}_proj.weight [n_expert, rows, cols] (read when written)."""
     groups: dict[str, dict[int, tuple]] = {}
     out: dict[str, tuple] = {}
+    mixtral = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}     # LlamaModel's names for Mixtral's
     for hf, (shape, load) in tensors.items():
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.((?:gate|up|down)_proj\.weight)", hf)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                         r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight", hf)
         if m is None:
             out[hf] = (shape, load)
             continue
-        groups.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = (shape, load)
+        w = mixtral.get(m.group(3), m.group(3))
+        groups.setdefault(f"model.layers.{m.group(1)}.mlp.experts.{w}.weight", {})[int(m.group(2))] = (shape, load)
     for name, experts in groups.items():
         if sorted(experts) != list(range(len(experts))):
             raise ConvertError(f"experts of {name} are not numbered 0..{len(experts) - 1}")

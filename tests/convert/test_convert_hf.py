@@ -61,13 +61,22 @@ GEMMA = ("gemma2", "gemma3")
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
            "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
-           "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+           "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+GGUF_ARCH = {"mixtral": "llama"}
+MOE = ("qwen3moe", "mixtral")
 N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
 
 
 def n_layers(arch: str) -> int:
     # gemma3: five sliding-window layers, then a global one; smollm3: every fourth layer without RoPE
     return {"gemma3": 6, "smollm3": 4}.get(arch, N_LAYER)
+
+
+def hf_file_name(arch: str, name: str) -> str:
+    if arch != "mixtral":
+        return name
+    name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(".mlp.experts.", ".block_sparse_moe.experts.")
+    return name.replace(".gate_proj.", ".w1.").replace(".down_proj.", ".w2.").replace(".up_proj.", ".w3.")
 
 
 def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0):
@@ -122,7 +131,7 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
             t[p + "self_attn.q_norm.weight"] = norm(N_HEAD * HEAD_DIM)
             t[p + "self_attn.k_norm.weight"] = norm(N_HEAD_KV * HEAD_DIM)
             t[p + "post_feedforward_layernorm.weight"] = norm(N_EMBD)
-        if arch == "qwen3moe":
+        if arch in MOE:
             t[p + "mlp.gate.weight"] = rng.normal(0, 4 / np.sqrt(N_EMBD), (N_EXPERT, N_EMBD)).astype(np.float32)
             for e in range(N_EXPERT):
                 t[p + f"mlp.experts.{e}.gate_proj.weight"] = lin(N_FF_EXP, N_EMBD)
@@ -137,12 +146,14 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
         t[p + "mlp.down_proj.weight"] = lin(N_EMBD, N_FF)
     if dtype == "BF16":     # the reference computes with what the file holds
         t = {k: ((v.view(np.uint32) >> 16).astype(np.uint32) << 16).view(np.float32) for k, v in t.items()}
+    # the file's names: Mixtral's block_sparse_moe with w1/w2/w3 (gate/down/up); the reference keeps its own
+    on_disk = {k: hf_file_name(arch, k) for k in t}
     names = sorted(t)
     half = len(names) // 2        # two shards with an index, as large checkpoints come
-    write_safetensors(d / "model-00001-of-00002.safetensors", {k: t[k] for k in names[:half]}, dtype)
-    write_safetensors(d / "model-00002-of-00002.safetensors", {k: t[k] for k in names[half:]}, dtype)
+    write_safetensors(d / "model-00001-of-00002.safetensors", {on_disk[k]: t[k] for k in names[:half]}, dtype)
+    write_safetensors(d / "model-00002-of-00002.safetensors", {on_disk[k]: t[k] for k in names[half:]}, dtype)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        k: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
+        on_disk[k]: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
     cfg = {"architectures": [HF_ARCH[arch]],
            "hidden_size": N_EMBD, "intermediate_size": N_FF, "num_hidden_layers": n_layers(arch),
            "num_attention_heads": N_HEAD, "num_key_value_heads": N_HEAD_KV, "max_position_embeddings": 256,
@@ -150,6 +161,8 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
            "eos_token_id": 2}
     if arch in ("qwen3", "gemma2", "gemma3", "qwen3moe"):
         cfg["head_dim"] = HEAD_DIM
+    if arch == "mixtral":         # Mixtral's intermediate_size is its experts'
+        cfg.update(num_local_experts=N_EXPERT, num_experts_per_tok=N_USED, intermediate_size=N_FF_EXP)
     if arch == "qwen3moe":
         cfg.update(num_experts=N_EXPERT, num_experts_per_tok=N_USED, moe_intermediate_size=N_FF_EXP,
                    norm_topk_prob=True)
@@ -250,7 +263,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         else:
             h = h + o * res
             x = rms(h, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm")
-        if arch == "qwen3moe":          # softmax router, top-k experts, weights renormalised
+        if arch in MOE:                 # softmax router, top-k experts, weights renormalised
             probs = np.exp(x @ w[p + "mlp.gate.weight"].T)
             probs /= probs.sum(-1, keepdims=True)
             y = np.zeros_like(h)
@@ -293,7 +306,7 @@ def llampy_logits(path, ids) -> np.ndarray:
 CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3", False, "F16", "f16"),
          ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32"),
          ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32"), ("starcoder2", True, "F32", "f32"),
-         ("smollm3", True, "F32", "f32"), ("olmo2", False, "F32", "f32")]
+         ("smollm3", True, "F32", "f32"), ("olmo2", False, "F32", "f32"), ("mixtral", False, "F32", "f32")]
 
 
 @pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
@@ -303,16 +316,16 @@ def test_converted_model_matches_transformers_math(tmp_path, arch, tied, dtype, 
     assert main(["convert", str(tmp_path / "hf"), str(out), "--outtype", outtype]) == 0
     with GGUFReader(out) as r:
         md = r.metadata
-        assert md["general.architecture"] == arch and md["tokenizer.ggml.model"] == "gpt2"
+        assert md["general.architecture"] == GGUF_ARCH.get(arch, arch) and md["tokenizer.ggml.model"] == "gpt2"
         assert md["tokenizer.ggml.pre"] == "gpt-2" and md["tokenizer.chat_template"] == CHATML
         assert md["tokenizer.ggml.eos_token_id"] == tok.token_to_id("<|im_end|>")
         assert md["tokenizer.ggml.add_bos_token"] is False
         assert ("output.weight" in r.tensors) == (not tied)
         first_norm = "blk.0.post_attention_norm.weight" if arch == "olmo2" else "blk.0.attn_norm.weight"
         assert r.tensors[first_norm].type == GGMLType.F32
-        down = "blk.0.ffn_down_exps.weight" if arch == "qwen3moe" else "blk.0.ffn_down.weight"
+        down = "blk.0.ffn_down_exps.weight" if arch in MOE else "blk.0.ffn_down.weight"
         assert r.tensors[down].type == GGMLType[outtype.upper()]
-        if arch == "qwen3moe":
+        if arch in MOE:
             assert r.tensors[down].ne == (N_FF_EXP, N_EMBD, N_EXPERT)
             assert r.tensors["blk.0.ffn_gate_inp.weight"].type == GGMLType.F32
     ids = tok.encode(TEXT).ids[:12]
