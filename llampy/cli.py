@@ -43,14 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# numeric options that must be at least 1 (or 0): argparse's error (usage, one line, status 2) rather than what
+# a negative thread count or batch size would do deeper down
+_AT_LEAST = {"threads": 1, "parallel": 1, "batch_size": 1, "ubatch_size": 1, "reps": 1, "chunks": 1, "jobs": 1,
+             "n_prompt": 0, "n_gen": 0, "n_probs": 0, "top_k": 0, "ctx_size": 0}
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    for name, lo in _AT_LEAST.items():
+        v = getattr(args, name, None)
+        if isinstance(v, int) and v < lo:
+            ap.error(f"--{name.replace('_', '-')} must be at least {lo}, not {v}")
+    port = getattr(args, "port", None)
+    if isinstance(port, int) and not 0 <= port <= 65535:
+        ap.error(f"--port must be in 0..65535, not {port}")
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
     from . import tuning
     from .gguf import GGUFError
     from .llama.arch import UnknownArchitecture
+    from .llama.chat import ChatTemplateError
     from .llama.context import ContextError
     from .llama.hparams import MissingMetadata
     from .llama.model import ModelLoadError
+    from .llama.vocab import VocabError
     from .models import ModelNotFound
     n_threads = getattr(args, "threads", None)
     if n_threads:
@@ -68,7 +88,7 @@ def main(argv=None) -> int:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
     except (tuning.TuningError, GGUFError, UnknownArchitecture, ContextError, MissingMetadata, ModelLoadError, ModelNotFound,
-            FileNotFoundError, IsADirectoryError, PermissionError) as e:
+            VocabError, ChatTemplateError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

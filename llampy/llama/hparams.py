@@ -2,13 +2,63 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 
 class MissingMetadata(ValueError):
-    pass
+    """A key the model needs is absent, or its value is of the wrong type or out of range (InvalidMetadata)."""
+
+
+class InvalidMetadata(MissingMetadata):
+    """A hyper-parameter the file gives that no model can have: a NaN epsilon, a zero RoPE base, more layers than
+    the file has tensors for... One per problem, naming the key, found at load before anything is allocated."""
+
+
+LLAMA_MAX_LAYERS = 512      # llama.cpp's limits on per-layer arrays
+LLAMA_MAX_EXPERTS = 512
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+_BLK = re.compile(r"blk\.(\d+)\.")
+
+
+def md_int(md: dict, key: str, default=None, lo: int | None = None, hi: int | None = None):
+    """md[key] as an int (a GGUF integer or bool, not a float, string or array), within [lo, hi]; default when
+    absent. InvalidMetadata names the key otherwise."""
+    v = md.get(key, default)
+    if v is None or v is default and key not in md:
+        return v
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidMetadata(f"metadata {key!r} must be an integer, not {_what(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"at least {lo}" if hi is None else f"in {lo}..{hi}" if lo is not None else f"at most {hi}"
+        raise InvalidMetadata(f"metadata {key!r} is {v}; it must be {rng}")
+    return v
+
+
+def md_float(md: dict, key: str, default=None, positive: bool = False, nonneg: bool = False):
+    """md[key] as a finite float (a GGUF float or integer); with ``positive``/``nonneg``, > 0 / >= 0."""
+    v = md.get(key, default)
+    if v is None or v is default and key not in md:
+        return v
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidMetadata(f"metadata {key!r} must be a number, not {_what(v)}")
+    v = float(v)
+    if not math.isfinite(v) or (positive and v <= 0) or (nonneg and v < 0):
+        need = "a positive number" if positive else "a number >= 0" if nonneg else "a finite number"
+        raise InvalidMetadata(f"metadata {key!r} is {v}; it must be {need}")
+    return v
+
+
+def _what(v) -> str:
+    if isinstance(v, (list, np.ndarray)):
+        return f"an array of {len(v)}"
+    return f"a {type(v).__name__} ({str(v)[:40]!r})"
 
 
 @dataclass
@@ -119,65 +169,139 @@ class Meta:
             return default
         return self.md[full]
 
-    def get_per_layer(self, k: str, n_layer: int, default=None, required: bool = False) -> list:
+    def get_int(self, k: str, default=None, required: bool = False, lo: int | None = None, hi: int | None = None):
+        if required and not self.has(k):
+            raise MissingMetadata(f"missing metadata key {self.key(k)!r}")
+        return md_int(self.md, self.key(k), default, lo, hi)
+
+    def get_float(self, k: str, default=None, positive: bool = False, nonneg: bool = False):
+        return md_float(self.md, self.key(k), default, positive, nonneg)
+
+    def get_per_layer(self, k: str, n_layer: int, default=None, required: bool = False, lo: int = 0,
+                      hi: int | None = None) -> list:
+        """One integer per layer: an array of n_layer, or one value for all (llama.cpp's get_key_or_arr)."""
         v = self.get(k, default, required)
+        key = self.key(k)
+        if key not in self.md:
+            return [v] * n_layer
         if isinstance(v, (list, np.ndarray)):
             if len(v) != n_layer:
-                raise MissingMetadata(f"{self.key(k)} has {len(v)} values for {n_layer} layers")
-            return [int(x) for x in v]
-        return [v] * n_layer
+                raise InvalidMetadata(f"{key} has {len(v)} values for {n_layer} layers")
+            arr = np.asarray(v) if isinstance(v, np.ndarray) else None
+            if arr is None or arr.dtype.kind not in "iu":
+                raise InvalidMetadata(f"{key} must be integers, not {_what(v)} of {type(v[0]).__name__}"
+                                      if len(v) else f"{key} must be integers")
+            vals = [int(x) for x in arr]
+            bad = [x for x in vals if x < lo or (hi is not None and x > hi)]
+            if bad:
+                raise InvalidMetadata(f"{key} holds {bad[0]}; each value must be "
+                                      f"{f'at least {lo}' if hi is None else f'in {lo}..{hi}'}")
+            return vals
+        return [md_int(self.md, key, None, lo, hi)] * n_layer
 
 
-def load_hparams(md: dict) -> HParams:
+def load_hparams(md: dict, module=None, tensors=None) -> HParams:
+    """The hyper-parameters of ``md`` with llama.cpp's defaults, then the architecture ``module``'s own
+    (``module.load_hparams``), then checked (check_hparams; against ``tensors``, the file's tensor names, when
+    given). Each problem is one MissingMetadata/InvalidMetadata naming its key."""
     arch = md.get("general.architecture")
     if not isinstance(arch, str):
         raise MissingMetadata("missing metadata key 'general.architecture'")
     m = Meta(md, arch)
     hp = HParams(arch=arch, name=str(md.get("general.name", "")))
-    hp.n_ctx_train = int(m.get("context_length", required=True))
-    hp.n_embd = int(m.get("embedding_length", required=True))
-    hp.n_layer = int(m.get("block_count", required=True))
-    if hp.n_layer <= 0 or hp.n_embd <= 0:
-        raise MissingMetadata(f"{arch}.block_count and {arch}.embedding_length must be positive")
+    hp.n_ctx_train = m.get_int("context_length", required=True, lo=0)
+    hp.n_embd = m.get_int("embedding_length", required=True, lo=1)
+    # before any per-layer list is made: a count read from the file sizes them (2^32 - 1 layers: a MemoryError)
+    hp.n_layer = m.get_int("block_count", required=True, lo=1, hi=LLAMA_MAX_LAYERS)
+    if tensors is not None:
+        check_layers(hp, tensors)
     hp.n_ff_arr = m.get_per_layer("feed_forward_length", hp.n_layer, 0)
-    hp.n_head_arr = m.get_per_layer("attention.head_count", hp.n_layer, required=True)
-    hp.n_head_kv_arr = m.get_per_layer("attention.head_count_kv", hp.n_layer, None)
+    # 0 for a recurrent layer (check_hparams holds the others to at least 1)
+    hp.n_head_arr = m.get_per_layer("attention.head_count", hp.n_layer, required=True, lo=0)
+    hp.n_head_kv_arr = m.get_per_layer("attention.head_count_kv", hp.n_layer, None, lo=0)
     if hp.n_head_kv_arr[0] is None:
         hp.n_head_kv_arr = list(hp.n_head_arr)
-    hp.n_head_arr = [int(x) for x in hp.n_head_arr]
-    hp.n_head_kv_arr = [int(x) for x in hp.n_head_kv_arr]
-    if hp.n_head() < 0:     # 0 for recurrent layers (mamba)
-        raise MissingMetadata(f"{arch}.attention.head_count must not be negative")
     head = hp.n_embd // hp.n_head() if hp.n_head() else 0
-    hp.n_embd_head_k = int(m.get("attention.key_length", head))
-    hp.n_embd_head_v = int(m.get("attention.value_length", head))
-    hp.n_rot = int(m.get("rope.dimension_count", hp.n_embd_head_k))
-    hp.f_norm_eps = float(m.get("attention.layer_norm_epsilon", 1e-5))
-    hp.f_norm_rms_eps = float(m.get("attention.layer_norm_rms_epsilon", 1e-5))
+    hp.n_embd_head_k = m.get_int("attention.key_length", head, lo=1)
+    hp.n_embd_head_v = m.get_int("attention.value_length", head, lo=1)
+    hp.n_rot = m.get_int("rope.dimension_count", hp.n_embd_head_k, lo=0)
+    hp.f_norm_eps = m.get_float("attention.layer_norm_epsilon", 1e-5, positive=True)
+    hp.f_norm_rms_eps = m.get_float("attention.layer_norm_rms_epsilon", 1e-5, positive=True)
     tokens = md.get("tokenizer.ggml.tokens")
-    hp.n_vocab = int(m.get("vocab_size", len(tokens) if tokens is not None else 0))
+    hp.n_vocab = m.get_int("vocab_size", len(tokens) if isinstance(tokens, (list, np.ndarray)) else 0, lo=0,
+                           hi=(1 << 31) - 1)
 
     # rope
-    hp.rope_freq_base = float(m.get("rope.freq_base", 10000.0))
-    hp.rope_scaling_type = str(m.get("rope.scaling.type", "linear"))
-    factor = float(m.get("rope.scaling.factor", m.get("rope.scale_linear", 0.0)))
+    hp.rope_freq_base = m.get_float("rope.freq_base", 10000.0, positive=True)
+    hp.rope_scaling_type = m.get("rope.scaling.type", "linear")
+    if hp.rope_scaling_type not in ROPE_SCALING_TYPES:
+        raise InvalidMetadata(f"metadata {m.key('rope.scaling.type')!r} is {str(hp.rope_scaling_type)[:40]!r}; "
+                              f"llampy knows {', '.join(ROPE_SCALING_TYPES)}")
+    factor = m.get_float("rope.scaling.factor", m.get_float("rope.scale_linear", 0.0, nonneg=True), nonneg=True)
     hp.rope_freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
     if hp.rope_scaling_type == "none":
         hp.rope_freq_scale = 1.0
-    hp.n_ctx_orig_yarn = int(m.get("rope.scaling.original_context_length", hp.n_ctx_train))
-    hp.rope_attn_factor = float(m.get("rope.scaling.attn_factor", 1.0))
+    hp.n_ctx_orig_yarn = m.get_int("rope.scaling.original_context_length", hp.n_ctx_train, lo=0)
+    hp.rope_attn_factor = m.get_float("rope.scaling.attn_factor", 1.0, positive=True)
     if hp.rope_scaling_type == "yarn":
         hp.yarn_ext_factor = 1.0
         f = 1.0 / hp.rope_freq_scale
         mscale = 1.0 if f <= 1.0 else 0.1 * math.log(f) + 1.0
         hp.yarn_attn_factor = mscale / (1.0 + 0.1 * math.log(f)) if f > 1.0 else mscale
     hp.yarn_attn_factor *= hp.rope_attn_factor
-    hp.rope_freq_base_swa = float(m.get("rope.freq_base_swa", 10000.0))
+    hp.rope_freq_base_swa = m.get_float("rope.freq_base_swa", 10000.0, positive=True)
 
     # MoE
-    hp.n_expert = int(m.get("expert_count", 0))
-    hp.n_expert_used = int(m.get("expert_used_count", 0))
-    hp.n_ff_exp = int(m.get("expert_feed_forward_length", 0))
+    hp.n_expert = m.get_int("expert_count", 0, lo=0, hi=LLAMA_MAX_EXPERTS)
+    hp.n_expert_used = m.get_int("expert_used_count", 0, lo=0)
+    hp.n_ff_exp = m.get_int("expert_feed_forward_length", 0, lo=0)
     if hp.n_expert and not 0 < hp.n_expert_used <= hp.n_expert:
-        raise MissingMetadata(f"{arch}.expert_used_count must be in 1..{hp.n_expert}")
+        raise InvalidMetadata(f"{arch}.expert_used_count must be in 1..{hp.n_expert}")
+    if module is not None:
+        try:
+            module.load_hparams(hp, md)
+        except MissingMetadata:
+            raise
+        except (ValueError, TypeError, OverflowError, ZeroDivisionError) as e:
+            raise InvalidMetadata(f"{arch}: {e}") from None
+    check_hparams(hp)
     return hp
+
+
+def check_layers(hp: HParams, tensors) -> None:
+    """block_count against the layers the file has tensors for (blk.0 .. blk.N-1), before anything is sized by it."""
+    present = {int(mt.group(1)) for name in tensors if (mt := _BLK.match(name))}
+    n = max(present) + 1 if present else 0
+    if n != hp.n_layer:
+        raise InvalidMetadata(f"{hp.arch}.block_count is {hp.n_layer} but the file has tensors for {n} layers "
+                              f"(blk.0 .. blk.{n - 1})" if n else
+                              f"{hp.arch}.block_count is {hp.n_layer} but the file has no layer tensors (blk.*)")
+
+
+def check_hparams(hp: HParams) -> None:
+    """What the graph needs of the hyper-parameters, whatever the architecture set (llama.cpp asserts most of
+    these while it builds the graph; here they fail at load, one clean error each)."""
+    a = hp.arch
+    for il in range(hp.n_layer):
+        if hp.is_recurrent(il):
+            continue
+        if hp.n_head(il) < 1 or hp.n_head_kv(il) < 1:
+            raise InvalidMetadata(f"{a}.attention.head_count and head_count_kv must be at least 1 in layer {il}, "
+                                  f"not {hp.n_head(il)} and {hp.n_head_kv(il)}")
+        if hp.n_head_kv(il) > hp.n_head(il) or hp.n_head(il) % hp.n_head_kv(il):
+            raise InvalidMetadata(f"{a}.attention.head_count ({hp.n_head(il)}) is not a multiple of "
+                                  f"{a}.attention.head_count_kv ({hp.n_head_kv(il)}) in layer {il}")
+    attention = not all(hp.is_recurrent(il) for il in range(hp.n_layer))
+    if attention and (hp.n_rot % 2 or not 0 < hp.n_rot <= hp.n_embd_head_k):
+        raise InvalidMetadata(f"{a}.rope.dimension_count is {hp.n_rot}: RoPE turns pairs of a head's "
+                              f"{hp.n_embd_head_k} dimensions, so it must be even and in 2..{hp.n_embd_head_k}")
+    for name in ("rope_freq_scale", "rope_freq_scale_swa", "rope_freq_base_swa", "yarn_attn_factor",
+                 "yarn_beta_fast", "yarn_beta_slow", "f_attention_scale", "attn_soft_cap", "final_logit_softcap",
+                 "f_embedding_scale", "f_residual_scale", "f_logit_scale", "f_norm_eps", "f_norm_rms_eps"):
+        v = getattr(hp, name)
+        if not math.isfinite(v) or v < 0 or (name in ("rope_freq_scale", "rope_freq_scale_swa",
+                                                        "rope_freq_base_swa", "f_norm_eps", "f_norm_rms_eps")
+                                             and v == 0):
+            raise InvalidMetadata(f"{a}: hyper-parameter {name} is {v}")
+    if hp.n_swa < 0:
+        raise InvalidMetadata(f"{a}.attention.sliding_window is {hp.n_swa}; it must be at least 0")

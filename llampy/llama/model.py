@@ -28,6 +28,10 @@ class ModelLoadError(ValueError):
     pass
 
 
+# tensor types no weight can have (ggml multiplies and scales by float and block-quantized weights only)
+NOT_WEIGHTS = frozenset({GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64, GGMLType.F64})
+
+
 class TensorLoader:
     """Handed to an architecture's ``load_tensors``: creates weight tensors, checking names and shapes."""
 
@@ -52,6 +56,8 @@ class TensorLoader:
         want = ne + (1,) * (len(got) - len(ne))
         if got != want:
             raise ModelLoadError(f"tensor {full!r} has shape {list(info.ne)}, expected {list(ne)}")
+        if info.type in NOT_WEIGHTS:
+            raise ModelLoadError(f"tensor {full!r} has type {info.type.name}: weights are float or block-quantized")
         self.used.add(full)
         t = self.model._weight(full, il)
         cb = self.model.progress_callback
@@ -101,8 +107,7 @@ class Model:
             self.layers = [SimpleNamespace() for _ in range(self.hparams.n_layer)]
             return
         self.arch = arch_mod.arch_module(str(md.get("general.architecture", "")))
-        self.hparams = load_hparams(md)
-        self.arch.load_hparams(self.hparams, md)
+        self.hparams = load_hparams(md, self.arch, self.reader.tensors)   # checked against the tensors present
         self.vocab = Vocab.from_metadata(md)
         if self.hparams.n_vocab == 0:
             self.hparams.n_vocab = self.vocab.n_tokens
@@ -156,9 +161,7 @@ class Model:
         if arch in arch_mod.ARCHITECTURES:
             module = arch_mod.arch_module(arch)
         try:
-            hp = load_hparams(md)
-            if module is not None:
-                module.load_hparams(hp, md)
+            hp = load_hparams(md, module)
         except (ValueError, KeyError, TypeError, IndexError):
             hp = HParams(arch=arch, name=str(md.get("general.name", "")))
         return module, hp

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .batch import Batch
-from .context import Context
+from .context import Context, ContextError
 
 
 @dataclass
@@ -47,7 +47,8 @@ def perplexity(model, text: str, n_ctx: int = 512, n_batch: int | None = None, m
     if max_chunks:
         n_chunk = min(n_chunk, max_chunks)
     if n_chunk == 0:
-        raise ValueError(f"the text has {len(tokens)} tokens: need at least n_ctx={n_ctx} for one chunk")
+        raise ContextError(f"the text has {len(tokens)} tokens: need at least n_ctx={n_ctx} for one chunk "
+                           f"(a longer text, or a smaller -c)")
     n_batch = min(n_batch or n_ctx, n_ctx)
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch)
     saved = [getattr(b, "exact_max_rows", None) for b in model.backends]

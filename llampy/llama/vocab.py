@@ -63,6 +63,23 @@ _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "
 _C_SPACE = " \t\n\v\f\r"   # C isspace, for the lstrip/rstrip attributes
 
 
+def _hex_byte(s: str) -> int:
+    """A byte token's byte as llama.cpp's token_to_byte reads it from "<0xNN>": strtol(s, 16) into a uint8_t, so
+    the leading hex digits, or 0 when there are none (a token marked BYTE whose text is something else)."""
+    n = 0
+    for c in s:
+        d = "0123456789abcdef".find(c.lower())
+        if d < 0:
+            break
+        n = n * 16 + d
+    return n & 0xFF
+
+
+class VocabError(ValueError):
+    """A vocabulary the file describes that cannot be used (a missing or malformed tokenizer key), or text it
+    cannot encode."""
+
+
 class Vocab:
     """A GGUF vocabulary. Build it with ``Vocab.from_metadata(reader.metadata)``."""
 
@@ -85,17 +102,19 @@ class Vocab:
         self = cls()
         model = md.get(_K + "model")
         if model is None:
-            raise ValueError(f"missing metadata key '{_K}model' (the tokenizer type)")
+            raise VocabError(f"missing metadata key '{_K}model' (the tokenizer type)")
+        if not isinstance(model, str):
+            raise VocabError(f"'{_K}model' must be a string, not {type(model).__name__}")
         if model not in _MODELS:
             what = "not implemented in llampy" if model in _KNOWN_MODELS else "unknown to llama.cpp"
-            raise ValueError(f"unsupported tokenizer model {model!r} in '{_K}model' ({what}; "
+            raise VocabError(f"unsupported tokenizer model {model!r} in '{_K}model' ({what}; "
                              f"llampy reads {', '.join(sorted(_MODELS))})")
         self.model, self.type = str(model), _MODELS[model]
         tokens = md.get(_K + "tokens")
         if tokens is None:
-            raise ValueError(f"missing metadata key '{_K}tokens' (the vocabulary)")
+            raise VocabError(f"missing metadata key '{_K}tokens' (the vocabulary)")
         if not isinstance(tokens, (list, tuple)) or (len(tokens) and not isinstance(tokens[0], str)):
-            raise ValueError(f"'{_K}tokens' must be an array of strings")
+            raise VocabError(f"'{_K}tokens' must be an array of strings")
         tokens = list(tokens)
         n = self.n_tokens = len(tokens)
         if "" in tokens:       # llama.cpp renames empty tokens so that every text maps back to one id
@@ -115,14 +134,14 @@ class Vocab:
         else:
             types = np.asarray(types)
             if types.ndim != 1 or len(types) < n or not np.issubdtype(types.dtype, np.integer):
-                raise ValueError(f"'{_K}token_type' must be an integer array with one entry per token ({n})")
+                raise VocabError(f"'{_K}token_type' must be an integer array with one entry per token ({n})")
             types = types[:n].astype(np.int64)
             self.attr = np.where((types >= 0) & (types < 7), _TYPE_TO_ATTR[np.clip(types, 0, 6)], 0).astype(np.int32)
         scores = md.get(_K + "scores")
         if scores is not None:
             scores = np.asarray(scores)
             if len(scores) < n:
-                raise ValueError(f"'{_K}scores' has {len(scores)} entries for {n} tokens")
+                raise VocabError(f"'{_K}scores' has {len(scores)} entries for {n} tokens")
             scores = scores[:n].astype(np.float32)
         self.scores = scores
 
@@ -151,11 +170,14 @@ class Vocab:
             self.add_bos, self.add_space_prefix, self.clean_spaces = False, False, False
         else:
             # gemma4's model type is BPE over raw UTF-8 with its own pre-tokenizer, whatever the file's pre says
-            pre = "gemma4" if model == "gemma4" else str(md.get(_K + "pre", "") or "default")   # '' -> 'default'
+            pre = md.get(_K + "pre", "")
+            if not isinstance(pre, str):
+                raise VocabError(f"'{_K}pre' must be a string, not {type(pre).__name__}")
+            pre = "gemma4" if model == "gemma4" else (pre or "default")   # '' -> 'default'
             if pre in UNSUPPORTED_PRE:
-                raise ValueError(f"pre-tokenizer {pre!r} ('{_K}pre') is not implemented in llampy")
+                raise VocabError(f"pre-tokenizer {pre!r} ('{_K}pre') is not implemented in llampy")
             if pre not in PRE_TYPES:       # llama.cpp refuses the model: "unknown pre-tokenizer type"
-                raise ValueError(f"unknown pre-tokenizer type {pre!r} in '{_K}pre'")
+                raise VocabError(f"unknown pre-tokenizer type {pre!r} in '{_K}pre'")
             self.pre, opts = pre, PRE_TYPES[pre][1]
             ids = dict(bos=None if opts.get("no_bos") else 11, eos=11, unk=None)
             if model == "gemma4":
@@ -165,18 +187,27 @@ class Vocab:
             self.escape_whitespaces = opts.get("escape_whitespaces", False)
             self.byte_encode = opts.get("byte_encode", True)
         self.ignore_merges = opts.get("ignore_merges", False)
-        self.add_space_prefix = bool(md.get(_K + "add_space_prefix", self.add_space_prefix))
-        self.remove_extra_whitespaces = bool(md.get(_K + "remove_extra_whitespaces", False))
+        def flag(key: str, default: bool) -> bool:
+            v = md.get(_K + key, default)
+            if not isinstance(v, (bool, np.bool_)):
+                raise VocabError(f"'{_K}{key}' must be a boolean, not {type(v).__name__}")
+            return bool(v)
+
+        self.add_space_prefix = flag("add_space_prefix", self.add_space_prefix)
+        self.remove_extra_whitespaces = flag("remove_extra_whitespaces", False)
         # BertNormalizer options (WPM): strip_accents follows lowercase unless the file says
-        self.lowercase = bool(md.get(_K + "normalizer.lowercase", opts.get("lowercase", True)))
-        self.strip_accents = bool(md.get(_K + "normalizer.strip_accents", self.lowercase))
+        self.lowercase = flag("normalizer.lowercase", opts.get("lowercase", True))
+        self.strip_accents = flag("normalizer.strip_accents", self.lowercase)
 
         def special_id(key: str, default):
             default = default if default is not None and 0 <= default < n else None
             v = md.get(_K + key)
             if v is None:
                 return default
-            v = int(v)
+            if isinstance(v, np.generic):
+                v = v.item()
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise VocabError(f"'{_K}{key}' must be a token id (an integer), not {type(v).__name__}")
             return v if 0 <= v < n else default          # llama.cpp: "bad special token ... using default id"
 
         self.bos = special_id("bos_token_id", ids["bos"])
@@ -190,10 +221,8 @@ class Vocab:
         fim = {k: special_id(k + "_token_id", None) for k in _FIM_TEXTS}
         for old, new in (("prefix", "fim_pre"), ("suffix", "fim_suf"), ("middle", "fim_mid")):
             fim[new] = special_id(old + "_token_id", fim[new])
-        if _K + "add_bos_token" in md:
-            self.add_bos = bool(md[_K + "add_bos_token"])
-        if _K + "add_eos_token" in md:
-            self.add_eos = bool(md[_K + "add_eos_token"])
+        self.add_bos = flag("add_bos_token", self.add_bos)
+        self.add_eos = flag("add_eos_token", self.add_eos)
         if opts.get("force_bos"):      # llama.cpp overrides a false add_bos_token for Gemma 4's pre-tokenizer type
             self.add_bos = True
 
@@ -210,7 +239,9 @@ class Vocab:
         if self.type == "bpe":
             merges = md.get(_K + "merges")
             if merges is None:
-                raise ValueError(f"missing metadata key '{_K}merges' (BPE merges)")
+                raise VocabError(f"missing metadata key '{_K}merges' (BPE merges)")
+            if not isinstance(merges, list) or (merges and not isinstance(merges[0], str)):
+                raise VocabError(f"'{_K}merges' must be an array of strings")
             self._merges = merges
             self._pre = pre_tokenizer(self.pre)
         elif self.type == "ugm":
@@ -406,7 +437,7 @@ class Vocab:
         add_eos = add_special and self.type != "wpm" and self.add_eos and not bare
         if add_bos:
             if self.bos is None:
-                raise ValueError("the vocabulary asks for a BOS token but has none")
+                raise VocabError("the vocabulary asks for a BOS token but has none")
             out.append(self.bos)
         if self.type in ("wpm", "ugm", "rwkv", "plamo2"):
             run = self._word_tokenizer()
@@ -445,11 +476,11 @@ class Vocab:
                     out += self._bpe.merge(self._pre.split(f))
         if add_special and self.type == "wpm":
             if self.sep is None:
-                raise ValueError("the vocabulary has no SEP token to end the text with")
+                raise VocabError("the vocabulary has no SEP token to end the text with")
             out.append(self.sep)
         if add_eos:
             if self.eos is None:
-                raise ValueError("the vocabulary asks for an EOS token but has none")
+                raise VocabError("the vocabulary asks for an EOS token but has none")
             out.append(self.eos)
         return out
 
@@ -517,14 +548,14 @@ class Vocab:
             return p
         i = key[0]
         if not 0 <= i < self.n_tokens:
-            raise ValueError(f"token id {i} is outside the vocabulary (0..{self.n_tokens - 1})")
+            raise VocabError(f"token id {i} is outside the vocabulary (0..{self.n_tokens - 1})")
         a, text = int(self.attr[i]), self.tokens[i]
         if not special and a & (ATTR_UNKNOWN | ATTR_CONTROL):
             p = b""
         elif self.type == "rwkv":         # every RWKV token is its escaped bytes
             p = rwkv_unescape(text)
         elif self.type == "plamo2":       # byte tokens their byte, every other token its text as it is
-            p = bytes([int(text[3:5], 16)]) if a & ATTR_BYTE and len(text) == 6 and text.startswith("<0x") \
+            p = bytes([_hex_byte(text[3:5])]) if a & ATTR_BYTE and len(text) == 6 and text.startswith("<0x") \
                 else text.encode("utf-8", "surrogatepass")
         elif a & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
             p = text.encode("utf-8", "surrogatepass")
@@ -532,7 +563,7 @@ class Vocab:
             p = _bpe_decode(text) if self.type == "bpe" and not self.escape_whitespaces \
                 else text.replace("\u2581", " ").encode("utf-8")
         elif a & ATTR_BYTE:
-            p = bytes([int(text[3:5], 16)])
+            p = bytes([_hex_byte(text[3:5])])
         else:
             p = b""
         self._piece_cache[key] = p

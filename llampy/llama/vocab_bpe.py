@@ -131,7 +131,8 @@ def translate_regex(rx: str) -> tuple[str, bool]:
             j = rx.find("}", i + 3)
             name = rx[i + 3:j]
             if name not in _UCAT_NAMES:
-                raise ValueError(f"regex category \\p{{{name}}} is not supported (in {rx!r})")
+                from .vocab import VocabError     # (here: vocab imports this module)
+                raise VocabError(f"regex category \\p{{{name}}} is not supported (in {rx!r})")
             members = _UCAT_CLASS[_UCAT_NAMES[name]]
             out.append(members if inside else f"[{members}]")
             i = j + 1

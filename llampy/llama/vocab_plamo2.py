@@ -48,7 +48,8 @@ class Plamo2Tokenizer:
                 self.pieces.pop(t, None)
         for b in range(256):
             if self.byte_ids[b] == 0:
-                raise ValueError(f"PLaMo-2 vocabulary: byte token <0x{b:02X}> is not set")
+                from .vocab import VocabError     # (here: vocab imports this module)
+                raise VocabError(f"PLaMo-2 vocabulary: byte token <0x{b:02X}> is not set")
         self.max_len = max(map(len, self.pieces), default=0)
 
     def tokenize(self, text: str) -> list[int]:

@@ -52,6 +52,12 @@ class RwkvTokenizer:
                 if t is not None:
                     tid, end = t, j
                 j += 1
+            if end == 0:
+                # a path of prefixes with no token on it (a malformed vocabulary): llama.cpp would go back to
+                # position 0 and loop for ever; here the byte is unknown, as one no token starts with
+                out.append(self.unk)
+                pos += 1
+                continue
             out.append(tid)
             pos = end
         return out

@@ -56,6 +56,7 @@ def spm_tokenize(text: str, token_to_id: dict, scores: list, byte_ids: list) -> 
         for b in s.encode("utf-8", "surrogatepass"):
             t = byte_ids[b]
             if t is None:
-                raise ValueError(f"SPM vocabulary has no byte token for 0x{b:02X} (needed for {s!r})")
+                from .vocab import VocabError     # (here: vocab imports this module)
+                raise VocabError(f"SPM vocabulary has no byte token for 0x{b:02X} (needed for {s!r})")
             out.append(t)
     return out

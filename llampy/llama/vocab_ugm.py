@@ -53,14 +53,16 @@ class UgmTokenizer:
             blob = bytes(np.asarray(charsmap).astype(np.uint8))
             size = int.from_bytes(blob[:4], "little")
             if size + 4 >= len(blob):
-                raise ValueError("tokenizer.ggml.precompiled_charsmap: index out of bounds")
+                from .vocab import VocabError     # (here: vocab imports this module)
+                raise VocabError("tokenizer.ggml.precompiled_charsmap: index out of bounds")
             self.xcda = np.frombuffer(blob[4:4 + size], "<u4").tolist()
             self.replacements = blob[4 + size:]
 
     # ------------------------------------------------------------------------------------------------ normalize
     def _node(self, i: int) -> int:
         if i >= len(self.xcda):
-            raise ValueError("Index out of array bounds in XCDA array!")
+            from .vocab import VocabError     # (here: vocab imports this module)
+            raise VocabError("Index out of array bounds in XCDA array!")
         return self.xcda[i]
 
     def _normalize_prefix(self, b: bytes, off: int) -> tuple[bytes, int]:
@@ -92,10 +94,12 @@ class UgmTokenizer:
                     value = self._node(idx) & ((1 << 31) - 1)
         if longest:
             if value >= len(self.replacements):
-                raise ValueError("Index out of array bounds in precompiled charsmap!")
+                from .vocab import VocabError     # (here: vocab imports this module)
+                raise VocabError("Index out of array bounds in precompiled charsmap!")
             end = self.replacements.find(b"\0", value)
             if end < 0:
-                raise ValueError("Unterminated string in precompiled charsmap!")
+                from .vocab import VocabError     # (here: vocab imports this module)
+                raise VocabError("Unterminated string in precompiled charsmap!")
             return self.replacements[value:end], longest
         k = _utf8_len(b[off])
         try:

@@ -182,6 +182,13 @@ def _serve(memory: int) -> None:
         os.nice(10)             # a template that spins for its budget yields the cores to the model
     except (ImportError, ValueError, OSError):
         pass
+    parent = os.getppid()
+
+    def orphaned() -> None:     # the server is gone (killed mid-render): a spinning template must not outlive it
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=orphaned, daemon=True).start()
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     cache: dict = {}
     while True:

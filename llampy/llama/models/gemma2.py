@@ -5,18 +5,19 @@ from __future__ import annotations
 import math
 
 from ...ggml import ops
+from ..hparams import md_float, md_int
 from ._common import load_embd_and_output, load_ffn, load_qkv
 
 
 def load_hparams(hp, md):
     a = hp.arch
     hp.rope_type = 2  # NEOX
-    hp.n_swa = int(md.get(f"{a}.attention.sliding_window", 4096))
-    hp.set_swa_pattern(int(md.get(f"{a}.attention.sliding_window_pattern", 2)))
-    hp.rope_freq_base_swa = float(md.get(f"{a}.rope.freq_base_swa", hp.rope_freq_base))
+    hp.n_swa = md_int(md, f"{a}.attention.sliding_window", 4096, lo=0)
+    hp.set_swa_pattern(md_int(md, f"{a}.attention.sliding_window_pattern", 2, lo=0))
+    hp.rope_freq_base_swa = md_float(md, f"{a}.rope.freq_base_swa", hp.rope_freq_base, positive=True)
     hp.rope_freq_scale_swa = hp.rope_freq_scale
-    hp.attn_soft_cap = float(md.get(f"{a}.attn_logit_softcapping", 50.0))
-    hp.final_logit_softcap = float(md.get(f"{a}.final_logit_softcapping", 30.0))
+    hp.attn_soft_cap = md_float(md, f"{a}.attn_logit_softcapping", 50.0, nonneg=True)
+    hp.final_logit_softcap = md_float(md, f"{a}.final_logit_softcapping", 30.0, nonneg=True)
     hp.f_attention_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
 
 

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import math
 
+from ..hparams import md_float, md_int
 from . import gemma2
 
 
 def load_hparams(hp, md):
     a = hp.arch
     hp.rope_type = 2  # NEOX
-    hp.n_swa = int(md.get(f"{a}.attention.sliding_window", 0))
+    hp.n_swa = md_int(md, f"{a}.attention.sliding_window", 0, lo=0)
     if hp.n_swa > 0:
-        hp.set_swa_pattern(int(md.get(f"{a}.attention.sliding_window_pattern", 6)))
-        hp.rope_freq_base_swa = float(md.get(f"{a}.rope.freq_base_swa", 10000.0))
+        hp.set_swa_pattern(md_int(md, f"{a}.attention.sliding_window_pattern", 6, lo=0))
+        hp.rope_freq_base_swa = md_float(md, f"{a}.rope.freq_base_swa", 10000.0, positive=True)
         hp.rope_freq_scale_swa = 1.0
     hp.attn_soft_cap = 0.0
-    hp.final_logit_softcap = float(md.get(f"{a}.final_logit_softcapping", 0.0))
+    hp.final_logit_softcap = md_float(md, f"{a}.final_logit_softcapping", 0.0, nonneg=True)
     hp.f_attention_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
 
 

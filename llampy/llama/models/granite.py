@@ -2,12 +2,13 @@
 divided by logit_scale."""
 from __future__ import annotations
 
+from ..hparams import md_float
 from . import llama
 
 
 def load_hparams(hp, md):
     llama.load_hparams(hp, md)
-    g = lambda k, d=0.0: float(md.get(f"{hp.arch}.{k}", d))
+    g = lambda k, d=0.0: md_float(md, f"{hp.arch}.{k}", d, nonneg=True)     # noqa: E731
     hp.f_embedding_scale = g("embedding_scale")
     hp.f_residual_scale = g("residual_scale")
     hp.f_attention_scale = g("attention.scale")

@@ -4,13 +4,15 @@ from __future__ import annotations
 import math
 
 from ...ggml import ops
+from ..hparams import InvalidMetadata
 from ._common import load_embd_and_output, load_ffn, load_qkv
 
 
 def load_hparams(hp, md):
     hp.rope_type = 0  # NORM
     if hp.n_rot != hp.n_embd_head_k:
-        raise ValueError(f"invalid n_rot {hp.n_rot}: llama needs n_rot == head size {hp.n_embd_head_k}")
+        raise InvalidMetadata(f"invalid n_rot {hp.n_rot} ({hp.arch}.rope.dimension_count): llama needs n_rot == "
+                              f"head size {hp.n_embd_head_k}")
 
 
 def load_tensors(model, ld):

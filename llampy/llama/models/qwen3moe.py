@@ -1,16 +1,19 @@
 """qwen3moe: qwen3 attention with a mixture-of-experts FFN (softmax gating, top-k weights renormalised)."""
 from __future__ import annotations
 
+from ..hparams import MissingMetadata
 from . import qwen3
 from ._common import load_embd_and_output
 
-load_hparams = qwen3.load_hparams
+
+def load_hparams(hp, md):
+    qwen3.load_hparams(hp, md)
+    if not hp.n_expert or not hp.n_ff_exp:
+        raise MissingMetadata("qwen3moe needs qwen3moe.expert_count and qwen3moe.expert_feed_forward_length")
 
 
 def load_tensors(model, ld):
     hp = model.hparams
-    if not hp.n_expert or not hp.n_ff_exp:
-        raise ValueError("qwen3moe needs qwen3moe.expert_count and qwen3moe.expert_feed_forward_length")
     load_embd_and_output(model, ld)
     for il, layer in enumerate(model.layers):
         qwen3.load_attn(model, ld, layer, il)
