@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ggml.quants import QUANTIZE_TYPES, dequantize, quantize
 from ..ggml.types import GGMLType, TYPE_TRAITS
-from ..gguf.reader import GGUFReader
-from ..gguf.writer import GGUFWriter
 
 T = GGMLType
 GGML_QNT_VERSION = 2
@@ -456,26 +453,48 @@ class QuantizeResult:
     seconds: float
 
 
-def _rows_to_f32(raw: np.ndarray, t: GGMLType, ne0: int) -> np.ndarray:
+_F16_TABLE = None
+
+
+def _rows_to_f32(raw: np.ndarray, t: GGMLType, ne0: int, pool=None) -> np.ndarray:
+    global _F16_TABLE
     if t == T.F32:
         return raw.view(np.float32).reshape(-1, ne0)
     if t == T.F16:
-        return raw.view("<f2").astype(np.float32).reshape(-1, ne0)
+        # a 65536-entry table (exact, as ggml's fp16 -> fp32): NumPy's own conversion is several times slower
+        if _F16_TABLE is None:
+            _F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+        h = raw.view("<u2")
+        out = np.empty(len(h), np.float32)
+        step = max(1 << 16, -(-len(h) // 8))
+
+        def conv(a):
+            np.take(_F16_TABLE, h[a:a + step], out=out[a:a + step])
+        if pool is not None:
+            list(pool.map(conv, range(0, len(h), step)))
+        else:
+            conv(0) if len(h) <= step else [conv(a) for a in range(0, len(h), step)]
+        return out.reshape(-1, ne0)
     if t == T.BF16:
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(-1, ne0)
+    from ..ggml.quants import dequantize
     return dequantize(raw, t, ne0).reshape(-1, ne0)
 
 
 def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=None, rows_per_chunk=None) -> np.ndarray:
     """x float32 [nrows, ne0] -> uint8 [nrows, row_bytes]; rows in chunks over ``pool`` (NumPy and Numba release
     the GIL). Every format's rows are independent, so the chunking does not change a byte."""
+    from ..ggml.quants import quantize
     from ..ggml.quants_imatrix import quantize_weighted
     nrows, ne0 = x.shape
+
+    from ..ggml.quants_rows import quantize_rows_ref
 
     def run(a, b):
         if imatrix is not None:
             return quantize_weighted(x[a:b], t, imatrix)
-        return quantize(x[a:b], t)
+        y = quantize_rows_ref(x[a:b], t)
+        return quantize(x[a:b], t) if y is None else y
     if t == T.F32:
         return np.ascontiguousarray(x).view(np.uint8)
     if pool is None or nrows < 2:
@@ -488,6 +507,7 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
 def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) -> QuantizeResult:
     """llama_model_quantize: ``inp`` a GGUF path, ``out`` the path written (nothing with ``dry_run``). ``log(line)``
     gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor."""
+    from ..gguf.reader import GGUFReader
     t0 = time.perf_counter()
     r = GGUFReader(inp)
     try:
@@ -496,7 +516,9 @@ def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) ->
         r.close()
 
 
-def _quantize(r: GGUFReader, out, params: QuantizeParams, log, progress, t0) -> QuantizeResult:
+def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResult:
+    from ..ggml.quants import QUANTIZE_TYPES
+    from ..gguf.writer import GGUFWriter
     ftype = params.ftype
     if ftype not in FTYPE_DEFAULT:
         raise QuantizeError(f"invalid output file type {ftype}")
@@ -536,6 +558,9 @@ def _quantize(r: GGUFReader, out, params: QuantizeParams, log, progress, t0) -> 
         plan.append((name, ti, ne, new_type))
 
     nthread = params.nthread if params.nthread > 0 else (os.cpu_count() or 1)
+    # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
+    import numba
+    numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
     pool = ThreadPoolExecutor(nthread) if nthread > 1 else None
     types, size_org, size_new, n_el = {}, 0, 0, 0
     try:
@@ -605,7 +630,7 @@ def _quantize_tensor(ti, ne, new_type, im, pool) -> np.ndarray:
     for x in ne[2:]:
         n_expert *= x
     rows_per_expert = ne[1] if len(ne) > 1 else 1
-    x = _rows_to_f32(ti.data, T(ti.type), ne0)
+    x = _rows_to_f32(ti.data, T(ti.type), ne0, pool)
     if im is None:
         return quantize_rows(x, new_type, None, pool).reshape(-1)
     parts = [quantize_rows(x[e * rows_per_expert:(e + 1) * rows_per_expert], new_type, im[e], pool)

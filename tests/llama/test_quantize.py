@@ -184,3 +184,17 @@ def test_imatrix_roundtrip_and_normalisation(tmp_path):
     assert s.tolist() == list(range(8)) and c.tolist() == [4, 0]
     w = quantize_weights(back)["blk.0.ffn_down.weight"]
     assert w.tolist() == [0, 0.25, 0.5, 0.75, 1, 1, 1, 1]   # an expert that saw no token weighs 1
+
+
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1])
+def test_row_quantizers_match_reference(t):
+    """quants_rows (the Numba loops quantize runs) against quants.quantize, ties and zero blocks included."""
+    from llampy.ggml.quants import quantize
+    from llampy.ggml.quants_rows import quantize_rows_ref
+    x = (np.random.default_rng(5).standard_normal((64, 256)) * 0.05).astype(np.float32)
+    x[0, :32] = 0
+    x[1, :32] = 1
+    x[2, 5] = -3
+    x[3, 32:64] = np.float32(0.5)
+    x[4, :32] = np.linspace(-1, 1, 32, dtype=np.float32)
+    assert (quantize_rows_ref(x, t) == quantize(x, t)).all()

@@ -1,0 +1,66 @@
+"""llampy quantize against llama-quantize: wall time per file type with the same thread count, on a random-weight
+F16 llama of 2048-wide layers (written once with llampy's writer), and whether the two outputs are byte-identical.
+
+    python benchmarks/quantize_bench.py [--threads 2] [--types Q4_0,Q8_0,Q4_K_M,Q6_K] [--layers 4]
+
+llama-quantize is found as the tests find it (LLAMPY_LLAMA_QUANTIZE, or bin/llama-quantize of LLAMPY_LLAMACPP:
+``bash scripts/llamacpp.sh`` builds it). Each tool runs once per type after one untimed warm-up run of llampy (Numba's
+compile cache), the input file already in the page cache.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K_M,Q5_K_M,Q6_K,IQ4_XS")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "llampy-quant-bench"))
+    a = ap.parse_args()
+    from tests import llamacpp
+    from tests.llama.test_quantize import write_random_llama
+    import numpy as np
+    tool = llamacpp.llama_quantize()
+    if tool is None:
+        print("llama-quantize not found: bash scripts/llamacpp.sh, then LLAMPY_LLAMACPP=<its output>")
+        return 1
+    d = Path(a.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    src = d / f"rand-2048-L{a.layers}-f16.gguf"
+    if not src.exists():
+        write_random_llama(src, n_embd=2048, n_ff=5632, n_layer=a.layers, n_head=16, n_head_kv=4, n_vocab=32000,
+                           dtype=np.float16)
+    n_params = (2 * 32000 * 2048 + a.layers * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 5632)) / 1e6
+    py = [sys.executable, "-m", "llampy", "quantize", "--progress", "off"]
+    subprocess.run(py + [str(src), str(d / "warm.gguf"), "Q4_K_M", str(a.threads)], capture_output=True, check=True)
+    print(f"random llama, F16 in, {n_params:.0f} M parameters, {a.threads} threads\n")
+    print("| type | llama-quantize (s) | llampy (s) | ratio | identical |")
+    print("| --- | --- | --- | --- | --- |")
+    for t in a.types.split(","):
+        ref, ours = d / f"ref-{t}.gguf", d / f"ours-{t}.gguf"
+        t0 = time.perf_counter()
+        subprocess.run([tool, str(src), str(ref), t, str(a.threads)], capture_output=True, check=True)
+        t_ref = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        subprocess.run(py + [str(src), str(ours), t, str(a.threads)], capture_output=True, check=True)
+        t_ours = time.perf_counter() - t0
+        same = ref.read_bytes() == ours.read_bytes()
+        print(f"| {t} | {t_ref:.2f} | {t_ours:.2f} | {t_ours / t_ref:.2f} | {'yes' if same else 'NO'} |", flush=True)
+        ref.unlink()
+        ours.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
