@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "mistral3": "mistral3",
     "bert": "bert",
     "nomic-bert": "bert",
+    "jina-bert-v2": "bert",
 }
 
 ENTRY_POINT_GROUP = "llampy.architectures"
@@ -110,4 +111,5 @@ LAYER = {
     "ssm_out": "blk.{}.ssm_out",
     "attn_out_norm": "blk.{}.attn_output_norm",
     "layer_out_norm": "blk.{}.layer_output_norm",
+    "attn_norm_2": "blk.{}.attn_norm_2",
 }

@@ -23,7 +23,7 @@ from tests.paths import TINY
 
 HERE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_more"
 DECODERS = ["phi2", "olmo2", "smollm3", "exaone", "internlm2", "command-r", "cohere2", "mistral3"]
-ENCODERS = ["bert", "nomic-bert"]
+ENCODERS = ["bert", "nomic-bert", "jina-bert-v2"]
 TOL = 1e-3
 MARGIN = 0.05
 
@@ -126,8 +126,8 @@ def _cos(a, b):
 @pytest.mark.parametrize("pooling", ["none", "mean", "cls", "last", "rank"])
 def test_encoder_embeddings(encoder, pooling):
     name, model, ref = encoder
-    if pooling == "rank" and name != "bert":
-        pytest.skip("only the bert model has a classification head")
+    if pooling == "rank" and name == "nomic-bert":
+        pytest.skip("nomic-bert has no classification head")
     ctx = Context(model, n_ctx=256, n_batch=256, n_ubatch=256, embeddings=True, pooling=pooling)
     for p in ref["prompts"]:
         assert model.vocab.tokenize(p["prompt"], add_special=True, parse_special=True) == p["prompt_ids"]
@@ -143,6 +143,17 @@ def test_encoder_embeddings(encoder, pooling):
         else:
             got = ctx.get_embeddings_seq(0)
             assert 1 - _cos(got, want) <= 1e-3 and np.allclose(got, want, atol=1e-4), name
+
+
+def test_encoder_rerank_pairs(encoder):
+    """llama-server's rerank pairs ([CLS] query [SEP] document) scored by rank pooling, as llama.cpp scored them."""
+    name, model, ref = encoder
+    if "rerank" not in ref:
+        pytest.skip("no classification head")
+    ctx = Context(model, n_ctx=256, n_batch=256, n_ubatch=256, embeddings=True, pooling="rank")
+    for toks, want in zip(ref["rerank"]["tokens"], ref["rerank"]["scores"]):
+        ctx.decode(Batch.from_tokens(toks, logits_all=True))
+        assert abs(float(ctx.get_embeddings_seq(0)[0]) - want) <= 1e-3
 
 
 def test_encoder_sequences_in_one_batch_do_not_see_each_other(encoder):
