@@ -8,8 +8,8 @@ Architectures: LlamaForCausalLM (Q and K rows permuted back to ggml's rope layou
 Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (norm weights + 1), Phi3ForCausalLM (fused QKV and
 gate+up; no long-context rope factors yet), Qwen3MoeForCausalLM (experts stacked) and GraniteForCausalLM (its
 multipliers as scales), Starcoder2ForCausalLM (LayerNorm with biases, plain GELU MLP), MistralForCausalLM and
-MixtralForCausalLM (as llama), SmolLM3ForCausalLM, Olmo2ForCausalLM. Tokenizers: vocab.py. PEFT adapters of these
-models: peft.py.
+MixtralForCausalLM (as llama), SmolLM3ForCausalLM, Olmo2ForCausalLM, PhiForCausalLM (phi2). Tokenizers: vocab.py.
+PEFT adapters of these models: peft.py.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ LAYER_NAMES = {
     "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
 }
-GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+                "model.final_layernorm": "output_norm"}
 
 # per-architecture renames on top of LAYER_NAMES: Gemma's four norms per block, Phi-3's fused projections
 ARCH_LAYER_NAMES = {
@@ -55,6 +56,7 @@ ARCH_LAYER_NAMES = {
 }
 ARCH_LAYER_NAMES["gemma3"] = ARCH_LAYER_NAMES["gemma2"]
 ARCH_LAYER_NAMES["starcoder2"] = {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+ARCH_LAYER_NAMES["phi2"] = {"self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
 ARCH_LAYER_NAMES["olmo2"] = {"post_attention_layernorm": "post_attention_norm",
                              "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -62,7 +64,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
                  "Qwen3MoeForCausalLM": "qwen3moe", "GraniteForCausalLM": "granite",
                  "Starcoder2ForCausalLM": "starcoder2", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
-                 "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2"}
+                 "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
+                 "PhiForCausalLM": "phi2"}
 PERMUTED = ("llama", "granite", "smollm3")   # LlamaModel and its subclasses undo HF's Q/K permutation
 
 
@@ -201,6 +204,16 @@ def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> lis
         if cfg.get("sliding_window_pattern") != 1:
             kv.append((f"{a}.attention.sliding_window", int(cfg["sliding_window"]), U32))
         kv.append((f"{a}.attention.head_count_kv", int(cfg.get("num_key_value_heads", 4)), U32))
+    elif arch == "phi2":         # Phi2Model.set_gguf_parameters (its add_bos False: convert_hf)
+        n_embd, n_head = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        kv = [(f"{a}.context_length", int(cfg.get("n_positions", cfg.get("max_position_embeddings"))), U32),
+              (f"{a}.embedding_length", n_embd, U32), (f"{a}.feed_forward_length", 4 * n_embd, U32),
+              (f"{a}.block_count", n_layer, U32), (f"{a}.attention.head_count", n_head, U32),
+              (f"{a}.attention.head_count_kv", n_head, U32),
+              (f"{a}.attention.layer_norm_epsilon",
+               float(cfg.get("layer_norm_epsilon", cfg.get("layer_norm_eps"))), F32),
+              (f"{a}.rope.dimension_count", int(cfg["partial_rotary_factor"] * n_embd) // n_head, U32),
+              ("general.file_type", file_type, U32)]
     elif arch == "phi3":         # Phi3MiniModel.set_gguf_parameters
         if (cfg.get("rope_scaling") or {}).get("long_factor"):
             raise ConvertError("phi3 with long-context rope factors (rope_scaling.long_factor) is not converted yet")
@@ -308,7 +321,8 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
         if not (arch == "phi3" and tc.get("tokenizer_class") == "GPT2Tokenizer"):
             vocab = lambda d, n: spm_vocab_metadata(d, n, arch)    # noqa: E731  (llama.cpp tries SentencePiece first)
     vkv = vocab(d, cfg.get("vocab_size"))
-    if arch in PERMUTED and cfg.get("vocab_size") == 49152:     # LlamaModel.set_vocab: granite's small models
+    # Phi2Model, and LlamaModel for granite's small models: no BOS
+    if arch == "phi2" or (arch in PERMUTED and cfg.get("vocab_size") == 49152):
         vkv = [x for x in vkv if x[0] != "tokenizer.ggml.add_bos_token"]
         vkv.append(("tokenizer.ggml.add_bos_token", False, (VT.BOOL,)))
     for k, v, sig in vkv:

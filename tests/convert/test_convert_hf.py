@@ -20,6 +20,7 @@ from llampy.llama.context import Context
 from llampy.llama.model import Model
 
 N_EMBD, N_HEAD, N_HEAD_KV, N_FF, N_LAYER = 64, 4, 2, 128, 2
+LN_BIAS = ("starcoder2", "phi2")      # LayerNorm with biases, a plain GELU MLP with biases
 HEAD_DIM = N_EMBD // N_HEAD
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -61,7 +62,8 @@ GEMMA = ("gemma2", "gemma3")
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
            "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
-           "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+           "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "mixtral": "MixtralForCausalLM",
+           "phi2": "PhiForCausalLM"}
 GGUF_ARCH = {"mixtral": "llama"}
 MOE = ("qwen3moe", "mixtral")
 N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
@@ -72,7 +74,15 @@ def n_layers(arch: str) -> int:
     return {"gemma3": 6, "smollm3": 4}.get(arch, N_LAYER)
 
 
+def n_kv(arch: str) -> int:
+    return N_HEAD if arch == "phi2" else N_HEAD_KV     # llama.cpp writes phi2's KV heads as its heads
+
+
 def hf_file_name(arch: str, name: str) -> str:
+    if arch == "phi2":
+        for a, b in ((".self_attn.o_proj.", ".self_attn.dense."), ("model.norm.", "model.final_layernorm."),
+                     (".mlp.c_fc.", ".mlp.fc1."), (".mlp.c_proj.", ".mlp.fc2.")):
+            name = name.replace(a, b)
     if arch != "mixtral":
         return name
     name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(".mlp.experts.", ".block_sparse_moe.experts.")
@@ -96,6 +106,10 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
          "model.norm.weight": norm(N_EMBD)}
     if not tied:
         t["lm_head.weight"] = lin(n_vocab, N_EMBD)
+    if arch in LN_BIAS:
+        t["model.norm.bias"] = rng.normal(0, 0.1, N_EMBD).astype(np.float32)
+    if arch == "phi2":
+        t["lm_head.bias"] = rng.normal(0, 0.1, n_vocab).astype(np.float32)
     for il in range(n_layers(arch)):
         p = f"model.layers.{il}."
         t[p + "input_layernorm.weight"] = norm(N_EMBD)
@@ -107,24 +121,27 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
             t[p + "self_attn.qkv_proj.weight"] = lin((N_HEAD + 2 * N_HEAD_KV) * HEAD_DIM, N_EMBD)
         else:
             t[p + "self_attn.q_proj.weight"] = lin(N_HEAD * HEAD_DIM, N_EMBD)
-            t[p + "self_attn.k_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
-            t[p + "self_attn.v_proj.weight"] = lin(N_HEAD_KV * HEAD_DIM, N_EMBD)
+            t[p + "self_attn.k_proj.weight"] = lin(n_kv(arch) * HEAD_DIM, N_EMBD)
+            t[p + "self_attn.v_proj.weight"] = lin(n_kv(arch) * HEAD_DIM, N_EMBD)
         t[p + "self_attn.o_proj.weight"] = lin(N_EMBD, N_HEAD * HEAD_DIM)
-        if arch == "starcoder2":
+        if arch in LN_BIAS:
             for key, n in (("input_layernorm", N_EMBD), ("post_attention_layernorm", N_EMBD),
                            ("self_attn.o_proj", N_EMBD)):
                 t[p + f"{key}.bias"] = rng.normal(0, 0.1, n).astype(np.float32)
-            t[p + "mlp.c_fc.weight"] = lin(N_FF, N_EMBD)
-            t[p + "mlp.c_fc.bias"] = rng.normal(0, 0.1, N_FF).astype(np.float32)
-            t[p + "mlp.c_proj.weight"] = lin(N_EMBD, N_FF)
+            n_ff = 4 * N_EMBD if arch == "phi2" else N_FF
+            t[p + "mlp.c_fc.weight"] = lin(n_ff, N_EMBD)
+            t[p + "mlp.c_fc.bias"] = rng.normal(0, 0.1, n_ff).astype(np.float32)
+            t[p + "mlp.c_proj.weight"] = lin(N_EMBD, n_ff)
             t[p + "mlp.c_proj.bias"] = rng.normal(0, 0.1, N_EMBD).astype(np.float32)
-        if arch in ("qwen2", "starcoder2"):
-            for x, n in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
+        if arch == "phi2":              # one norm feeds attention and the MLP, in parallel
+            del t[p + "post_attention_layernorm.weight"], t[p + "post_attention_layernorm.bias"]
+        if arch in ("qwen2", "starcoder2", "phi2"):
+            for x, n in (("q", N_HEAD), ("k", n_kv(arch)), ("v", n_kv(arch))):
                 t[p + f"self_attn.{x}_proj.bias"] = rng.normal(0, 0.3, n * HEAD_DIM).astype(np.float32)
         if arch in ("qwen3", "gemma3", "qwen3moe"):
             t[p + "self_attn.q_norm.weight"] = norm(HEAD_DIM)
             t[p + "self_attn.k_norm.weight"] = norm(HEAD_DIM)
-        if arch == "starcoder2":
+        if arch in LN_BIAS:
             continue
         if arch == "olmo2":             # no input norm; Q/K norms over all heads; post-norms on both branches
             del t[p + "input_layernorm.weight"]
@@ -156,7 +173,7 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
         on_disk[k]: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
     cfg = {"architectures": [HF_ARCH[arch]],
            "hidden_size": N_EMBD, "intermediate_size": N_FF, "num_hidden_layers": n_layers(arch),
-           "num_attention_heads": N_HEAD, "num_key_value_heads": N_HEAD_KV, "max_position_embeddings": 256,
+           "num_attention_heads": N_HEAD, "num_key_value_heads": n_kv(arch), "max_position_embeddings": 256,
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": n_vocab, "tie_word_embeddings": tied,
            "eos_token_id": 2}
     if arch in ("qwen3", "gemma2", "gemma3", "qwen3moe"):
@@ -169,13 +186,10 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
     if arch == "starcoder2":
         del cfg["rms_norm_eps"]
         cfg.update(norm_epsilon=1e-5, use_bias=True, hidden_act="gelu_pytorch_tanh")
-        t["model.norm.bias"] = rng.normal(0, 0.1, N_EMBD).astype(np.float32)
-        write_safetensors(d / "model-00002-of-00002.safetensors",
-                          {**read_safetensors(d / "model-00002-of-00002.safetensors"),
-                           "model.norm.bias": t["model.norm.bias"]}, dtype)
-        idx = json.loads((d / "model.safetensors.index.json").read_text())
-        idx["weight_map"]["model.norm.bias"] = "model-00002-of-00002.safetensors"
-        (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    if arch == "phi2":            # phi2's MLP is 4 * n_embd wide (llama.cpp writes that, whatever the config)
+        del cfg["rms_norm_eps"]
+        cfg.update(layer_norm_eps=1e-5, partial_rotary_factor=0.5, hidden_act="gelu_new",
+                   intermediate_size=4 * N_EMBD)
     if arch == "granite":
         cfg.update(attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.6, logits_scaling=2.0)
     if arch in GEMMA:
@@ -195,22 +209,26 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
     """Logits [n_tokens, n_vocab] as transformers computes these models (rotate-half RoPE, GQA, SwiGLU), in
     float64."""
     w = {k: v.astype(np.float64) for k, v in t.items()}
-    eps = cfg.get("rms_norm_eps", cfg.get("norm_epsilon"))
+    eps = cfg.get("rms_norm_eps", cfg.get("norm_epsilon", cfg.get("layer_norm_eps")))
     gemma = arch in GEMMA
 
     def rms(x, g, name=None):
-        if arch == "starcoder2" and name is not None:     # LayerNorm with a bias
+        if arch in LN_BIAS and name is not None:     # LayerNorm with a bias
             x = x - x.mean(-1, keepdims=True)
             return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g + w[name + ".bias"]
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1 + g if gemma else g)
     n = len(ids)
 
-    def rope(x, base):       # x [n, heads, head_dim], rotate-half
-        inv = 1.0 / base ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    n_rot = int(cfg.get("partial_rotary_factor", 1.0) * HEAD_DIM)
+
+    def rope(x, base):       # x [n, heads, head_dim], rotate-half over the first n_rot dimensions
+        inv = 1.0 / base ** (np.arange(0, n_rot, 2) / n_rot)
         ang = np.arange(n)[:, None] * inv[None, :]
         cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
-        x1, x2 = x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]
-        return x * cos[:, None] + np.concatenate([-x2, x1], -1) * sin[:, None]
+        r, rest = x[..., :n_rot], x[..., n_rot:]
+        x1, x2 = r[..., :n_rot // 2], r[..., n_rot // 2:]
+        r = r * cos[:, None] + np.concatenate([-x2, x1], -1) * sin[:, None]
+        return np.concatenate([r, rest], -1)
 
     def gelu_tanh(x):
         return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
@@ -230,7 +248,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
             parts = np.split(qkv, [sizes["q"], sizes["q"] + sizes["k"]], axis=-1)
             proj = {s: y.reshape(n, -1, HEAD_DIM) for s, y in zip("qkv", parts)}
         else:
-            for s, nh in (("q", N_HEAD), ("k", N_HEAD_KV), ("v", N_HEAD_KV)):
+            for s, nh in (("q", N_HEAD), ("k", n_kv(arch)), ("v", n_kv(arch))):
                 y = x @ w[p + f"self_attn.{s}_proj.weight"].T + w.get(p + f"self_attn.{s}_proj.bias", 0)
                 if arch == "olmo2" and s != "v":
                     y = rms(y, w[p + f"self_attn.{s}_norm.weight"])
@@ -242,7 +260,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         q, k, v = rope(proj["q"], base), rope(proj["k"], base), proj["v"]
         if arch == "smollm3" and (il + 1) % 4 == 0:
             q, k = proj["q"], proj["k"]
-        rep = N_HEAD // N_HEAD_KV
+        rep = N_HEAD // n_kv(arch)
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
         scale = cfg["query_pre_attn_scalar"] ** -0.5 if gemma else cfg.get("attention_multiplier", HEAD_DIM ** -0.5)
         att = np.einsum("ihd,jhd->hij", q, k) * scale
@@ -260,6 +278,8 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         elif arch == "olmo2":
             h = h + rms(o, w[p + "post_attention_layernorm.weight"])
             x = h
+        elif arch == "phi2":            # parallel: the MLP reads the same normed input as attention
+            h = h + o
         else:
             h = h + o * res
             x = rms(h, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm")
@@ -276,7 +296,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
                     y[tok] += we * ((g / (1 + np.exp(-g)) * u) @ w[p + f"mlp.experts.{e}.down_proj.weight"].T)
             h = h + y
             continue
-        if arch == "starcoder2":
+        if arch in LN_BIAS:
             u = gelu_tanh(x @ w[p + "mlp.c_fc.weight"].T + w[p + "mlp.c_fc.bias"])
             h = h + u @ w[p + "mlp.c_proj.weight"].T + w[p + "mlp.c_proj.bias"]
             continue
@@ -289,7 +309,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         h = h + (rms(y, w[p + "post_feedforward_layernorm.weight"]) if gemma or arch == "olmo2" else y * res)
     h = rms(h, w["model.norm.weight"], "model.norm")
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    logits = h @ head.T
+    logits = h @ head.T + w.get("lm_head.bias", 0)
     logits = logits / cfg.get("logits_scaling", 1.0)
     if cfg.get("final_logit_softcapping"):
         logits = np.tanh(logits / cfg["final_logit_softcapping"]) * cfg["final_logit_softcapping"]
@@ -306,7 +326,8 @@ def llampy_logits(path, ids) -> np.ndarray:
 CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3", False, "F16", "f16"),
          ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32"),
          ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32"), ("starcoder2", True, "F32", "f32"),
-         ("smollm3", True, "F32", "f32"), ("olmo2", False, "F32", "f32"), ("mixtral", False, "F32", "f32")]
+         ("smollm3", True, "F32", "f32"), ("olmo2", False, "F32", "f32"), ("mixtral", False, "F32", "f32"),
+         ("phi2", False, "F32", "f32")]
 
 
 @pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
