@@ -238,3 +238,49 @@ def test_json_depth_limit_and_surrogate_pairs(server_url):
     r = raw_post(server_url, "/tokenize", b'{"content": "\\ud83d\\ude00"}')
     assert r.status_code == 200 and r.json()["tokens"]
     assert httpx.get(server_url + "/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_server_whose_template_is_spinning(tmp_path):
+    """`llampy serve` on a model whose template loops for one message: while it renders, /health answers, and
+    SIGTERM stops the server (before, the event loop itself ran the template and never saw the signal)."""
+    import signal
+    import subprocess
+    import sys
+
+    from llampy.gguf import GGUFValueType as VT
+    from llampy.llama.chat import CHATML
+
+    from tests.fuzz_gguf import write_variant
+    from tests.paths import TINY
+
+    from .conftest import free_port, wait_health
+    src = "{% if messages[-1].content == 'boom' %}" + HOSTILE["loops"] + "{% endif %}" + CHATML
+    model = write_variant(TINY / "qwen2-Q8_0.gguf", tmp_path / "t.gguf",
+                          set={"tokenizer.chat_template": (src, VT.STRING)})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "llampy", "serve", str(model), "--port", str(port),
+                             "--ctx-size", "256"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_health(url, proc=proc)
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(post, url, "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "boom"}], "max_tokens": 2})
+            time.sleep(1.0)
+            t0 = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+            assert time.perf_counter() - t0 < 2.0
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.perf_counter()
+            proc.wait(timeout=30)
+            assert time.perf_counter() - t0 < 15
+            try:
+                r = fut.result()
+                assert r.status_code in (400, 503)
+            except httpx.HTTPError:
+                pass            # the connection closed as the server went
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=20)
