@@ -1,4 +1,4 @@
-"""The `llampy` command: run, chat, serve, bench, perplexity, tokenize, inspect.
+"""The `llampy` command: run, chat, serve, bench, perplexity, tokenize, embed, inspect.
 
 Errors a user can cause (a missing or malformed file, an unknown architecture, a prompt longer than the context)
 print one line, ``llampy: error: ...``, and exit with status 1 — never a traceback.
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_parsers(sub)
     from .cli_tools import add_tool_parsers
     add_tool_parsers(sub)
+    from .cli_embed import add_embed_parser
+    add_embed_parser(sub)
     try:
         from .server.cli import add_serve_parser
         add_serve_parser(sub)

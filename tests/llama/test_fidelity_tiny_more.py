@@ -191,3 +191,19 @@ def test_llama_api_embeds_with_the_files_pooling():
             for e, p in zip(llm.embed(texts), ref["prompts"]):
                 assert abs(np.linalg.norm(e) - 1) < 1e-6
                 assert _cos(e, p["embeddings"][want_pool]) >= 1 - 1e-3, (name, asked)
+
+
+def test_cli_embed(capsys):
+    """`llampy embed` (llama-embedding): the file's pooling, euclidean-normalised, OpenAI's JSON; rank scores."""
+    from llampy.cli import main
+    path, ref = tiny_more_model("bert")
+    texts = [p["prompt"] for p in ref["prompts"]]
+    assert main(["embed", str(path), "-p", "\n".join(texts), "--embd-output-format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)["data"]
+    assert len(data) == len(texts)
+    for d, p in zip(data, ref["prompts"]):
+        assert abs(np.linalg.norm(d["embedding"]) - 1) < 1e-9
+        assert _cos(d["embedding"], p["embeddings"]["mean"]) >= 1 - 1e-3
+    assert main(["embed", str(path), "-p", texts[0], "--pooling", "rank"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("rerank score 0:") and abs(float(line.split()[-1]) - ref["prompts"][0]["embeddings"]["rank"][0]) < 1e-3
