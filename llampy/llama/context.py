@@ -62,6 +62,12 @@ class Context:
             self.n_ubatch = self.n_batch  # a pooled sequence must be in one micro-batch
         # kv_unified=False (llama-server's default): one stream of n_ctx / n_seq_max cells per sequence, so that a
         # sequence's cells stay in position order and its results do not depend on the other sequences' traffic
+        for b in {id(b): b for b in model.layer_backend}.values():   # a cache type the layer's device can write
+            ok = getattr(b, "supports_kv_type", None)
+            for t in (type_k, type_v):
+                if ok is not None and not ok(GGMLType(t)):
+                    raise ContextError(f"a {GGMLType(t).name} KV cache is not supported on {b.name} (layers "
+                                       f"offloaded there): use f16, bf16 or f32, or fewer GPU layers")
         self.kv = create_memory(model, self.n_ctx, self.n_seq_max, type_k, type_v,
                                 n_stream=1 if kv_unified else self.n_seq_max)
         self.sched = Scheduler(model.backends)

@@ -161,3 +161,12 @@ def test_real_models_greedy_tokens_equal_the_cpu_backends(which):
     gpu_toks, gpu_lp = greedy(Model(path, n_gpu_layers=-1))
     assert gpu_toks == cpu_toks
     assert np.abs(gpu_lp - cpu_lp).max() <= 0.05
+
+
+def test_quantized_kv_cache_on_the_gpu_is_a_clear_error():
+    from llampy.ggml.types import GGMLType
+    from llampy.llama.context import ContextError
+    m = Model(TINY / "qwen2-Q8_0.gguf", n_gpu_layers=-1)
+    with pytest.raises(ContextError, match="Q8_0 KV cache is not supported on cuda"):
+        Context(m, n_ctx=64, type_k=GGMLType.Q8_0)
+    Context(m, n_ctx=64, type_k=GGMLType.F16, type_v=GGMLType.BF16)

@@ -139,6 +139,10 @@ class CUDABackend(Backend):
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
 
+    def supports_kv_type(self, t: GGMLType) -> bool:
+        """Whether a KV cache of this type can live here (set_rows into it and attention over it run here)."""
+        return t in PLAIN
+
     def supports_weight(self, t: GGMLType) -> bool:
         """Whether a weight of this type can live here (its matrix products and row reads run here)."""
         return t in K.TYPES
