@@ -76,3 +76,8 @@ def test_generation_refused_on_an_encoder(bert_server):
     r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
     assert r.status_code == 501, r.text
     assert "encoder" in r.json()["error"]["message"]
+
+
+def test_rerank_refused_without_a_classification_head(server_url):
+    r = httpx.post(server_url + "/v1/rerank", json={"query": "q", "documents": ["a"]}, timeout=60)
+    assert r.status_code == 501 and "classification head" in r.json()["error"]["message"]
