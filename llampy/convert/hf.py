@@ -8,7 +8,8 @@ Architectures: LlamaForCausalLM (Q and K rows permuted back to ggml's rope layou
 Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (norm weights + 1), Phi3ForCausalLM (fused QKV and
 gate+up; no long-context rope factors yet), Qwen3MoeForCausalLM (experts stacked) and GraniteForCausalLM (its
 multipliers as scales), Starcoder2ForCausalLM (LayerNorm with biases, plain GELU MLP), MistralForCausalLM and
-MixtralForCausalLM (as llama), SmolLM3ForCausalLM, Olmo2ForCausalLM, PhiForCausalLM (phi2). Tokenizers: vocab.py.
+MixtralForCausalLM (as llama), SmolLM3ForCausalLM, Olmo2ForCausalLM, PhiForCausalLM (phi2),
+CohereForCausalLM (command-r). Tokenizers: vocab.py.
 PEFT adapters of these models: peft.py.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Qwen3MoeForCausalLM": "qwen3moe", "GraniteForCausalLM": "granite",
                  "Starcoder2ForCausalLM": "starcoder2", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
                  "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
-                 "PhiForCausalLM": "phi2"}
+                 "PhiForCausalLM": "phi2", "CohereForCausalLM": "command-r"}
 PERMUTED = ("llama", "granite", "smollm3")   # LlamaModel and its subclasses undo HF's Q/K permutation
 
 
@@ -171,6 +172,9 @@ def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> lis
                         ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
             if cfg.get(hf):
                 kv.append((f"{a}.{key}", float(cfg[hf]), F32))
+    if arch == "command-r":      # CommandR2Model: the logit scale, no rope scaling
+        kv += [(f"{a}.logit_scale", float(cfg["logit_scale"]), F32),
+               (f"{a}.rope.scaling.type", "none", (VT.STRING,))]
     if arch in PERMUTED:
         kv.append((f"{a}.vocab_size", int(cfg["vocab_size"]), U32))
         kv.append((f"{a}.rope.dimension_count",
@@ -303,6 +307,8 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
                            f"(supported: {', '.join(ARCHITECTURES)})")
     if arch == "granite":
         cfg = {k: v for k, v in cfg.items() if k != "head_dim"}     # GraniteModel ignores it
+    if arch == "command-r":      # trained on model_max_length, whatever max_position_embeddings says
+        cfg = {**cfg, "max_position_embeddings": cfg.get("model_max_length", cfg["max_position_embeddings"])}
     n_layer = int(cfg["num_hidden_layers"])
     n_head = int(cfg["num_attention_heads"])
     n_head_kv = int(cfg.get("num_key_value_heads") or n_head)

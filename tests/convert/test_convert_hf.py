@@ -63,7 +63,7 @@ HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Q
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
            "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
            "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "mixtral": "MixtralForCausalLM",
-           "phi2": "PhiForCausalLM"}
+           "phi2": "PhiForCausalLM", "command-r": "CohereForCausalLM"}
 GGUF_ARCH = {"mixtral": "llama"}
 MOE = ("qwen3moe", "mixtral")
 N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
@@ -135,6 +135,8 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
             t[p + "mlp.c_proj.bias"] = rng.normal(0, 0.1, N_EMBD).astype(np.float32)
         if arch == "phi2":              # one norm feeds attention and the MLP, in parallel
             del t[p + "post_attention_layernorm.weight"], t[p + "post_attention_layernorm.bias"]
+        if arch == "command-r":         # likewise, a LayerNorm without bias
+            del t[p + "post_attention_layernorm.weight"]
         if arch in ("qwen2", "starcoder2", "phi2"):
             for x, n in (("q", N_HEAD), ("k", n_kv(arch)), ("v", n_kv(arch))):
                 t[p + f"self_attn.{x}_proj.bias"] = rng.normal(0, 0.3, n * HEAD_DIM).astype(np.float32)
@@ -186,6 +188,9 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
     if arch == "starcoder2":
         del cfg["rms_norm_eps"]
         cfg.update(norm_epsilon=1e-5, use_bias=True, hidden_act="gelu_pytorch_tanh")
+    if arch == "command-r":
+        del cfg["rms_norm_eps"]
+        cfg.update(layer_norm_eps=1e-5, logit_scale=0.5, model_max_length=512)
     if arch == "phi2":            # phi2's MLP is 4 * n_embd wide (llama.cpp writes that, whatever the config)
         del cfg["rms_norm_eps"]
         cfg.update(layer_norm_eps=1e-5, partial_rotary_factor=0.5, hidden_act="gelu_new",
@@ -213,9 +218,9 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
     gemma = arch in GEMMA
 
     def rms(x, g, name=None):
-        if arch in LN_BIAS and name is not None:     # LayerNorm with a bias
+        if arch in LN_BIAS + ("command-r",) and name is not None:     # LayerNorm (with a bias where given)
             x = x - x.mean(-1, keepdims=True)
-            return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g + w[name + ".bias"]
+            return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g + w.get(name + ".bias", 0)
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1 + g if gemma else g)
     n = len(ids)
 
@@ -227,7 +232,12 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
         r, rest = x[..., :n_rot], x[..., n_rot:]
         x1, x2 = r[..., :n_rot // 2], r[..., n_rot // 2:]
-        r = r * cos[:, None] + np.concatenate([-x2, x1], -1) * sin[:, None]
+        if arch == "command-r":         # Cohere rotates adjacent pairs (rotate_every_two)
+            c, sn = np.cos(ang)[:, None], np.sin(ang)[:, None]
+            e, o = r[..., 0::2], r[..., 1::2]
+            r = np.stack([e * c - o * sn, o * c + e * sn], -1).reshape(r.shape)
+        else:
+            r = r * cos[:, None] + np.concatenate([-x2, x1], -1) * sin[:, None]
         return np.concatenate([r, rest], -1)
 
     def gelu_tanh(x):
@@ -278,7 +288,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         elif arch == "olmo2":
             h = h + rms(o, w[p + "post_attention_layernorm.weight"])
             x = h
-        elif arch == "phi2":            # parallel: the MLP reads the same normed input as attention
+        elif arch in ("phi2", "command-r"):   # parallel: the MLP reads the same normed input as attention
             h = h + o
         else:
             h = h + o * res
@@ -309,7 +319,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         h = h + (rms(y, w[p + "post_feedforward_layernorm.weight"]) if gemma or arch == "olmo2" else y * res)
     h = rms(h, w["model.norm.weight"], "model.norm")
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    logits = h @ head.T + w.get("lm_head.bias", 0)
+    logits = (h @ head.T + w.get("lm_head.bias", 0)) * cfg.get("logit_scale", 1.0)
     logits = logits / cfg.get("logits_scaling", 1.0)
     if cfg.get("final_logit_softcapping"):
         logits = np.tanh(logits / cfg["final_logit_softcapping"]) * cfg["final_logit_softcapping"]
@@ -327,7 +337,7 @@ CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3
          ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32"),
          ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32"), ("starcoder2", True, "F32", "f32"),
          ("smollm3", True, "F32", "f32"), ("olmo2", False, "F32", "f32"), ("mixtral", False, "F32", "f32"),
-         ("phi2", False, "F32", "f32")]
+         ("phi2", False, "F32", "f32"), ("command-r", True, "F32", "f32")]
 
 
 @pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
