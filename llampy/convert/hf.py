@@ -9,7 +9,7 @@ Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (norm weights + 1), Ph
 gate+up; no long-context rope factors yet), Qwen3MoeForCausalLM (experts stacked) and GraniteForCausalLM (its
 multipliers as scales), Starcoder2ForCausalLM (LayerNorm with biases, plain GELU MLP), MistralForCausalLM and
 MixtralForCausalLM (as llama), SmolLM3ForCausalLM, Olmo2ForCausalLM, PhiForCausalLM (phi2),
-CohereForCausalLM (command-r). Tokenizers: vocab.py.
+CohereForCausalLM (command-r), Cohere2ForCausalLM. Tokenizers: vocab.py.
 PEFT adapters of these models: peft.py.
 """
 from __future__ import annotations
@@ -66,7 +66,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Qwen3MoeForCausalLM": "qwen3moe", "GraniteForCausalLM": "granite",
                  "Starcoder2ForCausalLM": "starcoder2", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
                  "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
-                 "PhiForCausalLM": "phi2", "CohereForCausalLM": "command-r"}
+                 "PhiForCausalLM": "phi2", "CohereForCausalLM": "command-r",
+                 "Cohere2ForCausalLM": "cohere2"}
 PERMUTED = ("llama", "granite", "smollm3")   # LlamaModel and its subclasses undo HF's Q/K permutation
 
 
@@ -174,6 +175,13 @@ def _hparams_metadata(arch: str, cfg: dict, n_layer: int, file_type: int) -> lis
                 kv.append((f"{a}.{key}", float(cfg[hf]), F32))
     if arch == "command-r":      # CommandR2Model: the logit scale, no rope scaling
         kv += [(f"{a}.logit_scale", float(cfg["logit_scale"]), F32),
+               (f"{a}.rope.scaling.type", "none", (VT.STRING,))]
+    if arch == "cohere2":        # Cohere2Model
+        head_dim = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+        kv += [(f"{a}.logit_scale", float(cfg["logit_scale"]), F32),
+               (f"{a}.attention.sliding_window", int(cfg["sliding_window"]), U32),
+               (f"{a}.vocab_size", int(cfg["vocab_size"]), U32),
+               (f"{a}.rope.dimension_count", int(cfg.get("rotary_pct", 1.0) * head_dim), U32),
                (f"{a}.rope.scaling.type", "none", (VT.STRING,))]
     if arch in PERMUTED:
         kv.append((f"{a}.vocab_size", int(cfg["vocab_size"]), U32))
@@ -344,6 +352,8 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
     for hf, (shape, load) in tensors.items():
         if hf == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch in ("gemma2", "gemma3")):
             continue
+        if arch == "cohere2" and hf.endswith(".bias"):
+            continue        # Cohere2Model skips its biases (all zero; llama.cpp's graph has none)
         if re.search(r"\.rotary_emb\.inv_freq$", hf):
             continue
         gn = gguf_name(hf, arch)

@@ -63,7 +63,9 @@ HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Q
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
            "qwen3moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
            "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "mixtral": "MixtralForCausalLM",
-           "phi2": "PhiForCausalLM", "command-r": "CohereForCausalLM"}
+           "phi2": "PhiForCausalLM", "command-r": "CohereForCausalLM",
+           "cohere2": "Cohere2ForCausalLM"}
+COHERE = ("command-r", "cohere2")
 GGUF_ARCH = {"mixtral": "llama"}
 MOE = ("qwen3moe", "mixtral")
 N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
@@ -71,7 +73,7 @@ N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
 
 def n_layers(arch: str) -> int:
     # gemma3: five sliding-window layers, then a global one; smollm3: every fourth layer without RoPE
-    return {"gemma3": 6, "smollm3": 4}.get(arch, N_LAYER)
+    return {"gemma3": 6, "smollm3": 4, "cohere2": 4}.get(arch, N_LAYER)
 
 
 def n_kv(arch: str) -> int:
@@ -135,7 +137,7 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
             t[p + "mlp.c_proj.bias"] = rng.normal(0, 0.1, N_EMBD).astype(np.float32)
         if arch == "phi2":              # one norm feeds attention and the MLP, in parallel
             del t[p + "post_attention_layernorm.weight"], t[p + "post_attention_layernorm.bias"]
-        if arch == "command-r":         # likewise, a LayerNorm without bias
+        if arch in COHERE:              # likewise, a LayerNorm without bias
             del t[p + "post_attention_layernorm.weight"]
         if arch in ("qwen2", "starcoder2", "phi2"):
             for x, n in (("q", N_HEAD), ("k", n_kv(arch)), ("v", n_kv(arch))):
@@ -188,9 +190,11 @@ def make_checkpoint(d, arch: str, tied: bool, dtype: str = "F32", seed: int = 0)
     if arch == "starcoder2":
         del cfg["rms_norm_eps"]
         cfg.update(norm_epsilon=1e-5, use_bias=True, hidden_act="gelu_pytorch_tanh")
-    if arch == "command-r":
+    if arch in COHERE:
         del cfg["rms_norm_eps"]
         cfg.update(layer_norm_eps=1e-5, logit_scale=0.5, model_max_length=512)
+    if arch == "cohere2":         # three sliding-window layers (with RoPE) of four; the fourth global, without
+        cfg.update(sliding_window=4, sliding_window_pattern=4, rotary_pct=1.0)
     if arch == "phi2":            # phi2's MLP is 4 * n_embd wide (llama.cpp writes that, whatever the config)
         del cfg["rms_norm_eps"]
         cfg.update(layer_norm_eps=1e-5, partial_rotary_factor=0.5, hidden_act="gelu_new",
@@ -218,7 +222,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
     gemma = arch in GEMMA
 
     def rms(x, g, name=None):
-        if arch in LN_BIAS + ("command-r",) and name is not None:     # LayerNorm (with a bias where given)
+        if arch in LN_BIAS + COHERE and name is not None:     # LayerNorm (with a bias where given)
             x = x - x.mean(-1, keepdims=True)
             return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g + w.get(name + ".bias", 0)
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1 + g if gemma else g)
@@ -232,7 +236,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
         r, rest = x[..., :n_rot], x[..., n_rot:]
         x1, x2 = r[..., :n_rot // 2], r[..., n_rot // 2:]
-        if arch == "command-r":         # Cohere rotates adjacent pairs (rotate_every_two)
+        if arch in COHERE:              # Cohere rotates adjacent pairs (rotate_every_two)
             c, sn = np.cos(ang)[:, None], np.sin(ang)[:, None]
             e, o = r[..., 0::2], r[..., 1::2]
             r = np.stack([e * c - o * sn, o * c + e * sn], -1).reshape(r.shape)
@@ -247,7 +251,8 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     for il in range(n_layers(arch)):
         p = f"model.layers.{il}."
-        sliding = gemma and (il % 2 == 0 if arch == "gemma2" else (il + 1) % cfg["sliding_window_pattern"] != 0)
+        sliding = (gemma or arch == "cohere2") and (il % 2 == 0 if arch == "gemma2"
+                                                    else (il + 1) % cfg["sliding_window_pattern"] != 0)
         seen = (j <= i) & ((i - j < cfg["sliding_window"]) if sliding else True)
         mask = np.where(seen, 0.0, -np.inf)
         x = h if arch == "olmo2" else rms(h, w[p + "input_layernorm.weight"], p + "input_layernorm")
@@ -268,7 +273,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
             proj["k"] = rms(proj["k"], w[p + "self_attn.k_norm.weight"])
         base = cfg["rope_local_base_freq"] if arch == "gemma3" and sliding else cfg["rope_theta"]
         q, k, v = rope(proj["q"], base), rope(proj["k"], base), proj["v"]
-        if arch == "smollm3" and (il + 1) % 4 == 0:
+        if (arch == "smollm3" and (il + 1) % 4 == 0) or (arch == "cohere2" and not sliding):
             q, k = proj["q"], proj["k"]
         rep = N_HEAD // n_kv(arch)
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
@@ -288,7 +293,7 @@ def hf_forward(t: dict, cfg: dict, arch: str, ids: list[int]) -> np.ndarray:
         elif arch == "olmo2":
             h = h + rms(o, w[p + "post_attention_layernorm.weight"])
             x = h
-        elif arch in ("phi2", "command-r"):   # parallel: the MLP reads the same normed input as attention
+        elif arch in ("phi2",) + COHERE:   # parallel: the MLP reads the same normed input as attention
             h = h + o
         else:
             h = h + o * res
@@ -337,7 +342,8 @@ CASES = [("llama", False, "F32", "f32"), ("qwen2", True, "BF16", "f32"), ("qwen3
          ("gemma2", True, "F32", "f32"), ("gemma3", True, "BF16", "f32"), ("phi3", False, "F32", "f32"),
          ("qwen3moe", False, "F32", "f32"), ("granite", True, "F32", "f32"), ("starcoder2", True, "F32", "f32"),
          ("smollm3", True, "F32", "f32"), ("olmo2", False, "F32", "f32"), ("mixtral", False, "F32", "f32"),
-         ("phi2", False, "F32", "f32"), ("command-r", True, "F32", "f32")]
+         ("phi2", False, "F32", "f32"), ("command-r", True, "F32", "f32"),
+         ("cohere2", True, "F32", "f32")]
 
 
 @pytest.mark.parametrize("arch,tied,dtype,outtype", CASES, ids=lambda x: str(x))
