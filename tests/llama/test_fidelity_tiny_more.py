@@ -207,3 +207,27 @@ def test_cli_embed(capsys):
     assert main(["embed", str(path), "-p", texts[0], "--pooling", "rank"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("rerank score 0:") and abs(float(line.split()[-1]) - ref["prompts"][0]["embeddings"]["rank"][0]) < 1e-3
+
+
+@pytest.mark.parametrize("name, drop, add, match", [
+    ("cohere2", "cohere2.logit_scale", {}, "cohere2.logit_scale"),
+    ("cohere2", "cohere2.attention.sliding_window", {}, "cohere2.attention.sliding_window"),
+    ("bert", "tokenizer.ggml.token_type_count", {}, "token type count"),
+    ("olmo2", None, {"olmo2.attention.sliding_window": 8}, "sliding"),
+])
+def test_load_refuses_what_llama_cpp_refuses(tmp_path, name, drop, add, match):
+    from llampy.gguf import GGUFReader
+    from llampy.gguf.writer import GGUFWriter
+    path, _ = tiny_more_model(name)
+    r = GGUFReader(path)
+    w = GGUFWriter(tmp_path / "m.gguf")
+    for k, v in r.metadata.items():
+        if k != drop:
+            w.add(k, v, r.value_types[k])
+    for k, v in add.items():
+        w.add(k, v)
+    for t in r.tensors.values():
+        w.add_tensor_raw(t.name, t.type, t.ne, t.data)
+    w.write()
+    with pytest.raises(ValueError, match=match):
+        Model(tmp_path / "m.gguf")
