@@ -47,7 +47,7 @@ test-avx2: $(DEVSTAMP)
 	@if grep -qw avx512f /proc/cpuinfo; then \
 	  LLAMPY_SIMD=avx2 NUMBA_CPU_NAME=haswell NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-avx2 \
 	    LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
-	    $(BIN)/python -m pytest -q -k "not paths_agree"; \
+	    LLAMPY_LLAMACPP_TOOLS=$$(bash scripts/llamacpp_tools.sh) $(BIN)/python -m pytest -q -k "not paths_agree"; \
 	else echo "test-avx2: this CPU has no AVX-512, so make test ran the AVX2 paths"; fi
 # (the paths_agree tests are left out here: make test already held each forced path to the native one, bit for bit)
 
