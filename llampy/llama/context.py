@@ -235,8 +235,11 @@ class Context:
                 self._seq_embd[int(s)] = rows.mean(axis=0)
             elif self.pooling == "last":
                 self._seq_embd[int(s)] = rows[-1]
-            elif self.pooling in ("cls", "rank"):       # rank: the classifier's scores of the first token
+            elif self.pooling == "cls":
                 self._seq_embd[int(s)] = rows[0]
+            elif self.pooling == "rank":      # the classifier's scores of the first token, the last if causal
+                causal = getattr(self.model.hparams, "causal_attn", True)
+                self._seq_embd[int(s)] = rows[-1] if causal else rows[0]
 
     # ------------------------------------------------------------------ results
     def get_logits_ith(self, i: int) -> np.ndarray:

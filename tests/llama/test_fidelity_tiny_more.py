@@ -231,3 +231,18 @@ def test_load_refuses_what_llama_cpp_refuses(tmp_path, name, drop, add, match):
     w.write()
     with pytest.raises(ValueError, match=match):
         Model(tmp_path / "m.gguf")
+
+
+def test_decoder_reranker():
+    """A Qwen3 Reranker-shaped model: rank pooling is the softmax of cls.output over the last token of each pair
+    (laid out by the file's rerank template), as llama.cpp computes it."""
+    from llampy.server.rerank import rerank_tokens
+    path, ref = tiny_more_model("qwen3-rerank")
+    model = Model(path)
+    rr = ref["rerank"]
+    ctx = Context(model, n_ctx=256, n_batch=256, n_ubatch=256, embeddings=True, pooling="rank")
+    for doc, toks, probs in zip(rr["documents"], rr["tokens"], rr["probs"]):
+        assert rerank_tokens(model.vocab, model.metadata, rr["query"], doc) == toks
+        ctx.kv_clear()
+        ctx.decode(Batch.from_tokens(toks, logits_all=True))
+        assert np.allclose(ctx.get_embeddings_seq(0), probs, atol=1e-4)

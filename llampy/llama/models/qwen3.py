@@ -1,4 +1,5 @@
-"""qwen3: the llama block with a per-head RMS norm of Q and K before RoPE (NeoX), no biases."""
+"""qwen3: the llama block with a per-head RMS norm of Q and K before RoPE (NeoX), no biases. A reranker (Qwen3
+Reranker converted with ``cls.output``) scores with rank pooling: the softmax of cls.output over the last token."""
 from __future__ import annotations
 
 import math
@@ -6,9 +7,13 @@ import math
 from ...ggml import ops
 from ._common import load_embd_and_output, load_ffn, load_qkv
 
+RANK_HEAD = True    # when the file has cls.output
+
 
 def load_hparams(hp, md):
     hp.rope_type = 2  # NEOX
+    labels = md.get(f"{hp.arch}.classifier.output_labels")
+    hp.n_cls_out = len(labels) if labels is not None and len(labels) else 1
 
 
 def load_attn(model, ld, layer, il):
@@ -22,6 +27,7 @@ def load_attn(model, ld, layer, il):
 
 def load_tensors(model, ld):
     load_embd_and_output(model, ld)
+    model.cls_out = ld.create("cls.output", (model.hparams.n_embd, model.hparams.n_cls_out), required=False)
     for il, layer in enumerate(model.layers):
         load_attn(model, ld, layer, il)
         load_ffn(model, ld, layer, il)
@@ -56,4 +62,8 @@ def build_graph(model, g, ffn=None):
             cur = ffn(g, layer, cur, il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
+    if g.pooling == "rank":
+        if getattr(model, "cls_out", None) is None:
+            raise ValueError(f"pooling 'rank': this {hp.arch} model has no classification head (cls.output)")
+        return g.finish(ops.soft_max(ops.mul_mat(model.cls_out, cur)), None)
     return g.finish(cur, ops.mul_mat(model.output, cur))
