@@ -72,7 +72,7 @@ def _make_qx_weighted(x, nmax, L, qw):
     return scale
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _qx_rows(x, imatrix, nmax, d_out, L_out):
     """Per row: sigma2 = mean(x^2) in float (sequential, as ggml sums); per block of 32 the weighted search."""
     nrows, n = x.shape
@@ -244,7 +244,7 @@ def _make_qp(x, nmax, L, qw):
     return sumlx / suml2 if suml2 > 0 else F32(0.0)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _q1_rows(x, imatrix, nmax, d_out, m_out, L_out):
     """Q4_1 / Q5_1 with weights: per block of 32, make_qkx3_quants(32, nmax, .., -0.9, 0.05, 36)."""
     nrows, n = x.shape
@@ -294,7 +294,7 @@ def quantize_q5_1_weighted(x, imatrix):
     return np.concatenate([d, m, qh_b, qs], axis=-1).reshape(x.shape[0], -1)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _q45k_blocks(b, qw, nmax, ls_out, lm_out, d_out, m_out, L_out):
     """quantize_row_q4_K_impl / q5_K_impl up to the block scales: b [n, 256], qw [n, 256] the block's importances."""
     n = b.shape[0]
@@ -368,7 +368,7 @@ def quantize_q5_k_weighted(x, imatrix):
     return out.reshape(nrows, -1)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _q6k_search(b, qw, scales, L):
     n = b.shape[0]
     for i in prange(n):

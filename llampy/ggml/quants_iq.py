@@ -246,7 +246,7 @@ def _sums(kv, xb, id_, L):
     return sumqx, sumq2
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _iq4_search(b, kv, ntry):
     """quantize_row_iq4_nl_impl with no importance (weights x^2), sub-blocks of 32 within a super-block of
     b.shape[1]. Returns (d [n] float32, scale codes [n, nsub] 0..63 (unused when nsub == 1), L [n, k])."""

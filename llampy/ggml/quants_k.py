@@ -170,7 +170,7 @@ def _make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad, L, Laux):
     return scale, -lo
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _search_qkx2(b, sub, nmax, rmin, rdelta, nstep, use_mad, rms_weights):
     """Per sub-block of ``sub`` values: make_qkx2_quants with weights |x| (Q2_K) or rms(x) + |x| (Q4_K, Q5_K)."""
     n, k = b.shape
@@ -289,7 +289,7 @@ def _make_qx(x, nmax, L):
     return scale
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _search_q3(b, nmax, use_q3):
     """Per sub-block of 16: make_q3_quants (Q3_K) or make_qx_quants (Q6_K)."""
     n = b.shape[0]

@@ -491,6 +491,11 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
     from ..ggml.quants_rows import quantize_rows_ref
 
     def run(a, b):
+        if pool is not None:
+            # each pool thread runs the Numba searches on its own rows (set_num_threads is per thread): the pool,
+            # not prange, spreads the work, and the NumPy packing runs in parallel too
+            import numba
+            numba.set_num_threads(1)
         if imatrix is not None:
             return quantize_weighted(x[a:b], t, imatrix)
         y = quantize_rows_ref(x[a:b], t)
