@@ -81,3 +81,21 @@ def test_generation_refused_on_an_encoder(bert_server):
 def test_rerank_refused_without_a_classification_head(server_url):
     r = httpx.post(server_url + "/v1/rerank", json={"query": "q", "documents": ["a"]}, timeout=60)
     assert r.status_code == 501 and "classification head" in r.json()["error"]["message"]
+
+
+def test_rerank_with_a_decoder_reranker():
+    """A Qwen3 Reranker-shaped model: the pairs through its rerank template, the score P(yes) as llama.cpp's."""
+    from llampy.server.app import Server, create_app
+    path, ref = tiny_more_model("qwen3-rerank")
+    server = Server(path, n_parallel=1, n_ctx=256)
+    url, uv, t = serve_in_thread(create_app(server))
+    try:
+        rr = ref["rerank"]
+        r = httpx.post(url + "/v1/rerank", json={"query": rr["query"], "documents": rr["documents"]}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        assert np.allclose([got[i] for i in range(len(rr["scores"]))], rr["scores"], atol=1e-4)
+    finally:
+        uv.should_exit = True
+        t.join(timeout=5)
+        server.engine.stop()
