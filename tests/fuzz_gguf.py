@@ -40,15 +40,16 @@ STRINGS = ["", "x", "yarn", "linear", "none", "llama", "gpt2", "bert", "t5", "rw
 TOKENIZER_MODELS = ["llama", "gpt2", "bert", "t5", "rwkv", "plamo2", "gemma4", "whitespace", "hybriddna", "none",
                     "no_vocab", "test", "nonsense"]
 ARCHS = ["llama", "mistral", "granite", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "starcoder2",
-         "bert", "mamba", ""]
+         "bert", "nomic-bert", "phi2", "olmo2", "cohere2", "mamba", "mamba2", "jamba", "falcon", ""]
 TEMPLATES = ["{% for %}", "{{ messages[0]['content'] }}", "{{ raise_exception('no') }}", "{{ x.y.z }}",
              "{{ ''.__class__.__mro__ }}", "{{ ((9**4096)**4096)**4096 }}", "{% for m in messages %}{{ m }}{% endfor %}",
              "{{ 'x' * 1000000000 }}"]
 
 
 def fixture_paths() -> list[Path]:
+    """The tiny GGUFs to mutate: the shared fixtures (nine architectures) and, when generated, tiny_more's."""
     from tests.paths import TINY
-    return sorted(TINY.glob("*.gguf"))
+    return sorted(TINY.glob("*.gguf")) + sorted((ROOT / "tests" / "fixtures" / "tiny_more").glob("*.gguf"))
 
 
 # ---------------------------------------------------------------------------- mutations
@@ -317,7 +318,7 @@ def check_model(path: str, renderer) -> str:
     """Load, tokenize, render, decode. Returns 'ok' or raises."""
     from llampy.llama.batch import Batch
     from llampy.llama.chat import ChatTemplateError, template_from_metadata
-    from llampy.llama.context import Context
+    from llampy.llama.context import Context, ContextError
     from llampy.llama.model import Model
     m = Model(path)
     try:
@@ -330,8 +331,14 @@ def check_model(path: str, renderer) -> str:
             renderer.render(template_from_metadata(m.metadata), MESSAGES)
         except ChatTemplateError:
             pass
-        ctx = Context(m, n_ctx=64, n_batch=32, n_ubatch=32)
         prompt = toks[:12] or [0]
+        try:
+            ctx = Context(m, n_ctx=64, n_batch=32, n_ubatch=32)
+        except ContextError:            # an encoder: no language-model head, embeddings only
+            ctx = Context(m, n_ctx=64, n_batch=32, n_ubatch=32, embeddings=True, pooling="mean")
+            ctx.decode(Batch.from_tokens(prompt, logits_all=True))
+            ctx.get_embeddings_seq(0)
+            return "ok"
         ctx.decode(Batch.from_tokens(prompt))
         nxt = int(np.argmax(ctx.get_logits_ith(-1)))
         ctx.decode(Batch.from_tokens([nxt], len(prompt)))

@@ -146,7 +146,12 @@ class Model:
         self.tensors: dict[str, Tensor] = {}
         self.layers = [SimpleNamespace() for _ in range(self.hparams.n_layer)]
         loader = TensorLoader(self)
-        self.arch.load_tensors(self, loader)
+        try:
+            self.arch.load_tensors(self, loader)
+        except ModelLoadError:
+            raise
+        except ValueError as e:     # an architecture's own check of the file's shapes (jina-bert-v2's ffn_up rows)
+            raise ModelLoadError(f"{self.hparams.arch}: {e}") from None
         unused = set(self.reader.tensors) - loader.used
         self.n_unused_tensors = len(unused)
 
