@@ -2,8 +2,11 @@
 runs it when llama-quantize has an imatrix.
 
 Several formats ignore the weights (ggml's quantize_q8_0, tq1_0, tq2_0, mxfp4, q1_0, q2_0 call their _ref
-quantizer either way); Q4_0 and Q5_0 use ``quantize_row_q<n>_0_impl`` (make_qx_quants with weights
-qw[j] * sqrt(sigma2 + x[j]^2)). The others' weighted searches are not written yet and say so.
+quantizer either way); the others run their ``quantize_row_<type>_impl``: Q4_0 / Q5_0 make_qx_quants and Q4_1 /
+Q5_1 make_qkx3_quants with weights qw[j] * sqrt(sigma2 + x[j]^2) (sigma2 the row's mean square); Q3_K
+make_qx_quants per 16 values and again for the 16 scales; Q4_K / Q5_K make_qkx3_quants per 32 values (sigma2 twice
+the super-block's mean square) and make_qp_quants for the 6-bit scales and mins; Q6_K make_qx_quants with the raw
+importances. Q2_K's and the IQ formats' weighted searches are not written yet and say so.
 """
 from __future__ import annotations
 
@@ -392,7 +395,64 @@ def quantize_q6_k_weighted(x, imatrix):
     return quantize_q6_k_from(b, (nrows,), k, scales, L)
 
 
-_WEIGHTED = {T.Q4_0: quantize_q4_0_weighted, T.Q5_0: quantize_q5_0_weighted, T.Q4_1: quantize_q4_1_weighted,
+@njit(cache=True, parallel=True, nogil=True)
+def _q3k_blocks(b, qw, Lsc_out, d_out, L_out):
+    """quantize_row_q3_K_impl up to the block scale: per 16 values make_qx_quants(16, 4, .., weights), then the 16
+    scales themselves make_qx_quants(16, 32, scales, Ls, 1, sw)."""
+    n = b.shape[0]
+    for i in prange(n):
+        x = b[i]
+        sumx2 = F32(0.0)
+        for l in range(QK_K):
+            sumx2 += x[l] * x[l]
+        sigma2 = F32(2.0) * sumx2 / F32(QK_K)
+        w = np.empty(16, np.float32)
+        sw = np.empty(16, np.float32)
+        scales = np.empty(16, np.float32)
+        Lj = np.empty(16, np.int32)
+        Ls = np.empty(16, np.int32)
+        for j in range(16):
+            for l in range(16):
+                w[l] = qw[i, 16 * j + l] * np.sqrt(sigma2 + x[16 * j + l] * x[16 * j + l])
+            sumw = F32(0.0)
+            for l in range(16):
+                sumw += w[l]
+            sw[j] = sumw
+            scales[j] = _make_qx_weighted(x[16 * j:16 * j + 16], 4, Lj, w)
+            for l in range(16):
+                L_out[i, 16 * j + l] = Lj[l]
+        d_out[i] = _make_qx_weighted(scales, 32, Ls, sw)
+        for j in range(16):
+            Lsc_out[i, j] = Ls[j]
+
+
+def quantize_q3_k_weighted(x, imatrix):
+    from .quants_k import _pack_2bit
+    x = np.ascontiguousarray(x, F32)
+    nrows, k = x.shape
+    nb = k // QK_K
+    b = x.reshape(-1, QK_K)
+    qw = np.ascontiguousarray(np.broadcast_to(np.asarray(imatrix, F32).reshape(1, nb, QK_K), (nrows, nb, QK_K))
+                              ).reshape(-1, QK_K)
+    n = len(b)
+    l = np.empty((n, 16), np.uint8)
+    d = np.empty(n, F32)
+    L = np.empty((n, QK_K), np.int8)
+    _q3k_blocks(b, qw, l, d, L)
+    sc = np.zeros((n, 12), np.uint8)
+    sc[:, 0:8] = (l[:, 0:8] & 0xF) | ((l[:, 8:16] & 0xF) << 4)
+    hi = (l >> 4).reshape(n, 4, 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 4, 1)
+    sc[:, 8:12] = np.bitwise_or.reduce(hi, axis=1)
+    dq = round_f16(d)[:, None] * (l.astype(np.int8) - 32).astype(F32)
+    L = _requant(L, b, dq, None, -4, 3, 4)
+    high = L > 3
+    hmask = np.bitwise_or.reduce(high.reshape(n, 8, 32).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None],
+                                 axis=1)
+    out = np.concatenate([hmask, _pack_2bit(np.where(high, L - 4, L)), sc, to_f16_bytes(d).reshape(n, 2)], axis=1)
+    return out.reshape(nrows, -1)
+
+
+_WEIGHTED = {T.Q3_K: quantize_q3_k_weighted, T.Q4_0: quantize_q4_0_weighted, T.Q5_0: quantize_q5_0_weighted, T.Q4_1: quantize_q4_1_weighted,
              T.Q5_1: quantize_q5_1_weighted, T.Q4_K: quantize_q4_k_weighted, T.Q5_K: quantize_q5_k_weighted,
              T.Q6_K: quantize_q6_k_weighted}
 

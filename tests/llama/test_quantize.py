@@ -137,7 +137,7 @@ def test_same_bytes_from_f16_and_tied(tool, tmp_path):
     assert ours.read_bytes() == ref.read_bytes()
 
 
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K_M", "Q5_K_S", "Q6_K"])
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q3_K_M", "Q4_K_M", "Q5_K_S", "Q6_K"])
 def test_same_bytes_with_imatrix(tool, rand_model, tmp_path, ftype):
     im, ref, ours = tmp_path / "im.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
     write_random_imatrix(rand_model, im)
