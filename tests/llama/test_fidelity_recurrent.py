@@ -19,7 +19,8 @@ from llampy.llama.perplexity import perplexity
 from tests.paths import ROOT, TINY
 
 HERE = ROOT / "tests" / "fixtures" / "tiny_recurrent"
-MODELS = ["mamba-s16-F32", "mamba-s128-Q8_0", "mamba2-s128-g1-F32", "mamba2-s16-g2-Q8_0", "jamba-hybrid-Q8_0"]
+MODELS = ["mamba-s16-F32", "mamba-s128-Q8_0", "falcon-mamba-s16-Q8_0", "mamba2-s128-g1-F32", "mamba2-s16-g2-Q8_0",
+          "jamba-hybrid-Q8_0"]
 TOL = 1e-3
 MARGIN = 0.05
 
