@@ -6,7 +6,8 @@ quantizer either way); the others run their ``quantize_row_<type>_impl``: Q4_0 /
 Q5_1 make_qkx3_quants with weights qw[j] * sqrt(sigma2 + x[j]^2) (sigma2 the row's mean square); Q3_K
 make_qx_quants per 16 values and again for the 16 scales; Q4_K / Q5_K make_qkx3_quants per 32 values (sigma2 twice
 the super-block's mean square) and make_qp_quants for the 6-bit scales and mins; Q6_K make_qx_quants with the raw
-importances. Q2_K's and the IQ formats' weighted searches are not written yet and say so.
+importances; Q2_K make_qkx3_quants per 16 values and make_qp_quants for its 4-bit scales and mins. The IQ
+formats' weighted searches are not written yet and say so.
 """
 from __future__ import annotations
 
@@ -452,7 +453,66 @@ def quantize_q3_k_weighted(x, imatrix):
     return out.reshape(nrows, -1)
 
 
-_WEIGHTED = {T.Q3_K: quantize_q3_k_weighted, T.Q4_0: quantize_q4_0_weighted, T.Q5_0: quantize_q5_0_weighted, T.Q4_1: quantize_q4_1_weighted,
+@njit(cache=True, parallel=True, nogil=True)
+def _q2k_blocks(b, qw, ls_out, lm_out, d_out, m_out, L_out):
+    """quantize_row_q2_K_impl up to the block scales: make_qkx3_quants(16, 3, ..) per 16 values (sigma2 the
+    super-block's mean square), make_qp_quants(16, 15, ..) for the scales and the mins."""
+    n = b.shape[0]
+    for i in prange(n):
+        x = b[i]
+        sumx2 = F32(0.0)
+        for l in range(QK_K):
+            sumx2 += x[l] * x[l]
+        sigma2 = sumx2 / F32(QK_K)
+        w = np.empty(16, np.float32)
+        sw = np.empty(16, np.float32)
+        scales = np.empty(16, np.float32)
+        mins = np.empty(16, np.float32)
+        Laux = np.empty(16, np.int32)
+        Lj = np.empty(16, np.int32)
+        Ls = np.empty(16, np.int32)
+        Lm = np.empty(16, np.int32)
+        for j in range(16):
+            for l in range(16):
+                w[l] = qw[i, 16 * j + l] * np.sqrt(sigma2 + x[16 * j + l] * x[16 * j + l])
+            sumw = F32(0.0)
+            for l in range(16):
+                sumw += w[l]
+            sw[j] = sumw
+            s_, m_ = _make_qkx3(x[16 * j:16 * j + 16], w, 3, Lj, Laux, F32(-0.9), F32(0.05), 36)
+            scales[j] = s_
+            mins[j] = m_
+            for l in range(16):
+                L_out[i, 16 * j + l] = Lj[l]
+        d_out[i] = _make_qp(scales, 15, Ls, sw)
+        m_out[i] = _make_qp(mins, 15, Lm, sw)
+        for j in range(16):
+            ls_out[i, j] = Ls[j]
+            lm_out[i, j] = Lm[j]
+
+
+def quantize_q2_k_weighted(x, imatrix):
+    from .quants_k import _pack_2bit
+    x = np.ascontiguousarray(x, F32)
+    nrows, k = x.shape
+    nb = k // QK_K
+    b = x.reshape(-1, QK_K)
+    qw = np.ascontiguousarray(np.broadcast_to(np.asarray(imatrix, F32).reshape(1, nb, QK_K), (nrows, nb, QK_K))
+                              ).reshape(-1, QK_K)
+    n = len(b)
+    ls, lm = np.empty((n, 16), np.uint8), np.empty((n, 16), np.uint8)
+    d, dmin = np.empty(n, F32), np.empty(n, F32)
+    L = np.empty((n, QK_K), np.uint8)
+    _q2k_blocks(b, qw, ls, lm, d, dmin, L)
+    sc = ls | (lm << 4)
+    dq = round_f16(d)[:, None] * (sc & 0xF).astype(F32)
+    dm = round_f16(dmin)[:, None] * (sc >> 4).astype(F32)
+    L = _requant(L, b, dq, dm, 0, 3, 0)
+    out = np.concatenate([sc, _pack_2bit(L), to_f16_bytes(d).reshape(n, 2), to_f16_bytes(dmin).reshape(n, 2)], axis=1)
+    return out.reshape(nrows, -1)
+
+
+_WEIGHTED = {T.Q2_K: quantize_q2_k_weighted, T.Q3_K: quantize_q3_k_weighted, T.Q4_0: quantize_q4_0_weighted, T.Q5_0: quantize_q5_0_weighted, T.Q4_1: quantize_q4_1_weighted,
              T.Q5_1: quantize_q5_1_weighted, T.Q4_K: quantize_q4_k_weighted, T.Q5_K: quantize_q5_k_weighted,
              T.Q6_K: quantize_q6_k_weighted}
 

@@ -137,7 +137,8 @@ def test_same_bytes_from_f16_and_tied(tool, tmp_path):
     assert ours.read_bytes() == ref.read_bytes()
 
 
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q3_K_M", "Q4_K_M", "Q5_K_S", "Q6_K"])
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q2_K", "Q2_K_S", "Q3_K_M", "Q4_K_M",
+                                   "Q5_K_S", "Q6_K"])
 def test_same_bytes_with_imatrix(tool, rand_model, tmp_path, ftype):
     im, ref, ours = tmp_path / "im.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
     write_random_imatrix(rand_model, im)
@@ -198,3 +199,8 @@ def test_row_quantizers_match_reference(t):
     x[3, 32:64] = np.float32(0.5)
     x[4, :32] = np.linspace(-1, 1, 32, dtype=np.float32)
     assert (quantize_rows_ref(x, t) == quantize(x, t)).all()
+
+
+def test_q2_k_s_needs_an_imatrix(rand_model, tmp_path, capsys):
+    assert main(["quantize", "--progress", "off", str(rand_model), str(tmp_path / "o.gguf"), "Q2_K_S", "1"]) == 1
+    assert "requires an importance matrix" in capsys.readouterr().err
