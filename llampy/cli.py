@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     if n_threads:
         # before anything imports Numba (tuning.install does): its pool is sized from this when it starts, and
         # Numba refuses a different value once it has (it rereads the variable at every compile)
-        os.environ.setdefault("NUMBA_NUM_THREADS", str(n_threads))
+        from . import tuning as _tuning
+        _tuning.size_numba_pool(n_threads)
     from .llama.devices import OffloadError
     import warnings
     # the command's own process: a warning is one line, as llama.cpp's log lines are

@@ -10,7 +10,8 @@ import time
 def _threads(args) -> int | None:
     n = getattr(args, "threads", None)
     if n:
-        os.environ.setdefault("NUMBA_NUM_THREADS", str(n))
+        from . import tuning as _tuning
+        _tuning.size_numba_pool(n)
     return n
 
 

@@ -178,7 +178,8 @@ def cmd_imatrix(args) -> int:
     from .llama.model import Model
     from .models import resolve_model
     if args.threads:
-        os.environ.setdefault("NUMBA_NUM_THREADS", str(args.threads))
+        from . import tuning as _tuning
+        _tuning.size_numba_pool(args.threads)
     m = Model(resolve_model(args.model), n_threads=args.threads)
     with open(args.file, encoding="utf-8", errors="replace") as f:
         text = f.read()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 NUMBA_TESTED = ((0, 68), (0, 69))     # [lowest, highest) major.minor the patches were tested against
 SPIN_COUNT = 10000
@@ -65,6 +66,15 @@ def install() -> None:
     numba_copies.install()
     blas.set_threads(1)
     _installed = True
+
+
+def size_numba_pool(n_threads: int | None) -> None:
+    """Ask for Numba's thread pool to be n_threads wide (NUMBA_NUM_THREADS, unless the user set it), for an entry
+    point that runs before Numba starts. Numba rereads the variable at every compile and refuses a value that
+    differs from its running pool's, so once Numba is imported (a command called in a process that already ran
+    kernels) this leaves the variable alone; ``numba.set_num_threads`` still narrows the work."""
+    if n_threads and "numba" not in sys.modules:
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(int(n_threads)))
 
 
 def installed() -> bool:
