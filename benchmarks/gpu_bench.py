@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from llampy.ggml.quants import quantize                     # noqa: E402
 from llampy.ggml.types import GGMLType, TYPE_TRAITS, row_size  # noqa: E402
 from llampy.gguf import GGUFWriter                           # noqa: E402
+from llampy.llama.warmup import add_spm_vocab                # noqa: E402
 
 T = GGMLType
 SHAPES = {   # n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, rope base
@@ -68,16 +69,9 @@ def write_model(path: Path, shape: str, mix: str) -> int:
                  (f"{a}.block_count", n_layer), (f"{a}.context_length", 4096), (f"{a}.embedding_length", n_embd),
                  (f"{a}.feed_forward_length", n_ff), (f"{a}.attention.head_count", n_head),
                  (f"{a}.attention.head_count_kv", n_head_kv), (f"{a}.rope.dimension_count", head_dim),
-                 (f"{a}.rope.freq_base", base), (f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-                 ("tokenizer.ggml.model", "llama")):
+                 (f"{a}.rope.freq_base", base), (f"{a}.attention.layer_norm_rms_epsilon", 1e-5)):
         w.add(k, v)
-    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-    pieces += [f"\u2581t{i}" for i in range(n_vocab - len(pieces))]
-    w.add("tokenizer.ggml.tokens", pieces)
-    w.add("tokenizer.ggml.scores", [0.0] * n_vocab)
-    w.add("tokenizer.ggml.token_type", [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259))
-    w.add("tokenizer.ggml.bos_token_id", 1)
-    w.add("tokenizer.ggml.eos_token_id", 2)
+    add_spm_vocab(w, n_vocab)
 
     def mat(name, key, ncols, nrows):
         t = types.get(key, types["default"])

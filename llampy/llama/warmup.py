@@ -55,6 +55,19 @@ def hollow_copy(model_path, out_path) -> None:
     w.write()
 
 
+def add_spm_vocab(w, n_vocab: int) -> None:
+    """A placeholder SPM vocabulary of n_vocab tokens (unk, bos, eos, the 256 byte tokens, then '▁t<i>'), for
+    synthetic models whose text does not matter (warm-up, benchmarks)."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    pieces += [f"\u2581t{i}" for i in range(n_vocab - len(pieces))]
+    w.add("tokenizer.ggml.model", "llama")
+    w.add("tokenizer.ggml.tokens", pieces)
+    w.add("tokenizer.ggml.scores", [0.0] * n_vocab)
+    w.add("tokenizer.ggml.token_type", [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259))
+    w.add("tokenizer.ggml.bos_token_id", 1)
+    w.add("tokenizer.ggml.eos_token_id", 2)
+
+
 def types_model(types, out_path) -> None:
     """A small llama model (one layer per type, all of that layer's matrices in it; n_embd 512, n_ff 1536, 8 heads of
     64, 4 KV heads; a 512-token SPM vocabulary) with zero weights, for warming the kernels of ``types``."""
@@ -70,15 +83,9 @@ def types_model(types, out_path) -> None:
                  (f"{a}.context_length", 4096), (f"{a}.embedding_length", n_embd),
                  (f"{a}.feed_forward_length", n_ff), (f"{a}.attention.head_count", n_head),
                  (f"{a}.attention.head_count_kv", n_head_kv), (f"{a}.rope.dimension_count", head_dim),
-                 (f"{a}.attention.layer_norm_rms_epsilon", 1e-5), ("tokenizer.ggml.model", "llama")):
+                 (f"{a}.attention.layer_norm_rms_epsilon", 1e-5)):
         w.add(k, v)
-    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-    pieces += [f"\u2581t{i}" for i in range(n_vocab - len(pieces))]
-    w.add("tokenizer.ggml.tokens", pieces)
-    w.add("tokenizer.ggml.scores", [0.0] * n_vocab)
-    w.add("tokenizer.ggml.token_type", [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259))
-    w.add("tokenizer.ggml.bos_token_id", 1)
-    w.add("tokenizer.ggml.eos_token_id", 2)
+    add_spm_vocab(w, n_vocab)
     F32 = GGMLType.F32
     w.add_tensor_zeros("token_embd.weight", types[0], (n_embd, n_vocab))
     w.add_tensor_zeros("output_norm.weight", F32, (n_embd,))
