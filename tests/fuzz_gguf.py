@@ -145,99 +145,10 @@ def mutate(src: Path, rng: random.Random) -> tuple[bytes, str]:
         for _ in range(n_edits):
             family = rng.choices(["value", "delete", "tokenizer", "arch", "template", "tensor", "bytes", "cut"],
                                  [40, 10, 10, 4, 4, 14, 10, 4])[0]
-            if family == "value":
-                k = _pick_key(rng, keys)
-                i = keys.index(k)
-                kv[i][1], kv[i][2] = _hostile_value(rng, kv[i][1], kv[i][2])
-                what.append(f"{k}={_short(kv[i][1])}")
-            elif family == "delete":
-                k = _pick_key(rng, keys)
-                i = keys.index(k)
-                del kv[i], keys[i]
-                what.append(f"del {k}")
-            elif family == "tokenizer":
-                op = rng.choice(["model", "drop_bytes", "pre", "special_id", "types"])
-                if op == "model":
-                    _set(kv, keys, "tokenizer.ggml.model", rng.choice(TOKENIZER_MODELS), (VT.STRING,))
-                    what.append(f"tokenizer model {_get(kv, keys, 'tokenizer.ggml.model')}")
-                elif op == "drop_bytes" and "tokenizer.ggml.tokens" in keys:
-                    i = keys.index("tokenizer.ggml.tokens")
-                    toks = kv[i][1]
-                    kv[i][1] = [t if not (t.startswith("<0x") and t.endswith(">")) and len(t) > 1 else f"<dropped{j}>"
-                                for j, t in enumerate(toks)]
-                    _set(kv, keys, "tokenizer.ggml.model", "llama", (VT.STRING,))
-                    what.append("spm without byte tokens")
-                elif op == "pre":
-                    _set(kv, keys, "tokenizer.ggml.pre", rng.choice(STRINGS[:18] + ["llama3", "qwen2", "gpt-2",
-                                                                                   "deepseek-llm", "tekken"]),
-                         (VT.STRING,))
-                    what.append(f"pre {_get(kv, keys, 'tokenizer.ggml.pre')}")
-                elif op == "special_id":
-                    k = rng.choice(["bos", "eos", "unknown", "padding", "eot", "seperator"])
-                    v = rng.choice([0, 49151, 49152, 10**6, 2**32 - 1, -1])
-                    _set(kv, keys, f"tokenizer.ggml.{k}_token_id", v, (_int_sig(v),))
-                    what.append(f"{k} id {v}")
-                elif op == "types" and "tokenizer.ggml.token_type" in keys:
-                    i = keys.index("tokenizer.ggml.token_type")
-                    arr = np.array(kv[i][1], dtype=np.int32).copy()
-                    idx = rng.sample(range(len(arr)), min(len(arr), 50))
-                    arr[idx] = [rng.choice([-5, 0, 1, 2, 3, 4, 5, 6, 7, 99]) for _ in idx]
-                    kv[i][1] = arr
-                    what.append("token types")
-            elif family == "arch":
-                new = rng.choice(ARCHS)
-                _set(kv, keys, "general.architecture", new, (VT.STRING,))
-                if rng.random() < 0.5:      # its keys renamed too: the file then looks like that architecture
-                    for row in kv:
-                        if row[0].startswith(arch + "."):
-                            row[0] = new + row[0][len(arch):]
-                    keys[:] = [row[0] for row in kv]
-                what.append(f"arch {new}")
-            elif family == "template":
-                _set(kv, keys, "tokenizer.chat_template", rng.choice(TEMPLATES), (VT.STRING,))
-                what.append("template")
-            elif family == "tensor" and tensors:
-                i = rng.randrange(len(tensors))
-                name, t, ne, raw = tensors[i]
-                op = rng.choice(["drop", "rename", "shape", "type", "extra_layer", "nan"])
-                if op == "drop":
-                    del tensors[i]
-                    what.append(f"drop {name}")
-                elif op == "rename":
-                    tensors[i][0] = rng.choice(["blk.99.attn_q.weight", "blk.-1.attn_q.weight", "x", name + ".x",
-                                                "blk.0." + name])
-                    if any(tt[0] == tensors[i][0] for j, tt in enumerate(tensors) if j != i):
-                        tensors[i][0] = name
-                    what.append(f"rename {name}")
-                elif op == "shape":
-                    ne2 = list(ne)
-                    d = rng.randrange(len(ne2))
-                    ne2[d] = rng.choice([0, 1, ne2[d] * 2, ne2[d] + 32, max(1, ne2[d] // 2)])
-                    if rng.random() < 0.2:
-                        ne2 = ne2[::-1]
-                    if ne2[0] % TYPE_TRAITS[GGMLType(t)].blck_size == 0:
-                        tensors[i] = [name, t, tuple(ne2), None]
-                        what.append(f"shape {name} {ne2}")
-                elif op == "type":
-                    t2 = rng.choice([GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
-                                     GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.I32, GGMLType.TQ1_0])
-                    if ne[0] % TYPE_TRAITS[t2].blck_size == 0:
-                        tensors[i] = [name, t2, ne, None]
-                        what.append(f"type {name} {t2.name}")
-                elif op == "extra_layer":
-                    n_layer = _get(kv, keys, f"{arch}.block_count")
-                    if isinstance(n_layer, (int, np.integer)) and 0 <= n_layer < 1000:
-                        new = f"blk.{int(n_layer)}.attn_norm.weight"
-                        if all(tt[0] != new for tt in tensors):
-                            tensors.append([new, GGMLType.F32, (ne[0],), None])
-                            what.append("extra layer tensor")
-                elif op == "nan" and GGMLType(t) == GGMLType.F32:
-                    arr = np.frombuffer(bytes(raw), dtype=np.float32).copy()
-                    arr[rng.randrange(len(arr))] = rng.choice([np.nan, np.inf, -np.inf])
-                    tensors[i][3] = arr.view(np.uint8)
-                    what.append(f"nan in {name}")
-            elif family in ("bytes", "cut"):
-                byte_level = family
+            try:
+                byte_level = _edit(rng, family, arch, kv, keys, tensors, what) or byte_level
+            except (ValueError, TypeError, OverflowError, IndexError):
+                what.append(f"({family} edit skipped: an earlier edit left nothing it applies to)")
         w.kv = [tuple(x) for x in kv]
         w.tensors = []
         for name, t, ne, raw in tensors:
@@ -262,6 +173,106 @@ def mutate(src: Path, rng: random.Random) -> tuple[bytes, str]:
         data = data[:cut]
         what.append(f"cut at {cut}")
     return bytes(data), "; ".join(what) or "unchanged"
+
+
+def _edit(rng, family, arch, kv, keys, tensors, what):
+    """One edit of the kv list and tensor list, in place; returns 'bytes' or 'cut' for the byte-level ones."""
+    from llampy.ggml.types import TYPE_TRAITS, GGMLType
+    from llampy.gguf import GGUFValueType as VT
+    if family == "value":
+        k = _pick_key(rng, keys)
+        i = keys.index(k)
+        kv[i][1], kv[i][2] = _hostile_value(rng, kv[i][1], kv[i][2])
+        what.append(f"{k}={_short(kv[i][1])}")
+    elif family == "delete":
+        k = _pick_key(rng, keys)
+        i = keys.index(k)
+        del kv[i], keys[i]
+        what.append(f"del {k}")
+    elif family == "tokenizer":
+        op = rng.choice(["model", "drop_bytes", "pre", "special_id", "types"])
+        if op == "model":
+            _set(kv, keys, "tokenizer.ggml.model", rng.choice(TOKENIZER_MODELS), (VT.STRING,))
+            what.append(f"tokenizer model {_get(kv, keys, 'tokenizer.ggml.model')}")
+        elif op == "drop_bytes" and "tokenizer.ggml.tokens" in keys:
+            i = keys.index("tokenizer.ggml.tokens")
+            toks = kv[i][1]
+            kv[i][1] = [t if not (t.startswith("<0x") and t.endswith(">")) and len(t) > 1 else f"<dropped{j}>"
+                        for j, t in enumerate(toks)]
+            _set(kv, keys, "tokenizer.ggml.model", "llama", (VT.STRING,))
+            what.append("spm without byte tokens")
+        elif op == "pre":
+            _set(kv, keys, "tokenizer.ggml.pre", rng.choice(STRINGS[:18] + ["llama3", "qwen2", "gpt-2",
+                                                                           "deepseek-llm", "tekken"]),
+                 (VT.STRING,))
+            what.append(f"pre {_get(kv, keys, 'tokenizer.ggml.pre')}")
+        elif op == "special_id":
+            k = rng.choice(["bos", "eos", "unknown", "padding", "eot", "seperator"])
+            v = rng.choice([0, 49151, 49152, 10**6, 2**32 - 1, -1])
+            _set(kv, keys, f"tokenizer.ggml.{k}_token_id", v, (_int_sig(v),))
+            what.append(f"{k} id {v}")
+        elif op == "types" and "tokenizer.ggml.token_type" in keys:
+            i = keys.index("tokenizer.ggml.token_type")
+            arr = np.array(kv[i][1], dtype=np.int32).copy()
+            idx = rng.sample(range(len(arr)), min(len(arr), 50))
+            arr[idx] = [rng.choice([-5, 0, 1, 2, 3, 4, 5, 6, 7, 99]) for _ in idx]
+            kv[i][1] = arr
+            what.append("token types")
+    elif family == "arch":
+        new = rng.choice(ARCHS)
+        _set(kv, keys, "general.architecture", new, (VT.STRING,))
+        if rng.random() < 0.5:      # its keys renamed too: the file then looks like that architecture
+            for row in kv:
+                if row[0].startswith(arch + "."):
+                    row[0] = new + row[0][len(arch):]
+            keys[:] = [row[0] for row in kv]
+        what.append(f"arch {new}")
+    elif family == "template":
+        _set(kv, keys, "tokenizer.chat_template", rng.choice(TEMPLATES), (VT.STRING,))
+        what.append("template")
+    elif family == "tensor" and tensors:
+        i = rng.randrange(len(tensors))
+        name, t, ne, raw = tensors[i]
+        op = rng.choice(["drop", "rename", "shape", "type", "extra_layer", "nan"])
+        if op == "drop":
+            del tensors[i]
+            what.append(f"drop {name}")
+        elif op == "rename":
+            tensors[i][0] = rng.choice(["blk.99.attn_q.weight", "blk.-1.attn_q.weight", "x", name + ".x",
+                                        "blk.0." + name])
+            if any(tt[0] == tensors[i][0] for j, tt in enumerate(tensors) if j != i):
+                tensors[i][0] = name
+            what.append(f"rename {name}")
+        elif op == "shape":
+            ne2 = list(ne)
+            d = rng.randrange(len(ne2))
+            ne2[d] = rng.choice([0, 1, ne2[d] * 2, ne2[d] + 32, max(1, ne2[d] // 2)])
+            if rng.random() < 0.2:
+                ne2 = ne2[::-1]
+            if ne2[0] % TYPE_TRAITS[GGMLType(t)].blck_size == 0:
+                tensors[i] = [name, t, tuple(ne2), None]
+                what.append(f"shape {name} {ne2}")
+        elif op == "type":
+            t2 = rng.choice([GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
+                             GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.I32, GGMLType.TQ1_0])
+            if ne[0] % TYPE_TRAITS[t2].blck_size == 0:
+                tensors[i] = [name, t2, ne, None]
+                what.append(f"type {name} {t2.name}")
+        elif op == "extra_layer":
+            n_layer = _get(kv, keys, f"{arch}.block_count")
+            if isinstance(n_layer, (int, np.integer)) and 0 <= n_layer < 1000:
+                new = f"blk.{int(n_layer)}.attn_norm.weight"
+                if all(tt[0] != new for tt in tensors):
+                    tensors.append([new, GGMLType.F32, (ne[0],), None])
+                    what.append("extra layer tensor")
+        elif op == "nan" and GGMLType(t) == GGMLType.F32:
+            arr = np.frombuffer(bytes(raw), dtype=np.float32).copy()
+            arr[rng.randrange(len(arr))] = rng.choice([np.nan, np.inf, -np.inf])
+            tensors[i][3] = arr.view(np.uint8)
+            what.append(f"nan in {name}")
+    elif family in ("bytes", "cut"):
+        return family
+    return None
 
 
 def write_variant(src: Path, out: Path, set: dict | None = None, delete=(), retype: dict | None = None) -> Path:

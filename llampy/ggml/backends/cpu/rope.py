@@ -17,7 +17,8 @@ def _ramp(low, high, i0):
     return np.float32(1.0) - min(np.float32(1.0), max(np.float32(0.0), y))
 
 
-@njit(cache=True)
+# error_model="numpy": a zero frequency factor (a file's rope_freqs) divides to inf as in C, not ZeroDivisionError
+@njit(cache=True, error_model="numpy")
 def rope_cache(pos, n_dims, theta_scale, freq_scale, ff, has_ff, ext_factor, mscale, corr0, corr1, cos_out, sin_out):
     for t in range(pos.shape[0]):
         theta = np.float32(pos[t])
