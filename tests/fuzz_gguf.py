@@ -147,7 +147,7 @@ def mutate(src: Path, rng: random.Random) -> tuple[bytes, str]:
                                  [40, 10, 10, 4, 4, 14, 10, 4])[0]
             try:
                 byte_level = _edit(rng, family, arch, kv, keys, tensors, what) or byte_level
-            except (ValueError, TypeError, OverflowError, IndexError):
+            except (ValueError, TypeError, OverflowError, IndexError, AttributeError, KeyError):
                 what.append(f"({family} edit skipped: an earlier edit left nothing it applies to)")
         w.kv = [tuple(x) for x in kv]
         w.tensors = []
