@@ -201,9 +201,11 @@ class ChatTemplate:
 
 
 def _token_text(md: dict, key: str) -> str:
-    tokens = md.get("tokenizer.ggml.tokens") or []
+    tokens = md.get("tokenizer.ggml.tokens")
     i = md.get(key)
-    return str(tokens[int(i)]) if i is not None and 0 <= int(i) < len(tokens) else ""
+    if tokens is None or not isinstance(i, int) or isinstance(i, bool):
+        return ""
+    return str(tokens[int(i)]) if 0 <= int(i) < len(tokens) else ""
 
 
 def template_names(md: dict) -> list:
@@ -212,15 +214,23 @@ def template_names(md: dict) -> list:
     return sorted(k[len(prefix):] for k in md if k.startswith(prefix))
 
 
+def _template_source(md: dict, key: str) -> str | None:
+    """A template stored under `key`: a string, or None where the key is absent; any other type is the file's error."""
+    src = md.get(key)
+    if src is not None and not isinstance(src, str):
+        raise ChatTemplateError(f"{key} in the model file is a {type(src).__name__}, not the template's text")
+    return src
+
+
 def template_from_metadata(md: dict, override: str | None = None) -> ChatTemplate:
     """The chat template for a model's metadata: `override` (a built-in name: chatml, llama3, gemma; a name stored
     in the file; or Jinja source), else the file's template, else its tool_use template, else ChatML."""
     bos = _token_text(md, "tokenizer.ggml.bos_token_id")
     eos = _token_text(md, "tokenizer.ggml.eos_token_id")
-    tool_src = md.get("tokenizer.chat_template.tool_use")
+    tool_src = _template_source(md, "tokenizer.chat_template.tool_use")
     if override:
         if f"tokenizer.chat_template.{override}" in md:
-            name, src = override, md[f"tokenizer.chat_template.{override}"]
+            name, src = override, _template_source(md, f"tokenizer.chat_template.{override}")
         elif override in BUILTIN:
             name, src = override, BUILTIN[override]
         elif "{{" in override or "{%" in override:
@@ -229,7 +239,7 @@ def template_from_metadata(md: dict, override: str | None = None) -> ChatTemplat
             known = sorted(set(BUILTIN) | set(template_names(md)))
             raise ChatTemplateError(f"unknown chat template {override!r}: give Jinja source or one of {known}")
         return ChatTemplate(src, bos, eos, name=name)
-    src = md.get("tokenizer.chat_template")
+    src = _template_source(md, "tokenizer.chat_template")
     if src:
         tool_use = ChatTemplate(tool_src, bos, eos, name="tool_use") if tool_src else None
         return ChatTemplate(src, bos, eos, name="default", tool_use=tool_use)

@@ -138,3 +138,13 @@ def test_named_templates_tool_use_and_overrides():
     assert template_from_metadata(only_tools).name == "tool_use"     # llama.cpp prefers it over ChatML
     assert template_from_metadata({}).render(SYS_CONV[1:2]) == "<|im_start|>user\nHi<|im_end|>\n" \
                                                                 "<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("value", [[], ["{{ x }}"], 7])
+def test_template_of_another_type_in_the_file_is_the_files_error(value):
+    """A file whose tokenizer.chat_template is not a string (a fuzzed or broken converter's file) is refused by name."""
+    import numpy as np
+    md = {"tokenizer.chat_template": np.array(value) if isinstance(value, list) else value,
+          "tokenizer.ggml.tokens": ["<s>", "</s>"], "tokenizer.ggml.bos_token_id": np.uint32(0)}
+    with pytest.raises(ChatTemplateError, match="tokenizer.chat_template in the model file is a"):
+        template_from_metadata(md)
