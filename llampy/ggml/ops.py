@@ -268,6 +268,38 @@ def ssm_scan(s: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, 
     return _node(Op.SSM_SCAN, F32, (n,), [s, x, dt, A, B, C, ids])
 
 
+def _wkv_check(name: str, state: Tensor, *ts: Tensor) -> tuple[int, int, int, int]:
+    S, H, n_tokens = ts[0].ne[0], ts[0].ne[1], ts[0].ne[2]
+    n_seqs = state.ne[1]
+    for t in ts + (state,):
+        _check(t.type == F32 and t.is_contiguous(), f"{name}: contiguous F32 tensors only, not {t.shape_str()}")
+    for t in ts[1:]:
+        _check(t.ne[:3] == (S, H, n_tokens), f"{name}: {t.shape_str()} beside {ts[0].shape_str()}")
+    _check(state.nelements == S * S * H * n_seqs and n_seqs >= 1 and n_tokens % n_seqs == 0,
+           f"{name}: state {state.shape_str()} for {H} heads of {S} and {n_tokens} tokens")
+    return S, H, n_tokens, n_seqs
+
+
+# k, v, r, td: [S, H, n_tokens]  tf: [S, H]  state: [S * S * H, n_seqs]  ->  [S * H, n_tokens + S * n_seqs]: the
+# outputs, then each sequence's new state. Tokens are grouped by sequence (n_tokens / n_seqs each); per head, a
+# sequence's state st[i, j] (i: key channel, j: value channel) starts from its state row and per token
+# y[j] = sum over i of (k[i] v[j] tf[i] + st[i, j]) r[i] (in i order), then st[i, j] = st[i, j] td[i] + k[i] v[j]
+# (ggml_rwkv_wkv6).
+def rwkv_wkv6(k: Tensor, v: Tensor, r: Tensor, tf: Tensor, td: Tensor, state: Tensor) -> Tensor:
+    S, H, n_tokens, n_seqs = _wkv_check("rwkv_wkv6", state, k, v, r, td)
+    _check(tf.type == F32 and tf.is_contiguous() and tf.nelements == S * H, f"rwkv_wkv6: tf {tf.shape_str()}")
+    return _node(Op.RWKV_WKV6, F32, (S * H, n_tokens + S * n_seqs), [k, v, r, tf, td, state])
+
+
+# r, w, k, v, a, b: [S, H, n_tokens]  state: [S * S * H, n_seqs]  ->  [S * H, n_tokens + S * n_seqs], laid out as
+# rwkv_wkv6's. Per head the state st[i, j] (i: value channel, j: key channel) follows, per token,
+# sa = sum over j of a[j] st[i, j]; st[i, j] = st[i, j] w[j] + v[i] k[j] + sa b[j]; y[i] = sum over j of
+# st[i, j] r[j] (ggml_rwkv_wkv7: RWKV-7's generalised delta rule).
+def rwkv_wkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, state: Tensor) -> Tensor:
+    S, H, n_tokens, n_seqs = _wkv_check("rwkv_wkv7", state, k, r, w, v, a, b)
+    return _node(Op.RWKV_WKV7, F32, (S * H, n_tokens + S * n_seqs), [r, w, k, v, a, b, state])
+
+
 # ---------------------------------------------------------------------------------------------- copies and views
 
 # copy a into b (converting type; same number of elements); the result is a view of b

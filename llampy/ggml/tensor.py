@@ -56,6 +56,8 @@ class Op(Enum):
     FLASH_ATTN_EXT = "flash_attn_ext"
     SSM_CONV = "ssm_conv"
     SSM_SCAN = "ssm_scan"
+    RWKV_WKV6 = "rwkv_wkv6"
+    RWKV_WKV7 = "rwkv_wkv7"
     # unary (ggml keeps these under GGML_OP_UNARY; flat here)
     EXP = "exp"
     TANH = "tanh"

@@ -183,6 +183,11 @@ CASES = {
                                                           ids=[3, 1, 0], a_per_elem=False), 1e-5),
     "ssm_scan_mamba2_x_view": (lambda B: _scan(B, d_state=64, head_dim=4, n_head=4, n_group=1, n_tok=4,
                                                ids=[0, 1], a_per_elem=False, x_view=True), 1e-4),
+    # ---- RWKV: several sequences from gathered state rows, heads below and at 64 lanes
+    "rwkv_wkv6_one_token": (lambda B: _wkv(B, 6, S=16, H=3, n_seqs=2, n_seq_tokens=1), 1e-5),
+    "rwkv_wkv6_many": (lambda B: _wkv(B, 6, S=64, H=2, n_seqs=3, n_seq_tokens=4), 1e-4),
+    "rwkv_wkv7_one_token": (lambda B: _wkv(B, 7, S=16, H=3, n_seqs=2, n_seq_tokens=1), 1e-5),
+    "rwkv_wkv7_many": (lambda B: _wkv(B, 7, S=64, H=2, n_seqs=2, n_seq_tokens=5), 1e-4),
 }
 
 
@@ -201,6 +206,23 @@ def _scan(B, d_state, head_dim, n_head, n_group, n_tok, ids, a_per_elem, x_view=
     Bm = B(F32, (n_seqs, n_tok, n_group, d_state))
     Cm = B(F32, (n_seqs, n_tok, n_group, d_state))
     return ops.ssm_scan(s, x, dt, A, Bm, Cm, B(I32, (n_seqs,), np.array(ids)))
+
+
+def _wkv(B, version, S, H, n_seqs, n_seq_tokens):
+    """rwkv_wkv6/7 inputs shaped as the RWKV graphs make them: decays in (0, 1); RWKV-7's a = -kk and b = kk * iclr
+    with kk of unit length per head (its state stays bounded)."""
+    rng = np.random.default_rng(S * 10 + version)
+    T_ = n_seqs * n_seq_tokens
+    shape = (T_, H, S)
+    state = B(F32, (n_seqs, S * S * H), rng.normal(0, 0.5, (n_seqs, S * S * H)))
+    decay = B(F32, shape, rng.uniform(0.3, 1.0, shape))
+    if version == 6:
+        return ops.rwkv_wkv6(B(F32, shape), B(F32, shape), B(F32, shape), B(F32, (H, S)), decay, state)
+    kk = rng.standard_normal(shape)
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    iclr = rng.uniform(0, 1, shape)
+    return ops.rwkv_wkv7(B(F32, shape), decay, B(F32, shape), B(F32, shape), B(F32, shape, -kk),
+                         B(F32, shape, kk * iclr), state)
 
 
 def _soft_mask(rows, n):

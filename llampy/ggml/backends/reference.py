@@ -398,6 +398,45 @@ def k_ssm_scan(node, dst, srcs):
     store(dst, node.type, np.concatenate([y.reshape(-1), states.reshape(-1)]).reshape(dst.shape))
 
 
+def _wkv_inputs(node, srcs, n_tok_srcs):
+    S, H = node.src[0].ne[0], node.src[0].ne[1]
+    T_ = node.src[0].ne[2]
+    n_seqs = node.src[-1].ne[1]
+    xs = [values(srcs[i], node.src[i].type).reshape(n_seqs, T_ // n_seqs, H, S) for i in n_tok_srcs]
+    state = values(srcs[-1], node.src[-1].type).reshape(n_seqs, H, S, S)
+    return S, H, T_, n_seqs, xs, state
+
+
+def k_rwkv_wkv6(node, dst, srcs):
+    """Per sequence and head, token by token: y = r . (tf k (x) v + st); st = td * st + k (x) v (st: key x value)."""
+    S, H, T_, n_seqs, (k, v, r, td), state = _wkv_inputs(node, srcs, (0, 1, 2, 4))
+    tf = values(srcs[3], node.src[3].type).reshape(H, S)
+    y = np.empty((n_seqs, T_ // n_seqs, H, S))
+    for j in range(n_seqs):
+        st = state[j].copy()                                       # (H, S key, S value)
+        for t in range(T_ // n_seqs):
+            kv = k[j, t][:, :, None] * v[j, t][:, None, :]
+            y[j, t] = np.einsum("hi,hij->hj", r[j, t], kv * tf[:, :, None] + st)
+            st = st * td[j, t][:, :, None] + kv
+        state[j] = st
+    store(dst, node.type, np.concatenate([y.reshape(-1), state.reshape(-1)]).reshape(dst.shape))
+
+
+def k_rwkv_wkv7(node, dst, srcs):
+    """Per sequence and head, token by token: st = st * w + v (x) k + (st . a) (x) b; y = st . r (st: value x key)."""
+    S, H, T_, n_seqs, (r, w, k, v, a, b), state = _wkv_inputs(node, srcs, range(6))
+    y = np.empty((n_seqs, T_ // n_seqs, H, S))
+    for j in range(n_seqs):
+        st = state[j].copy()                                       # (H, S value, S key)
+        for t in range(T_ // n_seqs):
+            sa = np.einsum("hij,hj->hi", st, a[j, t])
+            st = st * w[j, t][:, None, :] + v[j, t][:, :, None] * k[j, t][:, None, :] \
+                + sa[:, :, None] * b[j, t][:, None, :]
+            y[j, t] = np.einsum("hij,hj->hi", st, r[j, t])
+        state[j] = st
+    store(dst, node.type, np.concatenate([y.reshape(-1), state.reshape(-1)]).reshape(dst.shape))
+
+
 # ---------------------------------------------------------------------------------------------- softmax, norms, rows
 def k_soft_max(node, dst, srcs):
     x = values(srcs[0], node.src[0].type) * param(node, "scale")
@@ -526,6 +565,7 @@ def k_top_k(node, dst, srcs):
 _TABLE = {
     Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_GLU: k_mul_mat_glu, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope,
     Op.FLASH_ATTN_EXT: k_flash_attn, Op.SSM_CONV: k_ssm_conv, Op.SSM_SCAN: k_ssm_scan,
+    Op.RWKV_WKV6: k_rwkv_wkv6, Op.RWKV_WKV7: k_rwkv_wkv7,
     Op.SOFT_MAX: k_soft_max, Op.RMS_NORM: k_rms_norm, Op.RMS_NORM_MUL: k_rms_norm_mul, Op.NORM: k_norm,
     Op.L2_NORM: k_l2_norm, Op.GET_ROWS: k_get_rows, Op.SET_ROWS: k_set_rows,
     Op.CPY: k_cpy, Op.CONT: k_cpy, Op.DUP: k_cpy, Op.CONCAT: k_concat, Op.REPEAT: k_repeat,

@@ -11,9 +11,11 @@ import numpy as np
 from ...backend import Backend, tensor_data
 from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
+from . import conv
 from . import numpy_ops as K
 from .numba_ops import BINDERS
 from .ssm import bind_ssm_conv, bind_ssm_scan
+from .wkv import bind_rwkv_wkv6, bind_rwkv_wkv7
 
 T = GGMLType
 
@@ -30,6 +32,7 @@ for _op in BINARY_OPS:
     _TABLE[_op] = K.k_binary
 for _op in UNARY_OPS:
     _TABLE[_op] = K.k_unary
+_TABLE.update({Op.IM2COL: conv.k_im2col, Op.POOL_2D: conv.k_pool_2d, Op.GELU_QUICK: conv.k_gelu_quick})
 
 
 class Plan:
@@ -60,7 +63,8 @@ class CPUBackend(Backend):
     # ------------------------------------------------------------ ops
     def supports_op(self, node: Tensor) -> bool:
         if node.op in VIEW_OPS or node.op in _TABLE or node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.MUL_MAT_GLU,
-                                                                     Op.FLASH_ATTN_EXT, Op.SSM_CONV, Op.SSM_SCAN):
+                                                                     Op.FLASH_ATTN_EXT, Op.SSM_CONV, Op.SSM_SCAN,
+                                                                     Op.RWKV_WKV6, Op.RWKV_WKV7):
             if node.op == Op.FLASH_ATTN_EXT:
                 return all(s.type in (T.F16, T.F32) or TYPE_TRAITS[s.type].is_quantized for s in node.src[1:3])
             return True
@@ -91,6 +95,10 @@ class CPUBackend(Backend):
             return bind_ssm_conv(node, dst, srcs)
         if op == Op.SSM_SCAN:
             return bind_ssm_scan(node, dst, srcs)
+        if op == Op.RWKV_WKV6:
+            return bind_rwkv_wkv6(node, dst, srcs)
+        if op == Op.RWKV_WKV7:
+            return bind_rwkv_wkv7(node, dst, srcs)
         binder = BINDERS.get(op)
         call = binder(node, dst, srcs) if binder is not None else None
         if call is not None:
