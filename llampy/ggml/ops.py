@@ -62,6 +62,7 @@ def gelu_erf(a): return _unary(Op.GELU_ERF, a)    # exact erf form
 def relu(a): return _unary(Op.RELU, a)
 def sigmoid(a): return _unary(Op.SIGMOID, a)
 def softplus(a): return _unary(Op.SOFTPLUS, a)    # log(1 + exp(x)), x itself above 20 (ggml_softplus)
+def gelu_quick(a): return _unary(Op.GELU_QUICK, a)  # x * sigmoid(1.702 x) (ggml_gelu_quick)
 
 
 # a * s + b
@@ -298,6 +299,52 @@ def rwkv_wkv6(k: Tensor, v: Tensor, r: Tensor, tf: Tensor, td: Tensor, state: Te
 def rwkv_wkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, state: Tensor) -> Tensor:
     S, H, n_tokens, n_seqs = _wkv_check("rwkv_wkv7", state, k, r, w, v, a, b)
     return _node(Op.RWKV_WKV7, F32, (S * H, n_tokens + S * n_seqs), [r, w, k, v, a, b, state])
+
+
+# ---------------------------------------------------------------------------------------------- convolution, pooling
+
+# a (the kernel, shape only): [KW, KH, IC, OC]  b: [IW, IH, IC, N]  ->  dst_type [IC * KH * KW, OW, OH, N]
+# (ggml_im2col, 2-D): each output column holds the input patch under the kernel, ordered (channel, row, column),
+# zeros where the kernel reaches into the padding; OW = (IW + 2 p0 - d0 (KW - 1) - 1) / s0 + 1, OH likewise.
+# The values are stored in dst_type: F16 (ggml_conv_2d's choice) rounds the pixels there.
+def im2col(a: Tensor, b: Tensor, s0: int, s1: int, p0: int, p1: int, d0: int, d1: int,
+           dst_type: GGMLType = GGMLType.F16) -> Tensor:
+    _check(a.ne[2] == b.ne[2], f"im2col: kernel {a.shape_str()} for {b.ne[2]} input channels")
+    _check(b.type in (F32, GGMLType.F16), "im2col: the input must be F32 or F16")
+    _check(dst_type in (F32, GGMLType.F16), "im2col: the result must be F32 or F16")
+    _check(min(s0, s1, d0, d1) > 0 and min(p0, p1) >= 0, "im2col: strides and dilations positive, padding >= 0")
+    ow = (b.ne[0] + 2 * p0 - d0 * (a.ne[0] - 1) - 1) // s0 + 1
+    oh = (b.ne[1] + 2 * p1 - d1 * (a.ne[1] - 1) - 1) // s1 + 1
+    _check(ow > 0 and oh > 0, f"im2col: kernel {a.shape_str()} larger than the input {b.shape_str()}")
+    params = dict(s0=s0, s1=s1, p0=p0, p1=p1, d0=d0, d1=d1)
+    return _node(Op.IM2COL, dst_type, (a.ne[2] * a.ne[1] * a.ne[0], ow, oh, b.ne[3]), [a, b], params)
+
+
+# a: [KW, KH, IC, OC]  b: [IW, IH, IC, N]  ->  [OW, OH, OC, N] (ggml_conv_2d): im2col to F16 (F32 for a BF16
+# kernel), then one product of the patches with the kernel rows; the F16 step rounds the input, as ggml does
+def conv_2d(a: Tensor, b: Tensor, s0: int, s1: int, p0: int, p1: int, d0: int = 1, d1: int = 1) -> Tensor:
+    im = im2col(a, b, s0, s1, p0, p1, d0, d1, F32 if a.type == GGMLType.BF16 else GGMLType.F16)
+    k = im.ne[0]
+    res = mul_mat(reshape(im, k, im.ne[3] * im.ne[2] * im.ne[1]), reshape(a, k, a.ne[3]))   # [N OH OW, OC]
+    res = reshape(res, im.ne[1], im.ne[2], im.ne[3], a.ne[3])                                    # [OW, OH, N, OC]
+    return cont(permute(res, 0, 1, 3, 2))
+
+
+POOL_MAX = 0
+POOL_AVG = 1
+
+
+# a: [IW, IH, C, N]  ->  F32 [OW, OH, C, N], OW = (IW + 2 p0 - k0) / s0 + 1 (ggml_pool_2d). AVG divides the sum of
+# the values inside the input by k0 * k1, padding included.
+def pool_2d(a: Tensor, op: int, k0: int, k1: int, s0: int, s1: int, p0: int = 0, p1: int = 0) -> Tensor:
+    _check(op in (POOL_MAX, POOL_AVG), f"pool_2d: unknown pooling {op}")
+    _check(a.type in (F32, GGMLType.F16), "pool_2d: the input must be F32 or F16")
+    _check(min(k0, k1, s0, s1) > 0 and min(p0, p1) >= 0, "pool_2d: kernel and strides positive, padding >= 0")
+    ow = (a.ne[0] + 2 * p0 - k0) // s0 + 1
+    oh = (a.ne[1] + 2 * p1 - k1) // s1 + 1
+    _check(ow > 0 and oh > 0, f"pool_2d: a {k0}x{k1} kernel over {a.shape_str()}")
+    params = dict(op=op, k0=k0, k1=k1, s0=s0, s1=s1, p0=p0, p1=p1)
+    return _node(Op.POOL_2D, F32, (ow, oh, a.ne[2], a.ne[3]), [a], params)
 
 
 # ---------------------------------------------------------------------------------------------- copies and views

@@ -56,6 +56,8 @@ class Op(Enum):
     FLASH_ATTN_EXT = "flash_attn_ext"
     SSM_CONV = "ssm_conv"
     SSM_SCAN = "ssm_scan"
+    IM2COL = "im2col"
+    POOL_2D = "pool_2d"
     RWKV_WKV6 = "rwkv_wkv6"
     RWKV_WKV7 = "rwkv_wkv7"
     # unary (ggml keeps these under GGML_OP_UNARY; flat here)
@@ -67,6 +69,7 @@ class Op(Enum):
     RELU = "relu"
     SIGMOID = "sigmoid"
     SOFTPLUS = "softplus"
+    GELU_QUICK = "gelu_quick"
     # gated linear units (GGML_OP_GLU): out = act(gate) * up
     SWIGLU = "swiglu"
     GEGLU = "geglu"
@@ -78,7 +81,7 @@ class Op(Enum):
 
 VIEW_OPS = frozenset({Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})
 UNARY_OPS = frozenset({Op.SQR, Op.SQRT, Op.EXP, Op.TANH, Op.SILU, Op.GELU, Op.GELU_ERF, Op.RELU, Op.SIGMOID,
-                       Op.SOFTPLUS})
+                       Op.SOFTPLUS, Op.GELU_QUICK})
 BINARY_OPS = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV})
 
 

@@ -97,6 +97,14 @@ CASES = {
     "argmax": (lambda B: ops.argmax(B(F32, (4, 9))), 0),
     "argsort": (lambda B: ops.argsort(B(F32, (4, 9)), ops.SORT_DESC), 0),
     "top_k": (lambda B: ops.top_k(B(F32, (4, 9)), 3), 0),
+    # ---- vision encoders: the patch convolution (pixels rounded to F16 by im2col), pooling, GELU_QUICK
+    "conv_2d_patches": (lambda B: ops.conv_2d(B(F16, (5, 3, 4, 4)), B(F32, (1, 3, 12, 16)), 4, 4, 0, 0), 1e-5),
+    "im2col_pad_dilate": (lambda B: ops.im2col(B(F16, (2, 2, 3, 3)), B(F32, (2, 2, 7, 6)), 2, 1, 1, 2, 2, 1), 0),
+    "im2col_f32": (lambda B: ops.im2col(B(F16, (1, 1, 2, 3)), B(F32, (1, 1, 5, 5)), 1, 1, 0, 0, 1, 1, F32), 0),
+    "pool_2d_avg": (lambda B: ops.pool_2d(B(F32, (2, 3, 8, 12)), ops.POOL_AVG, 4, 4, 4, 4), 1e-6),
+    "pool_2d_avg_pad": (lambda B: ops.pool_2d(B(F32, (1, 2, 7, 9)), ops.POOL_AVG, 3, 2, 2, 2, 1, 1), 1e-6),
+    "pool_2d_max": (lambda B: ops.pool_2d(B(F32, (1, 2, 7, 9)), ops.POOL_MAX, 2, 3, 2, 1, 1, 0), 0),
+    "gelu_quick": (lambda B: ops.gelu_quick(B(F32, (3, 40), np.random.default_rng(6).uniform(-9, 9, (3, 40)))), 1e-6),
     # ---- broadcasting, odd sizes, non-contiguous sources, other types
     "add_4d_bcast_odd": (lambda B: ops.add(B(F32, (2, 3, 5, 37)), B(F32, (1, 3, 1, 37))), 1e-6),
     "mul_bcast_ne0": (lambda B: ops.mul(B(F32, (3, 4, 12)), B(F32, (3, 1, 4))), 1e-6),

@@ -83,6 +83,16 @@ def gelu(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table))
 
 
+def gelu_quick(x: np.ndarray) -> np.ndarray:
+    """ggml-cpu's GELU_QUICK (GGML_GELU_QUICK_FP16): a table over F16 inputs of the float32 x * (1 / (1 + expf(-1.702
+    x))), rounded to F16."""
+    f32 = np.float32
+    h = x.astype(f32).astype(np.float16).astype(f32)
+    with np.errstate(over="ignore"):
+        e = np.exp((f32(-1.702) * h).astype(F64)).astype(f32)
+        return (h * (f32(1.0) / (f32(1.0) + e))).astype(np.float16).astype(F64)
+
+
 def gelu_erf(x: np.ndarray) -> np.ndarray:
     erf = np.vectorize(math.erf, otypes=[F64])
     return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
@@ -318,6 +328,7 @@ def k_binary(node, dst, srcs):
 _UNARY = {
     Op.SQR: lambda x: x * x, Op.SQRT: np.sqrt, Op.EXP: np.exp, Op.TANH: np.tanh, Op.SILU: silu, Op.GELU: gelu,
     Op.GELU_ERF: gelu_erf, Op.RELU: lambda x: np.maximum(x, 0.0), Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus,
+    Op.GELU_QUICK: gelu_quick,
 }
 
 
@@ -505,6 +516,47 @@ def k_set_rows(node, dst, srcs):
                 store(dst[i3, i2, row], node.type, src[i3, i2, r])
 
 
+# ------------------------------------------------------------------------------------------- convolution, pooling
+def k_im2col(node, dst, srcs):
+    """dst[n, oh, ow, (c, kh, kw)] = b[n, c, oh s1 + kh d1 - p1, ow s0 + kw d0 - p0], 0 outside the input, stored
+    in dst's type (F16: the pixels rounded to F16)."""
+    p = node.op_params
+    kw_, kh_ = node.src[0].ne[0], node.src[0].ne[1]
+    x = values(srcs[1], node.src[1].type)                           # (N, IC, IH, IW)
+    n, ic, ih, iw = x.shape
+    ow, oh = node.ne[1], node.ne[2]
+    out = np.zeros((n, oh, ow, ic, kh_, kw_))
+    for ky in range(kh_):
+        for kx in range(kw_):
+            for oy in range(oh):
+                y = oy * p["s1"] + ky * p["d1"] - p["p1"]
+                if not 0 <= y < ih:
+                    continue
+                for ox in range(ow):
+                    xx = ox * p["s0"] + kx * p["d0"] - p["p0"]
+                    if 0 <= xx < iw:
+                        out[:, oy, ox, :, ky, kx] = x[:, :, y, xx]
+    store(dst, node.type, out.reshape(dst.shape))
+
+
+def k_pool_2d(node, dst, srcs):
+    """Each output: the max, or the sum divided by k0 * k1, of the input values under the window (padding is
+    left out of the sum but counted in the divisor, as ggml does)."""
+    p = node.op_params
+    x = values(srcs[0], node.src[0].type)                           # (N, C, IH, IW)
+    ih, iw = x.shape[2], x.shape[3]
+    out = np.empty(dst.shape)
+    for oy in range(dst.shape[2]):
+        for ox in range(dst.shape[3]):
+            y0, x0 = oy * p["s1"] - p["p1"], ox * p["s0"] - p["p0"]
+            win = x[:, :, max(y0, 0):min(y0 + p["k1"], ih), max(x0, 0):min(x0 + p["k0"], iw)]
+            if p["op"] == 1:
+                out[:, :, oy, ox] = win.sum(axis=(2, 3)) / (p["k0"] * p["k1"])
+            else:
+                out[:, :, oy, ox] = win.max(axis=(2, 3)) if win.size else -np.finfo(np.float32).max
+    store(dst, node.type, out)
+
+
 # ------------------------------------------------------------------------------------------- copies, shapes, reductions
 def k_cpy(node, dst, srcs):
     """CPY, CONT, DUP: the source's elements in row-major order, written in that order into dst's shape and type
@@ -565,6 +617,7 @@ def k_top_k(node, dst, srcs):
 _TABLE = {
     Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_GLU: k_mul_mat_glu, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope,
     Op.FLASH_ATTN_EXT: k_flash_attn, Op.SSM_CONV: k_ssm_conv, Op.SSM_SCAN: k_ssm_scan,
+    Op.IM2COL: k_im2col, Op.POOL_2D: k_pool_2d,
     Op.RWKV_WKV6: k_rwkv_wkv6, Op.RWKV_WKV7: k_rwkv_wkv7,
     Op.SOFT_MAX: k_soft_max, Op.RMS_NORM: k_rms_norm, Op.RMS_NORM_MUL: k_rms_norm_mul, Op.NORM: k_norm,
     Op.L2_NORM: k_l2_norm, Op.GET_ROWS: k_get_rows, Op.SET_ROWS: k_set_rows,

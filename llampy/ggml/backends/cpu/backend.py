@@ -11,6 +11,7 @@ import numpy as np
 from ...backend import Backend, tensor_data
 from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
+from . import conv
 from . import numpy_ops as K
 from .numba_ops import BINDERS
 from .ssm import bind_ssm_conv, bind_ssm_scan
@@ -31,6 +32,7 @@ for _op in BINARY_OPS:
     _TABLE[_op] = K.k_binary
 for _op in UNARY_OPS:
     _TABLE[_op] = K.k_unary
+_TABLE.update({Op.IM2COL: conv.k_im2col, Op.POOL_2D: conv.k_pool_2d, Op.GELU_QUICK: conv.k_gelu_quick})
 
 
 class Plan:
