@@ -220,7 +220,10 @@ class Model:
         t = Tensor(GGMLType(info.type), info.ne, name=name_as or name)
         t.flags |= Flags.WEIGHT
         buft = backend.get_default_buffer_type()
-        if self.use_mmap:    # host memory wraps the file's pages; a device's buffer type uploads them
+        from_file = getattr(buft, "buffer_from_file", None)
+        if from_file is not None:    # a device that reads its own copy of the file (a remote stage): no upload
+            tensor_alloc(from_file(name, info.nbytes), t, 0)
+        elif self.use_mmap:    # host memory wraps the file's pages; a device's buffer type uploads them
             tensor_alloc(buft.buffer_from_host(info.data, BufferUsage.WEIGHTS), t, 0)
         else:
             tensor_alloc(buft.alloc_buffer(info.nbytes, BufferUsage.WEIGHTS), t, 0)
