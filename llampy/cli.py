@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser(sub)
     except ImportError:
         pass
+    from .cluster.cli import add_cluster_parser     # imports no Ray: the command says when it is missing
+    add_cluster_parser(sub)
     return ap
 
 
