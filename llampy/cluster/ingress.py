@@ -132,11 +132,10 @@ class RemoteEngine:
         n_prompt = len(req.tokens)
         why, t_break = "", None
         for attempt in range(MAX_TRIES):
-            if gen:
-                spec["generated"] = list(gen)
+            call = {**spec, "generated": list(gen)} if gen else spec
             if attempt:
                 self.failover["resumed" if gen else "resubmitted"] += 1
-            stream = self.handle.options(stream=True).generate.remote(spec)
+            stream = self.handle.options(stream=True).generate.remote(call)
             try:
                 async for items in self._items(stream, req):
                     for ev in items:
@@ -145,8 +144,8 @@ class RemoteEngine:
                         if t_break is not None and ev.token is not None:
                             self.t_resume.append(time.monotonic() - t_break)
                             t_break = None
-                        if spec.get("generated"):
-                            ev.n_prompt, ev.n_gen = n_prompt, ev.n_gen + len(spec["generated"])
+                        if call is not spec:      # counts as if it had run in one place
+                            ev.n_prompt, ev.n_gen = n_prompt, ev.n_gen + len(call["generated"])
                             ev.n_cached = min(ev.n_cached, n_prompt)
                         if ev.token is not None:
                             gen.append(ev.token)

@@ -1,0 +1,179 @@
+"""The cluster's ingress without a cluster: its routes over in-process replicas (llampy/cluster/replica.py's
+Replica, run without Ray) through a handle that breaks streams on purpose. The same 400s as one server; a broken
+stream resumes with the same text; one that cannot go on ends with an error event and [DONE]; no replica: 503 with
+Retry-After. Ray's own part (processes, nodes, Serve) is tests/cluster/test_ray_cluster.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.paths import TINY
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+MODEL = str(TINY / "llama-F32.gguf")
+N_PARALLEL, N_CTX = 2, 1024
+
+
+class Stream:
+    """A replica's stream as a Serve handle gives it; raises after ``fail_after`` items (a killed replica)."""
+
+    def __init__(self, agen, fail_after):
+        self.agen, self.fail_after, self.n = agen, fail_after, 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.fail_after is not None and self.n >= self.fail_after:
+            await self.agen.aclose()
+            raise RuntimeError("ActorDiedError: the replica was killed")
+        self.n += 1
+        return await self.agen.__anext__()
+
+    def cancel(self):
+        asyncio.ensure_future(self.agen.aclose())
+
+
+class Handle:
+    """A DeploymentHandle over in-process replicas, round robin; ``faults``: call number -> items before it
+    breaks."""
+
+    def __init__(self, replicas, faults=None):
+        self.replicas, self.faults, self.calls, self.specs = replicas, dict(faults or {}), 0, []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, spec):
+        i = self.calls
+        self.calls += 1
+        self.specs.append(spec)
+        return Stream(self.replicas[i % len(self.replicas)].generate(spec), self.faults.get(i))
+
+
+class Board:
+    def __init__(self, replicas):
+        self.replicas = replicas
+        self.read = self
+
+    async def remote(self):
+        return [r.stats() for r in self.replicas]
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    from llampy.cluster.replica import Replica
+    reps = [Replica(MODEL, N_PARALLEL, N_CTX, n_threads=1) for _ in range(2)]
+    yield reps
+    for r in reps:
+        r.engine.stop()
+
+
+def cluster_client(replicas, faults=None, live=True):
+    from llampy.cluster.ingress import ClusterServer, RemoteEngine, build_app
+    handle = Handle(replicas, faults)
+    eng = RemoteEngine(handle, Board(replicas if live else []), N_PARALLEL, N_CTX, idle_timeout=5.0)
+    server = ClusterServer(MODEL, eng)
+    c = TestClient(build_app(server))
+    c.get("/health")        # reads the board (the deployment's ingress does so every half second)
+    return c, handle, eng
+
+
+def chat(i: int, n: int = 24) -> dict:
+    return {"messages": [{"role": "user", "content": f"Tell me story number {i}."}], "max_tokens": n,
+            "temperature": 0, "stream": True}
+
+
+def sse_events(text: str) -> list:
+    return [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+
+
+def stream_text(c: TestClient, body: dict) -> tuple[str, list]:
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    evs = sse_events(r.text)
+    assert evs[-1] == "[DONE]"
+    objs = [json.loads(e) for e in evs[:-1]]
+    text = "".join(o["choices"][0]["delta"].get("content") or "" for o in objs if o.get("choices"))
+    return text, objs
+
+
+def test_same_400s_as_one_server(replicas):
+    from llampy.server.app import create_app
+    one = TestClient(create_app(replicas[0].server))
+    c, _, _ = cluster_client(replicas)
+    bodies = [("/v1/chat/completions", {"messages": "hi"}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+              ("/v1/completions", {"prompt": 5}),
+              ("/v1/completions", {"prompt": "x", "max_tokens": -3}),
+              ("/v1/completions", {"prompt": "x", "grammar": "root ::= (", "max_tokens": 2}),
+              ("/v1/completions", {"prompt": "x " * 3000})]
+    for path, body in bodies:
+        a, b = one.post(path, json=body), c.post(path, json=body)
+        assert a.status_code == 400 and b.status_code == 400, (path, body, a.text, b.text)
+        assert a.json() == b.json(), (path, body)
+    bad = c.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json() == one.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}).json()
+
+
+def test_broken_streams_resume_with_the_same_text(replicas):
+    c, _, _ = cluster_client(replicas)
+    want = [stream_text(c, chat(i))[0] for i in range(3)]
+    assert all(want)
+    # call 0 breaks before its first token (resubmitted); calls 2 and 4 after their first item (resumed)
+    c, handle, eng = cluster_client(replicas, faults={0: 0, 2: 1, 4: 1})
+    got = []
+    for i in range(3):
+        text, objs = stream_text(c, {**chat(i), "stream_options": {"include_usage": True}})
+        got.append(text)
+        assert objs[-1]["usage"]["completion_tokens"] == 24
+        assert not any("error" in o for o in objs)
+    assert got == want
+    assert eng.failover["resubmitted"] == 1 and eng.failover["resumed"] == 2 and eng.failover["failed"] == 0
+    resumed = [s for s in handle.specs if s.get("generated")]
+    assert len(resumed) == 2
+    for s in resumed:     # the resumed spec carries the tokens generated so far and the same (fixed) seed
+        assert s["p"]["seed"] == handle.specs[handle.specs.index(s) - 1]["p"]["seed"]
+
+
+def test_a_stream_that_cannot_go_on_ends_with_an_error_event(replicas):
+    from llampy.cluster.ingress import MAX_TRIES
+    c, _, eng = cluster_client(replicas, faults={i: 1 for i in range(MAX_TRIES)})
+    r = c.post("/v1/chat/completions", json=chat(0))
+    evs = sse_events(r.text)
+    assert evs[-1] == "[DONE]"
+    err = json.loads(evs[-2])
+    assert err["error"]["type"] == "unavailable_error" and "failed on" in err["error"]["message"]
+    assert eng.failover["failed"] == 1
+
+
+def test_no_replica_is_503_with_retry_after(replicas):
+    c, _, _ = cluster_client(replicas, live=False)
+    r = c.post("/v1/chat/completions", json={**chat(0), "stream": False})
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["code"] == "no_replica"
+    h = c.get("/health")
+    assert h.status_code == 503 and h.headers["retry-after"] == "2"
+
+
+def test_metrics_sum_the_replicas(replicas):
+    c, _, _ = cluster_client(replicas)
+    stream_text(c, chat(7, 4))
+    m = {ln.split()[0]: float(ln.split()[1]) for ln in c.get("/metrics").text.splitlines()
+         if ln and not ln.startswith("#")}
+    total = sum(r.engine.metrics["generated_tokens_total"] for r in replicas)
+    assert m["llampy_tokens_predicted_total"] == total > 0
+    assert m["llampy_replicas_healthy"] == 2
+    h = c.get("/health").json()
+    assert h["replicas"] == 2 and h["slots_idle"] == 2 * N_PARALLEL
