@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def deploy(model=None, **kw):
-    from .deploy import deploy as _deploy
+    from .launch import deploy as _deploy
     return _deploy(model, **kw)
 
 

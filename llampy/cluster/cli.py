@@ -53,7 +53,7 @@ def load_config(path) -> dict:
 
 
 def cmd_cluster(args) -> int:
-    from .deploy import ClusterError, RayMissing, require_ray
+    from .launch import ClusterError, RayMissing, require_ray
     try:
         require_ray()
     except RayMissing as e:

@@ -31,10 +31,11 @@ class Replica:
         self.engine = self.server.engine
         self.id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._steps, self._t_step = -1, time.monotonic()
-        self._board = None
+        self._board, self.node_id = None, ""
         if board:
             import ray
             self._board = ray.get_actor(board)
+            self.node_id = ray.get_runtime_context().get_node_id()
             self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 
     # ------------------------------------------------------------------ requests
@@ -94,7 +95,7 @@ class Replica:
     # ------------------------------------------------------------------ state
     def stats(self) -> dict:
         e = self.engine
-        return {"id": self.id, "alive": e.alive(), "busy": e.busy_slots(), "n_parallel": e.n_parallel,
+        return {"id": self.id, "pid": os.getpid(), "node_id": self.node_id, "alive": e.alive(), "busy": e.busy_slots(), "n_parallel": e.n_parallel,
                 "queue": e.queue_depth(), "kv_used": e.kv_used(), "n_ctx": e.n_ctx, "n_ctx_slot": e.n_ctx_slot,
                 "tps": e.tokens_per_second(), "metrics": dict(e.metrics), "t": time.time()}
 

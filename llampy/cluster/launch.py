@@ -1,4 +1,4 @@
-"""deploy(): the ingress and replica deployments on a Ray cluster (an existing one, or a local one for trying it
+"""deploy() (llampy.cluster.deploy): the ingress and replica deployments on a Ray cluster (an existing one, or a local one for trying it
 out), behind Serve's HTTP proxy on the head node."""
 from __future__ import annotations
 
@@ -145,7 +145,10 @@ def _deploy(path, replicas, parallel, router, pipeline, port, host, ctx_size, th
                                f"has {len(nodes)}")
     sha = file_sha256(path)
     board = f"{name}-board"
-    Board_ = ray.remote(num_cpus=0, max_restarts=-1)(Board)
+    # the board and the ingress stay on the head, beside Serve's controller and proxy: losing a worker node loses
+    # replicas only
+    head = {"node:__internal_head__": 0.001}
+    Board_ = ray.remote(num_cpus=0, max_restarts=-1, resources=head)(Board)
     try:
         ray.get_actor(board)
     except ValueError:
@@ -167,7 +170,7 @@ def _deploy(path, replicas, parallel, router, pipeline, port, host, ctx_size, th
         opts["request_router_config"] = RequestRouterConfig(request_router_class=PrefixRouter)
     replica = serve.deployment(**opts)(Replica).bind(path, parallel, ctx_size, threads, pipeline, sha, board)
     ingress_cls = serve.deployment(name="ingress", max_ongoing_requests=10000,
-                                   ray_actor_options={"num_cpus": 0})(serve.ingress()(Ingress))
+                                   ray_actor_options={"num_cpus": 0, "resources": head})(serve.ingress()(Ingress))
     app = ingress_cls.bind(path, replica, board, parallel, ctx_size, idle_timeout, api_key, alias)
     t0 = time.monotonic()
     handle = _run_within(serve, app, name, place_timeout)
@@ -176,8 +179,9 @@ def _deploy(path, replicas, parallel, router, pipeline, port, host, ctx_size, th
 
 
 def _run_within(serve, app, name: str, timeout: float):
-    """serve.run, but an application that does not come up within ``timeout`` (replicas that cannot be placed, a
-    replica whose constructor fails) is deleted and reported, not waited for."""
+    """serve.run, but an application that is not coming up (replicas that cannot be placed, a replica whose
+    constructor fails) is deleted and reported after ``timeout`` seconds, not waited for. One whose deployments are
+    all being started or healthy (a slow machine) is waited for, up to 5 x ``timeout``."""
     import threading
     out: dict = {}
 
@@ -188,18 +192,26 @@ def _run_within(serve, app, name: str, timeout: float):
             out["error"] = e
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(timeout)
+    t0, status = time.monotonic(), ""
+    while t.is_alive() and time.monotonic() - t0 < 5 * timeout:
+        t.join(1.0)
+        if not t.is_alive() or time.monotonic() - t0 < timeout:
+            continue
+        try:
+            st = serve.status().applications.get(name)
+            deps = st.deployments.items() if st is not None else ()
+        except Exception:
+            deps = ()
+        status = "; ".join(f"{d}: {s.status.value} {s.message}".strip() for d, s in deps)
+        # waiting for resources, or failing: give up; starting on a slow machine: wait on
+        if any(s.status.value in ("UNHEALTHY", "DEPLOY_FAILED") or "resources" in (s.message or "")
+               for _, s in deps):
+            break
     if "handle" in out:
         return out["handle"]
-    status = ""
-    try:
-        st = serve.status().applications.get(name)
-        if st is not None:
-            status = "; ".join(f"{d}: {s.status} {s.message}".strip() for d, s in st.deployments.items())
-    except Exception:
-        pass
     if "error" not in out:
         serve.delete(name, _blocking=False)
     err = out.get("error")
-    msg = str(err).strip().splitlines()[-1] if err is not None else f"not running after {timeout:g} s"
+    msg = str(err).strip().splitlines()[-1] if err is not None else \
+        f"not running after {time.monotonic() - t0:.0f} s"
     raise ClusterError(f"the deployment failed: {msg}" + (f" ({status})" if status and err is None else ""))

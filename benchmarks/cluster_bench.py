@@ -1,0 +1,233 @@
+"""llampy.cluster's costs on a local Ray cluster (head without CPUs + 2 worker nodes of one CPU, 127.0.0.1): the
+issue's figures, printed as one JSON object.
+
+  router_p50_ms        p50 latency of a 1-token completion through the ingress, prefix router and Serve's pow2
+  router_choose_us     the prefix router's own decision (block keys of a 2000-token prompt + the lookup), in-process
+  stream_ms_per_token  streaming cost per token: wall time between a stream's first and last token minus the
+                       engine's own generation time (llama-server's timings), over the tokens
+  resume_s             a stream's break (SIGKILL of its replica) to its next token from another replica
+  handoff_ms           one round trip actor -> stage actor on another node carrying N KB (a split's hidden state)
+  pipeline_ms_per_token  SmolLM2 decode per token, one process vs second half in a stage on another node
+
+Run as root (it makes its own loopback-only network namespace, as the tests do):
+    unshare -n sh -c 'ip link set lo up && RAY_USAGE_STATS_ENABLED=0 .venv/bin/python benchmarks/cluster_bench.py'
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TINY = Path(os.environ.get("LLAMPY_SHARED", ROOT.parent / "shared")) / "fixtures" / "tiny" / "llama-F32.gguf"
+PORT = 8000
+URL = f"http://127.0.0.1:{PORT}"
+
+
+def p50(xs):
+    return round(statistics.median(xs), 3)
+
+
+def router_latency(router: str, n: int = 60) -> float:
+    import httpx
+    from llampy.cluster import deploy
+    deploy(str(TINY), replicas=2, parallel=4, router=router, port=PORT, place_timeout=240)
+    _wait(2)
+    c = httpx.Client(timeout=60)
+    body = {"prompt": "Hello " * 40, "max_tokens": 1, "temperature": 0}
+    for _ in range(5):
+        c.post(URL + "/v1/completions", json=body)
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        assert c.post(URL + "/v1/completions", json=body).status_code == 200
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return p50(ts)
+
+
+def _wait(n: int, timeout: float = 240.0) -> None:
+    import httpx
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if httpx.get(URL + "/health", timeout=5).json().get("replicas") == n:
+                return
+        except Exception:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{n} replicas not healthy")
+
+
+def router_choose_us() -> float:
+    """The prefix router's choice for a 2000-token prompt among 4 replicas (block keys, lookup, bookkeeping)."""
+    import asyncio
+    from types import SimpleNamespace
+    from llampy.cluster.router import PrefixRouter
+    r = PrefixRouter.__new__(PrefixRouter)
+    r.initialize_state()
+    reps = [SimpleNamespace(replica_id=f"r{i}") for i in range(4)]
+    toks = list(range(2000))
+
+    async def go():
+        ts = []
+        for i in range(300):
+            pr = SimpleNamespace(args=[{"tokens": toks[:1990] + [i] * 10}],
+                                 metadata=SimpleNamespace(internal_request_id=str(i)),
+                                 routing_context=SimpleNamespace(should_backoff=False))
+            t0 = time.perf_counter()
+            ranks = await r.choose_replicas(reps, pr)
+            r.on_request_routed(pr, ranks[0][0].replica_id, None)
+            ts.append((time.perf_counter() - t0) * 1e6)
+            r.on_request_completed(ranks[0][0].replica_id, str(i))
+        return p50(ts)
+    return asyncio.run(go())
+
+
+def stream_cost(n_tok: int = 128, reps: int = 5) -> float:
+    import httpx
+    out = []
+    for i in range(reps):
+        body = {"prompt": f"Once {i}", "max_tokens": n_tok, "temperature": 0, "ignore_eos": True, "stream": True,
+                "timings_per_token": True}
+        t_first = t_last = None
+        timings = None
+        with httpx.stream("POST", URL + "/v1/completions", json=body, timeout=120) as r:
+            for ln in r.iter_lines():
+                if not ln.startswith("data: ") or ln == "data: [DONE]":
+                    continue
+                o = json.loads(ln[6:])
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                t_last = now
+                timings = o.get("timings") or timings
+        engine_ms = timings["predicted_ms"] * (timings["predicted_n"] - 1) / max(timings["predicted_n"], 1)
+        out.append(((t_last - t_first) * 1e3 - engine_ms) / (n_tok - 1))
+    return p50(out)
+
+
+def resume_seconds() -> list:
+    import httpx
+    import ray
+    board = ray.get_actor("llampy-board")
+    started = threading.Event()
+
+    def one(i):
+        body = {"prompt": f"Story {i}", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", URL + "/v1/completions", json=body, timeout=120) as r:
+            for ln in r.iter_lines():
+                if ln.startswith("data: {"):
+                    started.set()
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in ths:
+        t.start()
+    started.wait(60)
+    time.sleep(0.3)
+    os.kill(ray.get(board.read.remote())[0]["pid"], signal.SIGKILL)
+    for t in ths:
+        t.join()
+    return [round(x, 3) for x in httpx.get(URL + "/cluster/failover").json()["resume_seconds"]]
+
+
+def handoff_ms(sizes=(2, 8, 32), n: int = 200) -> dict:
+    """Round trips from an actor on one worker node to a stage executor on the other, carrying N KB each way."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class Holder:           # a stage executor's memory, without a model
+        def __init__(self):
+            import numpy as np
+            self.buf = np.zeros(1 << 20, np.uint8)
+
+        def apply(self, ops):
+            out = []
+            for op in ops:
+                if op[0] == "write":
+                    self.buf[op[2]:op[2] + len(op[3])] = memoryview(op[3])
+                elif op[0] == "read":
+                    out.append(self.buf[op[2]:op[2] + op[3]].tobytes())
+            return out
+
+    @ray.remote(num_cpus=0)
+    class Caller:
+        def run(self, holder, size, n):
+            import ray as r
+            data = bytes(size)
+            ts = []
+            for _ in range(n + 10):
+                t0 = time.perf_counter()
+                r.get(holder.apply.remote([("write", 1, 0, data), ("read", 1, 0, size)]))
+                ts.append(time.perf_counter() - t0)
+            return sorted(ts[10:])[len(ts[10:]) // 2] * 1e3
+
+    nodes = [x["NodeID"] for x in ray.nodes() if x["Alive"] and x["Resources"].get("CPU")]
+    a, b = (NodeAffinitySchedulingStrategy(nd, soft=False) for nd in nodes[:2])
+    h = Holder.options(scheduling_strategy=b).remote()
+    c = Caller.options(scheduling_strategy=a).remote()
+    return {f"{s}KB": round(ray.get(c.run.remote(h, s * 1024, n)), 3) for s in sizes}
+
+
+def pipeline_ms_per_token(n: int = 24) -> dict:
+    import numpy as np
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from llampy.cluster.stage import Stage, StageRef, file_sha256, pipeline_layers
+    from llampy.ggml.backends.remote import RemoteBackend
+    from llampy.llama.batch import Batch
+    from llampy.llama.context import Context
+    from llampy.llama.model import Model
+    from llampy.models import smollm2_path
+    path = str(smollm2_path())
+    node = next(x["NodeID"] for x in ray.nodes() if x["Alive"] and x["Resources"].get("CPU"))
+    st = ray.remote(Stage).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+    stage = st.remote(path, file_sha256(path), 1)
+    remote = RemoteBackend(StageRef(stage))
+    out = {}
+    for name, m in (("one_process", Model(path, n_threads=1)),
+                    ("pipeline_2", Model(path, devices=[remote], n_gpu_layers=pipeline_layers(path, 2),
+                                         n_threads=1))):
+        ctx = Context(m, n_ctx=256, n_batch=32, n_ubatch=32)
+        toks = m.vocab.tokenize("The capital of France is", add_special=True, parse_special=False)
+        ctx.decode(Batch.from_tokens(toks, 0, 0))
+        t = int(np.argmax(ctx.get_logits_ith(-1)))
+        ts = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            ctx.decode(Batch.from_tokens([t], len(toks) + i, 0))
+            t = int(np.argmax(ctx.get_logits_ith(-1)))
+            ts.append((time.perf_counter() - t0) * 1e3)
+        out[name] = p50(ts[4:])
+    out["round_trips_per_token"] = 1
+    return out
+
+
+def main() -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from llampy.cluster.launch import start_local
+    t0 = time.monotonic()
+    c = start_local(2)
+    res = {"cluster_start_s": round(time.monotonic() - t0, 1)}
+    res["handoff_ms"] = handoff_ms()
+    res["router_p50_ms"] = {"pow2": router_latency("pow2"), "prefix": router_latency("prefix")}
+    res["router_choose_us"] = router_choose_us()
+    res["stream_ms_per_token"] = stream_cost()
+    res["resume_s"] = resume_seconds()
+    from ray import serve
+    serve.delete("llampy")
+    res["pipeline_ms_per_token"] = pipeline_ms_per_token()
+    print(json.dumps(res, indent=1), flush=True)
+    import ray
+    serve.shutdown()
+    ray.shutdown()
+    c.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""llampy.cluster on a real local Ray cluster: a head with no CPUs (Serve's controller and proxy, the ingress) and two
+worker nodes of one CPU, all on 127.0.0.1, inside a loopback-only network namespace (conftest.py). One cluster for
+the module; the tiny llama model where the model's quality is not the point, SmolLM2 for the pipeline's fidelity.
+
+Routing: 8 conversations x 6 turns with long system prompts over 2 replicas x 4 slots, the prefix router's cache hit
+rate (cached / prompt tokens, from /metrics) against the power-of-two router's. Failover: 24 greedy streams at
+concurrency 4, one replica SIGKILLed mid-stream, then a worker node removed: every stream completes, no error
+event, texts as in a run without faults. Pipeline: SmolLM2's second half and head in a stage actor on another node,
+greedy tokens and logits equal to one process's with 1 and 2 sequences."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from tests.paths import LLAMACPP, TINY
+
+pytestmark = pytest.mark.ray
+INNER = os.environ.get("LLAMPY_RAY_NETNS") == "1"
+MODEL = str(TINY / "llama-F32.gguf")
+PORT = 8000             # the namespace's own loopback: no other test can hold it
+URL = f"http://127.0.0.1:{PORT}"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not INNER:       # the outer run only reports the namespace's results (conftest.py)
+        yield None
+        return
+    import ray
+    from ray import serve
+    from llampy.cluster.launch import start_local
+    c = start_local(2)
+    yield c
+    serve.shutdown()
+    ray.shutdown()
+    c.shutdown()
+
+
+def wait_replicas(n: int, timeout: float = 90.0) -> dict:
+    import httpx
+    t0, h = time.monotonic(), {}
+    while time.monotonic() - t0 < timeout:
+        try:
+            h = httpx.get(URL + "/health", timeout=5).json()
+            if h.get("replicas") == n:
+                return h
+        except Exception:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{n} replicas were not healthy within {timeout} s: {h}")
+
+
+def deploy_tiny(router: str):
+    from llampy.cluster import deploy
+    d = deploy(MODEL, replicas=2, parallel=4, ctx_size=4096, router=router, port=PORT, idle_timeout=5,
+               place_timeout=240)
+    wait_replicas(2)
+    return d
+
+
+@pytest.fixture(scope="module")
+def app(cluster):
+    if cluster is None:
+        yield None
+        return
+    yield deploy_tiny("prefix")
+
+
+def metrics() -> dict:
+    import httpx
+    out = {}
+    for ln in httpx.get(URL + "/metrics", timeout=10).text.splitlines():
+        if ln and not ln.startswith("#"):
+            k, v = ln.split()
+            out[k] = float(v)
+    return out
+
+
+def post(body: dict, stream: bool = False):
+    import httpx
+    r = httpx.post(URL + "/v1/chat/completions", json={**body, "stream": stream}, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]["message"]["content"]
+    evs = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    return evs
+
+
+# ---------------------------------------------------------------------------------------------------- routing
+def conversations(seed: int, n: int = 8) -> list:
+    rng = random.Random(seed)
+    words = "river stone cloud engine garden silver market window letter candle harbor forest paper".split()
+    return [[{"role": "system", "content": " ".join(rng.choice(words) for _ in range(220))}] for _ in range(n)]
+
+
+def run_conversations(seed: int, turns: int = 6) -> float:
+    """The cache hit rate of the conversations' prompts: cached / (cached + decoded) prompt tokens."""
+    before = metrics()
+    convs = conversations(seed)
+
+    def turn(conv, t):
+        conv.append({"role": "user", "content": f"Question {t}: what comes next?"})
+        reply = post({"messages": conv, "max_tokens": 6, "temperature": 0})
+        conv.append({"role": "assistant", "content": reply})
+
+    with ThreadPoolExecutor(len(convs)) as ex:
+        for t in range(turns):
+            list(ex.map(lambda c: turn(c, t), convs))
+    after = metrics()
+    cached = after["llampy_prompt_tokens_cached_total"] - before["llampy_prompt_tokens_cached_total"]
+    decoded = after["llampy_prompt_tokens_total"] - before["llampy_prompt_tokens_total"]
+    return cached / (cached + decoded)
+
+
+def test_prefix_router_hit_rate_beats_pow2(app):
+    hit_prefix = run_conversations(seed=1)
+    m = metrics()
+    assert m["llampy_router_routed_total"] >= 48 and m["llampy_router_prefix_hits_total"] >= 40
+    deploy_tiny("pow2")             # the same application, now with Serve's default router
+    hit_pow2 = run_conversations(seed=2)
+    print(f"cache hit rate: prefix {hit_prefix:.3f}, pow2 {hit_pow2:.3f}")
+    assert hit_prefix >= 0.5
+    assert hit_prefix >= 3 * hit_pow2
+
+
+# ---------------------------------------------------------------------------------------------------- failover
+def streams(n: int = 24, conc: int = 4, fault=None) -> list:
+    """n greedy streams at concurrency conc; ``fault()`` is called once, when the 6th stream is under way."""
+    started = threading.Event()
+
+    def one(i):
+        import httpx
+        body = {"messages": [{"role": "user", "content": f"Write line {i} of a long poem."}], "max_tokens": 48,
+                "temperature": 0, "stream": True}
+        text, errors, done = "", 0, False
+        with httpx.stream("POST", URL + "/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for ln in r.iter_lines():
+                if not ln.startswith("data: "):
+                    continue
+                if ln == "data: [DONE]":
+                    done = True
+                    break
+                o = json.loads(ln[6:])
+                if "error" in o:
+                    errors += 1
+                    continue
+                text += o["choices"][0]["delta"].get("content") or ""
+                if i == 5 and len(text) > 8:
+                    started.set()
+        return text, errors, done
+
+    out = []
+    with ThreadPoolExecutor(conc) as ex:
+        futs = [ex.submit(one, i) for i in range(n)]
+        if fault is not None:
+            assert started.wait(120)
+            fault()
+        out = [f.result() for f in futs]
+    return out
+
+
+def replica_rows() -> list:
+    import ray
+    return ray.get(ray.get_actor("llampy-board").read.remote())
+
+
+def test_failover_kill_replica_then_lose_node(app, cluster):
+    import httpx
+    want = streams()
+    assert all(done and not err and text for text, err, done in want)
+
+    def kill():
+        os.kill(replica_rows()[0]["pid"], signal.SIGKILL)
+    got = streams(fault=kill)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert all(done and not err for _, err, done in got)
+    fo = httpx.get(URL + "/cluster/failover").json()
+    assert fo["resumed"] + fo["resubmitted"] >= 1 and fo["failed"] == 0
+    assert max(fo["resume_seconds"]) <= 5 + 2       # within the idle timeout + 2 s
+
+    wait_replicas(2)                # Serve replaced the killed replica
+
+    def lose_node():
+        node_id = replica_rows()[0]["node_id"]
+        node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+        cluster.remove_node(node, allow_graceful=False)
+    got = streams(fault=lose_node)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert all(done and not err for _, err, done in got)
+    assert httpx.get(URL + "/cluster/failover").json()["failed"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------- pipeline
+def test_pipeline_stage_on_another_node_equals_one_process(cluster, smollm2_path):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from llampy.cluster.stage import Stage, StageRef, file_sha256, pipeline_layers
+    from llampy.ggml.backends.remote import RemoteBackend
+    from llampy.llama.batch import Batch
+    from llampy.llama.context import Context
+    from llampy.llama.model import Model
+    path = str(smollm2_path)
+    me = ray.get_runtime_context().get_node_id()
+    other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != me)
+    on_other = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(other, soft=False)}
+    cls = ray.remote(Stage)
+    stage = cls.options(**on_other).remote(path, file_sha256(path), 1)
+    assert ray.get(stage.node.remote()) and ray.get(stage.ping.remote())
+    remote = RemoteBackend(StageRef(stage))
+    split = Model(path, devices=[remote], n_gpu_layers=pipeline_layers(path, 2), n_threads=1)
+    one = Model(path, n_threads=1)
+    n_layer = one.hparams.n_layer
+    assert split.layer_backend[n_layer // 2 - 1] is split.cpu and split.layer_backend[n_layer // 2] is remote
+    assert split.layer_backend[n_layer] is remote           # the head too
+    prompts = [g["prompt_ids"] for g in json.loads((LLAMACPP / "smollm2-135m-q4_1.json").read_text())["greedy"][:2]]
+
+    def greedy(model, seqs, n=8):
+        ctx = Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=len(seqs))
+        toks, logits = [[] for _ in seqs], [[] for _ in seqs]
+        for s, p in enumerate(seqs):
+            ctx.decode(Batch.from_tokens(p, 0, s))
+            logits[s].append(np.array(ctx.get_logits_ith(-1)))
+            toks[s].append(int(logits[s][-1].argmax()))
+        for step in range(n - 1):       # the sequences decoded together, one token each per step
+            b = Batch.empty()
+            for s, (t, p) in enumerate(zip(toks, seqs)):
+                b.add(t[-1], len(p) + step, s, True)
+            ctx.decode(b)
+            for s in range(len(seqs)):
+                logits[s].append(np.array(ctx.get_logits_ith(s)))
+                toks[s].append(int(logits[s][-1].argmax()))
+        return toks, [np.array(lg) for lg in logits]
+
+    for seqs in ([prompts[0]], prompts):       # 1 and 2 sequences (slots)
+        t_one, l_one = greedy(one, seqs)
+        calls0, bytes0 = remote.n_calls, remote.bytes_sent
+        t_split, l_split = greedy(split, seqs)
+        assert t_split == t_one
+        for a, b in zip(l_split, l_one):
+            np.testing.assert_array_equal(a, b)
+        assert remote.n_calls - calls0 == len(seqs) + 7     # one round trip per decode
+        assert remote.bytes_sent - bytes0 < 1 << 20      # hidden states and inputs, never weights
+
+    # a stage whose copy of the model is another file, or missing: the error names the node and the path
+    with pytest.raises(ray.exceptions.RayActorError, match=f"node .*: {path} has another sha256"):
+        ray.get(cls.options(**on_other).remote(path, "0" * 64, 1).ping.remote())
+    with pytest.raises(ray.exceptions.RayActorError, match="node .*: the model file /nonexistent.gguf is missing"):
+        ray.get(cls.options(**on_other).remote("/nonexistent.gguf", None, 1).ping.remote())
