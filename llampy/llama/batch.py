@@ -12,6 +12,9 @@ class Batch:
     pos: np.ndarray               # int32 [n]
     seq_id: list                  # per token: a tuple of sequence ids (usually one)
     logits: np.ndarray            # bool [n]: return logits (or embeddings) for this position
+    # float32 [n, n_embd]: input embeddings in place of the tokens (an image's chunk; llama_batch.embd), the
+    # tokens then only placeholders
+    embd: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -30,6 +33,14 @@ class Batch:
         return cls(t, np.arange(pos0, pos0 + n, dtype=np.int32), [(seq_id,)] * n, want)
 
     @classmethod
+    def from_embd(cls, embd, pos0: int = 0, seq_id: int = 0, pos=None) -> "Batch":
+        """Rows of input embeddings of one sequence at positions pos0, pos0+1, ... (or ``pos``), no outputs."""
+        e = np.ascontiguousarray(embd, dtype=np.float32)
+        n = len(e)
+        p = np.arange(pos0, pos0 + n, dtype=np.int32) if pos is None else np.asarray(pos, np.int32)
+        return cls(np.zeros(n, np.int32), p, [(seq_id,)] * n, np.zeros(n, bool), e)
+
+    @classmethod
     def empty(cls) -> "Batch":
         return cls(np.zeros(0, np.int32), np.zeros(0, np.int32), [], np.zeros(0, bool))
 
@@ -40,7 +51,8 @@ class Batch:
         self.logits = np.append(self.logits, bool(logits))
 
     def slice(self, i0: int, i1: int) -> "Batch":
-        return Batch(self.tokens[i0:i1], self.pos[i0:i1], self.seq_id[i0:i1], self.logits[i0:i1])
+        return Batch(self.tokens[i0:i1], self.pos[i0:i1], self.seq_id[i0:i1], self.logits[i0:i1],
+                     None if self.embd is None else self.embd[i0:i1])
 
     def validate(self, n_vocab: int, n_seq_max: int) -> None:
         n = len(self.tokens)

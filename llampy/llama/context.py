@@ -87,6 +87,11 @@ class Context:
         self._seq_embd: dict[int, np.ndarray] = {}
         self._shift_graph = None
         self.loras: list = []                 # (LoraAdapter, scale) pairs applied by every graph (set_loras)
+        # False: a token also sees the later cells of its sequence (llama_set_causal_attn; gemma3's image chunks)
+        self.causal_attn = True
+
+    def set_causal_attn(self, causal: bool) -> None:
+        self.causal_attn = bool(causal)
 
     def set_loras(self, loras) -> None:
         """The LoRA adapters applied from the next decode on, as (LoraAdapter, scale) pairs (llama.cpp's
@@ -104,14 +109,14 @@ class Context:
         return self.model.hparams.n_vocab
 
     # ------------------------------------------------------------------ graphs
-    def _graph(self, n_tokens: int, n_outputs: int, n_kv: int):
-        key = (n_tokens, n_outputs, n_kv, self.kv.n_seqs())
+    def _graph(self, n_tokens: int, n_outputs: int, n_kv: int, embd_input: bool = False):
+        key = (n_tokens, n_outputs, n_kv, self.kv.n_seqs()) + (("embd",) if embd_input else ())
         gc = self._graphs.get(key)
         if gc is not None:
             self._graphs.move_to_end(key)
             return gc
         gc = build_graph(self.model, self.kv, n_tokens, n_outputs, n_kv, self.embeddings, self.pooling,
-                         loras=self.loras)
+                         loras=self.loras, embd_input=embd_input)
         self.n_graph_builds += 1
         # Graphs live long and hold most of the process's Python objects (a server's ~15 graphs: every full
         # collection walked them, 70-140 ms in the middle of a decode step). With the process tuning installed they
@@ -152,6 +157,13 @@ class Context:
             batch.validate(self.n_vocab, self.n_seq_max)
         except ValueError as e:
             raise ContextError(f"decode: {e}") from None
+        if batch.embd is not None and batch.embd.shape != (n, self.model.hparams.n_embd):
+            raise ContextError(f"decode: embeddings of shape {tuple(batch.embd.shape)} for {n} tokens of width "
+                               f"{self.model.hparams.n_embd}")
+        if not self.causal_attn and n > self.n_ubatch:
+            # every token must see the whole batch: llama.cpp refuses the same
+            raise ContextError(f"decode: non-causal attention needs the batch's {n} tokens in one micro-batch, "
+                               f"but n_ubatch is {self.n_ubatch}")
         try:
             if self.uses_cache:
                 self.kv.check_room(batch.seq_id)
@@ -175,7 +187,8 @@ class Context:
         except ValueError as e:
             raise ContextError(f"decode: {e}") from None
         for idx in ubatches:
-            ub = Batch(batch.tokens[idx], batch.pos[idx], [batch.seq_id[i] for i in idx], batch.logits[idx])
+            ub = Batch(batch.tokens[idx], batch.pos[idx], [batch.seq_id[i] for i in idx], batch.logits[idx],
+                       None if batch.embd is None else batch.embd[idx])
             out_idx = np.flatnonzero(want[idx])
             res = self._decode_ubatch(ub, out_idx)
             rows = rank[idx[out_idx]]
@@ -204,10 +217,13 @@ class Context:
             n_kv = self._n_kv(n)
         else:
             n_kv = n
-        gc = self._graph(n, max(n_outputs, 1), n_kv)
+        gc = self._graph(n, max(n_outputs, 1), n_kv, ub.embd is not None)
         self.sched.alloc_graph(gc.graph)
         inp = gc.inputs
-        tensor_set(inp["tokens"], ub.tokens)
+        if ub.embd is not None:
+            tensor_set(inp["embd"], ub.embd)
+        else:
+            tensor_set(inp["tokens"], ub.tokens)
         if "pos" in inp:
             tensor_set(inp["pos"], ub.pos)
         if "kv_idxs" in inp:
@@ -216,10 +232,12 @@ class Context:
             tensor_set(inp[key], fill(ub))
         for key, value in self.kv.input_values().items():
             tensor_set(inp[key], value)
+        causal = {} if self.causal_attn else {"causal": False}
         if "kq_mask" in inp:
-            tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id))
+            tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id, **causal))
         if "kq_mask_swa" in inp:
-            tensor_set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa))
+            tensor_set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa,
+                                                        **causal))
         if "out_ids" in inp:
             tensor_set(inp["out_ids"], (out_idx if n_outputs else np.array([n - 1])).astype(np.int32))
         self.sched.graph_compute(gc.graph)

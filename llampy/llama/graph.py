@@ -18,8 +18,10 @@ class GraphContext:
     attention over ``n_kv`` cache cells. Inputs are tensors set before each run (``inputs``)."""
 
     def __init__(self, model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False,
-                 pooling: str = "none", *, loras=()):
+                 pooling: str = "none", *, loras=(), embd_input: bool = False):
         self.model = model
+        # the micro-batch brings embeddings, not token ids (an image chunk): inp_embd is then an input of rows
+        self.embd_input = embd_input
         self.hp = model.hparams
         self.kv = kv
         self.n_tokens = n_tokens
@@ -49,6 +51,8 @@ class GraphContext:
     # ------------------------------------------------------------------ inputs
     # -> [n_embd, n_tokens]
     def inp_embd(self, tok_embd: Tensor) -> Tensor:
+        if self.embd_input:
+            return self.cb(self._input("embd", F32, tok_embd.ne[0], self.n_tokens), "inp_embd")
         tokens = self._input("tokens", I32, self.n_tokens)
         cur = ops.get_rows(tok_embd, tokens)
         for ad, scale in self.loras:      # the embedding's pair is flipped: A's rows are indexed by token
@@ -283,7 +287,7 @@ class GraphContext:
 
 
 def build_graph(model, kv, n_tokens: int, n_outputs: int, n_kv: int, embeddings: bool = False,
-                pooling: str = "none", *, loras=()) -> GraphContext:
-    g = GraphContext(model, kv, n_tokens, n_outputs, n_kv, embeddings, pooling, loras=loras)
+                pooling: str = "none", *, loras=(), embd_input: bool = False) -> GraphContext:
+    g = GraphContext(model, kv, n_tokens, n_outputs, n_kv, embeddings, pooling, loras=loras, embd_input=embd_input)
     model.arch.build_graph(model, g)
     return g

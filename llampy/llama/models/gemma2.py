@@ -38,7 +38,9 @@ def load_tensors(model, ld, qk_norm: bool = False):
 
 def build_graph(model, g, qk_norm: bool = False):
     hp = model.hparams
-    inpL = g.cb(ops.scale(g.inp_embd(model.tok_embd), math.sqrt(hp.n_embd)), "inp_scaled")
+    # gemma3 scales token embeddings only: an image's embeddings enter as they are (llama.cpp's gemma3.cpp)
+    scale = 1.0 if qk_norm and g.embd_input else math.sqrt(hp.n_embd)
+    inpL = g.cb(ops.scale(g.inp_embd(model.tok_embd), scale), "inp_scaled")
     pos = g.inp_pos()
     out_ids = g.inp_out_ids()
     for il, layer in enumerate(model.layers):

@@ -36,7 +36,7 @@ import os
 import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
-from . import dot_blocks, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
+from . import dot_blocks, dot_f16_tiny, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
 from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
 from .dot_q32 import F16_TABLE, ROWS16_MIN_N
 from .simd import ROWS16
@@ -78,6 +78,9 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     if n == 0 or rows == 0:
         return
     limit = DECODE_MAX_ROWS if exact_max_rows is None else exact_max_rows
+    if wtype == T.F16 and n <= limit and dot_f16_tiny.applies(rows, k, n) and _rows_ok(w, x, out):
+        _mul_mat_f16_tiny(w, x, out)                     # ggml's tinyBLAS order (dot_f16_tiny)
+        return
     if wtype in dot_blocks.TYPES and n <= limit and dot_blocks.use_kernel(wtype, n, rows) and _rows_ok(w, x, out):
         dot_blocks.mul_mat(w, wtype, x, out, scratch)    # the formats of the block table (dot_blocks)
         return
@@ -180,6 +183,14 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
     """``bind_mul_mat`` for the formats of the block table (``dot_blocks``): their kernel where it applies, else
     None (``mul_mat``'s BLAS path for prompts)."""
     n, k = x.shape
+    if wtype == T.F16 and dot_f16_tiny.applies(w.shape[0], k, n) and _rows_ok(w, x, out) \
+            and out.shape == (n, w.shape[0]):
+        def run_tiny():
+            limit = limit_fn()
+            if n > (DECODE_MAX_ROWS if limit is None else limit):
+                return mul_mat(w, wtype, x, out, limit)
+            _mul_mat_f16_tiny(w, x, out)
+        return run_tiny
     if n == 0 or w.shape[0] == 0 or not dot_blocks.use_kernel(wtype, n, w.shape[0]) or not _rows_ok(w, x, out):
         return None
     if out.shape != (n, w.shape[0]):
@@ -193,6 +204,13 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
             return mul_mat(w, wtype, x, out, limit)
         dot_blocks.mul_mat(w, wtype, x, out, scratch, quantized)
     return run
+
+
+def _mul_mat_f16_tiny(w, x, out) -> None:
+    """F16 weights against 2 or more activation rows (rows % 4 == 0, k % 8 == 0): x rounded to F16, then
+    llamafile's tinyBLAS order, as ggml-cpu computes them."""
+    xr = x.astype(np.float16).astype(np.float32)
+    dot_f16_tiny.mul_mat_f16(w, xr, out)
 
 
 def act_scratch(n: int, k: int, wtype: GGMLType):

@@ -1,0 +1,89 @@
+"""F16 weight products in llamafile's tinyBLAS order, which ggml-cpu takes for F16 weights (after rounding the
+activations to F16) whenever a batch has 2 or more rows, the weight rows are a multiple of 4 and k a multiple of 8
+(``llamafile_sgemm``, AVX2 build: ``tinyBLAS<8, __m256, __m256, ggml_fp16_t, ggml_fp16_t, float>``).
+
+Per (weight row, activation row) pair: one f32x8 accumulator over k in steps of 8, ``acc = fma(w, x, acc)``, then
+``hsum``: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3)). The pairs are independent, so the kernel computes 4
+weight rows x 3 activation rows at a time (twelve accumulators: the FMA chains overlap) without changing a bit.
+
+    mul_mat_f16(w_bits uint16 [rows, k], xr float32 [n, k] (F16 values), out float32 [n, rows])
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .dot_blocks import f32x8_fmav, f32x8_ld
+from .simd import f32x8_hsum, f32x8_zero
+
+RB = 4          # weight rows per tile
+CB = 3          # activation rows per tile
+N_BLOCK = 48    # activation rows a thread takes at once (its x rows stay in cache over the weight rows)
+
+
+def applies(rows: int, k: int, n: int) -> bool:
+    """Whether ggml-cpu runs this product through tinyBLAS (else ggml_vec_dot_f16)."""
+    return n >= 2 and rows % 4 == 0 and k % 8 == 0
+
+
+@njit(cache=True, inline="always")
+def _dot1(w, r, x, i, k):
+    acc = f32x8_zero()
+    for l in range(0, k, 8):
+        acc = f32x8_fmav(f32x8_ld(w[r], l, False), f32x8_ld(x[i], l, False), acc)
+    return f32x8_hsum(acc)
+
+
+@njit(cache=True, inline="always")
+def _tile(w, r, x, i, k, out):
+    a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = a30 = a31 = a32 = f32x8_zero()
+    w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+    x0, x1, x2 = x[i], x[i + 1], x[i + 2]
+    for l in range(0, k, 8):
+        v0 = f32x8_ld(x0, l, False)
+        v1 = f32x8_ld(x1, l, False)
+        v2 = f32x8_ld(x2, l, False)
+        u = f32x8_ld(w0, l, False)
+        a00 = f32x8_fmav(u, v0, a00)
+        a01 = f32x8_fmav(u, v1, a01)
+        a02 = f32x8_fmav(u, v2, a02)
+        u = f32x8_ld(w1, l, False)
+        a10 = f32x8_fmav(u, v0, a10)
+        a11 = f32x8_fmav(u, v1, a11)
+        a12 = f32x8_fmav(u, v2, a12)
+        u = f32x8_ld(w2, l, False)
+        a20 = f32x8_fmav(u, v0, a20)
+        a21 = f32x8_fmav(u, v1, a21)
+        a22 = f32x8_fmav(u, v2, a22)
+        u = f32x8_ld(w3, l, False)
+        a30 = f32x8_fmav(u, v0, a30)
+        a31 = f32x8_fmav(u, v1, a31)
+        a32 = f32x8_fmav(u, v2, a32)
+    out[i, r], out[i + 1, r], out[i + 2, r] = f32x8_hsum(a00), f32x8_hsum(a01), f32x8_hsum(a02)
+    out[i, r + 1], out[i + 1, r + 1], out[i + 2, r + 1] = f32x8_hsum(a10), f32x8_hsum(a11), f32x8_hsum(a12)
+    out[i, r + 2], out[i + 1, r + 2], out[i + 2, r + 2] = f32x8_hsum(a20), f32x8_hsum(a21), f32x8_hsum(a22)
+    out[i, r + 3], out[i + 1, r + 3], out[i + 2, r + 3] = f32x8_hsum(a30), f32x8_hsum(a31), f32x8_hsum(a32)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mm(w, x, out):
+    rows, k = w.shape
+    n = x.shape[0]
+    n_blocks = (n + N_BLOCK - 1) // N_BLOCK
+    for b in prange(n_blocks):
+        i0 = b * N_BLOCK
+        i1 = min(n, i0 + N_BLOCK)
+        i_full = i0 + (i1 - i0) // CB * CB
+        for r in range(0, rows - rows % RB, RB):
+            for i in range(i0, i_full, CB):
+                _tile(w, r, x, i, k, out)
+            for i in range(i_full, i1):
+                for rr in range(r, r + RB):
+                    out[i, rr] = _dot1(w, rr, x, i, k)
+        for rr in range(rows - rows % RB, rows):
+            for i in range(i0, i1):
+                out[i, rr] = _dot1(w, rr, x, i, k)
+
+
+def mul_mat_f16(w: np.ndarray, xr: np.ndarray, out: np.ndarray) -> None:
+    _mm(w.view(np.uint16), xr, out)

@@ -1,0 +1,185 @@
+"""Prompts with images (llama.cpp's libmtmd): the text split on the media marker into chunks of tokens and images,
+each image encoded by the projector (cached by a hash of its bytes) and decoded into the language model's cache as
+a batch of embeddings between the model's begin/end-of-image text.
+
+    mctx = MtmdContext("mmproj.gguf", model)
+    chunks = mctx.tokenize("Describe <__media__> briefly.", [bitmap_from_file("cat.png")])
+    n_past = mctx.eval_chunks(ctx, chunks, n_past=0, seq_id=0)      # logits of the last token are ready
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..llama.batch import Batch
+from ..llama.context import CacheFull, ContextError
+from .clip import Projector, ProjectorError
+from .images import Bitmap, ImageError, preprocess
+from .vision import Encoder
+
+DEFAULT_MEDIA_MARKER = "<__media__>"
+
+
+class MediaError(ValueError):
+    """A prompt's images and markers do not fit together, or an image cannot go into the batch."""
+
+
+@dataclass
+class Chunk:
+    """A run of text tokens, or one image: ``n_tokens`` positions either way (llama.cpp's mtmd_input_chunk)."""
+    type: str                                   # "text" | "image"
+    tokens: list = field(default_factory=list)  # text tokens
+    bitmap: Bitmap | None = None
+    n_tokens: int = 0
+
+    @property
+    def id(self) -> str | None:
+        return self.bitmap.id if self.bitmap is not None else None
+
+
+# the text around an image chunk, per projector type (mtmd_context's img_beg / img_end)
+_WRAP = {"gemma3": ("<start_of_image>", "<end_of_image>")}
+# image chunks whose tokens attend to each other both ways (mtmd_decode_use_non_causal)
+_NON_CAUSAL = frozenset({"gemma3"})
+
+
+class MtmdContext:
+    def __init__(self, mmproj_path, model, n_threads: int | None = None, media_marker: str = DEFAULT_MEDIA_MARKER,
+                 cache_images: int = 32):
+        self.model = model
+        self.proj = Projector(mmproj_path, n_threads=n_threads)
+        try:
+            self.proj.check_text_model(model.hparams.n_embd)
+            if self.proj.hparams.proj_type not in _WRAP:
+                raise ProjectorError(f"projector type {self.proj.hparams.proj_type}: image input is not "
+                                     f"implemented yet (its preprocessing and chunk layout)")
+        except ProjectorError:
+            self.proj.close()
+            raise
+        self.encoder = Encoder(self.proj)
+        self.media_marker = media_marker
+        self.img_beg, self.img_end = _WRAP[self.proj.hparams.proj_type]
+        self.non_causal = self.proj.hparams.proj_type in _NON_CAUSAL
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.cache_images = cache_images
+        self.n_encoded = 0                      # images run through the encoder (cache misses)
+
+    @property
+    def vision(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ prompt -> chunks
+    def tokenize(self, text: str, bitmaps: list, add_special: bool = True, parse_special: bool = True) -> list:
+        """mtmd_tokenize: the text split on the marker, each marker replaced by the next image; the number of
+        markers must equal the number of images. BOS (where the vocabulary adds one) starts the first chunk."""
+        parts = text.split(self.media_marker)
+        n_markers = len(parts) - 1
+        if n_markers != len(bitmaps):
+            raise MediaError(f"number of media markers in text ({n_markers}) does not match number of images "
+                             f"({len(bitmaps)}); put one {self.media_marker} where each image goes")
+        vocab = self.model.vocab
+        chunks: list[Chunk] = []
+
+        def add_text(s: str):
+            toks = vocab.tokenize(s, add_special=False, parse_special=parse_special) if s else []
+            if not toks:
+                return
+            if chunks and chunks[-1].type == "text":
+                chunks[-1].tokens.extend(toks)
+                chunks[-1].n_tokens = len(chunks[-1].tokens)
+            else:
+                chunks.append(Chunk("text", list(toks), n_tokens=len(toks)))
+
+        for i, part in enumerate(parts):
+            add_text(part)
+            if i < n_markers:
+                bm = bitmaps[i]
+                add_text(self.img_beg)
+                chunks.append(Chunk("image", bitmap=bm, n_tokens=self._n_image_tokens(bm)))
+                add_text(self.img_end)
+        if add_special and vocab.add_bos and vocab.bos is not None:
+            if chunks and chunks[0].type == "text":
+                chunks[0].tokens.insert(0, vocab.bos)
+                chunks[0].n_tokens += 1
+            else:
+                chunks.insert(0, Chunk("text", [vocab.bos], n_tokens=1))
+        if add_special and vocab.add_eos and vocab.eos is not None:
+            add_text_ids = [vocab.eos]
+            if chunks and chunks[-1].type == "text":
+                chunks[-1].tokens.extend(add_text_ids)
+                chunks[-1].n_tokens += 1
+            else:
+                chunks.append(Chunk("text", add_text_ids, n_tokens=1))
+        return chunks
+
+    def _n_image_tokens(self, bm: Bitmap) -> int:
+        hp = self.proj.hparams
+        return self.proj.n_image_tokens(hp.image_size, hp.image_size)
+
+    # ------------------------------------------------------------------ images -> embeddings
+    def encode(self, bitmap: Bitmap) -> np.ndarray:
+        """The image's embeddings [n_tokens, n_embd], from the cache when these bytes were encoded before."""
+        hit = self._cache.get(bitmap.id)
+        if hit is not None:
+            self._cache.move_to_end(bitmap.id)
+            return hit
+        outs = [self.encoder.encode(px) for px in preprocess(bitmap, self.proj.hparams)]
+        embd = np.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        self.n_encoded += 1
+        self._cache[bitmap.id] = embd
+        while len(self._cache) > self.cache_images:
+            self._cache.popitem(last=False)
+        return embd
+
+    # ------------------------------------------------------------------ chunks -> the language model's cache
+    def eval_chunks(self, ctx, chunks: list, n_past: int = 0, seq_id: int = 0, n_batch: int | None = None,
+                    logits_last: bool = True) -> int:
+        """mtmd_helper_eval_chunks: text in batches of n_batch, each image as an embeddings batch (non-causal
+        where the model wants it); the last text token asks for logits. Returns the new n_past."""
+        n_batch = int(n_batch or ctx.n_batch)
+        for i, ch in enumerate(chunks):
+            last = i == len(chunks) - 1
+            if ch.type == "text":
+                toks = ch.tokens
+                for j in range(0, len(toks), n_batch):
+                    part = toks[j:j + n_batch]
+                    b = Batch.from_tokens(part, n_past, seq_id, logits_last=logits_last and last
+                                          and j + n_batch >= len(toks))
+                    ctx.decode(b)
+                    n_past += len(part)
+            else:
+                n_past = self.eval_image(ctx, ch, n_past, seq_id, n_batch)
+        return n_past
+
+    def eval_image(self, ctx, chunk: Chunk, n_past: int, seq_id: int = 0, n_batch: int | None = None) -> int:
+        embd = self.encode(chunk.bitmap)
+        n = len(embd)
+        n_batch = int(n_batch or ctx.n_batch)
+        if self.non_causal and n > min(n_batch, ctx.n_ubatch):
+            raise MediaError(f"an image of {n} tokens does not fit in one batch (n_batch {n_batch}, n_ubatch "
+                             f"{ctx.n_ubatch}): its tokens attend to each other, so raise the batch size to {n} "
+                             f"or more")
+        prev = ctx.causal_attn
+        ctx.set_causal_attn(not self.non_causal)
+        try:
+            for j in range(0, n, n_batch):
+                ctx.decode(Batch.from_embd(embd[j:j + n_batch], n_past + j, seq_id))
+        except CacheFull:
+            raise
+        except ContextError as e:
+            raise MediaError(f"decoding the image failed: {e}") from None
+        finally:
+            ctx.set_causal_attn(prev)
+        return n_past + n
+
+    def close(self) -> None:
+        self.proj.close()
+
+
+def load_mtmd(mmproj_path, model, **kw) -> MtmdContext:
+    return MtmdContext(mmproj_path, model, **kw)
+
+
+__all__ = ["MtmdContext", "Chunk", "MediaError", "ProjectorError", "ImageError", "DEFAULT_MEDIA_MARKER", "load_mtmd"]

@@ -1,0 +1,153 @@
+"""The vision encoder's graph (llama.cpp's clip_graph: build_inp, build_vit, then the projector's tail) and its run.
+
+An image is its own graph, apart from the language model's, placed by the same scheduler over the projector's
+backends. Graphs are kept per image size (one for gemma3, whose images are all image_size square).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..ggml import ops
+from ..ggml.backend import tensor_get, tensor_set
+from ..ggml.graph import Graph
+from ..ggml.sched import Scheduler
+from ..ggml.tensor import Tensor
+from ..ggml.types import GGMLType
+
+F32, F16 = GGMLType.F32, GGMLType.F16
+
+
+def _norm(cur: Tensor, w: Tensor | None, b: Tensor | None, eps: float) -> Tensor:
+    cur = ops.norm(cur, eps)
+    if w is not None:
+        cur = ops.mul(cur, w)
+    if b is not None:
+        cur = ops.add(cur, b)
+    return cur
+
+
+def _mm(w: Tensor, cur: Tensor, b: Tensor | None = None) -> Tensor:
+    cur = ops.mul_mat(w, cur)
+    return ops.add(cur, b) if b is not None else cur
+
+
+def _cb(t: Tensor, name: str, il: int = -1) -> Tensor:
+    """Name an intermediate as clip.cpp's cb does (the names its eval callback shows)."""
+    t.name = f"{name}-{il}" if il >= 0 else name
+    return t
+
+
+_ACT = {"gelu": ops.gelu, "silu": ops.silu, "gelu_quick": ops.gelu_quick}
+
+
+class EncoderGraph:
+    """One image size's graph: ``inp_raw`` F32 [W, H, 3, 1] in, ``out`` [n_mmproj_embd, n_tokens] out."""
+
+    def __init__(self, proj, width: int, height: int):
+        self.proj = proj
+        hp = proj.hparams
+        self.width, self.height = width, height
+        self.n_px, self.n_py = width // hp.patch_size, height // hp.patch_size
+        self.graph = Graph()
+        self.inp_raw = Tensor(F32, (width, height, 3, 1), name="inp_raw").set_input()
+        cur = self._build_vit(self._build_inp())
+        if hp.proj_type == "gemma3":
+            cur = self._gemma3_tail(cur)
+        else:
+            cur = self._idefics3_tail(cur)
+        cur.name = "mmproj_out"
+        self.out = cur.set_output()
+        self.graph.expand(self.out)
+
+    # inp_raw -> [n_embd, n_patches]: the patch convolution (ggml_conv_2d: im2col to F16, a product), transposed
+    def _build_inp(self) -> Tensor:
+        p = self.proj
+        ps = p.hparams.patch_size
+        cur = ops.conv_2d(p.patch_embd, self.inp_raw, ps, ps, 0, 0, 1, 1)         # [n_px, n_py, n_embd, 1]
+        cur = ops.reshape(cur, self.n_px * self.n_py, p.hparams.n_embd, 1)
+        cur = ops.cont(ops.transpose(cur))
+        if p.patch_bias is not None:
+            cur = _cb(ops.add(cur, p.patch_bias), "patch_bias")
+        return cur
+
+    # [n_embd, n_pos] -> [n_embd, n_pos]: learned positions, pre-norm blocks with non-causal attention, post-norm
+    def _build_vit(self, cur: Tensor) -> Tensor:
+        p, hp = self.proj, self.proj.hparams
+        n_pos, n_head, d_head = cur.ne[1], hp.n_head, hp.d_head
+        cur = _cb(ops.add(cur, p.pos_embd), "pos_embed")
+        if p.pre_ln_w is not None:
+            cur = _norm(cur, p.pre_ln_w, p.pre_ln_b, hp.eps)
+        inpL = cur
+        kq_scale = 1.0 / math.sqrt(d_head)
+        act = _ACT[hp.ffn_op]
+        for il, L in enumerate(p.layers):
+            cur = _cb(_norm(inpL, L.ln_1_w, L.ln_1_b, hp.eps), "layer_inp_normed", il)
+            q = ops.reshape(_cb(_mm(L.q_w, cur, L.q_b), "Qcur", il), d_head, n_head, n_pos)
+            k = ops.reshape(_cb(_mm(L.k_w, cur, L.k_b), "Kcur", il), d_head, n_head, n_pos)
+            v = ops.reshape(_cb(_mm(L.v_w, cur, L.v_b), "Vcur", il), d_head, n_head, n_pos)
+            # clip's flash-attention path (chosen on the CPU): K and V cast to F16, no mask
+            qp = ops.permute(q, 0, 2, 1, 3)
+            kp = ops.cast(ops.permute(k, 0, 2, 1, 3), F16)
+            vp = ops.cast(ops.permute(v, 0, 2, 1, 3), F16)
+            cur = _cb(ops.flash_attn_ext(qp, kp, vp, None, kq_scale), "kqv_out", il)   # [d_head, n_head, n_pos]
+            cur = ops.reshape(cur, d_head * n_head, n_pos)
+            cur = _cb(_mm(L.o_w, cur, L.o_b), "attn_out", il)
+            cur = _cb(ops.add(cur, inpL), "ffn_inp", il)
+            inpL = cur
+            cur = _cb(_norm(cur, L.ln_2_w, L.ln_2_b, hp.eps), "ffn_inp_normed", il)
+            cur = _cb(_mm(L.ff_down_w, act(_mm(L.ff_up_w, cur, L.ff_up_b)), L.ff_down_b), "ffn_out", il)
+            inpL = _cb(ops.add(inpL, cur), "layer_out", il)
+        if p.post_ln_w is not None:
+            inpL = _norm(inpL, p.post_ln_w, p.post_ln_b, hp.eps)
+        return inpL
+
+    # gemma3: average pool by n_merge over the patch grid, RMS norm x soft_emb_norm, x input_projection
+    def _gemma3_tail(self, cur: Tensor) -> Tensor:
+        p, hp = self.proj, self.proj.hparams
+        k = hp.n_merge
+        side = self.n_px
+        cur = ops.cont(ops.transpose(cur), side, side, hp.n_embd, 1)              # [n_px, n_py, n_embd, 1]
+        cur = ops.pool_2d(cur, ops.POOL_AVG, k, k, k, k, 0, 0)
+        cur = ops.reshape(cur, cur.ne[0] * cur.ne[0], hp.n_embd, 1)
+        cur = ops.cont(ops.transpose(cur))                                         # [n_embd, n_tokens]
+        cur = ops.mul(ops.rms_norm(cur, hp.eps), p.mm_soft_emb_norm_w)
+        return ops.mul_mat(ops.cont(ops.transpose(p.mm_input_proj_w)), cur)
+
+    # idefics3: pixel shuffle (each n_merge x n_merge block of patches into one row), then mm.model.fc
+    def _idefics3_tail(self, cur: Tensor) -> Tensor:
+        p, hp = self.proj, self.proj.hparams
+        s, n_embd = hp.n_merge, hp.n_embd
+        w, h = self.n_px, self.n_py
+        cur = ops.reshape(cur, n_embd * s, w // s, h)
+        cur = ops.permute(cur, 0, 2, 1, 3)
+        cur = ops.cont(cur, n_embd * s * s, h // s, w // s)
+        cur = ops.permute(cur, 0, 2, 1, 3)
+        cur = ops.cont(cur, cur.ne[0], cur.ne[1] * cur.ne[2])
+        return ops.mul_mat(p.mm_fc_w, cur)
+
+
+class Encoder:
+    """Runs images through the projector: ``encode(pixels)`` with pixels float32 (H, W, 3), normalised."""
+
+    def __init__(self, proj, backends=None):
+        self.proj = proj
+        self.sched = Scheduler(list(backends) if backends else [proj.backend])
+        self._graphs: dict[tuple, EncoderGraph] = {}
+
+    def graph_for(self, width: int, height: int) -> EncoderGraph:
+        key = (width, height)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = EncoderGraph(self.proj, width, height)
+        return g
+
+    def encode(self, pixels: np.ndarray) -> np.ndarray:
+        """float32 (H, W, 3) -> the image's embeddings, float32 [n_tokens, n_mmproj_embd]."""
+        h, w, _ = pixels.shape
+        g = self.graph_for(w, h)
+        self.sched.alloc_graph(g.graph)
+        tensor_set(g.inp_raw, np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)[None])
+        self.sched.graph_compute(g.graph)
+        return tensor_get(g.out).reshape(-1, g.out.ne[0]).copy()
