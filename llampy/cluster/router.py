@@ -38,6 +38,7 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         self.conversations: dict = {}                              # replica id -> first keys it holds
         self.inflight: dict = {}                                   # replica id -> requests routed, not completed
         self.pending_keys: dict = {}                               # internal request id -> keys
+        self.chosen: dict = {}                                     # internal request id -> replica id
 
     # ------------------------------------------------------------ the choice
     def _keys(self, pr: PendingRequest | None) -> list[int]:
@@ -75,23 +76,37 @@ class PrefixRouter(FIFOMixin, RequestRouter):
             STATS["routed"] += 1
             STATS["prefix_hits" if hit else "new_prefixes"] += 1
             STATS["load_guard"] += guarded
+        if pending_request is not None:
+            # counted now, not when Serve reports the request routed: requests arriving together must see each
+            # other's choices, or a burst of new conversations all lands on the same replica
+            self._assign(pending_request.metadata.internal_request_id, keys, choice)
         rest = sorted((r for r in by_id if r != choice), key=lambda r: load[r])
         return [[by_id[choice]]] + [[by_id[r]] for r in rest]
 
-    # ------------------------------------------------------------ what it learns
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
-        keys = self.pending_keys.pop(pending_request.metadata.internal_request_id, None) or []
+    def _assign(self, request_id: str, keys: list, rid) -> None:
+        old = self.chosen.get(request_id)
+        if old == rid:
+            return
+        if old is not None:
+            self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
+        self.chosen[request_id] = rid
+        self.inflight[rid] = self.inflight.get(rid, 0) + 1
         for k in keys:
-            self.owner[k] = replica_id
+            self.owner[k] = rid
             self.owner.move_to_end(k)
         if keys:
-            self.conversations.setdefault(replica_id, set()).add(keys[0])
+            self.conversations.setdefault(rid, set()).add(keys[0])
         while len(self.owner) > MAX_KEYS:
             self.owner.popitem(last=False)
 
+    # ------------------------------------------------------------ what it learns
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        rid = pending_request.metadata.internal_request_id
+        self._assign(rid, self.pending_keys.pop(rid, None) or [], replica_id)   # where it went, if not the choice
+
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.inflight[replica_id] = max(0, self.inflight.get(replica_id, 0) - 1)
+        rid = self.chosen.pop(internal_request_id, replica_id)
+        self.inflight[rid] = max(0, self.inflight.get(rid, 0) - 1)
         self.pending_keys.pop(internal_request_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]):
