@@ -100,6 +100,7 @@ class HParams:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    n_ff_shexp: int = 0          # the shared expert's width (qwen2moe, granitemoe shared)
     expert_weights_norm: bool = False
     # granite
     f_embedding_scale: float = 0.0
@@ -113,6 +114,18 @@ class HParams:
     ssm_n_group: int = 0
     ssm_dt_b_c_rms: bool = False
     recurrent_layers: list = field(default_factory=list)
+    # RWKV: head size of the wkv state, rows of token shift per layer (time mix, channel mix), low-rank sizes
+    wkv_head_size: int = 0
+    token_shift_count: int = 2
+    time_mix_extra_dim: int = 0
+    time_decay_extra_dim: int = 0
+    rescale_every_n_layers: int = 0
+    n_lora_decay: int = 0
+    n_lora_iclr: int = 0
+    n_lora_value_res_mix: int = 0
+    n_lora_gate: int = 0
+    # LFM2: the short convolution's width (shortconv.l_cache)
+    n_shortconv_l_cache: int = 0
 
     def n_head(self, il: int = 0) -> int:
         return self.n_head_arr[il]
@@ -133,11 +146,18 @@ class HParams:
         return bool(self.recurrent_layers) and self.recurrent_layers[il]
 
     def n_embd_r(self) -> int:
-        """Floats of a recurrent layer's rolling row per sequence: the convolution's last d_conv - 1 inputs."""
+        """Floats of a recurrent layer's rolling row per sequence: the convolution's last d_conv - 1 inputs (RWKV:
+        the previous token's normed inputs of time mix and channel mix)."""
+        if self.wkv_head_size:
+            return self.token_shift_count * self.n_embd
+        if self.n_shortconv_l_cache:
+            return self.n_embd * (self.n_shortconv_l_cache - 1)
         return max(self.ssm_d_conv - 1, 0) * (self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state)
 
     def n_embd_s(self) -> int:
         """Floats of a recurrent layer's state per sequence."""
+        if self.wkv_head_size:
+            return self.n_embd * self.wkv_head_size
         return self.ssm_d_state * self.ssm_d_inner
 
     def is_swa(self, il: int) -> bool:

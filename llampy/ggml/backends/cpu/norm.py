@@ -24,14 +24,27 @@ def rms_norm_rows(x, eps, out):
 
 @njit(parallel=True, cache=True)
 def norm_rows(x, eps, out):
+    """ggml_compute_forward_norm_f32 as its AVX2 build runs it: the mean a float sum over float n; the centred
+    squares summed in float per 8 (ggml_vec_cvar_f32's pairwise order), each 8 added to a double, the rest in
+    order."""
     rows, n = x.shape
+    n8 = n - n % 8
     for r in prange(rows):
         s = 0.0
         for i in range(n):
             s += np.float64(x[r, i])
-        mean = np.float32(s / n)
+        mean = np.float32(np.float32(s) / np.float32(n))
         s2 = 0.0
-        for i in range(n):
+        for i0 in range(0, n8, 8):
+            for l in range(8):
+                out[r, i0 + l] = np.float32(x[r, i0 + l] - mean)
+            o = out[r]
+            a0 = np.float32(np.float32(o[i0] * o[i0]) + np.float32(o[i0 + 4] * o[i0 + 4]))
+            a1 = np.float32(np.float32(o[i0 + 1] * o[i0 + 1]) + np.float32(o[i0 + 5] * o[i0 + 5]))
+            a2 = np.float32(np.float32(o[i0 + 2] * o[i0 + 2]) + np.float32(o[i0 + 6] * o[i0 + 6]))
+            a3 = np.float32(np.float32(o[i0 + 3] * o[i0 + 3]) + np.float32(o[i0 + 7] * o[i0 + 7]))
+            s2 += np.float64(np.float32(np.float32(a0 + a2) + np.float32(a1 + a3)))
+        for i in range(n8, n):
             v = np.float32(x[r, i] - mean)
             out[r, i] = v
             s2 += np.float64(np.float32(v * v))
