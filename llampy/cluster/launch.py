@@ -21,12 +21,28 @@ class ClusterError(RuntimeError):
 
 
 def require_ray():
+    """Raise RayMissing unless Ray Serve is installed; looks for it without importing it (seconds)."""
+    import importlib.util
     try:
-        import ray  # noqa: F401
-        from ray import serve  # noqa: F401
-    except ImportError as e:
-        raise RayMissing(f"llampy cluster needs Ray Serve, which is not installed ({e}): "
-                         f"install llampy[ray] (pip install 'llampy[ray]')") from None
+        found = all(importlib.util.find_spec(m) is not None for m in ("ray", "ray.serve"))
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise RayMissing("llampy cluster needs Ray Serve, which is not installed: install llampy[ray] "
+                         "(pip install 'llampy[ray]')")
+
+
+def check_address(address: str | None) -> None:
+    """A HOST:PORT that answers, before ray.init (which retries an unreachable head for a minute)."""
+    if not address or address.startswith("local:"):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterError(f"--address {address!r}: expected HOST:PORT of the Ray head, or local:N")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ClusterError(f"cannot reach the Ray head at {address}: {e}") from None
 
 
 @dataclass
@@ -76,14 +92,7 @@ def connect(address: str | None, cpus_per_node: int = 1):
         return start_local(n, cpus_per_node)
     if ray.is_initialized():
         return None
-    if address:
-        host, sep, port = address.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ClusterError(f"--address {address!r}: expected HOST:PORT of the Ray head, or local:N")
-        try:        # before ray.init, which retries an unreachable head for a minute
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except OSError as e:
-            raise ClusterError(f"cannot reach the Ray head at {address}: {e}") from None
+    check_address(address)
     ray.init(address=address or "auto", namespace=NAMESPACE, logging_level="warning", log_to_driver=False)
     return None
 
@@ -109,6 +118,7 @@ def deploy(model=None, replicas: int = 1, parallel: int = 4, router: str = "pref
         raise ClusterError(f"need 0 < min_replicas <= max_replicas, got {min_replicas} and {max_replicas}")
     if ctx_size // parallel < 8:
         raise ClusterError(f"parallel {parallel} and ctx_size {ctx_size} leave no room per slot")
+    check_address(address)
     from ..models import resolve_model
     path = str(Path(resolve_model(model)).resolve())
     local = connect(address, cpus_per_node)

@@ -101,8 +101,19 @@ def conversations(seed: int, n: int = 8) -> list:
     return [[{"role": "system", "content": " ".join(rng.choice(words) for _ in range(220))}] for _ in range(n)]
 
 
+def settled_metrics(n_finished: float) -> dict:
+    """/metrics once the replicas' reports (every half second) count ``n_finished`` finished requests."""
+    t0 = time.monotonic()
+    while True:
+        m = metrics()
+        if m["llampy_requests_finished_total"] >= n_finished or time.monotonic() - t0 > 10:
+            return m
+        time.sleep(0.2)
+
+
 def run_conversations(seed: int, turns: int = 6) -> float:
     """The cache hit rate of the conversations' prompts: cached / (cached + decoded) prompt tokens."""
+    time.sleep(1.0)         # the last reports of what ran before
     before = metrics()
     convs = conversations(seed)
 
@@ -114,7 +125,7 @@ def run_conversations(seed: int, turns: int = 6) -> float:
     with ThreadPoolExecutor(len(convs)) as ex:
         for t in range(turns):
             list(ex.map(lambda c: turn(c, t), convs))
-    after = metrics()
+    after = settled_metrics(before["llampy_requests_finished_total"] + len(convs) * turns)
     cached = after["llampy_prompt_tokens_cached_total"] - before["llampy_prompt_tokens_cached_total"]
     decoded = after["llampy_prompt_tokens_total"] - before["llampy_prompt_tokens_total"]
     return cached / (cached + decoded)
