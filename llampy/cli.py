@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     from .llama.model import ModelLoadError
     from .llama.vocab import VocabError
     from .models import ModelNotFound
+    from .mtmd import ImageError, MediaError, ProjectorError
     n_threads = getattr(args, "threads", None)
     if n_threads:
         # before anything imports Numba (tuning.install does): its pool is sized from this when it starts, and
@@ -93,7 +94,8 @@ def main(argv=None) -> int:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
     except (tuning.TuningError, GGUFError, UnknownArchitecture, ContextError, MissingMetadata, ModelLoadError, ModelNotFound,
-            VocabError, ChatTemplateError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+            VocabError, ChatTemplateError, FileNotFoundError, IsADirectoryError, PermissionError, ProjectorError,
+            ImageError, MediaError) as e:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

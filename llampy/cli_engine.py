@@ -28,6 +28,25 @@ def add_offload_args(p, default="auto") -> None:
                    help="REGEX=BUFTYPE: weights whose name matches go to CPU, CUDA0, ... (e.g. 'exps=CPU')")
 
 
+def add_mtmd_args(p, image: bool = True) -> None:
+    """llama.cpp's multimodal flags (``llampy.mtmd``)."""
+    p.add_argument("--mmproj", default=None, metavar="FILE", help="the model's projector GGUF (image input)")
+    if image:
+        p.add_argument("--image", action="append", default=None, metavar="FILE",
+                       help="an image for the prompt (repeatable); each goes where the prompt has <__media__>, or "
+                            "before the prompt's text when it has none (as llama-mtmd-cli)")
+
+
+def _mtmd_prompt(llm, prompt: str, paths) -> list:
+    """The run's prompt with its images: text tokens and image positions (mtmd chunks, flattened)."""
+    from .mtmd import bitmap_from_file
+    bitmaps = [bitmap_from_file(p) for p in paths]
+    marker = llm.mtmd.media_marker
+    if marker not in prompt:          # llama-mtmd-cli's rule: the images before the text
+        prompt = marker * len(bitmaps) + prompt
+    return llm.mtmd.flatten(llm.mtmd.tokenize(prompt, bitmaps))
+
+
 def add_lora_args(p) -> None:
     """llama.cpp's LoRA flags (``llama.lora``)."""
     p.add_argument("--lora", action="append", default=None, metavar="FNAME",
@@ -78,6 +97,7 @@ def add_engine_parsers(sub) -> None:
     g.add_argument("--grammar-file", default=None, help="a file holding a GBNF grammar")
     g.add_argument("-j", "--json-schema", default=None, help="a JSON schema (JSON text) the output must match")
     g.add_argument("-jf", "--json-schema-file", default=None, help="a file holding a JSON schema")
+    add_mtmd_args(p)
     add_offload_args(p)
     add_lora_args(p)
     p.set_defaults(func=cmd_run)
@@ -91,6 +111,7 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja template, or chatml/llama3/gemma")
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("-t", "--threads", type=int, default=None)
+    add_mtmd_args(p, image=False)
     add_offload_args(p)
     add_lora_args(p)
     p.set_defaults(func=cmd_chat)
@@ -180,8 +201,14 @@ def cmd_run(args) -> int:
     except GrammarError as e:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
-    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed)
-    tokens = llm.vocab.tokenize(args.prompt, add_special=True, parse_special=True)
+    if args.image and not args.mmproj:
+        print("llampy: error: --image needs --mmproj (the model's projector GGUF)", file=sys.stderr)
+        return 1
+    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, mmproj_path=args.mmproj)
+    if args.image:
+        tokens = _mtmd_prompt(llm, args.prompt, args.image)
+    else:
+        tokens = llm.vocab.tokenize(args.prompt, add_special=True, parse_special=True)
     try:
         sampler = llm.make_sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                    repeat_penalty=args.repeat_penalty, seed=args.seed, grammar=grammar)
@@ -194,7 +221,8 @@ def cmd_run(args) -> int:
     if args.prompt_cache:       # written once the run is over: the steps are consumed below
         steps = _then(steps, lambda: llm.save_state().save(args.prompt_cache))
     if args.json:
-        out = {"prompt_tokens": tokens, "tokens": [], "text": "", "probs": []}
+        out = {"prompt_tokens": [t if isinstance(t, int) else -1 for t in tokens], "tokens": [], "text": "",
+               "probs": []}
         for s in steps:
             out["tokens"].append(s.token)
             out["text"] += s.text
@@ -234,8 +262,9 @@ def _then(steps, fn):
 
 
 def cmd_chat(args) -> int:
-    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, chat_template=args.chat_template)
+    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, chat_template=args.chat_template, mmproj_path=args.mmproj)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    pending: list = []                # image parts added with /image, sent with the next message
     tty = sys.stdin.isatty()
     while True:
         if tty:
@@ -249,7 +278,16 @@ def cmd_chat(args) -> int:
             continue
         if line.strip() in ("/exit", "/quit"):
             break
-        messages.append({"role": "user", "content": line})
+        if line.startswith("/image"):
+            part = _image_part(llm, line[len("/image"):].strip())
+            if part is not None:
+                pending.append(part)
+            continue
+        if pending:
+            messages.append({"role": "user", "content": pending + [{"type": "text", "text": line}]})
+            pending = []
+        else:
+            messages.append({"role": "user", "content": line})
         reply = ""
         for chunk in llm.create_chat_completion(messages, max_tokens=args.n_predict, temperature=args.temp,
                                                 seed=args.seed, stream=True):
@@ -261,6 +299,28 @@ def cmd_chat(args) -> int:
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def _image_part(llm, path: str):
+    """The chat REPL's /image PATH: an image_url part holding the file's bytes, or None after saying why."""
+    import base64
+    if llm.mtmd is None:
+        print("llampy: /image needs --mmproj (the model's projector GGUF)", file=sys.stderr)
+        return None
+    from .mtmd import ImageError, bitmap_from_bytes
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        bitmap_from_bytes(data)           # refuse what is not an image now, not at the next message
+    except OSError as e:
+        print(f"llampy: cannot read image {path}: {e.strerror or e}", file=sys.stderr)
+        return None
+    except ImageError as e:
+        print(f"llampy: {path}: {e}", file=sys.stderr)
+        return None
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    print(f"llampy: {path} attached to the next message", file=sys.stderr)
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def cmd_tokenize(args) -> int:

@@ -87,7 +87,7 @@ class Llama:
                  type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False,
                  tune_process: bool = True, vocab_only: bool = False, split_mode: str = "layer",
                  tensor_split=None, main_gpu: int = 0, override_tensor=None, lora_path: str | None = None,
-                 lora_scale: float = 1.0, lora_adapters=None):
+                 lora_scale: float = 1.0, lora_adapters=None, mmproj_path: str | None = None):
         """``tune_process``: install llampy's process tuning (``llampy.tuning``: OpenMP spin, single-threaded
         OpenBLAS, Numba patches, graphs frozen out of the garbage collector) before loading; False leaves the
         process as it is, for a program that hosts llampy beside other work. ``vocab_only``: the vocabulary
@@ -96,7 +96,9 @@ class Llama:
         -ngl/-sm/-ts/-mg/-ot (``llama.devices``; 'auto' fits what free memory holds). ``lora_path`` (scaled by
         ``lora_scale``) and ``lora_adapters`` ((path, scale) pairs): GGUF LoRA adapters applied at run time
         (``llama.lora``; ``set_lora_scales`` changes the scales later). ``pooling`` (``embed``): mean, cls, last
-        or rank; None: the file's pooling_type for an encoder (bert), else mean. An encoder embeds only."""
+        or rank; None: the file's pooling_type for an encoder (bert), else mean. An encoder embeds only.
+        ``mmproj_path``: a projector GGUF (llama.cpp's --mmproj): chat messages may then hold OpenAI-style
+        ``image_url`` parts (``llampy.mtmd``); a projector for another model raises ProjectorError."""
         from ..ggml.types import GGMLType
         if tune_process:
             from .. import tuning
@@ -122,8 +124,12 @@ class Llama:
         self._pooling = pooling
         self._chat_template_override = chat_template
         self._chat_template = None
-        self._cached: list[int] = []          # tokens whose K/V are in the cache for sequence 0
+        self._cached: list = []               # tokens (and image positions) whose K/V are in the cache, sequence 0
         self.verbose = verbose
+        self.mtmd = None
+        if mmproj_path:
+            from ..mtmd import MtmdContext
+            self.mtmd = MtmdContext(mmproj_path, self.model, n_threads=n_threads)
 
     # ------------------------------------------------------------------ basics
     def set_lora_scales(self, scales) -> None:
@@ -181,6 +187,8 @@ class Llama:
         """Bring the cache to hold exactly ``tokens`` (reusing the common prefix) and return the last logits."""
         if len(tokens) == 0:
             raise ContextError("the prompt is empty")
+        if not isinstance(tokens[-1], (int, np.integer)):
+            raise ContextError("a prompt cannot end with an image: its logits come from text after it")
         if len(tokens) >= self.n_ctx:
             raise PromptTooLong(f"the prompt has {len(tokens)} tokens, but the context holds {self.n_ctx} "
                                 f"(n_ctx); shorten the prompt or raise n_ctx")
@@ -193,12 +201,28 @@ class Llama:
         if not self.ctx.seq_rm(0, n_common, -1):     # a recurrent state cannot drop a suffix: start over
             self.ctx.seq_rm(0, -1, -1)
             n_common = 0
+        if n_common < len(tokens) and not isinstance(tokens[n_common], (int, np.integer)):
+            n_common -= tokens[n_common].j          # an image is decoded whole: from its first position
+        if not self.ctx.seq_rm(0, n_common, -1):
+            self.ctx.seq_rm(0, -1, -1)
+            n_common = 0
         self._cached = list(tokens[:n_common])
         rest = tokens[n_common:]
-        for i0 in range(0, len(rest), self.ctx.n_batch):
-            chunk = rest[i0:i0 + self.ctx.n_batch]
-            self.ctx.decode(Batch.from_tokens(chunk, pos0=len(self._cached)))
+        i0 = 0
+        while i0 < len(rest):
+            if not isinstance(rest[i0], (int, np.integer)):     # an image chunk's first position (mtmd.ImagePos)
+                ch = rest[i0].chunk
+                self.mtmd.eval_image(self.ctx, ch, len(self._cached), 0, self.ctx.n_batch)
+                self._cached.extend(rest[i0:i0 + ch.n_tokens])
+                i0 += ch.n_tokens
+                continue
+            i1 = i0
+            while i1 < len(rest) and i1 - i0 < self.ctx.n_batch and isinstance(rest[i1], (int, np.integer)):
+                i1 += 1
+            chunk = rest[i0:i1]
+            self.ctx.decode(Batch.from_tokens(chunk, pos0=len(self._cached), logits_last=i1 == len(rest)))
             self._cached.extend(int(t) for t in chunk)
+            i0 = i1
         return self.ctx.get_logits_ith(-1)
 
     def eval_token(self, token: int) -> np.ndarray:
@@ -302,7 +326,8 @@ class Llama:
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = self.model_path
-        prefix = self.vocab.detokenize(tokens, special=True) if echo else ""
+        prefix = self.vocab.detokenize([t for t in tokens if isinstance(t, (int, np.integer))], special=True) \
+            if echo else ""
         if stream:
             return self._stream_completion(steps, cid, created, model, logprobs, prefix)
         text, lp, finish = prefix, _Logprobs(self.vocab, len(prefix)), None
@@ -375,10 +400,14 @@ class Llama:
         grammar = constraint(grammar, response_format)
         tp, grammar = chat_plan(self.chat_template(), messages, tools, tool_choice, parallel_tool_calls, self.vocab,
                                 grammar)
-        prompt = self.chat_template().render(tp.messages, add_generation_prompt=True, tools=tp.tools, **kwargs)
+        msgs, images = self._chat_images(tp.messages)
+        prompt = self.chat_template().render(msgs, add_generation_prompt=True, tools=tp.tools, **kwargs)
         think = splitter_for(tp.source, prompt, reasoning_format)
         # the rendered template already holds BOS where the model wants it
-        tokens = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
+        if self.mtmd is not None and images:
+            tokens = self.mtmd.flatten(self.mtmd.tokenize(prompt, images, add_special=False))
+        else:
+            tokens = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
         if self.vocab.add_bos and self.vocab.bos is not None and (not tokens or tokens[0] != self.vocab.bos):
             tokens = [self.vocab.bos] + tokens
         res = self.create_completion(tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
@@ -405,6 +434,20 @@ class Llama:
                 "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(ch["logprobs"]),
                              "finish_reason": finish}],
                 "usage": res["usage"]}
+
+    def _chat_images(self, messages):
+        """Messages with OpenAI content parts: the text joined, each image a media marker (their bitmaps beside);
+        images without a projector raise ValueError."""
+        from ..mtmd.content import flatten_messages, has_images
+        if not has_images(messages):
+            if any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages):
+                return flatten_messages(messages)[0], []          # text parts only
+            return messages, []
+        if self.mtmd is None:
+            raise ValueError("image input needs a projector: create the Llama with mmproj_path (llama.cpp's --mmproj)")
+        from ..mtmd import bitmap_from_bytes
+        msgs, raw = flatten_messages(messages, self.mtmd.media_marker)
+        return msgs, [bitmap_from_bytes(b) for b in raw]
 
     def _stream_tools(self, chunks, cid, tp, think=None):
         """A stream with tools: the reply is read whole (a call cannot be told from text until it ends), then sent

@@ -39,6 +39,24 @@ class Chunk:
         return self.bitmap.id if self.bitmap is not None else None
 
 
+class ImagePos:
+    """One position of an image chunk in a flat prompt (``MtmdContext.flatten``): equal to the same position of an
+    image of the same bytes, so that a prompt's common prefix with the cache extends over images already decoded."""
+    __slots__ = ("chunk", "j")
+
+    def __init__(self, chunk: Chunk, j: int):
+        self.chunk, self.j = chunk, j
+
+    def __eq__(self, other):
+        return isinstance(other, ImagePos) and other.j == self.j and other.chunk.id == self.chunk.id
+
+    def __hash__(self):
+        return hash((self.chunk.id, self.j))
+
+    def __repr__(self):
+        return f"ImagePos({self.chunk.id[:8]}, {self.j})"
+
+
 # the text around an image chunk, per projector type (mtmd_context's img_beg / img_end)
 _WRAP = {"gemma3": ("<start_of_image>", "<end_of_image>")}
 # image chunks whose tokens attend to each other both ways (mtmd_decode_use_non_causal)
@@ -114,6 +132,17 @@ class MtmdContext:
                 chunks.append(Chunk("text", add_text_ids, n_tokens=1))
         return chunks
 
+    @staticmethod
+    def flatten(chunks: list) -> list:
+        """The prompt as one list: text tokens as they are, each image position an ImagePos."""
+        out: list = []
+        for ch in chunks:
+            if ch.type == "text":
+                out.extend(ch.tokens)
+            else:
+                out.extend(ImagePos(ch, j) for j in range(ch.n_tokens))
+        return out
+
     def _n_image_tokens(self, bm: Bitmap) -> int:
         hp = self.proj.hparams
         return self.proj.n_image_tokens(hp.image_size, hp.image_size)
@@ -182,4 +211,4 @@ def load_mtmd(mmproj_path, model, **kw) -> MtmdContext:
     return MtmdContext(mmproj_path, model, **kw)
 
 
-__all__ = ["MtmdContext", "Chunk", "MediaError", "ProjectorError", "ImageError", "DEFAULT_MEDIA_MARKER", "load_mtmd"]
+__all__ = ["MtmdContext", "Chunk", "ImagePos", "MediaError", "ProjectorError", "ImageError", "DEFAULT_MEDIA_MARKER", "load_mtmd"]

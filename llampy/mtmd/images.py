@@ -59,6 +59,9 @@ def bitmap_from_bytes(data: bytes, max_pixels: int = MAX_PIXELS) -> Bitmap:
     except Image.DecompressionBombError:
         raise ImageError(f"image too large: its declared size exceeds Pillow's limit of {Image.MAX_IMAGE_PIXELS * 2} "
                          f"pixels (a decompression bomb?)") from None
+    except Image.UnidentifiedImageError:
+        raise ImageError("failed to decode image: not an image format Pillow reads (PNG, JPEG, BMP, GIF, WebP, ...)") \
+            from None
     except Exception as e:          # Pillow raises many kinds for bytes it cannot read
         raise ImageError(f"failed to decode image: {_why(e)}") from None
     if w <= 0 or h <= 0:

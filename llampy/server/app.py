@@ -24,7 +24,7 @@ from ..llama.reasoning import splitter_for
 from ..llama.tools import ToolError, chat_plan, tool_call_deltas
 from ..llama.model import Model
 from ..llama.sampling import Chain
-from . import limits, oai
+from . import limits, media, oai
 from .oai import (APIError, check_fields, check_messages, include_usage, new_id, now, openapi_body, sampling_params,
                   usage)
 from .fields import request_options
@@ -46,12 +46,14 @@ class Server:
 
     def __init__(self, model_path, n_parallel: int = 4, n_ctx: int = 4096, api_key: str | None = None,
                  alias: str | None = None, tune_process: bool = True, n_threads: int | None = None,
-                 slot_save_path=None, prompt_cache=None, progress=None, offload: dict | None = None):
+                 slot_save_path=None, prompt_cache=None, progress=None, offload: dict | None = None,
+                 mmproj=None, allow_remote_images: bool = False):
         """``slot_save_path``: the folder /slots/{id}?action=save|restore reads and writes (None: those actions
         are refused). ``prompt_cache``: a file of the slots' cached prompts, restored here when it exists (and
         fits this model) and written by ``save_prompt_cache`` at shutdown. ``progress(fraction)``: called as the
         weights load (Model's progress_callback). ``offload``: Model's GPU keywords (n_gpu_layers, split_mode,
-        tensor_split, main_gpu, override_tensor)."""
+        tensor_split, main_gpu, override_tensor). ``mmproj``: a projector GGUF (image input, server/media.py);
+        ``allow_remote_images``: fetch http(s) image URLs too."""
         if tune_process:
             from .. import tuning
             tuning.install()     # before the model's first kernel (llampy/tuning.py)
@@ -66,7 +68,16 @@ class Server:
         self._rank_ctx = None
         self.model_id = alias or Path(model_path).stem
         self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path), "default"}
-        self.engine = Engine(self.model, n_parallel, n_ctx)
+        self.mtmd = None
+        self.allow_remote_images = allow_remote_images
+        if mmproj:
+            from ..mtmd import MtmdContext
+            self.mtmd = MtmdContext(mmproj, self.model, n_threads=n_threads)
+        # an image is decoded in one micro-batch (its tokens attend to each other): the batch holds the largest
+        n_img = self.mtmd.proj.n_image_tokens(self.mtmd.proj.hparams.image_size,
+                                              self.mtmd.proj.hparams.image_size) if self.mtmd else 0
+        self.engine = Engine(self.model, n_parallel, n_ctx, min_batch=n_img)
+        self.engine.mtmd = self.mtmd
         self.api_key = api_key
         self.template = template_from_metadata(self.model.metadata)
         self.renderer = TemplateRenderer()      # chat templates render in child processes, within a budget
@@ -450,7 +461,7 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
         body = await read_json(http)
         check_fields(body, "chat")
         server.check_model(body)
-        msgs = check_messages(body)
+        msgs, bitmaps = media.media_messages(server, check_messages(body))
         p = sampling_params(body, server.n_vocab)
         oai.choices_n(body, 1)
         opts = request_options(body, server.engine.n_parallel)
@@ -469,8 +480,9 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
         # the reply's thinking block goes to reasoning_content (llama.cpp's --reasoning-format, per request here)
         think = splitter_for(tp.source, prompt, oai.reasoning_format(body))
         gs = await server.grammar_sampler(g)
-        req = server.make_request(await server.chat_tokens_async(prompt), p, n_top if want_lp else 0, want_lp,
-                                  "messages", gs, opts)
+        toks = await (asyncio.to_thread(media.media_tokens, server, prompt, bitmaps, False) if bitmaps
+                      else server.chat_tokens_async(prompt))
+        req = server.make_request(toks, p, n_top if want_lp else 0, want_lp, "messages", gs, opts)
         req.keep_tokens = tp.keep_tokens      # the format's markers stay in the text, or it cannot be parsed
         q = submit(server, req)
         cid, created = new_id("chatcmpl"), now()
@@ -616,6 +628,7 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
     async def models():
         return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": int(server.t_start),
                                             "owned_by": "llampy",
+                                            "capabilities": ["completion"] + (["multimodal"] if server.mtmd else []),
                                             "meta": {"n_ctx": server.engine.n_ctx, "n_vocab": server.n_vocab,
                                                      "n_parallel": server.engine.n_parallel}}]}
 

@@ -18,6 +18,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads of the kernels (default: all)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     p.add_argument("--alias", default=None, help="the model name reported to clients")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the model's projector GGUF: image_url parts and multimodal_data are then accepted")
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs (by default only base64 data URLs are taken)")
     p.add_argument("--cors-origins", default="localhost",
                    help="origins browsers may call from: 'localhost' (default: pages served from this machine), "
                         "'*' (any), or a comma-separated list")
@@ -73,7 +77,8 @@ def cmd_serve(args) -> int:
     path = resolve_model(args.model)
     server = Server(path, args.parallel, args.ctx_size, args.api_key, args.alias, n_threads=args.threads,
                     slot_save_path=args.slot_save_path, prompt_cache=args.prompt_cache,
-                    progress=LoadProgress(path.name), offload=offload_kw(args))
+                    progress=LoadProgress(path.name), offload=offload_kw(args), mmproj=args.mmproj,
+                    allow_remote_images=args.allow_remote_images)
     if server.n_restored:
         print(f"llampy: restored {server.n_restored} cached prompt tokens from {args.prompt_cache}", file=sys.stderr)
     print(f"llampy: serving {server.model_id} on http://{args.host}:{args.port} "

@@ -10,7 +10,8 @@ from pathlib import Path
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from . import limits, oai
+from ..mtmd.context import DEFAULT_MEDIA_MARKER
+from . import limits, media, oai
 from .fields import request_options
 from .oai import APIError, check_fields, openapi_body, sampling_params
 from .slots import Event
@@ -148,7 +149,12 @@ def add_native_routes(app, server) -> None:
         check_fields(body, "native")
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required", "prompt")
-        return await native_completion(http, body, await server.tokenize_prompt_async(body["prompt"]))
+        mm = media.completion_prompt(server, body["prompt"])
+        if mm is not None and mm[1]:              # llama.cpp's {"prompt_string", "multimodal_data"}
+            toks = await asyncio.to_thread(media.media_tokens, server, mm[0], mm[1], True, "prompt")
+        else:
+            toks = await server.tokenize_prompt_async(mm[0] if mm is not None else body["prompt"])
+        return await native_completion(http, body, toks)
 
     @app.post("/infill", openapi_extra=openapi_body("infill"))
     async def infill(http: HTTPRequest):
@@ -201,7 +207,8 @@ def add_native_routes(app, server) -> None:
         return {"default_generation_settings": {"id": 0, "n_ctx": e.n_ctx_slot, "params": server.default_params()},
                 "total_slots": e.n_parallel, "model_alias": server.model_id, "model_path": str(server.model.path),
                 "chat_template": server.template.source, "bos_token": server.token_text(v.bos),
-                "eos_token": server.token_text(v.eos), "modalities": {"vision": False, "audio": False},
+                "eos_token": server.token_text(v.eos), "modalities": {"vision": server.mtmd is not None, "audio": False},
+                "media_marker": server.mtmd.media_marker if server.mtmd else DEFAULT_MEDIA_MARKER,
                 "n_ctx": e.n_ctx, "n_threads": await asyncio.to_thread(server.kernel_threads),
                 "infill": server.supports_infill(),
                 "slot_save_path": str(server.slot_save_path) if server.slot_save_path else None,

@@ -180,13 +180,16 @@ def check_messages(body: dict) -> list:
             raise APIError(400, f"messages[{i}].role must be system, user or assistant, got {m['role']!r}",
                            f"messages[{i}].role")
         content = m.get("content", "")
-        if isinstance(content, list):   # OpenAI content parts: text parts only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+        images = isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                   for p in content)
+        if isinstance(content, list):   # OpenAI content parts: text, and images (server/media.py joins those)
+            if not all(isinstance(p, dict) and (p.get("type") == "text" and isinstance(p.get("text"), str)
+                                                or p.get("type") == "image_url") for p in content):
+                raise APIError(400, f"messages[{i}].content: only text and image_url parts are supported",
                                f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if content is not None and not isinstance(content, str):
+            if not images:
+                content = "".join(p["text"] for p in content)
+        if content is not None and not isinstance(content, str) and not images:
             raise APIError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
         msg = {"role": role, "content": content or ""}

@@ -97,7 +97,10 @@ class Slot:
 
 
 class Engine:
-    def __init__(self, model, n_parallel: int = 4, n_ctx: int = 4096, prompt_budget: int = PROMPT_BUDGET):
+    def __init__(self, model, n_parallel: int = 4, n_ctx: int = 4096, prompt_budget: int = PROMPT_BUDGET,
+                 min_batch: int = 0):
+        """``min_batch``: the micro-batch holds at least this many tokens (the projector's largest image, whose
+        tokens are decoded together)."""
         if n_parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {n_parallel}")
         if n_ctx // n_parallel < 8:
@@ -107,7 +110,8 @@ class Engine:
         self.n_parallel = n_parallel
         self.n_ctx = n_ctx
         self.prompt_budget = max(1, prompt_budget)
-        n_batch = self.prompt_budget + n_parallel
+        n_batch = max(self.prompt_budget + n_parallel, min_batch)
+        self.mtmd = None                # a MtmdContext when the server takes images (its prompts hold ImagePos)
         # graphs are cached per (tokens, outputs, kv) shape, so keep more; decode steps read the whole cache
         # (n_kv padded to it), so theirs differ only in the batch size
         # one KV stream per slot (llama-server's default, kv_unified off): a request's result does not depend on
@@ -352,6 +356,8 @@ class Engine:
         n_common = min(_common(slot.cached, r.tokens), len(r.tokens) - 1)
         if not r.cache_prompt or r.prompt_logprobs >= 0:
             n_common = 0
+        if n_common < len(r.tokens) and not isinstance(r.tokens[n_common], (int, np.integer)):
+            n_common -= r.tokens[n_common].j          # an image is decoded whole: from its first position
         r.t_start = time.perf_counter()
         slot.prompt_lps = []
         if not self.ctx.seq_rm(slot.id, n_common, -1):   # a recurrent state cannot drop a suffix: start over
@@ -386,7 +392,14 @@ class Engine:
         budget = self.prompt_budget
         prows: dict[int, int] = {}      # slot id -> batch position of its chunk's first token (prompt log-probs)
         for s in sorted((s for s in active if s.pending), key=lambda s: s.req.t_arrival):
+            if not isinstance(s.pending[0], (int, np.integer)):
+                self._decode_image(s)       # an image next: its own decode, then its text in the next step
+                continue
             chunk = s.pending[:self.prompt_budget]
+            for j, t in enumerate(chunk):   # a text chunk ends where an image begins
+                if not isinstance(t, (int, np.integer)):
+                    chunk = chunk[:j]
+                    break
             if took and len(chunk) > budget:
                 continue
             every = s.req.prompt_logprobs >= 0
@@ -399,11 +412,16 @@ class Engine:
                     rows[s.id] = len(batch) - 1
             took[s.id] = len(chunk)
             budget -= len(chunk)
+        active = [s for s in active if s.req is not None]      # an image that failed ended its request
+        if not active:
+            return
         # then one token for each generating slot
         for s in active:
             if not s.pending:
                 batch.add(s.next_token, len(s.cached), [s.id], True)
                 rows[s.id] = len(batch) - 1
+        if not len(batch):              # this step decoded images only
+            return
         t0 = time.perf_counter()
         try:
             self.ctx.decode(batch)
@@ -443,6 +461,24 @@ class Engine:
         self._recent.append((now, len(rows)))
         if now - self._recent[0][0] > 30:
             self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
+
+    def _decode_image(self, s: Slot) -> None:
+        """The image at the head of the slot's pending prompt, decoded as an embeddings batch of its own (non-causal
+        where the model wants it, so it cannot share a batch with other slots' tokens)."""
+        ch = s.pending[0].chunk
+        t0 = time.perf_counter()
+        try:
+            self.mtmd.eval_image(self.ctx, ch, len(s.cached), s.id, self.ctx.n_batch)
+        except Exception as e:
+            self._fail(s, f"decoding the image failed: {e}")
+            s.cached = []
+            self.ctx.seq_rm(s.id, -1, -1)
+            return
+        dt = time.perf_counter() - t0
+        self.metrics["decode_seconds_total"] += dt
+        self.metrics["prompt_seconds_total"] += dt
+        s.cached.extend(s.pending[:ch.n_tokens])
+        s.pending = s.pending[ch.n_tokens:]
 
     def _fail(self, s: Slot, msg: str, status: int = 500) -> None:
         r = s.req
