@@ -50,3 +50,10 @@ def test_bad_config_exits_2(tmp_path, capsys, cfg, msg):
     f.write_text(json.dumps(cfg))
     rc, err = run_in_process(capsys, "cluster", "serve", MODEL, "--config", str(f), "--address", "127.0.0.1:9")
     assert rc == 2 and msg in err, err
+
+
+def test_core_never_imports_ray():
+    code = ("import sys, llampy, llampy.server.app, llampy.cluster, llampy.ggml.backends.remote; "
+            "from llampy.cli import build_parser; build_parser(); print('ray' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "False", p.stderr

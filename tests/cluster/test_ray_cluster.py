@@ -35,13 +35,11 @@ def cluster():
         yield None
         return
     import ray
-    from ray import serve
     from llampy.cluster.launch import start_local
     c = start_local(2)
     yield c
-    serve.shutdown()
     ray.shutdown()
-    c.shutdown()
+    c.shutdown()            # Serve's actors go with the nodes
 
 
 def wait_replicas(n: int, timeout: float = 90.0) -> dict:
@@ -221,7 +219,8 @@ def test_pipeline_stage_on_another_node_equals_one_process(cluster, smollm2_path
     from llampy.llama.model import Model
     path = str(smollm2_path)
     me = ray.get_runtime_context().get_node_id()
-    other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != me)
+    other = next(iter(cluster.worker_nodes)).node_id     # a worker still there (the failover test removed one)
+    assert other != me
     on_other = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(other, soft=False)}
     cls = ray.remote(Stage)
     stage = cls.options(**on_other).remote(path, file_sha256(path), 1)
