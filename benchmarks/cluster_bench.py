@@ -8,6 +8,8 @@ issue's figures, printed as one JSON object.
   resume_s             a stream's break (SIGKILL of its replica) to its next token from another replica
   handoff_ms           one round trip actor -> stage actor on another node carrying N KB (a split's hidden state)
   pipeline_ms_per_token  SmolLM2 decode per token, one process vs second half in a stage on another node
+  *_pss_mib            memory (PSS) of the cluster's processes: idle, then with Serve and 2 replicas of the tiny
+                       model (its weights are 13 MiB; the rest is Ray, Serve and llampy's Python)
 
 Run as root (it makes its own loopback-only network namespace, as the tests do):
     unshare -n sh -c 'ip link set lo up && RAY_USAGE_STATS_ENABLED=0 .venv/bin/python benchmarks/cluster_bench.py'
@@ -208,14 +210,39 @@ def pipeline_ms_per_token(n: int = 24) -> dict:
     return out
 
 
+def tree_pss_mib() -> float:
+    """PSS of this process's descendants (the local cluster's GCS, raylets, workers, Serve's actors), MiB."""
+    kids: dict[int, list] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    todo, total = list(kids.get(os.getpid(), [])), 0
+    while todo:
+        pid = todo.pop()
+        todo += kids.get(pid, [])
+        try:
+            for ln in open(f"/proc/{pid}/smaps_rollup"):
+                if ln.startswith("Pss:"):
+                    total += int(ln.split()[1])
+        except OSError:
+            pass
+    return round(total / 1024, 1)
+
+
 def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from llampy.cluster.launch import start_local
     t0 = time.monotonic()
     c = start_local(2)
-    res = {"cluster_start_s": round(time.monotonic() - t0, 1)}
+    res = {"cluster_start_s": round(time.monotonic() - t0, 1), "idle_cluster_pss_mib": tree_pss_mib()}
     res["handoff_ms"] = handoff_ms()
-    res["router_p50_ms"] = {"pow2": router_latency("pow2"), "prefix": router_latency("prefix")}
+    res["router_p50_ms"] = {"pow2": router_latency("pow2")}
+    res["serve_2_tiny_replicas_pss_mib"] = tree_pss_mib()
+    res["router_p50_ms"]["prefix"] = router_latency("prefix")
     res["router_choose_us"] = router_choose_us()
     res["stream_ms_per_token"] = stream_cost()
     res["resume_s"] = resume_seconds()

@@ -55,6 +55,10 @@ class Replica:
         try:
             while not done:
                 items = [await q.get()]
+                if items[0].error and self.stages and not self._stages_alive():
+                    # a stage died under the step: the stream can go on elsewhere (the ingress moves it on 503)
+                    # while Serve replaces this replica (check_health fails from now on)
+                    items[0].status = 503
                 done = items[-1].finish_reason is not None
                 # merge what arrives within MERGE_S of the last item (the first one goes at once)
                 while not done:
@@ -91,6 +95,14 @@ class Replica:
                        keep_tokens=frozenset(f["keep_tokens"]), cache_prompt=f["cache_prompt"],
                        id_slot=f["id_slot"], prompt_logprobs=-1 if gen else f["prompt_logprobs"],
                        params=f["params"])
+
+    def _stages_alive(self) -> bool:
+        try:
+            for st in self.stages:
+                st.check()
+            return True
+        except Exception:
+            return False
 
     # ------------------------------------------------------------------ state
     def stats(self) -> dict:
