@@ -11,7 +11,8 @@ issue's figures, printed as one JSON object.
   *_pss_mib            memory (PSS) of the cluster's processes: idle, then with Serve and 2 replicas of the tiny
                        model (its weights are 13 MiB; the rest is Ray, Serve and llampy's Python)
 
-Run as root (it makes its own loopback-only network namespace, as the tests do):
+Run as root, in a loopback-only network namespace as the tests do (names select figures: handoff router stream
+resume pipeline; none: all):
     unshare -n sh -c 'ip link set lo up && RAY_USAGE_STATS_ENABLED=0 .venv/bin/python benchmarks/cluster_bench.py'
 """
 from __future__ import annotations
@@ -95,11 +96,10 @@ def stream_cost(n_tok: int = 128, reps: int = 5) -> float:
     import httpx
     out = []
     for i in range(reps):
-        body = {"prompt": f"Once {i}", "max_tokens": n_tok, "temperature": 0, "ignore_eos": True, "stream": True,
-                "timings_per_token": True}
+        body = {"prompt": f"Once {i}", "n_predict": n_tok, "temperature": 0, "ignore_eos": True, "stream": True}
         t_first = t_last = None
         timings = None
-        with httpx.stream("POST", URL + "/v1/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", URL + "/completion", json=body, timeout=120) as r:
             for ln in r.iter_lines():
                 if not ln.startswith("data: ") or ln == "data: [DONE]":
                     continue
@@ -121,7 +121,7 @@ def resume_seconds() -> list:
     started = threading.Event()
 
     def one(i):
-        body = {"prompt": f"Story {i}", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {"prompt": f"Story {i}", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", URL + "/v1/completions", json=body, timeout=120) as r:
             for ln in r.iter_lines():
                 if ln.startswith("data: {"):
@@ -131,7 +131,8 @@ def resume_seconds() -> list:
         t.start()
     started.wait(60)
     time.sleep(0.3)
-    os.kill(ray.get(board.read.remote())[0]["pid"], signal.SIGKILL)
+    rows = ray.get(board.read.remote())
+    os.kill(max(rows, key=lambda r: r["busy"])["pid"], signal.SIGKILL)     # a replica with streams on it
     for t in ths:
         t.join()
     return [round(x, 3) for x in httpx.get(URL + "/cluster/failover").json()["resume_seconds"]]
@@ -236,22 +237,39 @@ def tree_pss_mib() -> float:
 def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from llampy.cluster.launch import start_local
+    res: dict = {}
+
+    def put(key, value):        # each figure as soon as it is measured
+        res[key] = value
+        print(f"cluster_bench: {key} = {json.dumps(value)}", flush=True)
+
     t0 = time.monotonic()
     c = start_local(2)
-    res = {"cluster_start_s": round(time.monotonic() - t0, 1), "idle_cluster_pss_mib": tree_pss_mib()}
-    res["handoff_ms"] = handoff_ms()
-    res["router_p50_ms"] = {"pow2": router_latency("pow2")}
-    res["serve_2_tiny_replicas_pss_mib"] = tree_pss_mib()
-    res["router_p50_ms"]["prefix"] = router_latency("prefix")
-    res["router_choose_us"] = router_choose_us()
-    res["stream_ms_per_token"] = stream_cost()
-    res["resume_s"] = resume_seconds()
+    put("cluster_start_s", round(time.monotonic() - t0, 1))
+    put("idle_cluster_pss_mib", tree_pss_mib())
+    only = set(sys.argv[1:])        # e.g. `cluster_bench.py resume`: that figure alone
+
+    def want(name):
+        return not only or name in only
+    if want("handoff"):
+        put("handoff_ms", handoff_ms())
+    if want("router"):
+        put("router_p50_ms_pow2", router_latency("pow2"))
+        put("serve_2_tiny_replicas_pss_mib", tree_pss_mib())
+    if want("router") or want("stream") or want("resume"):
+        put("router_p50_ms_prefix", router_latency("prefix"))
+    if want("router"):
+        put("router_choose_us", router_choose_us())
+    if want("stream"):
+        put("stream_ms_per_token", stream_cost())
+    if want("resume"):
+        put("resume_s", resume_seconds())
     from ray import serve
     serve.delete("llampy")
-    res["pipeline_ms_per_token"] = pipeline_ms_per_token()
+    if want("pipeline"):
+        put("pipeline_ms_per_token", pipeline_ms_per_token())
     print(json.dumps(res, indent=1), flush=True)
     import ray
-    serve.shutdown()
     ray.shutdown()
     c.shutdown()
 

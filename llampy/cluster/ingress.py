@@ -152,7 +152,8 @@ class RemoteEngine:
                         req.emit(ev)
                         if ev.finish_reason is not None:
                             return
-                if req.cancelled:
+                if req.cancelled:       # the client went away: the replica frees the slot
+                    stream.cancel()
                     return
                 why = "the replica's stream ended without a finish"
             except asyncio.CancelledError:
