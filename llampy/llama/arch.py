@@ -31,6 +31,8 @@ ARCHITECTURES = {
     "rwkv6": "rwkv6",
     "rwkv7": "rwkv7",
     "lfm2": "lfm2",
+    "granitehybrid": "granitehybrid",
+    "falcon-h1": "falconh1",
     "phi2": "phi2",
     "olmo2": "olmo2",
     "smollm3": "smollm3",

@@ -126,6 +126,9 @@ class HParams:
     n_lora_gate: int = 0
     # LFM2: the short convolution's width (shortconv.l_cache)
     n_shortconv_l_cache: int = 0
+    # layers that keep K and V (bool per layer); empty: the layers that are not recurrent. Falcon-H1's layers run
+    # attention and a Mamba-2 mixer side by side, so they are in both memories
+    kv_layers: list = field(default_factory=list)
 
     def n_head(self, il: int = 0) -> int:
         return self.n_head_arr[il]
@@ -144,6 +147,9 @@ class HParams:
 
     def is_recurrent(self, il: int) -> bool:
         return bool(self.recurrent_layers) and self.recurrent_layers[il]
+
+    def has_kv(self, il: int) -> bool:
+        return self.kv_layers[il] if self.kv_layers else not self.is_recurrent(il)
 
     def n_embd_r(self) -> int:
         """Floats of a recurrent layer's rolling row per sequence: the convolution's last d_conv - 1 inputs (RWKV:
@@ -303,7 +309,7 @@ def check_hparams(hp: HParams) -> None:
     these while it builds the graph; here they fail at load, one clean error each)."""
     a = hp.arch
     for il in range(hp.n_layer):
-        if hp.is_recurrent(il):
+        if not hp.has_kv(il):
             continue
         if hp.n_head(il) < 1 or hp.n_head_kv(il) < 1:
             raise InvalidMetadata(f"{a}.attention.head_count and head_count_kv must be at least 1 in layer {il}, "
@@ -311,7 +317,7 @@ def check_hparams(hp: HParams) -> None:
         if hp.n_head_kv(il) > hp.n_head(il) or hp.n_head(il) % hp.n_head_kv(il):
             raise InvalidMetadata(f"{a}.attention.head_count ({hp.n_head(il)}) is not a multiple of "
                                   f"{a}.attention.head_count_kv ({hp.n_head_kv(il)}) in layer {il}")
-    attention = not all(hp.is_recurrent(il) for il in range(hp.n_layer))
+    attention = any(hp.has_kv(il) for il in range(hp.n_layer))
     if attention and (hp.n_rot % 2 or not 0 < hp.n_rot <= hp.n_embd_head_k):
         raise InvalidMetadata(f"{a}.rope.dimension_count is {hp.n_rot}: RoPE turns pairs of a head's "
                               f"{hp.n_embd_head_k} dimensions, so it must be even and in 2..{hp.n_embd_head_k}")

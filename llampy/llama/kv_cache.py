@@ -80,7 +80,7 @@ class KVCache:
         # one buffer per layer's backend, tensors placed in it
         by_backend: dict[int, list] = {}
         for il in range(hp.n_layer):
-            if hp.is_recurrent(il):             # a hybrid's recurrent layer keeps no K and V
+            if not hp.has_kv(il):               # a hybrid's recurrent layer keeps no K and V
                 self.k.append(None)
                 self.v.append(None)
                 continue

@@ -1,5 +1,6 @@
 """The context's memory, chosen from the model as llama.cpp's create_memory does: a KV cache when every layer is
-attention, the recurrent memory when every layer is recurrent, both (HybridMemory) when the file mixes them. All
+attention, the recurrent memory when every layer is recurrent and none attends, both (HybridMemory) when the file
+mixes them (per layer, or in one layer as Falcon-H1's). All
 answer the same interface (kv_cache.KVCache is its reference: find_slot/apply, split, n_kv_for, n_seqs,
 input_values, the seq_* operations, clear, state_write and state_read), so the context does not know which one it
 holds."""
@@ -14,7 +15,7 @@ from .memory_recurrent import RecurrentMemory
 def create_memory(model, n_ctx: int, n_seq_max: int, type_k, type_v, n_stream: int):
     hp = model.hparams
     recurrent = [hp.is_recurrent(il) for il in range(hp.n_layer)]
-    if all(recurrent):
+    if not any(hp.has_kv(il) for il in range(hp.n_layer)):
         return RecurrentMemory(hp, n_seq_max, model.layer_backend)
     kv = KVCache(hp, n_ctx, n_seq_max, model.layer_backend, type_k, type_v, n_stream=n_stream)
     if any(recurrent):

@@ -24,7 +24,8 @@ def built(tmp_path_factory):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     d = tmp_path_factory.mktemp("rs_load")
-    return {n: mod.build(n, d / f"{n}.gguf") for n in ("mamba-s128-Q8_0", "mamba2-s16-g2-Q8_0")}
+    return {n: mod.build(n, d / f"{n}.gguf") for n in ("mamba-s128-Q8_0", "mamba2-s16-g2-Q8_0", "rwkv7-h32-Q8_0",
+                                                        "lfm2-c3-Q8_0")}
 
 
 def _rewrite(src, dst, drop=(), set_=None, drop_tensors=()):
@@ -64,8 +65,8 @@ def test_missing_ssm_tensor_is_named(built, tmp_path):
 
 
 def test_unsupported_recurrent_architecture_is_named(built, tmp_path):
-    path = _rewrite(built["mamba2-s16-g2-Q8_0"], tmp_path / "m.gguf", set_={"general.architecture": "rwkv7"})
-    with pytest.raises(UnknownArchitecture, match="rwkv7"):
+    path = _rewrite(built["mamba2-s16-g2-Q8_0"], tmp_path / "m.gguf", set_={"general.architecture": "plamo2"})
+    with pytest.raises(UnknownArchitecture, match="plamo2"):
         Model(path)
 
 
@@ -75,3 +76,22 @@ def test_state_per_sequence_is_llama_cpps(built):
     # llama.cpp: n_embd_r = (d_conv - 1) * (d_inner + 2 n_group d_state), n_embd_s = d_state * d_inner
     assert hp.n_embd_r() == 3 * (128 + 2 * 2 * 16) and hp.n_embd_s() == 16 * 128
     assert all(hp.is_recurrent(il) for il in range(hp.n_layer))
+
+
+@pytest.mark.parametrize("name,key", [("rwkv7-h32-Q8_0", "rwkv7.wkv.head_size"),
+                                      ("rwkv7-h32-Q8_0", "rwkv7.attention.decay_lora_rank"),
+                                      ("lfm2-c3-Q8_0", "lfm2.shortconv.l_cache")])
+def test_missing_wkv_or_shortconv_key_is_named(built, tmp_path, name, key):
+    path = _rewrite(built[name], tmp_path / "m.gguf", drop=(key,))
+    with pytest.raises(MissingMetadata, match=key):
+        Model(path)
+
+
+def test_rwkv_and_shortconv_state_sizes_are_llama_cpps(built):
+    hp = Model(built["rwkv7-h32-Q8_0"]).hparams
+    # llama.cpp: RWKV n_embd_r = token_shift_count * n_embd, n_embd_s = n_embd * head_size
+    assert hp.n_embd_r() == 2 * 64 and hp.n_embd_s() == 64 * 32
+    hp = Model(built["lfm2-c3-Q8_0"]).hparams
+    # LFM2: n_embd_r = n_embd * (l_cache - 1), no state row; attention on the layers with KV heads
+    assert hp.n_embd_r() == 64 * 2 and hp.n_embd_s() == 0
+    assert [hp.is_recurrent(il) for il in range(4)] == [True, True, False, True]

@@ -8,29 +8,39 @@ from ._common import load_embd_and_output
 from .mamba import build_blocks, conv_input, load_ssm_hparams
 
 
-def load_hparams(hp, md):
-    load_ssm_hparams(hp, md, group=True)
+def check_mamba2_hparams(hp):
     if hp.ssm_d_inner % hp.ssm_dt_rank or hp.ssm_d_inner % hp.ssm_n_group or hp.ssm_dt_rank % hp.ssm_n_group:
         raise ValueError(f"ssm.inner_size {hp.ssm_d_inner} does not split into {hp.ssm_dt_rank} heads "
                          f"(ssm.time_step_rank) in {hp.ssm_n_group} groups (ssm.group_count)")
 
 
-def load_tensors(model, ld):
-    hp = model.hparams
+def load_hparams(hp, md):
+    load_ssm_hparams(hp, md, group=True)
+    check_mamba2_hparams(hp)
+
+
+def load_mamba2_layer(hp, ld, layer, il: int, conv_bias_required: bool = True, norm_required: bool = True):
+    """A Mamba-2 mixer's tensors (the convolution's bias optional in the hybrids' files, the grouped norm in
+    Falcon-H1's)."""
     d_conv, d_inner, d_state, n_group, n_head = hp.ssm_d_conv, hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_n_group, \
         hp.ssm_dt_rank
     conv_dim = d_inner + 2 * n_group * d_state
+    layer.ssm_in = ld.create("ssm_in", (hp.n_embd, d_inner + conv_dim + n_head), il)
+    layer.ssm_conv1d = ld.create("ssm_conv1d", (d_conv, conv_dim), il)
+    layer.ssm_conv1d_b = ld.create("ssm_conv1d", (conv_dim,), il, suffix="bias", required=conv_bias_required)
+    layer.ssm_dt_b = ld.create("ssm_dt", (n_head,), il, suffix="bias")
+    layer.ssm_a = ld.create("ssm_a", (1, n_head), il, suffix=None)
+    layer.ssm_d = ld.create("ssm_d", (1, n_head), il, suffix=None)
+    layer.ssm_norm = ld.create("ssm_norm", (d_inner // n_group, n_group), il, required=norm_required)
+    layer.ssm_out = ld.create("ssm_out", (d_inner, hp.n_embd), il)
+
+
+def load_tensors(model, ld):
+    hp = model.hparams
     load_embd_and_output(model, ld)
     for il, layer in enumerate(model.layers):
         layer.attn_norm = ld.create("attn_norm", (hp.n_embd,), il)
-        layer.ssm_in = ld.create("ssm_in", (hp.n_embd, d_inner + conv_dim + n_head), il)
-        layer.ssm_conv1d = ld.create("ssm_conv1d", (d_conv, conv_dim), il)
-        layer.ssm_conv1d_b = ld.create("ssm_conv1d", (conv_dim,), il, suffix="bias")
-        layer.ssm_dt_b = ld.create("ssm_dt", (n_head,), il, suffix="bias")
-        layer.ssm_a = ld.create("ssm_a", (1, n_head), il, suffix=None)
-        layer.ssm_d = ld.create("ssm_d", (1, n_head), il, suffix=None)
-        layer.ssm_norm = ld.create("ssm_norm", (d_inner // n_group, n_group), il)
-        layer.ssm_out = ld.create("ssm_out", (d_inner, hp.n_embd), il)
+        load_mamba2_layer(hp, ld, layer, il)
 
 
 def mamba2_layer(g, layer, cur, il: int):
@@ -47,7 +57,9 @@ def mamba2_layer(g, layer, cur, il: int):
     xBC = ops.view_3d(zxBCdt, conv_dim, n_seq_tokens, n_seqs, nb1, nb2, d_inner * 4)
     dt = ops.view_3d(zxBCdt, n_head, n_seq_tokens, n_seqs, nb1, nb2, (d_inner + conv_dim) * 4)
     xBC = ops.ssm_conv(conv_input(g, il, xBC, conv_dim), layer.ssm_conv1d)    # [conv_dim, n_seq_tokens, n_seqs]
-    xBC = g.cb(ops.silu(ops.add(xBC, layer.ssm_conv1d_b)), "ssm_conv", il)
+    if layer.ssm_conv1d_b is not None:
+        xBC = ops.add(xBC, layer.ssm_conv1d_b)
+    xBC = g.cb(ops.silu(xBC), "ssm_conv", il)
     nb1, nb2 = xBC.nb[1], xBC.nb[2]
     x = ops.view_4d(xBC, head_dim, n_head, n_seq_tokens, n_seqs, head_dim * 4, nb1, nb2, 0)
     B = ops.view_4d(xBC, d_state, n_group, n_seq_tokens, n_seqs, d_state * 4, nb1, nb2, d_inner * 4)
@@ -62,8 +74,8 @@ def mamba2_layer(g, layer, cur, il: int):
     y = ops.view_4d(y_ssm, head_dim, n_head, n_seq_tokens, n_seqs, row, n_head * row, n_seq_tokens * n_head * row, 0)
     y = g.cb(ops.add(y, ops.mul(x, layer.ssm_d)), "mamba2_y_add_d", il)
     y = ops.swiglu(ops.cont(z), y)
-    y = ops.reshape(y, d_inner // n_group, n_group, n_seq_tokens, n_seqs)      # grouped RMS norm
-    y = g.norm(y, layer.ssm_norm, il=il)
+    if layer.ssm_norm is not None:                                              # grouped RMS norm
+        y = g.norm(ops.reshape(y, d_inner // n_group, n_group, n_seq_tokens, n_seqs), layer.ssm_norm, il=il)
     return g.mm(layer.ssm_out, ops.reshape(y, d_inner, g.n_tokens))
 
 

@@ -154,3 +154,20 @@ def geglu_rows_par(g, u, table, out):
 # From this many rows the GLUs run on all threads: one thread took 14 ms of Gemma 3's pp512 (512 x 2048 per layer)
 # and 7 ms of SmolLM2's; a decode step's single row stays serial (no parallel region to start).
 GLU_PAR_ROWS = 16
+
+
+# EXP, TANH and SIGMOID: ggml-cpu's scalar loops over the C library's expf and tanhf (ggml_vec_exp_f32,
+# ggml_vec_tanh_f32, ggml_vec_sigmoid_f32). NumPy's float32 exp and tanh are its own vector code, a last bit away
+# on some inputs; Numba's math.exp/math.tanh on float32 call the C library's expf/tanhf.
+@njit(cache=True)
+def libm_unary(x, out, kind):
+    """x, out: float32, flat. kind 0: expf(x); 1: tanhf(x); 2: 1 / (1 + expf(-x))."""
+    one = np.float32(1.0)
+    for i in range(x.shape[0]):
+        v = x[i]
+        if kind == 0:
+            out[i] = np.float32(math.exp(v))
+        elif kind == 1:
+            out[i] = np.float32(math.tanh(v))
+        else:
+            out[i] = one / (one + np.float32(math.exp(np.float32(-v))))

@@ -147,3 +147,17 @@ def rms_norm_mul_rows_par(x, w, eps, out, add):
         _rms_mul_rows4(x, w, eps, out, r, add)
     for r in range(r4, rows):
         _rms_mul_row(x, w, eps, out, r, add)
+
+
+@njit(cache=True)
+def l2_norm_rows(x, eps, out):
+    """ggml_compute_forward_l2_norm_f32: the squares rounded to float, summed in double in order, the scale
+    1 / max(sqrtf(float(sum)), eps) in float."""
+    rows, n = x.shape
+    for r in range(rows):
+        s = 0.0
+        for i in range(n):
+            s += np.float64(np.float32(x[r, i] * x[r, i]))
+        scale = np.float32(1.0) / max(np.float32(math.sqrt(np.float32(s))), eps)
+        for i in range(n):
+            out[r, i] = np.float32(x[r, i] * scale)

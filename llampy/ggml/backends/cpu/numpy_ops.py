@@ -87,6 +87,12 @@ def k_unary(node, dst, srcs, acc):
             r = x * x
         elif op is Op.SQRT:
             r = np.sqrt(x)
+        elif op in (Op.EXP, Op.TANH, Op.SIGMOID) and acc == np.float32:
+            from .act import libm_unary
+            x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+            r = np.empty_like(x2)
+            libm_unary(x2, r, (Op.EXP, Op.TANH, Op.SIGMOID).index(op))
+            r = r.reshape(x.shape)
         elif op is Op.EXP:
             r = np.exp(x)
         elif op is Op.TANH:
@@ -203,6 +209,13 @@ def k_norm(node, dst, srcs, acc):
 def k_l2_norm(node, dst, srcs, acc):
     x = to_float(srcs[0], node.src[0].type, acc)
     eps = node.op_params["eps"]
+    if acc == np.float32:
+        from .norm import l2_norm_rows
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        out = np.empty_like(x2)
+        l2_norm_rows(x2, np.float32(eps), out)
+        store(dst, node.type, out.reshape(x.shape))
+        return
     s = np.sqrt((x.astype(np.float64) ** 2).sum(axis=-1, keepdims=True)).astype(acc)
     store(dst, node.type, x * (acc(1.0) / np.maximum(s, acc(eps))))
 
