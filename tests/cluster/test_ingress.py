@@ -77,11 +77,18 @@ def replicas():
         r.engine.stop()
 
 
+_server = {}
+
+
 def cluster_client(replicas, faults=None, live=True):
+    """A fresh ingress app over ``replicas``; the ClusterServer (vocabulary, template renderer) is built once."""
     from llampy.cluster.ingress import ClusterServer, RemoteEngine, build_app
     handle = Handle(replicas, faults)
     eng = RemoteEngine(handle, Board(replicas if live else []), N_PARALLEL, N_CTX, idle_timeout=5.0)
-    server = ClusterServer(MODEL, eng)
+    server = _server.get("s")
+    if server is None:
+        server = _server["s"] = ClusterServer(MODEL, eng)
+    server.engine = eng
     c = TestClient(build_app(server))
     c.get("/health")        # reads the board (the deployment's ingress does so every half second)
     return c, handle, eng
