@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "lfm2": "lfm2",
     "granitehybrid": "granitehybrid",
     "falcon-h1": "falconh1",
+    "nemotron_h": "nemotron_h",
     "phi2": "phi2",
     "olmo2": "olmo2",
     "smollm3": "smollm3",

@@ -22,7 +22,7 @@ HERE = ROOT / "tests" / "fixtures" / "tiny_recurrent"
 MODELS = ["mamba-s16-F32", "mamba-s128-Q8_0", "falcon-mamba-s16-Q8_0", "mamba2-s128-g1-F32", "mamba2-s16-g2-Q8_0",
           "jamba-hybrid-Q8_0", "rwkv6-h16-F32", "rwkv6-h64-Q8_0", "rwkv7-h32-Q8_0", "rwkv7-h64-F32",
           "lfm2-c3-Q8_0", "lfm2-c4-Q8_0", "granitehybrid-s64-Q8_0", "granitehybrid-moe-Q8_0", "falcon-h1-s32-Q8_0",
-          "falcon-h1-s128-Q8_0"]
+          "falcon-h1-s128-Q8_0", "nemotron_h-s64-Q8_0"]
 # the later architectures' files (the suite's time budget): every prompt teacher-forced, the first prompt token by
 # token, the first two chunks of perplexity
 LIGHT = set(MODELS[6:])

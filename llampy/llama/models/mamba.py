@@ -21,7 +21,7 @@ def _positive(m, k: str, required: bool = True) -> int:
     return int(v)
 
 
-def load_ssm_hparams(hp, md, group: bool):
+def load_ssm_hparams(hp, md, group: bool, rms_eps_required: bool = True):
     m = Meta(md, hp.arch)
     hp.ssm_d_conv = _positive(m, "ssm.conv_kernel")
     hp.ssm_d_inner = _positive(m, "ssm.inner_size")
@@ -29,7 +29,7 @@ def load_ssm_hparams(hp, md, group: bool):
     hp.ssm_dt_rank = _positive(m, "ssm.time_step_rank")
     hp.ssm_n_group = _positive(m, "ssm.group_count") if group else 0
     hp.ssm_dt_b_c_rms = bool(m.get("ssm.dt_b_c_rms", False))
-    if not m.has("attention.layer_norm_rms_epsilon"):
+    if rms_eps_required and not m.has("attention.layer_norm_rms_epsilon"):
         raise MissingMetadata(f"missing metadata key {m.key('attention.layer_norm_rms_epsilon')!r}")
     hp.recurrent_layers = [True] * hp.n_layer
 
