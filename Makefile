@@ -4,8 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
+# pytest's workers for the kernel-path runs (empty: one process)
+XDIST ?=
 
-.PHONY: run test test-quick test-avx2 test-cuda gpu-bench install install-dev clean
+.PHONY: run test test-quick test-avx2 test-generic test-cuda gpu-bench install install-dev clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,16 +42,24 @@ test: $(DEVSTAMP)
 	LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
 	  LLAMPY_LLAMACPP_TOOLS=$$(bash scripts/llamacpp_tools.sh) $(BIN)/python -m pytest -q
 
-# The suite again with the AVX2 paths forced (llampy's intrinsics by LLAMPY_SIMD, Numba's code generation by
-# NUMBA_CPU_NAME), in a Numba cache of its own: what an AVX2-only CPU runs. On a CPU without AVX-512, `make test`
-# already ran those paths.
+# The kernels on the lesser instruction paths, each in a Numba cache of its own (Numba's cache does not know the
+# switch): the kernel tests and the fidelity tests against llama.cpp with the AVX2 path forced (llampy's intrinsics
+# by LLAMPY_SIMD, Numba's code generation by NUMBA_CPU_NAME: what an AVX2-only CPU runs; on a CPU without AVX-512,
+# `make test` already ran it), and the kernel tests on the target-neutral path (what a CPU without AVX2 runs). Only
+# the integer products and the choice of tiles differ between paths; every float operation is the same IR, so these
+# tests hold each path to llama.cpp's bits as `make test` holds the native one.
+KERNEL_TESTS := tests/ggml tests/llama/test_fidelity_real.py tests/llama/test_fidelity_tiny.py \
+  tests/llama/test_fidelity_tiny_more.py tests/llama/test_fidelity_recurrent.py
 test-avx2: $(DEVSTAMP)
 	@if grep -qw avx512f /proc/cpuinfo; then \
 	  LLAMPY_SIMD=avx2 NUMBA_CPU_NAME=haswell NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-avx2 \
 	    LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
-	    LLAMPY_LLAMACPP_TOOLS=$$(bash scripts/llamacpp_tools.sh) $(BIN)/python -m pytest -q -k "not paths_agree"; \
+	    $(BIN)/python -m pytest -q $(XDIST) $(KERNEL_TESTS); \
 	else echo "test-avx2: this CPU has no AVX-512, so make test ran the AVX2 paths"; fi
-# (the paths_agree tests are left out here: make test already held each forced path to the native one, bit for bit)
+
+test-generic: $(DEVSTAMP)
+	LLAMPY_SIMD=generic NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-generic LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) \
+	  $(BIN)/python -m pytest -q $(XDIST) -m "not slow" tests/ggml
 
 # The CUDA backend's tests (tests/cuda): on a GPU where there is one, else in the Triton interpreter on the CPU with
 # torch's CPU build (torch 2.13.0 is the CPU wheel these machines hold). `make test` stays GPU-free.

@@ -53,31 +53,3 @@ def random_blocks(type, shape, rng) -> np.ndarray:
     for off in _SCALE_FIELDS.get(type, (0,)):
         b[:, off:off + 2] = np.full((len(b), 1), 0.01, np.float16).view(np.uint8)
     return b.reshape(shape)
-
-
-def paths_agree(script: str, path: str, tmp_path) -> None:
-    """Run ``script`` (a module with ``run() -> {name: array}`` and a main that saves them to argv[1]) in a fresh
-    process with instruction path ``path`` forced (``LLAMPY_SIMD``, a fresh Numba cache), and require its arrays to
-    equal this process's bit for bit. Skipped where ``path`` is this process's own path: that would compare it
-    with itself."""
-    import os
-    import subprocess
-    import sys
-
-    import pytest
-
-    from llampy.ggml.backends.cpu import simd
-    native = "vnni" if simd.VNNI else "avx2" if simd.AVX2 else "generic"
-    if path == native:
-        pytest.skip(f"{path} is this process's own path here: comparing it would compare it with itself")
-    file = tmp_path / "paths_run.py"
-    file.write_text(script)
-    env = dict(os.environ, LLAMPY_SIMD=path, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    subprocess.run([sys.executable, str(file), str(tmp_path / f"{path}.npz")], env=env, check=True, timeout=900)
-    here = {}
-    exec(compile(script.split('if __name__')[0], "paths_run", "exec"), here)
-    want = here["run"]()
-    got = np.load(tmp_path / f"{path}.npz")
-    assert set(got.files) == set(want)
-    for key, arr in want.items():
-        assert np.array_equal(got[key], arr), key

@@ -214,37 +214,3 @@ def test_mul_mat_dispatch_takes_the_kernels(t):
         assert run is not None
         run()
         assert np.array_equal(out, ref)
-
-
-PATHS_SCRIPT = r'''
-import sys
-import numpy as np
-from llampy.ggml import quants
-from llampy.ggml.types import GGMLType as T
-from llampy.ggml.backends.cpu import dot_blocks
-
-def run():
-    rng = np.random.default_rng(3)
-    res = {}
-    for t, k, rows in ((T.F16, 608, 9), (T.BF16, 576, 8), (T.Q2_K, 512, 9), (T.Q3_K, 512, 6), (T.IQ4_XS, 512, 7),
-                       (T.IQ4_NL, 576, 16), (T.IQ4_NL, 608, 5)):
-        w = quants.quantize(rng.standard_normal((rows, k)).astype(np.float32), t)
-        w = w.view(np.uint16).reshape(rows, k) if t in (T.F16, T.BF16) else w.reshape(rows, -1)
-        for n in (1, 3):
-            x = (rng.standard_normal((n, k)) * 4).astype(np.float32)
-            out = np.empty((n, rows), np.float32)
-            dot_blocks.mul_mat(w, t, x, out)
-            res[f"{t.name}_{k}_{n}"] = out
-    return res
-
-if __name__ == "__main__":
-    np.savez(sys.argv[1], **run())
-'''
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("path", ["avx2", "generic"])
-def test_simd_paths_agree(path, tmp_path):
-    """The kernels give the same bits on every instruction path (LLAMPY_SIMD forced in a fresh process)."""
-    from tests.ggml.helpers import paths_agree
-    paths_agree(PATHS_SCRIPT, path, tmp_path)
