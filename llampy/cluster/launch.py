@@ -73,8 +73,9 @@ def start_local(n_nodes: int, cpus_per_node: int = 1):
         raise ClusterError(f"local:{n_nodes}: a local cluster needs at least one worker node")
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                        "node_ip_address": "127.0.0.1"})
-    for _ in range(n_nodes):
-        c.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
+    for _ in range(n_nodes):        # started together, then waited for
+        c.add_node(wait=False, num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
+    c.wait_for_nodes(timeout=120)
     ray.init(address=c.address, namespace=NAMESPACE, logging_level="warning", log_to_driver=False)
     return c
 
