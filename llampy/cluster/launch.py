@@ -1,5 +1,5 @@
-"""deploy() (llampy.cluster.deploy): the ingress and replica deployments on a Ray cluster (an existing one, or a local one for trying it
-out), behind Serve's HTTP proxy on the head node."""
+"""deploy() (llampy.cluster.deploy): the ingress and replica deployments on a Ray cluster (an existing one, or a
+local one for trying it out), behind Serve's HTTP proxy on the head node."""
 from __future__ import annotations
 
 import os
