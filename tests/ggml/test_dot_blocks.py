@@ -154,7 +154,7 @@ def ggml_order(wq, t, x):
             r = hsum8((a[0] + a[1]).astype(np.float32))
             if nb % 2:
                 b = nb - 1
-                r = fma(f32(xd[i, b] * dw[:, b]), isum[:, b].astype(np.float32), r)
+                r = f32(r + f32(f32(xd[i, b] * dw[:, b]) * isum[:, b].astype(np.float32)))   # not contracted
             out[i] = r
             continue
         lanes = prod.reshape(rows, nb, 8, 8, 4).sum(axis=(2, 4))              # lane l: elements 32c + 4l .. + 3
@@ -207,6 +207,9 @@ def test_mul_mat_dispatch_takes_the_kernels(t):
         x = rng.standard_normal((n, k)).astype(np.float32)
         out, ref = np.empty((n, rows), np.float32), np.empty((n, rows), np.float32)
         db.mul_mat(wq, t, x, ref)
+        if t == T.F16 and n >= 2:       # ggml-cpu takes llamafile's tinyBLAS there (test_dot_f16_tiny.py)
+            from tests.ggml.test_dot_f16_tiny import tinyblas_order
+            ref = tinyblas_order(wq, x)
         mm.mul_mat(wq, t, x, out)
         assert np.array_equal(out, ref)
         out[...] = np.nan

@@ -1,0 +1,48 @@
+"""F16 products in llamafile's tinyBLAS order (cpu/dot_f16_tiny.py), which ggml-cpu takes for F16 weights from two
+activation rows on (rows % 4 == 0, k % 8 == 0): against a NumPy transliteration of that order, and through
+matmul's dispatch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llampy.ggml.backends.cpu import dot_f16_tiny, matmul as mm
+from llampy.ggml.types import GGMLType as T
+
+
+def tinyblas_order(w16: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """out[i, r]: x rounded to F16; one 8-lane float32 accumulator over k in steps of 8 (the F16 products are exact
+    in float32, so each fma is one float32 addition); hsum(__m256): ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
+    w = w16.astype(np.float32)
+    xr = x.astype(np.float16).astype(np.float32)
+    rows, k = w.shape
+    out = np.empty((len(x), rows), np.float32)
+    for i in range(len(x)):
+        p = (w * xr[i]).reshape(rows, k // 8, 8)
+        acc = np.zeros((rows, 8), np.float32)
+        for j in range(k // 8):
+            acc = (acc + p[:, j]).astype(np.float32)
+        a = acc
+        out[i] = ((a[:, 4] + a[:, 0]) + (a[:, 6] + a[:, 2])) + ((a[:, 5] + a[:, 1]) + (a[:, 7] + a[:, 3]))
+    return out
+
+
+@pytest.mark.parametrize("rows,k,n", [(8, 48, 2), (12, 96, 7), (20, 1152, 50), (4, 8, 3)])
+def test_tinyblas_order(rows, k, n):
+    rng = np.random.default_rng(rows * k + n)
+    w = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1.0, 30.0], size=(rows, 1))).astype(np.float16)
+    x = (rng.standard_normal((n, k)) * rng.choice([1e-2, 1.0, 300.0], size=(n, 1))).astype(np.float32)
+    assert dot_f16_tiny.applies(rows, k, n)
+    want = tinyblas_order(w, x)
+    out = np.full((n, rows), np.nan, np.float32)
+    mm.mul_mat(w, T.F16, x, out)                          # the dispatch takes it
+    assert np.array_equal(out, want)
+    out[...] = np.nan
+    mm.bind_mul_mat(w, T.F16, x, out, lambda: None)()
+    assert np.array_equal(out, want)
+
+
+def test_where_ggml_takes_tinyblas():
+    assert not dot_f16_tiny.applies(8, 64, 1)             # one row: ggml_vec_dot_f16
+    assert not dot_f16_tiny.applies(6, 64, 4)             # rows % 4
+    assert not dot_f16_tiny.applies(8, 60, 4)             # k % 8
