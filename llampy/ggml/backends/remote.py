@@ -13,7 +13,8 @@ actor's method in llampy/cluster/stage.py; a direct call in tests). This module 
 
 Operations, as tuples: ("alloc", bid, size), ("alloc_weight", bid, name, nbytes), ("free", bid),
 ("write", bid, offset, bytes), ("memset", bid, offset, size, value), ("plan", key, records), ("run", key),
-("read", bid, offset, size).
+("read", bid, offset, size), ("push", bid, offset, size, transport, dst_bid, dst_offset): bytes sent by this stage
+to another one (a split's output that the next stage reads), not through the caller.
 """
 from __future__ import annotations
 
@@ -68,8 +69,18 @@ class RemoteBuffer(Buffer):
 
     def cpy_tensor(self, src: Tensor, dst: Tensor) -> bool:
         sb = src.storage.buffer
-        if sb.is_host and src.is_contiguous() and dst.is_contiguous():
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            return False
+        if sb.is_host:
             self.write(dst.data_offs, sb.data[src.data_offs:src.data_offs + src.nbytes])
+            return True
+        if isinstance(sb, RemoteBuffer) and sb.buft.backend is not self.buft.backend:
+            # stage to stage: the source's stage sends the bytes to this one itself, after its queued runs
+            me, other = self.buft.backend, sb.buft.backend
+            if any(op[0] in ("alloc", "alloc_weight") for op in me._ops):
+                me.flush()      # the destination buffer must exist there first
+            other._queue(("push", sb.bid, src.data_offs, src.nbytes, me.transport, self.bid, dst.data_offs))
+            other.flush()
             return True
         return False
 
@@ -212,6 +223,9 @@ class StageExecutor:
             elif kind == "read":
                 _, bid, off, size = op
                 out.append(self.buffers[bid].data[off:off + size].tobytes())
+            elif kind == "push":       # to another stage, through its transport: stage to stage
+                _, bid, off, size, transport, dst_bid, dst_off = op
+                transport([("write", dst_bid, dst_off, self.buffers[bid].data[off:off + size].tobytes())])
             elif kind == "memset":
                 _, bid, off, size, value = op
                 self.buffers[bid].data[off:off + size] = value
