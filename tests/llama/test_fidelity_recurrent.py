@@ -5,7 +5,6 @@ on)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 
 import numpy as np
@@ -16,25 +15,20 @@ from llampy.llama.context import Context
 from llampy.llama.model import Model
 from llampy.llama.perplexity import perplexity
 
-from tests.paths import ROOT, TINY
+from tests.llama.tiny_recurrent import HERE, gguf
+from tests.paths import TINY
 
-HERE = ROOT / "tests" / "fixtures" / "tiny_recurrent"
-MODELS = ["mamba-s16-F32", "mamba-s128-Q8_0", "falcon-mamba-s16-Q8_0", "mamba2-s128-g1-F32", "mamba2-s16-g2-Q8_0",
-          "jamba-hybrid-Q8_0", "rwkv6-h16-F32", "rwkv6-h64-Q8_0", "rwkv7-h32-Q8_0", "rwkv7-h64-F32",
-          "lfm2-c3-Q8_0", "lfm2-c4-Q8_0", "granitehybrid-s64-Q8_0", "granitehybrid-moe-Q8_0", "falcon-h1-s32-Q8_0",
-          "falcon-h1-s128-Q8_0", "nemotron_h-s64-Q8_0"]
-# the later architectures' files (the suite's time budget): every prompt teacher-forced, the first prompt token by
-# token, the first two chunks of perplexity
-LIGHT = set(MODELS[6:])
+FULL = ["mamba-s16-F32", "mamba-s128-Q8_0", "falcon-mamba-s16-Q8_0", "mamba2-s128-g1-F32", "mamba2-s16-g2-Q8_0",
+        "jamba-hybrid-Q8_0"]
+# the later architectures' files, within the suite's time budget: the longest prompt teacher-forced (its greedy
+# continuation scored at every step), one chunk of perplexity for two of them; token by token and two sequences
+# at once in test_recurrent_more
+LATER = ["rwkv6-h16-F32", "rwkv6-h64-Q8_0", "rwkv7-h32-Q8_0", "rwkv7-h64-F32", "lfm2-c3-Q8_0", "lfm2-c4-Q8_0",
+         "granitehybrid-s64-Q8_0", "granitehybrid-moe-Q8_0", "falcon-h1-s32-Q8_0", "falcon-h1-s128-Q8_0",
+         "nemotron_h-s64-Q8_0"]
+PPL_LATER = ["rwkv7-h32-Q8_0", "lfm2-c4-Q8_0"]
 TOL = 1e-3
 MARGIN = 0.05
-
-
-def _fixtures():
-    spec = importlib.util.spec_from_file_location("make_fixtures", HERE / "make_fixtures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def log_softmax(x):
@@ -43,34 +37,27 @@ def log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-@pytest.fixture(scope="session")
-def recurrent_dir(tmp_path_factory):
-    if not (TINY / "qwen2-Q8_0.gguf").exists():
-        pytest.skip("the shared tiny fixtures (their vocabulary) are not here")
-    return tmp_path_factory.mktemp("tiny_recurrent")
-
-
-@pytest.fixture(scope="module", params=MODELS)
-def tiny(request, recurrent_dir):
+@pytest.fixture(scope="module")
+def tiny(request, tmp_path_factory):
     name = request.param
     ref = json.loads((HERE / f"{name}.json").read_text())
-    path = recurrent_dir / f"{name}.gguf"
-    if not path.exists():
-        _fixtures().build(name, path)
+    path = gguf(name, tmp_path_factory)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"], f"{name}: the built GGUF changed"
     return name, Model(path), ref
 
 
+@pytest.mark.parametrize("tiny", FULL, indirect=True)
 def test_tokenize_prompts(tiny):
     name, model, ref = tiny
     for p in ref["prompts"]:
         assert model.vocab.tokenize(p["prompt"], add_special=True, parse_special=True) == p["prompt_ids"]
 
 
+@pytest.mark.parametrize("tiny", FULL + LATER, indirect=True)
 def test_teacher_forced_logprobs(tiny):
     name, model, ref = tiny
     worst = 0.0
-    for p in ref["prompts"]:
+    for p in ref["prompts"] if name in FULL else ref["prompts"][1:2]:
         ctx = Context(model, n_ctx=256, n_batch=256, n_ubatch=256)
         ctx.decode(Batch.from_tokens(p["prompt_ids"] + p["ids"], logits_all=True))
         lp = log_softmax(ctx.get_logits())
@@ -84,10 +71,11 @@ def test_teacher_forced_logprobs(tiny):
     assert worst <= TOL, f"{name}: max |dlogprob| {worst:.2e} > {TOL}"
 
 
+@pytest.mark.parametrize("tiny", FULL, indirect=True)
 def test_greedy_token_by_token(tiny):
     """As llama.cpp was run: the prompt in one batch, then one token per decode, the state carried."""
     name, model, ref = tiny
-    for p in ref["prompts"][:1] if name in LIGHT else ref["prompts"]:
+    for p in ref["prompts"]:
         ctx = Context(model, n_ctx=256)
         ctx.decode(Batch.from_tokens(p["prompt_ids"]))
         pos = len(p["prompt_ids"])
@@ -104,11 +92,12 @@ def test_greedy_token_by_token(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tiny", FULL + PPL_LATER, indirect=True)
 def test_perplexity(tiny):
     name, model, ref = tiny
     pp = ref["perplexity"]
     text = (TINY / pp["text_file"]).read_text(encoding="utf-8")
-    n = 2 if name in LIGHT else None
+    n = 1 if name in LATER else None
     res = perplexity(model, text, n_ctx=pp["n_ctx"], n_batch=pp["n_batch"], max_chunks=n)
     assert len(res.chunks) == (n or len(pp["chunks"]))
     want = np.log(pp["chunks"][n - 1] if n else pp["ppl"])

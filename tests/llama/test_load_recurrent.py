@@ -1,8 +1,6 @@
 """Loading state-space models: the errors llama.cpp gives for files it cannot run, and what it accepts."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from llampy.gguf import GGUFReader
@@ -11,21 +9,13 @@ from llampy.llama.arch import UnknownArchitecture
 from llampy.llama.hparams import MissingMetadata
 from llampy.llama.model import Model, ModelLoadError
 
-from tests.paths import ROOT, TINY
-
-HERE = ROOT / "tests" / "fixtures" / "tiny_recurrent"
+from tests.llama.tiny_recurrent import gguf
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    if not (TINY / "qwen2-Q8_0.gguf").exists():
-        pytest.skip("the shared tiny fixtures (their vocabulary) are not here")
-    spec = importlib.util.spec_from_file_location("make_fixtures", HERE / "make_fixtures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    d = tmp_path_factory.mktemp("rs_load")
-    return {n: mod.build(n, d / f"{n}.gguf") for n in ("mamba-s128-Q8_0", "mamba2-s16-g2-Q8_0", "rwkv7-h32-Q8_0",
-                                                        "lfm2-c3-Q8_0")}
+    return {n: gguf(n, tmp_path_factory) for n in ("mamba-s128-Q8_0", "mamba2-s16-g2-Q8_0", "rwkv7-h32-Q8_0",
+                                                   "lfm2-c3-Q8_0")}
 
 
 def _rewrite(src, dst, drop=(), set_=None, drop_tensors=()):
