@@ -85,10 +85,10 @@ class Replica:
         gen = list(spec.get("generated") or [])
         for t in gen:       # a resumed stream: the sampler as it was after these tokens
             sampler.accept(t)
-            for smp in sampler.samplers:
+            for smp in sampler.samplers:    # the random draws of one sampled token (XTC's is one float)
                 rng = getattr(smp, "rng", None)
                 if rng is not None:
-                    rng.uniform()       # one draw per sampled token (Dist, XTC)
+                    rng.uniform_float() if type(smp).__name__ == "XTC" else rng.uniform()
         f = spec["fields"]
         return Request(tokens=list(spec["tokens"]) + gen, max_tokens=f["max_tokens"] - len(gen), sampler=sampler,
                        stop=f["stop"], n_probs=f["n_probs"], logprobs=f["logprobs"], ignore_eos=f["ignore_eos"],
