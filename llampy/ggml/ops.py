@@ -98,6 +98,13 @@ def swiglu(a, b=None, swapped=False): return _glu(Op.SWIGLU, a, b, swapped)
 def geglu(a, b=None, swapped=False): return _glu(Op.GEGLU, a, b, swapped)
 
 
+# gate, up: same shape  ->  that shape: x = min(gate, limit), x / (1 + exp(-alpha x)) * (clamp(up, -limit, limit) + 1)
+# (ggml_swiglu_oai, gpt-oss's experts)
+def swiglu_oai(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    _check(_same_shape(gate, up), f"swiglu_oai: gate {gate.shape_str()} and up {up.shape_str()} differ")
+    return _node(Op.SWIGLU_OAI, F32, gate.ne, [gate, up], {"alpha": float(alpha), "limit": float(limit)})
+
+
 # ---------------------------------------------------------------------------------------------- normalisation
 
 # over rows (ne0)
@@ -217,16 +224,21 @@ def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_TYPE_NORM, freq_b
 # q: [d, n_q, n_head, ne3]  k: [d, n_kv, n_head_kv, ne3]  v: [dv, n_kv, n_head_kv, ne3]
 # mask: [n_kv, >= n_q, 1|.., 1|..] F16/F32  ->  [dv, n_head, n_q, ne3] (note the permuted result, as ggml)
 # n_head % n_head_kv == 0 (GQA broadcast). softcap > 0: scores = softcap * tanh(scores / softcap).
+# sinks: F32 [n_head] or None: one more logit per head that joins each row's softmax with no value (gpt-oss's
+# attention sinks, ggml_flash_attn_ext_add_sinks); it is the last source
 def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                   max_bias: float = 0.0, logit_softcap: float = 0.0) -> Tensor:
+                   max_bias: float = 0.0, logit_softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     _check(q.ne[0] == k.ne[0], f"flash_attn: q {q.shape_str()} and k {k.shape_str()} head sizes differ")
     _check(k.ne[1] == v.ne[1] and k.ne[2] == v.ne[2], f"flash_attn: k {k.shape_str()} and v {v.shape_str()} differ")
     _check(q.ne[2] % k.ne[2] == 0, f"flash_attn: {q.ne[2]} heads over {k.ne[2]} kv heads")
     if mask is not None:
         _check(mask.ne[0] == k.ne[1] and mask.ne[1] >= q.ne[1], f"flash_attn: mask {mask.shape_str()}")
-    src = [q, k, v] + ([mask] if mask is not None else [])
+    if sinks is not None:
+        _check(sinks.type == F32 and sinks.ne == (q.ne[2], 1, 1, 1), f"flash_attn: sinks {sinks.shape_str()} for "
+               f"{q.ne[2]} heads")
+    src = [q, k, v] + ([mask] if mask is not None else []) + ([sinks] if sinks is not None else [])
     params = {"scale": float(scale), "max_bias": float(max_bias), "softcap": float(logit_softcap),
-              "has_mask": mask is not None}
+              "has_mask": mask is not None, "has_sinks": sinks is not None}
     return _node(Op.FLASH_ATTN_EXT, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), src, params)
 
 

@@ -73,6 +73,7 @@ class Op(Enum):
     # gated linear units (GGML_OP_GLU): out = act(gate) * up
     SWIGLU = "swiglu"
     GEGLU = "geglu"
+    SWIGLU_OAI = "swiglu_oai"     # gpt-oss: min(x, limit) * sigmoid(alpha x) * (clamp(up, -limit, limit) + 1)
     # produced by the fusion pass only
     RMS_NORM_MUL = "rms_norm_mul"
     SOFTCAP = "softcap"

@@ -45,6 +45,10 @@ ARCHITECTURES = {
     "bert": "bert",
     "nomic-bert": "bert",
     "jina-bert-v2": "bert",
+    "qwen2moe": "qwen2moe",
+    "olmoe": "olmoe",
+    "granitemoe": "granite",
+    "gpt-oss": "gpt_oss",
 }
 
 ENTRY_POINT_GROUP = "llampy.architectures"
@@ -104,6 +108,11 @@ LAYER = {
     "ffn_gate_exps": "blk.{}.ffn_gate_exps",
     "ffn_up_exps": "blk.{}.ffn_up_exps",
     "ffn_down_exps": "blk.{}.ffn_down_exps",
+    "ffn_gate_inp_shexp": "blk.{}.ffn_gate_inp_shexp",
+    "ffn_gate_shexp": "blk.{}.ffn_gate_shexp",
+    "ffn_up_shexp": "blk.{}.ffn_up_shexp",
+    "ffn_down_shexp": "blk.{}.ffn_down_shexp",
+    "attn_sinks": "blk.{}.attn_sinks",
     "ssm_in": "blk.{}.ssm_in",
     "ssm_conv1d": "blk.{}.ssm_conv1d",
     "ssm_x": "blk.{}.ssm_x",

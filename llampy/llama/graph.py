@@ -148,24 +148,61 @@ class GraphContext:
         self.cb(cur, "ffn_act", il)
         return self.mm(down, cur, down_b)
 
-    # Mixture of experts with softmax gating (qwen3moe, mixtral): the top n_expert_used experts per token,
-    # their weights optionally renormalised to sum to 1.
-    def moe_ffn(self, cur: Tensor, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor, down_exps: Tensor,
-                n_expert: int, n_used: int, norm_w: bool, il: int = -1) -> Tensor:
+    # Mixture of experts (llama.cpp's build_moe_ffn): a router scores the experts of each token, the top n_used are
+    # chosen and their outputs summed with the router's weights.
+    #   gating: "softmax" (probabilities over all experts), "sigmoid" (each expert on its own), "softmax_weight"
+    #           (the raw logits choose, then a softmax over the chosen ones weighs: gpt-oss)
+    #   norm_w: the chosen weights renormalised to sum to 1; w_scale: then scaled (expert_weights_scale)
+    #   exp_probs_b: a bias added to the probabilities for the choice only (the weights stay unbiased)
+    #   gate_inp_b / up_b / gate_b / down_b: biases of the router and of each expert's matrices ([n, n_expert])
+    #   act: "silu" (SwiGLU, or SiLU alone without gate_exps), "gelu", "swiglu_oai" (gpt-oss: clamp 7, alpha 1.702)
+    # cur: [n_embd, n_tokens]  gate_inp: [n_embd, n_expert]  up/gate_exps: [n_embd, n_ff, n_expert]
+    # down_exps: [n_ff, n_embd, n_expert]  ->  [n_embd, n_tokens]
+    def moe_ffn(self, cur: Tensor, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor | None, down_exps: Tensor,
+                n_expert: int, n_used: int, norm_w: bool, il: int = -1, *, gating: str = "softmax",
+                w_scale: float = 0.0, exp_probs_b: Tensor | None = None, gate_inp_b: Tensor | None = None,
+                up_b: Tensor | None = None, gate_b: Tensor | None = None, down_b: Tensor | None = None,
+                act: str = "silu") -> Tensor:
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
-        logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)      # [n_expert, n_tokens]
-        probs = self.cb(ops.soft_max(logits), "ffn_moe_probs", il)
-        selected = self.cb(ops.top_k(probs, n_used), "ffn_moe_topk", il)        # I32 [n_used, n_tokens]
-        weights = ops.get_rows(ops.reshape(probs, 1, n_expert, n_tokens), selected)  # [1, n_used, n_tokens]
+        logits = self.cb(self.lora_mm(gate_inp, cur), "ffn_moe_logits", il)    # [n_expert, n_tokens]
+        if gate_inp_b is not None:
+            logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
+        if gating == "softmax":
+            probs = ops.soft_max(logits)
+        elif gating == "sigmoid":
+            probs = ops.sigmoid(logits)
+        elif gating == "softmax_weight":
+            probs = logits
+        else:
+            raise ValueError(f"unknown expert gating {gating!r}")
+        self.cb(probs, "ffn_moe_probs", il)
+        select = probs
+        if exp_probs_b is not None:
+            select = self.cb(ops.add(probs, exp_probs_b), "ffn_moe_probs_biased", il)
+        selected = self.cb(ops.top_k(select, n_used), "ffn_moe_topk", il)       # I32 [n_used, n_tokens]
+        weights = self.cb(ops.get_rows(ops.reshape(probs, 1, n_expert, n_tokens), selected), "ffn_moe_weights", il)
+        if gating == "softmax_weight":
+            weights = ops.reshape(ops.soft_max(ops.reshape(weights, n_used, n_tokens)), 1, n_used, n_tokens)
         if norm_w:
             w2 = ops.reshape(weights, n_used, n_tokens)
-            w2 = ops.div(w2, ops.sum_rows(w2))
-            weights = ops.reshape(w2, 1, n_used, n_tokens)
+            # a sum clamped to F16's smallest normal: no division by zero (sigmoid weights can all underflow)
+            total = ops.clamp(ops.sum_rows(w2), 6.103515625e-5, float("inf"))
+            weights = ops.reshape(ops.div(w2, total), 1, n_used, n_tokens)
+        if w_scale and w_scale != 1.0:
+            weights = self.cb(ops.scale(weights, w_scale), "ffn_moe_weights_scaled", il)
         x = ops.reshape(cur, n_embd, 1, n_tokens)
-        up = ops.mul_mat_id(up_exps, x, selected)                                # [n_ff, n_used, n_tokens]
-        gate = ops.mul_mat_id(gate_exps, x, selected)
-        par = ops.swiglu(gate, up)
+        up = self.cb(self._add_id(ops.mul_mat_id(up_exps, x, selected), up_b, selected), "ffn_moe_up", il)
+        gate = None
+        if gate_exps is not None:
+            gate = self.cb(self._add_id(ops.mul_mat_id(gate_exps, x, selected), gate_b, selected), "ffn_moe_gate", il)
+        if act == "swiglu_oai":
+            par = ops.swiglu_oai(gate, up, 1.702, 7.0)
+        elif gate is not None:
+            par = ops.swiglu(gate, up) if act == "silu" else ops.geglu(gate, up)
+        else:
+            par = ops.silu(up) if act == "silu" else ops.gelu(up)
         experts = ops.mul_mat_id(down_exps, par, selected)                       # [n_embd, n_used, n_tokens]
+        experts = self.cb(self._add_id(experts, down_b, selected), "ffn_moe_down", il)
         experts = ops.mul(experts, weights)
         out = None
         for i in range(n_used):
@@ -174,6 +211,27 @@ class GraphContext:
         if n_used == 1:
             out = ops.cont(out)
         return self.cb(out, "ffn_moe_out", il)
+
+    # a: [n, n_used, n_tokens] plus, for each chosen expert, its row of b: [n, n_expert] (ggml_add_id; the rows
+    # gathered by get_rows, then one add: the same float sums)
+    @staticmethod
+    def _add_id(a: Tensor, b: Tensor | None, ids: Tensor) -> Tensor:
+        if b is None:
+            return a
+        n_used, n_tokens = ids.ne[0], ids.ne[1]
+        rows = ops.get_rows(b, ops.reshape(ids, n_used * n_tokens))             # [n, n_used * n_tokens]
+        return ops.add(a, ops.reshape(rows, b.ne[0], n_used, n_tokens))
+
+    # the shared expert of qwen2moe / granitemoe shared: a plain gated FFN beside the routed ones, optionally
+    # weighed per token by sigmoid(gate_inp_shexp . x) (written as silu(v) / v, as llama.cpp does)
+    def shexp_ffn(self, cur: Tensor, layer, il: int = -1) -> Tensor:
+        out = self.cb(self.ffn(cur, layer.ffn_up_shexp, None, layer.ffn_gate_shexp, None, layer.ffn_down_shexp, None,
+                               "silu", il=il), "ffn_shexp", il)
+        gi = getattr(layer, "ffn_gate_inp_shexp", None)
+        if gi is not None:
+            v = self.cb(self.lora_mm(gi, cur), "ffn_shexp_gate_inp", il)            # [1, n_tokens]
+            out = self.cb(ops.mul(out, ops.div(ops.silu(v), v)), "ffn_shexp_out", il)
+        return out
 
     # cur: [n_embd, n_tokens] -> q [head_dim, n_head, n_tokens], k and v [head_dim, n_head_kv, n_tokens];
     # separate attn_q/k/v (with optional biases) or one fused attn_qkv
@@ -196,8 +254,9 @@ class GraphContext:
 
     # q: [head_dim, n_head, n_tokens]  k: [head_dim, n_head_kv, n_tokens]  v: [head_dim_v, n_head_kv, n_tokens]
     # -> [n_embd_out, n_tokens] after the output projection wo
+    # sinks: F32 [n_head], gpt-oss's per-head logit that joins each softmax with no value
     def attn(self, il: int, wo: Tensor | None, wo_b: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-             kq_scale: float, softcap: float = 0.0) -> Tensor:
+             kq_scale: float, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
         idxs = self._kv_idxs()
         # write this batch's K and V into the cache first: the attention below reads them back
         self.graph.expand(self.kv.store_k(il, k, idxs))
@@ -207,7 +266,7 @@ class GraphContext:
         kc = self.kv.view_k(il, self.n_kv)                     # [head_dim, n_kv, n_head_kv]
         vc = self.kv.view_v(il, self.n_kv)
         qp = ops.permute(q, 0, 2, 1, 3)                        # [head_dim, n_tokens, n_head]
-        cur = ops.flash_attn_ext(qp, kc, vc, mask, kq_scale, 0.0, softcap)  # [head_dim_v, n_head, n_tokens]
+        cur = ops.flash_attn_ext(qp, kc, vc, mask, kq_scale, 0.0, softcap, sinks)  # [head_dim_v, n_head, n_tokens]
         self.cb(cur, "kqv_out", il)
         cur = ops.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2])
         if wo is not None:

@@ -153,6 +153,19 @@ CASES = {
     "mul_mat_glu_prompt": (lambda B: ops.mul_mat_glu(B(T.Q4_1, (32, 64)), B(T.Q4_1, (32, 64)), B(F32, (19, 64)),
                                                      "swiglu"), 1e-4),
     "mul_mat_id_per_used": (lambda B: ops.mul_mat_id(B(T.Q8_0, (6, 8, 64)), B(F32, (4, 3, 64)), B(I32, (4, 3), _perm_ids(4, 3, 6))), 1e-4),
+    # gpt-oss: the clamped SwiGLU (values past both limits), and attention sinks on each path (decode one_chunk,
+    # the 16-lane kernel at d 64, the tiled prompt path); sinks above and below the rows' maxima
+    "swiglu_oai": (lambda B: ops.swiglu_oai(B(F32, (4, 33), np.linspace(-12, 12, 132).reshape(4, 33)),
+                                            B(F32, (4, 33), np.linspace(9, -9, 132).reshape(4, 33)), 1.702, 7.0), 1e-6),
+    "flash_attn_sinks": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (3, 4, 16)), 0, 2, 1, 3), B(F16, (2, 6, 16)), B(F16, (2, 6, 16)),
+        B(F16, (3, 6), causal_mask(6, 3)), 0.25, sinks=B(F32, (4,), np.array([-2.0, 0.5, 3.0, 12.0]))), 2e-3),
+    "flash_attn_sinks_vec16": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (1, 4, 64)), 0, 2, 1, 3), B(F16, (2, 9, 64)), B(F16, (2, 9, 64)), None, 0.125,
+        sinks=B(F32, (4,), np.array([4.0, -1.0, 0.0, 9.0]))), 2e-3),
+    "flash_attn_sinks_tiled": (lambda B: ops.flash_attn_ext(
+        ops.permute(B(F32, (64, 2, 32)), 0, 2, 1, 3), B(F16, (1, 70, 32)), B(F16, (1, 70, 32)),
+        B(F16, (64, 70), causal_mask(70, 64)), 0.2, sinks=B(F32, (2,), np.array([0.3, 6.0]))), 2e-3),
     "flash_attn_tiled_f16": (lambda B: ops.flash_attn_ext(
         ops.permute(B(F32, (64, 2, 32)), 0, 2, 1, 3), B(F16, (1, 70, 32)), B(F16, (1, 70, 32)),
         B(F16, (64, 70), causal_mask(70, 64)), 0.2), 2e-3),

@@ -254,7 +254,8 @@ def _r16(x):
 def k_flash_attn(node, dst, srcs):
     """ggml's two CPU paths. one_chunk (decode and small batches): Q rounded to K's dot type, online softmax over
     the KV cells in order, with F16 V the accumulator rounded to F16 after every scale and every multiply-add.
-    tiled (>= 64 queries, F16/F32 K and V of one type, dv % 16 == 0): float32 Q, plain softmax (here float64)."""
+    tiled (>= 64 queries, F16/F32 K and V of one type): float32 Q, plain softmax (here float64). Sinks join each
+    row's sum after the cells (ggml: after the accumulator is back in float32)."""
     q, k, v = node.src[:3]
     p = node.op_params
     qf = np.asarray(srcs[0], F64)                                       # (ne3, n_head, n_q, d)
@@ -271,7 +272,10 @@ def k_flash_attn(node, dst, srcs):
         m = values(srcs[3], node.src[3].type)[:, :, :n_q, :]
         m = m[np.arange(ne3) % m.shape[0]][:, np.arange(n_head) % m.shape[1]]
         mask = alibi_slopes(n_head, param(node, "max_bias")).reshape(1, -1, 1, 1) * m
-    tiled = k.type in (T.F16, T.F32) and k.type == v.type and n_q >= 64 and v.ne[0] % 16 == 0
+    tiled = k.type in (T.F16, T.F32) and k.type == v.type and n_q >= 64
+    sink = None
+    if p.get("has_sinks"):
+        sink = np.asarray(srcs[-1], F64).reshape(-1)[:n_head].reshape(1, n_head, 1, 1)
     if not tiled:
         vdt = TYPE_TRAITS[k.type].vec_dot_type
         q32 = np.ascontiguousarray(qf.reshape(-1, qf.shape[-1]), np.float32)
@@ -287,14 +291,18 @@ def k_flash_attn(node, dst, srcs):
         with np.errstate(invalid="ignore"):
             e = np.nan_to_num(np.exp(s - mx), nan=0.0)
         den = e.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            with np.errstate(invalid="ignore", over="ignore"):
+                den = den + np.where(mx == -np.inf, 1.0, np.exp(sink - mx))
         o = np.einsum("ahqk,ahkd->ahqd", e, vf) / np.where(den == 0, 1, den)
     else:
-        o = _online_f16(s, vf)
+        o = _online_f16(s, vf, sink)
     dst[...] = o.transpose(0, 2, 1, 3)
 
 
-def _online_f16(s: np.ndarray, vf: np.ndarray) -> np.ndarray:
-    """ggml's online softmax with the F16 VKQ accumulator, vectorised over rows, in order over the KV cells."""
+def _online_f16(s: np.ndarray, vf: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:
+    """ggml's online softmax with the F16 VKQ accumulator, vectorised over rows, in order over the KV cells; then
+    the sink (one more logit, no value) in float."""
     shape = s.shape[:3]
     M = np.full(shape + (1,), -np.inf)
     S = np.zeros(shape + (1,))
@@ -310,6 +318,11 @@ def _online_f16(s: np.ndarray, vf: np.ndarray) -> np.ndarray:
         acc = np.where(live, _r16(acc + vf[:, :, ic:ic + 1, :] * vs), acc)
         S = np.where(live, S * ms + vs, S)
         M = np.where(new_max, sc, M)
+    if sink is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            ms = np.where(sink > M, np.exp(M - sink), 1.0)
+            vs = np.where(sink > M, 1.0, np.exp(sink - M))
+        acc, S = acc * ms, S * ms + vs
     return acc / np.where(S == 0, np.inf, S)
 
 
@@ -354,6 +367,13 @@ def k_softcap(node, dst, srcs):
     """tanh(x * s_in) * s_out"""
     x = values(srcs[0], node.src[0].type)
     store(dst, node.type, np.tanh(x * param(node, "s_in")) * param(node, "s_out"))
+
+
+def k_swiglu_oai(node, dst, srcs):
+    x = np.minimum(values(srcs[0], node.src[0].type), param(node, "limit"))
+    y = np.clip(values(srcs[1], node.src[1].type), -param(node, "limit"), param(node, "limit"))
+    with np.errstate(over="ignore"):
+        store(dst, node.type, x / (1.0 + np.exp(-param(node, "alpha") * x)) * (y + 1.0))
 
 
 def k_glu(node, dst, srcs):
@@ -622,7 +642,7 @@ _TABLE = {
     Op.SOFT_MAX: k_soft_max, Op.RMS_NORM: k_rms_norm, Op.RMS_NORM_MUL: k_rms_norm_mul, Op.NORM: k_norm,
     Op.L2_NORM: k_l2_norm, Op.GET_ROWS: k_get_rows, Op.SET_ROWS: k_set_rows,
     Op.CPY: k_cpy, Op.CONT: k_cpy, Op.DUP: k_cpy, Op.CONCAT: k_concat, Op.REPEAT: k_repeat,
-    Op.SCALE: k_scale, Op.CLAMP: k_clamp, Op.SOFTCAP: k_softcap, Op.SWIGLU: k_glu, Op.GEGLU: k_glu,
+    Op.SCALE: k_scale, Op.CLAMP: k_clamp, Op.SOFTCAP: k_softcap, Op.SWIGLU: k_glu, Op.GEGLU: k_glu, Op.SWIGLU_OAI: k_swiglu_oai,
     Op.SUM_ROWS: k_sum_rows, Op.MEAN: k_mean, Op.ARGMAX: k_argmax, Op.ARGSORT: k_argsort, Op.TOP_K: k_top_k,
     **{o: k_binary for o in BINARY_OPS}, **{o: k_unary for o in UNARY_OPS},
 }

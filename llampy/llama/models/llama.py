@@ -1,4 +1,5 @@
-"""llama (also Mistral, SmolLM): RMSNorm, RoPE (adjacent pairs), GQA attention, SwiGLU FFN, optional MoE."""
+"""llama (also Mistral, SmolLM, and Mixtral: llama with experts): RMSNorm, RoPE (adjacent pairs), GQA attention,
+SwiGLU FFN or a mixture of experts (softmax router, the top-k weights renormalised)."""
 from __future__ import annotations
 
 import math
@@ -28,11 +29,17 @@ def load_tensors(model, ld):
             load_ffn(model, ld, layer, il, bias=True)
             layer.ffn_gate_b = ld.create("ffn_gate", (hp.n_ff(il),), il, required=False, suffix="bias")
         else:
-            n_ff = hp.n_ff_exp or hp.n_ff(il)
+            # experts as wide as feed_forward_length (llama.cpp's llama and granite read no expert width);
+            # without ffn_gate_exps each expert is SiLU(up) alone
+            n_ff = hp.n_ff(il)
             layer.ffn_gate_inp = ld.create("ffn_gate_inp", (hp.n_embd, hp.n_expert), il)
-            layer.ffn_gate_exps = ld.create("ffn_gate_exps", (hp.n_embd, n_ff, hp.n_expert), il)
+            layer.ffn_gate_exps = ld.create("ffn_gate_exps", (hp.n_embd, n_ff, hp.n_expert), il, required=False)
             layer.ffn_up_exps = ld.create("ffn_up_exps", (hp.n_embd, n_ff, hp.n_expert), il)
             layer.ffn_down_exps = ld.create("ffn_down_exps", (n_ff, hp.n_embd, hp.n_expert), il)
+            if hp.n_ff_shexp:        # granite MoE shared: a plain FFN beside the experts
+                layer.ffn_gate_shexp = ld.create("ffn_gate_shexp", (hp.n_embd, hp.n_ff_shexp), il)
+                layer.ffn_up_shexp = ld.create("ffn_up_shexp", (hp.n_embd, hp.n_ff_shexp), il)
+                layer.ffn_down_shexp = ld.create("ffn_down_shexp", (hp.n_ff_shexp, hp.n_embd), il)
 
 
 def build_graph(model, g, embd_scale: float = 0.0, residual_scale: float = 0.0, logit_scale: float = 0.0):
@@ -60,8 +67,9 @@ def build_graph(model, g, embd_scale: float = 0.0, residual_scale: float = 0.0, 
             cur = g.ffn(cur, layer.ffn_up, layer.ffn_up_b, layer.ffn_gate, layer.ffn_gate_b,
                         layer.ffn_down, layer.ffn_down_b, "silu", il=il)
         else:
-            cur = g.moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+            moe = g.moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
                             hp.n_expert, hp.n_expert_used, True, il)
+            cur = ops.add(moe, g.shexp_ffn(cur, layer, il)) if hp.n_ff_shexp else moe
         if residual_scale:
             cur = ops.scale(cur, residual_scale)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)

@@ -8,8 +8,10 @@ from ._common import load_embd_and_output
 
 def load_hparams(hp, md):
     qwen3.load_hparams(hp, md)
-    if not hp.n_expert or not hp.n_ff_exp:
-        raise MissingMetadata("qwen3moe needs qwen3moe.expert_count and qwen3moe.expert_feed_forward_length")
+    if not hp.n_expert:
+        raise MissingMetadata("qwen3moe needs qwen3moe.expert_count and qwen3moe.expert_used_count")
+    # without expert_feed_forward_length llama.cpp splits feed_forward_length between the used experts
+    hp.n_ff_exp = hp.n_ff_exp or hp.n_ff() // hp.n_expert_used
 
 
 def load_tensors(model, ld):

@@ -19,6 +19,7 @@ from numba.extending import overload
 from .numpy_ops import alibi_slopes
 from .dot_q32 import F16_TABLE
 from .blas import sgemm
+from .softmax import expf
 from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_find_ne, v16_load, v16_max, v16_reduce,
                    v16_round_f16, v16_scale, v16_splat, v16_store, v16_zero)
 
@@ -61,9 +62,9 @@ def _dot_f16(qr, krow, tab, part):
 
 
 @njit(parallel=True, cache=True)
-def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
+def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16, sinks):
     # q (ne3, n_head, n_q, d) f32; k (ke3, n_head_kv, n_kv, d) u16; v (ve3, n_head_kv, n_kv, dv) u16
-    # mask (m3, m2, >= n_q, n_kv) f32 or empty; out (ne3, n_q, n_head, dv) f32
+    # mask (m3, m2, >= n_q, n_kv) f32 or empty; out (ne3, n_q, n_head, dv) f32; sinks (n_head,) f32 or empty
     ne3, n_head, n_q, d = q.shape
     n_head_kv = k.shape[1]
     n_kv = k.shape[2]
@@ -108,9 +109,23 @@ def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16):
                 val = np.float32(np.float64(acc[j]) + np.float64(tab[v[i3 % v.shape[0], hk, ic, j]]) * np.float64(vs))
                 acc[j] = _r16(val) if v_f16 else val
             S = np.float32(np.float64(S) * np.float64(ms) + np.float64(vs))  # fused, as compiled
+        if sinks.shape[0] > 0:
+            S = _add_sink(acc, S, M, sinks[h])
         inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
         for j in range(dv):
             out[i3, i1, h, j] = acc[j] * inv
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _add_sink(acc, S, M, s):
+    """ggml's attention sink after the cells: one more logit s with no value joins the row's softmax (the
+    accumulator is float32 by then: no F16 rounding); returns the new sum."""
+    if s > M:
+        ms = expf(np.float32(M - s))
+        for j in range(acc.shape[0]):
+            acc[j] = acc[j] * ms
+        return fma32(S, ms, np.float32(1.0))
+    return fma32(S, np.float32(1.0), expf(np.float32(s - M)))
 
 
 def _mask_value(x, tab):
@@ -149,9 +164,10 @@ def _visible(mask, n_q, tab):
     return idx, val, cnt
 
 
-def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes):
+def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes, sinks=None):
     """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0 (see ``_fa_vec16_kernel``). mask: float32, or
-    F16 bits as uint16, (m3, m2, >= n_q, n_kv); an empty last axis for none."""
+    F16 bits as uint16, (m3, m2, >= n_q, n_kv); an empty last axis for none. sinks: float32 (n_head,) or None."""
+    sinks = _NO_SINKS if sinks is None else sinks
     n_q = q.shape[2]
     if mask.shape[3] == 0:
         idx, val, cnt = _all_visible(k.shape[2])
@@ -160,7 +176,10 @@ def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes):
     else:
         idx, val, cnt = _visible(mask, n_q, F16_TABLE)
         m3, m2, n_qm = mask.shape[0], mask.shape[1], n_q
-    _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes)
+    _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks)
+
+
+_NO_SINKS = np.zeros(0, np.float32)
 
 
 def _all_visible(n_kv):
@@ -169,7 +188,7 @@ def _all_visible(n_kv):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes):
+def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks):
     """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0, in sixteen-lane vectors as ggml's AVX-512
     build runs it: ggml_vec_dot_f16 (four accumulators over each 64 elements, GGML_F32x16_REDUCE), and the F16
     accumulator's ggml_vec_scale_f16 / ggml_vec_mad_f16 (float32 multiply or fma, rounded to F16 per lane).
@@ -226,6 +245,8 @@ def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, 
             for j in range(0, dv, 16):
                 v16_store(acc, j, v16_round_f16(v16_fma(v16_load(vr, j), vs, v16_load(acc, j))))
             S = fma32(S, ms, vs)
+        if sinks.shape[0] > 0:
+            S = _add_sink(acc, S, M, sinks[h])
         inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
         for j in range(dv):
             out[i3, i1, h, j] = acc[j] * inv
@@ -236,17 +257,20 @@ def fa_vec16_supported(d: int, dv: int) -> bool:
 
 
 def use_tiled(k_type, v_type, n_q: int, dv: int) -> bool:
-    """ggml's choice of its tiled path: F16/F32 K and V of one type, at least Q_TILE queries, dv a multiple of 16."""
+    """ggml's choice of its tiled path: F16/F32 K and V of one type, at least Q_TILE queries (whatever dv: ggml's
+    x86 build skips the dv % GGML_F32_EPR test that its other builds make)."""
     from ...types import GGMLType as T
-    return k_type in (T.F16, T.F32) and k_type == v_type and n_q >= Q_TILE and dv % 16 == 0
+    return k_type in (T.F16, T.F32) and k_type == v_type and n_q >= Q_TILE
 
 
 def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, out: np.ndarray,
                scale: float, max_bias: float, softcap: float, k_f16: bool, v_f16: bool, tiled: bool = False,
-               q_dot_type=None) -> None:
+               q_dot_type=None, sinks: np.ndarray | None = None) -> None:
     """q (ne3, n_head, n_q, d) float32; k, v (.., n_head_kv, n_kv, d) as F16 bits (uint16) when k_f16/v_f16 else
     float32; mask (m3, m2, >= n_q, n_kv) float32 or None; out (ne3, n_q, n_head, dv) float32. ``tiled``: ggml's
-    tiled path (float32 Q); else its one_chunk path, Q rounded through K's dot type ``q_dot_type``."""
+    tiled path (float32 Q); else its one_chunk path, Q rounded through K's dot type ``q_dot_type``. sinks: float32
+    (n_head,), one more logit per head in each row's softmax, or None."""
+    sinks = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32)
     n_head, n_q = q.shape[1], q.shape[2]
     slopes = alibi_slopes(n_head, max_bias, np.float32)
     sc = np.float32(scale / softcap) if softcap else np.float32(scale)
@@ -255,11 +279,11 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
         res = np.empty(out.shape, np.float32)
         if fa_vec16_supported(q.shape[3], v.shape[3]):
             _fa_vec16(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                      np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes)
+                      np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, sinks)
             out[...] = res
             return
         _fa_vec(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, F16_TABLE, True)
+                np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, F16_TABLE, True, sinks)
         out[...] = res
         return
     # tiled numerics (and one_chunk with other K/V types, up to float32 summation order): float32 products,
@@ -269,7 +293,7 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
         q = round_act(np.ascontiguousarray(q.reshape(-1, q.shape[-1]), np.float32), q_dot_type).reshape(q.shape)
     kf = _f16_to_f32(k) if k_f16 else k.astype(np.float32)
     vf = _f16_to_f32(v) if v_f16 else v.astype(np.float32)
-    _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes)
+    _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes, sinks)
 
 
 def _f16_to_f32(a: np.ndarray) -> np.ndarray:
@@ -297,7 +321,7 @@ SUB = 32        # queries per sub-block of a chunk: the keys past the chunk's co
 @njit(cache=True, nogil=True, inline="always")
 def _softmax_row(row, L, sc, softcap, mrow, sl, has_mask):
     """exp(v - max(v)) over row[:L] in place, v = s * sc (softcap * tanh(s * sc) when softcap) + sl * mrow; the sum
-    returned (1 for a fully masked row, whose values become 0). The exponentials are ggml_v_expf in sixteen lanes."""
+    and the max returned (1 and -inf for a fully masked row, whose values become 0). The exponentials are ggml_v_expf in sixteen lanes."""
     L16 = L - L % 16
     if softcap != 0.0:
         for j in range(L):
@@ -324,7 +348,7 @@ def _softmax_row(row, L, sc, softcap, mrow, sl, has_mask):
             mx = row[j]
     if mx == -np.inf:
         row[:L] = 0
-        return np.float32(1.0)
+        return np.float32(1.0), mx
     tot = np.float32(0.0)
     for j in range(0, L16, 16):
         e = v16_exp_shifted(v16_load(row, j), mx)
@@ -334,20 +358,20 @@ def _softmax_row(row, L, sc, softcap, mrow, sl, has_mask):
         e = np.float32(math.exp(row[j] - mx))
         row[j] = e
         tot += e
-    return tot
+    return tot, mx
 
 
 @njit(cache=True, nogil=True)
-def _softmax_rows(s, sc, softcap, m, h0, slopes, qc, den):
+def _softmax_rows(s, sc, softcap, m, h0, slopes, qc, den, mxs):
     """``_softmax_row`` over s (rows, L) in place, row r belonging to head h0 + r // qc and query r % qc: mask row
     m[(h0 + r // qc) % m.shape[0], r % qc] (none when m's last axis is empty), slope slopes[h0 + r // qc]; den[r] the
-    row's sum."""
+    row's sum, mxs[r] its max."""
     rows, L = s.shape
     has_mask = m.shape[2] > 0
     for r in range(rows):
         h = h0 + r // qc
         mrow = m[h % m.shape[0], r % qc] if has_mask else m[0, 0]
-        den[r] = _softmax_row(s[r], L, sc, softcap, mrow, slopes[h], has_mask)
+        den[r], mxs[r] = _softmax_row(s[r], L, sc, softcap, mrow, slopes[h], has_mask)
 
 
 @njit(cache=True, nogil=True)
@@ -363,18 +387,18 @@ def _divide_into(o, den, out):
                 dst[j] = orow[j] / d
 
 
-def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes):
+def _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes, sinks):
     """Softmax attention through float32 matrix products: BLAS called from a Numba kernel (``_attend_tiles``) where
     numpy's OpenBLAS can be reached, else through numpy (``_attend_numpy``)."""
     from . import blas, matmul
     fn = blas.sgemm_address()
     if not fn or not USE_TILES:
-        _attend_numpy(q, kf, vf, mask, out, sc, softcap, slopes)
+        _attend_numpy(q, kf, vf, mask, out, sc, softcap, slopes, sinks)
         return
     nt = matmul._blas_workers()          # also keeps OpenBLAS itself on one thread
     m = mask if mask is not None else np.zeros((1, 1, 1, 0), np.float32)
     _attend_tiles(fn, q, np.ascontiguousarray(kf, np.float32), np.ascontiguousarray(vf, np.float32),
-                  np.ascontiguousarray(m, np.float32), out, np.float32(sc), np.float32(softcap), slopes, nt)
+                  np.ascontiguousarray(m, np.float32), out, np.float32(sc), np.float32(softcap), slopes, nt, sinks)
 
 
 USE_TILES = True    # False: the numpy path even where the Numba-called BLAS is available (tests compare the two)
@@ -455,14 +479,15 @@ def _weighted_sums(fn, sbuf, W, vb, dv, obuf, rows, lo, hmin, shi, j0, j1, q0, n
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _attend_tiles(fn, q, kf, vf, mask, out, sc, softcap, slopes, nt):
+def _attend_tiles(fn, q, kf, vf, mask, out, sc, softcap, slopes, nt, sinks):
     """Softmax attention per (batch, KV head, chunk of Q_CHUNK queries), its products BLAS calls (``blas.sgemm``)
     from this kernel. A chunk's rows are (query, head of the group), query-major; the cells every sub-block of it
     sees are one product, [lo, min hi), and each sub-block of SUB queries adds the cells past that up to its own
     end: under a causal mask the chunk's diagonal costs SUB-wide steps rather than a full square (at 512 queries
     0.85 of the chunk-wide spans' work, 6% over the visible cells). Items are dealt to the nt threads by their work,
     largest first. q (ne3, n_head, n_q, d), kf / vf (.., n_head_kv, n_kv, d) float32 contiguous, mask (m3, m2, >=
-    n_q, n_kv) or an empty last axis; out (ne3, n_q, n_head, dv)."""
+    n_q, n_kv) or an empty last axis; out (ne3, n_q, n_head, dv); sinks (n_head,) or empty: ggml's tiled
+    correction after the cells."""
     ne3, n_head, n_q, d = q.shape
     n_head_kv, n_kv = kf.shape[1], kf.shape[2]
     dv = vf.shape[3]
@@ -503,6 +528,7 @@ def _attend_tiles(fn, q, kf, vf, mask, out, sc, softcap, slopes, nt):
         sbuf = np.empty(rows_max * wmax, np.float32)
         obuf = np.empty(rows_max * dv, np.float32)
         den = np.empty(rows_max, np.float32)
+        mxs = np.empty(rows_max, np.float32)
         for it in range(n_items):
             if owner[it] != t:
                 continue
@@ -540,16 +566,18 @@ def _attend_tiles(fn, q, kf, vf, mask, out, sc, softcap, slopes, nt):
                 h = hk * rk + r % rk
                 L = max(lo, shi[a, i // SUB]) - lo
                 mrow = mask[a, h % mask.shape[1], i, lo:] if has_mask else mask[0, 0, 0]
-                den[r] = _softmax_row(sbuf[r * W:r * W + L], L, sc, softcap, mrow, slopes[h], has_mask)
+                den[r], mxs[r] = _softmax_row(sbuf[r * W:r * W + L], L, sc, softcap, mrow, slopes[h], has_mask)
             _weighted_sums(fn, sbuf, W, vb, dv, obuf, rows, lo, hmin, shi[a], j0, j1, q0, nq, rk)
             for r in range(rows):
                 dst = out[i3, q0 + r // rk, hk * rk + r % rk]
                 dd = den[r]
+                if sinks.shape[0] > 0:
+                    dd = _add_sink(obuf[r * dv:(r + 1) * dv], dd, mxs[r], sinks[hk * rk + r % rk])
                 for e in range(dv):
                     dst[e] = obuf[r * dv + e] / dd
 
 
-def _attend_numpy(q, kf, vf, mask, out, sc, softcap, slopes):
+def _attend_numpy(q, kf, vf, mask, out, sc, softcap, slopes, sinks):
     """Softmax attention through float32 matrix products, per (batch, chunk of queries, KV head): each chunk only
     multiplies the span of cells its mask leaves visible (about half the work under a causal mask), and the
     items run on the BLAS path's threads."""
@@ -587,8 +615,12 @@ def _attend_numpy(q, kf, vf, mask, out, sc, softcap, slopes):
             qs = np.ascontiguousarray(qh).reshape(rk * (q1 - q0), qh.shape[-1])
             s = np.matmul(qs, kk.T, out=sbuf[:rk * (q1 - q0) * (hi - lo)].reshape(rk * (q1 - q0), hi - lo))
             den = np.empty(rk * (q1 - q0), np.float32)
-            _softmax_rows(s, sc, np.float32(softcap), mm, hk * rk, slopes, q1 - q0, den)
+            mxs = np.empty(rk * (q1 - q0), np.float32)
+            _softmax_rows(s, sc, np.float32(softcap), mm, hk * rk, slopes, q1 - q0, den, mxs)
             o = np.matmul(s, vv, out=obuf[:s.shape[0] * vv.shape[1]].reshape(s.shape[0], vv.shape[1]))
+            if sinks.shape[0] > 0:
+                for r in range(o.shape[0]):
+                    den[r] = _add_sink(o[r], den[r], mxs[r], sinks[hk * rk + r // (q1 - q0)])
             _divide_into(o.reshape(rk, q1 - q0, vv.shape[1]), den, out[i3, q0:q1, hk * rk:(hk + 1) * rk, :])
 
     from . import matmul

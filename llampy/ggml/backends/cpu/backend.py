@@ -21,7 +21,7 @@ T = GGMLType
 
 _TABLE = {
     Op.SCALE: K.k_scale, Op.CLAMP: K.k_clamp, Op.SOFTCAP: K.k_softcap,
-    Op.SWIGLU: K.k_glu, Op.GEGLU: K.k_glu,
+    Op.SWIGLU: K.k_glu, Op.GEGLU: K.k_glu, Op.SWIGLU_OAI: K.k_swiglu_oai,
     Op.RMS_NORM: K.k_rms_norm, Op.RMS_NORM_MUL: K.k_rms_norm_mul, Op.NORM: K.k_norm, Op.L2_NORM: K.k_l2_norm,
     Op.SOFT_MAX: K.k_soft_max, Op.ROPE: K.k_rope, Op.GET_ROWS: K.k_get_rows, Op.SET_ROWS: K.k_set_rows,
     Op.CPY: K.k_cpy, Op.CONT: K.k_cpy, Op.DUP: K.k_cpy, Op.CONCAT: K.k_concat, Op.REPEAT: K.k_repeat,
@@ -125,6 +125,8 @@ class CPUBackend(Backend):
             if fast is not None:
                 self._quantized[key] = this_x
                 return fast
+        # mul_mat quantizes into the activation buffers shared by shape, unrecorded: no later product may reuse them
+        self._quantized = {}
 
         def run():
             for i13, i12 in pairs:
@@ -183,6 +185,9 @@ class CPUBackend(Backend):
         mm = self._mul_mat_fn()
         wtype = as_.type
         n_b1 = b.ne[1]
+        # each expert's product quantizes its rows into the activation buffers shared by shape (a decode step's
+        # rows have the shape of the layer's other products): no later product may take them as its x's
+        self._quantized = {}
 
         def run():
             sel = np.asarray(idv)[0, 0]                 # (n_tokens, n_used)
@@ -202,6 +207,8 @@ class CPUBackend(Backend):
         p = node.op_params
         qa, ka, va = srcs[:3]
         ma = srcs[3] if p["has_mask"] else None
+        # attention sinks (gpt-oss): one logit per head, the last source
+        sinks = np.ascontiguousarray(srcs[-1], np.float32).reshape(-1)[:q.ne[2]] if p.get("has_sinks") else None
 
         def kv(arr, t):
             if t == T.F16:
@@ -210,7 +217,7 @@ class CPUBackend(Backend):
                 return K.to_float(arr, t, np.float32), False
             return arr, False
 
-        fast = _fa_fast_path(node, qa, ka, va, srcs[3] if p["has_mask"] else None, dst, tiled)
+        fast = _fa_fast_path(node, qa, ka, va, srcs[3] if p["has_mask"] else None, dst, tiled, sinks)
         if fast is not None:
             return fast
 
@@ -223,7 +230,7 @@ class CPUBackend(Backend):
                 mask = _f16_to_f32(ma.view(np.uint16)[:, :, :q.ne[1]])
             else:
                 mask = K.to_float(ma, node.src[3].type, np.float32)
-            flash_attn(qa, kk, vv, mask, dst, p["scale"], p["max_bias"], p["softcap"], kf16, vf16, tiled, vdt)
+            flash_attn(qa, kk, vv, mask, dst, p["scale"], p["max_bias"], p["softcap"], kf16, vf16, tiled, vdt, sinks)
         return run
 
     # ------------------------------------------------------------ plans
@@ -266,7 +273,7 @@ def _rows_contiguous(a, itemsize) -> bool:
     return a.strides[-1] == itemsize and (a.shape[-2] <= 1 or a.strides[-2] == itemsize * a.shape[-1])
 
 
-def _fa_fast_path(node, qa, ka, va, ma, dst, tiled):
+def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None):
     """Decode-sized flash attention over F16 K/V views of the cache, bound once: the kernel reads the cache views
     and writes the destination in place (no copies of K, V or the result per call)."""
     from .attention import fa_vec16_supported, _fa_vec16
@@ -288,9 +295,9 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled):
         mtype = node.src[3].type
         if mtype == T.F16:
             m16 = ma.view(np.uint16)                      # read as bits; rows past the queries' are padding
-            return lambda: _fa_vec16(qa, kk, vv, m16, dst, sc, cap, slopes)
+            return lambda: _fa_vec16(qa, kk, vv, m16, dst, sc, cap, slopes, sinks)
         if mtype == T.F32:
-            return lambda: _fa_vec16(qa, kk, vv, ma, dst, sc, cap, slopes)
+            return lambda: _fa_vec16(qa, kk, vv, ma, dst, sc, cap, slopes, sinks)
         return None
     nomask = np.zeros((1, 1, 1, 0), np.float32)
-    return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes)
+    return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes, sinks)

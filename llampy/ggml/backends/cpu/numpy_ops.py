@@ -163,6 +163,45 @@ def k_glu(node, dst, srcs, acc):
     store(dst, node.type, act * u)
 
 
+# glibc's expf (the table-driven algorithm of ARM's optimized routines, glibc >= 2.27), which scalar C code such as
+# ggml's swiglu_oai calls: a double-precision evaluation whose float rounding is not always the correctly rounded
+# one, so neither NumPy's float32 exp nor exp in double reproduces every value
+_EXPF_N = 32
+_EXPF_SHIFT = float.fromhex("0x1.8p+52")
+_EXPF_INVLN2N = float.fromhex("0x1.71547652b82fep+0") * _EXPF_N
+_EXPF_C = (float.fromhex("0x1.c6af84b912394p-5") / _EXPF_N ** 3, float.fromhex("0x1.ebfce50fac4f3p-3") / _EXPF_N ** 2,
+           float.fromhex("0x1.62e42ff0c52d6p-1") / _EXPF_N)
+_EXPF_T = np.array([np.float64(2.0 ** (i / _EXPF_N)).view(np.uint64) - np.uint64((i << 52) // _EXPF_N)
+                    for i in range(_EXPF_N)], np.uint64)
+
+
+def expf_glibc(x: np.ndarray) -> np.ndarray:
+    xd = np.asarray(x, np.float32).astype(np.float64)
+    z = _EXPF_INVLN2N * xd
+    kd = z + _EXPF_SHIFT                        # round z to an integer in the low bits
+    ki = kd.view(np.uint64)
+    r = z - (kd - _EXPF_SHIFT)
+    s = (_EXPF_T[ki % np.uint64(_EXPF_N)] + (ki << np.uint64(47))).view(np.float64)
+    y = (_EXPF_C[0] * r + _EXPF_C[1]) * (r * r) + (_EXPF_C[2] * r + 1.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = (y * s).astype(np.float32)
+        y = np.where(xd > 88.72283935546875, np.float32(np.inf), y)
+        y = np.where(xd < -103.97207641601562, np.float32(0.0), y)
+        return np.where(np.isnan(xd), np.float32(np.nan), y)
+
+
+def k_swiglu_oai(node, dst, srcs, acc):
+    """ggml_compute_forward_swiglu_oai_f32 in float32: x = min(g, limit), x / (1 + expf(alpha * -x)) * (y + 1) with
+    y = clamp(up, -limit, limit)."""
+    p = node.op_params
+    lim, alpha = acc(p["limit"]), acc(p["alpha"])
+    x = np.minimum(to_float(srcs[0], node.src[0].type, acc), lim)
+    y = np.clip(to_float(srcs[1], node.src[1].type, acc), -lim, lim)
+    e = expf_glibc(alpha * -x) if acc == np.float32 else np.exp(alpha * -x)
+    with np.errstate(over="ignore"):
+        store(dst, node.type, x / (acc(1.0) + e) * (y + acc(1.0)))
+
+
 # ------------------------------------------------------------------------------------------ norms
 def _rms(x, eps, acc):
     if acc == np.float32:

@@ -1,7 +1,7 @@
 """SOFT_MAX with ggml's CPU arithmetic (ops.cpp ggml_compute_forward_soft_max_f32, vec.cpp ggml_vec_soft_max_f32,
 AVX-512 build): w = x * scale (float32), w += slope * mask (fused), max, then 16 lanes at a time ggml_v_expf(w - max)
 with each group's lane sum reduced as _mm512_reduce_add_ps does and added to a double; the leftover elements with
-expf, also summed in double; finally every value times (float)(1.0 / sum)."""
+expf (glibc's), also summed in double; finally every value times (float)(1.0 / sum)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +10,36 @@ import numpy as np
 from numba import njit, prange
 
 from .act import _fma, v_expf
+
+
+_EXPF_T = np.array([np.float64(2.0 ** (i / 32)).view(np.uint64) - np.uint64((i << 52) // 32) for i in range(32)],
+                   np.uint64)
+_EXPF_C0 = float.fromhex("0x1.c6af84b912394p-5") / 32 ** 3
+_EXPF_C1 = float.fromhex("0x1.ebfce50fac4f3p-3") / 32 ** 2
+_EXPF_C2 = float.fromhex("0x1.62e42ff0c52d6p-1") / 32
+_EXPF_INVLN2N = float.fromhex("0x1.71547652b82fep+0") * 32
+_EXPF_SHIFT = float.fromhex("0x1.8p+52")
+
+
+@njit(cache=True, nogil=True)
+def expf(x):
+    """glibc's scalar expf (>= 2.27, ARM's optimized-routines algorithm), which ggml's scalar code calls: a double
+    evaluation whose float result is not always the correctly rounded one (math.exp's is)."""
+    xd = np.float64(np.float32(x))
+    if xd != xd:
+        return np.float32(xd)
+    if xd > 88.72283935546875:
+        return np.float32(np.inf)
+    if xd < -103.97207641601562:
+        return np.float32(0.0)
+    z = _EXPF_INVLN2N * xd
+    kd = z + _EXPF_SHIFT
+    ki = np.array([kd]).view(np.uint64)[0]
+    r = z - (kd - _EXPF_SHIFT)
+    t = _EXPF_T[ki % np.uint64(32)] + (ki << np.uint64(47))
+    sc = np.array([t]).view(np.float64)[0]
+    y = (_EXPF_C0 * r + _EXPF_C1) * (r * r) + (_EXPF_C2 * r + 1.0)
+    return np.float32(y * sc)
 
 
 def _soft_max_rows(x, mask, slopes, scale, out):
@@ -48,7 +78,7 @@ def _soft_max_rows(x, mask, slopes, scale, out):
                 lanes[l] = lanes[l] + lanes[l + 2]
             total += np.float64(lanes[0] + lanes[1])
         for i in range(n16, n):
-            e = np.float32(math.exp(np.float32(w[i] - mx)))
+            e = expf(np.float32(w[i] - mx))
             w[i] = e
             total += np.float64(e)
         inv = np.float32(1.0 / total)

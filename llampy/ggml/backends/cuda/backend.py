@@ -163,8 +163,8 @@ class CUDABackend(Backend):
             return node.type in PLAIN and srcs[0].type in PLAIN
         if op in (Op.CPY, Op.CONT, Op.DUP):
             return node.type in TORCH_DTYPE and srcs[0].type in TORCH_DTYPE
-        if op == Op.FLASH_ATTN_EXT:
-            return all(s.type in PLAIN for s in srcs)
+        if op == Op.FLASH_ATTN_EXT:         # attention sinks: the CPU's (no kernel here takes them)
+            return not node.op_params.get("has_sinks") and all(s.type in PLAIN for s in srcs)
         if op in _TABLE:
             return all(s.type in TORCH_DTYPE for s in srcs) and node.type in TORCH_DTYPE
         return False
