@@ -4,8 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
-# pytest's workers for the kernel-path runs (empty: one process)
-XDIST ?=
+# The suite runs in two pytest workers (most of its time is Numba compiling kernels, one core per process), then
+# the tests that hold a server or a cluster to latencies, alone
+XDIST ?= -n 2 --dist loadfile
+SERIAL := tests/server tests/cluster
+LLAMACPP_ENV = LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
+  LLAMPY_LLAMACPP_TOOLS=$$(bash scripts/llamacpp_tools.sh)
 
 .PHONY: run test test-quick test-avx2 test-generic test-cuda gpu-bench install install-dev clean
 
@@ -39,8 +43,8 @@ run: $(STAMP)
 # and its llama-gguf-split tool (scripts/llamacpp_tools.sh: compiled against that build)
 test: $(DEVSTAMP)
 	bash scripts/system-deps.sh
-	LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
-	  LLAMPY_LLAMACPP_TOOLS=$$(bash scripts/llamacpp_tools.sh) $(BIN)/python -m pytest -q
+	$(LLAMACPP_ENV) $(BIN)/python -m pytest -q $(XDIST) $(SERIAL:%=--ignore=%)
+	$(LLAMACPP_ENV) $(BIN)/python -m pytest -q $(SERIAL)
 
 # The kernels on the lesser instruction paths, each in a Numba cache of its own (Numba's cache does not know the
 # switch): the kernel tests and the fidelity tests against llama.cpp with the AVX2 path forced (llampy's intrinsics
@@ -52,13 +56,12 @@ KERNEL_TESTS := tests/ggml tests/llama/test_fidelity_real.py tests/llama/test_fi
   tests/llama/test_fidelity_tiny_more.py tests/llama/test_fidelity_recurrent.py
 test-avx2: $(DEVSTAMP)
 	@if grep -qw avx512f /proc/cpuinfo; then \
-	  LLAMPY_SIMD=avx2 NUMBA_CPU_NAME=haswell NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-avx2 \
-	    LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) LLAMPY_VOCABS=$$(bash scripts/llamacpp_vocabs.sh) \
+	  LLAMPY_SIMD=avx2 NUMBA_CPU_NAME=haswell NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-avx2 $(LLAMACPP_ENV) \
 	    $(BIN)/python -m pytest -q $(XDIST) $(KERNEL_TESTS); \
 	else echo "test-avx2: this CPU has no AVX-512, so make test ran the AVX2 paths"; fi
 
 test-generic: $(DEVSTAMP)
-	LLAMPY_SIMD=generic NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-generic LLAMPY_LLAMACPP=$$(bash scripts/llamacpp.sh) \
+	LLAMPY_SIMD=generic NUMBA_CACHE_DIR=$(CURDIR)/$(VENV)/numba-generic $(LLAMACPP_ENV) \
 	  $(BIN)/python -m pytest -q $(XDIST) -m "not slow" tests/ggml
 
 # The CUDA backend's tests (tests/cuda): on a GPU where there is one, else in the Triton interpreter on the CPU with
