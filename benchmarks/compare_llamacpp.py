@@ -2,13 +2,23 @@
 """llampy against llama.cpp, side by side in one run, on the same GGUF files.
 
     python benchmarks/compare_llamacpp.py [MODEL ...] [-t 2] [-r 3] [-p 512] [-n 128]
+    python benchmarks/compare_llamacpp.py --types F16 Q2_K IQ4_XS ... [--shape 1b] [--no-start]
 
-MODEL: a path, or 'smollm2' / 'gemma3' (default: both). For each model, llampy's bench and llama.cpp's (through
-llama-cpp-python's low-level llama_decode, the same pp/tg tests) run interleaved, and the table gives pp and tg
-tok/s with the ratio llampy/llama.cpp, time from process start to first token (cold: empty kernel cache; warm),
-and peak RSS (llampy's with its kernel cache filled by an untimed run first). llama.cpp comes from llama-cpp-python,
-built for this machine (no AMX; see ../shared/DESIGN.md) into its own environment, benchmarks/.llamacpp-venv, once;
-the wheel is cached in ~/.cache/llampy/wheels.
+MODEL: a path, or 'smollm2' / 'gemma3' (default: both, unless --types or --shape name the models).
+``--types``: the default model requantized by llama-quantize (``$LLAMPY_LLAMACPP/bin/llama-quantize``,
+--allow-requantize) to each llama-quantize type (F16, Q3_K_M, IQ2_XXS, TQ1_0, ...; MXFP4: MXFP4_MOE with --pure,
+as that mix gives a dense model's matrices Q8_0; the IQ1-IQ3 types with an importance matrix made once by
+``llampy imatrix``), cached in ~/.cache/llampy/requant. ``--shape 1b``: a random model of Llama 3.2 1B's shape
+written by llampy's own writer and quantizer (benchmarks/gpu_bench.py's ``write_model``) in each of
+``--shape-mixes`` (Q4_K_M Q4_0 Q8_0), cached in ~/.cache/llampy/shapes. ``--no-start``: pp and tg only.
+
+For each model, llampy's bench and llama.cpp's (through llama-cpp-python's low-level llama_decode, the same pp/tg
+tests) run interleaved, and the table gives pp and tg tok/s with the ratio llampy/llama.cpp, time from process
+start to first token (cold: empty kernel cache; warm), and peak RSS (llampy's with its kernel cache filled by an
+untimed run first). llama.cpp comes from llama-cpp-python, built for this machine (no AMX; see
+../shared/DESIGN.md) into its own environment, benchmarks/.llamacpp-venv, once; the wheel is cached in
+~/.cache/llampy/wheels; where ``LLAMPY_LLAMACPP`` names a llama.cpp environment already built (its bin/python
+imports llama_cpp), that one is used.
 """
 from __future__ import annotations
 
@@ -102,6 +112,12 @@ def die(msg: str) -> None:
 
 
 def ensure_llamacpp() -> Path:
+    given = os.environ.get("LLAMPY_LLAMACPP")
+    if given:
+        py = Path(given) / "bin" / "python"
+        if subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+            return py
+        die(f"LLAMPY_LLAMACPP={given}: its bin/python cannot import llama_cpp")
     py = VENV / "bin" / "python"
     if py.exists() and subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
         return py
@@ -139,9 +155,73 @@ def popen_rss(cmd, env=None) -> tuple[str, float, float]:
     return out, wall, ru.ru_maxrss / 1024.0
 
 
+CACHE = Path.home() / ".cache" / "llampy"
+# llama-quantize refuses these without an importance matrix (llama-quant.cpp); IQ3_XXS/IQ3_S/IQ2_S use one if given
+NEEDS_IMATRIX = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M"}
+# types llama-quantize names only as a MoE mix (MXFP4_MOE: Q8_0 for a dense model's matrices): --pure with it
+PURE = {"MXFP4": "MXFP4_MOE"}
+
+
+def _imatrix(src: Path, env) -> Path:
+    """An importance matrix of the default model (llampy imatrix over the project's docs), made once."""
+    out = CACHE / "requant" / f"{src.stem}.imatrix.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = out.with_suffix(".txt")
+    text.write_text("\n\n".join(p.read_text() for p in (ROOT / "README.md", ROOT / "docs" / "architecture.md")))
+    tmp = out.with_suffix(".part.gguf")
+    popen_rss([sys.executable, "-m", "llampy.cli", "imatrix", str(src), "-f", str(text), "-o", str(tmp), "-c", "256",
+               "--chunks", "16", "--progress", "off"], env)
+    tmp.rename(out)
+    return out
+
+
+def requantized(src: Path, tname: str, lc_py: Path, env) -> Path:
+    """src requantized by llama-quantize to the llama-quantize type tname (cached)."""
+    out = CACHE / "requant" / f"{src.stem.split('.')[0]}.{tname}.gguf"
+    if out.exists():
+        return out
+    exe = lc_py.parent / "llama-quantize"
+    if not exe.exists():
+        die(f"{exe} not found: --types needs llama.cpp's llama-quantize beside the llama.cpp environment's python")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [str(exe), "--allow-requantize"]
+    if tname.upper() in NEEDS_IMATRIX:
+        cmd += ["--imatrix", str(_imatrix(src, env))]
+    qname = tname
+    if tname.upper() in PURE:
+        cmd.append("--pure")
+        qname = PURE[tname.upper()]
+    tmp = out.with_suffix(".part")
+    print(f"compare_llamacpp: llama-quantize {' '.join(cmd[1:])} {src.name} -> {qname}", file=sys.stderr)
+    popen_rss(cmd + [str(src), str(tmp), qname, "2"], env)
+    tmp.rename(out)
+    return out
+
+
+def shaped(shape: str, mix: str) -> Path:
+    """A random model of the named shape in the named tensor-type mix, written by llampy (cached)."""
+    sys.path.insert(0, str(HERE))
+    import gpu_bench
+    out = CACHE / "shapes" / f"{shape}-random-{mix}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".part")
+        print(f"compare_llamacpp: writing {out.name}", file=sys.stderr)
+        gpu_bench.write_model(tmp, shape, mix)
+        tmp.rename(out)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("models", nargs="*", default=["smollm2", "gemma3"])
+    ap.add_argument("models", nargs="*")
+    ap.add_argument("--types", nargs="+", default=[], metavar="TYPE",
+                    help="the default model requantized by llama-quantize to each of these types")
+    ap.add_argument("--shape", choices=["1b"], help="also a random model of this shape (llampy's writer)")
+    ap.add_argument("--shape-mixes", nargs="+", default=["Q4_K_M", "Q4_0", "Q8_0"], metavar="MIX")
+    ap.add_argument("--no-start", action="store_true", help="skip the start-to-first-token and RSS columns")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
@@ -158,9 +238,21 @@ def main(argv=None) -> int:
     # llampy's bytecode up to date, as an installed package has it (timings below include every start)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "llampy")], check=True)
     env = dict(given, OMP_NUM_THREADS=str(args.threads))
+    if args.shape:
+        sys.path.insert(0, str(HERE))
+        import gpu_bench
+        bad = [m for m in args.shape_mixes if m not in gpu_bench.MIXES]
+        if bad:
+            die(f"unknown --shape-mixes {bad}: one of {sorted(gpu_bench.MIXES)}")
+    paths = [resolve_model(m) for m in (args.models or ([] if args.types or args.shape else ["smollm2", "gemma3"]))]
+    paths += [requantized(resolve_model(None), t, lc_py, env) for t in args.types]
+    if args.shape:
+        paths += [shaped(args.shape, mix) for mix in args.shape_mixes]
+    for p in paths:
+        if not Path(p).is_file():
+            die(f"{p}: no such model file")
     rows = []
-    for m in args.models:
-        path = str(resolve_model(m))
+    for path in map(str, paths):
         ours = {"pp": [], "tg": []}
         theirs = {"pp": [], "tg": []}
         rss_ours = rss_theirs = 0.0
@@ -178,6 +270,16 @@ def main(argv=None) -> int:
             for r in json.loads(out):
                 theirs["pp" if r["n_prompt"] else "tg"].extend(r["samples_ts"])
             rss_theirs = max(rss_theirs, rss)
+        mean = lambda xs: statistics.mean(xs) if xs else float("nan")
+        row = {"model": Path(path).name, "pp_llampy": mean(ours["pp"]), "pp_llamacpp": mean(theirs["pp"]),
+               "tg_llampy": mean(ours["tg"]), "tg_llamacpp": mean(theirs["tg"]),
+               "rss_llampy_mib": rss_ours, "rss_llamacpp_mib": rss_theirs}
+        rows.append(row)
+        # each row as it is measured (stderr): a long --types run interrupted keeps what it measured
+        print(f"compare_llamacpp: {row['model']}: pp {row['pp_llampy']:.1f} vs {row['pp_llamacpp']:.1f}, "
+              f"tg {row['tg_llampy']:.1f} vs {row['tg_llamacpp']:.1f}", file=sys.stderr, flush=True)
+        if args.no_start:
+            continue
         # start to first token: cold (empty Numba cache) and warm, and llama.cpp's
         first_cmd = [sys.executable, "-m", "llampy.cli", "run", path, "-p", "The capital of France is", "-n", "1",
                      "--temp", "0", "-t", str(args.threads)]
@@ -185,22 +287,23 @@ def main(argv=None) -> int:
             _, cold, _ = popen_rss(first_cmd, dict(env, NUMBA_CACHE_DIR=cache))
             _, warm, _ = popen_rss(first_cmd, dict(env, NUMBA_CACHE_DIR=cache))
         _, lc_first, _ = popen_rss([lc_py, "-c", LLAMACPP_FIRST, path, str(args.threads)], env)
-        mean = lambda xs: statistics.mean(xs) if xs else float("nan")
-        rows.append({"model": Path(path).name, "pp_llampy": mean(ours["pp"]), "pp_llamacpp": mean(theirs["pp"]),
-                     "tg_llampy": mean(ours["tg"]), "tg_llamacpp": mean(theirs["tg"]),
-                     "first_cold_s": cold, "first_warm_s": warm, "first_llamacpp_s": lc_first,
-                     "rss_llampy_mib": rss_ours, "rss_llamacpp_mib": rss_theirs})
+        row.update(first_cold_s=cold, first_warm_s=warm, first_llamacpp_s=lc_first)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"threads {args.threads}, pp{args.n_prompt} / tg{args.n_gen}, {args.rounds} interleaved rounds x {args.reps} reps\n")
-    print("| model | pp llampy | pp llama.cpp | pp ratio | tg llampy | tg llama.cpp | tg ratio | first token cold / warm (llama.cpp) | peak RSS MiB llampy / llama.cpp (ratio) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    start = not args.no_start
+    print("| model | pp llampy | pp llama.cpp | pp ratio | tg llampy | tg llama.cpp | tg ratio |"
+          + (" first token cold / warm (llama.cpp) | peak RSS MiB llampy / llama.cpp (ratio) |" if start else ""))
+    print("| --- " * (9 if start else 7) + "|")
     for r in rows:
-        print(f"| {r['model']} | {r['pp_llampy']:.1f} | {r['pp_llamacpp']:.1f} | {r['pp_llampy'] / r['pp_llamacpp']:.2f} "
-              f"| {r['tg_llampy']:.1f} | {r['tg_llamacpp']:.1f} | {r['tg_llampy'] / r['tg_llamacpp']:.2f} "
-              f"| {r['first_cold_s']:.2f} s / {r['first_warm_s']:.2f} s ({r['first_llamacpp_s']:.2f} s) "
-              f"| {r['rss_llampy_mib']:.0f} / {r['rss_llamacpp_mib']:.0f} ({r['rss_llampy_mib'] / r['rss_llamacpp_mib']:.2f}) |")
+        line = (f"| {r['model']} | {r['pp_llampy']:.1f} | {r['pp_llamacpp']:.1f} | {r['pp_llampy'] / r['pp_llamacpp']:.2f} "
+                f"| {r['tg_llampy']:.1f} | {r['tg_llamacpp']:.1f} | {r['tg_llampy'] / r['tg_llamacpp']:.2f} |")
+        if start:
+            line += (f" {r['first_cold_s']:.2f} s / {r['first_warm_s']:.2f} s ({r['first_llamacpp_s']:.2f} s) "
+                     f"| {r['rss_llampy_mib']:.0f} / {r['rss_llamacpp_mib']:.0f} "
+                     f"({r['rss_llampy_mib'] / r['rss_llamacpp_mib']:.2f}) |")
+        print(line)
     return 0
 
 

@@ -36,6 +36,7 @@ T = GGMLType
 SHAPES = {   # n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, rope base
     "llama2-7b": (4096, 32, 32, 32, 11008, 32000, 10000.0),
     "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064, 1000000.0),
+    "1b": (2048, 16, 32, 8, 8192, 128256, 500000.0),     # Llama 3.2 1B's (benchmarks/compare_llamacpp.py --shape 1b)
     "tiny": (256, 2, 4, 2, 512, 1024, 10000.0),          # a smoke test of the script (TRITON_INTERPRET=1 on a CPU)
 }
 MIXES = {

@@ -259,7 +259,7 @@ def test_mul_mat_float_types():
     np.testing.assert_allclose(out, xb @ wbf.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("wtype", [T.TQ2_0, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("wtype", [T.NVFP4], ids=lambda t: t.name)   # TQ*, MXFP4: dot_blocks now
 def test_mul_mat_other_types_fall_back(wtype):
     """Types without kernels: dequantized weights times x through the dot type."""
     assert wtype not in mm.SUPPORTED_DIRECT

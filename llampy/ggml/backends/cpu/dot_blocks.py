@@ -1,5 +1,6 @@
 """Dot products of the formats described in ``llampy/ggml/blocks.py`` that had no kernel of their own: F16, BF16,
-Q2_K, Q3_K, IQ4_XS (against Q8_K activations), IQ4_NL (against Q8_0), in llama.cpp's x86 float order.
+Q2_K, Q3_K, IQ4_XS, TQ1_0, TQ2_0, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (against Q8_K activations),
+IQ4_NL, MXFP4 (against Q8_0), in llama.cpp's x86 float order.
 
     mul_mat(w, wtype, x, out, scratch)     # out[i, r] = dot(w[r], x[i]); x float32 [n, k], rounded here to the
                                            # format's dot type (blocks.BLOCKS[wtype].dot_type) as ggml does
@@ -17,6 +18,16 @@ Float order, per (weight row, activation row) pair (ggml-cpu/arch/x86/quants.c a
   size): per block the exact integer sum, ``acc = fma(f32(isum), d_w * d_x, acc)``, one scalar chain. Other row
   counts: ``ggml_vec_dot_iq4_nl_q8_0`` (even and odd blocks in two f32x8 accumulators, their sum's hsum, an odd last
   block added with one fma).
+- MXFP4: as IQ4_NL (repacked rows % 8 == 0: ``gemv_mxfp4_8x8_q8_0``; else ``ggml_vec_dot_mxfp4_q8_0``), the FP4
+  value table and the block scale 2^(e - 128) in place of IQ4_NL's.
+- TQ2_0, TQ1_0 (``ggml_vec_dot_tq*_q8_K``): the digits 0..2 against x in exact int32 lanes (lane l: elements
+  4l..4l+3 of every 32-value group) minus the activations' block sums 2l and 2l + 1 (the - 1 of each value),
+  ``acc = fma(d_x * d_w, lanes, acc)`` (the source's mul and add, contracted by the compiler), ``hsum_float_8``.
+- IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: exact lanes of grid bytes times signed x times 2 ls + 1, ``acc =
+  fma(d_w * d_x, lanes, acc)``, then ``f * hsum_float_8(acc)`` (f: 1/8, 1/4 for IQ3_XXS, 1 for IQ3_S).
+- IQ1_S: the grid lanes as above, the delta term an integer per super-block (block sums times +-scale) in a scalar
+  chain ``s = fma(d, isum, s)``; ``hsum_float_8(acc) + 1/8 * s``. IQ1_M: grid lanes and the deltas' lanes (+-x
+  per chunk, scaled per 16 values) in two f32x8 accumulators, ``fma(1/8, hsum(acc2), hsum(acc1))``.
 - F16 (``ggml_vec_dot_f16``, x rounded to F16): four f32x8 accumulators over steps of 32, ``fma(w, x, acc_j)``;
   reduced as GGML_F32x8_REDUCE: (a0 + a2) + (a1 + a3), halves added, two hadds. BF16 (``ggml_vec_dot_bf16``):
   the same four accumulators (``add(mul(w, x), c)``: the products of two 8-bit significands are exact, so this is
@@ -82,26 +93,60 @@ def hclear4_32(typingctx, w, off, bit):
     return i32x8(w, types.intp, bit), codegen
 
 
-_KV = [int(v) for v in B.KVALUES_IQ4NL]
+def _nib_lut32(kv):
+    """An intrinsic: 32 signed bytes, the value table kv at the nibbles of the 16 bytes at byte ``off`` of w
+    (elements 0..15 the low nibbles, 16..31 the high ones), as ggml's ``_mm_shuffle_epi8(values128, nibbles)``."""
+    kv = [int(v) for v in kv]
+
+    @intrinsic
+    def nib_lut(typingctx, w, off):
+        def codegen(context, builder, sig, args):
+            q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16))
+            lo = builder.and_(q, _splat(_V16, 15))
+            hi = builder.lshr(q, _splat(_V16, 4))
+            idx = _shuf(builder, lo, hi, range(32))
+            if AVX2:
+                table = ir.Constant(_V32, kv + kv)
+                return builder.bitcast(_call(builder, "llvm.x86.avx2.pshuf.b", _V32, [table, idx]), _V_I32x8)
+            v = ir.Constant(_V32, [0] * 32)
+            for j, kj in enumerate(kv):
+                v = builder.select(builder.icmp_unsigned("==", idx, _splat(_V32, j)), _splat(_V32, kj), v)
+            return builder.bitcast(v, _V_I32x8)
+        return i32x8(w, types.intp), codegen
+    return nib_lut
 
 
-@intrinsic
-def nib_lut32(typingctx, w, off):
-    """32 signed bytes: the IQ4 value table at the nibbles of the 16 bytes at byte ``off`` of w (elements 0..15 the
-    low nibbles, 16..31 the high ones), as ggml's ``_mm_shuffle_epi8(values128, nibbles)``."""
-    def codegen(context, builder, sig, args):
-        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16))
-        lo = builder.and_(q, _splat(_V16, 15))
-        hi = builder.lshr(q, _splat(_V16, 4))
-        idx = _shuf(builder, lo, hi, range(32))
-        if AVX2:
-            table = ir.Constant(_V32, _KV + _KV)
-            return builder.bitcast(_call(builder, "llvm.x86.avx2.pshuf.b", _V32, [table, idx]), _V_I32x8)
-        v = ir.Constant(_V32, [0] * 32)
-        for j, kv in enumerate(_KV):
-            v = builder.select(builder.icmp_unsigned("==", idx, _splat(_V32, j)), _splat(_V32, kv), v)
-        return builder.bitcast(v, _V_I32x8)
-    return i32x8(w, types.intp), codegen
+nib_lut32 = _nib_lut32(B.KVALUES_IQ4NL)      # IQ4_NL, IQ4_XS
+fp4_lut32 = _nib_lut32(B.KVALUES_FP4)        # MXFP4
+
+
+def _trits32(g):
+    """An intrinsic: TQ1_0's digits of values 32g..32g+31 of the block at byte ``off`` of w, as unsigned bytes:
+    the block bytes the table names for them (``blocks.tq1_0_byte_digit``), times 3^digit mod 256, then
+    ``(b * 3) >> 8`` (ggml's AVX2 form, a saturating subtract and two averages, gives the same digit for every
+    byte)."""
+    src, pw = zip(*(B.tq1_0_byte_digit.py_func(32 * g + v) for v in range(32)))
+    # two 32-byte loads cover the 54-byte block: bytes 0..31 and 20..51
+    idx = [b if b < 32 else 32 + b - 20 for b in src]
+    pows = [int(B.POW3[n]) for n in pw]
+
+    @intrinsic
+    def trits(typingctx, w, off):
+        def codegen(context, builder, sig, args):
+            a = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V32))
+            o2 = builder.add(context.cast(builder, args[1], sig.args[1], types.intp),
+                             ir.Constant(context.get_value_type(types.intp), 20))
+            b = _load(builder, _ptr(context, builder, sig.args[0], args[0], o2, _V32))
+            q = builder.mul(_shuf(builder, a, b, idx), ir.Constant(_V32, [p & 255 for p in pows]))
+            w16 = ir.VectorType(_I16, 32)
+            d = builder.lshr(builder.mul(builder.zext(q, w16), _splat(w16, 3)), _splat(w16, 8))
+            return builder.bitcast(builder.trunc(d, _V32), _V_I32x8)
+        return i32x8(w, types.intp), codegen
+    return trits
+
+
+TQ1_DIGITS = tuple(_trits32(g) for g in range(8))
+tq1_d0, tq1_d1, tq1_d2, tq1_d3, tq1_d4, tq1_d5, tq1_d6, tq1_d7 = TQ1_DIGITS
 
 
 def _x32(context, builder, sig, args, ia, io):
@@ -181,6 +226,108 @@ def q2k_min_lanes(typingctx, w, o, bs, bo):
 
 
 @intrinsic
+def bsum_lanes(typingctx, bs, bo):
+    """Eight int32 lanes, lane m the sum of the activations' block sums 2m and 2m + 1 (int16, from element bo of
+    bs): ggml's ``madd(sumi - bsums, 1)`` for the ternary formats takes them from the value lanes so."""
+    def codegen(context, builder, sig, args):
+        b = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], _W16))
+        return _madd(builder, b, _splat(_W16, 1))
+    return i32x8(bs, types.intp), codegen
+
+
+@intrinsic
+def i32x8_sub(typingctx, a, b):
+    if a != i32x8 or b != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sub(args[0], args[1])
+    return i32x8(i32x8, i32x8), codegen
+
+
+@intrinsic
+def gather4_u64(typingctx, tab, i0, i1, i2, i3):
+    """32 bytes: the uint64 entries i0..i3 of tab, one after another (an 8-value grid's four chunks)."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        v = ir.Constant(ir.VectorType(i64, 4), None)
+        for j in range(4):
+            e = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0],
+                                         context.cast(builder, args[1 + j], sig.args[1 + j], types.intp), i64))
+            v = builder.insert_element(v, e, ir.Constant(_I32, j))
+        return builder.bitcast(v, _V_I32x8)
+    return i32x8(tab, i0, i1, i2, i3), codegen
+
+
+@intrinsic
+def gather8_u32(typingctx, tab, i0, i1, i2, i3, i4, i5, i6, i7):
+    """32 bytes: the uint32 entries i0..i7 of tab, one after another (a 4-value grid's eight chunks)."""
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(_V_I32x8, None)
+        for j in range(8):
+            e = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0],
+                                         context.cast(builder, args[1 + j], sig.args[1 + j], types.intp), _I32))
+            v = builder.insert_element(v, e, ir.Constant(_I32, j))
+        return v
+    return i32x8(tab, i0, i1, i2, i3, i4, i5, i6, i7), codegen
+
+
+@intrinsic
+def lanes_sg(typingctx, q, bits, x, xo, s0, s1):
+    """Eight int32 lanes: ``madd(scales, maddubs(q, x with sign bits applied))``: the unsigned grid bytes in q, the
+    32 int8 activations at byte xo of x negated where bit v of ``bits`` is set (ggml's sign_epi8 / xor-sub: -(-128)
+    stays -128), scale s0 over elements 0..15 and s1 over 16..31."""
+    if q != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        w32 = ir.VectorType(_I32, 32)
+        b = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I32)
+        bv = builder.shuffle_vector(builder.insert_element(ir.Constant(w32, None), b, ir.Constant(_I32, 0)),
+                                    ir.Constant(w32, None), ir.Constant(w32, [0] * 32))
+        bit = ir.Constant(w32, [(1 << v) - (1 << 32 if v == 31 else 0) for v in range(32)])
+        neg = builder.icmp_unsigned("!=", builder.and_(bv, bit),
+                                    _splat(w32, 0))
+        xv = _x32(context, builder, sig, args, 2, 3)
+        xs = builder.select(neg, builder.sub(_splat(_V32, 0), xv), xv)
+        p16 = _maddubs(builder, builder.bitcast(args[0], _V32), xs)
+        return _madd(builder, _scale_pair(context, builder, sig, args, 4, 5), p16)
+    return i32x8(i32x8, bits, x, types.intp, s0, s1), codegen
+
+
+@intrinsic
+def lanes_s2(typingctx, q, x, xo, s0, s1):
+    """As ``lanes_s`` (signed bytes q times the activations, ggml's mul_add_epi8) with scale s0 over elements 0..15
+    and s1 over 16..31."""
+    if q != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = builder.bitcast(args[0], _V32)
+        b = _x32(context, builder, sig, args, 1, 2)
+        zero = _splat(_V32, 0)
+        neg = builder.icmp_signed("<", a, zero)
+        absa = builder.select(neg, builder.sub(zero, a), a)
+        sb = builder.select(neg, builder.sub(zero, b), b)
+        sb = builder.select(builder.icmp_signed("==", a, zero), zero, sb)
+        return _madd(builder, _scale_pair(context, builder, sig, args, 3, 4), _maddubs(builder, absa, sb))
+    return i32x8(i32x8, x, types.intp, s0, s1), codegen
+
+
+@intrinsic
+def i64x4(typingctx, a, b, c, d):
+    """32 bytes: the four int64 values a..d, one after another."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        v = ir.Constant(ir.VectorType(i64, 4), None)
+        for j in range(4):
+            e = context.cast(builder, args[j], sig.args[j], types.int64)
+            v = builder.insert_element(v, e, ir.Constant(_I32, j))
+        return builder.bitcast(v, _V_I32x8)
+    return i32x8(a, b, c, d), codegen
+
+
+@intrinsic
 def i32x8_zero(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_V_I32x8, [0] * 8)
@@ -240,6 +387,24 @@ def f16_reduce(typingctx, a0, a1, a2, a3):
 # ------------------------------------------------------------------------------------------------ block steps
 # kind: loop-invariant, so each kernel below is compiled for one format
 K_Q2_K, K_Q3_K, K_IQ4_XS, K_IQ4_NL_R8, K_IQ4_NL = 0, 1, 2, 3, 4
+K_TQ2_0, K_TQ1_0, K_MXFP4_R8, K_MXFP4 = 5, 6, 7, 8
+K_IQ2_XXS, K_IQ2_XS, K_IQ2_S, K_IQ3_XXS, K_IQ3_S = 9, 10, 11, 12, 13
+K_IQ1_S, K_IQ1_M = 14, 15
+G_IQ1 = B.tab.iq1s_grid
+IQ1S_BYTES = B.BLOCKS[T.IQ1_S].type_size
+IQ1M_BYTES = B.BLOCKS[T.IQ1_M].type_size
+ONES8, NEG8 = 0x0101010101010101, -1      # a chunk's delta bytes: +1 or -1 (0xff..)
+# the grid formats' tables as ggml's kernels index them (uint64: 8 values per entry, uint32: 4)
+G_IQ2_XXS = B.tab.iq2xxs_grid
+G_IQ2_XS = B.tab.iq2xs_grid
+G_IQ2_S = B.tab.iq2s_grid
+G_IQ3_XXS = B.tab.iq3xxs_grid
+G_IQ3_S = B.tab.iq3s_grid
+IQ2XXS_BYTES = B.BLOCKS[T.IQ2_XXS].type_size
+IQ2XS_BYTES = B.BLOCKS[T.IQ2_XS].type_size
+IQ2S_BYTES = B.BLOCKS[T.IQ2_S].type_size
+IQ3XXS_BYTES = B.BLOCKS[T.IQ3_XXS].type_size
+IQ3S_BYTES = B.BLOCKS[T.IQ3_S].type_size
 
 Q2 = B.BLOCKS[T.Q2_K]
 Q3 = B.BLOCKS[T.Q3_K]
@@ -249,6 +414,12 @@ Q2_BYTES, Q2_QS, Q2_D, Q2_DMIN = Q2.type_size, Q2.field("qs").offset, Q2.field("
 Q3_BYTES, Q3_QS, Q3_HM, Q3_D = Q3.type_size, Q3.field("qs").offset, Q3.field("hmask").offset, Q3.field("d").offset
 X4_BYTES, X4_QS, X4_D = X4.type_size, X4.field("qs").offset, X4.field("d").offset
 N4_BYTES, N4_QS, N4_D = N4.type_size, N4.field("qs").offset, N4.field("d").offset
+T2 = B.BLOCKS[T.TQ2_0]
+T1 = B.BLOCKS[T.TQ1_0]
+MX = B.BLOCKS[T.MXFP4]
+T2_BYTES, T2_QS, T2_D = T2.type_size, T2.field("qs").offset, T2.field("d").offset
+T1_BYTES, T1_D = T1.type_size, T1.field("d").offset
+MX_BYTES, MX_QS, MX_E = MX.type_size, MX.field("qs").offset, MX.field("e").offset
 
 
 @njit(cache=True, inline="always")
@@ -262,14 +433,34 @@ def _step_bytes(kind):
         return X4_BYTES
     if kind == K_IQ4_NL_R8:
         return 8 * N4_BYTES
+    if kind == K_TQ2_0:
+        return T2_BYTES
+    if kind == K_TQ1_0:
+        return T1_BYTES
+    if kind == K_MXFP4_R8:
+        return 8 * MX_BYTES
+    if kind == K_MXFP4:
+        return 2 * MX_BYTES
+    if kind == K_IQ2_XXS:
+        return IQ2XXS_BYTES
+    if kind == K_IQ2_XS:
+        return IQ2XS_BYTES
+    if kind == K_IQ2_S:
+        return IQ2S_BYTES
+    if kind == K_IQ3_XXS:
+        return IQ3XXS_BYTES
+    if kind == K_IQ3_S:
+        return IQ3S_BYTES
+    if kind == K_IQ1_S:
+        return IQ1S_BYTES
+    if kind == K_IQ1_M:
+        return IQ1M_BYTES
     return 2 * N4_BYTES
 
 
 @njit(cache=True, inline="always")
 def _n_steps(kind, k):
-    if kind == K_IQ4_NL_R8:
-        return k // 256
-    if kind == K_IQ4_NL:
+    if kind == K_IQ4_NL or kind == K_MXFP4:
         return k // 64
     return k // 256
 
@@ -289,6 +480,71 @@ def _nl_d(wr, o, xdr, b0, g):
     return np.float32(f16_at(wr, o + g * N4_BYTES + N4_D) * xdr[b0 + g])
 
 
+@njit(cache=True, inline="always")
+def _mx_lanes(wr, o, xr, xo, g):
+    return lanes_s(fp4_lut32(wr, o + g * MX_BYTES + MX_QS), xr, xo + 32 * g, 1)
+
+
+@njit(cache=True, inline="always")
+def _mx_d(wr, o, xdr, b0, g):
+    return np.float32(B.e8m0_half(wr[o + g * MX_BYTES + MX_E]) * xdr[b0 + g])
+
+
+@njit(cache=True, inline="always")
+def _mx_isum(wr, o, xr, xo):
+    return i32x8_sum(lanes_s(fp4_lut32(wr, o + MX_QS), xr, xo, 1))
+
+
+@njit(cache=True, inline="always")
+def _grid_lanes(kind, wr, o, g, xr, xo):
+    """Group g's eight int32 lanes of a grid format (blocks.py: grid entries, sign bits, scales 2 ls + 1)."""
+    if kind == K_IQ2_XXS:
+        q = gather4_u64(G_IQ2_XXS, B.iq2_xxs_grid_idx(wr, o, g, 0), B.iq2_xxs_grid_idx(wr, o, g, 1),
+                        B.iq2_xxs_grid_idx(wr, o, g, 2), B.iq2_xxs_grid_idx(wr, o, g, 3))
+        ls = 2 * B.iq2_xxs_ls(wr, o, g, 0) + 1
+        return lanes_sg(q, B.iq2_xxs_signs(wr, o, g), xr, xo, ls, ls)
+    if kind == K_IQ2_XS:
+        q = gather4_u64(G_IQ2_XS, B.iq2_xs_grid_idx(wr, o, g, 0), B.iq2_xs_grid_idx(wr, o, g, 1),
+                        B.iq2_xs_grid_idx(wr, o, g, 2), B.iq2_xs_grid_idx(wr, o, g, 3))
+        return lanes_sg(q, B.iq2_xs_signs(wr, o, g), xr, xo, 2 * B.iq2_xs_ls(wr, o, g, 0) + 1,
+                        2 * B.iq2_xs_ls(wr, o, g, 1) + 1)
+    if kind == K_IQ2_S:
+        q = gather4_u64(G_IQ2_S, B.iq2_s_grid_idx(wr, o, g, 0), B.iq2_s_grid_idx(wr, o, g, 1),
+                        B.iq2_s_grid_idx(wr, o, g, 2), B.iq2_s_grid_idx(wr, o, g, 3))
+        return lanes_sg(q, B.iq2_s_signs(wr, o, g), xr, xo, 2 * B.iq2_s_ls(wr, o, g, 0) + 1,
+                        2 * B.iq2_s_ls(wr, o, g, 1) + 1)
+    if kind == K_IQ3_XXS:
+        q = gather8_u32(G_IQ3_XXS, B.iq3_xxs_grid_idx(wr, o, g, 0), B.iq3_xxs_grid_idx(wr, o, g, 1),
+                        B.iq3_xxs_grid_idx(wr, o, g, 2), B.iq3_xxs_grid_idx(wr, o, g, 3),
+                        B.iq3_xxs_grid_idx(wr, o, g, 4), B.iq3_xxs_grid_idx(wr, o, g, 5),
+                        B.iq3_xxs_grid_idx(wr, o, g, 6), B.iq3_xxs_grid_idx(wr, o, g, 7))
+        ls = 2 * B.iq3_xxs_ls(wr, o, g, 0) + 1
+        return lanes_sg(q, B.iq3_xxs_signs(wr, o, g), xr, xo, ls, ls)
+    q = gather8_u32(G_IQ3_S, B.iq3_s_grid_idx(wr, o, g, 0), B.iq3_s_grid_idx(wr, o, g, 1),
+                    B.iq3_s_grid_idx(wr, o, g, 2), B.iq3_s_grid_idx(wr, o, g, 3),
+                    B.iq3_s_grid_idx(wr, o, g, 4), B.iq3_s_grid_idx(wr, o, g, 5),
+                    B.iq3_s_grid_idx(wr, o, g, 6), B.iq3_s_grid_idx(wr, o, g, 7))
+    ls = 2 * B.iq3_s_ls(wr, o, g, 0) + 1
+    return lanes_sg(q, B.iq3_s_signs(wr, o, g), xr, xo, ls, ls)
+
+
+@njit(cache=True, inline="always")
+def _grid_factor(kind):
+    if kind == K_IQ3_XXS:
+        return np.float32(0.25)
+    if kind == K_IQ3_S:
+        return np.float32(1.0)
+    return np.float32(0.125)
+
+
+# !!! LEAD TO HELPER (issue 17), 07:15 UTC: COMPILE TIME IS THE CI BLOCKER. Measured: py-spy shows Numba's
+# InlineInlinables deep-copying IR; `_mv` (inline="always", 13 `_step` sites) is inlined into EVERY kernel with `kind`
+# unknown at untyped time, so every kernel carries every kind's code: cost ~ kernels x kinds x 13. The HEAD version's
+# _q2_k alone took >5 min to compile natively and 18 min on the generic path (CI timed out at 900 s). Adding kinds
+# to this ladder makes it quadratic. Please restructure so each kernel's Numba IR holds only its own kind before
+# inlining (e.g. per-kind step functions chosen in Python + a per-kind `_mv`, or non-inline njit `_step`/`_final`/`_mv`
+# compiled once), keep the float order/bits, and check a cold compile: NUMBA_CACHE_DIR=$(mktemp -d) timing of one
+# kernel should be seconds, not minutes. Delete this comment when done.
 @njit(cache=True, inline="always")
 def _step(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     """Step b of one (weight row, activation row) pair: the accumulators (a1, a2: f32x8, s: float32) updated in
@@ -362,18 +618,163 @@ def _final(kind, wr, xr, xdr, k, a1, a2, s):
     if kind == K_IQ4_NL:
         r = f32x8_hsum(f32x8_add(a1, a2))
         nb = k // 32
-        if nb % 2:           # the odd last block, as ggml's scalar tail: sumf += d * (sumi1 + sumi2)
+        if nb % 2:           # the odd last block, as ggml's scalar tail: sumf += d * (sumi1 + sumi2), not
+            # contracted (the x86 build's code: vmulss, vaddss)
             b = nb - 1
             d = np.float32(xdr[b] * f16_at(wr, b * N4_BYTES + N4_D))
-            r = fma32(d, np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32)), r)
+            r = np.float32(r + np.float32(d * np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32))))
         return r
     return f32x8_hsum(a1)
 
 
 @njit(cache=True, inline="always")
-def _mv(w, xq, xd, bsums, out, kind):
-    """out[i, r] = dot(w[r], x[i]): tiles of 4 weight rows x 2 activation rows (eight independent chains, each
-    weight block decoded once for both activations), then 4 x 1, then single rows."""
+def _step_tq(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    """``_step`` of TQ2_0 and TQ1_0."""
+    if kind == K_TQ2_0:
+        # digits 0..2 against x, minus the block sums: sum (q - 1) x with ggml's lanes (module doc)
+        o = b * T2_BYTES
+        xo = b * 256
+        lanes = i32x8_sub(i32x8_zero(), bsum_lanes(bsr, b * 16))
+        for c in range(8):
+            q = crumbs32(wr, o + T2_QS + 32 * (c >> 2), 2 * (c & 3))
+            lanes = i32x8_add(lanes, lanes_u(q, xr, xo + 32 * c, 1, 1))
+        a1 = f32x8_fma(np.float32(xdr[b] * f16_at(wr, o + T2_D)), i32x8_to_f32x8(lanes), a1)
+    elif kind == K_TQ1_0:
+        o = b * T1_BYTES
+        xo = b * 256
+        lanes = i32x8_sub(lanes_u(tq1_d0(wr, o), xr, xo, 1, 1), bsum_lanes(bsr, b * 16))
+        lanes = i32x8_add(lanes, lanes_u(tq1_d1(wr, o), xr, xo + 32, 1, 1))
+        lanes = i32x8_add(lanes, lanes_u(tq1_d2(wr, o), xr, xo + 64, 1, 1))
+        lanes = i32x8_add(lanes, lanes_u(tq1_d3(wr, o), xr, xo + 96, 1, 1))
+        lanes = i32x8_add(lanes, lanes_u(tq1_d4(wr, o), xr, xo + 128, 1, 1))
+        lanes = i32x8_add(lanes, lanes_u(tq1_d5(wr, o), xr, xo + 160, 1, 1))
+        lanes = i32x8_add(lanes, lanes_u(tq1_d6(wr, o), xr, xo + 192, 1, 1))
+        lanes = i32x8_add(lanes, lanes_u(tq1_d7(wr, o), xr, xo + 224, 1, 1))
+        a1 = f32x8_fma(np.float32(xdr[b] * f16_at(wr, o + T1_D)), i32x8_to_f32x8(lanes), a1)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _step_mx(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    """``_step`` of MXFP4 (rows % 8 == 0: llama.cpp's repacked chain)."""
+    if kind == K_MXFP4_R8:
+        o = b * 8 * MX_BYTES
+        xo = b * 256
+        v = hsum8x(_mx_lanes(wr, o, xr, xo, 0), _mx_lanes(wr, o, xr, xo, 1), _mx_lanes(wr, o, xr, xo, 2),
+                   _mx_lanes(wr, o, xr, xo, 3), _mx_lanes(wr, o, xr, xo, 4), _mx_lanes(wr, o, xr, xo, 5),
+                   _mx_lanes(wr, o, xr, xo, 6), _mx_lanes(wr, o, xr, xo, 7))
+        f = i32x8_to_f32x8(v)
+        s = fma32(f32x8_lane(f, 0), _mx_d(wr, o, xdr, 8 * b, 0), s)
+        s = fma32(f32x8_lane(f, 1), _mx_d(wr, o, xdr, 8 * b, 1), s)
+        s = fma32(f32x8_lane(f, 2), _mx_d(wr, o, xdr, 8 * b, 2), s)
+        s = fma32(f32x8_lane(f, 3), _mx_d(wr, o, xdr, 8 * b, 3), s)
+        s = fma32(f32x8_lane(f, 4), _mx_d(wr, o, xdr, 8 * b, 4), s)
+        s = fma32(f32x8_lane(f, 5), _mx_d(wr, o, xdr, 8 * b, 5), s)
+        s = fma32(f32x8_lane(f, 6), _mx_d(wr, o, xdr, 8 * b, 6), s)
+        s = fma32(f32x8_lane(f, 7), _mx_d(wr, o, xdr, 8 * b, 7), s)
+    elif kind == K_MXFP4:
+        o = b * 2 * MX_BYTES
+        xo = b * 64
+        a1 = f32x8_fma(_mx_d(wr, o, xdr, 2 * b, 0), i32x8_to_f32x8(_mx_lanes(wr, o, xr, xo, 0)), a1)
+        a2 = f32x8_fma(_mx_d(wr, o, xdr, 2 * b, 1), i32x8_to_f32x8(_mx_lanes(wr, o, xr, xo, 1)), a2)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _step_iq1(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    """``_step`` of IQ1_S and IQ1_M."""
+    if kind == K_IQ1_S:
+        # ggml_vec_dot_iq1_s_q8_K: exact lanes of the grid (signed) times x and a scalar integer for the deltas'
+        # block-sum term; acc = fma(d, lanes, acc), s += d * isum (contracted: one fma)
+        o = b * IQ1S_BYTES
+        xo = b * 256
+        lanes = i32x8_zero()
+        isum = 0
+        for g in range(8):
+            q = gather4_u64(G_IQ1, B.iq1_s_grid_idx(wr, o, g, 0), B.iq1_s_grid_idx(wr, o, g, 1),
+                            B.iq1_s_grid_idx(wr, o, g, 2), B.iq1_s_grid_idx(wr, o, g, 3))
+            ls = 2 * B.iq1_s_ls(wr, o, g) + 1
+            lanes = i32x8_add(lanes, lanes_s(q, xr, xo + 32 * g, ls))
+            bsg = np.int64(bsr[b * 16 + 2 * g]) + np.int64(bsr[b * 16 + 2 * g + 1])
+            isum += -bsg * ls if B.iq1_s_neg(wr, o, g) else bsg * ls
+        d = np.float32(xdr[b] * f16_at(wr, o))
+        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+        s = fma32(d, np.float32(isum), s)
+    elif kind == K_IQ1_M:
+        # ggml_vec_dot_iq1_m_q8_K: the grid lanes and the deltas' lanes (+-x summed per chunk), both scaled per
+        # 16 values, in two accumulators
+        o = b * IQ1M_BYTES
+        xo = b * 256
+        lanes = i32x8_zero()
+        dl = i32x8_zero()
+        for g in range(8):
+            q = gather4_u64(G_IQ1, B.iq1_m_grid_idx(wr, o, g, 0), B.iq1_m_grid_idx(wr, o, g, 1),
+                            B.iq1_m_grid_idx(wr, o, g, 2), B.iq1_m_grid_idx(wr, o, g, 3))
+            s0 = 2 * B.iq1_m_ls(wr, o, g, 0) + 1
+            s1 = 2 * B.iq1_m_ls(wr, o, g, 1) + 1
+            lanes = i32x8_add(lanes, lanes_s2(q, xr, xo + 32 * g, s0, s1))
+            dv = i64x4(NEG8 if B.iq1_m_neg(wr, o, g, 0) else ONES8, NEG8 if B.iq1_m_neg(wr, o, g, 1) else ONES8,
+                       NEG8 if B.iq1_m_neg(wr, o, g, 2) else ONES8, NEG8 if B.iq1_m_neg(wr, o, g, 3) else ONES8)
+            dl = i32x8_add(dl, lanes_s2(dv, xr, xo + 32 * g, s0, s1))
+        d = np.float32(xdr[b] * B.iq1_m_d(wr, o))
+        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+        a2 = f32x8_fma(d, i32x8_to_f32x8(dl), a2)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _step_grid(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    """``_step`` of the grid formats IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S."""
+    # the grid formats (ggml_vec_dot_iq2_xxs_q8_K ...): exact lanes over the eight groups, one fma per block
+    o = b * _step_bytes(kind)
+    xo = b * 256
+    lanes = i32x8_zero()
+    for g in range(8):
+        lanes = i32x8_add(lanes, _grid_lanes(kind, wr, o, g, xr, xo + 32 * g))
+    a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(lanes), a1)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _final_mx(kind, wr, xr, xdr, k, a1, a2, s):
+    if kind == K_MXFP4_R8:
+        for b in range(k // 256 * 8, k // 32):
+            s = fma32(np.float32(_mx_isum(wr, b * MX_BYTES, xr, b * 32)), _mx_d(wr, b * MX_BYTES, xdr, b, 0), s)
+        return s
+    r = f32x8_hsum(f32x8_add(a1, a2))
+    nb = k // 32
+    if nb % 2:
+        b = nb - 1
+        r = np.float32(r + np.float32(_mx_d(wr, b * MX_BYTES, xdr, b, 0)
+                                      * np.float32(_mx_isum(wr, b * MX_BYTES, xr, b * 32))))
+    return r
+
+
+@njit(cache=True, inline="always")
+def _final_iq1(kind, wr, xr, xdr, k, a1, a2, s):
+    # as the x86 build computes them: IQ1_S's hsum(accum) + IQ1S_DELTA * accum1 not contracted, IQ1_M's
+    # hsum(accum1) + IQ1M_DELTA * hsum(accum2) one fma
+    if kind == K_IQ1_S:
+        return np.float32(f32x8_hsum(a1) + np.float32(B.IQ1_DELTA * s))
+    return fma32(B.IQ1_DELTA, f32x8_hsum(a2), f32x8_hsum(a1))
+
+
+@njit(cache=True, inline="always")
+def _final_grid(kind, wr, xr, xdr, k, a1, a2, s):
+    return np.float32(_grid_factor(kind) * f32x8_hsum(a1))
+
+
+@njit(cache=True, inline="always")
+def _final_tq(kind, wr, xr, xdr, k, a1, a2, s):
+    return f32x8_hsum(a1)
+
+
+@njit(cache=True, inline="always")
+def _mv(w, xq, xd, bsums, out, kind, _step, _final):
+    """out[i, r] = dot(w[r], x[i]) with a family's step and final functions (one function for every format, its
+    branches inlined at each of the thirteen call sites, took minutes to compile): tiles of 4 weight rows x 2
+    activation rows (eight independent chains, each weight block decoded once for both activations), then 4 x 1,
+    then single rows."""
     rows = w.shape[0]
     n, k = xq.shape
     ns = _n_steps(kind, k)
@@ -437,27 +838,82 @@ def _mv(w, xq, xd, bsums, out, kind):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _q2_k(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_Q2_K)
+    _mv(w, xq, xd, bsums, out, K_Q2_K, _step, _final)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _q3_k(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_Q3_K)
+    _mv(w, xq, xd, bsums, out, K_Q3_K, _step, _final)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_xs(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ4_XS)
+    _mv(w, xq, xd, bsums, out, K_IQ4_XS, _step, _final)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_nl_r8(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ4_NL_R8)
+    _mv(w, xq, xd, bsums, out, K_IQ4_NL_R8, _step, _final)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_nl(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ4_NL)
+    _mv(w, xq, xd, bsums, out, K_IQ4_NL, _step, _final)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _tq2_0(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_TQ2_0, _step_tq, _final_tq)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _tq1_0(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_TQ1_0, _step_tq, _final_tq)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mxfp4_r8(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_MXFP4_R8, _step_mx, _final_mx)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mxfp4(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_MXFP4, _step_mx, _final_mx)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq2_xxs(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ2_XXS, _step_grid, _final_grid)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq2_xs(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ2_XS, _step_grid, _final_grid)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq2_s(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ2_S, _step_grid, _final_grid)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq3_xxs(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ3_XXS, _step_grid, _final_grid)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq3_s(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ3_S, _step_grid, _final_grid)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq1_s(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ1_S, _step_iq1, _final_iq1)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq1_m(w, xq, xd, bsums, out):
+    _mv(w, xq, xd, bsums, out, K_IQ1_M, _step_iq1, _final_iq1)
 
 
 # ------------------------------------------------------------------------------------------------ F16, BF16
@@ -520,8 +976,10 @@ def _bf16k(w, xr, out):
 
 # ------------------------------------------------------------------------------------------------ dispatch
 
-_QK = {T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.IQ4_XS: _iq4_xs}
-TYPES = frozenset({T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL})
+_QK = {T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.IQ4_XS: _iq4_xs, T.TQ2_0: _tq2_0, T.TQ1_0: _tq1_0, T.IQ2_XXS: _iq2_xxs,
+       T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s, T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m}
+_R8 = {T.IQ4_NL: (_iq4_nl_r8, _iq4_nl), T.MXFP4: (_mxfp4_r8, _mxfp4)}    # llama.cpp repacks rows % 8 == 0
+TYPES = frozenset({T.F16, T.BF16, T.IQ4_NL, T.MXFP4}) | frozenset(_QK)
 
 
 def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scratch=None, quantized=False) -> None:
@@ -539,8 +997,8 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scra
     n, k = x.shape
     vdt = B.BLOCKS[wtype].dot_type
     s = scratch if quantized else act_split(x, vdt, scratch)
-    if wtype == T.IQ4_NL:
-        (_iq4_nl_r8 if w.shape[0] % 8 == 0 else _iq4_nl)(w, s.xq, s.xd, s.xs, out)
+    if wtype in _R8:
+        _R8[wtype][0 if w.shape[0] % 8 == 0 else 1](w, s.xq, s.xd, s.xs, out)
     else:
         _QK[wtype](w, s.xq, s.xd, s.xs, out)
 
@@ -583,7 +1041,60 @@ def _dq_iq4_nl(w, out):
     _dq(w, out, B.decode_iq4_nl, N4_BYTES, 32)
 
 
-DEQUANT_TILE = {T.Q2_K: _dq_q2_k, T.Q3_K: _dq_q3_k, T.IQ4_XS: _dq_iq4_xs, T.IQ4_NL: _dq_iq4_nl}
+@njit(cache=True, nogil=True)
+def _dq_tq2_0(w, out):
+    _dq(w, out, B.decode_tq2_0, T2_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_tq1_0(w, out):
+    _dq(w, out, B.decode_tq1_0, T1_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_mxfp4(w, out):
+    _dq(w, out, B.decode_mxfp4, MX_BYTES, 32)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq2_xxs(w, out):
+    _dq(w, out, B.decode_iq2_xxs, IQ2XXS_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq2_xs(w, out):
+    _dq(w, out, B.decode_iq2_xs, IQ2XS_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq2_s(w, out):
+    _dq(w, out, B.decode_iq2_s, IQ2S_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq3_xxs(w, out):
+    _dq(w, out, B.decode_iq3_xxs, IQ3XXS_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq3_s(w, out):
+    _dq(w, out, B.decode_iq3_s, IQ3S_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq1_s(w, out):
+    _dq(w, out, B.decode_iq1_s, IQ1S_BYTES, 256)
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq1_m(w, out):
+    _dq(w, out, B.decode_iq1_m, IQ1M_BYTES, 256)
+
+
+DEQUANT_TILE = {T.IQ1_S: _dq_iq1_s, T.IQ1_M: _dq_iq1_m, T.IQ2_XXS: _dq_iq2_xxs, T.IQ2_XS: _dq_iq2_xs,
+                T.IQ2_S: _dq_iq2_s, T.IQ3_XXS: _dq_iq3_xxs,
+                T.IQ3_S: _dq_iq3_s, T.Q2_K: _dq_q2_k, T.Q3_K: _dq_q3_k, T.IQ4_XS: _dq_iq4_xs, T.IQ4_NL: _dq_iq4_nl,
+                T.TQ2_0: _dq_tq2_0, T.TQ1_0: _dq_tq1_0, T.MXFP4: _dq_mxfp4}
 
 
 def use_kernel(wtype: GGMLType, n: int, rows: int) -> bool:
@@ -592,7 +1103,9 @@ def use_kernel(wtype: GGMLType, n: int, rows: int) -> bool:
     (tinyBLAS for F16/BF16, its tiled k-quant kernel for Q2_K/Q3_K/IQ4_XS), except for IQ4_NL's repacked rows, whose
     gemm keeps the gemv's chain, so these kernels would stay exact there; but at n = 128 they take 2.7x Q4_1's
     prompt tiles' time (single thread: 10.6-12.8 ms vs 3.7-3.9 on SmolLM2's feed-forward shapes) and dequantized
-    tiles + BLAS 1.6x: the prompt tiles of these formats are still to come (issue 17)."""
+    tiles + BLAS 1.6x: the prompt tiles of these formats are still to come (issue 17). The ternary, MXFP4 and IQ1-IQ3
+    formats have no other kernel in llama.cpp (its vec_dot at every batch size, so these kernels would be exact
+    there too); their prompts take the BLAS path for its speed, exact to float32 summation order."""
     return n < SMALL_N
 
 
