@@ -177,6 +177,8 @@ class Engine:
         (tokens saved, bytes written). Call through run_job."""
         from ..llama.state import save_seqs
         s = self._idle_slot(sid)
+        if not _text_only(s.cached):
+            raise ValueError(f"slot {sid} holds an image: its cache cannot be saved to a file")
         return len(s.cached), save_seqs(path, self.ctx, {"slot": (s.cached, sid)})
 
     def restore_slot(self, sid: int, path) -> tuple[int, int]:
@@ -198,7 +200,8 @@ class Engine:
         """Every slot's cached prompt to one file (--prompt-cache), for the next start; returns the tokens saved.
         Call through run_job (or after the loop has stopped)."""
         from ..llama.state import save_seqs
-        seqs = {f"slot{s.id}": (s.cached, s.id) for s in self.slots if s.cached and s.req is None}
+        seqs = {f"slot{s.id}": (s.cached, s.id) for s in self.slots
+                if s.cached and s.req is None and _text_only(s.cached)}      # a cache holding an image is not kept
         if seqs:
             save_seqs(path, self.ctx, seqs)
         return sum(len(t) for t, _ in seqs.values())
@@ -577,6 +580,11 @@ def _logprob(logits: np.ndarray, tok: int) -> float:
     x = np.asarray(logits, dtype=np.float64)
     mx = x.max()
     return float(x[tok] - (mx + np.log(np.exp(x - mx).sum())))
+
+
+def _text_only(tokens: list) -> bool:
+    """No image positions (mtmd.ImagePos) among the tokens: what the state files can hold."""
+    return all(isinstance(t, (int, np.integer)) for t in tokens)
 
 
 def _common(a: list, b: list) -> int:

@@ -78,8 +78,11 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     if n == 0 or rows == 0:
         return
     limit = DECODE_MAX_ROWS if exact_max_rows is None else exact_max_rows
-    if wtype == T.F16 and n <= limit and dot_f16_tiny.applies(rows, k, n) and _rows_ok(w, x, out):
-        _mul_mat_f16_tiny(w, x, out)                     # ggml's tinyBLAS order (dot_f16_tiny)
+    if wtype == T.F16 and n <= limit and _rows_ok(w, x, out):
+        if dot_f16_tiny.applies(rows, k, n):
+            _mul_mat_f16_tiny(w, x, out)                 # ggml's tinyBLAS order (dot_f16_tiny)
+        else:
+            dot_blocks.mul_mat(w, wtype, x, out, scratch)    # where tinyBLAS refuses, ggml_vec_dot_f16 at any n
         return
     if wtype in dot_blocks.TYPES and n <= limit and dot_blocks.use_kernel(wtype, n, rows) and _rows_ok(w, x, out):
         dot_blocks.mul_mat(w, wtype, x, out, scratch)    # the formats of the block table (dot_blocks)
@@ -191,7 +194,8 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
                 return mul_mat(w, wtype, x, out, limit)
             _mul_mat_f16_tiny(w, x, out)
         return run_tiny
-    if n == 0 or w.shape[0] == 0 or not dot_blocks.use_kernel(wtype, n, w.shape[0]) or not _rows_ok(w, x, out):
+    small = dot_blocks.use_kernel(wtype, n, w.shape[0]) or wtype == T.F16    # F16: ggml's vec_dot at any n
+    if n == 0 or w.shape[0] == 0 or not small or not _rows_ok(w, x, out):
         return None
     if out.shape != (n, w.shape[0]):
         return None
