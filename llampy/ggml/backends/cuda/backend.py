@@ -95,7 +95,15 @@ def _gelu(x):
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, g))
 
 
+def _gelu_quick(x):
+    """ggml's GELU_QUICK as ggml-cpu computes it: x * sigmoid(1.702 x) at x's F16 rounding, rounded to F16 (its
+    table)."""
+    h = x.to(torch.float16).float()
+    return (h * torch.sigmoid(1.702 * h)).to(torch.float16).float()
+
+
 _UNARY = {
+    Op.GELU_QUICK: _gelu_quick,
     Op.SQR: lambda x: x * x, Op.SQRT: torch.sqrt, Op.EXP: torch.exp, Op.TANH: torch.tanh, Op.SILU: F.silu,
     Op.GELU: _gelu, Op.GELU_ERF: F.gelu, Op.RELU: torch.relu, Op.SIGMOID: torch.sigmoid,
     Op.SOFTPLUS: lambda x: torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(torch.clamp(x, max=20.0)))),
@@ -163,8 +171,8 @@ class CUDABackend(Backend):
             return node.type in PLAIN and srcs[0].type in PLAIN
         if op in (Op.CPY, Op.CONT, Op.DUP):
             return node.type in TORCH_DTYPE and srcs[0].type in TORCH_DTYPE
-        if op == Op.FLASH_ATTN_EXT:         # attention sinks: the CPU's (no kernel here takes them)
-            return not node.op_params.get("has_sinks") and all(s.type in PLAIN for s in srcs)
+        if op == Op.FLASH_ATTN_EXT:
+            return all(s.type in PLAIN for s in srcs)
         if op in _TABLE:
             return all(s.type in TORCH_DTYPE for s in srcs) and node.type in TORCH_DTYPE
         return False
@@ -733,7 +741,8 @@ def b_flash_attn(be, node):
     cap = _param(node, "softcap")
     slopes = _alibi(H, _param(node, "max_bias"), be.dev)
     dt = torch.float16 if be.dev.type == "cuda" else F32
-    manual = cap != 0.0 or slopes is not None or (mv is not None and mv.shape[1] > 1)
+    sinks = view(node.src[-1]) if p.get("has_sinks") else None       # (H,): a logit per head with no value
+    manual = cap != 0.0 or slopes is not None or (mv is not None and mv.shape[1] > 1) or sinks is not None
 
     def expand_kv(t):
         t = t if t.shape[0] == ne3 else t[torch.arange(ne3, device=be.dev) % t.shape[0]]
@@ -751,7 +760,11 @@ def b_flash_attn(be, node):
                 m = _f(mv[:, :, :n_q, :])
                 m = m[torch.arange(ne3, device=be.dev) % m.shape[0]][:, torch.arange(H, device=be.dev) % m.shape[1]]
                 s = s + (m * slopes if slopes is not None else m)
-            pr = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+            if sinks is not None:       # the sink joins each row's softmax, then is dropped (ggml's add_sinks)
+                col = _f(sinks).reshape(1, -1, 1, 1).expand(s.shape[0], s.shape[1], s.shape[2], 1)
+                pr = torch.nan_to_num(torch.softmax(torch.cat([s, col], dim=-1), dim=-1), nan=0.0)[..., :-1]
+            else:
+                pr = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
             d.copy_(torch.matmul(pr, vvv).transpose(1, 2))
         return run
 
