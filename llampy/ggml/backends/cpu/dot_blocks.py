@@ -537,14 +537,6 @@ def _grid_factor(kind):
     return np.float32(0.125)
 
 
-# !!! LEAD TO HELPER (issue 17), 07:15 UTC: COMPILE TIME IS THE CI BLOCKER. Measured: py-spy shows Numba's
-# InlineInlinables deep-copying IR; `_mv` (inline="always", 13 `_step` sites) is inlined into EVERY kernel with `kind`
-# unknown at untyped time, so every kernel carries every kind's code: cost ~ kernels x kinds x 13. The HEAD version's
-# _q2_k alone took >5 min to compile natively and 18 min on the generic path (CI timed out at 900 s). Adding kinds
-# to this ladder makes it quadratic. Please restructure so each kernel's Numba IR holds only its own kind before
-# inlining (e.g. per-kind step functions chosen in Python + a per-kind `_mv`, or non-inline njit `_step`/`_final`/`_mv`
-# compiled once), keep the float order/bits, and check a cold compile: NUMBA_CACHE_DIR=$(mktemp -d) timing of one
-# kernel should be seconds, not minutes. Delete this comment when done.
 @njit(cache=True, inline="always")
 def _step(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     """Step b of one (weight row, activation row) pair: the accumulators (a1, a2: f32x8, s: float32) updated in
