@@ -313,6 +313,30 @@ def rwkv_wkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, 
     return _node(Op.RWKV_WKV7, F32, (S * H, n_tokens + S * n_seqs), [r, w, k, v, a, b, state])
 
 
+# q, k: [S, H_k, n_tokens, n_seqs_k]  v: [S, H, n_tokens, n_seqs]  g: [1 or S, H, n_tokens, n_seqs]
+# beta: [1, H, n_tokens, n_seqs]  state: [S, S, H, n_seqs]  ->  [S * H, n_tokens * n_seqs + S * n_seqs]: the outputs
+# ([S, H, n_tokens, n_seqs]), then each sequence's new state. Value head h reads key head h % H_k and sequence
+# j / (n_seqs / n_seqs_k) of q and k, as ggml broadcasts. Per head the state M[j, i] (row j: value channel, i: key
+# channel) follows, per token, M *= exp(g) (per key channel when g has S rows: Kimi's KDA),
+# d[j] = (v[j] - M[j] . k) beta, M[j, i] += k[i] d[j], y[j] = (M[j] . q) / sqrt(S) (ggml_gated_delta_net with one
+# state slot: Qwen3-Next's gated DeltaNet).
+def gated_delta_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+    S, H, n_tokens, n_seqs = v.ne
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+        _check(t.type == F32, f"gated_delta_net: {name} must be F32, not {t.type.name}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(t.nb[0] == 4, f"gated_delta_net: {name} rows must be contiguous")
+    for name, t in (("g", g), ("beta", beta), ("state", state)):
+        _check(t.is_contiguous(), f"gated_delta_net: {name} must be contiguous")
+    _check(q.ne == k.ne, f"gated_delta_net: q {q.shape_str()} and k {k.shape_str()} differ")
+    _check(q.ne[0] == S and q.ne[2] == n_tokens and H % q.ne[1] == 0 and n_seqs % q.ne[3] == 0,
+           f"gated_delta_net: q {q.shape_str()} for v {v.shape_str()}")
+    _check(g.ne[0] in (1, S) and g.ne[1:] == (H, n_tokens, n_seqs), f"gated_delta_net: g {g.shape_str()}")
+    _check(beta.ne == (1, H, n_tokens, n_seqs), f"gated_delta_net: beta {beta.shape_str()}")
+    _check(state.ne == (S, S, H, n_seqs), f"gated_delta_net: state {state.shape_str()} for v {v.shape_str()}")
+    return _node(Op.GATED_DELTA_NET, F32, (S * H, n_tokens * n_seqs + S * n_seqs), [q, k, v, g, beta, state])
+
+
 # ---------------------------------------------------------------------------------------------- convolution, pooling
 
 # a (the kernel, shape only): [KW, KH, IC, OC]  b: [IW, IH, IC, N]  ->  dst_type [IC * KH * KW, OW, OH, N]

@@ -60,6 +60,7 @@ class Op(Enum):
     POOL_2D = "pool_2d"
     RWKV_WKV6 = "rwkv_wkv6"
     RWKV_WKV7 = "rwkv_wkv7"
+    GATED_DELTA_NET = "gated_delta_net"
     # unary (ggml keeps these under GGML_OP_UNARY; flat here)
     EXP = "exp"
     TANH = "tanh"

@@ -209,6 +209,11 @@ CASES = {
     "rwkv_wkv6_many": (lambda B: _wkv(B, 6, S=64, H=2, n_seqs=3, n_seq_tokens=4), 1e-4),
     "rwkv_wkv7_one_token": (lambda B: _wkv(B, 7, S=16, H=3, n_seqs=2, n_seq_tokens=1), 1e-5),
     "rwkv_wkv7_many": (lambda B: _wkv(B, 7, S=64, H=2, n_seqs=2, n_seq_tokens=5), 1e-4),
+    # ---- gated DeltaNet: state rows below, at and above 64 floats, q/k broadcast over heads, strided q/k/v
+    "gated_delta_net_one_token": (lambda B: _gdn(B, S=16, H=4, H_k=2, n_seqs=2, n_tok=1, kda=False), 1e-5),
+    "gated_delta_net_many_strided": (lambda B: _gdn(B, S=128, H=2, H_k=2, n_seqs=2, n_tok=5, kda=False,
+                                                    strided=True), 1e-4),
+    "gated_delta_net_kda": (lambda B: _gdn(B, S=40, H=2, H_k=1, n_seqs=1, n_tok=4, kda=True), 1e-4),
 }
 
 
@@ -244,6 +249,31 @@ def _wkv(B, version, S, H, n_seqs, n_seq_tokens):
     iclr = rng.uniform(0, 1, shape)
     return ops.rwkv_wkv7(B(F32, shape), decay, B(F32, shape), B(F32, shape), B(F32, shape, -kk),
                          B(F32, shape, kk * iclr), state)
+
+
+def _gdn(B, S, H, H_k, n_seqs, n_tok, kda, strided=False):
+    """gated_delta_net inputs as Qwen3-Next's graph makes them: q and k of unit length per head, log-decays g < 0,
+    beta in (0, 1); with ``strided`` q, k and v are views into one wider row per token (the convolution's output)."""
+    rng = np.random.default_rng(S + n_tok)
+
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+    if strided:
+        vals = np.concatenate([unit((n_seqs, n_tok, 2 * H_k, S)).reshape(n_seqs, n_tok, -1),
+                               rng.standard_normal((n_seqs, n_tok, S * H + 3))], axis=-1)
+        w = B(F32, vals.shape, vals)
+        view = lambda ne1, off: ops.view_4d(w, S, ne1, n_tok, n_seqs, S * 4, w.nb[1], w.nb[2], off * 4)
+        q, k, v = view(H_k, 0), view(H_k, S * H_k), view(H, 2 * S * H_k)
+    else:
+        q = B(F32, (n_seqs, n_tok, H_k, S), unit((n_seqs, n_tok, H_k, S)))
+        k = B(F32, (n_seqs, n_tok, H_k, S), unit((n_seqs, n_tok, H_k, S)))
+        v = B(F32, (n_seqs, n_tok, H, S))
+    gs = (n_seqs, n_tok, H, S if kda else 1)
+    g = B(F32, gs, -rng.uniform(0.01, 2.0, gs))
+    beta = B(F32, (n_seqs, n_tok, H, 1), rng.uniform(0, 1, (n_seqs, n_tok, H, 1)))
+    state = B(F32, (n_seqs, H, S, S), rng.normal(0, 0.3, (n_seqs, H, S, S)))
+    return ops.gated_delta_net(q, k, v, g, beta, state)
 
 
 def _soft_mask(rows, n):

@@ -468,6 +468,26 @@ def k_rwkv_wkv7(node, dst, srcs):
     store(dst, node.type, np.concatenate([y.reshape(-1), state.reshape(-1)]).reshape(dst.shape))
 
 
+def k_gated_delta_net(node, dst, srcs):
+    """Per sequence and value head, token by token: M = M * exp(g); d = (v - M k) beta; M += d (x) k;
+    y = (M q) / sqrt(S) (M: value x key; q and k broadcast over heads and sequences as ggml's)."""
+    q, k, v, g, beta, state = (values(s, t.type) for s, t in zip(srcs, node.src))    # (ne3, ne2, ne1, ne0)
+    n_seqs, n_tok, H, S = v.shape
+    y = np.empty_like(v)
+    st = state.copy()                                              # (n_seqs, H, S value, S key)
+    for j in range(n_seqs):
+        jq = j // (n_seqs // q.shape[0])
+        for h in range(H):
+            hq = h % q.shape[2]
+            M = st[j, h]
+            for t in range(n_tok):
+                M *= np.exp(g[j, t, h])[None, :]
+                d = (v[j, t, h] - M @ k[jq, t, hq]) * beta[j, t, h, 0]
+                M += d[:, None] * k[jq, t, hq][None, :]
+                y[j, t, h] = (M @ q[jq, t, hq]) / math.sqrt(S)
+    store(dst, node.type, np.concatenate([y.reshape(-1), st.reshape(-1)]).reshape(dst.shape))
+
+
 # ---------------------------------------------------------------------------------------------- softmax, norms, rows
 def k_soft_max(node, dst, srcs):
     x = values(srcs[0], node.src[0].type) * param(node, "scale")
@@ -638,7 +658,7 @@ _TABLE = {
     Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_GLU: k_mul_mat_glu, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope,
     Op.FLASH_ATTN_EXT: k_flash_attn, Op.SSM_CONV: k_ssm_conv, Op.SSM_SCAN: k_ssm_scan,
     Op.IM2COL: k_im2col, Op.POOL_2D: k_pool_2d,
-    Op.RWKV_WKV6: k_rwkv_wkv6, Op.RWKV_WKV7: k_rwkv_wkv7,
+    Op.RWKV_WKV6: k_rwkv_wkv6, Op.RWKV_WKV7: k_rwkv_wkv7, Op.GATED_DELTA_NET: k_gated_delta_net,
     Op.SOFT_MAX: k_soft_max, Op.RMS_NORM: k_rms_norm, Op.RMS_NORM_MUL: k_rms_norm_mul, Op.NORM: k_norm,
     Op.L2_NORM: k_l2_norm, Op.GET_ROWS: k_get_rows, Op.SET_ROWS: k_set_rows,
     Op.CPY: k_cpy, Op.CONT: k_cpy, Op.DUP: k_cpy, Op.CONCAT: k_concat, Op.REPEAT: k_repeat,
