@@ -128,7 +128,7 @@ def run_llampy(mmproj: Path, image: Path, threads: int, repeat: int) -> dict:
     from llampy.mtmd.vision import Encoder
     proj = Projector(mmproj, n_threads=threads)
     enc = Encoder(proj)
-    px = preprocess(bitmap_from_file(image), proj.hparams)[0]
+    px = preprocess(bitmap_from_file(image), proj.hparams).images[0]
     t0 = time.perf_counter()
     enc.encode(px)                       # compiles the kernels it needs, plans the graph
     first = time.perf_counter() - t0

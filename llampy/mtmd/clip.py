@@ -108,9 +108,16 @@ def _load_hparams(md: dict) -> ClipHParams:
         if side % hp.n_merge:
             raise ProjectorError(f"gemma3: {side} patches a side do not pool by {hp.n_merge}")
     elif pt == "idefics3":
-        hp.n_merge = md_int(md, f"{v}.projector.scale_factor", 3, lo=2)
+        # llama.cpp leaves n_merge at 1 without the key and then aborts in the pixel shuffle: an error here
+        hp.n_merge = md_int(md, f"{v}.projector.scale_factor", lo=2)
+        if hp.n_merge is None:
+            raise ProjectorError(f"idefics3: projector metadata '{v}.projector.scale_factor' is missing")
         hp.resize_algo, hp.resize_pad = "lanczos", "none"
-        hp.preproc_image_size = md_int(md, f"{v}.preproc_image_size", 0, lo=0)
+        hp.preproc_image_size = md_int(md, f"{v}.preproc_image_size", 0, lo=0, hi=1 << 15)
+        side = hp.n_patches_side
+        if side % hp.n_merge or hp.image_size % hp.patch_size:
+            raise ProjectorError(f"idefics3: tiles of {hp.image_size} px in patches of {hp.patch_size} do not "
+                                 f"shuffle by {hp.n_merge}")
     return hp
 
 

@@ -33,10 +33,11 @@ class Chunk:
     tokens: list = field(default_factory=list)  # text tokens
     bitmap: Bitmap | None = None
     n_tokens: int = 0
+    entry: int = 0                              # which of the image's encoder inputs (tiled projectors: 0 overview)
 
     @property
     def id(self) -> str | None:
-        return self.bitmap.id if self.bitmap is not None else None
+        return f"{self.bitmap.id}:{self.entry}" if self.bitmap is not None else None
 
 
 class ImagePos:
@@ -58,7 +59,11 @@ class ImagePos:
 
 
 # the text around an image chunk, per projector type (mtmd_context's img_beg / img_end)
-_WRAP = {"gemma3": ("<start_of_image>", "<end_of_image>")}
+_WRAP = {"gemma3": ("<start_of_image>", "<end_of_image>"), "idefics3": ("", "")}
+# tiled projectors (mtmd_context's slice template): the tokens before and after the overview, the text before
+# each tile (row and column from 1), the tokens ending a row of tiles but the last
+_TILES = {"idefics3": (("\n\n", "<fake_token_around_image>", "<global-img>"), ("<fake_token_around_image>",),
+                       "<fake_token_around_image><row_{r}_col_{c}>", ("\n",))}
 # image chunks whose tokens attend to each other both ways (mtmd_decode_use_non_causal)
 _NON_CAUSAL = frozenset({"gemma3"})
 
@@ -73,6 +78,12 @@ class MtmdContext:
             if self.proj.hparams.proj_type not in _WRAP:
                 raise ProjectorError(f"projector type {self.proj.hparams.proj_type}: image input is not "
                                      f"implemented yet (its preprocessing and chunk layout)")
+            self.tiles = None
+            if self.proj.hparams.proj_type in _TILES:
+                ov_beg, ov_end, tile_tmpl, row_end = _TILES[self.proj.hparams.proj_type]
+                look = self._lookup_tokens(set(ov_beg + ov_end + row_end))
+                self.tiles = ([look[t] for t in ov_beg], [look[t] for t in ov_end], tile_tmpl,
+                              [look[t] for t in row_end])
         except ProjectorError:
             self.proj.close()
             raise
@@ -80,7 +91,8 @@ class MtmdContext:
         self.media_marker = media_marker
         self.img_beg, self.img_end = _WRAP[self.proj.hparams.proj_type]
         self.non_causal = self.proj.hparams.proj_type in _NON_CAUSAL
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[str, list] = OrderedDict()
+        self._pre = None
         self.cache_images = cache_images
         self.n_encoded = 0                      # images run through the encoder (cache misses)
 
@@ -100,8 +112,9 @@ class MtmdContext:
         vocab = self.model.vocab
         chunks: list[Chunk] = []
 
-        def add_text(s: str):
-            toks = vocab.tokenize(s, add_special=False, parse_special=parse_special) if s else []
+        def add_text(s: str, special: bool | None = None):     # the model's own texts parse specials always
+            toks = vocab.tokenize(s, add_special=False, parse_special=parse_special if special is None else special) \
+                if s else []
             if not toks:
                 return
             if chunks and chunks[-1].type == "text":
@@ -110,13 +123,23 @@ class MtmdContext:
             else:
                 chunks.append(Chunk("text", list(toks), n_tokens=len(toks)))
 
+        def add_ids(ids: list):
+            if chunks and chunks[-1].type == "text":
+                chunks[-1].tokens.extend(ids)
+                chunks[-1].n_tokens = len(chunks[-1].tokens)
+            elif ids:
+                chunks.append(Chunk("text", list(ids), n_tokens=len(ids)))
+
         for i, part in enumerate(parts):
             add_text(part)
             if i < n_markers:
                 bm = bitmaps[i]
-                add_text(self.img_beg)
-                chunks.append(Chunk("image", bitmap=bm, n_tokens=self._n_image_tokens(bm)))
-                add_text(self.img_end)
+                add_text(self.img_beg, True)
+                if self.tiles is None:
+                    chunks.append(Chunk("image", bitmap=bm, n_tokens=self._n_image_tokens(bm)))
+                else:
+                    self._add_tiles(chunks, bm, add_text, add_ids)
+                add_text(self.img_end, True)
         if add_special and vocab.add_bos and vocab.bos is not None:
             if chunks and chunks[0].type == "text":
                 chunks[0].tokens.insert(0, vocab.bos)
@@ -143,24 +166,69 @@ class MtmdContext:
                 out.extend(ImagePos(ch, j) for j in range(ch.n_tokens))
         return out
 
+    def _lookup_tokens(self, texts: set) -> dict:
+        """mtmd_context::lookup_token: the first token whose piece (specials rendered) is the text; a text no token
+        spells is an error here (llama.cpp would put token -1 in the prompt)."""
+        vocab, found = self.model.vocab, {}
+        want = {t.encode(): t for t in texts}
+        for i in range(vocab.n_tokens):
+            t = want.get(vocab.token_to_piece(i, special=True))
+            if t is not None and t not in found:
+                found[t] = i
+                if len(found) == len(want):
+                    break
+        missing = sorted(set(texts) - set(found))
+        if missing:
+            raise ProjectorError(f"projector type {self.proj.hparams.proj_type}: the language model's vocabulary has "
+                                 f"no token for {', '.join(repr(m) for m in missing)}; is it the model the "
+                                 f"projector belongs to?")
+        return found
+
+    def _add_tiles(self, chunks: list, bm: Bitmap, add_text, add_ids) -> None:
+        """An image of a tiled projector (mtmd_tokenizer::add_media, llava-uhd style with the overview last): per tile
+        its row/column text and its chunk, a row-end token between rows, then the overview between its tokens."""
+        ov_beg, ov_end, tile_tmpl, row_end = self.tiles
+        pre = self._preprocess(bm)
+        n_tok = self.proj.n_image_tokens(self.proj.hparams.image_size, self.proj.hparams.image_size)
+        for y in range(pre.grid_y):
+            for x in range(pre.grid_x):
+                add_text(tile_tmpl.format(r=y + 1, c=x + 1), True)
+                chunks.append(Chunk("image", bitmap=bm, n_tokens=n_tok, entry=1 + y * pre.grid_x + x))
+            if y != pre.grid_y - 1:
+                add_ids(row_end)
+        add_ids(ov_beg)
+        chunks.append(Chunk("image", bitmap=bm, n_tokens=n_tok, entry=0))
+        add_ids(ov_end)
+
+    def _preprocess(self, bm: Bitmap):
+        """The image's encoder inputs, kept for the encode that follows the tokenize (one image's, by its id)."""
+        if self._pre is not None and self._pre[0] == bm.id:
+            return self._pre[1]
+        pre = preprocess(bm, self.proj.hparams)
+        self._pre = (bm.id, pre)
+        return pre
+
     def _n_image_tokens(self, bm: Bitmap) -> int:
         hp = self.proj.hparams
         return self.proj.n_image_tokens(hp.image_size, hp.image_size)
 
     # ------------------------------------------------------------------ images -> embeddings
-    def encode(self, bitmap: Bitmap) -> np.ndarray:
-        """The image's embeddings [n_tokens, n_embd], from the cache when these bytes were encoded before."""
-        hit = self._cache.get(bitmap.id)
-        if hit is not None:
+    def encode(self, bitmap: Bitmap, entry: int | None = None) -> np.ndarray:
+        """The image's embeddings [n_tokens, n_embd] (all its encoder inputs in entry order, or the one ``entry``),
+        from the cache when these bytes were encoded before."""
+        outs = self._cache.get(bitmap.id)
+        if outs is not None:
             self._cache.move_to_end(bitmap.id)
-            return hit
-        outs = [self.encoder.encode(px) for px in preprocess(bitmap, self.proj.hparams)]
-        embd = np.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
-        self.n_encoded += 1
-        self._cache[bitmap.id] = embd
-        while len(self._cache) > self.cache_images:
-            self._cache.popitem(last=False)
-        return embd
+        else:
+            outs = [self.encoder.encode(px) for px in self._preprocess(bitmap).images]
+            self._pre = None
+            self.n_encoded += 1
+            self._cache[bitmap.id] = outs
+            while len(self._cache) > self.cache_images:
+                self._cache.popitem(last=False)
+        if entry is not None:
+            return outs[entry]
+        return np.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
     # ------------------------------------------------------------------ chunks -> the language model's cache
     def eval_chunks(self, ctx, chunks: list, n_past: int = 0, seq_id: int = 0, n_batch: int | None = None,
@@ -183,7 +251,7 @@ class MtmdContext:
         return n_past
 
     def eval_image(self, ctx, chunk: Chunk, n_past: int, seq_id: int = 0, n_batch: int | None = None) -> int:
-        embd = self.encode(chunk.bitmap)
+        embd = self.encode(chunk.bitmap, chunk.entry)
         n = len(embd)
         n_batch = int(n_batch or ctx.n_batch)
         if self.non_causal and n > min(n_batch, ctx.n_ubatch):

@@ -94,16 +94,85 @@ def _why(e: Exception) -> str:
     return s.splitlines()[0] if s else type(e).__name__
 
 
-_ALGO = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
+_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
+_PRECISION_BITS = 32 - 8 - 2     # 22 fractional bits: a uint8 times a weight, summed, stays in an int32
+
+
+def _filter(algo: str, x: float) -> float:
+    if algo == "lanczos":
+        if -3.0 <= x < 3.0:
+            return _sinc(x) * _sinc(x / 3.0)
+        return 0.0
+    x = abs(x)
+    if algo == "bilinear":
+        return 1.0 - x if x < 1.0 else 0.0
+    a = -0.5                     # Pillow's bicubic (PyTorch's is -0.75)
+    if x < 1.0:
+        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    if x < 2.0:
+        return (((x - 5) * x + 8) * x - 4) * a
+    return 0.0
+
+
+def _sinc(v: float) -> float:
+    if v == 0.0:
+        return 1.0
+    pv = v * 3.141592653589793238462643383279502884
+    return math.sin(pv) / pv
+
+
+def _coeffs(n_in: int, n_out: int, algo: str):
+    """One axis's filter as llama.cpp's resize_pillow precomputes it: per output pixel the first input index and
+    fixed-point weights (0 past the pixels it reads), in double precision then rounded half away from zero."""
+    scale = n_in / n_out
+    filterscale = max(scale, 1.0)
+    support = _SUPPORT[algo] * filterscale
+    ksize = int(math.ceil(support)) * 2 + 1
+    idx = np.zeros((n_out, ksize), np.int64)
+    wts = np.zeros((n_out, ksize), np.int64)
+    fxp = math.ldexp(1.0, _PRECISION_BITS)
+    ss = 1.0 / filterscale
+    for xx in range(n_out):
+        center = (xx + 0.5) * scale
+        xmin = max(int(center - support + 0.5), 0)
+        xmax = min(int(center + support + 0.5), n_in) - xmin
+        w = [_filter(algo, (x + xmin - center + 0.5) * ss) for x in range(xmax)]
+        ww = 0.0
+        for v in w:
+            ww += v
+        for x in range(xmax):
+            v = w[x] / ww if ww != 0.0 else w[x]
+            wts[xx, x] = int(v * fxp + (-0.5 if v < 0 else 0.5))     # C's truncation toward zero
+            idx[xx, x] = xmin + x
+        idx[xx, xmax:] = xmin
+    return idx, wts
+
+
+def _pass(img: np.ndarray, n_out: int, algo: str, axis: int) -> np.ndarray:
+    idx, wts = _coeffs(img.shape[axis], n_out, algo)
+    src = img.astype(np.int64)
+    acc = np.full(img.shape[:axis] + (n_out,) + img.shape[axis + 1:], 1 << (_PRECISION_BITS - 1), np.int64)
+    for k in range(idx.shape[1]):
+        taken = np.take(src, idx[:, k], axis=axis)
+        shape = [1] * img.ndim
+        shape[axis] = n_out
+        acc += taken * wts[:, k].reshape(shape)
+    return np.clip(acc >> _PRECISION_BITS, 0, 255).astype(np.uint8)
 
 
 def resize(img: np.ndarray, width: int, height: int, algo: str = "bilinear") -> np.ndarray:
-    """Pillow's resampling (llama.cpp's resize_pillow is a port of it: separable passes, 22-bit fixed point)."""
-    if img.shape[1] == width and img.shape[0] == height:
-        return img.copy()
-    Image = _pillow()
-    out = Image.fromarray(img, "RGB").resize((width, height), getattr(Image.Resampling, _ALGO[algo]))
-    return np.asarray(out, dtype=np.uint8)
+    """llama.cpp's resize_pillow (a port of Pillow's separable resampling, 22-bit fixed point): the horizontal pass
+    then the vertical, each only where that side changes; computed here in the same integers."""
+    if algo not in _SUPPORT:
+        raise ValueError(f"unknown resize algorithm {algo!r}")
+    if not (0 < width <= 65536 and 0 < height <= 65536):
+        raise ImageError(f"resize target {width}x{height} is out of range (max 65536)")
+    out = img
+    if width != img.shape[1]:
+        out = _pass(out, width, algo, 1)
+    if height != img.shape[0]:
+        out = _pass(out, height, algo, 0)
+    return out.copy() if out is img else out
 
 
 def resize_to(img: np.ndarray, width: int, height: int, algo: str, pad: str = "ceil",
@@ -136,10 +205,64 @@ def normalize(img: np.ndarray, mean, std) -> np.ndarray:
     return ((x - m) / s).astype(f32)
 
 
-def preprocess(bitmap: Bitmap, hparams) -> list[np.ndarray]:
-    """The encoder inputs of one image, float32 (H, W, 3) each: for gemma3 one image_size square."""
+@dataclass
+class Preprocessed:
+    """An image's encoder inputs, float32 (H, W, 3) each, in llama.cpp's entry order: for tiled projectors the
+    overview (the whole image at tile size) first, then the tiles row by row (``grid_x`` x ``grid_y``)."""
+    images: list
+    grid_x: int = 0
+    grid_y: int = 0
+
+    @property
+    def tiled(self) -> bool:
+        return self.grid_x > 0
+
+
+def crop(img: np.ndarray, x: int, y: int, w: int, h: int) -> np.ndarray:
+    return np.ascontiguousarray(img[y:y + h, x:x + w])
+
+
+def _idefics3(img: np.ndarray, hp) -> tuple[np.ndarray, list, int, int]:
+    """mtmd_image_preprocessor_idefics3: the image resized (ratio kept) so its longer side is the preprocessor
+    size, stretched up to whole tiles, cut into tiles; the overview is the stretched image resized to one tile."""
+    ts = hp.image_size
+    h0, w0 = img.shape[:2]
+    algo = hp.resize_algo
+    if hp.preproc_image_size > 0:
+        edge = hp.preproc_image_size
+        aspect = w0 / h0                                  # double, as llama.cpp
+        if w0 >= h0:
+            rw, rh = edge, int(edge / aspect)
+            rh += rh % 2
+        else:
+            rw, rh = int(edge * aspect), edge
+            rw += rw % 2
+        if rw <= 0 or rh <= 0:
+            raise ImageError(f"image {w0}x{h0} is too thin to resize to a longest side of {edge}")
+        gx, gy = (rw + ts - 1) // ts, (rh + ts - 1) // ts
+        resized = resize(img, rw, rh, algo) if (rw, rh) != (w0, h0) else img
+        refined = resize(resized, gx * ts, gy * ts, algo) if (gx * ts, gy * ts) != (rw, rh) else resized
+        overview = resize(refined, ts, ts, algo) if refined.shape[:2] != (ts, ts) else refined.copy()
+    else:
+        # files without the preprocessor size: llava-uhd slicing, the refined size the image's own rounded to
+        # whole tiles (calc_size_preserved_ratio), letterboxed; the overview from the original image, bicubic
+        f32 = np.float32
+        gx = max(1, math.floor(float(f32(w0) / f32(ts)) + 0.5))        # std::round: halves away from zero
+        gy = max(1, math.floor(float(f32(h0) / f32(ts)) + 0.5))
+        overview = resize(img, ts, ts, "bicubic") if (w0, h0) != (ts, ts) else img.copy()
+        refined = resize_to(img, gx * ts, gy * ts, "bicubic", "ceil", (0, 0, 0))
+    tiles = [crop(refined, x * ts, y * ts, ts, ts) for y in range(gy) for x in range(gx)]
+    return overview, tiles, gx, gy
+
+
+def preprocess(bitmap: Bitmap, hparams) -> Preprocessed:
+    """The encoder inputs of one image: for gemma3 one image_size square (letterboxed); for idefics3 an overview
+    and the tiles."""
     hp = hparams
     if hp.proj_type == "gemma3":
         sq = resize_to(bitmap.data, hp.image_size, hp.image_size, hp.resize_algo, hp.resize_pad, hp.pad_color)
-        return [normalize(sq, hp.image_mean, hp.image_std)]
+        return Preprocessed([normalize(sq, hp.image_mean, hp.image_std)])
+    if hp.proj_type == "idefics3":
+        overview, tiles, gx, gy = _idefics3(bitmap.data, hp)
+        return Preprocessed([normalize(t, hp.image_mean, hp.image_std) for t in [overview] + tiles], gx, gy)
     raise ImageError(f"image preprocessing for the {hp.proj_type} projector is not implemented")
