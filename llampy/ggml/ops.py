@@ -217,6 +217,35 @@ def rope_ext(a: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, m
     return _node(Op.ROPE, F32, a.ne, src, params)
 
 
+# ggml_rope_multi: pos I32 [4 * n_tokens], four rows of positions (row-major: all tokens' first, then the second...).
+# Pair j of the rotated dims takes its angle from row r of its section (sections: 4 counts of pairs, over which j
+# cycles): MROPE (qwen2-VL's language model: t, h, w, e rows, NeoX halves of n_dims) or VISION (the encoder's 2-D
+# rope: n_dims = head_dim / 2, pairs (i, i + n_dims) over the whole head, each section's angle restarting at its row)
+def rope_multi(a: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, sections, mode: int,
+               n_ctx_orig: int, freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
+               beta_fast: float, beta_slow: float) -> Tensor:
+    sections = tuple(int(s) for s in sections)
+    _check(len(sections) == 4 and all(s >= 0 for s in sections) and any(sections[:3]),
+           f"rope_multi: sections {list(sections)}")
+    _check(mode in (ROPE_TYPE_MROPE, ROPE_TYPE_VISION), f"rope_multi: mode {mode} not supported")
+    _check(pos.type == I32 and pos.ne[0] == 4 * a.ne[2], f"rope_multi: {pos.ne[0]} positions for {a.ne[2]} tokens "
+           f"(4 rows of positions a token)")
+    if mode == ROPE_TYPE_VISION:
+        _check(n_dims * 2 == a.ne[0], f"rope_multi: vision rope takes n_dims = head size / 2, not {n_dims}")
+        _check(sum(sections) <= a.ne[0], f"rope_multi: sections {list(sections)} exceed the head")
+    else:
+        _check(n_dims <= a.ne[0] and n_dims % 2 == 0, f"rope_multi: n_dims {n_dims} for rows of {a.ne[0]}")
+        _check(sum(sections) <= a.ne[0], f"rope_multi: sections {list(sections)} exceed the head")
+    if freq_factors is not None:
+        _check(freq_factors.ne[0] >= n_dims // 2, "rope_multi: freq_factors too short")
+    src = [a, pos] + ([freq_factors] if freq_factors is not None else [])
+    params = dict(n_dims=n_dims, mode=mode, n_ctx_orig=n_ctx_orig, freq_base=float(freq_base),
+                  freq_scale=float(freq_scale), ext_factor=float(ext_factor), attn_factor=float(attn_factor),
+                  beta_fast=float(beta_fast), beta_slow=float(beta_slow), has_freq_factors=freq_factors is not None,
+                  sections=sections)
+    return _node(Op.ROPE, F32, a.ne, src, params)
+
+
 def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_TYPE_NORM, freq_base: float = 10000.0) -> Tensor:
     return rope_ext(a, pos, None, n_dims, mode, 0, freq_base, 1.0, 0.0, 1.0, 32.0, 1.0)
 

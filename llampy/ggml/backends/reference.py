@@ -224,15 +224,72 @@ def rope_cache(pos: np.ndarray, p: dict, ff: np.ndarray | None):
     return cos, sin
 
 
+def mrope_cache(pos: np.ndarray, p: dict, ff: np.ndarray | None, n_pairs: int):
+    """cos, sin [n_tokens, n_pairs] as ggml_mrope_cache_init: four angles (one per row of positions) each multiplied
+    by theta_scale pair after pair in float32; pair j takes the angle of its section's row (j cycles over the
+    sections); the vision rope restarts each section's angle at its row's position."""
+    f32 = np.float32
+    s0, s1, s2, s3 = p["sections"]
+    sect_dims, sec_w = s0 + s1 + s2 + s3, s0 + s1
+    sec_e = sec_w + s2
+    indep = p["mode"] == 24
+    nt = len(pos) // 4
+    rows = pos.reshape(4, nt).astype(f32)
+    th = [rows[r].copy() for r in range(4)]
+    theta_scale = f32(math.pow(p["freq_base"], -2.0 / p["n_dims"]))
+    extrap = np.empty((nt, n_pairs), f32)
+    for j in range(n_pairs):
+        sector = j % sect_dims
+        if indep:
+            for r, start in ((0, 0), (1, s0), (2, sec_w), (3, sec_e)):
+                if sector == start:
+                    th[r] = rows[r].copy()
+                    break
+        r = 1 if s0 <= sector < sec_w else 2 if sec_w <= sector < sec_w + s2 else 3 if sector >= sec_w + s2 else 0
+        extrap[:, j] = th[r] / (f32(ff[j]) if ff is not None else f32(1.0))
+        th = [(t * theta_scale).astype(f32) for t in th]
+    return _yarn_cos_sin(extrap, p, p["n_dims"])
+
+
+def _yarn_cos_sin(extrap, p, n_dims):
+    f32 = np.float32
+    half = extrap.shape[1]
+    freq_scale = f32(p["freq_scale"])
+    theta = (freq_scale * extrap).astype(f32)
+    mscale = f32(p["attn_factor"])
+    if p["ext_factor"] != 0.0:
+        def corr(beta):
+            return n_dims * math.log(p["n_ctx_orig"] / (beta * 2 * math.pi)) / (2 * math.log(p["freq_base"]))
+        lo = max(0.0, math.floor(corr(p["beta_fast"])))
+        hi = min(n_dims - 1.0, math.ceil(corr(p["beta_slow"])))
+        y = (np.arange(half) - lo) / max(0.001, hi - lo)
+        mix = ((1 - np.clip(y, 0, 1)) * p["ext_factor"]).astype(f32)
+        theta = (theta * (1 - mix) + extrap * mix).astype(f32)
+        mscale = f32(mscale * f32(1.0 + 0.1 * math.log(1.0 / p["freq_scale"])))
+    cos = (np.cos(theta.astype(F64)).astype(f32) * mscale).astype(f32)
+    sin = (np.sin(theta.astype(F64)).astype(f32) * mscale).astype(f32)
+    return cos, sin
+
+
 def k_rope(node, dst, srcs):
     p = node.op_params
     x = values(srcs[0], node.src[0].type)                                 # (ne3, n_tokens, n_head, head_dim)
     pos = np.asarray(srcs[1]).reshape(-1)
     ff = np.asarray(srcs[2]).reshape(-1) if p.get("has_freq_factors") else None
+    n_dims = p["n_dims"]
+    if p.get("sections"):
+        # MROPE: NeoX halves of n_dims; VISION: pairs (i, i + n_dims) over the whole head
+        n_rot = n_dims if p["mode"] == 8 else 2 * n_dims
+        cos, sin = mrope_cache(pos, p, ff, n_rot // 2)
+        c, s = cos.astype(F64)[None, :, None, :], sin.astype(F64)[None, :, None, :]
+        x0, x1 = x[..., : n_rot // 2], x[..., n_rot // 2: n_rot]
+        out = x.copy()
+        out[..., : n_rot // 2], out[..., n_rot // 2: n_rot] = x0 * c - x1 * s, x0 * s + x1 * c
+        store(dst, node.type, out)
+        return
     cos, sin = rope_cache(pos, p, ff)
     c = cos.astype(F64)[None, :, None, :]
     s = sin.astype(F64)[None, :, None, :]
-    n_dims = p["n_dims"]
     if p["mode"] == 2:      # NEOX: (x_i, x_{i + n_dims/2})
         x0, x1 = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
     else:                   # NORM: adjacent pairs

@@ -37,6 +37,51 @@ def rope_cache(pos, n_dims, theta_scale, freq_scale, ff, has_ff, ext_factor, msc
             theta = np.float32(theta * theta_scale)
 
 
+# ggml_mrope_cache_init: rows (4, n_tokens) of positions; pair j takes the angle of its section's row; every row's
+# angle is multiplied by theta_scale after each pair (the vision rope, indep, restarts a section's angle at its row)
+@njit(cache=True, error_model="numpy")
+def mrope_cache(rows, s0, s1, s2, s3, indep, theta_scale, freq_scale, ff, has_ff, ext_factor, mscale, corr0, corr1,
+                cos_out, sin_out):
+    sect_dims = s0 + s1 + s2 + s3
+    sec_w = s0 + s1
+    sec_e = sec_w + s2
+    th = np.empty(4, np.float32)
+    for t in range(rows.shape[1]):
+        for r in range(4):
+            th[r] = np.float32(rows[r, t])
+        for j in range(cos_out.shape[1]):
+            sector = j % sect_dims
+            if indep:
+                if sector == 0:
+                    th[0] = np.float32(rows[0, t])
+                elif sector == s0:
+                    th[1] = np.float32(rows[1, t])
+                elif sector == sec_w:
+                    th[2] = np.float32(rows[2, t])
+                elif sector == sec_e:
+                    th[3] = np.float32(rows[3, t])
+            r = 0
+            if sector >= s0 and sector < sec_w:
+                r = 1
+            elif sector >= sec_w and sector < sec_w + s2:
+                r = 2
+            elif sector >= sec_w + s2:
+                r = 3
+            f = ff[j] if has_ff else np.float32(1.0)
+            th_extrap = np.float32(th[r] / f)
+            th_interp = np.float32(freq_scale * th_extrap)
+            ang = th_interp
+            ms = mscale
+            if ext_factor != 0.0:
+                mix = np.float32(_ramp(corr0, corr1, 2 * j) * ext_factor)
+                ang = np.float32(th_interp * (np.float32(1.0) - mix) + th_extrap * mix)
+                ms = np.float32(mscale * (np.float32(1.0) + np.float32(0.1) * np.float32(math.log(np.float32(1.0) / freq_scale))))
+            cos_out[t, j] = np.float32(math.cos(ang)) * ms
+            sin_out[t, j] = np.float32(math.sin(ang)) * ms
+            for q in range(4):
+                th[q] = np.float32(th[q] * theta_scale)
+
+
 @njit(cache=True, inline="always")
 def _rope_token(x, out, cos, sin, n_dims, neox, t):
     ne3, nt, nh, hd = x.shape
@@ -128,6 +173,8 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     ffa = np.ascontiguousarray(ff, dtype=f32) if ff is not None else np.ones(1, f32)
     has_ff = ff is not None
     freq_scale, ext, attn = f32(p["freq_scale"]), f32(p["ext_factor"]), f32(p["attn_factor"])
+    if p.get("sections"):
+        return _bind_multi(x, pos, p, ffa, has_ff, out, theta_scale, freq_scale, ext, attn, corr0, corr1)
     tr = _trig_buffers(nt, n_dims // 2, (n_dims, float(theta_scale), float(freq_scale), float(ext), float(attn),
                                          float(corr0), float(corr1), has_ff))
     cos, sin = tr.cos, tr.sin
@@ -143,6 +190,25 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
             rope_cache(pi, n_dims, theta_scale, freq_scale, fa, has_ff, ext, attn, corr0, corr1, cos, sin)
             tr.pos, tr.ff = pi.copy(), (fa.copy() if has_ff else None)
         apply(x if direct else np.ascontiguousarray(x, dtype=f32), out, cos, sin, n_dims, neox)
+    return run
+
+
+def _bind_multi(x, pos, p, ffa, has_ff, out, theta_scale, freq_scale, ext, attn, corr0, corr1):
+    """ggml_rope_multi: MROPE rotates NeoX halves of n_dims, VISION pairs (i, i + n_dims) over the whole head; the
+    tables are remade each run (an image's encoder runs once per image)."""
+    n_rot = p["n_dims"] if p["mode"] == 8 else 2 * p["n_dims"]
+    nt = len(pos) // 4
+    cos = np.empty((nt, n_rot // 2), np.float32)
+    sin = np.empty((nt, n_rot // 2), np.float32)
+    s0, s1, s2, s3 = p["sections"]
+    indep = p["mode"] == 24
+    apply = rope_apply if x.size >= (1 << 15) else rope_apply_1
+
+    def run():
+        rows = np.ascontiguousarray(pos, dtype=np.int32).reshape(4, nt)
+        mrope_cache(rows, s0, s1, s2, s3, indep, theta_scale, freq_scale, ffa, has_ff, ext, attn, corr0, corr1,
+                    cos, sin)
+        apply(np.ascontiguousarray(x, dtype=np.float32), out, cos, sin, n_rot, True)
     return run
 
 

@@ -173,6 +173,8 @@ class CUDABackend(Backend):
             return node.type in TORCH_DTYPE and srcs[0].type in TORCH_DTYPE
         if op == Op.FLASH_ATTN_EXT:
             return all(s.type in PLAIN for s in srcs)
+        if op == Op.ROPE and node.op_params.get("sections"):
+            return False                # ggml_rope_multi (M-RoPE, the vision rope): the CPU's
         if op in _TABLE:
             return all(s.type in TORCH_DTYPE for s in srcs) and node.type in TORCH_DTYPE
         return False
