@@ -47,13 +47,14 @@ class Server:
     def __init__(self, model_path, n_parallel: int = 4, n_ctx: int = 4096, api_key: str | None = None,
                  alias: str | None = None, tune_process: bool = True, n_threads: int | None = None,
                  slot_save_path=None, prompt_cache=None, progress=None, offload: dict | None = None,
-                 mmproj=None, allow_remote_images: bool = False):
+                 mmproj=None, allow_remote_images: bool = False, spec=None, model_draft=None):
         """``slot_save_path``: the folder /slots/{id}?action=save|restore reads and writes (None: those actions
         are refused). ``prompt_cache``: a file of the slots' cached prompts, restored here when it exists (and
         fits this model) and written by ``save_prompt_cache`` at shutdown. ``progress(fraction)``: called as the
         weights load (Model's progress_callback). ``offload``: Model's GPU keywords (n_gpu_layers, split_mode,
         tensor_split, main_gpu, override_tensor). ``mmproj``: a projector GGUF (image input, server/media.py);
-        ``allow_remote_images``: fetch http(s) image URLs too."""
+        ``allow_remote_images``: fetch http(s) image URLs too. ``spec``: speculative decoding settings
+        (llama/speculative.SpecParams); ``model_draft``: the draft model's GGUF (spec type draft-simple)."""
         if tune_process:
             from .. import tuning
             tuning.install()     # before the model's first kernel (llampy/tuning.py)
@@ -76,7 +77,14 @@ class Server:
         # an image is decoded in one micro-batch (its tokens attend to each other): the batch holds the largest
         n_img = self.mtmd.proj.n_image_tokens(self.mtmd.proj.hparams.image_size,
                                               self.mtmd.proj.hparams.image_size) if self.mtmd else 0
-        self.engine = Engine(self.model, n_parallel, n_ctx, min_batch=n_img)
+        self.model_draft = None
+        if model_draft is not None:
+            self.model_draft = Model(model_draft, n_threads=n_threads, n_ctx_hint=n_ctx)
+            if spec is None:            # a draft model alone means: draft with it (llama-server's default type)
+                from ..llama.speculative import SpecParams
+                spec = SpecParams(types=("draft-simple",))
+        self.spec = spec
+        self.engine = Engine(self.model, n_parallel, n_ctx, min_batch=n_img, spec=spec, draft_model=self.model_draft)
         self.engine.mtmd = self.mtmd
         self.api_key = api_key
         self.template = template_from_metadata(self.model.metadata)
@@ -199,6 +207,8 @@ class Server:
         return Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p, grammar), stop=p["stop"],
                        n_probs=n_probs, logprobs=logprobs or n_probs > 0, ignore_eos=p["ignore_eos"],
                        cache_prompt=opts.get("cache_prompt", True), id_slot=opts.get("id_slot", -1),
+                       spec_n_max=opts.get("spec_n_max"), spec_n_min=opts.get("spec_n_min"),
+                       spec_p_min=opts.get("spec_p_min"),
                        params={**shown, "n_predict": max_tokens, "n_probs": n_probs})
 
     def tokenize_prompt(self, prompt) -> list:

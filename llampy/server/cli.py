@@ -37,7 +37,43 @@ def add_serve_parser(sub) -> None:
                         "ended (default 30)")
     p.add_argument("--log-format", choices=("json", "text", "none"), default="json",
                    help="the per-request log lines on stderr (default json)")
+    add_spec_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_spec_args(p) -> None:
+    """Speculative decoding, under llama.cpp's names (its current --spec-* ones and the older --draft-*)."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--model-draft", "-md", "--spec-draft-model", dest="model_draft", default=None, metavar="FILE",
+                   help="draft model (a GGUF with the target's vocabulary): it drafts tokens the model checks in one "
+                        "batch; greedy output is the same as without it")
+    g.add_argument("--spec-type", default=None, metavar="TYPES",
+                   help="comma-separated: draft-simple (the draft model), ngram-simple (prompt lookup, no model), "
+                        "none (default: draft-simple with --model-draft, else none)")
+    g.add_argument("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", dest="draft_max", type=int, default=3,
+                   metavar="N", help="tokens the draft model drafts per step at most (default 3)")
+    g.add_argument("--draft-min", "--draft-n-min", "--spec-draft-n-min", dest="draft_min", type=int, default=0,
+                   metavar="N", help="a shorter draft of the draft model is dropped (default 0)")
+    g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=0.0, metavar="P",
+                   help="the draft model stops where its top token's probability falls below P (default 0)")
+    g.add_argument("--spec-ngram-simple-size-n", dest="ngram_n", type=int, default=12, metavar="N",
+                   help="ngram-simple: tokens looked up in the history (default 12)")
+    g.add_argument("--spec-ngram-simple-size-m", dest="ngram_m", type=int, default=48, metavar="M",
+                   help="ngram-simple: tokens drafted after a match at most (default 48)")
+
+
+def spec_params(args):
+    """SpecParams of the speculative options (None: no drafting); SpeculativeError for bad values."""
+    from ..llama.speculative import SpecParams, SpeculativeError
+    if args.spec_type is None:
+        types = ("draft-simple",) if args.model_draft else ("none",)
+    else:
+        types = tuple(t.strip() for t in args.spec_type.split(",") if t.strip()) or ("none",)
+    if "draft-simple" in types and not args.model_draft:
+        raise SpeculativeError("--spec-type draft-simple needs a draft model (--model-draft FILE)")
+    sp = SpecParams(types=types, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min,
+                    ngram_size_n=args.ngram_n, ngram_size_m=args.ngram_m)
+    return sp if sp.enabled() else None
 
 
 class LoadProgress:
@@ -74,11 +110,23 @@ def cmd_serve(args) -> int:
         os.makedirs(args.slot_save_path, exist_ok=True)
     if args.log_format != "none":
         setup_logging(args.log_format)
+    from ..llama.speculative import SpeculativeError
+    try:
+        spec = spec_params(args)
+    except SpeculativeError as e:
+        print(f"llampy serve: {e}", file=sys.stderr)
+        return 2
     path = resolve_model(args.model)
-    server = Server(path, args.parallel, args.ctx_size, args.api_key, args.alias, n_threads=args.threads,
-                    slot_save_path=args.slot_save_path, prompt_cache=args.prompt_cache,
-                    progress=LoadProgress(path.name), offload=offload_kw(args), mmproj=args.mmproj,
-                    allow_remote_images=args.allow_remote_images)
+    try:
+        server = Server(path, args.parallel, args.ctx_size, args.api_key, args.alias, n_threads=args.threads,
+                        slot_save_path=args.slot_save_path, prompt_cache=args.prompt_cache,
+                        progress=LoadProgress(path.name), offload=offload_kw(args), mmproj=args.mmproj,
+                        allow_remote_images=args.allow_remote_images, spec=spec,
+                        model_draft=resolve_model(args.model_draft)
+                        if spec is not None and "draft-simple" in spec.types else None)
+    except SpeculativeError as e:       # a draft model of another vocabulary, a recurrent target
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
     if server.n_restored:
         print(f"llampy: restored {server.n_restored} cached prompt tokens from {args.prompt_cache}", file=sys.stderr)
     print(f"llampy: serving {server.model_id} on http://{args.host}:{args.port} "

@@ -88,11 +88,16 @@ SCHEMA = {
     "cache_prompt": {"type": "boolean", "description": "reuse the slot's cached prompt prefix (default true)"},
     "id_slot": {"type": "integer", "minimum": -1, "description": "the slot to run in (-1: any)"},
     "timings_per_token": {"type": "boolean", "description": "llama-server's timings in every streamed chunk"},
+    "speculative.n_max": {"type": "integer", "minimum": 0, "description": "the most tokens drafted per step for "
+                                                                          "this request (0: no drafting)"},
+    "speculative.n_min": {"type": "integer", "minimum": 0, "description": "a shorter model draft is dropped"},
+    "speculative.p_min": {"type": "number", "minimum": 0, "maximum": 1,
+                          "description": "the draft model stops below this probability of its top token"},
 }
 
 
 def request_options(body: dict, n_parallel: int) -> dict:
-    """cache_prompt, id_slot and timings_per_token, checked."""
+    """cache_prompt, id_slot, timings_per_token and the speculative.* overrides, checked."""
     cp = body.get("cache_prompt", True)
     if not isinstance(cp, bool):
         raise APIError(400, "'cache_prompt' must be a boolean", "cache_prompt")
@@ -104,7 +109,10 @@ def request_options(body: dict, n_parallel: int) -> dict:
     tpt = body.get("timings_per_token", False)
     if not isinstance(tpt, bool):
         raise APIError(400, "'timings_per_token' must be a boolean", "timings_per_token")
-    return {"cache_prompt": cp, "id_slot": sid, "timings_per_token": tpt}
+    return {"cache_prompt": cp, "id_slot": sid, "timings_per_token": tpt,
+            "spec_n_max": _number(body, "speculative.n_max", None, 0, _INT32, integer=True),
+            "spec_n_min": _number(body, "speculative.n_min", None, 0, _INT32, integer=True),
+            "spec_p_min": _number(body, "speculative.p_min", None, 0, 1)}
 
 
 def logit_bias(body: dict, n_vocab: int) -> list:

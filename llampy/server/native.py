@@ -212,6 +212,7 @@ def add_native_routes(app, server) -> None:
                 "n_ctx": e.n_ctx, "n_threads": await asyncio.to_thread(server.kernel_threads),
                 "infill": server.supports_infill(),
                 "slot_save_path": str(server.slot_save_path) if server.slot_save_path else None,
+                "speculative": _spec_props(server),
                 "build_info": f"llampy {server.version}"}
 
     @app.get("/slots")
@@ -265,3 +266,15 @@ def live_timings(req, n: int) -> dict:
     predicted_ms = (now - t_first) * 1e3
     return {"prompt_n": len(req.tokens), "prompt_ms": prompt_ms, "predicted_n": n, "predicted_ms": predicted_ms,
             "predicted_per_second": n / predicted_ms * 1e3 if predicted_ms > 0 else 0.0}
+
+
+def _spec_props(server) -> dict | None:
+    """/props' speculative decoding settings (None: no drafting)."""
+    sp = server.engine.spec
+    if sp is None:
+        return None
+    out = {"types": list(sp.types), "n_max": sp.n_max, "n_min": sp.n_min, "p_min": sp.p_min,
+           "ngram_size_n": sp.ngram_size_n, "ngram_size_m": sp.ngram_size_m}
+    if server.model_draft is not None:
+        out["model_draft"] = str(server.model_draft.path)
+    return out

@@ -139,6 +139,12 @@ def llamacpp_metrics(server) -> str:
         ("tokens_predicted_seconds_total", "Total time spent generating tokens", m["gen_seconds_total"]),
         ("n_decode_total", "Total number of llama_decode() calls", m["steps_total"]),
         ("n_tokens_max", "Largest observed sequence length (prompt + generation)", m["n_tokens_max"]),
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated",
+         m["draft_tokens_total"]),
+        ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model",
+         m["draft_tokens_accepted"]),
+        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps",
+         m["draft_steps_total"]),
     ]
     gauges = [
         ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", pp_tps),

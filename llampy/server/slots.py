@@ -21,6 +21,7 @@ import numpy as np
 from ..llama.batch import Batch
 from ..llama.context import Context
 from ..llama.sampling import Chain, top_logprobs
+from ..llama.speculative import DraftModel, NgramSimple, SpeculativeError
 from ..llama.vocab import StreamDecoder
 
 # Prompt tokens decoded per step, over all slots together: a long prompt is cut into chunks so that the slots
@@ -69,6 +70,11 @@ class Request:
     id_slot: int = -1                       # the slot to run in (-1: any; llama-server's id_slot)
     prompt_logprobs: int = -1               # >= 0: the prompt tokens' log-probs with this many top ones (echo)
     params: dict = field(default_factory=dict)      # the request's settings, as GET /slots shows them
+    # llama-server's speculative.n_max / n_min / p_min for this request (None: the server's settings; n_max 0: no
+    # drafting)
+    spec_n_max: int | None = None
+    spec_n_min: int | None = None
+    spec_p_min: float | None = None
     t_start: float = 0.0                    # admitted to a slot
     t_first: float = 0.0                    # the prompt decoded (the first token sampled)
 
@@ -94,13 +100,16 @@ class Slot:
         self.text = ""
         self.emitted = 0                # chars of ``text`` already sent
         self.prompt_lps: list = []      # the prompt tokens' log-probs so far (Request.prompt_logprobs)
+        self.n_draft = 0                # drafted tokens checked for this request, and those accepted
+        self.n_draft_acc = 0
 
 
 class Engine:
     def __init__(self, model, n_parallel: int = 4, n_ctx: int = 4096, prompt_budget: int = PROMPT_BUDGET,
-                 min_batch: int = 0):
+                 min_batch: int = 0, spec=None, draft_model=None):
         """``min_batch``: the micro-batch holds at least this many tokens (the projector's largest image, whose
-        tokens are decoded together)."""
+        tokens are decoded together). ``spec``: speculative.SpecParams (None: no drafting); ``draft_model``: the
+        Model that drafts when spec.types holds draft-simple."""
         if n_parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {n_parallel}")
         if n_ctx // n_parallel < 8:
@@ -110,7 +119,15 @@ class Engine:
         self.n_parallel = n_parallel
         self.n_ctx = n_ctx
         self.prompt_budget = max(1, prompt_budget)
-        n_batch = max(self.prompt_budget + n_parallel, min_batch)
+        self.spec = spec if spec is not None and spec.enabled() else None
+        self.ngram = self.drafter = None
+        spec_cap = 0                    # the longest draft: a step's batch holds it after each slot's token
+        if self.spec is not None:
+            spec_cap = self.spec.cap()
+            if not getattr(model.arch, "USES_KV_CACHE", True) or _recurrent(model):
+                raise SpeculativeError(f"speculative decoding needs a model whose cache can drop rejected drafts; "
+                                       f"{model.hparams.arch} keeps a recurrent state or no cache")
+        n_batch = max(self.prompt_budget + n_parallel * (1 + spec_cap), min_batch)
         self.mtmd = None                # a MtmdContext when the server takes images (its prompts hold ImagePos)
         # graphs are cached per (tokens, outputs, kv) shape, so keep more; decode steps read the whole cache
         # (n_kv padded to it), so theirs differ only in the batch size
@@ -120,6 +137,16 @@ class Engine:
                            max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False,
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
+        if self.spec is not None:
+            if "ngram-simple" in self.spec.types:
+                self.ngram = NgramSimple(self.spec.ngram_size_n, self.spec.ngram_size_m)
+            if "draft-simple" in self.spec.types:
+                if draft_model is None:
+                    raise SpeculativeError("speculative type draft-simple needs a draft model (--model-draft)")
+                if _recurrent(draft_model):
+                    raise SpeculativeError(f"the draft model ({draft_model.hparams.arch}) keeps a recurrent state: "
+                                           f"it cannot drop rejected drafts")
+                self.drafter = DraftModel(draft_model, model.vocab, n_ctx, n_parallel)
         # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
         # would otherwise move them), then a decode step of every number of generating slots
         self._to_reserve = [(n_batch, n_parallel)] + [(k, k) for k in range(n_parallel, 0, -1)]
@@ -128,7 +155,9 @@ class Engine:
         self.metrics = {"requests_total": 0, "requests_finished": 0, "requests_cancelled": 0,
                         "prompt_tokens_total": 0, "prompt_tokens_cached": 0, "generated_tokens_total": 0,
                         "decode_seconds_total": 0.0, "prompt_seconds_total": 0.0, "gen_seconds_total": 0.0,
-                        "steps_total": 0, "busy_slot_steps": 0, "n_tokens_max": 0}
+                        "steps_total": 0, "busy_slot_steps": 0, "n_tokens_max": 0,
+                        "draft_tokens_total": 0, "draft_tokens_accepted": 0, "draft_steps_total": 0,
+                        "draft_seconds_total": 0.0}
         self._recent: list[tuple[float, int]] = []   # (time, tokens generated) per step, for a live tokens/s
         self._stop = False
         self.draining = False           # set by begin_drain: new requests are refused
@@ -369,6 +398,7 @@ class Engine:
         slot.cached = list(r.tokens[:n_common])
         slot.pending = list(r.tokens[n_common:])
         slot.req, slot.n_gen, slot.n_reused, slot.text, slot.emitted = r, 0, n_common, "", 0
+        slot.n_draft = slot.n_draft_acc = 0
         slot.dec = StreamDecoder(self.vocab, special=False, keep=r.keep_tokens)
         self.metrics["prompt_tokens_total"] += len(slot.pending)
         self.metrics["prompt_tokens_cached"] += n_common
@@ -418,11 +448,14 @@ class Engine:
         active = [s for s in active if s.req is not None]      # an image that failed ended its request
         if not active:
             return
-        # then one token for each generating slot
+        # then one token for each generating slot, followed by its draft when speculating
+        drafts = self._drafts([s for s in active if not s.pending]) if self.spec is not None else {}
         for s in active:
             if not s.pending:
                 batch.add(s.next_token, len(s.cached), [s.id], True)
                 rows[s.id] = len(batch) - 1
+                for j, t in enumerate(drafts.get(s.id, ())):
+                    batch.add(t, len(s.cached) + 1 + j, [s.id], True)
         if not len(batch):              # this step decoded images only
             return
         t0 = time.perf_counter()
@@ -457,13 +490,66 @@ class Engine:
         for s in active:
             if s.id in rows:
                 try:
-                    self._step(s, self.ctx.get_logits_ith(rows[s.id]))
+                    if drafts.get(s.id):
+                        self._verify(s, rows[s.id], drafts[s.id])
+                    else:
+                        self._step(s, self.ctx.get_logits_ith(rows[s.id]))
                 except Exception as e:  # a sampler or detokenizer failure ends this request only
                     self._fail(s, f"sampling failed: {type(e).__name__}: {e}")
         now = time.perf_counter()
         self._recent.append((now, len(rows)))
         if now - self._recent[0][0] > 30:
             self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
+
+    def _drafts(self, gen: list) -> dict:
+        """{slot id: draft} for the generating slots: n-gram lookup first, then the draft model for the slots it left
+        without one, all in one batch per draft step. A slot drafts at most what its context and its request's
+        max_tokens leave after the next token (llama-server's get_n_draft_max)."""
+        sp, out, want = self.spec, {}, {}
+        t0 = time.perf_counter()
+        for s in gen:
+            r = s.req
+            room = min(s.n_ctx - len(s.cached) - 2, r.max_tokens - s.n_gen - 1)
+            if r.spec_n_max is not None:
+                room = min(room, r.spec_n_max)
+            if room < 1 or not _text_only(s.cached):
+                continue
+            if self.ngram is not None:
+                d = self.ngram.draft(s.cached, s.next_token, room)
+                if d:
+                    out[s.id] = d
+                    continue
+            if self.drafter is not None:
+                n_min = sp.n_min if r.spec_n_min is None else r.spec_n_min
+                p_min = sp.p_min if r.spec_p_min is None else r.spec_p_min
+                want[s.id] = (s.cached, s.next_token, min(room, sp.n_max), n_min, p_min)
+        if want:
+            try:
+                out.update(self.drafter.draft(want))
+            except Exception:   # a failing draft costs speed, never the request: start those sequences over
+                for sid in want:
+                    self.drafter.forget(sid)
+        self.metrics["draft_seconds_total"] += time.perf_counter() - t0
+        return {sid: d for sid, d in out.items() if d}
+
+    def _verify(self, s: Slot, row: int, draft: list) -> None:
+        """Sample the rows of a slot's token and draft in order, each token exactly as without a draft, keeping a
+        drafted token while it equals the one sampled at its place (llama.cpp's common_sampler_sample_and_accept_n);
+        the cells of the rejected rest leave the cache."""
+        s.n_draft += len(draft)         # counted first: the request may end (and report them) within the loop
+        self.metrics["draft_tokens_total"] += len(draft)
+        self.metrics["draft_steps_total"] += 1
+        try:
+            for i in range(len(draft) + 1):
+                tok = self._step(s, self.ctx.get_logits_ith(row + i))
+                # past an end-of-generation token nothing drafted is kept (it continues only with ignore_eos)
+                if tok is None or i == len(draft) or tok != draft[i] or self.vocab.is_eog(tok):
+                    break
+                s.cached.append(tok)    # already in the cache: the draft put it there
+                s.n_draft_acc += 1
+                self.metrics["draft_tokens_accepted"] += 1
+        finally:
+            self.ctx.seq_rm(s.id, len(s.cached), -1)
 
     def _decode_image(self, s: Slot) -> None:
         """The image at the head of the slot's pending prompt, decoded as an embeddings batch of its own (non-causal
@@ -510,7 +596,8 @@ class Engine:
                 "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
                 "predicted_n": predicted_n, "predicted_ms": predicted_ms,
                 "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-                "predicted_per_second": predicted_n / predicted_ms * 1e3 if predicted_ms > 0 else 0.0}
+                "predicted_per_second": predicted_n / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
+                **({"draft_n": s.n_draft, "draft_n_accepted": s.n_draft_acc} if s.n_draft else {})}
 
     def _prompt_logprobs(self, s: Slot, b0: int, n: int) -> None:
         """The log-probs of the prompt tokens that follow the ``n`` decoded from batch position b0 on."""
@@ -524,7 +611,8 @@ class Engine:
             s.prompt_lps.append((r.tokens[g + 1], _logprob(x, r.tokens[g + 1]),
                                  top_logprobs(x, r.prompt_logprobs) if r.prompt_logprobs else []))
 
-    def _step(self, s: Slot, logits: np.ndarray) -> None:
+    def _step(self, s: Slot, logits: np.ndarray) -> int | None:
+        """Sample the slot's next token and pass its text on: the token, or None when the request ended."""
         r = s.req
         if s.n_gen == 0 and not r.t_first:
             r.t_first = time.perf_counter()
@@ -532,7 +620,7 @@ class Engine:
                 r.emit(Event(prompt_logprobs=[(r.tokens[0], None, [])] + s.prompt_lps))
             if r.max_tokens <= 0:       # the prompt only (echo with max_tokens 0)
                 self._finish(s, "length")
-                return
+                return None
         logits = np.array(logits, dtype=np.float32)   # samplers may edit their candidates; keep the raw row
         tok = int(r.sampler.sample(logits))
         r.sampler.accept(tok)
@@ -543,7 +631,7 @@ class Engine:
         self.metrics["generated_tokens_total"] += 1
         if self.vocab.is_eog(tok) and not r.ignore_eos:
             self._finish(s, "stop", s.text[s.emitted:] + s.dec.flush())
-            return
+            return None
         s.n_gen += 1
         s.text += s.dec.feed(tok)
         # a stop string ends the text just before it; the search starts where an earlier match could begin
@@ -555,7 +643,7 @@ class Engine:
         if hit >= 0:
             r.emit(Event(text=s.text[s.emitted:hit], token=tok, logprob=lp, top=top))
             self._finish(s, "stop")
-            return
+            return None
         # hold back a tail that could be the start of a stop string
         safe = len(s.text)
         for st in r.stop:
@@ -567,8 +655,9 @@ class Engine:
         s.emitted = safe
         if s.n_gen >= r.max_tokens or len(s.cached) + 1 >= s.n_ctx:
             self._finish(s, "length", s.text[s.emitted:] + s.dec.flush())
-            return
+            return None
         s.next_token = tok
+        return tok
 
 
 class ShuttingDown(RuntimeError):
@@ -580,6 +669,11 @@ def _logprob(logits: np.ndarray, tok: int) -> float:
     x = np.asarray(logits, dtype=np.float64)
     mx = x.max()
     return float(x[tok] - (mx + np.log(np.exp(x - mx).sum())))
+
+
+def _recurrent(model) -> bool:
+    hp = model.hparams
+    return any(hp.is_recurrent(il) for il in range(hp.n_layer))
 
 
 def _text_only(tokens: list) -> bool:

@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Speculative decoding in the server's engine: generated tokens/s and the draft acceptance rate on repetitive
+tasks (editing a given piece of code, quoting a given text), without drafting and with each drafter, and a check
+that every configuration gives the same greedy replies.
+
+    python benchmarks/serve_spec.py [--model smollm2] [--draft FILE] [--tokens 128] [--streams 1 4] [--rounds 2]
+
+Configurations: none; ngram-simple (prompt lookup: llama.cpp's defaults 12/48, and 4/16); draft-simple with
+--draft (default: the target model itself, which accepts nearly every draft and so shows the verification's cost
+and the acceptance ceiling; a smaller model of the same vocabulary is what makes it pay). Each configuration gets
+its own in-process Server (slots = the largest stream count); the requests go straight to its engine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+
+CODE = '''def mean(xs):
+    total = 0
+    for x in xs:
+        total = total + x
+    return total / len(xs)
+
+
+def variance(xs):
+    m = mean(xs)
+    total = 0
+    for x in xs:
+        total = total + (x - m) * (x - m)
+    return total / len(xs)
+'''
+TEXT = ("The river starts in the hills above the town. In spring the snow melts and the river grows wide and fast; "
+        "in summer it is slow and warm, and children swim in it near the old mill. The mill has not turned for fifty "
+        "years, but the town keeps it painted, because visitors like to take pictures of it.")
+TASKS = [
+    [{"role": "user", "content": "Rename the variable `total` to `acc` in this code and show the whole code:\n\n"
+                                 + CODE}],
+    [{"role": "user", "content": "Copy this text exactly, word for word:\n\n" + TEXT}],
+    [{"role": "user", "content": "Rewrite this code with `xs` renamed to `values`:\n\n" + CODE}],
+    [{"role": "user", "content": "Repeat the following paragraph, then say 'done':\n\n" + TEXT}],
+]
+
+
+def run_config(path, name, spec, draft, n_tokens, streams, rounds):
+    from llampy.llama.sampling import Chain
+    from llampy.server.app import Server
+    from llampy.server.slots import Request
+    server = Server(path, n_parallel=max(streams), n_ctx=1024 * max(streams), spec=spec, model_draft=draft)
+    toks = [server.chat_tokens(m) for m in TASKS]
+    rows, replies = [], {}
+    try:
+        for n_streams in streams:
+            best = None
+            for _ in range(rounds):
+                e = server.engine
+                d0, a0 = e.metrics["draft_tokens_total"], e.metrics["draft_tokens_accepted"]
+                jobs = [toks[i % len(toks)] for i in range(n_streams * 2)]      # two requests per stream
+                out = [None] * len(jobs)
+                lock, nxt = threading.Lock(), [0]
+
+                def client():
+                    while True:
+                        with lock:
+                            i = nxt[0]
+                            nxt[0] += 1
+                        if i >= len(jobs):
+                            return
+                        r = e.submit(Request(tokens=list(jobs[i]), max_tokens=n_tokens, cache_prompt=False,
+                                             sampler=Chain.from_params(temperature=0)))
+                        got = []
+                        while True:
+                            ev = r.events.get()
+                            if ev.token is not None:
+                                got.append(ev.token)
+                            if ev.finish_reason:
+                                break
+                        out[i] = got
+                t0 = time.perf_counter()
+                th = [threading.Thread(target=client) for _ in range(n_streams)]
+                for t in th:
+                    t.start()
+                for t in th:
+                    t.join()
+                dt = time.perf_counter() - t0
+                n_gen = sum(len(o) for o in out)
+                drafted = e.metrics["draft_tokens_total"] - d0
+                acc = e.metrics["draft_tokens_accepted"] - a0
+                row = (n_gen / dt, n_gen, dt, drafted, acc)
+                if best is None or row[0] > best[0]:
+                    best = row
+                for i, o in enumerate(out):
+                    replies.setdefault(i % len(toks), o)
+            rows.append((name, n_streams) + best)
+    finally:
+        server.engine.stop()
+    return rows, replies
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--draft", default=None, help="draft model GGUF (default: the target model itself)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", nargs="+", default=["none", "ngram-12-48", "ngram-4-16", "draft-4"],
+                    help="none, ngram-N-M (ngram-simple sizes), draft-K (draft-simple, K tokens at most)")
+    args = ap.parse_args()
+    from llampy import tuning
+    tuning.install()
+    from llampy.llama.speculative import SpecParams
+    from llampy.models import resolve_model
+    path = resolve_model(args.model)
+    draft = resolve_model(args.draft) if args.draft else path
+    print(f"model {path.name}, draft {draft.name if draft else '-'}, {args.tokens} tokens, best of {args.rounds}",
+          flush=True)
+    print("| config | streams | tok/s | tokens | s | drafted | accepted | acceptance | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    base, ref = {}, None
+    for cfg in args.configs:
+        if cfg == "none":
+            spec, d = None, None
+        elif cfg.startswith("ngram-"):
+            _, n, m = cfg.split("-")
+            spec, d = SpecParams(types=("ngram-simple",), ngram_size_n=int(n), ngram_size_m=int(m)), None
+        elif cfg.startswith("draft-"):
+            spec, d = SpecParams(types=("draft-simple",), n_max=int(cfg.split("-")[1])), draft
+        else:
+            print(f"unknown config {cfg!r}", file=sys.stderr)
+            return 2
+        rows, replies = run_config(path, cfg, spec, d, args.tokens, args.streams, args.rounds)
+        same = "" if ref is None else ("" if replies == ref else "  (REPLIES DIFFER from the first config)")
+        ref = ref if ref is not None else replies
+        for name, ns, tps, n_gen, dt, drafted, acc in rows:
+            base.setdefault(ns, tps)
+            rate = f"{acc / drafted:.2f}" if drafted else "-"
+            print(f"| {name} | {ns} | {tps:.1f} | {n_gen} | {dt:.1f} | {drafted} | {acc} | {rate} | "
+                  f"{tps / base[ns]:.2f}x |{same}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Speculative decoding in the server: a draft model (a tiny random model with SmolLM2's vocabulary) and n-gram
+prompt lookup draft for SmolLM2; the replies must be the ones the server gives with drafting off
+(``speculative.n_max`` 0), greedy and seeded, one request at a time and several slots at once."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import SHARED, serve_in_thread
+
+DRAFT = SHARED / "fixtures" / "tiny" / "qwen2-Q8_0.gguf"
+STORY = ("Tom has a red ball. Tom gives the red ball to Anna. Anna has a red ball now. Anna gives the red ball to "
+         "Tom. Tom has a red ball now. Tom gives the red ball to Anna. Anna has")
+PROMPTS = [STORY, "The capital of France is"]
+SEEDED = {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    from llampy.llama.speculative import SpecParams
+    from llampy.models import smollm2_path
+    from llampy.server.app import Server, create_app
+    # small n-gram sizes so that these short prompts find matches; the draft model drafts where they do not
+    sp = SpecParams(types=("ngram-simple", "draft-simple"), n_max=4, ngram_size_n=3, ngram_size_m=6)
+    server = Server(smollm2_path(), n_parallel=2, n_ctx=1024, spec=sp, model_draft=DRAFT)
+    url, uv, t = serve_in_thread(create_app(server))
+    yield url, server
+    uv.should_exit = True
+    t.join(timeout=5)
+    server.engine.stop()
+
+
+def complete(url, prompt, **kw) -> dict:
+    body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": False, **kw}
+    r = httpx.post(url + "/completion", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def plain(spec_server):
+    """The replies with drafting off: greedy for each prompt, seeded for the first."""
+    url, _ = spec_server
+    out = {(p, "greedy"): complete(url, p, **{"speculative.n_max": 0}) for p in PROMPTS}
+    out[(PROMPTS[0], "seeded")] = complete(url, PROMPTS[0], **SEEDED, **{"speculative.n_max": 0})
+    for r in out.values():
+        assert "draft_n" not in r["timings"]
+    return out
+
+
+def test_greedy_and_seeded_replies_unchanged_by_drafts(spec_server, plain):
+    url, server = spec_server
+    drafted = accepted = 0
+    for (p, how), want in plain.items():
+        spec = complete(url, p, **(SEEDED if how == "seeded" else {}))
+        assert spec["content"] == want["content"], (p, how)
+        assert spec["tokens_predicted"] == want["tokens_predicted"]
+        drafted += spec["timings"].get("draft_n", 0)
+        accepted += spec["timings"].get("draft_n_accepted", 0)
+    # the story repeats itself: lookup drafts are accepted; the random draft model's mostly are not
+    assert drafted > accepted > 0
+    m = httpx.get(url + "/metrics").text
+    val = {ln.split()[0]: float(ln.split()[1]) for ln in m.splitlines() if ln.startswith("llamacpp:spec_decode")}
+    assert val["llamacpp:spec_decode_num_draft_tokens_total"] >= drafted
+    assert 0 < val["llamacpp:spec_decode_num_accepted_tokens_total"] <= val[
+        "llamacpp:spec_decode_num_draft_tokens_total"]
+    props = httpx.get(url + "/props").json()["speculative"]
+    assert props["types"] == ["ngram-simple", "draft-simple"] and props["model_draft"].endswith(DRAFT.name)
+
+
+def test_slots_draft_together(spec_server, plain):
+    """Two requests at once (their drafts in one batch, verified side by side) give the replies each gives alone
+    without drafting."""
+    url, _ = spec_server
+    with cf.ThreadPoolExecutor(2) as ex:
+        together = list(ex.map(lambda p: complete(url, p)["content"], PROMPTS))
+    assert together == [plain[(p, "greedy")]["content"] for p in PROMPTS]
+
+
+def test_speculative_fields_checked(spec_server):
+    url, _ = spec_server
+    for field, v in (("speculative.n_max", -1), ("speculative.p_min", 1.5), ("speculative.n_min", "2")):
+        r = httpx.post(url + "/completion", json={"prompt": "Hi", field: v}, timeout=60)
+        assert r.status_code == 400 and field in r.text, (field, r.text)
+
+
+def test_ngram_simple_lookup():
+    from llampy.llama.speculative import NgramSimple
+    ng = NgramSimple(size_n=2, size_m=3)
+    h = [9, 1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8, 1]
+    # pattern (1, 2): latest earlier match at 7, followed by 3 4 7 (size_m 3)
+    assert ng.draft(h, 2, 10) == [3, 4, 7]
+    assert ng.draft(h, 2, 2) == [3, 4]                  # n_max caps it
+    assert ng.draft(h, 99, 10) == []                    # no match
+    assert ng.draft(h[:6], 2, 10) == []                 # history too short for n + m + 1
+
+
+def test_draft_vocabulary_must_match():
+    from llampy.llama.model import Model
+    from llampy.llama.speculative import SpeculativeError, check_compatible
+    v = Model(DRAFT).vocab
+    check_compatible(v, v)
+    other = copy.copy(v)
+    other.tokens = list(v.tokens)
+    other.tokens[100] = "<not it>"
+    with pytest.raises(SpeculativeError, match="token 100"):
+        check_compatible(v, other)
+    other = copy.copy(v)
+    other.n_tokens = v.n_tokens + 500
+    with pytest.raises(SpeculativeError, match="tokens"):
+        check_compatible(v, other)
+
+
+def test_cli_refuses_draft_type_without_model(capsys):
+    from llampy.cli import main
+    assert main(["serve", "--spec-type", "draft-simple"]) == 2
+    assert "--model-draft" in capsys.readouterr().err
+    assert main(["serve", "--spec-type", "medusa"]) == 2
+    assert "unknown speculative type 'medusa'" in capsys.readouterr().err
+    assert Path(DRAFT).is_file()
