@@ -49,6 +49,8 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "granitemoe": "granite",
     "gpt-oss": "gpt_oss",
+    "deepseek2": "deepseek2",
+    "llama4": "llama4",
 }
 
 ENTRY_POINT_GROUP = "llampy.architectures"

@@ -237,7 +237,7 @@ class Context:
             tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id, **causal))
         if "kq_mask_swa" in inp:
             tensor_set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa,
-                                                        **causal))
+                                                        chunked=self.model.hparams.swa_chunked, **causal))
         if "out_ids" in inp:
             tensor_set(inp["out_ids"], (out_idx if n_outputs else np.array([n - 1])).astype(np.int32))
         self.sched.graph_compute(gc.graph)
@@ -324,6 +324,8 @@ class Context:
             if k is None:               # a recurrent layer of a hybrid
                 continue
             kv_view = ops.permute(k, 0, 2, 1, 3)                          # [d, n_head_kv, size]
+            if hp.k_rope_offset:        # MLA: only the roped values after the compressed KV turn
+                kv_view = ops.view_3d(k, hp.n_rot, k.ne[2], size, k.nb[2], k.nb[1], hp.k_rope_offset * k.nb[0])
             kf = ops.cont(ops.cast(kv_view, GGMLType.F32))
             kr = gc.rope(kf, pos, il)
             g.expand(ops.cpy(kr, kv_view))

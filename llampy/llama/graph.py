@@ -156,13 +156,18 @@ class GraphContext:
     #   exp_probs_b: a bias added to the probabilities for the choice only (the weights stay unbiased)
     #   gate_inp_b / up_b / gate_b / down_b: biases of the router and of each expert's matrices ([n, n_expert])
     #   act: "silu" (SwiGLU, or SiLU alone without gate_exps), "gelu", "swiglu_oai" (gpt-oss: clamp 7, alpha 1.702)
+    #   n_groups / n_group_used: the experts cut into n_groups equal groups, the choice only among the experts of
+    #           the n_group_used groups whose two best (biased) scores sum highest (DeepSeek V3)
+    #   weight_before_ffn: llama 4: the raw logits choose, and each chosen expert's input (not its output) is
+    #           scaled by its weight
     # cur: [n_embd, n_tokens]  gate_inp: [n_embd, n_expert]  up/gate_exps: [n_embd, n_ff, n_expert]
     # down_exps: [n_ff, n_embd, n_expert]  ->  [n_embd, n_tokens]
     def moe_ffn(self, cur: Tensor, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor | None, down_exps: Tensor,
                 n_expert: int, n_used: int, norm_w: bool, il: int = -1, *, gating: str = "softmax",
                 w_scale: float = 0.0, exp_probs_b: Tensor | None = None, gate_inp_b: Tensor | None = None,
                 up_b: Tensor | None = None, gate_b: Tensor | None = None, down_b: Tensor | None = None,
-                act: str = "silu") -> Tensor:
+                act: str = "silu", n_groups: int = 0, n_group_used: int = 0,
+                weight_before_ffn: bool = False) -> Tensor:
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
         logits = self.cb(self.lora_mm(gate_inp, cur), "ffn_moe_logits", il)    # [n_expert, n_tokens]
         if gate_inp_b is not None:
@@ -179,6 +184,10 @@ class GraphContext:
         select = probs
         if exp_probs_b is not None:
             select = self.cb(ops.add(probs, exp_probs_b), "ffn_moe_probs_biased", il)
+        if weight_before_ffn:
+            select = logits
+        if n_groups > 1:
+            select = self._mask_expert_groups(select, n_groups, n_group_used, il)
         selected = self.cb(ops.top_k(select, n_used), "ffn_moe_topk", il)       # I32 [n_used, n_tokens]
         weights = self.cb(ops.get_rows(ops.reshape(probs, 1, n_expert, n_tokens), selected), "ffn_moe_weights", il)
         if gating == "softmax_weight":
@@ -191,6 +200,9 @@ class GraphContext:
         if w_scale and w_scale != 1.0:
             weights = self.cb(ops.scale(weights, w_scale), "ffn_moe_weights_scaled", il)
         x = ops.reshape(cur, n_embd, 1, n_tokens)
+        if weight_before_ffn:       # [n_embd, n_used, n_tokens]: the token's row once per chosen expert, weighted
+            x = ops.mul(ops.repeat(x, Tensor(F32, (n_embd, n_used, n_tokens))), weights)
+            self.cb(x, "ffn_moe_weighted", il)
         up = self.cb(self._add_id(ops.mul_mat_id(up_exps, x, selected), up_b, selected), "ffn_moe_up", il)
         gate = None
         if gate_exps is not None:
@@ -203,7 +215,8 @@ class GraphContext:
             par = ops.silu(up) if act == "silu" else ops.gelu(up)
         experts = ops.mul_mat_id(down_exps, par, selected)                       # [n_embd, n_used, n_tokens]
         experts = self.cb(self._add_id(experts, down_b, selected), "ffn_moe_down", il)
-        experts = ops.mul(experts, weights)
+        if not weight_before_ffn:
+            experts = ops.mul(experts, weights)
         out = None
         for i in range(n_used):
             e = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], i * experts.nb[1])
@@ -211,6 +224,20 @@ class GraphContext:
         if n_used == 1:
             out = ops.cont(out)
         return self.cb(out, "ffn_moe_out", il)
+
+    # select: [n_expert, n_tokens] -> the same with -inf for every expert outside the chosen groups
+    def _mask_expert_groups(self, select: Tensor, n_groups: int, n_group_used: int, il: int) -> Tensor:
+        n_expert, n_tokens = select.ne[0], select.ne[1]
+        n_per = n_expert // n_groups
+        groups = ops.reshape(select, n_per, n_groups, n_tokens)
+        top2 = ops.top_k(groups, 2)                                                # [2, n_groups, n_tokens]
+        best = ops.get_rows(ops.reshape(groups, 1, n_per, n_groups, n_tokens), top2)   # [1, 2, n_groups, n_tokens]
+        scores = ops.reshape(ops.sum_rows(ops.reshape(best, 2, n_groups, n_tokens)), n_groups, n_tokens)
+        chosen = self.cb(ops.top_k(scores, n_group_used), "ffn_moe_group_topk", il)   # [n_group_used, n_tokens]
+        kept = ops.get_rows(groups, chosen)                                        # [n_per, n_group_used, n_tokens]
+        # every score -inf (ggml_fill), then the chosen groups' rows written back
+        masked = ops.set_rows(ops.clamp(groups, float("-inf"), float("-inf")), kept, chosen)
+        return self.cb(ops.reshape(masked, n_expert, n_tokens), "ffn_moe_probs_masked", il)
 
     # a: [n, n_used, n_tokens] plus, for each chosen expert, its row of b: [n, n_expert] (ggml_add_id; the rows
     # gathered by get_rows, then one add: the same float sums)
@@ -255,18 +282,26 @@ class GraphContext:
     # q: [head_dim, n_head, n_tokens]  k: [head_dim, n_head_kv, n_tokens]  v: [head_dim_v, n_head_kv, n_tokens]
     # -> [n_embd_out, n_tokens] after the output projection wo
     # sinks: F32 [n_head], gpt-oss's per-head logit that joins each softmax with no value
+    # v_mla: [d_v_compressed, d_v, n_head], MLA's decompression of each head's attention output (llama.cpp's
+    # build_attn_mha v_mla: there the one K/V head holds the compressed KV, V inside K)
     def attn(self, il: int, wo: Tensor | None, wo_b: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-             kq_scale: float, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+             kq_scale: float, softcap: float = 0.0, sinks: Tensor | None = None,
+             v_mla: Tensor | None = None) -> Tensor:
         idxs = self._kv_idxs()
         # write this batch's K and V into the cache first: the attention below reads them back
         self.graph.expand(self.kv.store_k(il, k, idxs))
-        self.graph.expand(self.kv.store_v(il, v, idxs))
+        stored_v = self.kv.store_v(il, v, idxs)
+        if stored_v is not None:
+            self.graph.expand(stored_v)
         swa = self.hp.is_swa(il) and self.hp.n_swa > 0
         mask = self._kq_mask(swa)
         kc = self.kv.view_k(il, self.n_kv)                     # [head_dim, n_kv, n_head_kv]
         vc = self.kv.view_v(il, self.n_kv)
         qp = ops.permute(q, 0, 2, 1, 3)                        # [head_dim, n_tokens, n_head]
         cur = ops.flash_attn_ext(qp, kc, vc, mask, kq_scale, 0.0, softcap, sinks)  # [head_dim_v, n_head, n_tokens]
+        if v_mla is not None:      # per head as one product over the tokens: [d_v, n_tokens, n_head], back
+            cur = ops.mul_mat(v_mla, ops.permute(cur, 0, 2, 1, 3))
+            cur = ops.cont(ops.permute(cur, 0, 2, 1, 3))
         self.cb(cur, "kqv_out", il)
         cur = ops.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2])
         if wo is not None:

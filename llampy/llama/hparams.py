@@ -94,6 +94,7 @@ class HParams:
     f_attention_scale: float = 0.0
     n_swa: int = 0
     swa_layers: list = field(default_factory=list)   # bool per layer
+    swa_chunked: bool = False   # llama 4: the SWA layers attend within fixed chunks of n_swa positions
     attn_soft_cap: float = 0.0
     final_logit_softcap: float = 0.0
     # MoE
@@ -129,6 +130,10 @@ class HParams:
     # layers that keep K and V (bool per layer); empty: the layers that are not recurrent. Falcon-H1's layers run
     # attention and a Mamba-2 mixer side by side, so they are in both memories
     kv_layers: list = field(default_factory=list)
+    # MLA (deepseek2): the cache keeps K alone, V being the first n_embd_head_v values of each K row; the roped
+    # part of a K row starts at k_rope_offset (K-shift turns only that part)
+    v_in_k: bool = False
+    k_rope_offset: int = 0
 
     def n_head(self, il: int = 0) -> int:
         return self.n_head_arr[il]

@@ -5,6 +5,10 @@ contiguous, so attention reads one contiguous block per head. V likewise. New ro
 nodes in the graph at the cell indices this object picks (``find_slot``); the mask says which cells each token
 may see. Several sequences share the cache through per-cell sequence sets (a bool matrix).
 
+With ``hparams.v_in_k`` (MLA, deepseek2: llama.cpp's K-only cache for ``is_mla()``) no V is kept: each cell's V is
+the first ``n_embd_head_v`` values of its K row (the compressed KV, followed by the roped key part), read through
+a view of K.
+
 With ``n_stream`` > 1 (llama.cpp's ``kv_unified = false``, llama-server's default) the cells are cut into one
 equal range per sequence, each with its own ``head``: a sequence's cells then stay in position order whatever the
 other sequences did, and since flash attention sums the visible cells in cell order (with an F16 accumulator, as
@@ -68,6 +72,10 @@ class KVCache:
             raise ValueError(f"{self.size} cells cannot hold {self.n_stream} streams")
         self.type_k = GGMLType(type_k)
         self.type_v = GGMLType(type_v)
+        self.v_in_k = hp.v_in_k
+        if self.v_in_k and self.type_v != self.type_k:
+            raise ValueError(f"this model keeps V inside K (MLA): type_v ({self.type_v.name}) must equal type_k "
+                             f"({self.type_k.name})")
         for t, d in ((self.type_k, hp.n_embd_head_k), (self.type_v, hp.n_embd_head_v)):
             row_size(t, d)  # raises if the head size is not whole blocks of the cache type
         self.pos = np.full(self.size, -1, dtype=np.int32)        # -1: empty
@@ -85,10 +93,14 @@ class KVCache:
                 self.v.append(None)
                 continue
             k = Tensor(self.type_k, (hp.n_embd_head_k, self.size, hp.n_head_kv(il)), name=f"cache_k_l{il}")
-            v = Tensor(self.type_v, (hp.n_embd_head_v, self.size, hp.n_head_kv(il)), name=f"cache_v_l{il}")
             k.flags |= Flags.WEIGHT
-            v.flags |= Flags.WEIGHT
             self.k.append(k)
+            if self.v_in_k:
+                self.v.append(None)
+                by_backend.setdefault(id(layer_backends[il]), [layer_backends[il], []])[1].append(k)
+                continue
+            v = Tensor(self.type_v, (hp.n_embd_head_v, self.size, hp.n_head_kv(il)), name=f"cache_v_l{il}")
+            v.flags |= Flags.WEIGHT
             self.v.append(v)
             by_backend.setdefault(id(layer_backends[il]), [layer_backends[il], []])[1].extend([k, v])
         self.buffers = place_tensors(by_backend.values())
@@ -228,8 +240,11 @@ class KVCache:
             if not lower_only or first < self.heads[st]:
                 self.heads[st] = first
 
-    def mask(self, n_kv: int, pos: np.ndarray, seq_ids: list, swa: int = 0, causal: bool = True) -> np.ndarray:
-        """F16 [n_tokens, n_kv] (row-major, i.e. ggml [n_kv, n_tokens]): 0 where token i may see cell j, -inf elsewhere."""
+    def mask(self, n_kv: int, pos: np.ndarray, seq_ids: list, swa: int = 0, causal: bool = True,
+             chunked: bool = False) -> np.ndarray:
+        """F16 [n_tokens, n_kv] (row-major, i.e. ggml [n_kv, n_tokens]): 0 where token i may see cell j, -inf elsewhere.
+        swa > 0: only cells less than swa positions back, or with ``chunked`` (llama 4) only cells of the token's
+        own chunk of swa positions (llama_hparams::is_masked_swa)."""
         cpos = self.pos[:n_kv]
         n = len(pos)
         seq_first = np.array([s[0] for s in seq_ids], dtype=np.int64) if n else np.zeros(0, np.int64)
@@ -237,7 +252,9 @@ class KVCache:
         visible &= (cpos >= 0)[None, :]
         if causal:
             visible &= cpos[None, :] <= pos[:, None]
-        if swa > 0:
+        if swa > 0 and chunked:
+            visible &= cpos[None, :] >= (pos[:, None] // swa) * swa
+        elif swa > 0:
             visible &= (pos[:, None] - cpos[None, :]) < swa
         m = np.full((n, n_kv), -np.inf, dtype=np.float16)
         m[visible] = 0
@@ -318,7 +335,8 @@ class KVCache:
             if self.k[il] is None:
                 continue
             out[f"k{il}"] = tensor_get(self.view_k(il, used))
-            out[f"v{il}"] = tensor_get(self.view_v(il, used))
+            if self.v[il] is not None:
+                out[f"v{il}"] = tensor_get(self.view_v(il, used))
         return out
 
     def state_read(self, z) -> None:
@@ -332,7 +350,8 @@ class KVCache:
             if self.k[il] is None:
                 continue
             tensor_set(self.view_k(il, used), z[f"k{il}"])
-            tensor_set(self.view_v(il, used), z[f"v{il}"])
+            if self.v[il] is not None:
+                tensor_set(self.view_v(il, used), z[f"v{il}"])
 
     # ------------------------------------------------------------------ graph views
     # k: [n_embd_head_k, n_kv, n_head_kv] — contiguous per head
@@ -341,6 +360,9 @@ class KVCache:
         return ops.view_3d(k, k.ne[0], n_kv, k.ne[2], k.nb[1], k.nb[2], 0)
 
     def view_v(self, il: int, n_kv: int) -> Tensor:
+        if self.v[il] is None:      # V inside K: the first n_embd_head_v values of each K row
+            k = self.k[il]
+            return ops.view_3d(k, self.hp.n_embd_head_v, n_kv, k.ne[2], k.nb[1], k.nb[2], 0)
         v = self.v[il]
         return ops.view_3d(v, v.ne[0], n_kv, v.ne[2], v.nb[1], v.nb[2], 0)
 
@@ -348,5 +370,8 @@ class KVCache:
     def store_k(self, il: int, cur: Tensor, idxs: Tensor) -> Tensor:
         return ops.set_rows(self.k[il], ops.permute(cur, 0, 2, 1, 3), idxs)
 
-    def store_v(self, il: int, cur: Tensor, idxs: Tensor) -> Tensor:
+    # -> None where V is inside K (store_k wrote it)
+    def store_v(self, il: int, cur: Tensor, idxs: Tensor) -> Tensor | None:
+        if self.v[il] is None:
+            return None
         return ops.set_rows(self.v[il], ops.permute(cur, 0, 2, 1, 3), idxs)

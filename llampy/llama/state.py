@@ -66,7 +66,8 @@ def seq_get(ctx, seq_id: int) -> dict:
         if kv.k[il] is None:
             continue
         out[f"k{il}"] = tensor_get(kv.k[il])[..., cells, :]      # [.., n_head_kv, n, row]: these cells' rows
-        out[f"v{il}"] = tensor_get(kv.v[il])[..., cells, :]
+        if kv.v[il] is not None:    # None: V inside K (MLA)
+            out[f"v{il}"] = tensor_get(kv.v[il])[..., cells, :]
     return out
 
 
@@ -95,6 +96,8 @@ def seq_set(ctx, seq_id: int, state: dict) -> int:
         if kv.k[il] is None:
             continue
         for name, t in ((f"k{il}", kv.k[il]), (f"v{il}", kv.v[il])):
+            if t is None:           # V inside K (MLA)
+                continue
             rows = np.asarray(state[name])
             cur = tensor_get(t)
             want = cur.shape[:-2] + (n, cur.shape[-1])

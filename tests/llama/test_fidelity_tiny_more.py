@@ -26,9 +26,9 @@ HERE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_more"
 # (its first steps: the one-row decode path);
 # perplexity (128-token batches: ggml's tiled attention) on the first chunks of two, qwen3moe (head size 8) and
 # gpt-oss (sinks), against llama.cpp's running value
-MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss"]
+MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "deepseek2", "llama4"]
 DECODERS = ["phi2", "olmo2", "smollm3", "exaone", "internlm2", "command-r", "cohere2", "mistral3"] + MOE
-MOE_PPL = {"qwen3moe", "gpt-oss"}
+MOE_PPL = {"qwen3moe", "gpt-oss", "deepseek2"}
 MOE_PPL_CHUNKS = 1
 MOE_GREEDY_STEPS = 4
 ENCODERS = ["bert", "nomic-bert", "jina-bert-v2"]
@@ -82,7 +82,7 @@ def test_teacher_forced_logprobs(decoder):
     ctx = Context(model, n_ctx=256, n_batch=256, n_ubatch=256)
     for p in ref["prompts"]:
         ctx.kv_clear()
-        ctx.decode(Batch.from_tokens(p["prompt_ids"] + p["ids"], logits_all=True))
+        ctx.decode(Batch.from_tokens(p["prompt_ids"] + p["ids"], logits_all=True, pos0=ref.get("pos0", 0)))
         lp = log_softmax(ctx.get_logits())
         n_p = len(p["prompt_ids"])
         for k, step in enumerate(p["steps"]):
@@ -99,8 +99,9 @@ def test_greedy_free_running(decoder):
     for p in ref["prompts"][:1] if name in MOE else ref["prompts"]:
         steps = p["steps"][:MOE_GREEDY_STEPS] if name in MOE else p["steps"]
         ctx = Context(model, n_ctx=256)
-        ctx.decode(Batch.from_tokens(p["prompt_ids"]))
-        pos = len(p["prompt_ids"])
+        pos0 = ref.get("pos0", 0)      # llama4's prompts start before its chunk boundary at 8192
+        ctx.decode(Batch.from_tokens(p["prompt_ids"], pos0=pos0))
+        pos = pos0 + len(p["prompt_ids"])
         for k, step in enumerate(steps):
             top = step["top"]
             if top[0][1] - top[1][1] <= MARGIN:

@@ -1,0 +1,201 @@
+"""deepseek2 (DeepSeek V2/V3, Kimi K2, GigaChat 3 and the like): multi-head latent attention (MLA) and a mixture of
+experts with shared experts after n leading dense layers.
+
+MLA, as llama.cpp runs it with the absorption optimisation (the GGUF's attn_kv_b split into attn_k_b / attn_v_b by
+the converter): Q comes from a low-rank pair (attn_q_a, RMS-normed, attn_q_b; or one attn_q in the lite models),
+each head split into a no-position part and a roped part. K and V come from one compressed vector per token,
+attn_kv_a_mqa's first kv_lora_rank values (RMS-normed), plus a roped part shared by all heads. A head's no-position
+query is turned into the compressed space by attn_k_b, so attention is one K/V head of
+kv_lora_rank + n_rot values (MQA) whose V is the compressed part of K (the cache keeps K alone); attn_v_b then turns
+each head's output back into its value head. RoPE (adjacent pairs) with YaRN scaling: the scores' scale carries
+the YaRN mscale squared (rope.scaling.yarn_log_multiplier). Optional llama 4 attention temperature (mistral-large).
+
+The FFN of layers >= leading_dense_block_count: routed experts (softmax or sigmoid gating, expert_gating_func; a
+choice bias exp_probs_b; optionally only among the best expert groups; weights renormalised and scaled by
+expert_weights_scale) plus expert_shared_count shared experts as one FFN.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...ggml import ops
+from ..hparams import InvalidMetadata, MissingMetadata, md_float, md_int
+from ._common import load_embd_and_output
+
+GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}   # llama_expert_gating_func_type
+F32 = np.float32
+
+
+def load_hparams(hp, md):
+    a = hp.arch
+    hp.rope_type = 0  # NORM
+
+    def need(k):
+        if f"{a}.{k}" not in md:
+            raise MissingMetadata(f"missing metadata key '{a}.{k}'")
+        return md_int(md, f"{a}.{k}", lo=0)
+
+    hp.n_layer_dense_lead = md_int(md, f"{a}.leading_dense_block_count", 0, lo=0, hi=hp.n_layer)
+    hp.n_lora_q = md_int(md, f"{a}.attention.q_lora_rank", 0, lo=0)
+    hp.n_lora_kv = need("attention.kv_lora_rank")
+    k_mla = md_int(md, f"{a}.attention.key_length_mla", 0, lo=0)
+    v_mla = md_int(md, f"{a}.attention.value_length_mla", 0, lo=0)
+    if not (k_mla and v_mla):
+        # files from before the converter split attn_kv_b: llama.cpp runs them as plain multi-head attention
+        raise InvalidMetadata(f"{a}: no attention.key_length_mla / value_length_mla: a GGUF with the unsplit "
+                              f"attn_kv_b of older converters, which llampy does not run (convert it again)")
+    hp.n_embd_head_k_mla, hp.n_embd_head_v_mla = k_mla, v_mla
+    if hp.n_embd_head_k != hp.n_lora_kv + hp.n_rot or hp.n_embd_head_v != hp.n_lora_kv:
+        raise InvalidMetadata(f"{a}: attention.key_length {hp.n_embd_head_k} / value_length {hp.n_embd_head_v} "
+                              f"must be kv_lora_rank + rope.dimension_count ({hp.n_lora_kv + hp.n_rot}) / "
+                              f"kv_lora_rank ({hp.n_lora_kv}), as the converter writes them for MLA")
+    if any(hp.n_head_kv(il) != 1 for il in range(hp.n_layer)):
+        raise InvalidMetadata(f"{a}: MLA attends with one K/V head: attention.head_count_kv must be 1")
+    if k_mla - hp.n_rot < 1:
+        raise InvalidMetadata(f"{a}: attention.key_length_mla ({k_mla}) must exceed rope.dimension_count "
+                              f"({hp.n_rot})")
+    hp.v_in_k = True
+    hp.k_rope_offset = hp.n_lora_kv
+
+    # experts
+    if hp.n_layer_dense_lead < hp.n_layer and not hp.n_expert:
+        raise MissingMetadata(f"{a} needs {a}.expert_count and {a}.expert_used_count")
+    if not hp.n_ff_exp and hp.n_layer_dense_lead < hp.n_layer:
+        raise MissingMetadata(f"missing metadata key '{a}.expert_feed_forward_length'")
+    hp.n_expert_shared = need("expert_shared_count")
+    hp.expert_weights_scale = md_float(md, f"{a}.expert_weights_scale", 0.0, nonneg=True)
+    hp.expert_weights_norm = bool(md.get(f"{a}.expert_weights_norm", False))
+    func = md_int(md, f"{a}.expert_gating_func", 0, lo=0)
+    if func == 0:   # files from before the key: DeepSeek V2 (softmax), GLM 4.7 Lite (sigmoid)
+        func = 2 if hp.n_layer in (47, 48) and hp.n_vocab == 154880 else 1
+    if func not in GATING:
+        raise InvalidMetadata(f"metadata '{a}.expert_gating_func' is {func}; llampy knows "
+                              f"{', '.join(f'{k} ({v})' for k, v in GATING.items())}")
+    hp.expert_gating = GATING[func]
+    hp.n_expert_groups = md_int(md, f"{a}.expert_group_count", 0, lo=0)
+    hp.n_group_used = md_int(md, f"{a}.expert_group_used_count", 0, lo=0)
+    if hp.n_expert_groups > 1 and not (hp.n_expert_groups < hp.n_expert and hp.n_expert % hp.n_expert_groups == 0
+                                       and 0 < hp.n_group_used < hp.n_expert_groups):
+        raise InvalidMetadata(f"{a}: {hp.n_expert} experts cannot be cut into expert_group_count "
+                              f"{hp.n_expert_groups} groups with expert_group_used_count {hp.n_group_used} of them")
+    if hp.n_expert_groups > 1 and hp.n_expert // hp.n_expert_groups < 2:
+        raise InvalidMetadata(f"{a}: a group's score sums its two best experts: each of the {hp.n_expert_groups} "
+                              f"groups needs at least 2 of the {hp.n_expert} experts")
+
+    # YaRN as llama.cpp's context sets it for deepseek2 (float32 arithmetic as there): the rope's attn_factor is
+    # 1 / (1 + 0.1 ln s), the scores' scale (1 + 0.1 log_mul ln s)^2 / sqrt(key_length_mla)
+    log_mul = md_float(md, f"{a}.rope.scaling.yarn_log_multiplier", 0.0)
+    hp.rope_yarn_log_mul = float(F32(log_mul) / F32(0.1)) if log_mul else 0.0
+    if hp.yarn_ext_factor:
+        s = F32(1.0) / F32(hp.rope_freq_scale)
+        att = F32(1.0)
+        if hp.rope_yarn_log_mul == 0.0:
+            att = F32(0.1) * np.log(s) + F32(1.0) if s > 1 else F32(1.0)
+        att = att * (F32(1.0) / (F32(1.0) + F32(0.1) * np.log(s)))
+        hp.yarn_attn_factor = float(att * F32(hp.rope_attn_factor))
+
+    # llama 4's attention temperature (mistral-large)
+    hp.f_attn_temp_scale = md_float(md, f"{a}.attention.temperature_scale", 0.0)
+    hp.n_attn_temp_floor_scale = md_int(md, f"{a}.attention.temperature_length", 0, lo=0)
+    if hp.f_attn_temp_scale and not hp.n_attn_temp_floor_scale:
+        raise InvalidMetadata(f"{a}: attention.temperature_scale needs attention.temperature_length > 0")
+
+
+def kq_scale(hp) -> float:
+    """llama.cpp's pre-scaled score scale: mscale^2 / sqrt(key_length_mla), mscale from the original attn_factor."""
+    s = F32(1.0) / F32(hp.rope_freq_scale)
+    attn_org = F32(hp.yarn_attn_factor) * (F32(1.0) + F32(0.1) * np.log(s))
+    mscale = attn_org * (F32(1.0) + F32(0.1) * F32(hp.rope_yarn_log_mul) * np.log(s))
+    return float(F32(mscale * mscale) / np.sqrt(F32(hp.n_embd_head_k_mla)))
+
+
+def load_tensors(model, ld):
+    hp = model.hparams
+    E, H, kv_rank = hp.n_embd, hp.n_head(), hp.n_lora_kv
+    d_k, d_v, n_rot = hp.n_embd_head_k_mla, hp.n_embd_head_v_mla, hp.n_rot
+    load_embd_and_output(model, ld)
+    for il, layer in enumerate(model.layers):
+        p = f"blk.{il}."
+        layer.attn_norm = ld.create("attn_norm", (E,), il)
+        if hp.n_lora_q:
+            layer.attn_q_a_norm = ld.create(p + "attn_q_a_norm", (hp.n_lora_q,))
+            layer.wq_a = ld.create(p + "attn_q_a", (E, hp.n_lora_q))
+            layer.wq_b = ld.create(p + "attn_q_b", (hp.n_lora_q, H * d_k))
+            layer.wq = None
+        else:
+            layer.wq = ld.create("attn_q", (E, H * d_k), il)
+        layer.attn_kv_a_norm = ld.create(p + "attn_kv_a_norm", (kv_rank,))
+        layer.wkv_a_mqa = ld.create(p + "attn_kv_a_mqa", (E, kv_rank + n_rot))
+        layer.wk_b = ld.create(p + "attn_k_b", (d_k - n_rot, kv_rank, H))
+        layer.wv_b = ld.create(p + "attn_v_b", (kv_rank, d_v, H))
+        layer.wo = ld.create("attn_output", (H * d_v, E), il)
+        layer.ffn_norm = ld.create("ffn_norm", (E,), il)
+        if il < hp.n_layer_dense_lead:
+            layer.ffn_gate = ld.create("ffn_gate", (E, hp.n_ff(il)), il)
+            layer.ffn_up = ld.create("ffn_up", (E, hp.n_ff(il)), il)
+            layer.ffn_down = ld.create("ffn_down", (hp.n_ff(il), E), il)
+            continue
+        n_ff, n_exp, n_sh = hp.n_ff_exp, hp.n_expert, hp.n_ff_exp * hp.n_expert_shared
+        layer.ffn_gate_inp = ld.create("ffn_gate_inp", (E, n_exp), il)
+        layer.ffn_exp_probs_b = ld.create(p + "exp_probs_b", (n_exp,), required=False, suffix="bias")
+        layer.ffn_gate_exps = ld.create("ffn_gate_exps", (E, n_ff, n_exp), il)
+        layer.ffn_up_exps = ld.create("ffn_up_exps", (E, n_ff, n_exp), il)
+        layer.ffn_down_exps = ld.create("ffn_down_exps", (n_ff, E, n_exp), il)
+        layer.ffn_gate_shexp = ld.create("ffn_gate_shexp", (E, n_sh), il)
+        layer.ffn_up_shexp = ld.create("ffn_up_shexp", (E, n_sh), il)
+        layer.ffn_down_shexp = ld.create("ffn_down_shexp", (n_sh, E), il)
+
+
+def build_graph(model, g):
+    hp = model.hparams
+    n_rot, kv_rank = hp.n_rot, hp.n_lora_kv
+    d_k = hp.n_embd_head_k_mla
+    d_nope = d_k - n_rot
+    scale = kq_scale(hp)
+    inpL = g.inp_embd(model.tok_embd)
+    attn_scale = (g.inp_attn_scale(hp.f_attn_temp_scale, hp.n_attn_temp_floor_scale)
+                  if hp.f_attn_temp_scale else None)
+    pos = g.inp_pos()
+    out_ids = g.inp_out_ids()
+    for il, layer in enumerate(model.layers):
+        n_head, n_tokens = hp.n_head(il), inpL.ne[1]
+        inpSA = inpL
+        cur = g.cb(g.norm(inpL, layer.attn_norm, il=il), "attn_norm", il)
+        if layer.wq is None:
+            q = g.norm(ops.mul_mat(layer.wq_a, cur), layer.attn_q_a_norm, il=il)
+            q = ops.mul_mat(layer.wq_b, q)
+        else:
+            q = ops.mul_mat(layer.wq, cur)
+        q = ops.reshape(q, d_k, n_head, n_tokens)
+        kv_pe = g.cb(ops.mul_mat(layer.wkv_a_mqa, cur), "kv_cmpr_pe", il)      # [kv_rank + n_rot, n_tokens]
+        row = kv_pe.nb[1]
+        kv_cmpr = ops.view_2d(kv_pe, kv_rank, n_tokens, row, 0)
+        k_pe = g.rope(ops.view_3d(kv_pe, n_rot, 1, n_tokens, row, row, kv_rank * kv_pe.nb[0]), pos, il)
+        kv_cmpr = g.cb(g.norm(kv_cmpr, layer.attn_kv_a_norm, il=il), "kv_cmpr", il)
+        q_nope = ops.view_3d(q, d_nope, n_head, n_tokens, q.nb[1], q.nb[2], 0)
+        q_pe = g.rope(ops.view_3d(q, n_rot, n_head, n_tokens, q.nb[1], q.nb[2], d_nope * q.nb[0]), pos, il)
+        # each head's no-position query into the compressed space: [kv_rank, n_tokens, n_head] -> [kv_rank, n_head, ..]
+        q_abs = ops.permute(ops.mul_mat(layer.wk_b, ops.permute(q_nope, 0, 2, 1, 3)), 0, 2, 1, 3)
+        qcur = g.cb(ops.concat(q_abs, q_pe, 0), "Qcur", il)                    # [kv_rank + n_rot, n_head, n_tokens]
+        kv_cmpr = ops.reshape(kv_cmpr, kv_rank, 1, n_tokens)
+        kcur = g.cb(ops.concat(kv_cmpr, k_pe, 0), "Kcur", il)                  # [kv_rank + n_rot, 1, n_tokens]
+        if attn_scale is not None:
+            qcur = ops.mul(qcur, attn_scale)
+        cur = g.cb(g.attn(il, layer.wo, None, qcur, kcur, kv_cmpr, scale, v_mla=layer.wv_b), "attn_out", il)
+        if il == hp.n_layer - 1:
+            cur, inpSA = g.select_outputs(cur, inpSA, out_ids=out_ids)
+        ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
+        cur = g.cb(g.norm(ffn_inp, layer.ffn_norm, il=il), "ffn_norm", il)
+        if il < hp.n_layer_dense_lead:
+            cur = g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "silu", il=il)
+        else:
+            moe = g.moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                            hp.n_expert, hp.n_expert_used, hp.expert_weights_norm, il, gating=hp.expert_gating,
+                            w_scale=hp.expert_weights_scale, exp_probs_b=layer.ffn_exp_probs_b,
+                            n_groups=hp.n_expert_groups, n_group_used=hp.n_group_used)
+            shexp = g.cb(g.ffn(cur, layer.ffn_up_shexp, None, layer.ffn_gate_shexp, None, layer.ffn_down_shexp,
+                               None, "silu", il=il), "ffn_shexp", il)
+            cur = ops.add(moe, shexp)
+        inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
+    cur = g.norm(inpL, model.output_norm)
+    return g.finish(cur, ops.mul_mat(model.output, cur))

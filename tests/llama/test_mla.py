@@ -1,0 +1,72 @@
+"""deepseek2's multi-head latent attention in the KV cache: K alone is kept (V is its first kv_lora_rank values),
+and what reads or rewrites the cache works with it: a sequence's state saved and restored, and the K-shift, which
+turns only the roped values after the compressed KV. The logits against llama.cpp: test_fidelity_tiny_more."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llampy.ggml.backend import tensor_get
+from llampy.llama.batch import Batch
+from llampy.llama.context import Context
+from llampy.llama.model import Model
+from llampy.llama.state import seq_get, seq_set
+
+from tests.llama.test_fidelity_tiny_more import tiny_more_model
+
+
+@pytest.fixture(scope="module")
+def mla():
+    path, ref = tiny_more_model("deepseek2")
+    return Model(path), ref["prompts"][1]["prompt_ids"]
+
+
+def test_cache_keeps_k_alone(mla):
+    model, _ = mla
+    hp = model.hparams
+    ctx = Context(model, n_ctx=256)
+    assert all(v is None for v in ctx.kv.v)
+    # one F16 row of kv_lora_rank + n_rot values per cell and layer: no V, no per-head K
+    assert ctx.kv.nbytes == hp.n_layer * 256 * (hp.n_lora_kv + hp.n_rot) * 2
+    with pytest.raises(ValueError, match="type_v"):
+        from llampy.ggml.types import GGMLType
+        Context(model, n_ctx=256, type_k=GGMLType.F16, type_v=GGMLType.Q8_0)
+
+
+def test_sequence_state_round_trip(mla):
+    model, toks = mla
+    ctx = Context(model, n_ctx=256)
+    ctx.decode(Batch.from_tokens(toks[:-1]))
+    saved = seq_get(ctx, 0)
+    assert not any(k.startswith("v") for k in saved)
+    ctx.decode(Batch.from_tokens(toks[-1:], pos0=len(toks) - 1))
+    want = ctx.get_logits_ith(-1).copy()
+    ctx.kv_clear(data=True)
+    assert seq_set(ctx, 0, saved) == len(toks) - 1
+    ctx.decode(Batch.from_tokens(toks[-1:], pos0=len(toks) - 1))
+    assert np.array_equal(ctx.get_logits_ith(-1), want)
+
+
+def test_k_shift_turns_the_roped_part(mla):
+    """Tokens decoded from position m, then shifted down by m: layer 0's cached K rows are those of decoding them
+    from position 0, the compressed KV untouched and the roped values turned back (up to the F16 rounding of the
+    turn); without the shift the roped values differ."""
+    model, toks = mla
+    hp = model.hparams
+    m, n = 40, len(toks)
+    r = hp.k_rope_offset
+
+    def k_rows(pos0, shift):
+        ctx = Context(model, n_ctx=256)
+        ctx.decode(Batch.from_tokens(toks, pos0=pos0))
+        if shift:
+            ctx.seq_add(0, pos0, pos0 + n, shift)
+        k = tensor_get(ctx.kv.k[0]).astype(np.float32)     # F16 (.., n_ctx, kv_lora_rank + n_rot), one K head
+        return k.reshape(-1, k.shape[-1])[:n]
+
+    want = k_rows(0, 0)
+    got = k_rows(m, -m)
+    assert np.array_equal(got[:, :r], want[:, :r])
+    err = np.abs(got[:, r:] - want[:, r:]).max()
+    assert err <= 4e-3 * np.abs(want[:, r:]).max(), err
+    assert np.abs(k_rows(m, 0)[:, r:] - want[:, r:]).max() > 50 * err
