@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "granitehybrid": "granitehybrid",
     "falcon-h1": "falconh1",
     "nemotron_h": "nemotron_h",
+    "qwen3next": "qwen3next",
     "phi2": "phi2",
     "olmo2": "olmo2",
     "smollm3": "smollm3",
@@ -126,6 +127,8 @@ LAYER = {
     "ssm_b_norm": "blk.{}.ssm_b_norm",
     "ssm_c_norm": "blk.{}.ssm_c_norm",
     "ssm_out": "blk.{}.ssm_out",
+    "ssm_ba": "blk.{}.ssm_ba",                 # Qwen3-Next: beta and alpha of the gated DeltaNet
+    "attn_gate": "blk.{}.attn_gate",
     "attn_out_norm": "blk.{}.attn_output_norm",
     "layer_out_norm": "blk.{}.layer_output_norm",
     "attn_norm_2": "blk.{}.attn_norm_2",

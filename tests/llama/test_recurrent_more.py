@@ -1,4 +1,4 @@
-"""The later recurrent and hybrid architectures (RWKV-7, Falcon-H1) behind the memory
+"""The later recurrent and hybrid architectures (RWKV-7, Falcon-H1, Qwen3-Next) behind the memory
 interface: two sequences in one batch equal each alone, and a saved state restored into another context continues
 as the first (the memory's own rules are test_memory_recurrent's, on Mamba and Jamba)."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ A = [504, 3575, 282, 4649, 314]
 B = [7, 8, 9, 10, 11]
 
 
-# the recurrent memory alone (RWKV-7) and both memories in one layer (Falcon-H1); hybrids by layer are
-# test_memory_recurrent's (Jamba)
-@pytest.fixture(scope="module", params=["rwkv7-h32-Q8_0", "falcon-h1-s32-Q8_0"])
+# the recurrent memory alone (RWKV-7), both memories in one layer (Falcon-H1), the gated DeltaNet's state with two
+# sequences in one op (Qwen3-Next); hybrids by layer are otherwise test_memory_recurrent's (Jamba)
+@pytest.fixture(scope="module", params=["rwkv7-h32-Q8_0", "falcon-h1-s32-Q8_0", "qwen3next-s32-Q8_0"])
 def model(request, tmp_path_factory):
     return Model(gguf(request.param, tmp_path_factory))
 
