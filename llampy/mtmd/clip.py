@@ -20,8 +20,8 @@ from ..llama.hparams import InvalidMetadata, md_float, md_int
 
 # projector types by their clip.projector_type string, in the order llampy supports them; the others llama.cpp
 # knows are named in the error (clip-impl.h's PROJECTOR_TYPE_NAMES)
-SUPPORTED = ("gemma3", "idefics3")
-KNOWN_UNSUPPORTED = ("mlp", "ldp", "ldpv2", "resampler", "glm_edge", "qwen2vl_merger", "qwen2.5vl_merger",
+SUPPORTED = ("gemma3", "idefics3", "qwen2vl_merger")
+KNOWN_UNSUPPORTED = ("mlp", "ldp", "ldpv2", "resampler", "glm_edge", "qwen2.5vl_merger",
                      "qwen3vl_merger", "gemma3nv", "gemma4v", "ultravox", "internvl", "llama4", "pixtral", "qwen2a",
                      "qwen2.5o", "voxtral", "lfm2", "kimivl", "lightonocr", "cogvlm", "janus_pro", "phi4",
                      "minicpmv", "glm4v", "whisper")
@@ -52,6 +52,8 @@ class ClipHParams:
     resize_pad: str = "ceil"     # letterbox (PAD_CEIL) with pad_color, or "none": stretch
     pad_color: tuple = (0, 0, 0)
     preproc_image_size: int = 0  # idefics3: the longest edge before slicing
+    min_pixels: int = 0          # qwen2-VL: the range the image's area is resized into (llama.cpp's token limits)
+    max_pixels: int = 0
 
     @property
     def d_head(self) -> int:
@@ -107,6 +109,16 @@ def _load_hparams(md: dict) -> ClipHParams:
         side = hp.n_patches_side
         if side % hp.n_merge:
             raise ProjectorError(f"gemma3: {side} patches a side do not pool by {hp.n_merge}")
+    elif pt == "qwen2vl_merger":
+        hp.n_merge = md_int(md, f"{v}.spatial_merge_size", 2, lo=1, hi=64)
+        if hp.n_merge != 2:      # the graph merges 2x2 patches whatever the key says (clip_graph_qwen2vl)
+            raise ProjectorError(f"qwen2vl_merger: spatial_merge_size {hp.n_merge} (only 2 is built)")
+        hp.resize_algo, hp.resize_pad = "bicubic", "ceil"
+        if hp.d_head % 4:
+            raise ProjectorError(f"qwen2vl_merger: head size {hp.d_head} does not split into the 2-D rope's 4 "
+                                 f"sections")
+        area = hp.patch_size ** 2 * hp.n_merge ** 2              # set_limit_image_tokens(8, 4096)
+        hp.min_pixels, hp.max_pixels = 8 * area, 4096 * area
     elif pt == "idefics3":
         # llama.cpp leaves n_merge at 1 without the key and then aborts in the pixel shuffle: an error here
         hp.n_merge = md_int(md, f"{v}.projector.scale_factor", lo=2)
@@ -148,9 +160,9 @@ class Projector:
             if required:
                 raise ProjectorError(f"projector {self.path.name}: missing tensor {name!r}")
             return None
-        if ne is not None:
-            want = tuple(int(n) for n in ne)
-            got = tuple(info.ne) + (1,) * (len(want) - len(info.ne))
+        if ne is not None:         # None in ne: any size there
+            got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
+            want = tuple(got[i] if n is None else int(n) for i, n in enumerate(ne))
             if got[:len(want)] != want or any(n != 1 for n in got[len(want):]):
                 raise ProjectorError(f"projector tensor {name!r} has shape {list(info.ne)}, expected {list(want)}")
         if GGMLType(info.type) in NOT_WEIGHTS:
@@ -167,8 +179,11 @@ class Projector:
         e, f, p = hp.n_embd, hp.n_ff, hp.patch_size
         self.patch_embd = self._get("v.patch_embd.weight", (p, p, 3, e))
         self.patch_bias = self._get("v.patch_embd.bias", (e,), required=False)
+        qwen = hp.proj_type == "qwen2vl_merger"
         n_pos = hp.n_patches_side ** 2
-        self.pos_embd = self._get("v.position_embd.weight", (e, n_pos))
+        # qwen2-VL: a second patch kernel (the video's second frame, added for a still image), no learned positions
+        self.patch_embd_1 = self._get("v.patch_embd.weight.1", (p, p, 3, e)) if qwen else None
+        self.pos_embd = None if qwen else self._get("v.position_embd.weight", (e, n_pos))
         self.pre_ln_w = self._get("v.pre_ln.weight", (e,), required=False)
         self.pre_ln_b = self._get("v.pre_ln.bias", (e,), required=False)
         self.post_ln_w = self._get("v.post_ln.weight", (e,), required=False)
@@ -202,6 +217,12 @@ class Projector:
             if self.mm_input_proj_w.ne[1] != e or self.mm_input_proj_w.n_dims > 2:
                 raise ProjectorError(f"projector tensor 'mm.input_projection.weight' has shape "
                                      f"{list(self.mm_input_proj_w.ne[:2])}: its second dimension must be {e}")
+        elif hp.proj_type == "qwen2vl_merger":
+            # the merger: 2x2 neighbouring patches concatenated, an MLP with GELU
+            self.mm_0_w = self._get("mm.0.weight", (4 * e, None))
+            self.mm_0_b = self._get("mm.0.bias", (self.mm_0_w.ne[1],))
+            self.mm_1_w = self._get("mm.2.weight", (self.mm_0_w.ne[1], None))
+            self.mm_1_b = self._get("mm.2.bias", (self.mm_1_w.ne[1],))
         elif hp.proj_type == "idefics3":
             self.mm_fc_w = self._get("mm.model.fc.weight")
             if self.mm_fc_w.ne[0] != e * hp.n_merge ** 2:
@@ -214,6 +235,8 @@ class Projector:
         """The width of the embeddings the projector gives the language model (clip_n_mmproj_embd)."""
         if self.hparams.proj_type == "gemma3":
             return self.mm_input_proj_w.ne[0]
+        if self.hparams.proj_type == "qwen2vl_merger":
+            return self.mm_1_b.ne[0]
         return self.mm_fc_w.ne[1]
 
     def check_text_model(self, n_embd_text: int) -> None:

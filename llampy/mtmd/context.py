@@ -59,7 +59,8 @@ class ImagePos:
 
 
 # the text around an image chunk, per projector type (mtmd_context's img_beg / img_end)
-_WRAP = {"gemma3": ("<start_of_image>", "<end_of_image>"), "idefics3": ("", "")}
+_WRAP = {"gemma3": ("<start_of_image>", "<end_of_image>"), "idefics3": ("", ""),
+         "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>")}
 # tiled projectors (mtmd_context's slice template): the tokens before and after the overview, the text before
 # each tile (row and column from 1), the tokens ending a row of tiles but the last
 _TILES = {"idefics3": (("\n\n", "<fake_token_around_image>", "<global-img>"), ("<fake_token_around_image>",),
@@ -210,7 +211,10 @@ class MtmdContext:
 
     def _n_image_tokens(self, bm: Bitmap) -> int:
         hp = self.proj.hparams
-        return self.proj.n_image_tokens(hp.image_size, hp.image_size)
+        if hp.proj_type == "gemma3":          # every image becomes one image_size square
+            return self.proj.n_image_tokens(hp.image_size, hp.image_size)
+        h, w = self._preprocess(bm).images[0].shape[:2]
+        return self.proj.n_image_tokens(w, h)
 
     # ------------------------------------------------------------------ images -> embeddings
     def encode(self, bitmap: Bitmap, entry: int | None = None) -> np.ndarray:

@@ -255,6 +255,31 @@ def _idefics3(img: np.ndarray, hp) -> tuple[np.ndarray, list, int, int]:
     return overview, tiles, gx, gy
 
 
+def size_preserved_ratio(w: int, h: int, align: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """img_tool::calc_size_preserved_ratio without a longest edge: each side rounded to a multiple of align (at least
+    one), then scaled down into max_pixels (floor) or up into min_pixels (ceil), in float32 as llama.cpp."""
+    f32 = np.float32
+    fa = f32(align)
+
+    def rnd(x):      # std::round of a float32: halves away from zero
+        return int(math.floor(float(f32(x) / fa) + 0.5)) * align
+
+    def ceil_(x):
+        return int(math.ceil(float(f32(x) / fa))) * align
+
+    def floor_(x):
+        return int(math.floor(float(f32(x) / fa))) * align
+
+    w_bar, h_bar = max(align, rnd(f32(w))), max(align, rnd(f32(h)))
+    if max_pixels > 0 and h_bar * w_bar > max_pixels:
+        beta = f32(math.sqrt(f32(f32(h) * f32(w)) / f32(max_pixels)))
+        h_bar, w_bar = max(align, floor_(f32(f32(h) / beta))), max(align, floor_(f32(f32(w) / beta)))
+    elif min_pixels > 0 and h_bar * w_bar < min_pixels:
+        beta = f32(math.sqrt(f32(f32(min_pixels) / f32(f32(h) * f32(w)))))
+        h_bar, w_bar = ceil_(f32(f32(h) * beta)), ceil_(f32(f32(w) * beta))
+    return w_bar, h_bar
+
+
 def preprocess(bitmap: Bitmap, hparams) -> Preprocessed:
     """The encoder inputs of one image: for gemma3 one image_size square (letterboxed); for idefics3 an overview
     and the tiles."""
@@ -262,6 +287,13 @@ def preprocess(bitmap: Bitmap, hparams) -> Preprocessed:
     if hp.proj_type == "gemma3":
         sq = resize_to(bitmap.data, hp.image_size, hp.image_size, hp.resize_algo, hp.resize_pad, hp.pad_color)
         return Preprocessed([normalize(sq, hp.image_mean, hp.image_std)])
+    if hp.proj_type == "qwen2vl_merger":
+        # mtmd_image_preprocessor_dyn_size: the size kept near the image's own, aligned to 2x2 patches, its area
+        # within the token limits, the image letterboxed into it
+        h0, w0 = bitmap.data.shape[:2]
+        tw, th = size_preserved_ratio(w0, h0, hp.patch_size * hp.n_merge, hp.min_pixels, hp.max_pixels)
+        img = resize_to(bitmap.data, tw, th, hp.resize_algo, hp.resize_pad, hp.pad_color)
+        return Preprocessed([normalize(img, hp.image_mean, hp.image_std)])
     if hp.proj_type == "idefics3":
         overview, tiles, gx, gy = _idefics3(bitmap.data, hp)
         return Preprocessed([normalize(t, hp.image_mean, hp.image_std) for t in [overview] + tiles], gx, gy)

@@ -52,11 +52,15 @@ class EncoderGraph:
         self.n_px, self.n_py = width // hp.patch_size, height // hp.patch_size
         self.graph = Graph()
         self.inp_raw = Tensor(F32, (width, height, 3, 1), name="inp_raw").set_input()
-        cur = self._build_vit(self._build_inp())
-        if hp.proj_type == "gemma3":
-            cur = self._gemma3_tail(cur)
+        self.positions = None
+        if hp.proj_type == "qwen2vl_merger":
+            n_pos = self.n_px * self.n_py
+            self.positions = Tensor(GGMLType.I32, (4 * n_pos,), name="positions").set_input()
+            cur = self._qwen2vl_tail(self._build_vit(self._qwen2vl_inp()))
+        elif hp.proj_type == "gemma3":
+            cur = self._gemma3_tail(self._build_vit(self._build_inp()))
         else:
-            cur = self._idefics3_tail(cur)
+            cur = self._idefics3_tail(self._build_vit(self._build_inp()))
         cur.name = "mmproj_out"
         self.out = cur.set_output()
         self.graph.expand(self.out)
@@ -76,7 +80,8 @@ class EncoderGraph:
     def _build_vit(self, cur: Tensor) -> Tensor:
         p, hp = self.proj, self.proj.hparams
         n_pos, n_head, d_head = cur.ne[1], hp.n_head, hp.d_head
-        cur = _cb(ops.add(cur, p.pos_embd), "pos_embed")
+        if p.pos_embd is not None:
+            cur = _cb(ops.add(cur, p.pos_embd), "pos_embed")
         if p.pre_ln_w is not None:
             cur = _norm(cur, p.pre_ln_w, p.pre_ln_b, hp.eps)
         inpL = cur
@@ -87,6 +92,12 @@ class EncoderGraph:
             q = ops.reshape(_cb(_mm(L.q_w, cur, L.q_b), "Qcur", il), d_head, n_head, n_pos)
             k = ops.reshape(_cb(_mm(L.k_w, cur, L.k_b), "Kcur", il), d_head, n_head, n_pos)
             v = ops.reshape(_cb(_mm(L.v_w, cur, L.v_b), "Vcur", il), d_head, n_head, n_pos)
+            if self.positions is not None:      # qwen2-VL: the 2-D rope (rows y, x, y, x), theta 10000
+                sect = (d_head // 4,) * 4
+                q = _cb(ops.rope_multi(q, self.positions, None, d_head // 2, sect, ops.ROPE_TYPE_VISION, 32768,
+                                       10000.0, 1.0, 0.0, 1.0, 32.0, 1.0), "Qcur_rope", il)
+                k = _cb(ops.rope_multi(k, self.positions, None, d_head // 2, sect, ops.ROPE_TYPE_VISION, 32768,
+                                       10000.0, 1.0, 0.0, 1.0, 32.0, 1.0), "Kcur_rope", il)
             # clip's flash-attention path (chosen on the CPU): K and V cast to F16, no mask
             qp = ops.permute(q, 0, 2, 1, 3)
             kp = ops.cast(ops.permute(k, 0, 2, 1, 3), F16)
@@ -102,6 +113,39 @@ class EncoderGraph:
         if p.post_ln_w is not None:
             inpL = _norm(inpL, p.post_ln_w, p.post_ln_b, hp.eps)
         return inpL
+
+    # qwen2-VL: two patch kernels added; the patches reordered so that each 2x2 block of neighbours is consecutive
+    # (the merger concatenates them) -> [n_embd, n_patches]
+    def _qwen2vl_inp(self) -> Tensor:
+        p, hp = self.proj, self.proj.hparams
+        ps, e = hp.patch_size, hp.n_embd
+        w, h = self.n_px, self.n_py
+        cur = ops.add(ops.conv_2d(p.patch_embd, self.inp_raw, ps, ps, 0, 0, 1, 1),
+                      ops.conv_2d(p.patch_embd_1, self.inp_raw, ps, ps, 0, 0, 1, 1))    # [w, h, e, 1]
+        cur = ops.permute(cur, 1, 2, 0, 3)                                         # [e, w, h, 1]
+        cur = ops.cont(cur, e * 2, w // 2, h, 1)
+        cur = ops.reshape(cur, e * 2, w // 2, 2, h // 2)
+        cur = ops.permute(cur, 0, 2, 1, 3)
+        return ops.cont(cur, e, w * h, 1)
+
+    def position_rows(self) -> np.ndarray:
+        """The encoder's rope positions in the reordered patch order: rows (y, x, y, x) of each 2x2 block's patches."""
+        n = self.n_px * self.n_py
+        out = np.empty((4, n), np.int32)
+        i = 0
+        for y in range(0, self.n_py, 2):
+            for x in range(0, self.n_px, 2):
+                for dy in range(2):
+                    for dx in range(2):
+                        out[:, i] = (y + dy, x + dx, y + dy, x + dx)
+                        i += 1
+        return out.reshape(-1)
+
+    # qwen2-VL's merger: each 4 consecutive patches (a 2x2 block) concatenated, then Linear, GELU, Linear
+    def _qwen2vl_tail(self, cur: Tensor) -> Tensor:
+        p, hp = self.proj, self.proj.hparams
+        cur = ops.reshape(cur, hp.n_embd * 4, cur.ne[1] // 4, 1)
+        return _mm(p.mm_1_w, ops.gelu(_mm(p.mm_0_w, cur, p.mm_0_b)), p.mm_1_b)
 
     # gemma3: average pool by n_merge over the patch grid, RMS norm x soft_emb_norm, x input_projection
     def _gemma3_tail(self, cur: Tensor) -> Tensor:
@@ -149,5 +193,7 @@ class Encoder:
         g = self.graph_for(w, h)
         self.sched.alloc_graph(g.graph)
         tensor_set(g.inp_raw, np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)[None])
+        if g.positions is not None:
+            tensor_set(g.positions, g.position_rows())
         self.sched.graph_compute(g.graph)
         return tensor_get(g.out).reshape(-1, g.out.ne[0]).copy()

@@ -1,0 +1,74 @@
+"""The qwen2-VL projector (``qwen2vl_merger``) against llama.cpp's libmtmd on a tiny random-weight projector
+(tests/fixtures/tiny_vision, make_tiny_qwen2vl.py): the image resized to whole 2x2 blocks of patches within the token
+limits (letterboxed), the two patch kernels, the encoder's 2-D rope (ops.rope_multi, VISION), the merger; the chunk
+layout (``<|vision_start|>`` ... ``<|vision_end|>``) beside the shared tiny qwen2.
+
+Tolerances: the PNGs are exact (the one that is letterboxed included; measured 0); the JPEG differs by its decoder
+(libjpeg here, stb_image there): 6e-3 relative measured, 3e-2 allowed.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("PIL")
+
+from llampy.llama.model import Model
+from llampy.mtmd import MtmdContext, ProjectorError, bitmap_from_file
+from tests.paths import ROOT, SHARED
+
+HERE = ROOT / "tests" / "fixtures" / "tiny_vision"
+REF = json.loads((HERE / "qwen2vl.json").read_text())
+LM = SHARED / REF["model"]
+MMPROJ = HERE / REF["mmproj"]
+TOL = {"photo40x36.jpg": 3e-2}
+
+
+@pytest.fixture(scope="module")
+def mctx():
+    if not LM.exists():
+        pytest.skip(f"{LM} not found (the shared tiny models)")
+    assert hashlib.sha256(LM.read_bytes()).hexdigest() == REF["model_sha256"]
+    assert hashlib.sha256(MMPROJ.read_bytes()).hexdigest() == REF["mmproj_sha256"]
+    return MtmdContext(MMPROJ, Model(LM))
+
+
+@pytest.mark.parametrize("name", list(REF["images"]))
+def test_embeddings_and_layout_match_llamacpp(mctx, name):
+    ent = REF["images"][name]
+    assert hashlib.sha256((HERE / name).read_bytes()).hexdigest() == ent["sha256"]
+    bm = bitmap_from_file(HERE / name)
+    chunks = mctx.tokenize(ent["prompt"], [bm])
+    layout = [{"type": "text", "tokens": c.tokens} if c.type == "text" else
+              {"type": "image", "n_tokens": c.n_tokens, "n_pos": c.n_tokens} for c in chunks]
+    assert layout == ent["chunks"]
+    want = np.frombuffer(base64.b64decode(ent["embeddings"]), "<f4").reshape(-1, 64)
+    got = mctx.encode(bm)
+    assert got.shape == want.shape
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel <= TOL.get(name, 0.0), f"{name}: embeddings differ by {rel:.2e} relative"
+
+
+def test_qwen25vl_and_odd_heads_are_refused(mctx, tmp_path):
+    from llampy.gguf.reader import GGUFReader
+    from llampy.gguf.writer import GGUFWriter
+
+    def variant(path, **changes):
+        r = GGUFReader(str(MMPROJ))
+        w = GGUFWriter(str(path), r.alignment, r.version)
+        for k, v in r.metadata.items():
+            w.add(k, changes.get(k, v), r.value_types[k])
+        for t in r.tensors.values():
+            w.add_tensor_raw(t.name, t.type, t.ne, t.data)
+        w.write()
+        r.close()
+        return path
+
+    with pytest.raises(ProjectorError, match=r"unknown projector type: qwen2.5vl_merger \(a type llampy does not"):
+        MtmdContext(variant(tmp_path / "q25.gguf", **{"clip.projector_type": "qwen2.5vl_merger"}), mctx.model)
+    with pytest.raises(ProjectorError, match="head size 6 does not split"):
+        MtmdContext(variant(tmp_path / "h2.gguf", **{"clip.vision.attention.head_count": 8}), mctx.model)
