@@ -100,6 +100,8 @@ def add_engine_parsers(sub) -> None:
     add_mtmd_args(p)
     add_offload_args(p)
     add_lora_args(p)
+    from .server.cli import add_spec_args
+    add_spec_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat with the model's template (terminal or pipe)")
@@ -204,7 +206,19 @@ def cmd_run(args) -> int:
     if args.image and not args.mmproj:
         print("llampy: error: --image needs --mmproj (the model's projector GGUF)", file=sys.stderr)
         return 1
+    from .llama.speculative import SpeculativeError
+    from .server.cli import spec_params
+    try:
+        spec = spec_params(args)
+    except SpeculativeError as e:
+        print(f"llampy run: {e}", file=sys.stderr)
+        return 2
     llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, mmproj_path=args.mmproj)
+    try:
+        llm.set_speculative(spec, args.model_draft if spec is not None and "draft-simple" in spec.types else None)
+    except SpeculativeError as e:
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
     if args.image:
         tokens = _mtmd_prompt(llm, args.prompt, args.image)
     else:
@@ -220,6 +234,11 @@ def cmd_run(args) -> int:
     steps = llm.generate(tokens, args.n_predict, sampler, n_probs=args.n_probs)
     if args.prompt_cache:       # written once the run is over: the steps are consumed below
         steps = _then(steps, lambda: llm.save_state().save(args.prompt_cache))
+    if spec is not None:        # llama-cli's speculative summary, on stderr
+        st = llm.spec_stats
+        steps = _then(steps, lambda: print(
+            f"llampy: speculative: {st['drafted']} tokens drafted, {st['accepted']} accepted"
+            + (f" ({st['accepted'] / st['drafted']:.2f})" if st["drafted"] else ""), file=sys.stderr))
     if args.json:
         out = {"prompt_tokens": [t if isinstance(t, int) else -1 for t in tokens], "tokens": [], "text": "",
                "probs": []}

@@ -182,6 +182,33 @@ class Llama:
         self.ctx.state_load(state.llama_state)
         self._cached = [int(t) for t in state.input_ids]
 
+    # ------------------------------------------------------------------ speculative decoding
+    def set_speculative(self, spec, model_draft=None) -> None:
+        """Draft tokens in ``generate`` (and the completions built on it) and check them in one batch:
+        ``spec`` a speculative.SpecParams (None: off), ``model_draft`` the draft model (a GGUF path or a Model) for
+        the type draft-simple. The output is the same as without drafting, greedy or seeded."""
+        from .speculative import Drafters
+        if spec is None or not spec.enabled():
+            self._drafters = None
+            return
+        if model_draft is not None and not isinstance(model_draft, Model):
+            model_draft = Model(resolve_model(model_draft), n_ctx_hint=self.n_ctx)
+        self._drafters = Drafters(spec, self.vocab, self.n_ctx, 1, model_draft)
+        self.spec_stats = {"drafted": 0, "accepted": 0}
+
+    def _eval_drafted(self, token: int, room: int):
+        """Decode ``token`` and, when a drafter offers one, a draft after it, in one batch: (the logits after
+        ``token``, the draft, the logits after each drafted token)."""
+        d = getattr(self, "_drafters", None)
+        draft = d.draft({0: (self._cached, token, room, None, None)}).get(0, []) if d and room >= 1 else []
+        if not draft:
+            return self.eval_token(token), [], []
+        self.ctx.decode(Batch.from_tokens([token] + draft, pos0=len(self._cached), logits_all=True))
+        self.spec_stats["drafted"] += len(draft)
+        self._cached.append(int(token))
+        rows = [np.array(self.ctx.get_logits_ith(j)) for j in range(len(draft) + 1)]
+        return rows[0], draft, rows[1:]
+
     # ------------------------------------------------------------------ evaluation with prefix reuse
     def eval_prompt(self, tokens: list[int]) -> np.ndarray:
         """Bring the cache to hold exactly ``tokens`` (reusing the common prefix) and return the last logits."""
@@ -259,6 +286,14 @@ class Llama:
         logits = self.eval_prompt(prompt_tokens)
         dec = StreamDecoder(self.vocab, special=False, keep=frozenset(keep_tokens))
         stop = [s for s in (stop or []) if s]
+        draft, rows = [], []            # a draft not yet checked, and the logits after each of its tokens
+        try:
+            yield from self._generate(logits, max_tokens, sampler, stop, n_probs, ignore_eos, dec, draft, rows)
+        finally:                        # the rejected or unused rest of a draft leaves the cache
+            if draft:
+                self.ctx.seq_rm(0, len(self._cached), -1)
+
+    def _generate(self, logits, max_tokens, sampler, stop, n_probs, ignore_eos, dec, draft, rows):
         text_all = ""
         emitted = 0
         for i in range(max_tokens):
@@ -294,7 +329,21 @@ class Llama:
                 yield step
                 return
             yield step
-            logits = self.eval_token(tok)
+            # a drafted token equal to the one sampled is in the cache already: its logits come next
+            if draft and tok == draft[0] and not self.vocab.is_eog(tok):
+                self._cached.append(tok)
+                self.spec_stats["accepted"] += 1
+                draft.pop(0)
+                logits = rows.pop(0)
+                continue
+            if draft:
+                self.ctx.seq_rm(0, len(self._cached), -1)
+                draft.clear()
+                rows.clear()
+            room = min(max_tokens - i - 2, self.n_ctx - len(self._cached) - 3)
+            logits, new, new_rows = self._eval_drafted(tok, room)
+            draft.extend(new)
+            rows.extend(new_rows)
 
     # ------------------------------------------------------------------ OpenAI-shaped completions
     def create_completion(self, prompt, max_tokens: int | None = 16, temperature: float = 0.8, top_p: float = 0.95,

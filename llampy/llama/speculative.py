@@ -113,6 +113,45 @@ class NgramSimple:
         return []
 
 
+class Drafters:
+    """The drafters of a SpecParams over one target: n-gram lookup first, then the draft model for the sequences it
+    left without a draft."""
+
+    def __init__(self, spec: SpecParams, vocab_tgt, n_ctx: int, n_seq: int, draft_model=None):
+        self.spec = spec
+        self.ngram = NgramSimple(spec.ngram_size_n, spec.ngram_size_m) if "ngram-simple" in spec.types else None
+        self.model = None
+        if "draft-simple" in spec.types:
+            if draft_model is None:
+                raise SpeculativeError("speculative type draft-simple needs a draft model (--model-draft)")
+            hp = draft_model.hparams
+            if any(hp.is_recurrent(il) for il in range(hp.n_layer)):
+                raise SpeculativeError(f"the draft model ({hp.arch}) keeps a recurrent state: it cannot drop "
+                                       f"rejected drafts")
+            self.model = DraftModel(draft_model, vocab_tgt, n_ctx, n_seq)
+
+    def draft(self, wants: dict) -> dict:
+        """``wants``: {seq: (history, last, room, n_min, p_min)}, room >= 1 the longest draft wanted (n_min/p_min:
+        the draft model's, None for the settings'); returns {seq: draft} for the sequences that got one."""
+        sp, out, rest = self.spec, {}, {}
+        for sid, (history, last, room, n_min, p_min) in wants.items():
+            if self.ngram is not None:
+                d = self.ngram.draft(history, last, room)
+                if d:
+                    out[sid] = d
+                    continue
+            if self.model is not None:
+                rest[sid] = (history, last, min(room, sp.n_max), sp.n_min if n_min is None else n_min,
+                             sp.p_min if p_min is None else p_min)
+        if rest:
+            try:
+                out.update(self.model.draft(rest))
+            except Exception:   # a failing draft costs speed, never the request: start those sequences over
+                for sid in rest:
+                    self.model.forget(sid)
+        return {sid: d for sid, d in out.items() if d}
+
+
 class DraftModel:
     """A draft model's context: one sequence per slot of the target, each holding that slot's tokens. ``draft``
     catches every sequence up with its slot's history, then drafts for all of them together, one batch per step."""

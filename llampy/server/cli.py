@@ -38,6 +38,16 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--log-format", choices=("json", "text", "none"), default="json",
                    help="the per-request log lines on stderr (default json)")
     add_spec_args(p)
+    g = p.add_argument_group("several models (router)")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every GGUF of DIR, named by file (no MODEL then): loaded on first use by a request's "
+                        "'model', unloaded when idle for --keep-alive")
+    g.add_argument("--models-max", type=int, default=4, metavar="N",
+                   help="models loaded at once at most; the least recently used idle one makes room (default 4)")
+    g.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                   help="how long an idle model stays loaded: seconds or 30s/5m/1h; negative: always (default 5m)")
+    g.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
+                   help="load models only through POST /models/load")
     p.set_defaults(func=cmd_serve)
 
 
@@ -108,14 +118,22 @@ def cmd_serve(args) -> int:
     if args.slot_save_path:
         import os
         os.makedirs(args.slot_save_path, exist_ok=True)
-    if args.log_format != "none":
-        setup_logging(args.log_format)
     from ..llama.speculative import SpeculativeError
     try:
         spec = spec_params(args)
     except SpeculativeError as e:
         print(f"llampy serve: {e}", file=sys.stderr)
         return 2
+    if args.models_dir is not None and args.model is not None:
+        print("llampy serve: give a MODEL or --models-dir, not both", file=sys.stderr)
+        return 2
+    if args.models_max < 1:
+        print(f"llampy serve: --models-max must be at least 1, got {args.models_max}", file=sys.stderr)
+        return 2
+    if args.log_format != "none":
+        setup_logging(args.log_format)
+    if args.models_dir is not None:
+        return _serve_router(args, spec)
     path = resolve_model(args.model)
     try:
         server = Server(path, args.parallel, args.ctx_size, args.api_key, args.alias, n_threads=args.threads,
@@ -145,5 +163,60 @@ def cmd_serve(args) -> int:
         n = server.save_prompt_cache()
         if n:
             print(f"llampy: saved {n} cached prompt tokens to {args.prompt_cache}", file=sys.stderr)
+    print("llampy: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _serve_router(args, spec) -> int:
+    """llampy serve --models-dir: the router over the folder's models (router.py)."""
+    import signal
+    import threading
+    import uvicorn
+    from .app import Server, create_app
+    from .oai import APIError
+    from .ops import shutdown_engine
+    from .router import Router, RouterApp, parse_keep_alive
+    from ..cli_engine import offload_kw
+    try:
+        keep_alive = parse_keep_alive(args.keep_alive)
+    except APIError as e:
+        print(f"llampy serve: --keep-alive: {e.message}", file=sys.stderr)
+        return 2
+    cors = {"origins": args.cors_origins, "methods": args.cors_methods, "headers": args.cors_headers,
+            "credentials": args.cors_credentials}
+    draft = None
+    if spec is not None and "draft-simple" in spec.types:
+        from ..models import resolve_model
+        draft = resolve_model(args.model_draft)
+
+    def make_server(path, name):
+        return Server(path, args.parallel, args.ctx_size, None, name, n_threads=args.threads,
+                      slot_save_path=args.slot_save_path, progress=LoadProgress(path.name), offload=offload_kw(args),
+                      spec=spec, model_draft=draft)
+
+    router = Router(args.models_dir, make_server, lambda s: create_app(s, cors=cors), keep_alive=keep_alive,
+                    models_max=args.models_max, autoload=args.models_autoload)
+    names = ", ".join(sorted(router.entries)) or "none yet"
+    print(f"llampy: serving the models of {args.models_dir} ({names}) on http://{args.host}:{args.port}",
+          flush=True)
+
+    class Graceful(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                for e in router.loaded():
+                    threading.Thread(target=shutdown_engine, args=(e.server, args.shutdown_timeout),
+                                     daemon=True).start()
+
+    app = RouterApp(router, api_key=args.api_key, cors=cors)
+    old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        Graceful(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=args.shutdown_timeout + 30)).run()
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        router.close()
     print("llampy: stopped", file=sys.stderr, flush=True)
     return 0

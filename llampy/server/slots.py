@@ -21,7 +21,7 @@ import numpy as np
 from ..llama.batch import Batch
 from ..llama.context import Context
 from ..llama.sampling import Chain, top_logprobs
-from ..llama.speculative import DraftModel, NgramSimple, SpeculativeError
+from ..llama.speculative import Drafters, SpeculativeError
 from ..llama.vocab import StreamDecoder
 
 # Prompt tokens decoded per step, over all slots together: a long prompt is cut into chunks so that the slots
@@ -120,7 +120,7 @@ class Engine:
         self.n_ctx = n_ctx
         self.prompt_budget = max(1, prompt_budget)
         self.spec = spec if spec is not None and spec.enabled() else None
-        self.ngram = self.drafter = None
+        self.drafters = None
         spec_cap = 0                    # the longest draft: a step's batch holds it after each slot's token
         if self.spec is not None:
             spec_cap = self.spec.cap()
@@ -138,15 +138,7 @@ class Engine:
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
         if self.spec is not None:
-            if "ngram-simple" in self.spec.types:
-                self.ngram = NgramSimple(self.spec.ngram_size_n, self.spec.ngram_size_m)
-            if "draft-simple" in self.spec.types:
-                if draft_model is None:
-                    raise SpeculativeError("speculative type draft-simple needs a draft model (--model-draft)")
-                if _recurrent(draft_model):
-                    raise SpeculativeError(f"the draft model ({draft_model.hparams.arch}) keeps a recurrent state: "
-                                           f"it cannot drop rejected drafts")
-                self.drafter = DraftModel(draft_model, model.vocab, n_ctx, n_parallel)
+            self.drafters = Drafters(self.spec, model.vocab, n_ctx, n_parallel, draft_model)
         # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
         # would otherwise move them), then a decode step of every number of generating slots
         self._to_reserve = [(n_batch, n_parallel)] + [(k, k) for k in range(n_parallel, 0, -1)]
@@ -505,32 +497,18 @@ class Engine:
         """{slot id: draft} for the generating slots: n-gram lookup first, then the draft model for the slots it left
         without one, all in one batch per draft step. A slot drafts at most what its context and its request's
         max_tokens leave after the next token (llama-server's get_n_draft_max)."""
-        sp, out, want = self.spec, {}, {}
+        want = {}
         t0 = time.perf_counter()
         for s in gen:
             r = s.req
             room = min(s.n_ctx - len(s.cached) - 2, r.max_tokens - s.n_gen - 1)
             if r.spec_n_max is not None:
                 room = min(room, r.spec_n_max)
-            if room < 1 or not _text_only(s.cached):
-                continue
-            if self.ngram is not None:
-                d = self.ngram.draft(s.cached, s.next_token, room)
-                if d:
-                    out[s.id] = d
-                    continue
-            if self.drafter is not None:
-                n_min = sp.n_min if r.spec_n_min is None else r.spec_n_min
-                p_min = sp.p_min if r.spec_p_min is None else r.spec_p_min
-                want[s.id] = (s.cached, s.next_token, min(room, sp.n_max), n_min, p_min)
-        if want:
-            try:
-                out.update(self.drafter.draft(want))
-            except Exception:   # a failing draft costs speed, never the request: start those sequences over
-                for sid in want:
-                    self.drafter.forget(sid)
+            if room >= 1 and _text_only(s.cached):
+                want[s.id] = (s.cached, s.next_token, room, r.spec_n_min, r.spec_p_min)
+        out = self.drafters.draft(want) if want else {}
         self.metrics["draft_seconds_total"] += time.perf_counter() - t0
-        return {sid: d for sid, d in out.items() if d}
+        return out
 
     def _verify(self, s: Slot, row: int, draft: list) -> None:
         """Sample the rows of a slot's token and draft in order, each token exactly as without a draft, keeping a
