@@ -63,7 +63,8 @@ class GraphContext:
         return self.cb(cur, "inp_embd")
 
     def inp_pos(self) -> Tensor:
-        return self._input("pos", I32, self.n_tokens)
+        # M-RoPE: four rows of positions (llm_graph_input_pos; a text token's rows are p, p, p, 0)
+        return self._input("pos", I32, self.n_tokens * self.hp.n_pos_per_embd)
 
     def inp_out_ids(self) -> Tensor | None:
         """Rows of the last layer to keep: None when every token is an output (nothing to select)."""
@@ -155,11 +156,14 @@ class GraphContext:
     #   norm_w: the chosen weights renormalised to sum to 1; w_scale: then scaled (expert_weights_scale)
     #   exp_probs_b: a bias added to the probabilities for the choice only (the weights stay unbiased)
     #   gate_inp_b / up_b / gate_b / down_b: biases of the router and of each expert's matrices ([n, n_expert])
-    #   act: "silu" (SwiGLU, or SiLU alone without gate_exps), "gelu", "swiglu_oai" (gpt-oss: clamp 7, alpha 1.702)
+    #   act: "silu" (SwiGLU, or SiLU alone without gate_exps), "gelu", "swiglu_oai" (gpt-oss: clamp 7, alpha 1.702),
+    #           "relu_sqr" (relu(up)^2, no gate_exps)
     #   n_groups / n_group_used: the experts cut into n_groups equal groups, the choice only among the experts of
     #           the n_group_used groups whose two best (biased) scores sum highest (DeepSeek V3)
     #   weight_before_ffn: llama 4: the raw logits choose, and each chosen expert's input (not its output) is
     #           scaled by its weight
+    #   router_logits: the router's output computed by the caller ([n_expert, n_tokens]; Nemotron-H's experts run
+    #           on a latent projection of cur while its router reads cur itself)
     # cur: [n_embd, n_tokens]  gate_inp: [n_embd, n_expert]  up/gate_exps: [n_embd, n_ff, n_expert]
     # down_exps: [n_ff, n_embd, n_expert]  ->  [n_embd, n_tokens]
     def moe_ffn(self, cur: Tensor, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor | None, down_exps: Tensor,
@@ -167,9 +171,11 @@ class GraphContext:
                 w_scale: float = 0.0, exp_probs_b: Tensor | None = None, gate_inp_b: Tensor | None = None,
                 up_b: Tensor | None = None, gate_b: Tensor | None = None, down_b: Tensor | None = None,
                 act: str = "silu", n_groups: int = 0, n_group_used: int = 0,
-                weight_before_ffn: bool = False) -> Tensor:
+                weight_before_ffn: bool = False, router_logits: Tensor | None = None) -> Tensor:
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
-        logits = self.cb(self.lora_mm(gate_inp, cur), "ffn_moe_logits", il)    # [n_expert, n_tokens]
+        logits = router_logits
+        if logits is None:
+            logits = self.cb(self.lora_mm(gate_inp, cur), "ffn_moe_logits", il)    # [n_expert, n_tokens]
         if gate_inp_b is not None:
             logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
         if gating == "softmax":
@@ -211,6 +217,8 @@ class GraphContext:
             par = ops.swiglu_oai(gate, up, 1.702, 7.0)
         elif gate is not None:
             par = ops.swiglu(gate, up) if act == "silu" else ops.geglu(gate, up)
+        elif act == "relu_sqr":
+            par = ops.sqr(ops.relu(up))
         else:
             par = ops.silu(up) if act == "silu" else ops.gelu(up)
         experts = ops.mul_mat_id(down_exps, par, selected)                       # [n_embd, n_used, n_tokens]
@@ -328,6 +336,10 @@ class GraphContext:
         base, scale = hp.rope_freq_base, hp.rope_freq_scale
         if hp.is_swa(il):
             base, scale = hp.rope_freq_base_swa, hp.rope_freq_scale_swa
+        if hp.n_pos_per_embd == 4:
+            return ops.rope_multi(x, pos, freq_factors, hp.n_rot, hp.rope_sections, hp.rope_type, hp.n_ctx_orig_yarn,
+                                  base, scale, hp.yarn_ext_factor, hp.yarn_attn_factor, hp.yarn_beta_fast,
+                                  hp.yarn_beta_slow)
         return ops.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn, base, scale,
                             hp.yarn_ext_factor, hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow)
 
