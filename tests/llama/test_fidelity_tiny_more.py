@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_more"
 # (its first steps: the one-row decode path);
 # perplexity (128-token batches: ggml's tiled attention) on the first chunks of two, qwen3moe (head size 8) and
 # gpt-oss (sinks), against llama.cpp's running value
-MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "deepseek2", "llama4"]
+MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "deepseek2", "deepseek2-legacy",
+       "llama4"]
 DECODERS = ["phi2", "olmo2", "smollm3", "exaone", "internlm2", "command-r", "cohere2", "mistral3"] + MOE
 MOE_PPL = {"qwen3moe", "gpt-oss", "deepseek2"}
 MOE_PPL_CHUNKS = 1
@@ -233,6 +234,10 @@ def test_cli_embed(capsys):
     ("cohere2", "cohere2.attention.sliding_window", {}, "cohere2.attention.sliding_window"),
     ("bert", "tokenizer.ggml.token_type_count", {}, "token type count"),
     ("olmo2", None, {"olmo2.attention.sliding_window": 8}, "sliding"),
+    ("deepseek2", "deepseek2.attention.key_length_mla", {}, "key_length_mla and value_length_mla"),
+    ("deepseek2", "deepseek2.expert_group_used_count", {"deepseek2.expert_group_used_count": 4},
+     "expert_group_count"),
+    ("llama4", "llama4.interleave_moe_layer_step", {}, "interleave_moe_layer_step"),
 ])
 def test_load_refuses_what_llama_cpp_refuses(tmp_path, name, drop, add, match):
     from llampy.gguf import GGUFReader

@@ -1,6 +1,7 @@
 """deepseek2's multi-head latent attention in the KV cache: K alone is kept (V is its first kv_lora_rank values),
 and what reads or rewrites the cache works with it: a sequence's state saved and restored, and the K-shift, which
-turns only the roped values after the compressed KV. The logits against llama.cpp: test_fidelity_tiny_more."""
+turns only the roped values at the end of each K row (after the compressed KV; in a legacy file, after each head's
+no-position key). The logits against llama.cpp: test_fidelity_tiny_more."""
 from __future__ import annotations
 
 import numpy as np
@@ -47,11 +48,15 @@ def test_sequence_state_round_trip(mla):
     assert np.array_equal(ctx.get_logits_ith(-1), want)
 
 
-def test_k_shift_turns_the_roped_part(mla):
+@pytest.mark.parametrize("name", ["deepseek2", "deepseek2-legacy"])
+def test_k_shift_turns_the_roped_part(mla, name):
     """Tokens decoded from position m, then shifted down by m: layer 0's cached K rows are those of decoding them
-    from position 0, the compressed KV untouched and the roped values turned back (up to the F16 rounding of the
-    turn); without the shift the roped values differ."""
+    from position 0, the values before the roped part (the compressed KV; in a legacy file each head's no-position
+    key) untouched and the roped values turned back (up to the F16 rounding of the turn); without the shift the
+    roped values differ."""
     model, toks = mla
+    if name != "deepseek2":
+        model = Model(tiny_more_model(name)[0])
     hp = model.hparams
     m, n = 40, len(toks)
     r = hp.k_rope_offset
@@ -61,12 +66,12 @@ def test_k_shift_turns_the_roped_part(mla):
         ctx.decode(Batch.from_tokens(toks, pos0=pos0))
         if shift:
             ctx.seq_add(0, pos0, pos0 + n, shift)
-        k = tensor_get(ctx.kv.k[0]).astype(np.float32)     # F16 (.., n_ctx, kv_lora_rank + n_rot), one K head
-        return k.reshape(-1, k.shape[-1])[:n]
+        k = tensor_get(ctx.kv.k[0]).astype(np.float32)     # F16 (.., n_head_kv, n_ctx, head size)
+        return k[..., :n, :]
 
     want = k_rows(0, 0)
     got = k_rows(m, -m)
-    assert np.array_equal(got[:, :r], want[:, :r])
-    err = np.abs(got[:, r:] - want[:, r:]).max()
-    assert err <= 4e-3 * np.abs(want[:, r:]).max(), err
-    assert np.abs(k_rows(m, 0)[:, r:] - want[:, r:]).max() > 50 * err
+    assert np.array_equal(got[..., :r], want[..., :r])
+    err = np.abs(got[..., r:] - want[..., r:]).max()
+    assert err <= 4e-3 * np.abs(want[..., r:]).max(), err
+    assert np.abs(k_rows(m, 0)[..., r:] - want[..., r:]).max() > 50 * err

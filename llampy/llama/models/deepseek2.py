@@ -9,6 +9,8 @@ query is turned into the compressed space by attn_k_b, so attention is one K/V h
 kv_lora_rank + n_rot values (MQA) whose V is the compressed part of K (the cache keeps K alone); attn_v_b then turns
 each head's output back into its value head. RoPE (adjacent pairs) with YaRN scaling: the scores' scale carries
 the YaRN mscale squared (rope.scaling.yarn_log_multiplier). Optional llama 4 attention temperature (mistral-large).
+Files of older converters (one attn_kv_b, no attention.key_length_mla) run as llama.cpp runs them: multi-head
+attention whose keys are each head's decompressed no-position part followed by the shared roped part.
 
 The FFN of layers >= leading_dense_block_count: routed experts (softmax or sigmoid gating, expert_gating_func; a
 choice bias exp_probs_b; optionally only among the best expert groups; weights renormalised and scaled by
@@ -19,11 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 from ...ggml import ops
+from ...ggml.tensor import Tensor
+from ...ggml.types import GGMLType
 from ..hparams import InvalidMetadata, MissingMetadata, md_float, md_int
 from ._common import load_embd_and_output
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}   # llama_expert_gating_func_type
 F32 = np.float32
+F32_T = GGMLType.F32
 
 
 def load_hparams(hp, md):
@@ -40,22 +45,25 @@ def load_hparams(hp, md):
     hp.n_lora_kv = need("attention.kv_lora_rank")
     k_mla = md_int(md, f"{a}.attention.key_length_mla", 0, lo=0)
     v_mla = md_int(md, f"{a}.attention.value_length_mla", 0, lo=0)
-    if not (k_mla and v_mla):
-        # files from before the converter split attn_kv_b: llama.cpp runs them as plain multi-head attention
-        raise InvalidMetadata(f"{a}: no attention.key_length_mla / value_length_mla: a GGUF with the unsplit "
-                              f"attn_kv_b of older converters, which llampy does not run (convert it again)")
-    hp.n_embd_head_k_mla, hp.n_embd_head_v_mla = k_mla, v_mla
-    if hp.n_embd_head_k != hp.n_lora_kv + hp.n_rot or hp.n_embd_head_v != hp.n_lora_kv:
-        raise InvalidMetadata(f"{a}: attention.key_length {hp.n_embd_head_k} / value_length {hp.n_embd_head_v} "
-                              f"must be kv_lora_rank + rope.dimension_count ({hp.n_lora_kv + hp.n_rot}) / "
-                              f"kv_lora_rank ({hp.n_lora_kv}), as the converter writes them for MLA")
-    if any(hp.n_head_kv(il) != 1 for il in range(hp.n_layer)):
-        raise InvalidMetadata(f"{a}: MLA attends with one K/V head: attention.head_count_kv must be 1")
-    if k_mla - hp.n_rot < 1:
-        raise InvalidMetadata(f"{a}: attention.key_length_mla ({k_mla}) must exceed rope.dimension_count "
-                              f"({hp.n_rot})")
-    hp.v_in_k = True
-    hp.k_rope_offset = hp.n_lora_kv
+    if bool(k_mla) != bool(v_mla):
+        raise InvalidMetadata(f"{a}: attention.key_length_mla and value_length_mla go together (one is missing)")
+    # without them: a file of older converters, one attn_kv_b, run as multi-head attention (llama.cpp's !is_mla)
+    hp.is_mla = bool(k_mla)
+    if hp.is_mla:
+        hp.n_embd_head_k_mla, hp.n_embd_head_v_mla = k_mla, v_mla
+        if hp.n_embd_head_k != hp.n_lora_kv + hp.n_rot or hp.n_embd_head_v != hp.n_lora_kv:
+            raise InvalidMetadata(f"{a}: attention.key_length {hp.n_embd_head_k} / value_length {hp.n_embd_head_v}"
+                                  f" must be kv_lora_rank + rope.dimension_count ({hp.n_lora_kv + hp.n_rot}) / "
+                                  f"kv_lora_rank ({hp.n_lora_kv}), as the converter writes them for MLA")
+        if any(hp.n_head_kv(il) != 1 for il in range(hp.n_layer)):
+            raise InvalidMetadata(f"{a}: MLA attends with one K/V head: attention.head_count_kv must be 1")
+        hp.v_in_k = True
+    else:
+        hp.n_embd_head_k_mla, hp.n_embd_head_v_mla = hp.n_embd_head_k, hp.n_embd_head_v
+    if hp.n_embd_head_k_mla - hp.n_rot < 1:
+        raise InvalidMetadata(f"{a}: the key head ({hp.n_embd_head_k_mla}) must exceed rope.dimension_count "
+                              f"({hp.n_rot}): its no-position part would be empty")
+    hp.k_rope_offset = hp.n_embd_head_k - hp.n_rot      # the roped values end each cached K row
 
     # experts
     if hp.n_layer_dense_lead < hp.n_layer and not hp.n_expert:
@@ -126,8 +134,11 @@ def load_tensors(model, ld):
             layer.wq = ld.create("attn_q", (E, H * d_k), il)
         layer.attn_kv_a_norm = ld.create(p + "attn_kv_a_norm", (kv_rank,))
         layer.wkv_a_mqa = ld.create(p + "attn_kv_a_mqa", (E, kv_rank + n_rot))
-        layer.wk_b = ld.create(p + "attn_k_b", (d_k - n_rot, kv_rank, H))
-        layer.wv_b = ld.create(p + "attn_v_b", (kv_rank, d_v, H))
+        if hp.is_mla:
+            layer.wk_b = ld.create(p + "attn_k_b", (d_k - n_rot, kv_rank, H))
+            layer.wv_b = ld.create(p + "attn_v_b", (kv_rank, d_v, H))
+        else:
+            layer.wkv_b = ld.create(p + "attn_kv_b", (kv_rank, H * (d_k - n_rot + d_v)))
         layer.wo = ld.create("attn_output", (H * d_v, E), il)
         layer.ffn_norm = ld.create("ffn_norm", (E,), il)
         if il < hp.n_layer_dense_lead:
@@ -174,14 +185,29 @@ def build_graph(model, g):
         kv_cmpr = g.cb(g.norm(kv_cmpr, layer.attn_kv_a_norm, il=il), "kv_cmpr", il)
         q_nope = ops.view_3d(q, d_nope, n_head, n_tokens, q.nb[1], q.nb[2], 0)
         q_pe = g.rope(ops.view_3d(q, n_rot, n_head, n_tokens, q.nb[1], q.nb[2], d_nope * q.nb[0]), pos, il)
-        # each head's no-position query into the compressed space: [kv_rank, n_tokens, n_head] -> [kv_rank, n_head, ..]
-        q_abs = ops.permute(ops.mul_mat(layer.wk_b, ops.permute(q_nope, 0, 2, 1, 3)), 0, 2, 1, 3)
-        qcur = g.cb(ops.concat(q_abs, q_pe, 0), "Qcur", il)                    # [kv_rank + n_rot, n_head, n_tokens]
-        kv_cmpr = ops.reshape(kv_cmpr, kv_rank, 1, n_tokens)
-        kcur = g.cb(ops.concat(kv_cmpr, k_pe, 0), "Kcur", il)                  # [kv_rank + n_rot, 1, n_tokens]
+        if hp.is_mla:
+            # each head's no-position query into the compressed space: [kv_rank, n_tokens, n_head], then back to
+            # [kv_rank, n_head, n_tokens]
+            q_abs = ops.permute(ops.mul_mat(layer.wk_b, ops.permute(q_nope, 0, 2, 1, 3)), 0, 2, 1, 3)
+            qcur = g.cb(ops.concat(q_abs, q_pe, 0), "Qcur", il)                # [kv_rank + n_rot, n_head, n_tokens]
+            kv_cmpr = ops.reshape(kv_cmpr, kv_rank, 1, n_tokens)
+            kcur = g.cb(ops.concat(kv_cmpr, k_pe, 0), "Kcur", il)              # [kv_rank + n_rot, 1, n_tokens]
+            vcur, v_mla = kv_cmpr, layer.wv_b
+        else:
+            # the compressed KV decompressed into every head's no-position key and its value; the roped key part
+            # shared by all heads (llama.cpp ropes Q's trailing values in place: the same values as the concat)
+            d_v = hp.n_embd_head_v_mla
+            kv = ops.mul_mat(layer.wkv_b, kv_cmpr)                             # [n_head * (d_nope + d_v), n_tokens]
+            es = kv.nb[0]
+            k_nope = ops.view_3d(kv, d_nope, n_head, n_tokens, (d_nope + d_v) * es, kv.nb[1], 0)
+            vcur = ops.cont(ops.view_3d(kv, d_v, n_head, n_tokens, (d_nope + d_v) * es, kv.nb[1], d_nope * es))
+            qcur = g.cb(ops.concat(q_nope, q_pe, 0), "Qcur", il)
+            k_pe = ops.repeat(k_pe, Tensor(F32_T, (n_rot, n_head, n_tokens)))
+            kcur = g.cb(ops.concat(k_nope, k_pe, 0), "Kcur", il)
+            v_mla = None
         if attn_scale is not None:
             qcur = ops.mul(qcur, attn_scale)
-        cur = g.cb(g.attn(il, layer.wo, None, qcur, kcur, kv_cmpr, scale, v_mla=layer.wv_b), "attn_out", il)
+        cur = g.cb(g.attn(il, layer.wo, None, qcur, kcur, vcur, scale, v_mla=v_mla), "attn_out", il)
         if il == hp.n_layer - 1:
             cur, inpSA = g.select_outputs(cur, inpSA, out_ids=out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
