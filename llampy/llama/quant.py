@@ -488,6 +488,7 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
     from ..ggml.quants_imatrix import quantize_weighted
     nrows, ne0 = x.shape
 
+    from ..ggml.quants_iq_search import SEARCH_TYPES, quantize_iq
     from ..ggml.quants_rows import quantize_rows_ref
 
     def run(a, b):
@@ -498,6 +499,8 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
             numba.set_num_threads(1)
         if imatrix is not None:
             return quantize_weighted(x[a:b], t, imatrix)
+        if t in SEARCH_TYPES:
+            return quantize_iq(x[a:b], t)
         y = quantize_rows_ref(x[a:b], t)
         return quantize(x[a:b], t) if y is None else y
     if t == T.F32:
@@ -523,6 +526,7 @@ def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) ->
 
 def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResult:
     from ..ggml.quants import QUANTIZE_TYPES
+    from ..ggml.quants_iq_search import REQUIRES_IMATRIX, SEARCH_TYPES
     from ..gguf.writer import GGUFWriter
     ftype = params.ftype
     if ftype not in FTYPE_DEFAULT:
@@ -590,9 +594,12 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
                     continue
                 if TYPE_TRAITS[ti.type].is_quantized and not params.allow_requantize:
                     raise QuantizeError(f"requantizing from type {ggml_type_name(ti.type)} is disabled")
-                if new_type not in QUANTIZE_TYPES and new_type != T.F32:
+                if new_type not in QUANTIZE_TYPES and new_type not in SEARCH_TYPES and new_type != T.F32:
                     raise QuantizeError(f"quantizing to {ggml_type_name(new_type)} is not implemented in llampy")
                 im = _imatrix_for(params, name, ne, new_type, ftype)
+                if im is None and new_type in REQUIRES_IMATRIX:   # ggml asserts here; say it instead
+                    raise QuantizeError(f"quantizing {name} to {ggml_type_name(new_type)} needs an importance "
+                                        f"matrix entry for it")
                 data = _quantize_tensor(ti, ne, new_type, im, pool)
                 assert data.nbytes == nbytes
                 w.add_tensor_raw(name, new_type, ne_out, data)
