@@ -19,7 +19,6 @@ ARCHITECTURES = {
     "mistral": "llama",
     "granite": "granite",
     "qwen2": "qwen2",
-    "qwen2vl": "qwen2vl",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
     "gemma2": "gemma2",
