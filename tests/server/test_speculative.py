@@ -122,3 +122,32 @@ def test_cli_refuses_draft_type_without_model(capsys):
     assert main(["serve", "--spec-type", "medusa"]) == 2
     assert "unknown speculative type 'medusa'" in capsys.readouterr().err
     assert Path(DRAFT).is_file()
+
+
+def test_api_generate_with_drafts_matches_plain():
+    """Llama.set_speculative (what `llampy run --model-draft/--spec-type` uses): the same tokens as without drafting,
+    on a tiny target (qwen3) with the tiny qwen2 drafting, and with n-gram lookup."""
+    from llampy.llama.api import Llama
+    from llampy.llama.speculative import SpecParams
+    llm = Llama(str(SHARED / "fixtures" / "tiny" / "qwen3-Q8_0.gguf"), n_ctx=256)
+    prompt = llm.vocab.tokenize(STORY, add_special=True, parse_special=True)
+
+    def run(**kw):
+        return [s.token for s in llm.generate(prompt, 24, llm.make_sampler(**kw))]
+    greedy, seeded = run(temperature=0), run(temperature=0.9, seed=5, top_k=0, top_p=1.0, min_p=0.0)
+    target = SHARED / "fixtures" / "tiny" / "qwen3-Q8_0.gguf"
+    stats = []
+    for sp, draft in ((SpecParams(types=("draft-simple",), n_max=5), DRAFT),
+                      (SpecParams(types=("draft-simple",), n_max=5), target),      # drafts it agrees with
+                      (SpecParams(types=("ngram-simple",), ngram_size_n=2, ngram_size_m=8), None)):
+        llm.set_speculative(sp, draft)
+        assert run(temperature=0) == greedy, sp.types
+        stats.append(dict(llm.spec_stats))
+        assert run(temperature=0.9, seed=5, top_k=0, top_p=1.0, min_p=0.0) == seeded, sp.types
+        # the cache holds exactly the tokens the Llama says it holds: a follow-up reuses the prefix correctly
+        assert llm.ctx.seq_pos_max(0) == len(llm._cached) - 1
+    assert all(st["drafted"] > 0 for st in stats[:2])
+    # the target drafting for itself, greedy: every draft is what the target picks
+    assert stats[1]["accepted"] == stats[1]["drafted"], stats
+    llm.set_speculative(None)
+    assert run(temperature=0) == greedy
