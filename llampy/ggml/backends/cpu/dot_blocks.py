@@ -44,7 +44,7 @@ from numba.extending import intrinsic
 
 from ... import blocks as B
 from ...types import GGMLType
-from .act_quant import act_split, f32_to_bf16_bits, scratch_for
+from .act_quant import act_split, round_half, scratch_for
 from .dot_kquant import _madd, _maddubs, hsum8x, i32x8_sum
 from .dot_q32 import ROW_CHUNK, prefetch_base, prefetch_step
 from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8, f32x8_add,
@@ -979,11 +979,11 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scra
     uint16 bits, BF16 uint16 bits [rows, k]; rows contiguous); out float32 with contiguous rows."""
     wtype = GGMLType(wtype)
     if wtype == T.F16:
-        xr = np.ascontiguousarray(x, np.float32).astype(np.float16).astype(np.float32)
+        xr = round_half(x, T.F16)
         _f16(w.view(np.uint16), xr, out)
         return
     if wtype == T.BF16:
-        xr = (f32_to_bf16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        xr = round_half(x, T.BF16)
         _bf16k(w.view(np.uint16), xr, out)
         return
     n, k = x.shape

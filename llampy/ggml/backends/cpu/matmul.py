@@ -37,7 +37,7 @@ import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
 from . import dot_blocks, dot_f16_tiny, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
-from .act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
+from .act_quant import act_split, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act, round_half
 from .dot_q32 import F16_TABLE, ROWS16_MIN_N
 from .simd import ROWS16
 
@@ -213,7 +213,7 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
 def _mul_mat_f16_tiny(w, x, out) -> None:
     """F16 weights against 2 or more activation rows (rows % 4 == 0, k % 8 == 0): x rounded to F16, then
     llamafile's tinyBLAS order, as ggml-cpu computes them."""
-    xr = x.astype(np.float16).astype(np.float32)
+    xr = round_half(x, T.F16)
     dot_f16_tiny.mul_mat_f16(w, xr, out)
 
 
@@ -265,8 +265,6 @@ def _round_x(x, vdt):
     values gives min * d * sum(q) instead, so add back delta @ mins^T with delta = s - d * sum(q) (about one
     F16 rounding of the block sum, ~5e-4 relative; without it the results differ by that much where mins are
     large)."""
-    if vdt == T.BF16:
-        return bf16_bits_to_f32(f32_to_bf16_bits(x)), None
     if vdt not in (T.Q8_0, T.Q8_1, T.Q8_K):
         return round_act(x, vdt), None
     n, k = x.shape
