@@ -30,23 +30,28 @@ def load_tensors(model, ld):
         layer.ffn_post_norm = ld.create("ffn_post_norm", (hp.n_embd,), il)
 
 
+# cur: [n_embd, n_tokens] -> the attention's output (olmoe's too)
+def attn_block(g, layer, cur, pos, il):
+    hp = g.hp
+    q, k, v = g.qkv(layer, cur, il)
+    n_tokens = q.ne[2]
+    # the norms span all heads: [head_dim, n_head, n_tokens] viewed as [head_dim * n_head, n_tokens]
+    q = g.cb(g.norm(ops.reshape(q, q.ne[0] * q.ne[1], n_tokens), layer.attn_q_norm, il=il), "Qcur_normed", il)
+    k = g.cb(g.norm(ops.reshape(k, k.ne[0] * k.ne[1], n_tokens), layer.attn_k_norm, il=il), "Kcur_normed", il)
+    q = ops.reshape(q, hp.n_embd_head_k, hp.n_head(il), n_tokens)
+    k = ops.reshape(k, hp.n_embd_head_k, hp.n_head_kv(il), n_tokens)
+    q, k = g.rope(q, pos, il), g.rope(k, pos, il)
+    return g.attn(il, layer.wo, None, q, k, v, 1.0 / math.sqrt(hp.n_embd_head_k))
+
+
 def build_graph(model, g):
     hp = model.hparams
-    kq_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
     inpL = g.inp_embd(model.tok_embd)
     pos = g.inp_pos()
     out_ids = g.inp_out_ids()
     for il, layer in enumerate(model.layers):
         inpSA = inpL
-        q, k, v = g.qkv(layer, inpL, il)
-        n_tokens = q.ne[2]
-        # the norms span all heads: [head_dim, n_head, n_tokens] viewed as [head_dim * n_head, n_tokens]
-        q = g.cb(g.norm(ops.reshape(q, q.ne[0] * q.ne[1], n_tokens), layer.attn_q_norm, il=il), "Qcur_normed", il)
-        k = g.cb(g.norm(ops.reshape(k, k.ne[0] * k.ne[1], n_tokens), layer.attn_k_norm, il=il), "Kcur_normed", il)
-        q = ops.reshape(q, hp.n_embd_head_k, hp.n_head(il), n_tokens)
-        k = ops.reshape(k, hp.n_embd_head_k, hp.n_head_kv(il), n_tokens)
-        q, k = g.rope(q, pos, il), g.rope(k, pos, il)
-        cur = g.attn(il, layer.wo, None, q, k, v, kq_scale)
+        cur = attn_block(g, layer, inpL, pos, il)
         if il == hp.n_layer - 1:
             cur, inpSA = g.select_outputs(cur, inpSA, out_ids=out_ids)
         cur = g.cb(g.norm(cur, layer.attn_post_norm, il=il), "attn_post_norm", il)

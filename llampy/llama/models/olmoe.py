@@ -2,11 +2,10 @@
 experts (softmax router, the top-k weights not renormalised; experts as wide as feed_forward_length)."""
 from __future__ import annotations
 
-import math
-
 from ...ggml import ops
 from .. import arch as A
 from ..hparams import InvalidMetadata, MissingMetadata
+from . import olmo2
 from ._common import load_qkv
 
 
@@ -39,22 +38,13 @@ def load_tensors(model, ld):
 
 def build_graph(model, g):
     hp = model.hparams
-    kq_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
     inpL = g.inp_embd(model.tok_embd)
     pos = g.inp_pos()
     out_ids = g.inp_out_ids()
     for il, layer in enumerate(model.layers):
         inpSA = inpL
         cur = g.cb(g.norm(inpL, layer.attn_norm, il=il), "attn_norm", il)
-        q, k, v = g.qkv(layer, cur, il)
-        n_tokens = q.ne[2]
-        # the norms span all heads: [head_dim, n_head, n_tokens] viewed as [head_dim * n_head, n_tokens]
-        q = g.cb(g.norm(ops.reshape(q, q.ne[0] * q.ne[1], n_tokens), layer.attn_q_norm, il=il), "Qcur_normed", il)
-        k = g.cb(g.norm(ops.reshape(k, k.ne[0] * k.ne[1], n_tokens), layer.attn_k_norm, il=il), "Kcur_normed", il)
-        q = ops.reshape(q, hp.n_embd_head_k, hp.n_head(il), n_tokens)
-        k = ops.reshape(k, hp.n_embd_head_k, hp.n_head_kv(il), n_tokens)
-        q, k = g.rope(q, pos, il), g.rope(k, pos, il)
-        cur = g.attn(il, layer.wo, None, q, k, v, kq_scale)
+        cur = olmo2.attn_block(g, layer, cur, pos, il)
         if il == hp.n_layer - 1:
             cur, inpSA = g.select_outputs(cur, inpSA, out_ids=out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)

@@ -21,7 +21,9 @@ def load_tensors(model, ld):
         load_ffn(model, ld, layer, il)
 
 
-def build_graph(model, g):
+# ffn(g, layer, cur, il) -> the FFN's output in place of the dense one (qwen2moe's experts); the output projection's
+# bias where the layer has one (qwen2moe)
+def build_graph(model, g, ffn=None):
     hp = model.hparams
     kq_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
     inpL = g.inp_embd(model.tok_embd)
@@ -32,12 +34,15 @@ def build_graph(model, g):
         cur = g.cb(g.norm(inpL, layer.attn_norm, il=il), "attn_norm", il)
         q, k, v = g.qkv(layer, cur, il)
         q, k = g.rope(q, pos, il), g.rope(k, pos, il)
-        cur = g.attn(il, layer.wo, None, q, k, v, kq_scale)
+        cur = g.attn(il, layer.wo, getattr(layer, "wo_b", None), q, k, v, kq_scale)
         if il == hp.n_layer - 1:
             cur, inpSA = g.select_outputs(cur, inpSA, out_ids=out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
         cur = g.cb(g.norm(ffn_inp, layer.ffn_norm, il=il), "ffn_norm", il)
-        cur = g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "silu", il=il)
+        if ffn is None:
+            cur = g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "silu", il=il)
+        else:
+            cur = ffn(g, layer, cur, il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
     return g.finish(cur, ops.mul_mat(model.output, cur))

@@ -2,11 +2,10 @@
 not renormalised) plus a shared expert weighed per token by sigmoid(ffn_gate_inp_shexp . x)."""
 from __future__ import annotations
 
-import math
-
 from ...ggml import ops
 from .. import arch as A
 from ..hparams import InvalidMetadata, MissingMetadata, md_int
+from . import qwen2
 from ._common import load_qkv
 
 
@@ -41,25 +40,12 @@ def load_tensors(model, ld):
         layer.ffn_down_shexp = ld.create("ffn_down_shexp", (n_ff_sh, hp.n_embd), il)
 
 
+def _moe(g, layer, cur, il):
+    hp = g.hp
+    moe = g.moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                    hp.n_expert, hp.n_expert_used, False, il)
+    return g.cb(ops.add(moe, g.shexp_ffn(cur, layer, il)), "ffn_out", il)
+
+
 def build_graph(model, g):
-    hp = model.hparams
-    kq_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
-    inpL = g.inp_embd(model.tok_embd)
-    pos = g.inp_pos()
-    out_ids = g.inp_out_ids()
-    for il, layer in enumerate(model.layers):
-        inpSA = inpL
-        cur = g.cb(g.norm(inpL, layer.attn_norm, il=il), "attn_norm", il)
-        q, k, v = g.qkv(layer, cur, il)
-        q, k = g.rope(q, pos, il), g.rope(k, pos, il)
-        cur = g.attn(il, layer.wo, layer.wo_b, q, k, v, kq_scale)
-        if il == hp.n_layer - 1:
-            cur, inpSA = g.select_outputs(cur, inpSA, out_ids=out_ids)
-        ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
-        cur = g.cb(g.norm(ffn_inp, layer.ffn_norm, il=il), "ffn_norm", il)
-        moe = g.moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                        hp.n_expert, hp.n_expert_used, False, il)
-        cur = g.cb(ops.add(moe, g.shexp_ffn(cur, layer, il)), "ffn_out", il)
-        inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
-    cur = g.norm(inpL, model.output_norm)
-    return g.finish(cur, ops.mul_mat(model.output, cur))
+    return qwen2.build_graph(model, g, ffn=_moe)
