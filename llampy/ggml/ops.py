@@ -342,6 +342,15 @@ def rwkv_wkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, 
     return _node(Op.RWKV_WKV7, F32, (S * H, n_tokens + S * n_seqs), [r, w, k, v, a, b, state])
 
 
+# k, v, q, g: [S, H, n_tokens]  state: [S * S * H, n_seqs]  ->  [S * H, n_tokens + S * n_seqs], laid out as
+# rwkv_wkv6's: per head the state st[i, j] (i: key channel, j: value channel) follows, per token,
+# st[i, j] = st[i, j] g[i] + k[i] v[j], and y[j] = sum over i of st[i, j] (q[i] scale), in i order
+# (ggml_gated_linear_attn: RWKV-6 Qwen2's time mix).
+def gated_linear_attn(k: Tensor, v: Tensor, q: Tensor, g: Tensor, state: Tensor, scale: float) -> Tensor:
+    S, H, n_tokens, n_seqs = _wkv_check("gated_linear_attn", state, k, v, q, g)
+    return _node(Op.GATED_LINEAR_ATTN, F32, (S * H, n_tokens + S * n_seqs), [k, v, q, g, state],
+                 {"scale": float(scale)})
+
 # q, k: [S, H_k, n_tokens, n_seqs_k]  v: [S, H, n_tokens, n_seqs]  g: [1 or S, H, n_tokens, n_seqs]
 # beta: [1, H, n_tokens, n_seqs]  state: [S, S, H, n_seqs]  ->  [S * H, n_tokens * n_seqs + S * n_seqs]: the outputs
 # ([S, H, n_tokens, n_seqs]), then each sequence's new state. Value head h reads key head h % H_k and sequence

@@ -61,6 +61,7 @@ class Op(Enum):
     RWKV_WKV6 = "rwkv_wkv6"
     RWKV_WKV7 = "rwkv_wkv7"
     GATED_DELTA_NET = "gated_delta_net"
+    GATED_LINEAR_ATTN = "gated_linear_attn"
     # unary (ggml keeps these under GGML_OP_UNARY; flat here)
     EXP = "exp"
     TANH = "tanh"

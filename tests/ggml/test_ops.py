@@ -209,6 +209,8 @@ CASES = {
     "rwkv_wkv6_many": (lambda B: _wkv(B, 6, S=64, H=2, n_seqs=3, n_seq_tokens=4), 1e-4),
     "rwkv_wkv7_one_token": (lambda B: _wkv(B, 7, S=16, H=3, n_seqs=2, n_seq_tokens=1), 1e-5),
     "rwkv_wkv7_many": (lambda B: _wkv(B, 7, S=64, H=2, n_seqs=2, n_seq_tokens=5), 1e-4),
+    "gated_linear_attn_one_token": (lambda B: _wkv(B, "gla", S=16, H=3, n_seqs=2, n_seq_tokens=1), 1e-5),
+    "gated_linear_attn_many": (lambda B: _wkv(B, "gla", S=64, H=2, n_seqs=2, n_seq_tokens=4), 1e-4),
     # ---- gated DeltaNet: state rows below, at and above 64 floats, q/k broadcast over heads, strided q/k/v
     "gated_delta_net_one_token": (lambda B: _gdn(B, S=16, H=4, H_k=2, n_seqs=2, n_tok=1, kda=False), 1e-5),
     "gated_delta_net_many_strided": (lambda B: _gdn(B, S=128, H=2, H_k=2, n_seqs=2, n_tok=5, kda=False,
@@ -237,11 +239,13 @@ def _scan(B, d_state, head_dim, n_head, n_group, n_tok, ids, a_per_elem, x_view=
 def _wkv(B, version, S, H, n_seqs, n_seq_tokens):
     """rwkv_wkv6/7 inputs shaped as the RWKV graphs make them: decays in (0, 1); RWKV-7's a = -kk and b = kk * iclr
     with kk of unit length per head (its state stays bounded)."""
-    rng = np.random.default_rng(S * 10 + version)
+    rng = np.random.default_rng(S * 10 + (8 if version == "gla" else version))
     T_ = n_seqs * n_seq_tokens
     shape = (T_, H, S)
     state = B(F32, (n_seqs, S * S * H), rng.normal(0, 0.5, (n_seqs, S * S * H)))
     decay = B(F32, shape, rng.uniform(0.3, 1.0, shape))
+    if version == "gla":        # RWKV-6 Qwen2's: q scaled by 1/sqrt(S)
+        return ops.gated_linear_attn(B(F32, shape), B(F32, shape), B(F32, shape), decay, state, S ** -0.5)
     if version == 6:
         return ops.rwkv_wkv6(B(F32, shape), B(F32, shape), B(F32, shape), B(F32, (H, S)), decay, state)
     kk = rng.standard_normal(shape)

@@ -525,6 +525,20 @@ def k_rwkv_wkv7(node, dst, srcs):
     store(dst, node.type, np.concatenate([y.reshape(-1), state.reshape(-1)]).reshape(dst.shape))
 
 
+def k_gated_linear_attn(node, dst, srcs):
+    """Per sequence and head, token by token: st = st * g + k (x) v; y = (q * scale) . st (st: key x value)."""
+    S, H, T_, n_seqs, (k, v, q, g), state = _wkv_inputs(node, srcs, range(4))
+    q = q * param(node, "scale")
+    y = np.empty((n_seqs, T_ // n_seqs, H, S))
+    for j in range(n_seqs):
+        st = state[j].copy()                                       # (H, S key, S value)
+        for t in range(T_ // n_seqs):
+            st = st * g[j, t][:, :, None] + k[j, t][:, :, None] * v[j, t][:, None, :]
+            y[j, t] = np.einsum("hi,hij->hj", q[j, t], st)
+        state[j] = st
+    store(dst, node.type, np.concatenate([y.reshape(-1), state.reshape(-1)]).reshape(dst.shape))
+
+
 def k_gated_delta_net(node, dst, srcs):
     """Per sequence and value head, token by token: M = M * exp(g); d = (v - M k) beta; M += d (x) k;
     y = (M q) / sqrt(S) (M: value x key; q and k broadcast over heads and sequences as ggml's)."""
@@ -716,6 +730,7 @@ _TABLE = {
     Op.FLASH_ATTN_EXT: k_flash_attn, Op.SSM_CONV: k_ssm_conv, Op.SSM_SCAN: k_ssm_scan,
     Op.IM2COL: k_im2col, Op.POOL_2D: k_pool_2d,
     Op.RWKV_WKV6: k_rwkv_wkv6, Op.RWKV_WKV7: k_rwkv_wkv7, Op.GATED_DELTA_NET: k_gated_delta_net,
+    Op.GATED_LINEAR_ATTN: k_gated_linear_attn,
     Op.SOFT_MAX: k_soft_max, Op.RMS_NORM: k_rms_norm, Op.RMS_NORM_MUL: k_rms_norm_mul, Op.NORM: k_norm,
     Op.L2_NORM: k_l2_norm, Op.GET_ROWS: k_get_rows, Op.SET_ROWS: k_set_rows,
     Op.CPY: k_cpy, Op.CONT: k_cpy, Op.DUP: k_cpy, Op.CONCAT: k_concat, Op.REPEAT: k_repeat,

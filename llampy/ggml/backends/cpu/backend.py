@@ -16,7 +16,7 @@ from . import numpy_ops as K
 from .numba_ops import BINDERS
 from .ssm import bind_ssm_conv, bind_ssm_scan
 from .delta import bind_gated_delta_net
-from .wkv import bind_rwkv_wkv6, bind_rwkv_wkv7
+from .wkv import bind_gated_linear_attn, bind_rwkv_wkv6, bind_rwkv_wkv7
 
 T = GGMLType
 
@@ -66,7 +66,7 @@ class CPUBackend(Backend):
         if node.op in VIEW_OPS or node.op in _TABLE or node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.MUL_MAT_GLU,
                                                                      Op.FLASH_ATTN_EXT, Op.SSM_CONV, Op.SSM_SCAN,
                                                                      Op.RWKV_WKV6, Op.RWKV_WKV7,
-                                                                     Op.GATED_DELTA_NET):
+                                                                     Op.GATED_DELTA_NET, Op.GATED_LINEAR_ATTN):
             if node.op == Op.FLASH_ATTN_EXT:
                 return all(s.type in (T.F16, T.F32) or TYPE_TRAITS[s.type].is_quantized for s in node.src[1:3])
             return True
@@ -103,6 +103,8 @@ class CPUBackend(Backend):
             return bind_rwkv_wkv7(node, dst, srcs)
         if op == Op.GATED_DELTA_NET:
             return bind_gated_delta_net(node, dst, srcs)
+        if op == Op.GATED_LINEAR_ATTN:
+            return bind_gated_linear_attn(node, dst, srcs)
         binder = BINDERS.get(op)
         call = binder(node, dst, srcs) if binder is not None else None
         if call is not None:

@@ -1,10 +1,12 @@
-"""RWKV_WKV6 and RWKV_WKV7 in float32, in the order of operations of ggml-cpu's AVX2 build (the one the fixtures
+"""RWKV_WKV6, RWKV_WKV7 and GATED_LINEAR_ATTN in float32, in the order of operations of ggml-cpu's AVX2 build (the one the fixtures
 were recorded with): per sequence and head, tokens one after another, each vector FMA one rounding (fma32).
 RWKV-6's output sums over the key channels in index order. RWKV-7's dot products over a head (the state row with
 a, then with r) run in ggml's GGML_F32_STEP layout when the head is a multiple of 32 floats: 32 lanes (four vectors
 of eight) accumulated across the head, then GGML_F32_VEC_REDUCE's pairwise order; other head sizes (where ggml's
 vector loop reads past the head) sum in index order. The state feeds the next token, and with Q8_0 weights a last-
 bit difference can flip an activation's rounding, so the order matters beyond float noise.
+GATED_LINEAR_ATTN is element-wise FMAs with no reduction across lanes (the same bits on AVX2 and AVX-512):
+new state = fma(prev, g, v * k), output += new state * (q * scale) as one FMA, in key order.
 Sequences and heads are independent: the threads split them."""
 from __future__ import annotations
 
@@ -51,6 +53,28 @@ def wkv6_f32(k, v, r, tf, td, state, y, out_s):
                     prev = st[i, c]
                     y[j, t, h, c] = fma32(fma32(kv, tf_i, prev), r_i, y[j, t, h, c])
                     st[i, c] = fma32(prev, td_i, kv)
+
+
+@njit(parallel=True, cache=True)
+def gla_f32(k, v, q, g, state, scale, y, out_s):
+    """k, v, q, g, y (n_seqs, n_tok, H, S); state, out_s (n_seqs, H, S key, S value)."""
+    n_seqs, n_tok, H, S = k.shape
+    for p in prange(n_seqs * H):
+        j = p // H
+        h = p % H
+        st = out_s[j, h]
+        st[:, :] = state[j, h]
+        for t in range(n_tok):
+            for c in range(S):
+                y[j, t, h, c] = np.float32(0.0)
+            for i in range(S):
+                k_i = k[j, t, h, i]
+                q_i = q[j, t, h, i] * scale
+                g_i = g[j, t, h, i]
+                for c in range(S):
+                    nv = fma32(st[i, c], g_i, v[j, t, h, c] * k_i)
+                    y[j, t, h, c] = fma32(nv, q_i, y[j, t, h, c])
+                    st[i, c] = nv
 
 
 @njit(parallel=True, cache=True)
@@ -116,3 +140,9 @@ def bind_rwkv_wkv6(node, dst, srcs):
 def bind_rwkv_wkv7(node, dst, srcs):
     (r, w, k, v, a, b), state, y, out_s = _bind(node, dst, srcs, range(6))
     return lambda: wkv7_f32(r, w, k, v, a, b, state, y, out_s)
+
+
+def bind_gated_linear_attn(node, dst, srcs):
+    (k, v, q, g), state, y, out_s = _bind(node, dst, srcs, range(4))
+    scale = np.float32(node.op_params["scale"])
+    return lambda: gla_f32(k, v, q, g, state, scale, y, out_s)
