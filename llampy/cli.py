@@ -1,4 +1,4 @@
-"""The `llampy` command: run, chat, serve, bench, perplexity, tokenize, embed, inspect.
+"""The `llampy` command: run, chat, serve, bench, perplexity, tokenize, embed, inspect, list, show, ps.
 
 Errors a user can cause (a missing or malformed file, an unknown architecture, a prompt longer than the context)
 print one line, ``llampy: error: ...``, and exit with status 1 — never a traceback.
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_tool_parsers(sub)
     from .cli_embed import add_embed_parser
     add_embed_parser(sub)
+    from .cli_models import add_models_parsers
+    add_models_parsers(sub)
     try:
         from .server.cli import add_serve_parser
         add_serve_parser(sub)

@@ -137,3 +137,29 @@ def test_scan_models_names(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.gguf").write_bytes(b"x")
     assert sorted(scan_models(tmp_path)) == ["a", "b", "big"]
+
+
+def test_list_show_ps_commands(routed, capsys):
+    import json
+    from llampy.cli import main
+    url, router = routed
+    assert chat(url, "qwen3-Q8_0", keep_alive=-1).status_code == 200
+    assert main(["ps", "--url", url, "--json"]) == 0
+    ps = json.loads(capsys.readouterr().out)
+    q3 = [m for m in ps if m["id"] == "qwen3-Q8_0"]
+    assert q3 and q3[0]["expires_at"] is None and q3[0]["meta"]["n_parallel"] == 2    # keep_alive -1: forever
+    assert main(["ps", "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-Q8_0" in out and "Forever" in out
+    assert main(["list", "--models-dir", str(router.dir), "--json"]) == 0
+    names = {m["name"] for m in json.loads(capsys.readouterr().out)}
+    assert set(NAMES) <= names and "mmproj-x" not in names
+    assert main(["show", "qwen3-Q8_0", "--models-dir", str(router.dir), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert (s["architecture"], s["quantization"], s["context_length"], s["embedding_length"]) == \
+        ("qwen3", "Q8_0", 256, 64)
+    assert s["parameters"] == 3268992           # llama.cpp's llama_model_n_params on this file
+    assert main(["show", "qwen3-Q8_0", "--models-dir", str(router.dir), "--template"]) == 0
+    assert "<|im_start|>" in capsys.readouterr().out
+    assert main(["show", "nothing-here", "--models-dir", str(router.dir)]) == 1
+    assert main(["ps", "--url", "http://127.0.0.1:9"]) == 1
