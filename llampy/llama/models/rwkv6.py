@@ -5,6 +5,8 @@ by one token), a residual add. Each sequence keeps, per layer, the previous toke
 shift row) and the wkv state (llama.cpp's rwkv6 graph)."""
 from __future__ import annotations
 
+import numpy as np
+
 from ...ggml import ops
 from ...ggml.tensor import Tensor
 from ..hparams import Meta
@@ -14,12 +16,13 @@ from .mamba import _positive
 GROUP_NORM_EPS = 64e-5        # the time mix's per-head norm (as llama.cpp writes it)
 
 
-def load_wkv_hparams(hp, md):
+def load_wkv_hparams(hp, md, shift_rows: int = 2):
     m = Meta(md, hp.arch)
     hp.wkv_head_size = _positive(m, "wkv.head_size")
     hp.token_shift_count = int(m.get("token_shift_count", 2))
-    if hp.token_shift_count != 2:
-        raise ValueError(f"token_shift_count is {hp.token_shift_count}; RWKV's graph shifts two rows (2)")
+    if hp.token_shift_count != shift_rows:
+        raise ValueError(f"token_shift_count is {hp.token_shift_count}; {hp.arch}'s graph shifts {shift_rows} "
+                         f"row{'s' if shift_rows > 1 else ''} ({shift_rows})")
     if hp.n_embd % hp.wkv_head_size:
         raise ValueError(f"embedding_length {hp.n_embd} is not a multiple of wkv.head_size {hp.wkv_head_size}")
     hp.recurrent_layers = [True] * hp.n_layer
@@ -111,7 +114,11 @@ def group_norm(g, cur: Tensor, w: Tensor, b: Tensor) -> Tensor:
 
 
 def time_mix(g, layer, cur: Tensor, x_prev: Tensor, il: int) -> Tensor:
+    """RWKV-6's time mix; without time_mix_first (RWKV-6 Qwen2, "QRWKV"): optional r/k/v biases, a sigmoid gate,
+    k and v repeated from attention.head_count_kv heads, k * (1 - w), gated_linear_attn with q scaled by
+    1/sqrt(head), no group norm (llama.cpp's build_rwkv6_time_mix)."""
     hp = g.hp
+    qrwkv = layer.time_mix_first is None
     n_embd, n_tokens, S = hp.n_embd, g.n_tokens, hp.wkv_head_size
     n_head = n_embd // S
     sx = ops.reshape(ops.sub(x_prev, cur), n_embd, n_tokens)
@@ -130,16 +137,29 @@ def time_mix(g, layer, cur: Tensor, x_prev: Tensor, il: int) -> Tensor:
     else:
         xw, xk, xv, xr, xg = (ops.add(ops.mul(ops.add(part(i), getattr(layer, f"time_mix_lerp_{x}")), sx), cur)
                               for i, x in enumerate("wkvrg"))
-    r = ops.reshape(g.mm(layer.time_mix_receptance, xr), S, n_head, n_tokens)
-    k = ops.reshape(g.mm(layer.time_mix_key, xk), S, n_head, n_tokens)
-    v = ops.reshape(g.mm(layer.time_mix_value, xv), S, n_head, n_tokens)
-    gate = ops.silu(g.mm(layer.time_mix_gate, xg))
+    bias = lambda name: getattr(layer, name + "_b", None)                # noqa: E731
+    r = ops.reshape(g.mm(layer.time_mix_receptance, xr, bias("time_mix_receptance")), S, n_head, n_tokens)
+    k = g.mm(layer.time_mix_key, xk, bias("time_mix_key"))
+    v = g.mm(layer.time_mix_value, xv, bias("time_mix_value"))
+    gate = g.mm(layer.time_mix_gate, xg)
+    gate = ops.sigmoid(gate) if qrwkv else ops.silu(gate)
+    n_kv = hp.n_head_kv(il)
+    if n_kv and n_kv != n_head:         # key/value head h serves heads h * r .. h * r + r - 1
+        shape = Tensor(k.type, (S, n_head // n_kv, n_kv, n_tokens))
+        k = ops.repeat(ops.reshape(k, S, 1, n_kv, n_tokens), shape)
+        v = ops.repeat(ops.reshape(v, S, 1, n_kv, n_tokens), shape)
+    k, v = ops.reshape(k, S, n_head, n_tokens), ops.reshape(v, S, n_head, n_tokens)
     w = ops.mul_mat(layer.time_mix_decay_w2, ops.tanh(ops.mul_mat(layer.time_mix_decay_w1, xw)))
     w = ops.add(w, layer.time_mix_decay)
     w = ops.exp(ops.scale(ops.exp(w), -1.0))                            # exp(-exp(w)), the decay in (0, 1)
     w = ops.reshape(w, S, n_head, n_tokens)
-    out = ops.rwkv_wkv6(k, v, r, layer.time_mix_first, w, wkv_state(g, il))
-    cur = group_norm(g, wkv_split(g, il, out), layer.time_mix_ln, layer.time_mix_ln_b)
+    if qrwkv:
+        k = ops.sub(k, ops.mul(k, w))
+        out = ops.gated_linear_attn(k, v, r, w, wkv_state(g, il), float(np.float32(float(S) ** -0.5)))
+        cur = wkv_split(g, il, out)
+    else:
+        out = ops.rwkv_wkv6(k, v, r, layer.time_mix_first, w, wkv_state(g, il))
+        cur = group_norm(g, wkv_split(g, il, out), layer.time_mix_ln, layer.time_mix_ln_b)
     return g.mm(layer.time_mix_output, ops.mul(cur, gate))
 
 
