@@ -31,6 +31,7 @@ from .fields import request_options
 from .ops import Cors, Draining, llamacpp_metrics, log_request
 from .render import RenderBudgetError, TemplateRenderer
 from .slots import Engine, Event, Request, ShuttingDown
+from .completions import MAX_CHOICES
 
 MAX_BODY = 4 << 20          # bytes of one request body
 EMBD_CTX = 2048             # tokens of one embedding input
@@ -473,7 +474,7 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
         server.check_model(body)
         msgs, bitmaps = media.media_messages(server, check_messages(body))
         p = sampling_params(body, server.n_vocab)
-        oai.choices_n(body, 1)
+        n_choices = oai.choices_n(body, MAX_CHOICES)
         opts = request_options(body, server.engine.n_parallel)
         await server.prepare_sampling(p)
         want_lp = oai.flag(body, "logprobs")
@@ -492,6 +493,12 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
         gs = await server.grammar_sampler(g)
         toks = await (asyncio.to_thread(media.media_tokens, server, prompt, bitmaps, False) if bitmaps
                       else server.chat_tokens_async(prompt))
+        if n_choices > 1:               # n replies: a request each (chat_n.py)
+            from .chat_n import chat_choices
+            gs_list = [gs] + [await server.grammar_sampler(g) for _ in range(n_choices - 1)]
+            return await chat_choices(server, http, n_choices, toks, p, gs_list, want_lp, n_top, opts, tp,
+                                      lambda: splitter_for(tp.source, prompt, oai.reasoning_format(body)), stream,
+                                      with_usage, new_id("chatcmpl"), now())
         req = server.make_request(toks, p, n_top if want_lp else 0, want_lp, "messages", gs, opts)
         req.keep_tokens = tp.keep_tokens      # the format's markers stay in the text, or it cannot be parsed
         q = submit(server, req)

@@ -282,6 +282,7 @@ _PROMPTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "i
 SCHEMAS = {
     "chat": {"type": "object", "required": ["messages"], "properties": {
         **_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "n": {"type": "integer", "minimum": 1, "maximum": 64, "description": "replies to the conversation"},
         "tools": {"type": "array", "items": {"type": "object", "properties": {
             "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
                 "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}}}},
