@@ -15,6 +15,9 @@ class Batch:
     # float32 [n, n_embd]: input embeddings in place of the tokens (an image's chunk; llama_batch.embd), the
     # tokens then only placeholders
     embd: np.ndarray | None = None
+    # int32 [n, 4]: M-RoPE's four positions of each token (an image's rows t, y, x, z), the pos column the first;
+    # None: a text token's p, p, p, 0
+    mpos: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -33,12 +36,17 @@ class Batch:
         return cls(t, np.arange(pos0, pos0 + n, dtype=np.int32), [(seq_id,)] * n, want)
 
     @classmethod
-    def from_embd(cls, embd, pos0: int = 0, seq_id: int = 0, pos=None) -> "Batch":
-        """Rows of input embeddings of one sequence at positions pos0, pos0+1, ... (or ``pos``), no outputs."""
+    def from_embd(cls, embd, pos0: int = 0, seq_id: int = 0, pos=None, mpos=None) -> "Batch":
+        """Rows of input embeddings of one sequence at positions pos0, pos0+1, ... (or ``pos``; or M-RoPE's
+        ``mpos`` [n, 4], whose first column is then the position), no outputs."""
         e = np.ascontiguousarray(embd, dtype=np.float32)
         n = len(e)
-        p = np.arange(pos0, pos0 + n, dtype=np.int32) if pos is None else np.asarray(pos, np.int32)
-        return cls(np.zeros(n, np.int32), p, [(seq_id,)] * n, np.zeros(n, bool), e)
+        if mpos is not None:
+            mpos = np.ascontiguousarray(mpos, dtype=np.int32).reshape(n, 4)
+            p = mpos[:, 0].copy()
+        else:
+            p = np.arange(pos0, pos0 + n, dtype=np.int32) if pos is None else np.asarray(pos, np.int32)
+        return cls(np.zeros(n, np.int32), p, [(seq_id,)] * n, np.zeros(n, bool), e, mpos)
 
     @classmethod
     def empty(cls) -> "Batch":
@@ -52,7 +60,7 @@ class Batch:
 
     def slice(self, i0: int, i1: int) -> "Batch":
         return Batch(self.tokens[i0:i1], self.pos[i0:i1], self.seq_id[i0:i1], self.logits[i0:i1],
-                     None if self.embd is None else self.embd[i0:i1])
+                     None if self.embd is None else self.embd[i0:i1], None if self.mpos is None else self.mpos[i0:i1])
 
     def validate(self, n_vocab: int, n_seq_max: int) -> None:
         n = len(self.tokens)

@@ -188,7 +188,7 @@ class Context:
             raise ContextError(f"decode: {e}") from None
         for idx in ubatches:
             ub = Batch(batch.tokens[idx], batch.pos[idx], [batch.seq_id[i] for i in idx], batch.logits[idx],
-                       None if batch.embd is None else batch.embd[idx])
+                       None if batch.embd is None else batch.embd[idx], None if batch.mpos is None else batch.mpos[idx])
             out_idx = np.flatnonzero(want[idx])
             res = self._decode_ubatch(ub, out_idx)
             rows = rank[idx[out_idx]]
@@ -214,6 +214,8 @@ class Context:
             except _CacheFull as e:
                 raise CacheFull(str(e)) from None
             self.kv.apply(idxs, ub.pos, ub.seq_id)
+            if ub.mpos is not None:      # an image's cells: their (x, y) order the M-RoPE causal mask
+                self.kv.apply_2d(idxs, ub.mpos)
             n_kv = self._n_kv(n)
         else:
             n_kv = n
@@ -225,7 +227,11 @@ class Context:
         else:
             tensor_set(inp["tokens"], ub.tokens)
         if "pos" in inp:
-            tensor_set(inp["pos"], ub.pos)
+            if self.model.hparams.n_pos_per_embd == 4:     # rows t, h, w, e (text: p, p, p, 0)
+                rows = ub.mpos.T if ub.mpos is not None else np.stack([ub.pos, ub.pos, ub.pos, np.zeros_like(ub.pos)])
+                tensor_set(inp["pos"], np.ascontiguousarray(rows, dtype=np.int32).reshape(-1))
+            else:
+                tensor_set(inp["pos"], ub.pos)
         if "kv_idxs" in inp:
             tensor_set(inp["kv_idxs"], idxs.astype(np.int64))
         for key, fill in gc.input_fns.items():
@@ -234,7 +240,7 @@ class Context:
             tensor_set(inp[key], value)
         causal = {} if self.causal_attn else {"causal": False}
         if "kq_mask" in inp:
-            tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id, **causal))
+            tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id, mpos=ub.mpos, **causal))
         if "kq_mask_swa" in inp:
             tensor_set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa,
                                                         chunked=self.model.hparams.swa_chunked, **causal))

@@ -63,7 +63,8 @@ class GraphContext:
         return self.cb(cur, "inp_embd")
 
     def inp_pos(self) -> Tensor:
-        return self._input("pos", I32, self.n_tokens)
+        # M-RoPE: four rows of positions (llm_graph_input_pos; a text token's rows are p, p, p, 0)
+        return self._input("pos", I32, self.n_tokens * self.hp.n_pos_per_embd)
 
     def inp_out_ids(self) -> Tensor | None:
         """Rows of the last layer to keep: None when every token is an output (nothing to select)."""
@@ -335,6 +336,10 @@ class GraphContext:
         base, scale = hp.rope_freq_base, hp.rope_freq_scale
         if hp.is_swa(il):
             base, scale = hp.rope_freq_base_swa, hp.rope_freq_scale_swa
+        if hp.n_pos_per_embd == 4:
+            return ops.rope_multi(x, pos, freq_factors, hp.n_rot, hp.rope_sections, hp.rope_type, hp.n_ctx_orig_yarn,
+                                  base, scale, hp.yarn_ext_factor, hp.yarn_attn_factor, hp.yarn_beta_fast,
+                                  hp.yarn_beta_slow)
         return ops.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn, base, scale,
                             hp.yarn_ext_factor, hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow)
 

@@ -90,6 +90,9 @@ class HParams:
     yarn_beta_slow: float = 1.0
     rope_freq_base_swa: float = 10000.0
     rope_freq_scale_swa: float = 1.0
+    # M-RoPE (qwen2-VL): 4 positions a token (t, h, w, e rows), the rotated pairs split among them by sections
+    n_pos_per_embd: int = 1
+    rope_sections: tuple = (0, 0, 0, 0)
     # attention
     f_attention_scale: float = 0.0
     n_swa: int = 0

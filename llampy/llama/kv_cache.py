@@ -240,8 +240,15 @@ class KVCache:
             if not lower_only or first < self.heads[st]:
                 self.heads[st] = first
 
+    def apply_2d(self, idxs: np.ndarray, mpos: np.ndarray) -> None:
+        """M-RoPE: the (x, y) of an image's cells (llama_kv_cell_ext), which order the tokens sharing a position."""
+        if getattr(self, "ext", None) is None:
+            self.ext = np.zeros((self.size, 2), np.int32)
+        self.ext[idxs, 0] = mpos[:, 2]
+        self.ext[idxs, 1] = mpos[:, 1]
+
     def mask(self, n_kv: int, pos: np.ndarray, seq_ids: list, swa: int = 0, causal: bool = True,
-             chunked: bool = False) -> np.ndarray:
+             chunked: bool = False, mpos: np.ndarray | None = None) -> np.ndarray:
         """F16 [n_tokens, n_kv] (row-major, i.e. ggml [n_kv, n_tokens]): 0 where token i may see cell j, -inf elsewhere.
         swa > 0: only cells less than swa positions back, or with ``chunked`` (llama 4) only cells of the token's
         own chunk of swa positions (llama_hparams::is_masked_swa)."""
@@ -252,6 +259,11 @@ class KVCache:
         visible &= (cpos >= 0)[None, :]
         if causal:
             visible &= cpos[None, :] <= pos[:, None]
+            if mpos is not None and getattr(self, "ext", None) is not None:
+                # M-RoPE: an image's tokens share one position; a cell of it later in (y, x) order is hidden
+                cx, cy = self.ext[:n_kv, 0][None, :], self.ext[:n_kv, 1][None, :]
+                x, y = mpos[:, 2][:, None], mpos[:, 1][:, None]
+                visible &= ~((cpos[None, :] == pos[:, None]) & ((cy > y) | ((cy == y) & (cx > x))))
         if swa > 0 and chunked:
             visible &= cpos[None, :] >= (pos[:, None] // swa) * swa
         elif swa > 0:

@@ -34,6 +34,14 @@ class Chunk:
     bitmap: Bitmap | None = None
     n_tokens: int = 0
     entry: int = 0                              # which of the image's encoder inputs (tiled projectors: 0 overview)
+    nx: int = 0                                 # M-RoPE: the image's tokens a row, and its rows (else 0)
+    ny: int = 0
+
+    @property
+    def n_pos(self) -> int:
+        """The positions the chunk advances the sequence by (mtmd_input_chunk_get_n_pos): an image's tokens, or with
+        M-RoPE, where all its tokens share one position and differ by row and column, max(rows, columns)."""
+        return max(self.nx, self.ny) if self.nx else self.n_tokens
 
     @property
     def id(self) -> str | None:
@@ -92,6 +100,8 @@ class MtmdContext:
         self.media_marker = media_marker
         self.img_beg, self.img_end = _WRAP[self.proj.hparams.proj_type]
         self.non_causal = self.proj.hparams.proj_type in _NON_CAUSAL
+        # the language model's M-RoPE (qwen2-VL): an image's tokens placed by row and column
+        self.mrope = getattr(model.hparams, "n_pos_per_embd", 1) == 4
         self._cache: OrderedDict[str, list] = OrderedDict()
         self._pre = None
         self.cache_images = cache_images
@@ -137,7 +147,10 @@ class MtmdContext:
                 bm = bitmaps[i]
                 add_text(self.img_beg, True)
                 if self.tiles is None:
-                    chunks.append(Chunk("image", bitmap=bm, n_tokens=self._n_image_tokens(bm)))
+                    ch = Chunk("image", bitmap=bm, n_tokens=self._n_image_tokens(bm))
+                    if self.mrope:
+                        ch.nx, ch.ny = self._grid(bm)
+                    chunks.append(ch)
                 else:
                     self._add_tiles(chunks, bm, add_text, add_ids)
                 add_text(self.img_end, True)
@@ -156,9 +169,12 @@ class MtmdContext:
                 chunks.append(Chunk("text", add_text_ids, n_tokens=1))
         return chunks
 
-    @staticmethod
-    def flatten(chunks: list) -> list:
+    def flatten(self, chunks: list) -> list:
         """The prompt as one list: text tokens as they are, each image position an ImagePos."""
+        if self.mrope and any(c.type == "image" for c in chunks):
+            # a flat prompt places token k at position k; M-RoPE's image tokens share one position
+            raise MediaError("images for an M-RoPE language model (qwen2-VL) are placed by eval_chunks only: the "
+                             "Python API, the server and llampy run do not place them yet")
         out: list = []
         for ch in chunks:
             if ch.type == "text":
@@ -208,6 +224,12 @@ class MtmdContext:
         pre = preprocess(bm, self.proj.hparams)
         self._pre = (bm.id, pre)
         return pre
+
+    def _grid(self, bm: Bitmap) -> tuple[int, int]:
+        """The merged tokens a row and the rows of an image (clip_n_output_tokens_x / _y)."""
+        hp = self.proj.hparams
+        h, w = self._preprocess(bm).images[0].shape[:2]
+        return w // hp.patch_size // hp.n_merge, h // hp.patch_size // hp.n_merge
 
     def _n_image_tokens(self, bm: Bitmap) -> int:
         hp = self.proj.hparams
@@ -262,18 +284,26 @@ class MtmdContext:
             raise MediaError(f"an image of {n} tokens does not fit in one batch (n_batch {n_batch}, n_ubatch "
                              f"{ctx.n_ubatch}): its tokens attend to each other, so raise the batch size to {n} "
                              f"or more")
+        mpos = None
+        if self.mrope:       # mtmd_image_tokens_get_decoder_pos: rows t, y, x, z of token i
+            if chunk.nx * chunk.ny != n:
+                raise MediaError(f"the image's {n} tokens are not its {chunk.nx}x{chunk.ny} grid")
+            i = np.arange(n, dtype=np.int32)
+            mpos = np.stack([np.full(n, n_past, np.int32), n_past + i // chunk.nx, n_past + i % chunk.nx,
+                             np.zeros(n, np.int32)], axis=1)
         prev = ctx.causal_attn
         ctx.set_causal_attn(not self.non_causal)
         try:
             for j in range(0, n, n_batch):
-                ctx.decode(Batch.from_embd(embd[j:j + n_batch], n_past + j, seq_id))
+                ctx.decode(Batch.from_embd(embd[j:j + n_batch], n_past + j, seq_id,
+                                           mpos=None if mpos is None else mpos[j:j + n_batch]))
         except CacheFull:
             raise
         except ContextError as e:
             raise MediaError(f"decoding the image failed: {e}") from None
         finally:
             ctx.set_causal_attn(prev)
-        return n_past + n
+        return n_past + chunk.n_pos
 
     def close(self) -> None:
         self.proj.close()

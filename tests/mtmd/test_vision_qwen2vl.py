@@ -1,10 +1,12 @@
 """The qwen2-VL projector (``qwen2vl_merger``) against llama.cpp's libmtmd on a tiny random-weight projector
 (tests/fixtures/tiny_vision, make_tiny_qwen2vl.py): the image resized to whole 2x2 blocks of patches within the token
 limits (letterboxed), the two patch kernels, the encoder's 2-D rope (ops.rope_multi, VISION), the merger; the chunk
-layout (``<|vision_start|>`` ... ``<|vision_end|>``) beside the shared tiny qwen2.
+layout (``<|vision_start|>`` ... ``<|vision_end|>``) beside the shared tiny qwen2; and the language model's side with
+M-RoPE (a qwen2vl model: the image's tokens share one position and take their row and column, the text after it
+continues max(rows, columns) on), its greedy continuation against llama.cpp's.
 
 Tolerances: the PNGs are exact (the one that is letterboxed included; measured 0); the JPEG differs by its decoder
-(libjpeg here, stb_image there): 6e-3 relative measured, 3e-2 allowed.
+(libjpeg here, stb_image there): 6e-3 relative measured, 3e-2 allowed. Log-probs: measured 0.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import pytest
 
 pytest.importorskip("PIL")
 
+from llampy.llama.batch import Batch
+from llampy.llama.context import Context
 from llampy.llama.model import Model
-from llampy.mtmd import MtmdContext, ProjectorError, bitmap_from_file
+from llampy.mtmd import MediaError, MtmdContext, ProjectorError, bitmap_from_file
 from tests.paths import ROOT, SHARED
 
 HERE = ROOT / "tests" / "fixtures" / "tiny_vision"
@@ -72,3 +76,57 @@ def test_qwen25vl_and_odd_heads_are_refused(mctx, tmp_path):
         MtmdContext(variant(tmp_path / "q25.gguf", **{"clip.projector_type": "qwen2.5vl_merger"}), mctx.model)
     with pytest.raises(ProjectorError, match="head size 6 does not split"):
         MtmdContext(variant(tmp_path / "h2.gguf", **{"clip.vision.attention.head_count": 8}), mctx.model)
+
+
+def _greedy(mctx, gen):
+    lm = mctx.model
+    rt = REF["runtime"]
+    ctx = Context(lm, n_ctx=rt["n_ctx"], n_batch=rt["n_batch"], n_ubatch=rt["n_ubatch"])
+    chunks = mctx.tokenize(gen["prompt"], [bitmap_from_file(HERE / n) for n in gen["images"]])
+    layout = [{"type": "text", "tokens": c.tokens} if c.type == "text" else
+              {"type": "image", "n_tokens": c.n_tokens, "n_pos": c.n_pos} for c in chunks]
+    assert layout == gen["chunks"]
+    n_past = mctx.eval_chunks(ctx, chunks, 0, 0)
+    assert n_past == gen["n_past"]
+    worst = 0.0
+    for k, step in enumerate(gen["steps"]):
+        x = ctx.get_logits_ith(-1).astype(np.float64)
+        lp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        assert int(np.argmax(lp)) == step["id"], f"step {k}"
+        worst = max(worst, max(abs(lp[t] - v) for t, v in step["top"]))
+        ctx.decode(Batch.from_tokens([step["id"]], n_past + k))
+    assert worst <= 1e-3, f"top log-probs differ by {worst:.2e}"
+
+
+def test_greedy_continuation_with_normal_positions(mctx):
+    _greedy(mctx, REF["generations"][0])
+
+
+@pytest.fixture(scope="module")
+def mctx_vl(tmp_path_factory):
+    import importlib.util
+    if not LM.exists():
+        pytest.skip(f"{LM} not found (the shared tiny models)")
+    spec = importlib.util.spec_from_file_location("make_tiny_qwen2vl", HERE / "make_tiny_qwen2vl.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    path = tmp_path_factory.mktemp("qwen2vl") / "lm.gguf"
+    gen.write_lm_vl(path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == REF["model_vl_sha256"]
+    lm = Model(path)
+    assert lm.hparams.n_pos_per_embd == 4 and lm.hparams.rope_sections == tuple(gen.SECTIONS)
+    # llama.cpp 0.3.36's qwen2vl reads only the rope sections in load_arch_hparams (qwen2's reads the RMS norm's
+    # epsilon): it runs with epsilon 0. llampy reads the file's; the comparison runs llampy as llama.cpp ran
+    lm.hparams.f_norm_rms_eps = 0.0
+    return MtmdContext(MMPROJ, lm)
+
+
+@pytest.mark.parametrize("i", [0, 1], ids=["rect64x32", "wide45x27"])
+def test_mrope_continuation_matches_llamacpp(mctx_vl, i):
+    _greedy(mctx_vl, REF["generations_vl"][i])
+
+
+def test_mrope_flat_prompts_are_refused(mctx_vl):
+    chunks = mctx_vl.tokenize("<__media__>", [bitmap_from_file(HERE / "rect64x32.png")])
+    with pytest.raises(MediaError, match="M-RoPE language model"):
+        mctx_vl.flatten(chunks)
