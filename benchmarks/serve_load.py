@@ -4,8 +4,10 @@ concurrent streaming clients on the default model.
 
     python benchmarks/serve_load.py [--tokens 32] [--requests 8] [--streams 1 4 8] [--rounds 3]
 
-The server runs as a subprocess on 127.0.0.1 with --parallel = the largest stream count. If llama-cpp-python's
-server (`python -m llama_cpp.server`) is importable in benchmarks/.llamacpp-venv, it runs under the same load.
+The server runs as a subprocess on 127.0.0.1 with --parallel = the largest stream count. llama.cpp's llama-server
+(`--llama-server PATH`, or llama-server in LLAMPY_LLAMACPP_TOOLS, which scripts/llamacpp_server.sh builds) runs
+under the same load with the same slots and context. If llama-cpp-python's server (`python -m llama_cpp.server`)
+is importable in benchmarks/.llamacpp-venv, it runs too.
 Each server runs in its own process; the server's log goes to benchmarks/.serve_load.log.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -133,6 +136,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all levels for llampy (median reported)")
     ap.add_argument("--llamacpp-rounds", type=int, default=1, help="rounds for llama-cpp-python's server")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip llama-cpp-python's server")
+    ap.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="llama.cpp's llama-server (default: LLAMPY_LLAMACPP_TOOLS/llama-server when it exists)")
+    ap.add_argument("--llama-server-rounds", type=int, default=None, help="rounds for llama-server (default --rounds)")
+    ap.add_argument("-t", "--threads", type=int, default=2, help="threads of each server's kernels (default 2)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
     from llampy.models import smollm2_path
@@ -142,12 +149,29 @@ def main(argv=None) -> int:
     with open(HERE / ".serve_load.log", "w") as log:
         port = free_port()
         proc = serve([sys.executable, "-m", "llampy", "serve", "--port", str(port), "--parallel", str(n_par),
-                      "--ctx-size", str(512 * n_par)], port, log)
+                      "--ctx-size", str(512 * n_par), "-t", str(args.threads)], port, log)
         try:
             rows += load_levels("llampy", f"http://127.0.0.1:{port}", args, max(1, args.rounds))
         finally:
             proc.terminate()
             proc.wait(timeout=20)
+        ls = args.llama_server or (os.path.join(os.environ["LLAMPY_LLAMACPP_TOOLS"], "llama-server")
+                                   if os.environ.get("LLAMPY_LLAMACPP_TOOLS") else None)
+        if ls and os.access(ls, os.X_OK):
+            port = free_port()
+            # the same slots, context and threads; its own defaults otherwise (continuous batching, unified KV
+            # cache, prompt cache); --no-webui: the page is not part of the load
+            proc = serve([ls, "-m", str(smollm2_path()), "--port", str(port), "-np", str(n_par), "-c",
+                          str(512 * n_par), "-t", str(args.threads), "--no-webui"], port, log)
+            try:
+                rows += load_levels("llama-server", f"http://127.0.0.1:{port}", args,
+                                   max(1, args.llama_server_rounds or args.rounds))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=20)
+        else:
+            print("(no llama-server: bash scripts/llamacpp_server.sh builds it into LLAMPY_LLAMACPP_TOOLS, or give "
+                  "--llama-server PATH)\n")
         lc_py = HERE / ".llamacpp-venv" / "bin" / "python"
         if args.no_llamacpp:
             pass
