@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "jamba": "jamba",
     "rwkv6": "rwkv6",
     "rwkv7": "rwkv7",
+    "rwkv6qwen2": "rwkv6qwen2",
     "lfm2": "lfm2",
     "granitehybrid": "granitehybrid",
     "falcon-h1": "falconh1",
