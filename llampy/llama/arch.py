@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "rwkv6": "rwkv6",
     "rwkv7": "rwkv7",
     "rwkv6qwen2": "rwkv6qwen2",
+    "arwkv7": "arwkv7",
     "lfm2": "lfm2",
     "granitehybrid": "granitehybrid",
     "falcon-h1": "falconh1",

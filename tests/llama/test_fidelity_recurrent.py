@@ -26,7 +26,7 @@ FULL = ["mamba-s16-F32", "mamba-s128-Q8_0", "falcon-mamba-s16-Q8_0", "mamba2-s12
 LATER = ["rwkv6-h16-F32", "rwkv6-h64-Q8_0", "rwkv7-h32-Q8_0", "rwkv7-h64-F32", "lfm2-c3-Q8_0", "lfm2-c4-Q8_0",
          "granitehybrid-s64-Q8_0", "granitehybrid-moe-Q8_0", "falcon-h1-s32-Q8_0", "falcon-h1-s128-Q8_0",
          "nemotron_h-s64-Q8_0", "qwen3next-s32-Q8_0", "qwen3next-s64-legacy-Q8_0", "nemotron_h_moe-lat32-Q8_0",
-         "rwkv6qwen2-h32-Q8_0", "rwkv6qwen2-h16-Q8_0"]
+         "rwkv6qwen2-h32-Q8_0", "rwkv6qwen2-h16-Q8_0", "arwkv7-h32-Q8_0", "arwkv7-h64-gate-Q8_0"]
 PPL_LATER = ["rwkv7-h32-Q8_0", "lfm2-c4-Q8_0"]
 TOL = 1e-3
 MARGIN = 0.05

@@ -57,17 +57,20 @@ def load_tensors(model, ld):
         layer.ffn_down = c("ffn_down", (F, E))
 
 
-def build_graph(model, g):
+def build_blocks(model, g, time_mix_fn):
+    """Per layer: the token-shift row in, RMS norm, time mix, residual, RMS norm, SwiGLU, residual (llama.cpp's
+    rwkv6qwen2 and arwkv7 graphs)."""
     hp = model.hparams
     E, n_seqs = hp.n_embd, g.n_seqs
     T = g.n_tokens // n_seqs
     inpL = g.inp_embd(model.tok_embd)
     out_ids = g.inp_out_ids()
+    carry = {}                      # what a time mix hands the next layer's (ARWKV-7's first-layer value)
     for il, layer in enumerate(model.layers):
         inpL = ops.reshape(inpL, E, T, n_seqs)
         shift = ops.reshape(g.rs_get_r(il), E, 1, n_seqs)
         att_norm = g.cb(g.norm(inpL, layer.attn_norm, il=il), "attn_norm", il)
-        cur = time_mix(g, layer, att_norm, token_shift(att_norm, shift), il)
+        cur = time_mix_fn(g, layer, att_norm, token_shift(att_norm, shift), il, carry)
         g.rs_store_r(il, ops.cont(last_token(att_norm), E, n_seqs))
         ffn_inp = g.cb(ops.reshape(ops.add(ops.reshape(cur, E, T, n_seqs), inpL), E, g.n_tokens), "ffn_inp", il)
         if il == hp.n_layer - 1:
@@ -75,5 +78,9 @@ def build_graph(model, g):
         cur = g.cb(g.norm(ffn_inp, layer.ffn_norm, il=il), "ffn_norm", il)
         cur = g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "silu", il=il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
-    cur = g.norm(inpL, model.output_norm, model.output_norm_b)
+    cur = g.norm(inpL, model.output_norm, getattr(model, "output_norm_b", None))
     return g.finish(cur, g.mm(model.output, cur))
+
+
+def build_graph(model, g):
+    return build_blocks(model, g, lambda g, layer, cur, x_prev, il, _: time_mix(g, layer, cur, x_prev, il))

@@ -57,8 +57,8 @@ def time_mix(g, layer, cur, x_prev, il: int, carry: dict):
     sx = ops.sub(x_prev, cur)                                            # [E, n_seq_tokens, n_seqs]
     sx = ops.repeat(sx, Tensor(sx.type, (E, sx.ne[1], sx.ne[2], n_parts)))     # the shape to tile to
     xxx = ops.add(ops.mul(sx, layer.time_mix_lerp_fused), cur)          # [E, n_seq_tokens, n_seqs, 6]
-    xr, xw, xk, xv, xa, xg = (ops.view_2d(xxx, E, n_tokens, xxx.nb[1], i * E * n_tokens * 4)
-                              for i in range(n_parts))
+    xr, xw, xk, xv, xa, *xg = (ops.view_2d(xxx, E, n_tokens, xxx.nb[1], i * E * n_tokens * 4)
+                               for i in range(n_parts))
     r = g.mm(layer.time_mix_receptance, xr)
     w = ops.add(ops.mul_mat(layer.time_mix_w2, ops.tanh(ops.mul_mat(layer.time_mix_w1, xw))), layer.time_mix_w0)
     w = ops.exp(ops.scale(ops.sigmoid(w), W_SCALE))
@@ -70,17 +70,21 @@ def time_mix(g, layer, cur, x_prev, il: int, carry: dict):
         gate = ops.sigmoid(ops.add(ops.mul_mat(layer.time_mix_v2, ops.mul_mat(layer.time_mix_v1, xv)),
                                    layer.time_mix_v0))
         v = ops.add(v, ops.mul(ops.sub(carry["v_first"], v), gate))
-    gate = ops.mul_mat(layer.time_mix_g2, ops.sigmoid(ops.mul_mat(layer.time_mix_g1, xg)))
+    gate = None         # ARWKV-7's files may have no gate (five interpolations) and no group norm
+    if layer.time_mix_g1 is not None and layer.time_mix_g2 is not None:
+        gate = ops.mul_mat(layer.time_mix_g2, ops.sigmoid(ops.mul_mat(layer.time_mix_g1, xg[0])))
     a = ops.sigmoid(ops.add(ops.mul_mat(layer.time_mix_a2, ops.mul_mat(layer.time_mix_a1, xa)), layer.time_mix_a0))
     kk = ops.l2_norm(ops.reshape(ops.mul(k, layer.time_mix_k_k), S, H, n_tokens), L2_EPS)
     ka = ops.mul(k, layer.time_mix_k_a)
     k = ops.add(k, ops.sub(ops.mul(a, ka), ka))
     r, w, k, v, a = (ops.reshape(t, S, H, n_tokens) for t in (r, w, k, v, a))
     out = ops.rwkv_wkv7(r, w, k, v, ops.scale(kk, -1.0), ops.mul(kk, a), wkv_state(g, il))
-    cur = group_norm(g, wkv_split(g, il, out), layer.time_mix_ln, layer.time_mix_ln_b)
+    cur = wkv_split(g, il, out)
+    if layer.time_mix_ln is not None and layer.time_mix_ln_b is not None:
+        cur = group_norm(g, cur, layer.time_mix_ln, layer.time_mix_ln_b)
     rk = ops.sum_rows(ops.mul(ops.mul(k, r), ops.reshape(layer.time_mix_r_k, S, H)))     # [1, H, n_tokens]
     cur = ops.add(cur, ops.reshape(ops.mul(v, rk), E, n_tokens))
-    return g.mm(layer.time_mix_output, ops.mul(cur, gate))
+    return g.mm(layer.time_mix_output, ops.mul(cur, gate) if gate is not None else cur)
 
 
 def channel_mix(g, layer, cur, x_prev):
