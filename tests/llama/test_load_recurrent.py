@@ -15,7 +15,8 @@ from tests.llama.tiny_recurrent import gguf
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     return {n: gguf(n, tmp_path_factory) for n in ("mamba-s128-Q8_0", "mamba2-s16-g2-Q8_0", "rwkv7-h32-Q8_0",
-                                                   "lfm2-c3-Q8_0")}
+                                                   "lfm2-c3-Q8_0", "qwen3next-s64-legacy-Q8_0",
+                                                   "rwkv6qwen2-h16-Q8_0")}
 
 
 def _rewrite(src, dst, drop=(), set_=None, drop_tensors=()):
@@ -70,7 +71,10 @@ def test_state_per_sequence_is_llama_cpps(built):
 
 @pytest.mark.parametrize("name,key", [("rwkv7-h32-Q8_0", "rwkv7.wkv.head_size"),
                                       ("rwkv7-h32-Q8_0", "rwkv7.attention.decay_lora_rank"),
-                                      ("lfm2-c3-Q8_0", "lfm2.shortconv.l_cache")])
+                                      ("lfm2-c3-Q8_0", "lfm2.shortconv.l_cache"),
+                                      ("qwen3next-s64-legacy-Q8_0", "qwen3next.ssm.group_count"),
+                                      ("qwen3next-s64-legacy-Q8_0", "qwen3next.expert_count"),
+                                      ("rwkv6qwen2-h16-Q8_0", "rwkv6qwen2.time_mix_extra_dim")])
 def test_missing_wkv_or_shortconv_key_is_named(built, tmp_path, name, key):
     path = _rewrite(built[name], tmp_path / "m.gguf", drop=(key,))
     with pytest.raises(MissingMetadata, match=key):
@@ -85,3 +89,20 @@ def test_rwkv_and_shortconv_state_sizes_are_llama_cpps(built):
     # LFM2: n_embd_r = n_embd * (l_cache - 1), no state row; attention on the layers with KV heads
     assert hp.n_embd_r() == 64 * 2 and hp.n_embd_s() == 0
     assert [hp.is_recurrent(il) for il in range(4)] == [True, True, False, True]
+
+
+def test_gated_deltanet_state_sizes_and_layers_are_llama_cpps(built):
+    hp = Model(built["qwen3next-s64-legacy-Q8_0"]).hparams
+    # llama.cpp: n_embd_r = (d_conv - 1) * (d_inner + 2 n_group d_state), n_embd_s = d_state * d_inner; the layers
+    # from attention.recurrent_layers
+    assert hp.n_embd_r() == 2 * (128 + 2 * 2 * 64) and hp.n_embd_s() == 64 * 128
+    assert [hp.is_recurrent(il) for il in range(3)] == [True, False, True]
+    assert [hp.has_kv(il) for il in range(3)] == [False, True, False]
+    hp = Model(built["rwkv6qwen2-h16-Q8_0"]).hparams
+    assert hp.n_embd_r() == 64 and hp.n_embd_s() == 64 * 16          # one token-shift row
+
+
+def test_qwen3next_value_heads_must_be_state_sized(built, tmp_path):
+    path = _rewrite(built["qwen3next-s64-legacy-Q8_0"], tmp_path / "m.gguf", set_={"qwen3next.ssm.inner_size": 96})
+    with pytest.raises(ValueError, match="ssm.inner_size 96"):
+        Model(path)
