@@ -133,3 +133,44 @@ def test_cli_run_with_images(capsys):
                  "-n", "1"]) == 1
     err = capsys.readouterr().err
     assert "failed to decode image" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_chat_page_attaches_an_image(vision_server, tmp_path):
+    """The chat page in headless Chromium: the server has a projector, so the page offers an image button; the
+    image goes as an image_url part, and the greedy reply is llama.cpp's (make_tiny_vision.py's PROMPT_CHAT)."""
+    import os
+    import shutil
+
+    playwright = pytest.importorskip("playwright.sync_api")
+    from tests.server.test_chat_page import ARGS, CHROMIUM
+    if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
+        pytest.skip("no chromium: run scripts/system-deps.sh")
+    url, server = vision_server
+    ref = REF["chat"]
+    want = server.model.vocab.detokenize(ref["ids"])
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "/")
+            page.wait_for_selector("#attach:not([hidden])", timeout=10_000)
+            page.set_input_files("#image", str(HERE / "square32.png"))
+            page.wait_for_selector("#attached:not([hidden])", timeout=10_000)
+            page.click("summary")
+            page.fill("#temperature", "0")
+            page.fill("#max_tokens", str(len(ref["ids"])))
+            page.fill("#msg", "What is it?")
+            page.press("#msg", "Enter")
+            page.wait_for_selector(".assistant[data-done='1']", timeout=120_000)
+            reply = page.evaluate("document.querySelector('.assistant').textContent")
+            classes = page.get_attribute(".assistant", "class")
+            thumbs = page.locator(".user img").count()
+            still_attached = page.is_visible("#attached")
+        finally:
+            browser.close()
+    assert not errors and "error" not in classes, reply
+    assert reply == want
+    assert thumbs == 1 and not still_attached        # the image shows in the message and is sent once

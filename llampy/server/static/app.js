@@ -2,7 +2,7 @@
 "use strict";
 const $ = (id) => document.getElementById(id);
 const log = $("log"), form = $("f"), input = $("msg"), sendBtn = $("send"), stopBtn = $("stop");
-let messages = [], controller = null;
+let messages = [], controller = null, image = null;     // image: the attached file as a data URL, sent once
 
 $("api_key").value = localStorage.getItem("llampy_api_key") || "";
 $("api_key").addEventListener("change", () => localStorage.setItem("llampy_api_key", $("api_key").value));
@@ -27,6 +27,27 @@ function bubble(cls, text) {
 fetch("/v1/models", {headers: headers()}).then((r) => r.ok ? r.json() : null)
   .then((j) => { if (j && j.data && j.data[0]) $("model").textContent = j.data[0].id; }).catch(() => {});
 
+// Images: offered when the server reads them (--mmproj: /props says so); sent as an image_url part (a data URL)
+fetch("/props", {headers: headers()}).then((r) => r.ok ? r.json() : null)
+  .then((j) => { if (j && j.modalities && j.modalities.vision) $("attach").hidden = false; }).catch(() => {});
+
+function setImage(url, name) {
+  image = url;
+  $("attached").hidden = !url;
+  $("preview").src = url || "";
+  $("attached_name").textContent = name || "";
+  if (!url) $("image").value = "";
+}
+$("attach").addEventListener("click", () => $("image").click());
+$("unattach").addEventListener("click", () => setImage(null));
+$("image").addEventListener("change", () => {
+  const file = $("image").files[0];
+  if (!file) return;
+  const reader = new FileReader();
+  reader.onload = () => setImage(reader.result, file.name);
+  reader.readAsDataURL(file);
+});
+
 // Reads an SSE stream: calls onData(parsed JSON) for every "data:" event except the final [DONE].
 async function readSSE(res, onData) {
   const reader = res.body.getReader(), dec = new TextDecoder();
@@ -48,8 +69,16 @@ async function readSSE(res, onData) {
 }
 
 async function send(text) {
-  messages.push({role: "user", content: text});
-  bubble("user", text);
+  const content = image ? [{type: "text", text}, {type: "image_url", image_url: {url: image}}] : text;
+  messages.push({role: "user", content});
+  const u = bubble("user", text);
+  if (image) {
+    const img = document.createElement("img");
+    img.src = image;
+    img.alt = $("attached_name").textContent;
+    u.appendChild(img);
+    setImage(null);
+  }
   const a = bubble("assistant", "");
   a.dataset.chunks = "0";
   const sys = $("system").value.trim();
