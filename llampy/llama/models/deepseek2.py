@@ -18,7 +18,8 @@ expert_weights_scale) plus expert_shared_count shared experts as one FFN.
 """
 from __future__ import annotations
 
-import numpy as np
+import math
+import struct
 
 from ...ggml import ops
 from ...ggml.tensor import Tensor
@@ -27,8 +28,17 @@ from ..hparams import InvalidMetadata, MissingMetadata, md_float, md_int
 from ._common import load_embd_and_output
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}   # llama_expert_gating_func_type
-F32 = np.float32
 F32_T = GGMLType.F32
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32: a float32 operation's result is its exact (here: double) result rounded so, as the
+    C code's float arithmetic gives it."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _logf(x: float) -> float:
+    return _f32(math.log(x))
 
 
 def load_hparams(hp, md):
@@ -93,14 +103,15 @@ def load_hparams(hp, md):
     # YaRN as llama.cpp's context sets it for deepseek2 (float32 arithmetic as there): the rope's attn_factor is
     # 1 / (1 + 0.1 ln s), the scores' scale (1 + 0.1 log_mul ln s)^2 / sqrt(key_length_mla)
     log_mul = md_float(md, f"{a}.rope.scaling.yarn_log_multiplier", 0.0)
-    hp.rope_yarn_log_mul = float(F32(log_mul) / F32(0.1)) if log_mul else 0.0
+    tenth = _f32(0.1)
+    hp.rope_yarn_log_mul = _f32(_f32(log_mul) / tenth) if log_mul else 0.0
     if hp.yarn_ext_factor:
-        s = F32(1.0) / F32(hp.rope_freq_scale)
-        att = F32(1.0)
-        if hp.rope_yarn_log_mul == 0.0:
-            att = F32(0.1) * np.log(s) + F32(1.0) if s > 1 else F32(1.0)
-        att = att * (F32(1.0) / (F32(1.0) + F32(0.1) * np.log(s)))
-        hp.yarn_attn_factor = float(att * F32(hp.rope_attn_factor))
+        s = _f32(1.0 / _f32(hp.rope_freq_scale))
+        att = 1.0
+        if hp.rope_yarn_log_mul == 0.0 and s > 1:
+            att = _f32(_f32(tenth * _logf(s)) + 1.0)
+        att = _f32(att * _f32(1.0 / _f32(1.0 + _f32(tenth * _logf(s)))))
+        hp.yarn_attn_factor = _f32(att * _f32(hp.rope_attn_factor))
 
     # llama 4's attention temperature (mistral-large)
     hp.f_attn_temp_scale = md_float(md, f"{a}.attention.temperature_scale", 0.0)
@@ -111,10 +122,11 @@ def load_hparams(hp, md):
 
 def kq_scale(hp) -> float:
     """llama.cpp's pre-scaled score scale: mscale^2 / sqrt(key_length_mla), mscale from the original attn_factor."""
-    s = F32(1.0) / F32(hp.rope_freq_scale)
-    attn_org = F32(hp.yarn_attn_factor) * (F32(1.0) + F32(0.1) * np.log(s))
-    mscale = attn_org * (F32(1.0) + F32(0.1) * F32(hp.rope_yarn_log_mul) * np.log(s))
-    return float(F32(mscale * mscale) / np.sqrt(F32(hp.n_embd_head_k_mla)))
+    tenth = _f32(0.1)
+    ls = _logf(_f32(1.0 / _f32(hp.rope_freq_scale)))
+    attn_org = _f32(_f32(hp.yarn_attn_factor) * _f32(1.0 + _f32(tenth * ls)))
+    mscale = _f32(attn_org * _f32(1.0 + _f32(_f32(tenth * _f32(hp.rope_yarn_log_mul)) * ls)))
+    return _f32(_f32(mscale * mscale) / _f32(math.sqrt(hp.n_embd_head_k_mla)))
 
 
 def load_tensors(model, ld):
