@@ -308,6 +308,8 @@ class Context:
         """Shift positions [p0, p1) of a sequence by delta, re-rotating the cached K by delta (llama.cpp's K-shift)."""
         if delta == 0:
             return
+        if self.model.hparams.n_pos_per_embd > 1:   # llama.cpp asserts: a shift would move t but not an image's rows
+            raise ContextError("shifting positions (context shift, seq_add) is not supported with M-RoPE (qwen2-VL)")
         shift = self.kv.seq_add_cells(seq_id, p0, p1, delta)
         if not shift.any() or self.model.hparams.rope_type < 0:     # no RoPE (LLAMA_ROPE_TYPE_NONE): no K to turn
             return

@@ -130,3 +130,11 @@ def test_mrope_flat_prompts_are_refused(mctx_vl):
     chunks = mctx_vl.tokenize("<__media__>", [bitmap_from_file(HERE / "rect64x32.png")])
     with pytest.raises(MediaError, match="M-RoPE language model"):
         mctx_vl.flatten(chunks)
+
+
+def test_mrope_position_shift_is_refused(mctx_vl):
+    from llampy.llama.context import ContextError
+    ctx = Context(mctx_vl.model, n_ctx=64, n_batch=64, n_ubatch=64)
+    ctx.decode(Batch.from_tokens([1, 2, 3], 0))
+    with pytest.raises(ContextError, match="not supported with M-RoPE"):
+        ctx.seq_add(0, 1, 3, -1)
