@@ -191,3 +191,12 @@ def test_missing_scale_factor_is_refused(built, lm, tmp_path):
     r.close()
     with pytest.raises(ProjectorError, match="'clip.vision.projector.scale_factor' is missing"):
         MtmdContext(tmp_path / "no-scale.gguf", lm)
+
+
+def test_cli_run_with_an_image(built, capsys):
+    from llampy.cli import main
+    gen = REF["generations"][0]
+    args = ["run", str(built[1]), "--mmproj", str(MMPROJ), "-p", gen["prompt"], "-n", str(len(gen["ids"])),
+            "--temp", "0", "-c", str(REF["runtime"]["n_ctx"]), "--json", "--image", str(HERE / gen["images"][0])]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == gen["ids"]
