@@ -162,6 +162,8 @@ class GraphContext:
     #           the n_group_used groups whose two best (biased) scores sum highest (DeepSeek V3)
     #   weight_before_ffn: llama 4: the raw logits choose, and each chosen expert's input (not its output) is
     #           scaled by its weight
+    #   gate_up_exps: [n_embd, 2 * n_ff, n_expert], gate and up in one matrix (the converter's fuse_gate_up_exps),
+    #           in place of up_exps and gate_exps
     #   router_logits: the router's output computed by the caller ([n_expert, n_tokens]; Nemotron-H's experts run
     #           on a latent projection of cur while its router reads cur itself)
     # cur: [n_embd, n_tokens]  gate_inp: [n_embd, n_expert]  up/gate_exps: [n_embd, n_ff, n_expert]
@@ -171,7 +173,8 @@ class GraphContext:
                 w_scale: float = 0.0, exp_probs_b: Tensor | None = None, gate_inp_b: Tensor | None = None,
                 up_b: Tensor | None = None, gate_b: Tensor | None = None, down_b: Tensor | None = None,
                 act: str = "silu", n_groups: int = 0, n_group_used: int = 0,
-                weight_before_ffn: bool = False, router_logits: Tensor | None = None) -> Tensor:
+                weight_before_ffn: bool = False, router_logits: Tensor | None = None,
+                gate_up_exps: Tensor | None = None) -> Tensor:
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
         logits = router_logits
         if logits is None:
@@ -209,8 +212,14 @@ class GraphContext:
         if weight_before_ffn:       # [n_embd, n_used, n_tokens]: the token's row once per chosen expert, weighted
             x = ops.mul(ops.repeat(x, Tensor(F32, (n_embd, n_used, n_tokens))), weights)
             self.cb(x, "ffn_moe_weighted", il)
-        up = self.cb(self._add_id(ops.mul_mat_id(up_exps, x, selected), up_b, selected), "ffn_moe_up", il)
         gate = None
+        if gate_up_exps is not None:     # one product, then its halves' views
+            gu = self.cb(ops.mul_mat_id(gate_up_exps, x, selected), "ffn_moe_gate_up", il)
+            n_ff = gu.ne[0] // 2
+            gate = ops.view_3d(gu, n_ff, gu.ne[1], gu.ne[2], gu.nb[1], gu.nb[2], 0)
+            up = ops.view_3d(gu, n_ff, gu.ne[1], gu.ne[2], gu.nb[1], gu.nb[2], n_ff * gu.nb[0])
+        else:
+            up = self.cb(self._add_id(ops.mul_mat_id(up_exps, x, selected), up_b, selected), "ffn_moe_up", il)
         if gate_exps is not None:
             gate = self.cb(self._add_id(ops.mul_mat_id(gate_exps, x, selected), gate_b, selected), "ffn_moe_gate", il)
         if act == "swiglu_oai":

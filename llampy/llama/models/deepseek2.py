@@ -161,8 +161,11 @@ def load_tensors(model, ld):
         n_ff, n_exp, n_sh = hp.n_ff_exp, hp.n_expert, hp.n_ff_exp * hp.n_expert_shared
         layer.ffn_gate_inp = ld.create("ffn_gate_inp", (E, n_exp), il)
         layer.ffn_exp_probs_b = ld.create(p + "exp_probs_b", (n_exp,), required=False, suffix="bias")
-        layer.ffn_gate_exps = ld.create("ffn_gate_exps", (E, n_ff, n_exp), il)
-        layer.ffn_up_exps = ld.create("ffn_up_exps", (E, n_ff, n_exp), il)
+        # gate and up of the experts in one matrix where the converter fused them (fuse_gate_up_exps)
+        layer.ffn_gate_up_exps = ld.create(p + "ffn_gate_up_exps", (E, 2 * n_ff, n_exp), required=False)
+        fused = layer.ffn_gate_up_exps is not None
+        layer.ffn_gate_exps = None if fused else ld.create("ffn_gate_exps", (E, n_ff, n_exp), il)
+        layer.ffn_up_exps = None if fused else ld.create("ffn_up_exps", (E, n_ff, n_exp), il)
         layer.ffn_down_exps = ld.create("ffn_down_exps", (n_ff, E, n_exp), il)
         layer.ffn_gate_shexp = ld.create("ffn_gate_shexp", (E, n_sh), il)
         layer.ffn_up_shexp = ld.create("ffn_up_shexp", (E, n_sh), il)
@@ -230,10 +233,11 @@ def build_graph(model, g):
             moe = g.moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
                             hp.n_expert, hp.n_expert_used, hp.expert_weights_norm, il, gating=hp.expert_gating,
                             w_scale=hp.expert_weights_scale, exp_probs_b=layer.ffn_exp_probs_b,
-                            n_groups=hp.n_expert_groups, n_group_used=hp.n_group_used)
+                            n_groups=hp.n_expert_groups, n_group_used=hp.n_group_used,
+                            gate_up_exps=layer.ffn_gate_up_exps)
             shexp = g.cb(g.ffn(cur, layer.ffn_up_shexp, None, layer.ffn_gate_shexp, None, layer.ffn_down_shexp,
                                None, "silu", il=il), "ffn_shexp", il)
             cur = ops.add(moe, shexp)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
-    return g.finish(cur, ops.mul_mat(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))
