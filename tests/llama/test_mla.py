@@ -75,3 +75,34 @@ def test_k_shift_turns_the_roped_part(mla, name):
     err = np.abs(got[..., r:] - want[..., r:]).max()
     assert err <= 4e-3 * np.abs(want[..., r:]).max(), err
     assert np.abs(k_rows(m, 0)[..., r:] - want[..., r:]).max() > 50 * err
+
+
+def test_multi_token_prediction_layers_are_left_out(mla, tmp_path):
+    """A file whose block_count also counts nextn_predict_layers MTP blocks (blk.N.*, nextn.* tensors) runs its
+    trunk alone, as llama.cpp does: the same logits as the file without them."""
+    from llampy.gguf import GGUFReader
+    from llampy.gguf.writer import GGUFWriter
+    model, toks = mla
+    path, _ = tiny_more_model("deepseek2")
+    r = GGUFReader(path)
+    n = model.hparams.n_layer
+    w = GGUFWriter(tmp_path / "mtp.gguf")
+    for k, v in r.metadata.items():
+        w.add(k, n + 1 if k == "deepseek2.block_count" else v, r.value_types[k])
+    w.add("deepseek2.nextn_predict_layers", 1, r.value_types["deepseek2.block_count"])
+    for t in r.tensors.values():
+        w.add_tensor_raw(t.name, t.type, t.ne, t.data)
+        if t.name.startswith(f"blk.{n - 1}."):        # an MTP block: the last layer's tensors again, and its own
+            w.add_tensor_raw(t.name.replace(f"blk.{n - 1}.", f"blk.{n}."), t.type, t.ne, t.data)
+    emb = r.tensors["token_embd.weight"]
+    w.add_tensor_raw(f"blk.{n}.nextn.eh_proj.weight", emb.type, (2 * emb.ne[0], emb.ne[0]),
+                     np.zeros((emb.ne[0], 2 * emb.ne[0] // 32 * 34), np.uint8))
+    w.write()
+    mtp = Model(tmp_path / "mtp.gguf")
+    assert mtp.hparams.n_layer == n
+    logits = []
+    for m in (model, mtp):
+        ctx = Context(m, n_ctx=64)
+        ctx.decode(Batch.from_tokens(toks[:8]))
+        logits.append(ctx.get_logits_ith(-1))
+    assert np.array_equal(logits[0], logits[1])

@@ -50,6 +50,10 @@ def load_hparams(hp, md):
             raise MissingMetadata(f"missing metadata key '{a}.{k}'")
         return md_int(md, f"{a}.{k}", lo=0)
 
+    # multi-token prediction layers (GLM 4.7 Flash and others) follow the trunk in block_count; llama.cpp runs the
+    # trunk alone unless asked for them, and so does llampy (their tensors stay unread)
+    n_nextn = md_int(md, f"{a}.nextn_predict_layers", 0, lo=0, hi=hp.n_layer - 1)
+    hp.n_layer -= n_nextn
     hp.n_layer_dense_lead = md_int(md, f"{a}.leading_dense_block_count", 0, lo=0, hi=hp.n_layer)
     hp.n_lora_q = md_int(md, f"{a}.attention.q_lora_rank", 0, lo=0)
     hp.n_lora_kv = need("attention.kv_lora_rank")
