@@ -123,6 +123,14 @@ class GraphContext:
         cur = self.lora_mm(w, cur)
         return ops.add(cur, b) if b is not None else cur
 
+    # the output head (build_lora_mm on model.output): a head tied to token_embd takes no adapter pair, since the
+    # embedding's pair is laid out for get_rows (llama.cpp aborts on it)
+    def lm_head(self, w: Tensor, cur: Tensor, b: Tensor | None = None) -> Tensor:
+        if w.name == "token_embd.weight":
+            cur = ops.mul_mat(w, cur)
+            return ops.add(cur, b) if b is not None else cur
+        return self.mm(w, cur, b)
+
     # w: [n_in, n_out]  cur: [n_in, n_tokens]  ->  [n_out, n_tokens]: w @ cur plus each adapter's scaled B @ (A @ cur)
     # (llama.cpp's build_lora_mm)
     def lora_mm(self, w: Tensor, cur: Tensor) -> Tensor:

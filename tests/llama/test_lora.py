@@ -109,6 +109,33 @@ def test_adapter_equals_merged_weights(tmp_path):
     np.testing.assert_allclose(ours, merged, atol=2e-3 * np.abs(merged).max())
 
 
+def test_output_head_pair_matches_libllama(tmp_path):
+    """An untied output head takes its adapter pair (build_lora_mm on model.output), as libllama does."""
+    from tests.llamacpp_run import llamacpp_logits
+    src, untied = TINY / "llama-F32.gguf", tmp_path / "untied.gguf"
+    with GGUFReader(src) as r:
+        w = GGUFWriter(untied)
+        for key, v in r.metadata.items():
+            w.add(key, v, r.value_types[key])
+        for name in r.tensors:
+            w.add_tensor(name, r.tensor_array(name))
+        emb = r.tensor_array("token_embd.weight").astype(np.float32)
+        w.add_tensor("output.weight", emb * np.float32(0.5) + np.float32(0.01))
+        w.write()
+    rng = np.random.default_rng(6)
+    n_vocab, n_embd = emb.shape
+    pairs = {"output.weight": (rng.normal(0, 0.05, (4, n_embd)).astype(np.float32),
+                               rng.normal(0, 0.1, (n_vocab, 4)).astype(np.float32))}
+    path = write_lora(tmp_path / "head.gguf", "llama", pairs, alpha=4.0)
+    model = Model(untied)
+    # what the adapter adds to the logits, each side against its own base (the base logits of this F32 fixture
+    # already differ by ~2e-3 between the two)
+    ours = llampy_logits(model, [(LoraAdapter(model, path), 0.9)]) - llampy_logits(model)
+    ref = llamacpp_logits(untied, TOKENS, [(path, 0.9)]) - llamacpp_logits(untied, TOKENS)
+    assert np.abs(ref).max() > 1.0
+    np.testing.assert_allclose(ours, ref, atol=1e-3 * np.abs(ref).max())
+
+
 def test_llama_api_and_scales(tmp_path):
     src = TINY / "qwen2-Q8_0.gguf"
     path = write_lora(tmp_path / "a.gguf", "qwen2", random_pairs(src, 4, 5))

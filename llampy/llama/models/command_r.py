@@ -67,7 +67,7 @@ def build_graph(model, g):
                    "ffn_out", il)
         inpL = g.cb(ops.add(ops.add(cur, inpL), attn_out), "l_out", il)
     cur = g.norm(inpL, model.output_norm, kind="layer")
-    logits = ops.mul_mat(model.output, cur)
+    logits = g.lm_head(model.output, cur)
     if hp.f_logit_scale:
         logits = ops.scale(logits, hp.f_logit_scale)
     return g.finish(cur, logits)

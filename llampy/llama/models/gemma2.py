@@ -63,7 +63,7 @@ def build_graph(model, g, qk_norm: bool = False):
         cur = g.cb(g.norm(cur, layer.ffn_post_norm, il=il), "ffn_post_norm", il)
         inpL = g.cb(ops.add(cur, sa_out), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
-    logits = ops.mul_mat(model.output, cur)
+    logits = g.lm_head(model.output, cur)
     if hp.final_logit_softcap:
         c = hp.final_logit_softcap
         logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)

@@ -104,7 +104,7 @@ def build_graph(model, g):
             cur = ops.scale(cur, res)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
-    logits = g.mm(model.output, cur)
+    logits = g.lm_head(model.output, cur)
     if hp.f_logit_scale:
         logits = ops.scale(logits, 1.0 / hp.f_logit_scale)
     return g.finish(cur, logits)

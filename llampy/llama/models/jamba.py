@@ -64,4 +64,4 @@ def build_graph(model, g):
             cur = g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "silu", il=il)
         inpL = g.cb(ops.add(ffn_inp, cur), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
-    return g.finish(cur, g.mm(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))

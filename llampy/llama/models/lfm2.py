@@ -94,4 +94,4 @@ def build_graph(model, g):
                     None, layer.ffn_down, None, "silu", il=il)
         cur = g.cb(ops.add(cur, ffn), "l_out", il)
     cur = g.norm(cur, model.output_norm)
-    return g.finish(cur, g.mm(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))

@@ -74,7 +74,7 @@ def build_graph(model, g, embd_scale: float = 0.0, residual_scale: float = 0.0, 
             cur = ops.scale(cur, residual_scale)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
-    logits = ops.mul_mat(model.output, cur)
+    logits = g.lm_head(model.output, cur)
     if logit_scale:
         logits = ops.scale(logits, 1.0 / logit_scale)
     return g.finish(cur, logits)

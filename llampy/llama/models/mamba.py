@@ -129,7 +129,7 @@ def build_blocks(model, g, layer_fn):
             cur, inpL = g.select_outputs(cur, inpL, out_ids=out_ids)
         inpL = g.cb(ops.add(cur, inpL), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
-    return g.finish(cur, g.mm(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))
 
 
 def build_graph(model, g):

@@ -59,4 +59,4 @@ def build_graph(model, g):
                     layer.ffn_down_b, "silu", il=il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
-    return g.finish(cur, ops.mul_mat(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))

@@ -108,4 +108,4 @@ def build_graph(model, g):
         inpL = g.cb(ops.add(cur, inpL), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
     (cur,) = g.select_outputs(cur, out_ids=out_ids)
-    return g.finish(cur, g.mm(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))

@@ -46,4 +46,4 @@ def build_graph(model, g):
                              "gelu", il=il), "ffn_out", il)
         inpL = g.cb(ops.add(ops.add(cur, ffn_out), inpL), "l_out", il)
     cur = g.norm(inpL, model.output_norm, model.output_norm_b, kind="layer")
-    return g.finish(cur, ops.add(ops.mul_mat(model.output, cur), model.output_b))
+    return g.finish(cur, g.lm_head(model.output, cur, model.output_b))

@@ -47,4 +47,4 @@ def build_graph(model, g):
         cur = g.ffn(cur, layer.ffn_up, None, None, None, layer.ffn_down, None, "silu", fused_gate_up=True, il=il)
         inpL = g.cb(ops.add(residual, cur), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
-    return g.finish(cur, ops.mul_mat(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))

@@ -66,4 +66,4 @@ def build_graph(model, g, ffn=None):
         if getattr(model, "cls_out", None) is None:
             raise ValueError(f"pooling 'rank': this {hp.arch} model has no classification head (cls.output)")
         return g.finish(ops.soft_max(ops.mul_mat(model.cls_out, cur)), None)
-    return g.finish(cur, ops.mul_mat(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))

@@ -218,4 +218,4 @@ def build_graph(model, g):
     # the rows that return outputs are chosen after the final norm: the last layer runs on every token, as
     # llama.cpp's graph has it (batch-size dependent sums in the experts' products stay the same)
     (cur,) = g.select_outputs(cur, out_ids=out_ids)
-    return g.finish(cur, g.mm(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))

@@ -201,7 +201,7 @@ def build_blocks(model, g, time_mix_fn, channel_mix_fn, rescale: int = 0):
             cur = ops.scale(cur, 0.5)
         inpL = g.cb(cur, "l_out", il)
     cur = g.norm(inpL, model.output_norm, model.output_norm_b, kind="layer")
-    return g.finish(cur, g.mm(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))
 
 
 def build_graph(model, g):

@@ -79,7 +79,7 @@ def build_blocks(model, g, time_mix_fn):
         cur = g.ffn(cur, layer.ffn_up, None, layer.ffn_gate, None, layer.ffn_down, None, "silu", il=il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
     cur = g.norm(inpL, model.output_norm, getattr(model, "output_norm_b", None))
-    return g.finish(cur, g.mm(model.output, cur))
+    return g.finish(cur, g.lm_head(model.output, cur))
 
 
 def build_graph(model, g):
