@@ -20,8 +20,8 @@ from ..llama.hparams import InvalidMetadata, md_float, md_int
 
 # projector types by their clip.projector_type string, in the order llampy supports them; the others llama.cpp
 # knows are named in the error (clip-impl.h's PROJECTOR_TYPE_NAMES)
-SUPPORTED = ("gemma3", "idefics3", "qwen2vl_merger")
-KNOWN_UNSUPPORTED = ("mlp", "ldp", "ldpv2", "resampler", "glm_edge", "qwen2.5vl_merger",
+SUPPORTED = ("gemma3", "idefics3", "qwen2vl_merger", "qwen2.5vl_merger")
+KNOWN_UNSUPPORTED = ("mlp", "ldp", "ldpv2", "resampler", "glm_edge",
                      "qwen3vl_merger", "gemma3nv", "gemma4v", "ultravox", "internvl", "llama4", "pixtral", "qwen2a",
                      "qwen2.5o", "voxtral", "lfm2", "kimivl", "lightonocr", "cogvlm", "janus_pro", "phi4",
                      "minicpmv", "glm4v", "whisper")
@@ -54,6 +54,9 @@ class ClipHParams:
     preproc_image_size: int = 0  # idefics3: the longest edge before slicing
     min_pixels: int = 0          # qwen2-VL: the range the image's area is resized into (llama.cpp's token limits)
     max_pixels: int = 0
+    norm: str = "layer"          # the blocks' norms: LayerNorm, or RMS (qwen2.5-VL)
+    n_wa_pattern: int = 0        # qwen2.5-VL: every n-th block attends fully, the others within windows
+    attn_window: int = 0         # the windows' side in pixels
 
     @property
     def d_head(self) -> int:
@@ -109,13 +112,19 @@ def _load_hparams(md: dict) -> ClipHParams:
         side = hp.n_patches_side
         if side % hp.n_merge:
             raise ProjectorError(f"gemma3: {side} patches a side do not pool by {hp.n_merge}")
-    elif pt == "qwen2vl_merger":
+    elif pt in ("qwen2vl_merger", "qwen2.5vl_merger"):
         hp.n_merge = md_int(md, f"{v}.spatial_merge_size", 2, lo=1, hi=64)
         if hp.n_merge != 2:      # the graph merges 2x2 patches whatever the key says (clip_graph_qwen2vl)
-            raise ProjectorError(f"qwen2vl_merger: spatial_merge_size {hp.n_merge} (only 2 is built)")
+            raise ProjectorError(f"{pt}: spatial_merge_size {hp.n_merge} (only 2 is built)")
+        if pt == "qwen2.5vl_merger":
+            hp.norm = "rms"
+            hp.n_wa_pattern = md_int(md, f"{v}.n_wa_pattern", lo=1)
+            if hp.n_wa_pattern is None:
+                raise ProjectorError(f"qwen2.5vl_merger: projector metadata '{v}.n_wa_pattern' is missing")
+            hp.attn_window = 112      # llama.cpp reads no window size for qwen2.5-VL: its default, 112 px
         hp.resize_algo, hp.resize_pad = "bicubic", "ceil"
         if hp.d_head % 4:
-            raise ProjectorError(f"qwen2vl_merger: head size {hp.d_head} does not split into the 2-D rope's 4 "
+            raise ProjectorError(f"{pt}: head size {hp.d_head} does not split into the 2-D rope's 4 "
                                  f"sections")
         area = hp.patch_size ** 2 * hp.n_merge ** 2              # set_limit_image_tokens(8, 4096)
         hp.min_pixels, hp.max_pixels = 8 * area, 4096 * area
@@ -179,7 +188,7 @@ class Projector:
         e, f, p = hp.n_embd, hp.n_ff, hp.patch_size
         self.patch_embd = self._get("v.patch_embd.weight", (p, p, 3, e))
         self.patch_bias = self._get("v.patch_embd.bias", (e,), required=False)
-        qwen = hp.proj_type == "qwen2vl_merger"
+        qwen = hp.proj_type in ("qwen2vl_merger", "qwen2.5vl_merger")
         n_pos = hp.n_patches_side ** 2
         # qwen2-VL: a second patch kernel (the video's second frame, added for a still image), no learned positions
         self.patch_embd_1 = self._get("v.patch_embd.weight.1", (p, p, 3, e)) if qwen else None
@@ -210,6 +219,8 @@ class Projector:
                 raise ProjectorError(f"projector block {il}: ffn_up {list(up.ne[:2])} and ffn_down "
                                      f"{list(down.ne[:2])} do not match width {e} and feed-forward {f}")
             L.ff_up_w, L.ff_up_b, L.ff_down_w, L.ff_down_b = up, up_b, down, down_b
+            L.ff_gate_w = self._get(f"{b}.ffn_gate.weight", (e, f), required=False)
+            L.ff_gate_b = self._get(f"{b}.ffn_gate.bias", (f,), required=False)
             self.layers.append(L)
         if hp.proj_type == "gemma3":
             self.mm_input_proj_w = self._get("mm.input_projection.weight")
@@ -217,7 +228,7 @@ class Projector:
             if self.mm_input_proj_w.ne[1] != e or self.mm_input_proj_w.n_dims > 2:
                 raise ProjectorError(f"projector tensor 'mm.input_projection.weight' has shape "
                                      f"{list(self.mm_input_proj_w.ne[:2])}: its second dimension must be {e}")
-        elif hp.proj_type == "qwen2vl_merger":
+        elif hp.proj_type in ("qwen2vl_merger", "qwen2.5vl_merger"):
             # the merger: 2x2 neighbouring patches concatenated, an MLP with GELU
             self.mm_0_w = self._get("mm.0.weight", (4 * e, None))
             self.mm_0_b = self._get("mm.0.bias", (self.mm_0_w.ne[1],))
@@ -235,7 +246,7 @@ class Projector:
         """The width of the embeddings the projector gives the language model (clip_n_mmproj_embd)."""
         if self.hparams.proj_type == "gemma3":
             return self.mm_input_proj_w.ne[0]
-        if self.hparams.proj_type == "qwen2vl_merger":
+        if self.hparams.proj_type in ("qwen2vl_merger", "qwen2.5vl_merger"):
             return self.mm_1_b.ne[0]
         return self.mm_fc_w.ne[1]
 

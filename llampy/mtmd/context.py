@@ -68,7 +68,8 @@ class ImagePos:
 
 # the text around an image chunk, per projector type (mtmd_context's img_beg / img_end)
 _WRAP = {"gemma3": ("<start_of_image>", "<end_of_image>"), "idefics3": ("", ""),
-         "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>")}
+         "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+         "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>")}
 # tiled projectors (mtmd_context's slice template): the tokens before and after the overview, the text before
 # each tile (row and column from 1), the tokens ending a row of tiles but the last
 _TILES = {"idefics3": (("\n\n", "<fake_token_around_image>", "<global-img>"), ("<fake_token_around_image>",),

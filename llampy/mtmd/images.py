@@ -287,7 +287,7 @@ def preprocess(bitmap: Bitmap, hparams) -> Preprocessed:
     if hp.proj_type == "gemma3":
         sq = resize_to(bitmap.data, hp.image_size, hp.image_size, hp.resize_algo, hp.resize_pad, hp.pad_color)
         return Preprocessed([normalize(sq, hp.image_mean, hp.image_std)])
-    if hp.proj_type == "qwen2vl_merger":
+    if hp.proj_type in ("qwen2vl_merger", "qwen2.5vl_merger"):
         # mtmd_image_preprocessor_dyn_size: the size kept near the image's own, aligned to 2x2 patches, its area
         # within the token limits, the image letterboxed into it
         h0, w0 = bitmap.data.shape[:2]

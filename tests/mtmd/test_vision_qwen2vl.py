@@ -57,7 +57,7 @@ def test_embeddings_and_layout_match_llamacpp(mctx, name):
     assert rel <= TOL.get(name, 0.0), f"{name}: embeddings differ by {rel:.2e} relative"
 
 
-def test_qwen25vl_and_odd_heads_are_refused(mctx, tmp_path):
+def test_other_types_and_odd_heads_are_refused(mctx, tmp_path):
     from llampy.gguf.reader import GGUFReader
     from llampy.gguf.writer import GGUFWriter
 
@@ -72,10 +72,38 @@ def test_qwen25vl_and_odd_heads_are_refused(mctx, tmp_path):
         r.close()
         return path
 
-    with pytest.raises(ProjectorError, match=r"unknown projector type: qwen2.5vl_merger \(a type llampy does not"):
+    with pytest.raises(ProjectorError, match=r"unknown projector type: qwen3vl_merger \(a type llampy does not"):
+        MtmdContext(variant(tmp_path / "q3.gguf", **{"clip.projector_type": "qwen3vl_merger"}), mctx.model)
+    with pytest.raises(ProjectorError, match="'clip.vision.n_wa_pattern' is missing"):
         MtmdContext(variant(tmp_path / "q25.gguf", **{"clip.projector_type": "qwen2.5vl_merger"}), mctx.model)
     with pytest.raises(ProjectorError, match="head size 6 does not split"):
         MtmdContext(variant(tmp_path / "h2.gguf", **{"clip.vision.attention.head_count": 8}), mctx.model)
+
+
+def test_qwen25vl_window_attention_matches_llamacpp(mctx, tmp_path):
+    """qwen2.5-VL: RMS norms, gated SiLU FFN, block 0 within windows of 112 px (here 2x2 merged tokens: the 4x3
+    image spans four windows, two cut short; its tokens regrouped window by window and back), block 1 full."""
+    import importlib.util
+    ent = REF["qwen25"]
+    spec = importlib.util.spec_from_file_location("make_tiny_qwen2vl", HERE / "make_tiny_qwen2vl.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    path = tmp_path / "qwen25vl-mmproj.gguf"
+    gen.write_mmproj(path, v25=True)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == ent["mmproj_sha256"]
+    assert hashlib.sha256((HERE / ent["image"]).read_bytes()).hexdigest() == ent["sha256"]
+    m = MtmdContext(path, mctx.model)
+    try:
+        bm = bitmap_from_file(HERE / ent["image"])
+        chunks = m.tokenize(ent["prompt"], [bm])
+        layout = [{"type": "text", "tokens": c.tokens} if c.type == "text" else
+                  {"type": "image", "n_tokens": c.n_tokens, "n_pos": c.n_tokens} for c in chunks]
+        assert layout == ent["chunks"]
+        want = np.frombuffer(base64.b64decode(ent["embeddings"]), "<f4").reshape(-1, 64)
+        got = m.encode(bm)
+        assert got.shape == want.shape and np.abs(got - want).max() == 0.0
+    finally:
+        m.close()
 
 
 def _greedy(mctx, gen):
