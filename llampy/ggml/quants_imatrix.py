@@ -6,15 +6,17 @@ quantizer either way); the others run their ``quantize_row_<type>_impl``: Q4_0 /
 Q5_1 make_qkx3_quants with weights qw[j] * sqrt(sigma2 + x[j]^2) (sigma2 the row's mean square); Q3_K
 make_qx_quants per 16 values and again for the 16 scales; Q4_K / Q5_K make_qkx3_quants per 32 values (sigma2 twice
 the super-block's mean square) and make_qp_quants for the 6-bit scales and mins; Q6_K make_qx_quants with the raw
-importances; Q2_K make_qkx3_quants per 16 values and make_qp_quants for its 4-bit scales and mins. IQ1/IQ2/IQ3 run their grid
-searches (quants_iq_search).
+importances; Q2_K make_qkx3_quants per 16 values and make_qp_quants for its 4-bit scales and mins; IQ4_NL / IQ4_XS
+the weighted quantize_row_iq4_nl_impl; IQ1/IQ2/IQ3 their grid searches (quants_iq_search).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from . import quants_iq as iq
 from .quants import quantize
+from .quants_iq_search import SEARCH_TYPES as _IQ_SEARCH, quantize_iq
 from .quants_base import F32, round_f16, to_f16_bytes
 from .quants_k import _requant, quantize_q6_k_from
 from .types import GGMLType, QK_K
@@ -514,10 +516,7 @@ def quantize_q2_k_weighted(x, imatrix):
 
 _WEIGHTED = {T.Q2_K: quantize_q2_k_weighted, T.Q3_K: quantize_q3_k_weighted, T.Q4_0: quantize_q4_0_weighted, T.Q5_0: quantize_q5_0_weighted, T.Q4_1: quantize_q4_1_weighted,
              T.Q5_1: quantize_q5_1_weighted, T.Q4_K: quantize_q4_k_weighted, T.Q5_K: quantize_q5_k_weighted,
-             T.Q6_K: quantize_q6_k_weighted}
-
-# the IQ1/IQ2/IQ3 grid searches (quants_iq_search, imported when used: it imports this module)
-_IQ_SEARCH = frozenset({T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M})
+             T.Q6_K: quantize_q6_k_weighted, T.IQ4_NL: iq.quantize_iq4_nl, T.IQ4_XS: iq.quantize_iq4_xs}
 
 WEIGHTED_TYPES = frozenset(_WEIGHTED) | IGNORES_IMATRIX | _IQ_SEARCH
 
@@ -528,7 +527,6 @@ def quantize_weighted(x: np.ndarray, t: GGMLType, imatrix: np.ndarray) -> np.nda
     if t in IGNORES_IMATRIX:
         return quantize(x, t)
     if t in _IQ_SEARCH:
-        from .quants_iq_search import quantize_iq
         return quantize_iq(np.asarray(x, F32), t, imatrix)
     fn = _WEIGHTED.get(t)
     if fn is None:

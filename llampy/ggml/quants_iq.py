@@ -1,5 +1,5 @@
 """The IQ formats (grids and non-linear values), the ternary TQ formats and the FP4 formats: vectorised
-dequantize as ggml's dequantize_row_*, and quantize for IQ4_NL / IQ4_XS (as llama-quantize, no imatrix),
+dequantize as ggml's dequantize_row_*, and quantize for IQ4_NL / IQ4_XS (as llama-quantize, imatrix or not),
 TQ1_0 / TQ2_0 and MXFP4 / NVFP4 (their _ref quantizers).
 
 Multiplications keep ggml's order (``db * grid[j] * sign``), so results are bit-identical to ggml's.
@@ -232,7 +232,7 @@ def _best_index(kv, x):
 
 
 @njit(cache=True)
-def _sums(kv, xb, id_, L):
+def _sums(kv, xb, id_, L, w):
     sumqx = F32(0.0)
     sumq2 = F32(0.0)
     for j in range(xb.shape[0]):
@@ -240,28 +240,42 @@ def _sums(kv, xb, id_, L):
         if L.shape[0]:
             L[j] = l
         q = kv[l]
-        w = xb[j] * xb[j]
-        sumqx += w * q * xb[j]
-        sumq2 += w * q * q
+        sumqx += w[j] * q * xb[j]
+        sumq2 += w[j] * q * q
     return sumqx, sumq2
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _iq4_search(b, kv, ntry):
-    """quantize_row_iq4_nl_impl with no importance (weights x^2), sub-blocks of 32 within a super-block of
-    b.shape[1]. Returns (d [n] float32, scale codes [n, nsub] 0..63 (unused when nsub == 1), L [n, k])."""
+def _iq4_search(b, kv, ntry, qw, nper):
+    """quantize_row_iq4_nl_impl, sub-blocks of 32 within a super-block of b.shape[1]: weights x^2, or with an
+    importance matrix ``qw`` (the row's, ``nper`` super-blocks a row) qw * sqrt(sigma2 + x^2), sigma2 twice the
+    super-block's mean square. Returns (d [n] float32, scale codes [n, nsub] 0..63 (unused when nsub == 1),
+    L [n, k])."""
     n, k = b.shape
     nsub = k // 32
     d_out = np.zeros(n, np.float32)
     ls_out = np.zeros((n, nsub), np.uint8)
     L = np.zeros((n, k), np.uint8)
     none = np.empty(0, np.uint8)
+    has_w = qw.shape[0] > 0
     for i in prange(n):
         scales = np.zeros(nsub, np.float32)
         max_scale = F32(0.0)
         amax_scale = F32(0.0)
+        w = np.empty(32, np.float32)
+        sigma2 = F32(0.0)
+        if has_w:
+            for j in range(k):
+                sigma2 += b[i, j] * b[i, j]
+            sigma2 *= F32(2.0) / F32(k)
+        qoff = (i % nper) * k
         for ib in range(nsub):
             xb = b[i, 32 * ib:32 * (ib + 1)]
+            for j in range(32):
+                if has_w:
+                    w[j] = qw[qoff + 32 * ib + j] * np.sqrt(sigma2 + xb[j] * xb[j])
+                else:
+                    w[j] = xb[j] * xb[j]
             amax = F32(0.0)
             mx = F32(0.0)
             for j in range(32):
@@ -272,11 +286,11 @@ def _iq4_search(b, kv, ntry):
                 scales[ib] = F32(0.0)
                 continue
             d = -mx / kv[0] if ntry > 0 else mx / kv[0]
-            sumqx, sumq2 = _sums(kv, xb, F32(1.0) / d, L[i, 32 * ib:32 * (ib + 1)])
+            sumqx, sumq2 = _sums(kv, xb, F32(1.0) / d, L[i, 32 * ib:32 * (ib + 1)], w)
             d = sumqx / sumq2 if sumq2 > 0 else F32(0.0)
             best = d * sumqx
             for itry in range(-ntry, ntry + 1):
-                sumqx, sumq2 = _sums(kv, xb, F32(itry + int(kv[0])) / mx, none)
+                sumqx, sumq2 = _sums(kv, xb, F32(itry + int(kv[0])) / mx, none, w)
                 if sumq2 > 0 and sumqx * sumqx > best * sumq2:
                     d = sumqx / sumq2
                     best = d * sumqx
@@ -310,16 +324,25 @@ def _q4_pack(L):
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(len(L), -1)
 
 
-def quantize_iq4_nl(x):
-    """quantize_iq4_nl with no imatrix (ntry 7): what llama-quantize writes."""
+def _qw(imatrix, n_per_row):
+    if imatrix is None:
+        return np.empty(0, F32)
+    qw = np.ascontiguousarray(imatrix, F32).reshape(-1)
+    if qw.shape[0] != n_per_row:
+        raise ValueError(f"imatrix has {qw.shape[0]} values, rows have {n_per_row}")
+    return qw
+
+
+def quantize_iq4_nl(x, imatrix=None):
+    """quantize_iq4_nl (ntry 7): what llama-quantize writes, with or without an importance matrix [row length]."""
     b, lead = to_blocks(x, 32)
-    d, _, L = _iq4_search(b, KVALUES_IQ4NL_F, 7)
+    d, _, L = _iq4_search(b, KVALUES_IQ4NL_F, 7, _qw(imatrix, x.shape[-1]), x.shape[-1] // 32)
     return pack([to_f16_bytes(d), _q4_pack(L)], lead, x.shape[-1] // 32)
 
 
-def quantize_iq4_xs(x):
+def quantize_iq4_xs(x, imatrix=None):
     b, lead = to_blocks(x, QK_K)
-    d, ls, L = _iq4_search(b, KVALUES_IQ4NL_F, 7)
+    d, ls, L = _iq4_search(b, KVALUES_IQ4NL_F, 7, _qw(imatrix, x.shape[-1]), x.shape[-1] // QK_K)
     scales_h = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1).astype("<u2")
     scales_l = (ls[:, 0::2] & 0xF) | ((ls[:, 1::2] & 0xF) << 4)
     return pack([to_f16_bytes(d), scales_h, scales_l, _q4_pack(L)], lead, x.shape[-1] // QK_K)

@@ -133,14 +133,14 @@ _LOCK = threading.Lock()
 def grid_tables(t: GGMLType):
     """(grid int8 [n, dim] of 2l+1 values, kmap int32, neighbours uint16), built once per process (IQ1's takes a
     second or so: 41644 off-grid codes against 2048 points)."""
-    t = T(t)
+    dec, bits, kmap_size, nwant = _GRID_SPEC[T(t)]
+    key = (id(dec), nwant)                              # IQ1_S and IQ1_M share theirs
     with _LOCK:
-        got = _TABLES.get(t)
+        got = _TABLES.get(key)
         if got is None:
-            dec, bits, kmap_size, nwant = _GRID_SPEC[t]
             lv = _levels(dec)
             kmap, nb = _build_neighbours(lv, bits, kmap_size, nwant)
-            got = _TABLES[t] = ((2 * lv + 1).astype(np.int8), kmap, nb)
+            got = _TABLES[key] = ((2 * lv + 1).astype(np.int8), kmap, nb)
     return got
 
 
@@ -267,14 +267,15 @@ def _put_u32(o, off, v):
 
 @njit(cache=True)
 def _grid_search(xval, weight, waux, n, dim, bits, kmaxq, kmap, nb, grid, L, Laux, on_grid, on_aux,
-                 scale, nstep, step, mx, fix_all):
-    """The scale search of IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S: id = (2 kMaxQ - 1 + is step) / max for is in
-    -nstep..nstep, best sum qx^2 / sum q2; then the groups left off the grid are re-fitted at the best scale
-    (every group when ``fix_all``, as IQ3_S). Returns the scale."""
+                 scale, nstep, step, mx, fix):
+    """The scale search of the IQ2 / IQ3 types: id = (2 kMaxQ - 1 + is step) / mx for is in -nstep..nstep, best
+    sum qx^2 / sum q2; then, at the best scale, the groups left off the grid are placed again (fix 0: IQ2_XS, IQ2_S,
+    IQ3_XXS), or every group if one is off (fix 1: IQ3_S), or every group always (fix 2: IQ2_XXS), and the scale
+    refitted. Returns the scale."""
     best = F32(0.0)
     ngroups = n // dim
     for k in range(ngroups):
-        on_grid[k] = not fix_all
+        on_grid[k] = fix == 0
     for is_ in range(-nstep, nstep + 1):
         id_ = (F32(2 * kmaxq - 1) + F32(is_) * step) / mx
         this_scale = F32(1.0) / id_
@@ -294,10 +295,10 @@ def _grid_search(xval, weight, waux, n, dim, bits, kmaxq, kmap, nb, grid, L, Lau
     for k in range(ngroups):
         if not on_grid[k]:
             n_off += 1
-    if n_off > 0 and scale > 0:
+    if (n_off > 0 or fix == 2) and scale > 0:
         id_ = F32(1.0) / scale
         for k in range(ngroups):
-            if on_grid[k] and not fix_all:
+            if on_grid[k] and fix == 0:
                 continue
             gi, on = _levels_to_grid(L, dim * k, dim, bits, kmaxq, kmap, nb, grid, xval, waux, scale, id_, L)
             for i in range(dim):
@@ -383,6 +384,8 @@ def _iq2_xxs(x, qw, grid, kmap, nb, out, dout):
     L = np.zeros(32, np.int64)
     Laux = np.zeros(32, np.int64)
     Lqp = np.zeros(32, np.int64)
+    on_grid = np.zeros(4, np.bool_)
+    on_aux = np.zeros(4, np.bool_)
     signs = np.zeros(4, np.int64)
     q2 = np.zeros(16, np.int64)
     scales = np.zeros(8, F32)
@@ -417,26 +420,8 @@ def _iq2_xxs(x, qw, grid, kmap, nb, out, dout):
                     scales[ib] = 0
                     L[:] = 0
                     continue
-                best = F32(0.0)
-                for is_ in range(-6, 7):
-                    id_ = (F32(5.0) + F32(is_) * F32(0.1)) / eff_max
-                    this_scale = F32(1.0) / id_
-                    for k in range(4):
-                        _levels_to_grid(Laux, 8 * k, 8, 2, 3, kmap, nb, grid, xval, waux, this_scale, id_, Laux)
-                    sumqx, sumq2 = _fit(weight, xval, Laux, 32)
-                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                        scale = sumqx / sumq2
-                        best = scale * sumqx
-                        L[:] = Laux
-                if scale > 0:
-                    id_ = F32(1.0) / scale
-                    for k in range(4):
-                        gi, on = _levels_to_grid(L, 8 * k, 8, 2, 3, kmap, nb, grid, xval, waux, scale, id_, L)
-                        for i in range(8):
-                            L[8 * k + i] = (grid[gi, i] - 1) // 2
-                    sumqx, sumq2 = _fit(weight, xval, L, 32)
-                    if sumq2 > 0:
-                        scale = sumqx / sumq2
+                scale = _grid_search(xval, weight, waux, 32, 8, 2, 3, kmap, nb, grid, L, Laux, on_grid, on_aux,
+                                     scale, 6, F32(0.1), eff_max, 2)
                 if scale < 0:
                     scale = -scale
                     for k in range(4):
@@ -496,7 +481,7 @@ def _iq2_xs_s(x, qw, has_w, is_s, grid, kmap, nb, out, dout):
                     scales[ib] = 0
                     continue
                 scale = _grid_search(xval, weight, waux, 16, 8, 2, 3, kmap, nb, grid, L, Laux, on_grid, on_aux,
-                                     mx / F32(5.0), 9, F32(0.1), mx, False)
+                                     mx / F32(5.0), 9, F32(0.1), mx, 0)
                 if scale < 0:
                     scale = -scale
                     for k in range(2):
@@ -569,10 +554,10 @@ def _iq3(x, qw, has_w, is_s, grid, kmap, nb, out, dout):
                     continue
                 if is_s:
                     scale = _grid_search(xval, weight, waux, 32, 4, 3, 8, kmap, nb, grid, L, Laux, on_grid, on_aux,
-                                         mx / F32(15.0), 9, F32(0.2), mx, True)
+                                         mx / F32(15.0), 9, F32(0.2), mx, 1)
                 else:
                     scale = _grid_search(xval, weight, waux, 32, 4, 3, 8, kmap, nb, grid, L, Laux, on_grid, on_aux,
-                                         mx / F32(15.0), 15, F32(0.2), mx, False)
+                                         mx / F32(15.0), 15, F32(0.2), mx, 0)
                 if scale < 0:
                     scale = -scale
                     for k in range(4):
