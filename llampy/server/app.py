@@ -48,14 +48,15 @@ class Server:
     def __init__(self, model_path, n_parallel: int = 4, n_ctx: int = 4096, api_key: str | None = None,
                  alias: str | None = None, tune_process: bool = True, n_threads: int | None = None,
                  slot_save_path=None, prompt_cache=None, progress=None, offload: dict | None = None,
-                 mmproj=None, allow_remote_images: bool = False, spec=None, model_draft=None):
+                 mmproj=None, allow_remote_images: bool = False, spec=None, model_draft=None, lora=None):
         """``slot_save_path``: the folder /slots/{id}?action=save|restore reads and writes (None: those actions
         are refused). ``prompt_cache``: a file of the slots' cached prompts, restored here when it exists (and
         fits this model) and written by ``save_prompt_cache`` at shutdown. ``progress(fraction)``: called as the
         weights load (Model's progress_callback). ``offload``: Model's GPU keywords (n_gpu_layers, split_mode,
         tensor_split, main_gpu, override_tensor). ``mmproj``: a projector GGUF (image input, server/media.py);
         ``allow_remote_images``: fetch http(s) image URLs too. ``spec``: speculative decoding settings
-        (llama/speculative.SpecParams); ``model_draft``: the draft model's GGUF (spec type draft-simple)."""
+        (llama/speculative.SpecParams); ``model_draft``: the draft model's GGUF (spec type draft-simple).
+        ``lora``: (path, scale) pairs of GGUF LoRA adapters (GET/POST /lora-adapters, a request's "lora")."""
         if tune_process:
             from .. import tuning
             tuning.install()     # before the model's first kernel (llampy/tuning.py)
@@ -87,6 +88,10 @@ class Server:
         self.spec = spec
         self.engine = Engine(self.model, n_parallel, n_ctx, min_batch=n_img, spec=spec, draft_model=self.model_draft)
         self.engine.mtmd = self.mtmd
+        if lora:
+            from ..llama.lora import LoraAdapter
+            self.engine.set_lora_adapters([LoraAdapter(self.model, p) for p, _ in lora], [p for p, _ in lora],
+                                          [sc for _, sc in lora])
         self.api_key = api_key
         self.template = template_from_metadata(self.model.metadata)
         self.renderer = TemplateRenderer()      # chat templates render in child processes, within a budget
@@ -204,12 +209,17 @@ class Server:
                            code="context_length_exceeded")
         max_tokens = p["max_tokens"] or (limit - len(tokens))
         opts = opts or {}
+        lora = opts.get("lora")
+        n_ad = len(self.engine.lora_adapters)
+        if lora is not None and any(i >= n_ad for i in lora):
+            raise APIError(400, f"'lora': adapter id {max(lora)} is out of range (the server has {n_ad} LoRA "
+                                f"adapter{'' if n_ad == 1 else 's'})", "lora")
         shown = {k: v for k, v in p.items() if k != "logit_bias" and v is not None}
         return Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p, grammar), stop=p["stop"],
                        n_probs=n_probs, logprobs=logprobs or n_probs > 0, ignore_eos=p["ignore_eos"],
                        cache_prompt=opts.get("cache_prompt", True), id_slot=opts.get("id_slot", -1),
                        spec_n_max=opts.get("spec_n_max"), spec_n_min=opts.get("spec_n_min"),
-                       spec_p_min=opts.get("spec_p_min"),
+                       spec_p_min=opts.get("spec_p_min"), lora=lora,
                        params={**shown, "n_predict": max_tokens, "n_probs": n_probs})
 
     def tokenize_prompt(self, prompt) -> list:

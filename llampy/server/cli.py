@@ -1,6 +1,7 @@
 """`llampy serve`: the OpenAI-compatible server (app.py) over one model with continuous batching (slots.py)."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -20,6 +21,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--alias", default=None, help="the model name reported to clients")
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the model's projector GGUF: image_url parts and multimodal_data are then accepted")
+    p.add_argument("--lora", action="append", default=None, metavar="FILE",
+                   help="a GGUF LoRA adapter at scale 1 (repeatable; GET/POST /lora-adapters, a request's 'lora')")
+    p.add_argument("--lora-scaled", nargs=2, action="append", default=None, metavar=("FILE", "SCALE"),
+                   help="a GGUF LoRA adapter at SCALE (repeatable)")
+    p.add_argument("--lora-init-without-apply", action="store_true",
+                   help="load the adapters with scale 0 (POST /lora-adapters or a request's 'lora' applies them)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs (by default only base64 data URLs are taken)")
     p.add_argument("--cors-origins", default="localhost",
@@ -135,14 +142,27 @@ def cmd_serve(args) -> int:
     if args.models_dir is not None:
         return _serve_router(args, spec)
     path = resolve_model(args.model)
+    from ..llama.lora import LoraError, parse_lora_args
+    try:
+        lora = parse_lora_args(args.lora, args.lora_scaled)
+    except ValueError:
+        print("llampy serve: --lora-scaled takes a FILE and a number", file=sys.stderr)
+        return 2
+    if args.lora_init_without_apply:
+        lora = [(p, 0.0) for p, _ in lora]
+    for p, _ in lora:
+        if not os.path.isfile(p):
+            print(f"llampy serve: LoRA adapter {p} not found", file=sys.stderr)
+            return 2
     try:
         server = Server(path, args.parallel, args.ctx_size, args.api_key, args.alias, n_threads=args.threads,
                         slot_save_path=args.slot_save_path, prompt_cache=args.prompt_cache,
                         progress=LoadProgress(path.name), offload=offload_kw(args), mmproj=args.mmproj,
                         allow_remote_images=args.allow_remote_images, spec=spec,
                         model_draft=resolve_model(args.model_draft)
-                        if spec is not None and "draft-simple" in spec.types else None)
-    except SpeculativeError as e:       # a draft model of another vocabulary, a recurrent target
+                        if spec is not None and "draft-simple" in spec.types else None, lora=lora)
+    except (SpeculativeError, LoraError) as e:   # a draft model of another vocabulary, a recurrent target; an adapter
+        # of another architecture or shape
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
     if server.n_restored:

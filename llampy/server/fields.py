@@ -91,6 +91,9 @@ SCHEMA = {
     "speculative.n_max": {"type": "integer", "minimum": 0, "description": "the most tokens drafted per step for "
                                                                           "this request (0: no drafting)"},
     "speculative.n_min": {"type": "integer", "minimum": 0, "description": "a shorter model draft is dropped"},
+    "lora": {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0},
+                                                                          "scale": {"type": "number"}}},
+             "description": "LoRA adapters for this request: [{id, scale}]; the adapters not listed take scale 0"},
     "speculative.p_min": {"type": "number", "minimum": 0, "maximum": 1,
                           "description": "the draft model stops below this probability of its top token"},
 }
@@ -109,10 +112,29 @@ def request_options(body: dict, n_parallel: int) -> dict:
     tpt = body.get("timings_per_token", False)
     if not isinstance(tpt, bool):
         raise APIError(400, "'timings_per_token' must be a boolean", "timings_per_token")
-    return {"cache_prompt": cp, "id_slot": sid, "timings_per_token": tpt,
+    # an empty list is no override (llama-server: the server's scales), unlike POST /lora-adapters' empty body
+    return {"cache_prompt": cp, "id_slot": sid, "timings_per_token": tpt, "lora": lora_scales(body.get("lora")) or None,
             "spec_n_max": _number(body, "speculative.n_max", None, 0, _INT32, integer=True),
             "spec_n_min": _number(body, "speculative.n_min", None, 0, _INT32, integer=True),
             "spec_p_min": _number(body, "speculative.p_min", None, 0, 1)}
+
+
+def lora_scales(raw, param: str = "lora") -> dict | None:
+    """llama-server's lora lists ([{"id": i, "scale": s}], a request's "lora" and POST /lora-adapters' body) ->
+    {id: scale}; None when absent. A later entry of the same id wins, as in llama-server."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(e, dict) for e in raw):
+        raise APIError(400, f"'{param}' must be an array of objects with 'id' and 'scale' fields", param)
+    out = {}
+    for e in raw:
+        i, sc = e.get("id"), e.get("scale", 0.0)
+        if not _is_int(i) or i < 0:
+            raise APIError(400, f"'{param}': each entry needs an 'id', a LoRA adapter number from 0", param)
+        if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not math.isfinite(sc):
+            raise APIError(400, f"'{param}': the scale of adapter {i} must be a finite number", param)
+        out[int(i)] = float(sc)
+    return out
 
 
 def logit_bias(body: dict, n_vocab: int) -> list:

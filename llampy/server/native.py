@@ -215,6 +215,33 @@ def add_native_routes(app, server) -> None:
                 "speculative": _spec_props(server),
                 "build_info": f"llampy {server.version}"}
 
+    @app.get("/lora-adapters")
+    async def lora_adapters():
+        e = server.engine
+        return [{"id": i, "path": p, "scale": sc, "task_name": "", "prompt_prefix": ""}
+                for i, (p, sc) in enumerate(zip(e.lora_paths, e.lora_scales))]
+
+    @app.post("/lora-adapters")
+    async def set_lora_adapters(http: HTTPRequest):
+        """llama-server's: the body [{id, scale}] sets the server's adapter scales (those not listed: 0) for the
+        requests admitted from now on; a slot whose cache was computed under other scales starts over."""
+        from . import limits
+        from .fields import lora_scales
+        raw = await http.body()
+        if len(raw) > 1 << 20:
+            raise APIError(413, "the request body is larger than 1 MiB", code="request_too_large")
+        body = await limits.parse_json_body(raw)
+        if not isinstance(body, list):
+            raise APIError(400, "Request body must be an array")
+        scales = lora_scales(body, "body")
+        e = server.engine
+        bad = [i for i in scales if i >= len(e.lora_adapters)]
+        if bad:
+            raise APIError(400, f"adapter id {bad[0]} is out of range (the server has {len(e.lora_adapters)} LoRA "
+                                f"adapters)", "id")
+        await asyncio.wrap_future(e.run_job(lambda: e.set_lora_scales(scales)))
+        return {"success": True}
+
     @app.get("/slots")
     async def slots():
         return server.engine.slots_info()

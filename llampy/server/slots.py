@@ -75,6 +75,7 @@ class Request:
     spec_n_max: int | None = None
     spec_n_min: int | None = None
     spec_p_min: float | None = None
+    lora: dict | None = None                # llama-server's per-request lora: {adapter id: scale}, others 0
     t_start: float = 0.0                    # admitted to a slot
     t_first: float = 0.0                    # the prompt decoded (the first token sampled)
 
@@ -102,6 +103,7 @@ class Slot:
         self.prompt_lps: list = []      # the prompt tokens' log-probs so far (Request.prompt_logprobs)
         self.n_draft = 0                # drafted tokens checked for this request, and those accepted
         self.n_draft_acc = 0
+        self.lora: tuple = ()           # the LoRA scales its cached K/V were computed with
 
 
 class Engine:
@@ -137,6 +139,12 @@ class Engine:
                            max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False,
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
+        # LoRA adapters (set_lora_adapters): the server's scales (POST /lora-adapters), and the turn of the scale
+        # sets when requests of several are active (one set per decode step)
+        self.lora_adapters: list = []
+        self.lora_paths: list = []
+        self.lora_scales: list = []
+        self._lora_turn = 0
         if self.spec is not None:
             self.drafters = Drafters(self.spec, model.vocab, n_ctx, n_parallel, draft_model)
         # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
@@ -157,6 +165,21 @@ class Engine:
         self.thread.start()
 
     # ------------------------------------------------------------------ public (any thread)
+    def set_lora_adapters(self, adapters, paths, scales) -> None:
+        """The LoRA adapters requests may use (llama-server's --lora / --lora-scaled), with the server's scales."""
+        self.lora_adapters, self.lora_paths = list(adapters), [str(p) for p in paths]
+        self.lora_scales = [float(x) for x in scales]
+
+    def set_lora_scales(self, scales: dict) -> None:
+        """POST /lora-adapters: the listed adapters take their scale, the others 0 (construct_lora_list); requests
+        admitted from now on use them. Call through run_job."""
+        self.lora_scales = [float(scales.get(i, 0.0)) for i in range(len(self.lora_adapters))]
+
+    def _lora_of(self, r: Request) -> tuple:
+        if r.lora is None:
+            return tuple(self.lora_scales)
+        return tuple(float(r.lora.get(i, 0.0)) for i in range(len(self.lora_adapters)))
+
     @property
     def n_ctx_slot(self) -> int:
         return self.slots[0].n_ctx
@@ -380,6 +403,10 @@ class Engine:
         n_common = min(_common(slot.cached, r.tokens), len(r.tokens) - 1)
         if not r.cache_prompt or r.prompt_logprobs >= 0:
             n_common = 0
+        lora = self._lora_of(r)
+        if lora != slot.lora:           # K/V computed under other adapter scales are not this request's
+            n_common = 0
+            slot.lora = lora
         if n_common < len(r.tokens) and not isinstance(r.tokens[n_common], (int, np.integer)):
             n_common -= r.tokens[n_common].j          # an image is decoded whole: from its first position
         r.t_start = time.perf_counter()
@@ -404,6 +431,14 @@ class Engine:
 
     def _step_all(self) -> None:
         active = [s for s in self.slots if s.req is not None]
+        if self.lora_adapters and active:
+            # one set of adapter scales per decode (the graph applies them to every row): slots of other sets
+            # wait for their turn, which comes round step by step
+            sets = sorted({s.lora for s in active})
+            cur = sets[self._lora_turn % len(sets)]
+            self._lora_turn += 1
+            active = [s for s in active if s.lora == cur]
+            self.ctx.set_loras([(ad, sc) for ad, sc in zip(self.lora_adapters, cur) if sc != 0.0])
         batch = Batch.empty()
         rows: dict[int, int] = {}       # slot id -> batch position whose logits it samples from
         took: dict[int, int] = {}       # slot id -> prompt tokens of it in this batch
