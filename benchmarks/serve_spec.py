@@ -8,7 +8,8 @@ that every configuration gives the same greedy replies.
 Configurations: none; ngram-simple (prompt lookup: llama.cpp's defaults 12/48, and 4/16); draft-simple with
 --draft (default: the target model itself, which accepts nearly every draft and so shows the verification's cost
 and the acceptance ceiling; a smaller model of the same vocabulary is what makes it pay). Each configuration gets
-its own in-process Server (slots = the largest stream count); the requests go straight to its engine.
+its own in-process Server (slots = the largest stream count); the requests go straight to its engine; the
+configurations take turns in every round and each row is its best round.
 """
 from __future__ import annotations
 
@@ -44,59 +45,44 @@ TASKS = [
 ]
 
 
-def run_config(path, name, spec, draft, n_tokens, streams, rounds):
+def one_round(server, toks, n_tokens, n_streams):
+    """Two requests per stream, greedy: (tokens/s, tokens, seconds, drafted, accepted, replies by task)."""
     from llampy.llama.sampling import Chain
-    from llampy.server.app import Server
     from llampy.server.slots import Request
-    server = Server(path, n_parallel=max(streams), n_ctx=1024 * max(streams), spec=spec, model_draft=draft)
-    toks = [server.chat_tokens(m) for m in TASKS]
-    rows, replies = [], {}
-    try:
-        for n_streams in streams:
-            best = None
-            for _ in range(rounds):
-                e = server.engine
-                d0, a0 = e.metrics["draft_tokens_total"], e.metrics["draft_tokens_accepted"]
-                jobs = [toks[i % len(toks)] for i in range(n_streams * 2)]      # two requests per stream
-                out = [None] * len(jobs)
-                lock, nxt = threading.Lock(), [0]
+    e = server.engine
+    d0, a0 = e.metrics["draft_tokens_total"], e.metrics["draft_tokens_accepted"]
+    jobs = [toks[i % len(toks)] for i in range(n_streams * 2)]
+    out = [None] * len(jobs)
+    lock, nxt = threading.Lock(), [0]
 
-                def client():
-                    while True:
-                        with lock:
-                            i = nxt[0]
-                            nxt[0] += 1
-                        if i >= len(jobs):
-                            return
-                        r = e.submit(Request(tokens=list(jobs[i]), max_tokens=n_tokens, cache_prompt=False,
-                                             sampler=Chain.from_params(temperature=0)))
-                        got = []
-                        while True:
-                            ev = r.events.get()
-                            if ev.token is not None:
-                                got.append(ev.token)
-                            if ev.finish_reason:
-                                break
-                        out[i] = got
-                t0 = time.perf_counter()
-                th = [threading.Thread(target=client) for _ in range(n_streams)]
-                for t in th:
-                    t.start()
-                for t in th:
-                    t.join()
-                dt = time.perf_counter() - t0
-                n_gen = sum(len(o) for o in out)
-                drafted = e.metrics["draft_tokens_total"] - d0
-                acc = e.metrics["draft_tokens_accepted"] - a0
-                row = (n_gen / dt, n_gen, dt, drafted, acc)
-                if best is None or row[0] > best[0]:
-                    best = row
-                for i, o in enumerate(out):
-                    replies.setdefault(i % len(toks), o)
-            rows.append((name, n_streams) + best)
-    finally:
-        server.engine.stop()
-    return rows, replies
+    def client():
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(jobs):
+                return
+            r = e.submit(Request(tokens=list(jobs[i]), max_tokens=n_tokens, cache_prompt=False,
+                                 sampler=Chain.from_params(temperature=0)))
+            got = []
+            while True:
+                ev = r.events.get()
+                if ev.token is not None:
+                    got.append(ev.token)
+                if ev.finish_reason:
+                    break
+            out[i] = got
+    t0 = time.perf_counter()
+    th = [threading.Thread(target=client) for _ in range(n_streams)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    dt = time.perf_counter() - t0
+    n_gen = sum(len(o) for o in out)
+    replies = {i % len(toks): o for i, o in enumerate(out)}
+    return (n_gen / dt, n_gen, dt, e.metrics["draft_tokens_total"] - d0,
+            e.metrics["draft_tokens_accepted"] - a0, replies)
 
 
 def main() -> int:
@@ -117,9 +103,8 @@ def main() -> int:
     draft = resolve_model(args.draft) if args.draft else path
     print(f"model {path.name}, draft {draft.name if draft else '-'}, {args.tokens} tokens, best of {args.rounds}",
           flush=True)
-    print("| config | streams | tok/s | tokens | s | drafted | accepted | acceptance | speed-up |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    base, ref = {}, None
+    from llampy.server.app import Server
+    servers = {}
     for cfg in args.configs:
         if cfg == "none":
             spec, d = None, None
@@ -131,14 +116,31 @@ def main() -> int:
         else:
             print(f"unknown config {cfg!r}", file=sys.stderr)
             return 2
-        rows, replies = run_config(path, cfg, spec, d, args.tokens, args.streams, args.rounds)
-        same = "" if ref is None else ("" if replies == ref else "  (REPLIES DIFFER from the first config)")
-        ref = ref if ref is not None else replies
-        for name, ns, tps, n_gen, dt, drafted, acc in rows:
-            base.setdefault(ns, tps)
+        servers[cfg] = Server(path, n_parallel=max(args.streams), n_ctx=1024 * max(args.streams), spec=spec,
+                              model_draft=d)
+    toks = [servers[args.configs[0]].chat_tokens(m) for m in TASKS]
+    best, replies = {}, {}
+    # configurations take turns within each round, so that a slow spell of a shared machine hits them alike
+    for k in range(args.rounds):
+        for ns in args.streams:
+            for cfg, server in servers.items():
+                row = one_round(server, toks, args.tokens, ns)
+                replies.setdefault(cfg, row[5])
+                if (cfg, ns) not in best or row[0] > best[(cfg, ns)][0]:
+                    best[(cfg, ns)] = row
+                print(f"round {k + 1}: {cfg}, {ns} streams: {row[0]:.1f} tok/s", file=sys.stderr, flush=True)
+    for server in servers.values():
+        server.engine.stop()
+    print("| config | streams | tok/s | tokens | s | drafted | accepted | acceptance | speed-up | same replies |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ref = replies[args.configs[0]]
+    for ns in args.streams:
+        for cfg in args.configs:
+            tps, n_gen, dt, drafted, acc, _ = best[(cfg, ns)]
             rate = f"{acc / drafted:.2f}" if drafted else "-"
-            print(f"| {name} | {ns} | {tps:.1f} | {n_gen} | {dt:.1f} | {drafted} | {acc} | {rate} | "
-                  f"{tps / base[ns]:.2f}x |{same}", flush=True)
+            base = best[(args.configs[0], ns)][0]
+            print(f"| {cfg} | {ns} | {tps:.1f} | {n_gen} | {dt:.1f} | {drafted} | {acc} | {rate} | "
+                  f"{tps / base:.2f}x | {'yes' if replies[cfg] == ref else 'NO'} |", flush=True)
     return 0
 
 

@@ -514,6 +514,7 @@ class Engine:
         share = sum(took.values()) / len(batch)
         m["prompt_seconds_total"] += dt * share
         m["gen_seconds_total"] += dt * (1 - share)
+        g0 = m["generated_tokens_total"]
         for s in active:
             if s.id in rows:
                 try:
@@ -524,7 +525,7 @@ class Engine:
                 except Exception as e:  # a sampler or detokenizer failure ends this request only
                     self._fail(s, f"sampling failed: {type(e).__name__}: {e}")
         now = time.perf_counter()
-        self._recent.append((now, len(rows)))
+        self._recent.append((now, m["generated_tokens_total"] - g0))     # with drafts, several per slot
         if now - self._recent[0][0] > 30:
             self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
 
