@@ -45,7 +45,6 @@ def test_unknown_field_is_400_naming_it(server_url, path):
     ("/v1/completions", "best_of", 2, "one completion per request"),
     ("/v1/chat/completions", "functions", [{"name": "f"}], "use 'tools'"),
     ("/v1/chat/completions", "adaptive_target", 0.5, ""),  # a llama.cpp sampler this server does not run
-    ("/completion", "lora", [], ""),
     ("/v1/embeddings", "dimensions", 64, ""),
 ])
 def test_fields_llama_server_or_openai_know_but_not_honoured(server_url, path, field, value, says):
@@ -72,7 +71,7 @@ def test_honoured_fields_pass(server_url):
                                                   "max_completion_tokens": 1, "stream_options": None}),
                         ("/v1/completions", {"echo": True, "user": "u1", "ignore_eos": True, "min_p": 0.1,
                                              "n": 2, "mirostat": 2}),
-                        ("/completion", {"cache_prompt": False, "n_probs": 2, "return_tokens": True,
+                        ("/completion", {"cache_prompt": False, "n_probs": 2, "return_tokens": True, "lora": [],
                                          "typical_p": 0.5, "samplers": "kt"}),
                         ("/v1/embeddings", {"encoding_format": "base64", "user": "u1"}),
                         ("/tokenize", {"add_special": True, "parse_special": False, "with_pieces": True})]:
