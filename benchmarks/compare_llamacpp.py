@@ -39,9 +39,22 @@ VENV = HERE / ".llamacpp-venv"
 WHEELS = Path.home() / ".cache" / "llampy" / "wheels"
 # No AVX-VNNI (-DGGML_AVX_VNNI): these AMD cores have AVX512-VNNI only, and llama-cpp-python 0.3.36's ggml emits the
 # VEX-encoded vpdpbusd under it (SIGILL in ggml_vec_dot_q4_1_q8_1); with AVX512_VNNI + AVX512VL it uses the EVEX form.
-CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-              "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF "
-              "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+_CMAKE_AVX512 = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                 "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF "
+                 "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+# AVX2-only cores (no avx512f in /proc/cpuinfo): the same build without the AVX-512 flags, which would SIGILL there.
+_CMAKE_AVX2 = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF "
+               "-DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+
+
+def _has_avx512() -> bool:
+    try:
+        return " avx512f " in open("/proc/cpuinfo").read().replace("\n", " ")
+    except OSError:
+        return False
+
+
+CMAKE_ARGS = _CMAKE_AVX512 if _has_avx512() else _CMAKE_AVX2
 
 # Runs inside the llama.cpp environment: the pp and tg tests through llama_decode, as llama-bench does.
 LLAMACPP_BENCH = r'''
