@@ -55,6 +55,7 @@ ARCHITECTURES = {
     "granitemoe": "granite",
     "gpt-oss": "gpt_oss",
     "deepseek2": "deepseek2",
+    "mistral4": "deepseek2",
     "llama4": "llama4",
 }
 

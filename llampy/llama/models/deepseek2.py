@@ -1,4 +1,5 @@
-"""deepseek2 (DeepSeek V2/V3, Kimi K2, GigaChat 3 and the like): multi-head latent attention (MLA) and a mixture of
+"""deepseek2 (DeepSeek V2/V3, Kimi K2, GigaChat 3, GLM 4.7 Lite, Mistral Large 3 and the like; mistral4, llama.cpp's
+name for Mistral's models of this shape, is the same model with its own YaRN attention factor): multi-head latent attention (MLA) and a mixture of
 experts with shared experts after n leading dense layers.
 
 MLA, as llama.cpp runs it with the absorption optimisation (the GGUF's attn_kv_b split into attn_k_b / attn_v_b by
@@ -111,9 +112,14 @@ def load_hparams(hp, md):
     hp.rope_yarn_log_mul = _f32(_f32(log_mul) / tenth) if log_mul else 0.0
     if hp.yarn_ext_factor:
         s = _f32(1.0 / _f32(hp.rope_freq_scale))
-        att = 1.0
-        if hp.rope_yarn_log_mul == 0.0 and s > 1:
-            att = _f32(_f32(tenth * _logf(s)) + 1.0)
+        def mscale(m):      # llama.cpp's get_mscale
+            return 1.0 if s <= 1 else _f32(_f32(_f32(tenth * _f32(m)) * _logf(s)) + 1.0)
+        if hp.rope_yarn_log_mul:
+            # deepseek2 (not mistral4) takes mscale = mscale_all_dims: the ratio is then 1
+            m = hp.rope_yarn_log_mul if a == "deepseek2" and hp.rope_yarn_log_mul != 1.0 else 1.0
+            att = _f32(mscale(m) / mscale(hp.rope_yarn_log_mul))
+        else:
+            att = mscale(1.0)
         att = _f32(att * _f32(1.0 / _f32(1.0 + _f32(tenth * _logf(s)))))
         hp.yarn_attn_factor = _f32(att * _f32(hp.rope_attn_factor))
 
