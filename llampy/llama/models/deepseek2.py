@@ -1,6 +1,6 @@
 """deepseek2 (DeepSeek V2/V3, Kimi K2, GigaChat 3, GLM 4.7 Lite, Mistral Large 3 and the like; mistral4, llama.cpp's
-name for Mistral's models of this shape, is the same model with its own YaRN attention factor): multi-head latent attention (MLA) and a mixture of
-experts with shared experts after n leading dense layers.
+name for Mistral's models of this shape, is the same model with its own YaRN attention factor): multi-head latent
+attention (MLA) and a mixture of experts with shared experts after n leading dense layers.
 
 MLA, as llama.cpp runs it with the absorption optimisation (the GGUF's attn_kv_b split into attn_k_b / attn_v_b by
 the converter): Q comes from a low-rank pair (attn_q_a, RMS-normed, attn_q_b; or one attn_q in the lite models),
