@@ -1,7 +1,6 @@
 """`llampy serve`: the OpenAI-compatible server (app.py) over one model with continuous batching (slots.py)."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -150,8 +149,9 @@ def cmd_serve(args) -> int:
         return 2
     if args.lora_init_without_apply:
         lora = [(p, 0.0) for p, _ in lora]
+    from pathlib import Path
     for p, _ in lora:
-        if not os.path.isfile(p):
+        if not Path(p).is_file():
             print(f"llampy serve: LoRA adapter {p} not found", file=sys.stderr)
             return 2
     try:

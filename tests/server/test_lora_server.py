@@ -91,3 +91,11 @@ def test_bad_lora_fields(lora_server, route, body):
     r = httpx.post(url + route, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert "lora" in r.text.lower() or "array" in r.text.lower() or "adapter" in r.text.lower()
+
+
+def test_serve_refuses_bad_adapter_flags(tmp_path, capsys):
+    from llampy.cli import main
+    assert main(["serve", str(MODEL), "--lora", str(tmp_path / "none.gguf"), "--log-format", "none"]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["serve", str(MODEL), "--lora-scaled", str(MODEL), "big", "--log-format", "none"]) == 2
+    assert "--lora-scaled" in capsys.readouterr().err
