@@ -203,7 +203,7 @@ class Llama:
         draft = d.draft({0: (self._cached, token, room, None, None)}).get(0, []) if d and room >= 1 else []
         if not draft:
             return self.eval_token(token), [], []
-        self.ctx.decode(Batch.from_tokens([token] + draft, pos0=len(self._cached), logits_all=True))
+        self.ctx.decode(Batch.from_tokens([token] + draft, pos0=self._pos(), logits_all=True))
         self.spec_stats["drafted"] += len(draft)
         self._cached.append(int(token))
         rows = [np.array(self.ctx.get_logits_ith(j)) for j in range(len(draft) + 1)]
@@ -225,12 +225,12 @@ class Llama:
                 break
             n_common += 1
         n_common = min(n_common, len(tokens) - 1)   # re-evaluate at least the last token to get its logits
-        if not self.ctx.seq_rm(0, n_common, -1):     # a recurrent state cannot drop a suffix: start over
+        if not self.ctx.seq_rm(0, self._pos(n_common), -1):     # a recurrent state cannot drop a suffix: start over
             self.ctx.seq_rm(0, -1, -1)
             n_common = 0
         if n_common < len(tokens) and not isinstance(tokens[n_common], (int, np.integer)):
             n_common -= tokens[n_common].j          # an image is decoded whole: from its first position
-        if not self.ctx.seq_rm(0, n_common, -1):
+        if not self.ctx.seq_rm(0, self._pos(n_common), -1):
             self.ctx.seq_rm(0, -1, -1)
             n_common = 0
         self._cached = list(tokens[:n_common])
@@ -239,7 +239,7 @@ class Llama:
         while i0 < len(rest):
             if not isinstance(rest[i0], (int, np.integer)):     # an image chunk's first position (mtmd.ImagePos)
                 ch = rest[i0].chunk
-                self.mtmd.eval_image(self.ctx, ch, len(self._cached), 0, self.ctx.n_batch)
+                self.mtmd.eval_image(self.ctx, ch, self._pos(), 0, self.ctx.n_batch)
                 self._cached.extend(rest[i0:i0 + ch.n_tokens])
                 i0 += ch.n_tokens
                 continue
@@ -247,13 +247,21 @@ class Llama:
             while i1 < len(rest) and i1 - i0 < self.ctx.n_batch and isinstance(rest[i1], (int, np.integer)):
                 i1 += 1
             chunk = rest[i0:i1]
-            self.ctx.decode(Batch.from_tokens(chunk, pos0=len(self._cached), logits_last=i1 == len(rest)))
+            self.ctx.decode(Batch.from_tokens(chunk, pos0=self._pos(), logits_last=i1 == len(rest)))
             self._cached.extend(int(t) for t in chunk)
             i0 = i1
         return self.ctx.get_logits_ith(-1)
 
+    def _pos(self, n: int | None = None) -> int:
+        """The sequence position after the first n cached items (all of them by default): n itself, but with M-RoPE
+        an image's tokens share one position and advance it by max(rows, columns)."""
+        n = len(self._cached) if n is None else n
+        if self.mtmd is None or not self.mtmd.mrope:
+            return n
+        return self.mtmd.seq_pos(self._cached, n)
+
     def eval_token(self, token: int) -> np.ndarray:
-        self.ctx.decode(Batch.from_tokens([token], pos0=len(self._cached)))
+        self.ctx.decode(Batch.from_tokens([token], pos0=self._pos()))
         self._cached.append(int(token))
         return self.ctx.get_logits_ith(-1)
 
@@ -291,7 +299,7 @@ class Llama:
             yield from self._generate(logits, max_tokens, sampler, stop, n_probs, ignore_eos, dec, draft, rows)
         finally:                        # the rejected or unused rest of a draft leaves the cache
             if draft:
-                self.ctx.seq_rm(0, len(self._cached), -1)
+                self.ctx.seq_rm(0, self._pos(), -1)
 
     def _generate(self, logits, max_tokens, sampler, stop, n_probs, ignore_eos, dec, draft, rows):
         text_all = ""
@@ -337,7 +345,7 @@ class Llama:
                 logits = rows.pop(0)
                 continue
             if draft:
-                self.ctx.seq_rm(0, len(self._cached), -1)
+                self.ctx.seq_rm(0, self._pos(), -1)
                 draft.clear()
                 rows.clear()
             room = min(max_tokens - i - 2, self.n_ctx - len(self._cached) - 3)
@@ -454,7 +462,7 @@ class Llama:
         think = splitter_for(tp.source, prompt, reasoning_format)
         # the rendered template already holds BOS where the model wants it
         if self.mtmd is not None and images:
-            tokens = self.mtmd.flatten(self.mtmd.tokenize(prompt, images, add_special=False))
+            tokens = self.mtmd.flatten(self.mtmd.tokenize(prompt, images, add_special=False), positions=True)
         else:
             tokens = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
         if self.vocab.add_bos and self.vocab.bos is not None and (not tokens or tokens[0] != self.vocab.bos):

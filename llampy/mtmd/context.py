@@ -170,12 +170,13 @@ class MtmdContext:
                 chunks.append(Chunk("text", add_text_ids, n_tokens=1))
         return chunks
 
-    def flatten(self, chunks: list) -> list:
-        """The prompt as one list: text tokens as they are, each image position an ImagePos."""
-        if self.mrope and any(c.type == "image" for c in chunks):
-            # a flat prompt places token k at position k; M-RoPE's image tokens share one position
-            raise MediaError("images for an M-RoPE language model (qwen2-VL) are placed by eval_chunks only: the "
-                             "Python API, the server and llampy run do not place them yet")
+    def flatten(self, chunks: list, positions: bool = False) -> list:
+        """The prompt as one list: text tokens as they are, each image position an ImagePos. With M-RoPE the item
+        count is not the position (an image's tokens share one): the caller must place items by ``seq_pos``
+        (``positions=True``), else images are refused."""
+        if self.mrope and not positions and any(c.type == "image" for c in chunks):
+            raise MediaError("images for an M-RoPE language model (qwen2-VL) are placed by eval_chunks and the "
+                             "Python API only: the server does not place them yet")
         out: list = []
         for ch in chunks:
             if ch.type == "text":
@@ -225,6 +226,16 @@ class MtmdContext:
         pre = preprocess(bm, self.proj.hparams)
         self._pre = (bm.id, pre)
         return pre
+
+    @staticmethod
+    def seq_pos(items: list, n: int) -> int:
+        """The sequence position after the first n items of a flat prompt: n, less what each whole image among them
+        saves (an image advances by Chunk.n_pos, M-RoPE's max(rows, columns), not by its token count)."""
+        pos = n
+        for it in items[:n]:
+            if isinstance(it, ImagePos) and it.j == it.chunk.n_tokens - 1:
+                pos += it.chunk.n_pos - it.chunk.n_tokens
+        return pos
 
     def _grid(self, bm: Bitmap) -> tuple[int, int]:
         """The merged tokens a row and the rows of an image (clip_n_output_tokens_x / _y)."""

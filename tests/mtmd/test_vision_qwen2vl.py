@@ -131,7 +131,7 @@ def test_greedy_continuation_with_normal_positions(mctx):
 
 
 @pytest.fixture(scope="module")
-def mctx_vl(tmp_path_factory):
+def lm_vl_path(tmp_path_factory):
     import importlib.util
     if not LM.exists():
         pytest.skip(f"{LM} not found (the shared tiny models)")
@@ -141,8 +141,14 @@ def mctx_vl(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2vl") / "lm.gguf"
     gen.write_lm_vl(path)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == REF["model_vl_sha256"]
+    return path, tuple(gen.SECTIONS)
+
+
+@pytest.fixture(scope="module")
+def mctx_vl(lm_vl_path):
+    path, sections = lm_vl_path
     lm = Model(path)
-    assert lm.hparams.n_pos_per_embd == 4 and lm.hparams.rope_sections == tuple(gen.SECTIONS)
+    assert lm.hparams.n_pos_per_embd == 4 and lm.hparams.rope_sections == sections
     # llama.cpp 0.3.36's qwen2vl reads only the rope sections in load_arch_hparams (qwen2's reads the RMS norm's
     # epsilon): it runs with epsilon 0. llampy reads the file's; the comparison runs llampy as llama.cpp ran
     lm.hparams.f_norm_rms_eps = 0.0
@@ -154,10 +160,25 @@ def test_mrope_continuation_matches_llamacpp(mctx_vl, i):
     _greedy(mctx_vl, REF["generations_vl"][i])
 
 
-def test_mrope_flat_prompts_are_refused(mctx_vl):
-    chunks = mctx_vl.tokenize("<__media__>", [bitmap_from_file(HERE / "rect64x32.png")])
+def test_mrope_through_the_python_api(lm_vl_path):
+    """Llama places a flat prompt's items by position (an image's tokens share one, the text after goes on from
+    max(rows, columns)): llama.cpp's greedy tokens, and again with the image's cells reused from the cache."""
+    from llampy.llama.api import Llama
+    gen = REF["generations_vl"][0]
+    rt = REF["runtime"]
+    llm = Llama(str(lm_vl_path[0]), mmproj_path=str(MMPROJ), n_ctx=rt["n_ctx"], n_batch=rt["n_batch"],
+                n_ubatch=rt["n_ubatch"], tune_process=False)
+    llm.model.hparams.f_norm_rms_eps = 0.0          # as llama.cpp 0.3.36 runs qwen2vl (mctx_vl says why)
+    chunks = llm.mtmd.tokenize(gen["prompt"], [bitmap_from_file(HERE / n) for n in gen["images"]])
+    tokens = llm.mtmd.flatten(chunks, positions=True)
+    assert llm.mtmd.seq_pos(tokens, len(tokens)) == gen["n_past"]
+    want = llm.vocab.detokenize(gen["ids"])
+    for _ in range(2):
+        out = llm.create_completion(tokens, max_tokens=len(gen["ids"]), temperature=0)
+        assert out["choices"][0]["text"] == want
+    assert llm.mtmd.n_encoded == 1
     with pytest.raises(MediaError, match="M-RoPE language model"):
-        mctx_vl.flatten(chunks)
+        llm.mtmd.flatten(chunks)                    # the server's flat prompts do not place them yet
 
 
 def test_mrope_position_shift_is_refused(mctx_vl):
