@@ -39,13 +39,13 @@ def chat(url, model, text="Hello", **kw):
 
 
 def states(url) -> dict:
-    return {m["id"]: m["status"]["value"] for m in httpx.get(url + "/v1/models").json()["data"]}
+    return {m["id"]: m["status"]["value"] for m in httpx.get(url + "/v1/models", timeout=60).json()["data"]}
 
 
 def unload_all(url) -> None:
     for name, st in states(url).items():
         if st == "loaded":
-            assert httpx.post(url + "/models/unload", json={"model": name}).status_code == 200
+            assert httpx.post(url + "/models/unload", json={"model": name}, timeout=60).status_code == 200
 
 
 def test_models_listed_loaded_on_use_and_routed(routed):
@@ -64,7 +64,7 @@ def test_models_listed_loaded_on_use_and_routed(routed):
         [{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
     assert r.choices[0].message.content == alone["choices"][0]["message"]["content"]
     # GET routes name the model in the query
-    props = httpx.get(url + "/props", params={"model": "qwen2-Q8_0"}).json()
+    props = httpx.get(url + "/props", params={"model": "qwen2-Q8_0"}, timeout=60).json()
     assert props["model_alias"] == "qwen2-Q8_0" and props["total_slots"] == 2
 
 
@@ -98,9 +98,9 @@ def test_keep_alive_and_unload(routed):
     while states(url)["qwen2-Q8_0"] == "loaded" and time.time() - t0 < 10:
         time.sleep(0.2)
     assert states(url)["qwen2-Q8_0"] == "unloaded"
-    r = httpx.post(url + "/models/load", json={"model": "qwen3-Q8_0"})
+    r = httpx.post(url + "/models/load", json={"model": "qwen3-Q8_0"}, timeout=120)
     assert r.status_code == 200 and states(url)["qwen3-Q8_0"] == "loaded"
-    r = httpx.post(url + "/models/unload", json={"model": "qwen3-Q8_0"})
+    r = httpx.post(url + "/models/unload", json={"model": "qwen3-Q8_0"}, timeout=60)
     assert r.status_code == 200 and r.json()["unloaded"] and states(url)["qwen3-Q8_0"] == "unloaded"
 
 
