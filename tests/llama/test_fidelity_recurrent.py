@@ -65,6 +65,7 @@ def test_teacher_forced_logprobs(tiny):
         n_p = len(p["prompt_ids"])
         for k, step in enumerate(p["steps"]):
             row = lp[n_p - 1 + k]
+            assert np.isfinite(row).all(), f"{name} step {k}: non-finite log-probs"     # max() would skip a NaN
             worst = max(worst, max(abs(row[tid] - ref_lp) for tid, ref_lp in step["top"]))
             top = step["top"]
             if top[0][1] - top[1][1] > MARGIN:
