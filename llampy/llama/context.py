@@ -95,14 +95,13 @@ class Context:
 
     def set_loras(self, loras) -> None:
         """The LoRA adapters applied from the next decode on, as (LoraAdapter, scale) pairs (llama.cpp's
-        llama_set_adapters_lora); the graphs built for other adapters or scales are dropped."""
-        loras = [(ad, float(s)) for ad, s in loras]
-        if [(id(a), s) for a, s in loras] == [(id(a), s) for a, s in self.loras]:
-            return
-        self.loras = loras
-        for gc in self._graphs.values():
-            self.sched.forget(gc.graph)
-        self._graphs.clear()
+        llama_set_adapters_lora). Graphs are cached per adapter set and scales too (a server alternating between
+        requests of two sets keeps both); a cached graph holds its adapters, so their ids stay unique."""
+        self.loras = [(ad, float(s)) for ad, s in loras]
+
+    def _key(self, n_tokens: int, n_outputs: int, n_kv: int, embd_input: bool = False) -> tuple:
+        return ((n_tokens, n_outputs, n_kv, self.kv.n_seqs()) + (("embd",) if embd_input else ())
+                + tuple((id(a), s) for a, s in self.loras))
 
     @property
     def n_vocab(self) -> int:
@@ -110,7 +109,7 @@ class Context:
 
     # ------------------------------------------------------------------ graphs
     def _graph(self, n_tokens: int, n_outputs: int, n_kv: int, embd_input: bool = False):
-        key = (n_tokens, n_outputs, n_kv, self.kv.n_seqs()) + (("embd",) if embd_input else ())
+        key = self._key(n_tokens, n_outputs, n_kv, embd_input)
         gc = self._graphs.get(key)
         if gc is not None:
             self._graphs.move_to_end(key)
@@ -135,7 +134,7 @@ class Context:
         n_tokens = min(max(1, int(n_tokens)), self.n_ubatch)
         n_outputs = min(max(1, int(n_outputs)), n_tokens)
         n_kv = self._n_kv(n_tokens)
-        if (n_tokens, n_outputs, n_kv, self.kv.n_seqs()) in self._graphs:
+        if self._key(n_tokens, n_outputs, n_kv) in self._graphs:
             return False
         self.sched.alloc_graph(self._graph(n_tokens, n_outputs, n_kv).graph)
         return True
