@@ -38,6 +38,8 @@ class RemoteEngine:
     """What the routes use of slots.Engine, over the replicas. Counters are the replicas' sums (from the board)."""
 
     draining = False
+    # the replicas load no LoRA adapters: a request's "lora" ids get the server's 400 (out of range)
+    lora_adapters = lora_paths = lora_scales = ()
 
     def __init__(self, handle, board, n_parallel: int, n_ctx: int, idle_timeout: float):
         self.handle, self.board = handle, board

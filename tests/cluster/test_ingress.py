@@ -120,11 +120,12 @@ def test_same_400s_as_one_server(replicas):
     bodies = [("/v1/chat/completions", {"messages": "hi"}),
               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}),
-              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 65}),
               ("/v1/completions", {"prompt": 5}),
               ("/v1/completions", {"prompt": "x", "max_tokens": -3}),
               ("/v1/completions", {"prompt": "x", "grammar": "root ::= (", "max_tokens": 2}),
-              ("/v1/completions", {"prompt": "x " * 3000})]
+              ("/v1/completions", {"prompt": "x " * 3000}),
+              ("/v1/completions", {"prompt": "x", "lora": [{"id": 0, "scale": 1.0}]})]   # no adapters loaded
     for path, body in bodies:
         a, b = one.post(path, json=body), c.post(path, json=body)
         assert a.status_code == 400 and b.status_code == 400, (path, body, a.text, b.text)
