@@ -264,6 +264,10 @@ def quantize(x: np.ndarray, t: GGMLType) -> np.ndarray:
     t = GGMLType(t)
     fn = _QUANT.get(t)
     if fn is None:
+        from .quants_iq_search import SEARCH_TYPES, quantize_iq
+        if t in SEARCH_TYPES:       # the grid searches (slow; not in QUANTIZE_TYPES): IQ2_XXS/XS, IQ1_S refuse
+            x = np.asarray(x, F32)
+            return quantize_iq(x.reshape(-1, x.shape[-1]), t).reshape(x.shape[:-1] + (-1,))
         raise NotImplementedError(f"quantizing to {t.name} is not implemented")
     x = np.asarray(x, F32)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
