@@ -102,11 +102,13 @@ def deploy(model=None, replicas: int = 1, parallel: int = 4, router: str = "pref
            address: str | None = None, port: int = 8080, host: str = "127.0.0.1", ctx_size: int = 4096,
            threads: int | None = 1, min_replicas: int | None = None, max_replicas: int | None = None,
            idle_timeout: float = 20.0, name: str = "llampy", api_key: str | None = None,
-           alias: str | None = None, cpus_per_node: int = 1, place_timeout: float = 60.0) -> Deployment:
+           alias: str | None = None, cpus_per_node: int = 1, place_timeout: float = 60.0,
+           autoscaling: dict | None = None) -> Deployment:
     """Deploy ``model`` (a GGUF path, or 'smollm2' / 'gemma3') as ``replicas`` replicas of ``parallel`` slots each
     behind one ingress; returns the URL and the ingress's handle. ``router``: 'prefix' (llampy/cluster/router.py)
     or 'pow2' (Serve's default). ``pipeline`` K: each replica's layers over K nodes (K - 1 stage actors).
-    ``min_replicas``/``max_replicas``: autoscaling instead of a fixed count. Every node holds the model file at the
+    ``min_replicas``/``max_replicas``: autoscaling instead of a fixed count; ``autoscaling``: keys of Serve's
+    autoscaling_config over llampy's defaults (its delays, look_back_period_s, ...). Every node holds the model file at the
     same path (checked by sha256)."""
     require_ray()
     if router not in ROUTERS:
@@ -117,6 +119,8 @@ def deploy(model=None, replicas: int = 1, parallel: int = 4, router: str = "pref
         raise ClusterError("give both min_replicas and max_replicas, or neither")
     if min_replicas is not None and not 0 < min_replicas <= max_replicas:
         raise ClusterError(f"need 0 < min_replicas <= max_replicas, got {min_replicas} and {max_replicas}")
+    if autoscaling and min_replicas is None:
+        raise ClusterError("autoscaling settings need min_replicas and max_replicas")
     if ctx_size // parallel < 8:
         raise ClusterError(f"parallel {parallel} and ctx_size {ctx_size} leave no room per slot")
     check_address(address)
@@ -125,7 +129,7 @@ def deploy(model=None, replicas: int = 1, parallel: int = 4, router: str = "pref
     local = connect(address, cpus_per_node)
     try:
         return _deploy(path, replicas, parallel, router, pipeline, port, host, ctx_size, threads, min_replicas,
-                       max_replicas, idle_timeout, name, api_key, alias, place_timeout, local)
+                       max_replicas, idle_timeout, name, api_key, alias, place_timeout, local, autoscaling)
     except BaseException:
         if local is not None:
             import ray
@@ -135,7 +139,7 @@ def deploy(model=None, replicas: int = 1, parallel: int = 4, router: str = "pref
 
 
 def _deploy(path, replicas, parallel, router, pipeline, port, host, ctx_size, threads, min_replicas, max_replicas,
-            idle_timeout, name, api_key, alias, place_timeout, local) -> Deployment:
+            idle_timeout, name, api_key, alias, place_timeout, local, autoscaling=None) -> Deployment:
     import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -169,7 +173,7 @@ def _deploy(path, replicas, parallel, router, pipeline, port, host, ctx_size, th
     if min_replicas is not None:
         scaling = {"autoscaling_config": {"min_replicas": min_replicas, "max_replicas": max_replicas,
                                           "target_ongoing_requests": max(1, parallel // 2),
-                                          "upscale_delay_s": 2, "downscale_delay_s": 10}}
+                                          "upscale_delay_s": 2, "downscale_delay_s": 10, **(autoscaling or {})}}
     opts = dict(name="replica", max_ongoing_requests=parallel * 2, health_check_period_s=2,
                 health_check_timeout_s=30, graceful_shutdown_timeout_s=5, ray_actor_options={"num_cpus": cpus},
                 **scaling)

@@ -57,3 +57,9 @@ def test_core_never_imports_ray():
             "from llampy.cli import build_parser; build_parser(); print('ray' in sys.modules)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "False", p.stderr
+
+
+def test_autoscaling_settings_without_min_max_replicas_are_refused():
+    from llampy.cluster.launch import ClusterError, deploy
+    with pytest.raises(ClusterError, match="autoscaling settings need min_replicas and max_replicas"):
+        deploy(MODEL, replicas=2, autoscaling={"upscale_delay_s": 1}, address="127.0.0.1:9")

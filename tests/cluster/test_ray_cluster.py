@@ -6,7 +6,9 @@ Routing: 8 conversations x 6 turns with long system prompts over 2 replicas x 4 
 rate (cached / prompt tokens, from /metrics) against the power-of-two router's. Failover: 24 greedy streams at
 concurrency 4, one replica SIGKILLed mid-stream, then a worker node removed: every stream completes, no error
 event, texts as in a run without faults. Pipeline: SmolLM2's second half and head in a stage actor on another node,
-greedy tokens and logits equal to one process's with 1 and 2 sequences."""
+greedy tokens and logits equal to one process's with 1 and 2 sequences; then over 3 nodes (two stages, the first
+handing its output to the second directly). Autoscaling: min 1, max 2 replicas with short delays; load brings a
+second replica, idleness takes it away, no request fails."""
 from __future__ import annotations
 
 import json
@@ -54,6 +56,13 @@ def wait_replicas(n: int, timeout: float = 90.0) -> dict:
             pass
         time.sleep(0.3)
     raise AssertionError(f"{n} replicas were not healthy within {timeout} s: {h}")
+
+
+def ensure_workers(cluster, n: int = 2) -> None:
+    """At least ``n`` worker nodes (the failover test removes one)."""
+    while len(cluster.worker_nodes) < n:
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes(timeout=120)
 
 
 def deploy_tiny(router: str):
@@ -222,10 +231,14 @@ def test_pipeline_stage_on_another_node_equals_one_process(cluster, smollm2_path
     from llampy.llama.context import Context
     from llampy.llama.model import Model
     path = str(smollm2_path)
+    ensure_workers(cluster, 2)
     me = ray.get_runtime_context().get_node_id()
-    other = next(iter(cluster.worker_nodes)).node_id     # a worker still there (the failover test removed one)
-    assert other != me
-    on_other = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(other, soft=False)}
+    other, third = sorted(n.node_id for n in cluster.worker_nodes)[:2]
+    assert me not in (other, third)
+
+    def on(node):
+        return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+    on_other = on(other)
     cls = ray.remote(Stage)
     stage = cls.options(**on_other).remote(path, file_sha256(path), 1)
     assert ray.get(stage.node.remote()) and ray.get(stage.ping.remote())
@@ -254,8 +267,9 @@ def test_pipeline_stage_on_another_node_equals_one_process(cluster, smollm2_path
                 toks[s].append(int(logits[s][-1].argmax()))
         return toks, [np.array(lg) for lg in logits]
 
+    want = {len(seqs): greedy(one, seqs) for seqs in ([prompts[0]], prompts)}
     for seqs in ([prompts[0]], prompts):       # 1 and 2 sequences (slots)
-        t_one, l_one = greedy(one, seqs)
+        t_one, l_one = want[len(seqs)]
         calls0, bytes0 = remote.n_calls, remote.bytes_sent
         t_split, l_split = greedy(split, seqs)
         assert t_split == t_one
@@ -264,8 +278,77 @@ def test_pipeline_stage_on_another_node_equals_one_process(cluster, smollm2_path
         assert remote.n_calls - calls0 == len(seqs) + 7     # one round trip per decode
         assert remote.bytes_sent - bytes0 < 1 << 20      # hidden states and inputs, never weights
 
+    # K = 3: the driver's first third, a stage on each worker node (the last with the head); the first stage's
+    # output goes to the second stage directly (a push through the second's actor), not through the driver
+    s1, s2 = (cls.options(**on(node)).remote(path, file_sha256(path), 1) for node in (other, third))
+    assert ray.get(s1.node.remote()) and ray.get(s2.ping.remote())
+    ref1, kinds = StageRef(s1), {}
+
+    def to_first(ops):      # the ops the driver sends to the first stage, counted by kind
+        for op in ops:
+            kinds[op[0]] = kinds.get(op[0], 0) + 1
+        return ref1(ops)
+    r1, r2 = RemoteBackend(to_first, device="remote:1"), RemoteBackend(StageRef(s2), device="remote:2")
+    split3 = Model(path, devices=[r1, r2], n_gpu_layers=pipeline_layers(path, 3), n_threads=1)
+    assert split3.layer_backend[n_layer // 3 - 1] is split3.cpu and split3.layer_backend[n_layer // 3] is r1
+    assert r2 in split3.layer_backend[:n_layer] and split3.layer_backend[n_layer] is r2
+    t3, l3 = greedy(split3, prompts)
+    assert t3 == want[2][0]
+    for a, b in zip(l3, want[2][1]):
+        np.testing.assert_array_equal(a, b)
+    assert kinds.get("push", 0) > 0 and r1.bytes_sent + r2.bytes_sent < 1 << 20
+    ray.kill(s1)
+    ray.kill(s2)
+
     # a stage whose copy of the model is another file, or missing: the error names the node and the path
     with pytest.raises(ray.exceptions.RayActorError, match=f"node .*: {path} has another sha256"):
         ray.get(cls.options(**on_other).remote(path, "0" * 64, 1).ping.remote())
     with pytest.raises(ray.exceptions.RayActorError, match="node .*: the model file /nonexistent.gguf is missing"):
         ray.get(cls.options(**on_other).remote("/nonexistent.gguf", None, 1).ping.remote())
+
+
+# ---------------------------------------------------------------------------------------------------- autoscaling
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(cluster):
+    import httpx
+    from llampy.cluster import deploy
+    ensure_workers(cluster, 2)      # one CPU each: a replica per node
+    t0 = time.monotonic()
+    # Serve's defaults average the load over 30 s and wait 30 s / 10 min; short ones keep the test short
+    deploy(MODEL, min_replicas=1, max_replicas=2, parallel=4, ctx_size=4096, port=PORT, idle_timeout=5,
+           place_timeout=240, autoscaling={"target_ongoing_requests": 1, "look_back_period_s": 1,
+                                           "metrics_interval_s": 0.25, "upscale_delay_s": 0.5,
+                                           "downscale_delay_s": 2})
+    wait_replicas(1)
+    t_deployed = time.monotonic()
+    done0 = {r["id"]: r["metrics"]["requests_finished"] for r in replica_rows()}
+    stop, results = threading.Event(), []
+
+    def client(i):
+        while not stop.is_set():
+            r = httpx.post(URL + "/v1/completions", json={"prompt": f"Story {i}:", "max_tokens": 48,
+                                                          "ignore_eos": True, "temperature": 0}, timeout=120)
+            results.append((r.status_code, r.json()["usage"]["completion_tokens"] if r.status_code == 200
+                            else r.text))
+    with ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(client, i) for i in range(4)]
+        try:
+            wait_replicas(2)
+            t_up = time.monotonic()
+            while time.monotonic() - t_up < 30:     # the load reaches the new replica too
+                rows = replica_rows()
+                if len(rows) == 2 and all(r["metrics"]["requests_finished"] > done0.get(r["id"], 0) for r in rows):
+                    break
+                time.sleep(0.3)
+        finally:
+            stop.set()
+        for f in futs:
+            f.result()
+    assert results and all(res == (200, 48) for res in results), results
+    assert len(rows) == 2 and all(r["metrics"]["requests_finished"] > done0.get(r["id"], 0) for r in rows)
+    t_idle = time.monotonic()
+    wait_replicas(1, timeout=60)    # idle: back to min_replicas
+    print(f"autoscaling: deployed in {t_deployed - t0:.1f} s, 2 replicas {t_up - t_deployed:.1f} s into the load, "
+          f"both serving {t_idle - t_up:.1f} s later, 1 replica {time.monotonic() - t_idle:.1f} s after the load, "
+          f"{len(results)} requests")
+    assert httpx.post(URL + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4},
+                      timeout=60).status_code == 200
