@@ -10,10 +10,19 @@ issue's figures, printed as one JSON object.
   pipeline_ms_per_token  SmolLM2 decode per token, one process vs second half in a stage on another node
   *_pss_mib            memory (PSS) of the cluster's processes: idle, then with Serve and 2 replicas of the tiny
                        model (its weights are 13 MiB; the rest is Ray, Serve and llampy's Python)
+  throughput           generated tokens/s through the ingress with 1 replica, then with N (one per node with a
+                       CPU), each replica under 2 x parallel clients; scaling = tps_N / (N x tps_1), the issue's
+                       target >= 0.8. Only meaningful across real hosts: the local nodes share this machine's cores
 
 Run as root, in a loopback-only network namespace as the tests do (names select figures: handoff router stream
-resume pipeline; none: all):
+resume pipeline throughput; none: all but throughput):
     unshare -n sh -c 'ip link set lo up && RAY_USAGE_STATS_ENABLED=0 .venv/bin/python benchmarks/cluster_bench.py'
+Throughput over N real hosts: start Ray on them (`ray start --head --node-ip-address=PRIVATE_IP` on one,
+`ray start --address=PRIVATE_IP:6379 --node-ip-address=...` on the others, each with the model at the same path),
+then on the head:
+    LLAMPY_BENCH_ADDRESS=PRIVATE_IP:6379 LLAMPY_BENCH_MODEL=/models/smollm2.gguf \
+        .venv/bin/python benchmarks/cluster_bench.py throughput
+(LLAMPY_BENCH_SECONDS: each load's length, default 30; LLAMPY_BENCH_PARALLEL: slots per replica, default 4.)
 """
 from __future__ import annotations
 
@@ -211,6 +220,39 @@ def pipeline_ms_per_token(n: int = 24) -> dict:
     return out
 
 
+def throughput(model: str, parallel: int, seconds: float, n_tok: int = 64) -> dict:
+    """Tokens/s with 1 replica and with one per node; see the module's docstring."""
+    import httpx
+    import ray
+    from llampy.cluster import deploy
+    n = sum(1 for nd in ray.nodes() if nd["Alive"] and nd["Resources"].get("CPU", 0) >= 1)
+    out: dict = {"nodes": n, "parallel": parallel, "seconds": seconds, "max_tokens": n_tok}
+    for reps in (1, n):
+        deploy(model, replicas=reps, parallel=parallel, port=PORT, place_timeout=240)
+        _wait(reps)
+        for i in range(2 * reps):       # each replica's first step (plans, caches) outside the timing
+            httpx.post(URL + "/v1/completions", json={"prompt": f"Warm {i}", "max_tokens": 4}, timeout=120)
+        toks, t_end = [], time.monotonic() + seconds
+
+        def client(i):
+            k = 0
+            while time.monotonic() < t_end:
+                r = httpx.post(URL + "/v1/completions", json={"prompt": f"Story {i} part {k}:", "max_tokens": n_tok,
+                                                              "ignore_eos": True, "temperature": 0}, timeout=300)
+                r.raise_for_status()
+                toks.append(r.json()["usage"]["completion_tokens"])
+                k += 1
+        t0 = time.monotonic()
+        ths = [threading.Thread(target=client, args=(i,)) for i in range(2 * parallel * reps)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        out[f"tps_{reps}"] = round(sum(toks) / (time.monotonic() - t0), 1)
+    out["scaling"] = round(out[f"tps_{n}"] / (n * out["tps_1"]), 3)
+    return out
+
+
 def tree_pss_mib() -> float:
     """PSS of this process's descendants (the local cluster's GCS, raylets, workers, Serve's actors), MiB."""
     kids: dict[int, list] = {}
@@ -243,14 +285,22 @@ def main() -> None:
         res[key] = value
         print(f"cluster_bench: {key} = {json.dumps(value)}", flush=True)
 
-    t0 = time.monotonic()
-    c = start_local(2)
-    put("cluster_start_s", round(time.monotonic() - t0, 1))
-    put("idle_cluster_pss_mib", tree_pss_mib())
     only = set(sys.argv[1:])        # e.g. `cluster_bench.py resume`: that figure alone
 
     def want(name):
         return not only or name in only
+    address = os.environ.get("LLAMPY_BENCH_ADDRESS")    # a real cluster's head (HOST:PORT): throughput over N hosts
+    if address:
+        from llampy.cluster.launch import connect
+        if only != {"throughput"}:
+            sys.exit("LLAMPY_BENCH_ADDRESS: only the throughput figure runs on an existing cluster")
+        connect(address)
+        c = None
+    else:
+        t0 = time.monotonic()
+        c = start_local(2)
+        put("cluster_start_s", round(time.monotonic() - t0, 1))
+        put("idle_cluster_pss_mib", tree_pss_mib())
     if want("handoff"):
         put("handoff_ms", handoff_ms())
     if want("router"):
@@ -264,14 +314,19 @@ def main() -> None:
         put("stream_ms_per_token", stream_cost())
     if want("resume"):
         put("resume_s", resume_seconds())
+    if "throughput" in only:
+        put("throughput", throughput(os.environ.get("LLAMPY_BENCH_MODEL", str(TINY)),
+                                     int(os.environ.get("LLAMPY_BENCH_PARALLEL", "4")),
+                                     float(os.environ.get("LLAMPY_BENCH_SECONDS", "30"))))
     from ray import serve
     serve.delete("llampy")
-    if want("pipeline"):
+    if want("pipeline") and c is not None:
         put("pipeline_ms_per_token", pipeline_ms_per_token())
     print(json.dumps(res, indent=1), flush=True)
     import ray
     ray.shutdown()
-    c.shutdown()
+    if c is not None:
+        c.shutdown()
 
 
 if __name__ == "__main__":
