@@ -1,7 +1,10 @@
 """llampy quantize against llama-quantize: wall time per file type with the same thread count, on a random-weight
 F16 llama of 2048-wide layers (written once with llampy's writer), and whether the two outputs are byte-identical.
 
-    python benchmarks/quantize_bench.py [--threads 2] [--types Q4_0,Q8_0,Q4_K_M,Q6_K] [--layers 4]
+    python benchmarks/quantize_bench.py [--threads 2] [--types Q4_0,Q8_0,Q4_K_M,Q6_K] [--layers 4] [--imatrix]
+
+``--imatrix``: both tools get the same random importance matrix (the IQ1/IQ2/IQ3 types need one); llampy's
+warm-up then runs each type once on a small model first, so that no timed run compiles.
 
 llama-quantize is found as the tests find it (LLAMPY_LLAMA_QUANTIZE, or bin/llama-quantize of LLAMPY_LLAMACPP:
 ``bash scripts/llamacpp.sh`` builds it). Each tool runs once per type after one untimed warm-up run of llampy (Numba's
@@ -26,10 +29,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K_M,Q5_K_M,Q6_K,IQ4_XS")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--imatrix", action="store_true", help="a random importance matrix for both tools")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "llampy-quant-bench"))
     a = ap.parse_args()
     from tests import llamacpp
-    from tests.llama.test_quantize import write_random_llama
+    from tests.llama.test_quantize import write_random_imatrix, write_random_llama
     import numpy as np
     tool = llamacpp.llama_quantize()
     if tool is None:
@@ -44,16 +48,29 @@ def main() -> int:
     n_params = (2 * 32000 * 2048 + a.layers * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 5632)) / 1e6
     py = [sys.executable, "-m", "llampy", "quantize", "--progress", "off"]
     subprocess.run(py + [str(src), str(d / "warm.gguf"), "Q4_K_M", str(a.threads)], capture_output=True, check=True)
-    print(f"random llama, F16 in, {n_params:.0f} M parameters, {a.threads} threads\n")
+    opts = []
+    if a.imatrix:
+        im, small, small_im = d / f"imatrix-L{a.layers}.gguf", d / "small.gguf", d / "small-imatrix.gguf"
+        if not im.exists():
+            write_random_imatrix(src, im)
+        if not small.exists():
+            write_random_llama(small, n_layer=1)
+            write_random_imatrix(small, small_im)
+        for t in a.types.split(","):
+            subprocess.run(py + ["--imatrix", str(small_im), str(small), str(d / "warm.gguf"), t, str(a.threads)],
+                           capture_output=True, check=True)
+        opts = ["--imatrix", str(im)]
+    print(f"random llama, F16 in, {n_params:.0f} M parameters, {a.threads} threads"
+          f"{', random imatrix' if a.imatrix else ''}\n")
     print("| type | llama-quantize (s) | llampy (s) | ratio | identical |")
     print("| --- | --- | --- | --- | --- |")
     for t in a.types.split(","):
         ref, ours = d / f"ref-{t}.gguf", d / f"ours-{t}.gguf"
         t0 = time.perf_counter()
-        subprocess.run([tool, str(src), str(ref), t, str(a.threads)], capture_output=True, check=True)
+        subprocess.run([tool, *opts, str(src), str(ref), t, str(a.threads)], capture_output=True, check=True)
         t_ref = time.perf_counter() - t0
         t0 = time.perf_counter()
-        subprocess.run(py + [str(src), str(ours), t, str(a.threads)], capture_output=True, check=True)
+        subprocess.run(py + [*opts, str(src), str(ours), t, str(a.threads)], capture_output=True, check=True)
         t_ours = time.perf_counter() - t0
         same = ref.read_bytes() == ours.read_bytes()
         print(f"| {t} | {t_ref:.2f} | {t_ours:.2f} | {t_ours / t_ref:.2f} | {'yes' if same else 'NO'} |", flush=True)
