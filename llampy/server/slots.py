@@ -391,8 +391,10 @@ class Engine:
                     continue
             elif not free:
                 break
-            # the free slot whose cache shares the longest prefix with this prompt (ties: the emptiest)
-            slot = max(free, key=lambda s: (_common(s.cached, r.tokens), -len(s.cached)))
+            # the free slot sharing the longest prefix if over a tenth of the prompt (llama-server's
+            # slot_prompt_similarity: a template's few shared tokens do not evict a conversation), else the emptiest
+            slot = max(free, key=lambda s: (c if (c := _common(s.cached, r.tokens)) * 10 > len(r.tokens) else 0,
+                                            -len(s.cached)))
             self.waiting.remove(r)
             self._start(slot, r)
 
