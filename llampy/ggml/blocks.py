@@ -257,9 +257,14 @@ def decode_tq1_0(w, o, out, oo):
 KVALUES_FP4 = kvalues_fp4.astype(np.int32)
 
 
+# ggml's GGML_E8M0_TO_FP32_HALF as a table: 2^(e - 128) for each exponent byte (e < 2: float32 subnormals). A
+# table load, not libm's ldexp: one call per 32-value block was most of MXFP4's decode time.
+E8M0_HALF = np.array([math.ldexp(1.0, e - 128) for e in range(256)], dtype=np.float32)
+
+
 @njit(cache=True, inline="always")
 def e8m0_half(e):
-    return np.float32(math.ldexp(1.0, np.int32(e) - 128))
+    return E8M0_HALF[np.int32(e)]
 
 
 @njit(cache=True, inline="always")

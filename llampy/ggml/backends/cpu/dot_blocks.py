@@ -46,7 +46,7 @@ from ... import blocks as B
 from ...types import GGMLType
 from .act_quant import act_split, round_half, scratch_for
 from .dot_kquant import _madd, _maddubs, hsum8x, i32x8_sum
-from .dot_q32 import ROW_CHUNK, prefetch_base, prefetch_step
+from .dot_q32 import ROW_CHUNK, prefetch_base, prefetch_byte, prefetch_step
 from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8, f32x8_add,
                    f32x8_fma, f32x8_hsum, f32x8_lane, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_to_f32x8)
 
@@ -495,31 +495,226 @@ def _mx_isum(wr, o, xr, xo):
     return i32x8_sum(lanes_s(fp4_lut32(wr, o + MX_QS), xr, xo, 1))
 
 
+# One step function per format and one final function per float order, all module-level names: one function
+# holding several formats' branches, taking ``kind`` as an argument, was inlined with every branch at each of
+# ``_mv``'s thirteen call sites (Numba prunes on ``kind`` only after inlining): compiling IQ2_XXS's kernel took
+# 119 s of CPU, Q2_K's 42 s; one format each, 44 s and 19 s. Each takes the ``kind`` argument of ``_mv``'s common
+# signature without using it.
+
+
 @njit(cache=True, inline="always")
-def _grid_lanes(kind, wr, o, g, xr, xo):
-    """Group g's eight int32 lanes of a grid format (blocks.py: grid entries, sign bits, scales 2 ls + 1)."""
-    if kind == K_IQ2_XXS:
-        q = gather4_u64(G_IQ2_XXS, B.iq2_xxs_grid_idx(wr, o, g, 0), B.iq2_xxs_grid_idx(wr, o, g, 1),
-                        B.iq2_xxs_grid_idx(wr, o, g, 2), B.iq2_xxs_grid_idx(wr, o, g, 3))
-        ls = 2 * B.iq2_xxs_ls(wr, o, g, 0) + 1
-        return lanes_sg(q, B.iq2_xxs_signs(wr, o, g), xr, xo, ls, ls)
-    if kind == K_IQ2_XS:
-        q = gather4_u64(G_IQ2_XS, B.iq2_xs_grid_idx(wr, o, g, 0), B.iq2_xs_grid_idx(wr, o, g, 1),
-                        B.iq2_xs_grid_idx(wr, o, g, 2), B.iq2_xs_grid_idx(wr, o, g, 3))
-        return lanes_sg(q, B.iq2_xs_signs(wr, o, g), xr, xo, 2 * B.iq2_xs_ls(wr, o, g, 0) + 1,
-                        2 * B.iq2_xs_ls(wr, o, g, 1) + 1)
-    if kind == K_IQ2_S:
-        q = gather4_u64(G_IQ2_S, B.iq2_s_grid_idx(wr, o, g, 0), B.iq2_s_grid_idx(wr, o, g, 1),
-                        B.iq2_s_grid_idx(wr, o, g, 2), B.iq2_s_grid_idx(wr, o, g, 3))
-        return lanes_sg(q, B.iq2_s_signs(wr, o, g), xr, xo, 2 * B.iq2_s_ls(wr, o, g, 0) + 1,
-                        2 * B.iq2_s_ls(wr, o, g, 1) + 1)
-    if kind == K_IQ3_XXS:
-        q = gather8_u32(G_IQ3_XXS, B.iq3_xxs_grid_idx(wr, o, g, 0), B.iq3_xxs_grid_idx(wr, o, g, 1),
-                        B.iq3_xxs_grid_idx(wr, o, g, 2), B.iq3_xxs_grid_idx(wr, o, g, 3),
-                        B.iq3_xxs_grid_idx(wr, o, g, 4), B.iq3_xxs_grid_idx(wr, o, g, 5),
-                        B.iq3_xxs_grid_idx(wr, o, g, 6), B.iq3_xxs_grid_idx(wr, o, g, 7))
-        ls = 2 * B.iq3_xxs_ls(wr, o, g, 0) + 1
-        return lanes_sg(q, B.iq3_xxs_signs(wr, o, g), xr, xo, ls, ls)
+def _st_q2_k(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * Q2_BYTES
+    xo = b * 256
+    xdb = xdr[b]
+    lanes = i32x8_zero()
+    for c in range(8):
+        q = crumbs32(wr, o + Q2_QS + 32 * (c >> 2), 2 * (c & 3))
+        lanes = i32x8_add(lanes, lanes_u(q, xr, xo + 32 * c, B.q2_k_scale(wr, o, 2 * c),
+                                         B.q2_k_scale(wr, o, 2 * c + 1)))
+    d = np.float32(xdb * f16_at(wr, o + Q2_D))
+    dmin = np.float32(-xdb * f16_at(wr, o + Q2_DMIN))
+    a1 = f32x8_fma(dmin, i32x8_to_f32x8(q2k_min_lanes(wr, o, bsr, b * 16)), a1)
+    a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_q3_k(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * Q3_BYTES
+    xo = b * 256
+    lanes = i32x8_zero()
+    for c in range(8):
+        q = crumbs32(wr, o + Q3_QS + 32 * (c >> 2), 2 * (c & 3))
+        h = hclear4_32(wr, o + Q3_HM, c)
+        lanes = i32x8_add(lanes, lanes_u2(q, h, xr, xo + 32 * c, B.q3_k_scale(wr, o, 2 * c),
+                                          B.q3_k_scale(wr, o, 2 * c + 1)))
+    d = np.float32(xdr[b] * f16_at(wr, o + Q3_D))
+    a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_iq4_xs(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * X4_BYTES
+    xo = b * 256
+    lanes = i32x8_zero()
+    for g in range(8):
+        lanes = i32x8_add(lanes, lanes_s(nib_lut32(wr, o + X4_QS + 16 * g), xr, xo + 32 * g,
+                                         B.iq4_xs_scale(wr, o, g)))
+    d = np.float32(f16_at(wr, o + X4_D) * xdr[b])
+    a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_iq4_nl_r8(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    # eight blocks: their exact sums at once (one transposed reduction), then the chain block by block
+    o = b * 8 * N4_BYTES
+    xo = b * 256
+    v = hsum8x(_nl_lanes(wr, o, xr, xo, 0), _nl_lanes(wr, o, xr, xo, 1), _nl_lanes(wr, o, xr, xo, 2),
+               _nl_lanes(wr, o, xr, xo, 3), _nl_lanes(wr, o, xr, xo, 4), _nl_lanes(wr, o, xr, xo, 5),
+               _nl_lanes(wr, o, xr, xo, 6), _nl_lanes(wr, o, xr, xo, 7))
+    f = i32x8_to_f32x8(v)
+    s = fma32(f32x8_lane(f, 0), _nl_d(wr, o, xdr, 8 * b, 0), s)
+    s = fma32(f32x8_lane(f, 1), _nl_d(wr, o, xdr, 8 * b, 1), s)
+    s = fma32(f32x8_lane(f, 2), _nl_d(wr, o, xdr, 8 * b, 2), s)
+    s = fma32(f32x8_lane(f, 3), _nl_d(wr, o, xdr, 8 * b, 3), s)
+    s = fma32(f32x8_lane(f, 4), _nl_d(wr, o, xdr, 8 * b, 4), s)
+    s = fma32(f32x8_lane(f, 5), _nl_d(wr, o, xdr, 8 * b, 5), s)
+    s = fma32(f32x8_lane(f, 6), _nl_d(wr, o, xdr, 8 * b, 6), s)
+    s = fma32(f32x8_lane(f, 7), _nl_d(wr, o, xdr, 8 * b, 7), s)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_iq4_nl(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * 2 * N4_BYTES
+    xo = b * 64
+    d1 = np.float32(xdr[2 * b] * f16_at(wr, o + N4_D))
+    d2 = np.float32(xdr[2 * b + 1] * f16_at(wr, o + N4_BYTES + N4_D))
+    a1 = f32x8_fma(d1, i32x8_to_f32x8(lanes_s(nib_lut32(wr, o + N4_QS), xr, xo, 1)), a1)
+    a2 = f32x8_fma(d2, i32x8_to_f32x8(lanes_s(nib_lut32(wr, o + N4_BYTES + N4_QS), xr, xo + 32, 1)), a2)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_tq2_0(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    # digits 0..2 against x, minus the block sums: sum (q - 1) x with ggml's lanes (module doc)
+    o = b * T2_BYTES
+    xo = b * 256
+    lanes = i32x8_sub(i32x8_zero(), bsum_lanes(bsr, b * 16))
+    for c in range(8):
+        q = crumbs32(wr, o + T2_QS + 32 * (c >> 2), 2 * (c & 3))
+        lanes = i32x8_add(lanes, lanes_u(q, xr, xo + 32 * c, 1, 1))
+    a1 = f32x8_fma(np.float32(xdr[b] * f16_at(wr, o + T2_D)), i32x8_to_f32x8(lanes), a1)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_tq1_0(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * T1_BYTES
+    xo = b * 256
+    lanes = i32x8_sub(lanes_u(tq1_d0(wr, o), xr, xo, 1, 1), bsum_lanes(bsr, b * 16))
+    lanes = i32x8_add(lanes, lanes_u(tq1_d1(wr, o), xr, xo + 32, 1, 1))
+    lanes = i32x8_add(lanes, lanes_u(tq1_d2(wr, o), xr, xo + 64, 1, 1))
+    lanes = i32x8_add(lanes, lanes_u(tq1_d3(wr, o), xr, xo + 96, 1, 1))
+    lanes = i32x8_add(lanes, lanes_u(tq1_d4(wr, o), xr, xo + 128, 1, 1))
+    lanes = i32x8_add(lanes, lanes_u(tq1_d5(wr, o), xr, xo + 160, 1, 1))
+    lanes = i32x8_add(lanes, lanes_u(tq1_d6(wr, o), xr, xo + 192, 1, 1))
+    lanes = i32x8_add(lanes, lanes_u(tq1_d7(wr, o), xr, xo + 224, 1, 1))
+    a1 = f32x8_fma(np.float32(xdr[b] * f16_at(wr, o + T1_D)), i32x8_to_f32x8(lanes), a1)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_mxfp4_r8(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * 8 * MX_BYTES
+    xo = b * 256
+    v = hsum8x(_mx_lanes(wr, o, xr, xo, 0), _mx_lanes(wr, o, xr, xo, 1), _mx_lanes(wr, o, xr, xo, 2),
+               _mx_lanes(wr, o, xr, xo, 3), _mx_lanes(wr, o, xr, xo, 4), _mx_lanes(wr, o, xr, xo, 5),
+               _mx_lanes(wr, o, xr, xo, 6), _mx_lanes(wr, o, xr, xo, 7))
+    f = i32x8_to_f32x8(v)
+    s = fma32(f32x8_lane(f, 0), _mx_d(wr, o, xdr, 8 * b, 0), s)
+    s = fma32(f32x8_lane(f, 1), _mx_d(wr, o, xdr, 8 * b, 1), s)
+    s = fma32(f32x8_lane(f, 2), _mx_d(wr, o, xdr, 8 * b, 2), s)
+    s = fma32(f32x8_lane(f, 3), _mx_d(wr, o, xdr, 8 * b, 3), s)
+    s = fma32(f32x8_lane(f, 4), _mx_d(wr, o, xdr, 8 * b, 4), s)
+    s = fma32(f32x8_lane(f, 5), _mx_d(wr, o, xdr, 8 * b, 5), s)
+    s = fma32(f32x8_lane(f, 6), _mx_d(wr, o, xdr, 8 * b, 6), s)
+    s = fma32(f32x8_lane(f, 7), _mx_d(wr, o, xdr, 8 * b, 7), s)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_mxfp4(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * 2 * MX_BYTES
+    xo = b * 64
+    a1 = f32x8_fma(_mx_d(wr, o, xdr, 2 * b, 0), i32x8_to_f32x8(_mx_lanes(wr, o, xr, xo, 0)), a1)
+    a2 = f32x8_fma(_mx_d(wr, o, xdr, 2 * b, 1), i32x8_to_f32x8(_mx_lanes(wr, o, xr, xo, 1)), a2)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_iq1_s(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    # ggml_vec_dot_iq1_s_q8_K: exact lanes of the grid (signed) times x and a scalar integer for the deltas'
+    # block-sum term; acc = fma(d, lanes, acc), s += d * isum (contracted: one fma)
+    o = b * IQ1S_BYTES
+    xo = b * 256
+    lanes = i32x8_zero()
+    isum = 0
+    for g in range(8):
+        q = gather4_u64(G_IQ1, B.iq1_s_grid_idx(wr, o, g, 0), B.iq1_s_grid_idx(wr, o, g, 1),
+                        B.iq1_s_grid_idx(wr, o, g, 2), B.iq1_s_grid_idx(wr, o, g, 3))
+        ls = 2 * B.iq1_s_ls(wr, o, g) + 1
+        lanes = i32x8_add(lanes, lanes_s(q, xr, xo + 32 * g, ls))
+        bsg = np.int64(bsr[b * 16 + 2 * g]) + np.int64(bsr[b * 16 + 2 * g + 1])
+        isum += -bsg * ls if B.iq1_s_neg(wr, o, g) else bsg * ls
+    d = np.float32(xdr[b] * f16_at(wr, o))
+    a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    s = fma32(d, np.float32(isum), s)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _st_iq1_m(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    # ggml_vec_dot_iq1_m_q8_K: the grid lanes and the deltas' lanes (+-x summed per chunk), both scaled per
+    # 16 values, in two accumulators
+    o = b * IQ1M_BYTES
+    xo = b * 256
+    lanes = i32x8_zero()
+    dl = i32x8_zero()
+    for g in range(8):
+        q = gather4_u64(G_IQ1, B.iq1_m_grid_idx(wr, o, g, 0), B.iq1_m_grid_idx(wr, o, g, 1),
+                        B.iq1_m_grid_idx(wr, o, g, 2), B.iq1_m_grid_idx(wr, o, g, 3))
+        s0 = 2 * B.iq1_m_ls(wr, o, g, 0) + 1
+        s1 = 2 * B.iq1_m_ls(wr, o, g, 1) + 1
+        lanes = i32x8_add(lanes, lanes_s2(q, xr, xo + 32 * g, s0, s1))
+        dv = i64x4(NEG8 if B.iq1_m_neg(wr, o, g, 0) else ONES8, NEG8 if B.iq1_m_neg(wr, o, g, 1) else ONES8,
+                   NEG8 if B.iq1_m_neg(wr, o, g, 2) else ONES8, NEG8 if B.iq1_m_neg(wr, o, g, 3) else ONES8)
+        dl = i32x8_add(dl, lanes_s2(dv, xr, xo + 32 * g, s0, s1))
+    d = np.float32(xdr[b] * B.iq1_m_d(wr, o))
+    a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    a2 = f32x8_fma(d, i32x8_to_f32x8(dl), a2)
+    return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _gl_iq2_xxs(wr, o, g, xr, xo):
+    q = gather4_u64(G_IQ2_XXS, B.iq2_xxs_grid_idx(wr, o, g, 0), B.iq2_xxs_grid_idx(wr, o, g, 1),
+                    B.iq2_xxs_grid_idx(wr, o, g, 2), B.iq2_xxs_grid_idx(wr, o, g, 3))
+    ls = 2 * B.iq2_xxs_ls(wr, o, g, 0) + 1
+    return lanes_sg(q, B.iq2_xxs_signs(wr, o, g), xr, xo, ls, ls)
+
+
+@njit(cache=True, inline="always")
+def _gl_iq2_xs(wr, o, g, xr, xo):
+    q = gather4_u64(G_IQ2_XS, B.iq2_xs_grid_idx(wr, o, g, 0), B.iq2_xs_grid_idx(wr, o, g, 1),
+                    B.iq2_xs_grid_idx(wr, o, g, 2), B.iq2_xs_grid_idx(wr, o, g, 3))
+    return lanes_sg(q, B.iq2_xs_signs(wr, o, g), xr, xo, 2 * B.iq2_xs_ls(wr, o, g, 0) + 1,
+                    2 * B.iq2_xs_ls(wr, o, g, 1) + 1)
+
+
+@njit(cache=True, inline="always")
+def _gl_iq2_s(wr, o, g, xr, xo):
+    q = gather4_u64(G_IQ2_S, B.iq2_s_grid_idx(wr, o, g, 0), B.iq2_s_grid_idx(wr, o, g, 1),
+                    B.iq2_s_grid_idx(wr, o, g, 2), B.iq2_s_grid_idx(wr, o, g, 3))
+    return lanes_sg(q, B.iq2_s_signs(wr, o, g), xr, xo, 2 * B.iq2_s_ls(wr, o, g, 0) + 1,
+                    2 * B.iq2_s_ls(wr, o, g, 1) + 1)
+
+
+@njit(cache=True, inline="always")
+def _gl_iq3_xxs(wr, o, g, xr, xo):
+    q = gather8_u32(G_IQ3_XXS, B.iq3_xxs_grid_idx(wr, o, g, 0), B.iq3_xxs_grid_idx(wr, o, g, 1),
+                    B.iq3_xxs_grid_idx(wr, o, g, 2), B.iq3_xxs_grid_idx(wr, o, g, 3),
+                    B.iq3_xxs_grid_idx(wr, o, g, 4), B.iq3_xxs_grid_idx(wr, o, g, 5),
+                    B.iq3_xxs_grid_idx(wr, o, g, 6), B.iq3_xxs_grid_idx(wr, o, g, 7))
+    ls = 2 * B.iq3_xxs_ls(wr, o, g, 0) + 1
+    return lanes_sg(q, B.iq3_xxs_signs(wr, o, g), xr, xo, ls, ls)
+
+
+@njit(cache=True, inline="always")
+def _gl_iq3_s(wr, o, g, xr, xo):
     q = gather8_u32(G_IQ3_S, B.iq3_s_grid_idx(wr, o, g, 0), B.iq3_s_grid_idx(wr, o, g, 1),
                     B.iq3_s_grid_idx(wr, o, g, 2), B.iq3_s_grid_idx(wr, o, g, 3),
                     B.iq3_s_grid_idx(wr, o, g, 4), B.iq3_s_grid_idx(wr, o, g, 5),
@@ -528,211 +723,64 @@ def _grid_lanes(kind, wr, o, g, xr, xo):
     return lanes_sg(q, B.iq3_s_signs(wr, o, g), xr, xo, ls, ls)
 
 
-@njit(cache=True, inline="always")
-def _grid_factor(kind):
-    if kind == K_IQ3_XXS:
-        return np.float32(0.25)
-    if kind == K_IQ3_S:
-        return np.float32(1.0)
-    return np.float32(0.125)
 
-
-@njit(cache=True, inline="always")
-def _step(kind, wr, b, xr, xdr, bsr, a1, a2, s):
-    """Step b of one (weight row, activation row) pair: the accumulators (a1, a2: f32x8, s: float32) updated in
-    the format's float order (module doc)."""
-    if kind == K_Q2_K:
-        o = b * Q2_BYTES
+def _grid_step(lanes, nbytes):
+    """The step of a grid format (ggml_vec_dot_iq2_xxs_q8_K ...): exact lanes over the eight groups (``lanes``: the
+    format's ``_gl_*``), one fma per block."""
+    @njit(inline="always")
+    def step(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+        o = b * nbytes
         xo = b * 256
-        xdb = xdr[b]
-        lanes = i32x8_zero()
-        for c in range(8):
-            q = crumbs32(wr, o + Q2_QS + 32 * (c >> 2), 2 * (c & 3))
-            lanes = i32x8_add(lanes, lanes_u(q, xr, xo + 32 * c, B.q2_k_scale(wr, o, 2 * c),
-                                             B.q2_k_scale(wr, o, 2 * c + 1)))
-        d = np.float32(xdb * f16_at(wr, o + Q2_D))
-        dmin = np.float32(-xdb * f16_at(wr, o + Q2_DMIN))
-        a1 = f32x8_fma(dmin, i32x8_to_f32x8(q2k_min_lanes(wr, o, bsr, b * 16)), a1)
-        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
-    elif kind == K_Q3_K:
-        o = b * Q3_BYTES
-        xo = b * 256
-        lanes = i32x8_zero()
-        for c in range(8):
-            q = crumbs32(wr, o + Q3_QS + 32 * (c >> 2), 2 * (c & 3))
-            h = hclear4_32(wr, o + Q3_HM, c)
-            lanes = i32x8_add(lanes, lanes_u2(q, h, xr, xo + 32 * c, B.q3_k_scale(wr, o, 2 * c),
-                                              B.q3_k_scale(wr, o, 2 * c + 1)))
-        d = np.float32(xdr[b] * f16_at(wr, o + Q3_D))
-        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
-    elif kind == K_IQ4_XS:
-        o = b * X4_BYTES
-        xo = b * 256
-        lanes = i32x8_zero()
+        acc = i32x8_zero()
         for g in range(8):
-            lanes = i32x8_add(lanes, lanes_s(nib_lut32(wr, o + X4_QS + 16 * g), xr, xo + 32 * g,
-                                             B.iq4_xs_scale(wr, o, g)))
-        d = np.float32(f16_at(wr, o + X4_D) * xdr[b])
-        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
-    elif kind == K_IQ4_NL_R8:
-        # eight blocks: their exact sums at once (one transposed reduction), then the chain block by block
-        o = b * 8 * N4_BYTES
-        xo = b * 256
-        v = hsum8x(_nl_lanes(wr, o, xr, xo, 0), _nl_lanes(wr, o, xr, xo, 1), _nl_lanes(wr, o, xr, xo, 2),
-                   _nl_lanes(wr, o, xr, xo, 3), _nl_lanes(wr, o, xr, xo, 4), _nl_lanes(wr, o, xr, xo, 5),
-                   _nl_lanes(wr, o, xr, xo, 6), _nl_lanes(wr, o, xr, xo, 7))
-        f = i32x8_to_f32x8(v)
-        s = fma32(f32x8_lane(f, 0), _nl_d(wr, o, xdr, 8 * b, 0), s)
-        s = fma32(f32x8_lane(f, 1), _nl_d(wr, o, xdr, 8 * b, 1), s)
-        s = fma32(f32x8_lane(f, 2), _nl_d(wr, o, xdr, 8 * b, 2), s)
-        s = fma32(f32x8_lane(f, 3), _nl_d(wr, o, xdr, 8 * b, 3), s)
-        s = fma32(f32x8_lane(f, 4), _nl_d(wr, o, xdr, 8 * b, 4), s)
-        s = fma32(f32x8_lane(f, 5), _nl_d(wr, o, xdr, 8 * b, 5), s)
-        s = fma32(f32x8_lane(f, 6), _nl_d(wr, o, xdr, 8 * b, 6), s)
-        s = fma32(f32x8_lane(f, 7), _nl_d(wr, o, xdr, 8 * b, 7), s)
-    else:
-        o = b * 2 * N4_BYTES
-        xo = b * 64
-        d1 = np.float32(xdr[2 * b] * f16_at(wr, o + N4_D))
-        d2 = np.float32(xdr[2 * b + 1] * f16_at(wr, o + N4_BYTES + N4_D))
-        a1 = f32x8_fma(d1, i32x8_to_f32x8(lanes_s(nib_lut32(wr, o + N4_QS), xr, xo, 1)), a1)
-        a2 = f32x8_fma(d2, i32x8_to_f32x8(lanes_s(nib_lut32(wr, o + N4_BYTES + N4_QS), xr, xo + 32, 1)), a2)
-    return a1, a2, s
+            acc = i32x8_add(acc, lanes(wr, o, g, xr, xo + 32 * g))
+        a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(acc), a1)
+        return a1, a2, s
+    return step
+
+
+_st_iq2_xxs = _grid_step(_gl_iq2_xxs, IQ2XXS_BYTES)
+_st_iq2_xs = _grid_step(_gl_iq2_xs, IQ2XS_BYTES)
+_st_iq2_s = _grid_step(_gl_iq2_s, IQ2S_BYTES)
+_st_iq3_xxs = _grid_step(_gl_iq3_xxs, IQ3XXS_BYTES)
+_st_iq3_s = _grid_step(_gl_iq3_s, IQ3S_BYTES)
 
 
 @njit(cache=True, inline="always")
-def _final(kind, wr, xr, xdr, k, a1, a2, s):
-    if kind == K_IQ4_NL_R8:          # the blocks past the last group of eight, one by one
-        for b in range(k // 256 * 8, k // 32):
-            d = np.float32(f16_at(wr, b * N4_BYTES + N4_D) * xdr[b])
-            s = fma32(np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32)), d, s)
-        return s
-    if kind == K_IQ4_NL:
-        r = f32x8_hsum(f32x8_add(a1, a2))
-        nb = k // 32
-        if nb % 2:           # the odd last block, as ggml's scalar tail: sumf += d * (sumi1 + sumi2), not
-            # contracted (the x86 build's code: vmulss, vaddss)
-            b = nb - 1
-            d = np.float32(xdr[b] * f16_at(wr, b * N4_BYTES + N4_D))
-            r = np.float32(r + np.float32(d * np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32))))
-        return r
+def _fin_lanes(kind, wr, xr, xdr, k, a1, a2, s):
+    """Q2_K, Q3_K, IQ4_XS, TQ2_0, TQ1_0: hsum_float_8 of the lanes."""
     return f32x8_hsum(a1)
 
 
 @njit(cache=True, inline="always")
-def _step_tq(kind, wr, b, xr, xdr, bsr, a1, a2, s):
-    """``_step`` of TQ2_0 and TQ1_0."""
-    if kind == K_TQ2_0:
-        # digits 0..2 against x, minus the block sums: sum (q - 1) x with ggml's lanes (module doc)
-        o = b * T2_BYTES
-        xo = b * 256
-        lanes = i32x8_sub(i32x8_zero(), bsum_lanes(bsr, b * 16))
-        for c in range(8):
-            q = crumbs32(wr, o + T2_QS + 32 * (c >> 2), 2 * (c & 3))
-            lanes = i32x8_add(lanes, lanes_u(q, xr, xo + 32 * c, 1, 1))
-        a1 = f32x8_fma(np.float32(xdr[b] * f16_at(wr, o + T2_D)), i32x8_to_f32x8(lanes), a1)
-    elif kind == K_TQ1_0:
-        o = b * T1_BYTES
-        xo = b * 256
-        lanes = i32x8_sub(lanes_u(tq1_d0(wr, o), xr, xo, 1, 1), bsum_lanes(bsr, b * 16))
-        lanes = i32x8_add(lanes, lanes_u(tq1_d1(wr, o), xr, xo + 32, 1, 1))
-        lanes = i32x8_add(lanes, lanes_u(tq1_d2(wr, o), xr, xo + 64, 1, 1))
-        lanes = i32x8_add(lanes, lanes_u(tq1_d3(wr, o), xr, xo + 96, 1, 1))
-        lanes = i32x8_add(lanes, lanes_u(tq1_d4(wr, o), xr, xo + 128, 1, 1))
-        lanes = i32x8_add(lanes, lanes_u(tq1_d5(wr, o), xr, xo + 160, 1, 1))
-        lanes = i32x8_add(lanes, lanes_u(tq1_d6(wr, o), xr, xo + 192, 1, 1))
-        lanes = i32x8_add(lanes, lanes_u(tq1_d7(wr, o), xr, xo + 224, 1, 1))
-        a1 = f32x8_fma(np.float32(xdr[b] * f16_at(wr, o + T1_D)), i32x8_to_f32x8(lanes), a1)
-    return a1, a2, s
+def _fin_iq4_nl_r8(kind, wr, xr, xdr, k, a1, a2, s):
+    for b in range(k // 256 * 8, k // 32):      # the blocks past the last group of eight, one by one
+        d = np.float32(f16_at(wr, b * N4_BYTES + N4_D) * xdr[b])
+        s = fma32(np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32)), d, s)
+    return s
 
 
 @njit(cache=True, inline="always")
-def _step_mx(kind, wr, b, xr, xdr, bsr, a1, a2, s):
-    """``_step`` of MXFP4 (rows % 8 == 0: llama.cpp's repacked chain)."""
-    if kind == K_MXFP4_R8:
-        o = b * 8 * MX_BYTES
-        xo = b * 256
-        v = hsum8x(_mx_lanes(wr, o, xr, xo, 0), _mx_lanes(wr, o, xr, xo, 1), _mx_lanes(wr, o, xr, xo, 2),
-                   _mx_lanes(wr, o, xr, xo, 3), _mx_lanes(wr, o, xr, xo, 4), _mx_lanes(wr, o, xr, xo, 5),
-                   _mx_lanes(wr, o, xr, xo, 6), _mx_lanes(wr, o, xr, xo, 7))
-        f = i32x8_to_f32x8(v)
-        s = fma32(f32x8_lane(f, 0), _mx_d(wr, o, xdr, 8 * b, 0), s)
-        s = fma32(f32x8_lane(f, 1), _mx_d(wr, o, xdr, 8 * b, 1), s)
-        s = fma32(f32x8_lane(f, 2), _mx_d(wr, o, xdr, 8 * b, 2), s)
-        s = fma32(f32x8_lane(f, 3), _mx_d(wr, o, xdr, 8 * b, 3), s)
-        s = fma32(f32x8_lane(f, 4), _mx_d(wr, o, xdr, 8 * b, 4), s)
-        s = fma32(f32x8_lane(f, 5), _mx_d(wr, o, xdr, 8 * b, 5), s)
-        s = fma32(f32x8_lane(f, 6), _mx_d(wr, o, xdr, 8 * b, 6), s)
-        s = fma32(f32x8_lane(f, 7), _mx_d(wr, o, xdr, 8 * b, 7), s)
-    elif kind == K_MXFP4:
-        o = b * 2 * MX_BYTES
-        xo = b * 64
-        a1 = f32x8_fma(_mx_d(wr, o, xdr, 2 * b, 0), i32x8_to_f32x8(_mx_lanes(wr, o, xr, xo, 0)), a1)
-        a2 = f32x8_fma(_mx_d(wr, o, xdr, 2 * b, 1), i32x8_to_f32x8(_mx_lanes(wr, o, xr, xo, 1)), a2)
-    return a1, a2, s
+def _fin_iq4_nl(kind, wr, xr, xdr, k, a1, a2, s):
+    r = f32x8_hsum(f32x8_add(a1, a2))
+    nb = k // 32
+    if nb % 2:           # the odd last block, as ggml's scalar tail: sumf += d * (sumi1 + sumi2), not
+        # contracted (the x86 build's code: vmulss, vaddss)
+        b = nb - 1
+        d = np.float32(xdr[b] * f16_at(wr, b * N4_BYTES + N4_D))
+        r = np.float32(r + np.float32(d * np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32))))
+    return r
 
 
 @njit(cache=True, inline="always")
-def _step_iq1(kind, wr, b, xr, xdr, bsr, a1, a2, s):
-    """``_step`` of IQ1_S and IQ1_M."""
-    if kind == K_IQ1_S:
-        # ggml_vec_dot_iq1_s_q8_K: exact lanes of the grid (signed) times x and a scalar integer for the deltas'
-        # block-sum term; acc = fma(d, lanes, acc), s += d * isum (contracted: one fma)
-        o = b * IQ1S_BYTES
-        xo = b * 256
-        lanes = i32x8_zero()
-        isum = 0
-        for g in range(8):
-            q = gather4_u64(G_IQ1, B.iq1_s_grid_idx(wr, o, g, 0), B.iq1_s_grid_idx(wr, o, g, 1),
-                            B.iq1_s_grid_idx(wr, o, g, 2), B.iq1_s_grid_idx(wr, o, g, 3))
-            ls = 2 * B.iq1_s_ls(wr, o, g) + 1
-            lanes = i32x8_add(lanes, lanes_s(q, xr, xo + 32 * g, ls))
-            bsg = np.int64(bsr[b * 16 + 2 * g]) + np.int64(bsr[b * 16 + 2 * g + 1])
-            isum += -bsg * ls if B.iq1_s_neg(wr, o, g) else bsg * ls
-        d = np.float32(xdr[b] * f16_at(wr, o))
-        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
-        s = fma32(d, np.float32(isum), s)
-    elif kind == K_IQ1_M:
-        # ggml_vec_dot_iq1_m_q8_K: the grid lanes and the deltas' lanes (+-x summed per chunk), both scaled per
-        # 16 values, in two accumulators
-        o = b * IQ1M_BYTES
-        xo = b * 256
-        lanes = i32x8_zero()
-        dl = i32x8_zero()
-        for g in range(8):
-            q = gather4_u64(G_IQ1, B.iq1_m_grid_idx(wr, o, g, 0), B.iq1_m_grid_idx(wr, o, g, 1),
-                            B.iq1_m_grid_idx(wr, o, g, 2), B.iq1_m_grid_idx(wr, o, g, 3))
-            s0 = 2 * B.iq1_m_ls(wr, o, g, 0) + 1
-            s1 = 2 * B.iq1_m_ls(wr, o, g, 1) + 1
-            lanes = i32x8_add(lanes, lanes_s2(q, xr, xo + 32 * g, s0, s1))
-            dv = i64x4(NEG8 if B.iq1_m_neg(wr, o, g, 0) else ONES8, NEG8 if B.iq1_m_neg(wr, o, g, 1) else ONES8,
-                       NEG8 if B.iq1_m_neg(wr, o, g, 2) else ONES8, NEG8 if B.iq1_m_neg(wr, o, g, 3) else ONES8)
-            dl = i32x8_add(dl, lanes_s2(dv, xr, xo + 32 * g, s0, s1))
-        d = np.float32(xdr[b] * B.iq1_m_d(wr, o))
-        a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
-        a2 = f32x8_fma(d, i32x8_to_f32x8(dl), a2)
-    return a1, a2, s
+def _fin_mxfp4_r8(kind, wr, xr, xdr, k, a1, a2, s):
+    for b in range(k // 256 * 8, k // 32):
+        s = fma32(np.float32(_mx_isum(wr, b * MX_BYTES, xr, b * 32)), _mx_d(wr, b * MX_BYTES, xdr, b, 0), s)
+    return s
 
 
 @njit(cache=True, inline="always")
-def _step_grid(kind, wr, b, xr, xdr, bsr, a1, a2, s):
-    """``_step`` of the grid formats IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S."""
-    # the grid formats (ggml_vec_dot_iq2_xxs_q8_K ...): exact lanes over the eight groups, one fma per block
-    o = b * _step_bytes(kind)
-    xo = b * 256
-    lanes = i32x8_zero()
-    for g in range(8):
-        lanes = i32x8_add(lanes, _grid_lanes(kind, wr, o, g, xr, xo + 32 * g))
-    a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(lanes), a1)
-    return a1, a2, s
-
-
-@njit(cache=True, inline="always")
-def _final_mx(kind, wr, xr, xdr, k, a1, a2, s):
-    if kind == K_MXFP4_R8:
-        for b in range(k // 256 * 8, k // 32):
-            s = fma32(np.float32(_mx_isum(wr, b * MX_BYTES, xr, b * 32)), _mx_d(wr, b * MX_BYTES, xdr, b, 0), s)
-        return s
+def _fin_mxfp4(kind, wr, xr, xdr, k, a1, a2, s):
     r = f32x8_hsum(f32x8_add(a1, a2))
     nb = k // 32
     if nb % 2:
@@ -742,30 +790,38 @@ def _final_mx(kind, wr, xr, xdr, k, a1, a2, s):
     return r
 
 
+# as the x86 build computes them: IQ1_S's hsum(accum) + IQ1S_DELTA * accum1 not contracted, IQ1_M's
+# hsum(accum1) + IQ1M_DELTA * hsum(accum2) one fma
 @njit(cache=True, inline="always")
-def _final_iq1(kind, wr, xr, xdr, k, a1, a2, s):
-    # as the x86 build computes them: IQ1_S's hsum(accum) + IQ1S_DELTA * accum1 not contracted, IQ1_M's
-    # hsum(accum1) + IQ1M_DELTA * hsum(accum2) one fma
-    if kind == K_IQ1_S:
-        return np.float32(f32x8_hsum(a1) + np.float32(B.IQ1_DELTA * s))
+def _fin_iq1_s(kind, wr, xr, xdr, k, a1, a2, s):
+    return np.float32(f32x8_hsum(a1) + np.float32(B.IQ1_DELTA * s))
+
+
+@njit(cache=True, inline="always")
+def _fin_iq1_m(kind, wr, xr, xdr, k, a1, a2, s):
     return fma32(B.IQ1_DELTA, f32x8_hsum(a2), f32x8_hsum(a1))
 
 
+# the grid formats: f * hsum_float_8(acc), f = 1/8 (IQ2_*), 1/4 (IQ3_XXS), 1 (IQ3_S)
 @njit(cache=True, inline="always")
-def _final_grid(kind, wr, xr, xdr, k, a1, a2, s):
-    return np.float32(_grid_factor(kind) * f32x8_hsum(a1))
+def _fin_grid8(kind, wr, xr, xdr, k, a1, a2, s):
+    return np.float32(np.float32(0.125) * f32x8_hsum(a1))
 
 
 @njit(cache=True, inline="always")
-def _final_tq(kind, wr, xr, xdr, k, a1, a2, s):
-    return f32x8_hsum(a1)
+def _fin_grid4(kind, wr, xr, xdr, k, a1, a2, s):
+    return np.float32(np.float32(0.25) * f32x8_hsum(a1))
+
+
+@njit(cache=True, inline="always")
+def _fin_grid1(kind, wr, xr, xdr, k, a1, a2, s):
+    return np.float32(np.float32(1.0) * f32x8_hsum(a1))
 
 
 @njit(cache=True, inline="always")
 def _mv(w, xq, xd, bsums, out, kind, _step, _final):
-    """out[i, r] = dot(w[r], x[i]) with a family's step and final functions (one function for every format, its
-    branches inlined at each of the thirteen call sites, took minutes to compile): tiles of 4 weight rows x 2
-    activation rows (eight independent chains, each weight block decoded once for both activations), then 4 x 1,
+    """out[i, r] = dot(w[r], x[i]) with a format's step and final functions (``_st_*``, ``_fin_*``): tiles of 4
+    weight rows x 2 activation rows (eight independent chains, each weight block decoded once for both activations), then 4 x 1,
     then single rows."""
     rows = w.shape[0]
     n, k = xq.shape
@@ -830,86 +886,87 @@ def _mv(w, xq, xd, bsums, out, kind, _step, _final):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _q2_k(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_Q2_K, _step, _final)
+    _mv(w, xq, xd, bsums, out, K_Q2_K, _st_q2_k, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _q3_k(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_Q3_K, _step, _final)
+    _mv(w, xq, xd, bsums, out, K_Q3_K, _st_q3_k, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_xs(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ4_XS, _step, _final)
+    _mv(w, xq, xd, bsums, out, K_IQ4_XS, _st_iq4_xs, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_nl_r8(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ4_NL_R8, _step, _final)
+    _mv(w, xq, xd, bsums, out, K_IQ4_NL_R8, _st_iq4_nl_r8, _fin_iq4_nl_r8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_nl(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ4_NL, _step, _final)
+    _mv(w, xq, xd, bsums, out, K_IQ4_NL, _st_iq4_nl, _fin_iq4_nl)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _tq2_0(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_TQ2_0, _step_tq, _final_tq)
+    _mv(w, xq, xd, bsums, out, K_TQ2_0, _st_tq2_0, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _tq1_0(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_TQ1_0, _step_tq, _final_tq)
+    _mv(w, xq, xd, bsums, out, K_TQ1_0, _st_tq1_0, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _mxfp4_r8(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_MXFP4_R8, _step_mx, _final_mx)
+    _mv(w, xq, xd, bsums, out, K_MXFP4_R8, _st_mxfp4_r8, _fin_mxfp4_r8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _mxfp4(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_MXFP4, _step_mx, _final_mx)
+    _mv(w, xq, xd, bsums, out, K_MXFP4, _st_mxfp4, _fin_mxfp4)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq2_xxs(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ2_XXS, _step_grid, _final_grid)
+    _mv(w, xq, xd, bsums, out, K_IQ2_XXS, _st_iq2_xxs, _fin_grid8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq2_xs(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ2_XS, _step_grid, _final_grid)
+    _mv(w, xq, xd, bsums, out, K_IQ2_XS, _st_iq2_xs, _fin_grid8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq2_s(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ2_S, _step_grid, _final_grid)
+    _mv(w, xq, xd, bsums, out, K_IQ2_S, _st_iq2_s, _fin_grid8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq3_xxs(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ3_XXS, _step_grid, _final_grid)
+    _mv(w, xq, xd, bsums, out, K_IQ3_XXS, _st_iq3_xxs, _fin_grid4)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq3_s(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ3_S, _step_grid, _final_grid)
+    _mv(w, xq, xd, bsums, out, K_IQ3_S, _st_iq3_s, _fin_grid1)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq1_s(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ1_S, _step_iq1, _final_iq1)
+    _mv(w, xq, xd, bsums, out, K_IQ1_S, _st_iq1_s, _fin_iq1_s)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq1_m(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ1_M, _step_iq1, _final_iq1)
+    _mv(w, xq, xd, bsums, out, K_IQ1_M, _st_iq1_m, _fin_iq1_m)
 
 
 # ------------------------------------------------------------------------------------------------ F16, BF16
 K_F16, K_BF16 = 0, 1
+F_AHEAD = 8
 
 
 @njit(cache=True, inline="always")
@@ -948,9 +1005,14 @@ def _mvf(w, xr, out, kind):
     time against each activation row."""
     rows, k = w.shape
     n = xr.shape[0]
+    s0 = w.strides[0]
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         for r in range(c * ROW_CHUNK, r1):
+            rn = r + F_AHEAD       # the row F_AHEAD ahead asked for while this one is computed (dot_q32's reason)
+            if rn < rows:
+                for p in range(rn * s0, rn * s0 + 2 * k, 64):
+                    prefetch_byte(w, p)
             wr = w[r]
             for i in range(n):
                 out[i, r] = _fdot(kind, wr, xr[i], k)
