@@ -1,7 +1,15 @@
 """Tensor-loading pieces shared by the architecture files (llama.cpp's create_tensor_qkv and the output head)."""
 from __future__ import annotations
 
+import struct
+
 from .. import arch as A
+
+
+def f32(x: float) -> float:
+    """x rounded to float32, as a float: the C code's float arithmetic without numpy (model files import none).
+    One double operation rounded to float32 gives the float32 operation's result for +, -, *, / and sqrt."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def load_embd_and_output(model, ld, norm_bias: bool = False):

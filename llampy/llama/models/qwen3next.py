@@ -15,18 +15,19 @@ post_attention_norm, the MoE, residual.
 (llama.cpp's qwen3next graph with its fused gated delta net.)"""
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from ...ggml import ops
 from ...ggml.tensor import Tensor
 from .. import arch as A
 from ..hparams import InvalidMetadata, Meta, MissingMetadata
+from ._common import f32
 from .mamba import conv_input, load_ssm_hparams
 
 
 def _f32_inv_sqrt(n: int) -> float:
     """1.0f / sqrtf(n) as the C code computes it, in float32."""
-    return float(np.float32(1.0) / np.sqrt(np.float32(n)))
+    return f32(1.0 / f32(math.sqrt(n)))
 
 
 def load_hparams(hp, md):
@@ -46,7 +47,7 @@ def load_hparams(hp, md):
     key = m.key("attention.recurrent_layers")
     if key in md:
         v = md[key]
-        if not isinstance(v, (list, np.ndarray)) or len(v) != hp.n_layer:
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) != hp.n_layer:
             raise InvalidMetadata(f"{key} must hold one value per layer ({hp.n_layer})")
         hp.recurrent_layers = [bool(x) for x in v]
     else:
@@ -109,7 +110,7 @@ def load_tensors(model, ld):
 def l2_norm(x: Tensor, eps: float) -> Tensor:
     """build_gdn_l2_norm: x / sqrt(sum x^2 + eps) per row, as RMS norm with eps / n, then times 1 / sqrt(n)."""
     n = x.ne[0]
-    return ops.scale(ops.rms_norm(x, float(np.float32(eps) / np.float32(n))), _f32_inv_sqrt(n))
+    return ops.scale(ops.rms_norm(x, f32(f32(eps) / n)), _f32_inv_sqrt(n))
 
 
 # cur: [n_embd, n_tokens] -> (qkv [conv_dim, n_seq_tokens, n_seqs], z [d_state, n_v, n_seq_tokens, n_seqs])

@@ -5,12 +5,11 @@ by one token), a residual add. Each sequence keeps, per layer, the previous toke
 shift row) and the wkv state (llama.cpp's rwkv6 graph)."""
 from __future__ import annotations
 
-import numpy as np
 
 from ...ggml import ops
 from ...ggml.tensor import Tensor
 from ..hparams import Meta
-from ._common import load_embd_and_output
+from ._common import f32, load_embd_and_output
 from .mamba import _positive
 
 GROUP_NORM_EPS = 64e-5        # the time mix's per-head norm (as llama.cpp writes it)
@@ -155,7 +154,7 @@ def time_mix(g, layer, cur: Tensor, x_prev: Tensor, il: int) -> Tensor:
     w = ops.reshape(w, S, n_head, n_tokens)
     if qrwkv:
         k = ops.sub(k, ops.mul(k, w))
-        out = ops.gated_linear_attn(k, v, r, w, wkv_state(g, il), float(np.float32(float(S) ** -0.5)))
+        out = ops.gated_linear_attn(k, v, r, w, wkv_state(g, il), f32(float(S) ** -0.5))
         cur = wkv_split(g, il, out)
     else:
         out = ops.rwkv_wkv6(k, v, r, layer.time_mix_first, w, wkv_state(g, il))
