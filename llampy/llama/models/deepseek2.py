@@ -20,22 +20,15 @@ expert_weights_scale) plus expert_shared_count shared experts as one FFN.
 from __future__ import annotations
 
 import math
-import struct
 
 from ...ggml import ops
 from ...ggml.tensor import Tensor
 from ...ggml.types import GGMLType
 from ..hparams import InvalidMetadata, MissingMetadata, md_float, md_int
-from ._common import load_embd_and_output
+from ._common import f32 as _f32, load_embd_and_output
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}   # llama_expert_gating_func_type
 F32_T = GGMLType.F32
-
-
-def _f32(x: float) -> float:
-    """x rounded to float32: a float32 operation's result is its exact (here: double) result rounded so, as the
-    C code's float arithmetic gives it."""
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _logf(x: float) -> float:
