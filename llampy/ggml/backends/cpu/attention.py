@@ -2,7 +2,7 @@
 
 - few queries (decode, small batches: ggml's ``one_chunk`` path, n_q < 64): Q rounded to F16, Q·K in float32 over
   F16 K, online softmax, and with F16 V the output accumulator itself kept in F16 (rounded after every scale and
-  every multiply-add), in Numba;
+  every multiply-add), in Numba; Q·K summed in the order of the host build's register width (``_kq``);
 - many queries (ggml's tiled path, n_q >= 64): float32 throughout, the products BLAS's (numpy's OpenBLAS called
   from a Numba kernel, ``_attend_tiles``, or through numpy where that cannot be reached), per KV head and chunk of
   queries, each multiplying only the cells its mask leaves visible.
@@ -20,100 +20,42 @@ from .numpy_ops import alibi_slopes
 from .dot_q32 import F16_TABLE
 from .blas import sgemm
 from .softmax import expf
-from .simd import (fma32, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_find_ne, v16_load, v16_max, v16_reduce,
-                   v16_round_f16, v16_scale, v16_splat, v16_store, v16_zero)
+from .simd import (F16_VEC_LANES, fma32, round_f16, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_find_ne, v16_load,
+                   v16_max, v16_reduce, v16_reduce_x8, v16_round_f16, v16_scale, v16_splat, v16_store, v16_zero)
+from ...blocks import f16_from_bits
 
 Q_TILE = 64
+KQ_STEP = 4 * F16_VEC_LANES     # ggml_vec_dot_f16's step: four accumulators of the host's register width
 
 
-@njit(cache=True, inline="always")
-def _r16(x):
-    """Round a float32 to the nearest F16 value (Veltkamp split to 11 significant bits); F16 range assumed."""
-    if abs(x) < np.float32(6.103515625e-05):   # F16 subnormals: a fixed step of 2^-24
-        return np.float32(np.rint(np.float64(x) * 16777216.0) / 16777216.0)
-    t = x * np.float32(8193.0)
-    return t - (t - x)
-
-
-@njit(cache=True)
-def _dot_f16(qr, krow, tab, part):
-    """ggml_vec_dot_f16 as compiled for AVX-512: blocks of 64 go through four 16-lane float32 FMA accumulators,
-    reduced as _mm512 adds do; the leftover elements are added one by one in double."""
-    d = qr.shape[0]
-    n64 = d - d % 64
-    sumf = 0.0
-    if n64:
-        part[:] = 0
-        for i in range(n64):
-            a = (i % 64) // 16 * 16 + i % 16
-            part[a] = np.float32(np.float64(part[a]) + np.float64(qr[i]) * np.float64(tab[krow[i]]))
-        for l in range(16):
-            part[l] = (part[l] + part[32 + l]) + (part[16 + l] + part[48 + l])
-        for l in range(8):
-            part[l] = part[l] + part[l + 8]
-        for l in range(4):
-            part[l] = part[l] + part[l + 4]
-        for l in range(2):
-            part[l] = part[l] + part[l + 2]
-        sumf = np.float64(part[0] + part[1])
-    for i in range(n64, d):
-        sumf += np.float64(np.float32(qr[i] * tab[krow[i]]))
-    return np.float32(sumf)
-
-
-@njit(parallel=True, cache=True)
-def _fa_vec(q, k, v, mask, out, scale, softcap, slopes, tab, v_f16, sinks):
-    # q (ne3, n_head, n_q, d) f32; k (ke3, n_head_kv, n_kv, d) u16; v (ve3, n_head_kv, n_kv, dv) u16
-    # mask (m3, m2, >= n_q, n_kv) f32 or empty; out (ne3, n_q, n_head, dv) f32; sinks (n_head,) f32 or empty
-    ne3, n_head, n_q, d = q.shape
-    n_head_kv = k.shape[1]
-    n_kv = k.shape[2]
-    dv = v.shape[3]
-    rk = n_head // n_head_kv
-    has_mask = mask.shape[3] > 0
-    for idx in prange(ne3 * n_head * n_q):
-        i3 = idx // (n_head * n_q)
-        h = (idx // n_q) % n_head
-        i1 = idx % n_q
-        hk = h // rk
-        qr = np.empty(d, np.float32)
-        part = np.zeros(64, np.float32)
-        for j in range(d):
-            qr[j] = _r16(q[i3, h, i1, j])
-        acc = np.zeros(dv, np.float32)
-        M = np.float32(-np.inf)
-        S = np.float32(0.0)
-        slope = slopes[h]
-        for ic in range(n_kv):
-            mv = np.float32(0.0)
-            if has_mask:
-                mv = slope * mask[i3 % mask.shape[0], h % mask.shape[1], i1, ic]
-                if mv == -np.inf:
-                    continue
-            s = _dot_f16(qr, k[i3 % k.shape[0], hk, ic], tab, part) * scale
-            if softcap != 0.0:
-                s = softcap * np.float32(math.tanh(s))
-            s += mv
-            ms = np.float32(1.0)
-            vs = np.float32(1.0)
-            if s > M:
-                Mold = M
-                M = s
-                ms = np.float32(math.exp(Mold - M))
-                for j in range(dv):
-                    acc[j] = _r16(acc[j] * ms) if v_f16 else acc[j] * ms
-            else:
-                vs = np.float32(math.exp(s - M))
-            for j in range(dv):
-                # ggml's multiply-add is fused (one rounding to float32), then stored as F16
-                val = np.float32(np.float64(acc[j]) + np.float64(tab[v[i3 % v.shape[0], hk, ic, j]]) * np.float64(vs))
-                acc[j] = _r16(val) if v_f16 else val
-            S = np.float32(np.float64(S) * np.float64(ms) + np.float64(vs))  # fused, as compiled
-        if sinks.shape[0] > 0:
-            S = _add_sink(acc, S, M, sinks[h])
-        inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
-        for j in range(dv):
-            out[i3, i1, h, j] = acc[j] * inv
+@njit(cache=True, nogil=True, inline="always")
+def _kq(qr, kr, d):
+    """ggml_vec_dot_f16 of a query row (float32 array of F16 values) and a K row (F16 bits) as the host's build
+    runs it. AVX-512: four sixteen-lane accumulators over each 64 values, reduced (a0 + a2) + (a1 + a3) and then
+    as _mm512_reduce_add_ps. AVX/AVX2: four eight-lane accumulators over each 32 values, here two sixteen-lane
+    ones holding a0|a1 and a2|a3 (the same lanes, so the same sums), reduced as GGML_F32x8_REDUCE. The values past
+    the last full step: float32 products added one by one in double, as ggml's leftover loop."""
+    dvec = d - d % KQ_STEP
+    if F16_VEC_LANES == 16:
+        s0 = s1 = s2 = s3 = v16_zero()
+        for j in range(0, dvec, 64):
+            s0 = v16_fma(v16_load(qr, j), v16_load(kr, j), s0)
+            s1 = v16_fma(v16_load(qr, j + 16), v16_load(kr, j + 16), s1)
+            s2 = v16_fma(v16_load(qr, j + 32), v16_load(kr, j + 32), s2)
+            s3 = v16_fma(v16_load(qr, j + 48), v16_load(kr, j + 48), s3)
+        r = v16_reduce(v16_add(v16_add(s0, s2), v16_add(s1, s3)))
+    else:
+        s0 = s1 = v16_zero()
+        for j in range(0, dvec, 32):
+            s0 = v16_fma(v16_load(qr, j), v16_load(kr, j), s0)
+            s1 = v16_fma(v16_load(qr, j + 16), v16_load(kr, j + 16), s1)
+        r = v16_reduce_x8(v16_add(s0, s1))
+    if dvec == d:
+        return r
+    sf = np.float64(r)
+    for j in range(dvec, d):
+        sf += np.float64(qr[j] * f16_from_bits(np.int32(kr[j])))
+    return np.float32(sf)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -165,8 +107,10 @@ def _visible(mask, n_q, tab):
 
 
 def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes, sinks=None):
-    """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0 (see ``_fa_vec16_kernel``). mask: float32, or
-    F16 bits as uint16, (m3, m2, >= n_q, n_kv); an empty last axis for none. sinks: float32 (n_head,) or None."""
+    """ggml's one_chunk flash attention over F16 K and V (see ``_fa_vec16_kernel``). q (ne3, n_head, n_q, d) f32;
+    k (ke3, n_head_kv, n_kv, d), v (ve3, n_head_kv, n_kv, dv) F16 bits (uint16); out (ne3, n_q, n_head, dv) f32.
+    mask: float32, or F16 bits as uint16, (m3, m2, >= n_q, n_kv); an empty last axis for none. sinks: float32
+    (n_head,) or None."""
     sinks = _NO_SINKS if sinks is None else sinks
     n_q = q.shape[2]
     if mask.shape[3] == 0:
@@ -189,10 +133,10 @@ def _all_visible(n_kv):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks):
-    """``_fa_vec`` for F16 K and V with d % 64 == 0 and dv % 16 == 0, in sixteen-lane vectors as ggml's AVX-512
-    build runs it: ggml_vec_dot_f16 (four accumulators over each 64 elements, GGML_F32x16_REDUCE), and the F16
-    accumulator's ggml_vec_scale_f16 / ggml_vec_mad_f16 (float32 multiply or fma, rounded to F16 per lane).
-    Only the visible cells of each query's mask row are visited (``_visible``), in cell order as ggml's loop
+    """ggml's one_chunk flash attention for F16 K and V: Q rounded to F16, per visible cell ggml_vec_dot_f16 in the
+    host build's order (``_kq``), the online softmax, and the F16 accumulator's ggml_vec_scale_f16 /
+    ggml_vec_mad_f16 (float32 multiply or fma, rounded to F16 per value: the same in any register width; the
+    leftover values' scalar form is contracted to the same fma). Only the visible cells of each query's mask row are visited (``_visible``), in cell order as ggml's loop
     meets them when it skips the -inf ones; n_qm 1 with m3 = m2 = 1: one row for every query (no mask)."""
     ne3, n_head, n_q, d = q.shape
     n_head_kv = k.shape[1]
@@ -205,8 +149,13 @@ def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, 
         hk = h // rk
         r = ((i3 % m3) * m2 + h % m2) * n_qm + (i1 if n_qm > 1 else 0)
         qr = np.empty(d, np.float32)
-        for j in range(0, d, 16):
-            v16_store(qr, j, v16_round_f16(v16_load(q[i3, h, i1], j)))
+        qrow = q[i3, h, i1]
+        d16 = d - d % 16
+        for j in range(0, d16, 16):
+            v16_store(qr, j, v16_round_f16(v16_load(qrow, j)))
+        for j in range(d16, d):
+            qr[j] = round_f16(qrow[j])
+        dv16 = dv - dv % 16
         acc = np.zeros(dv, np.float32)
         M = np.float32(-np.inf)
         S = np.float32(0.0)
@@ -220,14 +169,7 @@ def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, 
             mv = slope * rval[t]
             if mv == -np.inf:          # a finite mask value that the ALiBi slope took to -inf
                 continue
-            kr = kh[ic]
-            s0 = s1 = s2 = s3 = v16_zero()
-            for j in range(0, d, 64):
-                s0 = v16_fma(v16_load(qr, j), v16_load(kr, j), s0)
-                s1 = v16_fma(v16_load(qr, j + 16), v16_load(kr, j + 16), s1)
-                s2 = v16_fma(v16_load(qr, j + 32), v16_load(kr, j + 32), s2)
-                s3 = v16_fma(v16_load(qr, j + 48), v16_load(kr, j + 48), s3)
-            s = v16_reduce(v16_add(v16_add(s0, s2), v16_add(s1, s3))) * scale
+            s = _kq(qr, kh[ic], d) * scale
             if softcap != 0.0:
                 s = softcap * np.float32(math.tanh(s))
             s += mv
@@ -237,23 +179,23 @@ def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, 
                 Mold = M
                 M = s
                 ms = np.float32(math.exp(Mold - M))
-                for j in range(0, dv, 16):
+                for j in range(0, dv16, 16):
                     v16_store(acc, j, v16_round_f16(v16_scale(v16_load(acc, j), ms)))
+                for j in range(dv16, dv):
+                    acc[j] = round_f16(acc[j] * ms)
             else:
                 vs = np.float32(math.exp(s - M))
             vr = vh[ic]
-            for j in range(0, dv, 16):
+            for j in range(0, dv16, 16):
                 v16_store(acc, j, v16_round_f16(v16_fma(v16_load(vr, j), vs, v16_load(acc, j))))
+            for j in range(dv16, dv):
+                acc[j] = round_f16(fma32(f16_from_bits(np.int32(vr[j])), vs, acc[j]))
             S = fma32(S, ms, vs)
         if sinks.shape[0] > 0:
             S = _add_sink(acc, S, M, sinks[h])
         inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
         for j in range(dv):
             out[i3, i1, h, j] = acc[j] * inv
-
-
-def fa_vec16_supported(d: int, dv: int) -> bool:
-    return d % 64 == 0 and dv % 16 == 0
 
 
 def use_tiled(k_type, v_type, n_q: int, dv: int) -> bool:
@@ -277,13 +219,8 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     if not tiled and k_f16 and v_f16:
         m = mask if mask is not None else np.zeros((1, 1, 1, 0), np.float32)
         res = np.empty(out.shape, np.float32)
-        if fa_vec16_supported(q.shape[3], v.shape[3]):
-            _fa_vec16(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                      np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, sinks)
-            out[...] = res
-            return
-        _fa_vec(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, F16_TABLE, True, sinks)
+        _fa_vec16(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                  np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, sinks)
         out[...] = res
         return
     # tiled numerics (and one_chunk with other K/V types, up to float32 summation order): float32 products,

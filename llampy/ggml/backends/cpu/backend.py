@@ -282,12 +282,12 @@ def _rows_contiguous(a, itemsize) -> bool:
 def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None):
     """Decode-sized flash attention over F16 K/V views of the cache, bound once: the kernel reads the cache views
     and writes the destination in place (no copies of K, V or the result per call)."""
-    from .attention import fa_vec16_supported, _fa_vec16
+    from .attention import _fa_vec16
     q, k, v = node.src[:3]
     p = node.op_params
     if tiled or k.type != T.F16 or v.type != T.F16 or q.type != T.F32 or node.type != T.F32:
         return None
-    if not fa_vec16_supported(k.ne[0], v.ne[0]) or not dst.flags.c_contiguous:
+    if not dst.flags.c_contiguous:
         return None
     if not (_rows_contiguous(ka, 2) and _rows_contiguous(va, 2) and qa.strides[-1] == 4):
         return None

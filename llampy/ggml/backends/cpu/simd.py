@@ -443,7 +443,37 @@ def v16_reduce(typingctx, a):
     return types.float32(f16l), codegen
 
 
+@intrinsic
+def v16_reduce_x8(typingctx, a):
+    """GGML_F32x8_REDUCE's last steps (AVX builds) on sixteen lanes that hold two eight-lane registers side by side,
+    x0 in lanes 0..7 and x1 in 8..15: x0 + x1, then t = low half + high half, then two hadds: (t0 + t1) + (t2 + t3)."""
+    if a != f16l:
+        return None
+
+    def codegen(context, builder, sig, args):
+        fa = builder.fadd
+        e = [builder.extract_element(args[0], ir.Constant(_I32, i)) for i in range(16)]
+        x = [fa(e[i], e[i + 8]) for i in range(8)]
+        t = [fa(x[i], x[i + 4]) for i in range(4)]
+        return fa(fa(t[0], t[1]), fa(t[2], t[3]))
+    return types.float32(f16l), codegen
+
+
+@intrinsic
+def round_f16(typingctx, x):
+    """A float32 rounded to the nearest F16 value and widened back (vcvtps2ph: ties to even, subnormals,
+    overflow to inf), the scalar form of ``v16_round_f16``."""
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        return builder.fpext(builder.fptrunc(v, ir.HalfType()), _F32)
+    return types.float32(x), codegen
+
+
 AVX512F = _FORCE not in ("avx2", "generic") and "avx512f" in _FEATS
+# ggml's F16/F32 vector helpers (ggml_vec_dot_f16, the flash-attention accumulators) run in the host build's
+# register width: sixteen lanes and steps of 64 with AVX-512, eight lanes and steps of 32 with AVX/AVX2. Their
+# float order follows it (the generic path takes the AVX2 order, as the integer kernels do).
+F16_VEC_LANES = 16 if AVX512F else 8
 
 
 def _c16(v):

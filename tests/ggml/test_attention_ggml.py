@@ -1,0 +1,90 @@
+"""The decode flash attention over F16 K and V (llampy/ggml/backends/cpu/attention.py ``_fa_vec16``) against
+llama.cpp's own CPU kernel, run through ctypes as a one-node ggml graph in the libggml-cpu of the build from the
+sdist. That build is native to the machine running the test, so the expected float order is the host's: Q·K in
+AVX-512's sixteen lanes or AVX2's eight (ggml_vec_dot_f16), which changes the bits at head sizes such as 32 and 40
+(leftover values summed in double) and 64 (different accumulators). llampy picks its order from the same host."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+from llampy.ggml.backends.cpu import attention
+from llampy.ggml.backends.cpu.simd import F16_VEC_LANES
+from tests import llamacpp
+
+F32, F16 = 0, 1
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    base = llamacpp.libggml_base()
+    cpu = base and os.path.join(os.path.dirname(base), "libggml-cpu.so")
+    if not cpu or not os.path.exists(cpu):
+        llamacpp.missing("libggml-cpu.so")
+    b = ctypes.CDLL(base)
+    c = ctypes.CDLL(cpu)
+    P = ctypes.c_void_p
+    b.ggml_init.restype, b.ggml_init.argtypes = P, [_InitParams]
+    b.ggml_new_tensor_4d.restype = P
+    b.ggml_new_tensor_4d.argtypes = [P, ctypes.c_int] + [ctypes.c_int64] * 4
+    b.ggml_get_data.restype, b.ggml_get_data.argtypes = P, [P]
+    b.ggml_flash_attn_ext.restype = P
+    b.ggml_flash_attn_ext.argtypes = [P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+    b.ggml_new_graph.restype, b.ggml_new_graph.argtypes = P, [P]
+    b.ggml_build_forward_expand.argtypes = [P, P]
+    b.ggml_free.argtypes = [P]
+    c.ggml_cpu_init()
+    c.ggml_graph_compute_with_ctx.argtypes = [P, P, ctypes.c_int]
+    return b, c
+
+
+def _tensor(b, ctx, typ, arr):
+    t = b.ggml_new_tensor_4d(ctx, typ, *reversed(arr.shape))
+    ctypes.memmove(b.ggml_get_data(t), arr.ctypes.data, arr.nbytes)
+    return t
+
+
+def ggml_flash_attn(lib, q, k, v, mask, scale, softcap):
+    """ggml_flash_attn_ext on the CPU: q (1, n_head, n_q, d) f32, k / v (1, n_head_kv, n_kv, d|dv) F16 bits,
+    mask (1, 1, n_q, n_kv) F16 bits; the result (1, n_q, n_head, dv) f32."""
+    b, c = lib
+    ctx = b.ggml_init(_InitParams(64 << 20, None, False))
+    try:
+        out = b.ggml_flash_attn_ext(ctx, _tensor(b, ctx, F32, q), _tensor(b, ctx, F16, k), _tensor(b, ctx, F16, v),
+                                    _tensor(b, ctx, F16, mask), scale, 0.0, softcap)
+        gf = b.ggml_new_graph(ctx)
+        b.ggml_build_forward_expand(gf, out)
+        assert c.ggml_graph_compute_with_ctx(ctx, gf, 2) == 0
+        res = np.empty((1, q.shape[2], q.shape[1], v.shape[3]), np.float32)
+        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
+        return res
+    finally:
+        b.ggml_free(ctx)
+
+
+@pytest.mark.parametrize("d", [32, 40, 64, 72])
+def test_decode_flash_attention_gives_ggml_bits_at_the_hosts_width(ggml, d):
+    rng = np.random.default_rng(d)
+    n_head, n_head_kv, n_q, n_kv = 4, 2, 3, 37
+    q = (rng.standard_normal((1, n_head, n_q, d)) * 2).astype(np.float32)
+    k = (rng.standard_normal((1, n_head_kv, n_kv, d)) * 2).astype(np.float16).view(np.uint16)
+    v = rng.standard_normal((1, n_head_kv, n_kv, d)).astype(np.float16).view(np.uint16)
+    m = np.zeros((n_q, n_kv), np.float32)
+    m[np.arange(n_kv)[None, :] > n_kv - n_q + np.arange(n_q)[:, None]] = -np.inf   # causal: the last n_q cells
+    m[:, 3] = -np.inf
+    m[1, 5] = -2.5
+    m16 = m.astype(np.float16).view(np.uint16)[None, None]
+    scale = float(np.float32(1.0 / np.sqrt(d)))          # an op parameter: float32
+    for softcap in (0.0, 20.0):
+        want = ggml_flash_attn(ggml, q, k, v, m16, scale, softcap)
+        got = np.empty_like(want)
+        attention.flash_attn(q, k, v, m[None, None], got, scale, 0.0, softcap, True, True)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (d, softcap, F16_VEC_LANES,
+                                                                           np.abs(got - want).max())
