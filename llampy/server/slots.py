@@ -104,6 +104,9 @@ class Slot:
         self.n_draft = 0                # drafted tokens checked for this request, and those accepted
         self.n_draft_acc = 0
         self.lora: tuple = ()           # the LoRA scales its cached K/V were computed with
+        # M-RoPE: (the cached list, items counted, positions they save) so that Engine._pos counts only what was
+        # appended since (an image's tokens share one position: the item count is not the position)
+        self.pos_memo: tuple | None = None
 
 
 class Engine:
@@ -413,7 +416,7 @@ class Engine:
             n_common -= r.tokens[n_common].j          # an image is decoded whole: from its first position
         r.t_start = time.perf_counter()
         slot.prompt_lps = []
-        if not self.ctx.seq_rm(slot.id, n_common, -1):   # a recurrent state cannot drop a suffix: start over
+        if not self.ctx.seq_rm(slot.id, self._pos(slot, n_common), -1):   # a recurrent state: start over
             self.ctx.seq_rm(slot.id, -1, -1)
             n_common = 0
         slot.cached = list(r.tokens[:n_common])
@@ -467,9 +470,10 @@ class Engine:
             every = s.req.prompt_logprobs >= 0
             if every:
                 prows[s.id] = len(batch)
+            p0 = self._pos(s)
             for j, t in enumerate(chunk):
                 last = j == len(chunk) - 1 and len(chunk) == len(s.pending)
-                batch.add(t, len(s.cached) + j, [s.id], last or every)
+                batch.add(t, p0 + j, [s.id], last or every)
                 if last:
                     rows[s.id] = len(batch) - 1
             took[s.id] = len(chunk)
@@ -481,10 +485,11 @@ class Engine:
         drafts = self._drafts([s for s in active if not s.pending]) if self.spec is not None else {}
         for s in active:
             if not s.pending:
-                batch.add(s.next_token, len(s.cached), [s.id], True)
+                p0 = self._pos(s)
+                batch.add(s.next_token, p0, [s.id], True)
                 rows[s.id] = len(batch) - 1
                 for j, t in enumerate(drafts.get(s.id, ())):
-                    batch.add(t, len(s.cached) + 1 + j, [s.id], True)
+                    batch.add(t, p0 + 1 + j, [s.id], True)
         if not len(batch):              # this step decoded images only
             return
         t0 = time.perf_counter()
@@ -565,7 +570,7 @@ class Engine:
                 s.n_draft_acc += 1
                 self.metrics["draft_tokens_accepted"] += 1
         finally:
-            self.ctx.seq_rm(s.id, len(s.cached), -1)
+            self.ctx.seq_rm(s.id, self._pos(s), -1)
 
     def _decode_image(self, s: Slot) -> None:
         """The image at the head of the slot's pending prompt, decoded as an embeddings batch of its own (non-causal
@@ -573,7 +578,7 @@ class Engine:
         ch = s.pending[0].chunk
         t0 = time.perf_counter()
         try:
-            self.mtmd.eval_image(self.ctx, ch, len(s.cached), s.id, self.ctx.n_batch)
+            self.mtmd.eval_image(self.ctx, ch, self._pos(s), s.id, self.ctx.n_batch)
         except Exception as e:
             self._fail(s, f"decoding the image failed: {e}")
             s.cached = []
@@ -584,6 +589,20 @@ class Engine:
         self.metrics["prompt_seconds_total"] += dt
         s.cached.extend(s.pending[:ch.n_tokens])
         s.pending = s.pending[ch.n_tokens:]
+
+    def _pos(self, s: Slot, n: int | None = None) -> int:
+        """The sequence position after the slot's first n cached items (all by default): n itself, but with M-RoPE
+        an image's tokens share one position and advance it by max(rows, columns) (MtmdContext.seq_pos)."""
+        n = len(s.cached) if n is None else n
+        if self.mtmd is None or not self.mtmd.mrope:
+            return n
+        memo = s.pos_memo
+        if memo is None or memo[0] is not s.cached or memo[1] > n:    # a new list, or an earlier point: recount
+            memo = (s.cached, 0, 0)
+        items, k, saved = memo
+        saved += self.mtmd.seq_pos(items[k:n], n - k) - (n - k)   # per whole image: its last item is in the slice
+        s.pos_memo = (items, n, saved)
+        return n + saved
 
     def _fail(self, s: Slot, msg: str, status: int = 500) -> None:
         r = s.req
