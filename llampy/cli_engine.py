@@ -44,7 +44,7 @@ def _mtmd_prompt(llm, prompt: str, paths) -> list:
     marker = llm.mtmd.media_marker
     if marker not in prompt:          # llama-mtmd-cli's rule: the images before the text
         prompt = marker * len(bitmaps) + prompt
-    return llm.mtmd.flatten(llm.mtmd.tokenize(prompt, bitmaps), positions=True)     # Llama places M-RoPE items
+    return llm.mtmd.flatten(llm.mtmd.tokenize(prompt, bitmaps))     # Llama places M-RoPE items by seq_pos
 
 
 def add_lora_args(p) -> None:

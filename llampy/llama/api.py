@@ -462,7 +462,7 @@ class Llama:
         think = splitter_for(tp.source, prompt, reasoning_format)
         # the rendered template already holds BOS where the model wants it
         if self.mtmd is not None and images:
-            tokens = self.mtmd.flatten(self.mtmd.tokenize(prompt, images, add_special=False), positions=True)
+            tokens = self.mtmd.flatten(self.mtmd.tokenize(prompt, images, add_special=False))
         else:
             tokens = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
         if self.vocab.add_bos and self.vocab.bos is not None and (not tokens or tokens[0] != self.vocab.bos):

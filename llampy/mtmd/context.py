@@ -170,13 +170,9 @@ class MtmdContext:
                 chunks.append(Chunk("text", add_text_ids, n_tokens=1))
         return chunks
 
-    def flatten(self, chunks: list, positions: bool = False) -> list:
+    def flatten(self, chunks: list) -> list:
         """The prompt as one list: text tokens as they are, each image position an ImagePos. With M-RoPE the item
-        count is not the position (an image's tokens share one): the caller must place items by ``seq_pos``
-        (``positions=True``), else images are refused."""
-        if self.mrope and not positions and any(c.type == "image" for c in chunks):
-            raise MediaError("images for an M-RoPE language model (qwen2-VL) are placed by eval_chunks and the "
-                             "Python API only: the server does not place them yet")
+        count is not the position (an image's tokens share one): callers place items by ``seq_pos``."""
         out: list = []
         for ch in chunks:
             if ch.type == "text":

@@ -22,7 +22,7 @@ pytest.importorskip("PIL")
 from llampy.llama.batch import Batch
 from llampy.llama.context import Context
 from llampy.llama.model import Model
-from llampy.mtmd import MediaError, MtmdContext, ProjectorError, bitmap_from_file
+from llampy.mtmd import MtmdContext, ProjectorError, bitmap_from_file
 from tests.paths import ROOT, SHARED
 
 HERE = ROOT / "tests" / "fixtures" / "tiny_vision"
@@ -170,15 +170,63 @@ def test_mrope_through_the_python_api(lm_vl_path):
                 n_ubatch=rt["n_ubatch"], tune_process=False)
     llm.model.hparams.f_norm_rms_eps = 0.0          # as llama.cpp 0.3.36 runs qwen2vl (mctx_vl says why)
     chunks = llm.mtmd.tokenize(gen["prompt"], [bitmap_from_file(HERE / n) for n in gen["images"]])
-    tokens = llm.mtmd.flatten(chunks, positions=True)
+    tokens = llm.mtmd.flatten(chunks)
     assert llm.mtmd.seq_pos(tokens, len(tokens)) == gen["n_past"]
     want = llm.vocab.detokenize(gen["ids"])
     for _ in range(2):
         out = llm.create_completion(tokens, max_tokens=len(gen["ids"]), temperature=0)
         assert out["choices"][0]["text"] == want
     assert llm.mtmd.n_encoded == 1
-    with pytest.raises(MediaError, match="M-RoPE language model"):
-        llm.mtmd.flatten(chunks)                    # the server's flat prompts do not place them yet
+
+
+def test_mrope_through_the_server(lm_vl_path, monkeypatch):
+    """The server's slots place their items by position as Llama does (an image's 12 tokens take 4 positions here):
+    llama.cpp's greedy reply and log-probs for a chat request with an image through /v1/chat/completions, again
+    with the slot's cells reused (the image not encoded again), and the raw prompt's through /completion's
+    multimodal_data."""
+    import httpx
+
+    import llampy.server.app as app_mod
+    from llampy.server.app import Server, create_app
+    from tests.server.conftest import serve_in_thread
+
+    def model_as_llamacpp_runs_it(*a, **kw):       # RMS epsilon 0, as llama.cpp 0.3.36 runs qwen2vl (mctx_vl)
+        m = Model(*a, **kw)
+        m.hparams.f_norm_rms_eps = 0.0
+        return m
+
+    monkeypatch.setattr(app_mod, "Model", model_as_llamacpp_runs_it)
+    ref = REF["chat_vl"]
+    server = Server(lm_vl_path[0], n_parallel=1, n_ctx=REF["runtime"]["n_ctx"], mmproj=MMPROJ, tune_process=False)
+    url, uv, t = serve_in_thread(create_app(server))
+    try:
+        data = base64.b64encode((HERE / ref["images"][0]).read_bytes()).decode()
+        msgs = [{"role": "user", "content": [
+            {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}},
+            {"type": "text", "text": "What is it?"}]}]
+        body = {"messages": msgs, "max_tokens": len(ref["ids"]), "temperature": 0, "logprobs": True, "top_logprobs": 1}
+        want = server.model.vocab.detokenize(ref["ids"])
+        n_prompt = sum(c["n_tokens"] if c["type"] == "image" else len(c["tokens"]) for c in ref["chunks"])
+        for turn in range(2):
+            j = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+            assert j["choices"][0]["message"]["content"] == want, f"turn {turn}"
+            got_lp = [c["logprob"] for c in j["choices"][0]["logprobs"]["content"]]
+            assert np.allclose(got_lp, [s["logprob"] for s in ref["steps"]], atol=1e-3), f"turn {turn}"
+            assert j["usage"]["prompt_tokens"] == n_prompt
+        assert j["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt - 1
+        assert server.mtmd.n_encoded == 1
+        gen = REF["generations_vl"][0]
+        png = base64.b64encode((HERE / gen["images"][0]).read_bytes()).decode()
+        body = {"prompt": {"prompt_string": gen["prompt"], "multimodal_data": [png]}, "n_predict": len(gen["ids"]),
+                "temperature": 0, "n_probs": 1}
+        j = httpx.post(url + "/completion", json=body, timeout=120).json()
+        assert [p["id"] for p in j["completion_probabilities"]] == gen["ids"]
+        got_lp = [p["logprob"] for p in j["completion_probabilities"]]
+        assert np.allclose(got_lp, [s["logprob"] for s in gen["steps"]], atol=1e-3)
+    finally:
+        uv.should_exit = True
+        t.join(timeout=5)
+        server.engine.stop()
 
 
 def test_mrope_position_shift_is_refused(mctx_vl):
