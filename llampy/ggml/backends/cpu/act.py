@@ -1,6 +1,7 @@
-"""Activations with ggml's exact float32 arithmetic. ggml's CPU SiLU runs 16 lanes at a time through its own
-polynomial exp (ggml_v_expf, AVX-512 form: fused multiply-adds and a scalef), and the C library's expf for the
-leftover elements; the results differ from a correctly rounded exp in the last bit, which SmolLM2 notices."""
+"""Activations with ggml's exact float32 arithmetic. ggml's CPU SiLU runs the host build's register width at a
+time (16 lanes on AVX-512, 8 on AVX2) through its own polynomial exp (ggml_v_expf, whose AVX-512 and AVX2 forms
+round differently), and the C library's expf for the leftover elements; the results differ from a correctly rounded
+exp in the last bit, which SmolLM2 notices. ``F16_VEC_LANES`` (simd.py) picks the host's width and form."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .simd import f16_bits, v16_geglu, v16_load, v16_mul, v16_silu, v16_store
+from .simd import F16_VEC_LANES, expf_lane, f16_bits, v16_geglu, v16_load, v16_mul, v16_silu, v16_store
 
 _R = np.float32(float.fromhex("0x1.8p23"))
 _LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
@@ -29,6 +30,9 @@ def _fma(a, b, c):
 
 @njit(cache=True)
 def v_expf(x):
+    """One lane of ggml_v_expf in the host build's form."""
+    if F16_VEC_LANES == 8:
+        return expf_lane(x)
     z = _fma(x, _LOG2E, _R)
     n = np.float32(z - _R)
     b = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
@@ -55,7 +59,10 @@ def _swiglu_row(gr, ur, orow):
     n16 = n - n % 16
     for i in range(0, n16, 16):
         v16_store(orow, i, v16_mul(v16_silu(v16_load(gr, i)), v16_load(ur, i)))
-    for i in range(n16, n):
+    nv = n - n % F16_VEC_LANES
+    for i in range(n16, nv):            # AVX2: an eight-lane step more
+        orow[i] = np.float32(_silu_v(gr[i]) * ur[i])
+    for i in range(nv, n):
         orow[i] = np.float32(_silu_s(gr[i]) * ur[i])
 
 
@@ -78,11 +85,14 @@ def swiglu_rows_par(g, u, out):
 def silu_rows(x, out):
     rows, n = x.shape
     n16 = n - n % 16
+    nv = n - n % F16_VEC_LANES
     for r in range(rows):
         xr, orow = x[r], out[r]
         for i in range(0, n16, 16):
             v16_store(orow, i, v16_silu(v16_load(xr, i)))
-        for i in range(n16, n):
+        for i in range(n16, nv):        # AVX2: an eight-lane step more
+            orow[i] = _silu_v(xr[i])
+        for i in range(nv, n):
             orow[i] = _silu_s(xr[i])
 
 

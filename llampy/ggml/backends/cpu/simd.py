@@ -485,6 +485,61 @@ def _fma16(builder, a, b, c):
 
 
 def _v_expf(builder, x):
+    """ggml_v_expf in the form of the host's build (``F16_VEC_LANES``): ``_v_expf512`` or ``_v_expf_avx2``. The
+    two round differently (ggml's AVX2 and AVX-512 SiLU differ in the last bit for about one value in eight)."""
+    return _v_expf512(builder, x) if F16_VEC_LANES == 16 else _v_expf_avx2(builder, x)
+
+
+def _v_expf_avx2(builder, x):
+    """ggml_v_expf, AVX2 form, lane by lane on a float vector of any width or on one float: n = round(x / ln 2)
+    and b as in the AVX-512 form, the polynomial's last term a multiply (c1 * b, not fma(c1, b, 1)), then
+    fma(k, j, k) with k = 2^n made from z's bits; for 126 < |n| <= 192 two scalings (fma(s2, j, s2) * s1), beyond
+    192 s1 * s1 (inf or 0)."""
+    f = float.fromhex
+    if isinstance(x.type, ir.VectorType):
+        w = x.type.count
+        vi = ir.VectorType(_I32, w)
+        c = lambda v: ir.Constant(x.type, [float(v)] * w)              # noqa: E731
+        ci = lambda v: ir.Constant(vi, [v] * w)                          # noqa: E731
+        fty = f"v{w}f32"
+    else:
+        vi = _I32
+        c = lambda v: ir.Constant(_F32, float(v))                         # noqa: E731
+        ci = lambda v: ir.Constant(_I32, v)                               # noqa: E731
+        fty = "f32"
+
+    def fma(a, b_, c_):
+        return _call(builder, f"llvm.fma.{fty}", x.type, [a, b_, c_])
+    r = c(f("0x1.8p23"))
+    z = fma(x, c(f("0x1.715476p+0")), r)
+    n = builder.fsub(z, r)
+    negn = builder.fneg(n)
+    b = fma(negn, c(f("0x1.7f7d1cp-20")), fma(negn, c(f("0x1.62e4p-1")), x))
+    e = builder.shl(builder.bitcast(z, vi), ci(23))
+    k = builder.bitcast(builder.add(e, ci(0x3F800000)), x.type)
+    absn = _call(builder, f"llvm.fabs.{fty}", x.type, [n])
+    u = builder.fmul(b, b)
+    j = fma(fma(fma(c(f("0x1.0e4020p-7")), b, c(f("0x1.573e2ep-5"))), u,
+                fma(c(f("0x1.555e66p-3")), b, c(f("0x1.fffdb6p-2")))),
+            u, builder.fmul(c(f("0x1.ffffecp-1")), b))
+    g = builder.select(builder.fcmp_ordered("<=", n, c(0.0)), ci(0x82000000 - (1 << 32)), ci(0))
+    s1 = builder.bitcast(builder.add(g, ci(0x7F000000)), x.type)
+    s2 = builder.bitcast(builder.sub(e, g), x.type)
+    mid = builder.fmul(fma(s2, j, s2), s1)
+    res = builder.select(builder.fcmp_ordered(">", absn, c(126.0)), mid, fma(k, j, k))
+    return builder.select(builder.fcmp_ordered(">", absn, c(192.0)), builder.fmul(s1, s1), res)
+
+
+@intrinsic
+def expf_lane(typingctx, x):
+    """ggml_v_expf of one float32 in the AVX2 form (``_v_expf_avx2``): one lane of it, for leftovers that ggml runs
+    through an eight-lane step where llampy's loop runs sixteen."""
+    def codegen(context, builder, sig, args):
+        return _v_expf_avx2(builder, context.cast(builder, args[0], sig.args[0], types.float32))
+    return types.float32(x), codegen
+
+
+def _v_expf512(builder, x):
     """ggml_v_expf (AVX-512 form): 2^n * p(b) with n = round(x / ln 2), b the reduced argument in two fnmadd
     steps, p a degree-5 polynomial in fmas, _mm512_scalef_ps; |n| > 192 gives +inf or 0. The constants and the
     operation order are ggml's; without AVX-512 the scaling is a multiply by 2^n built from its bits (the same

@@ -1,7 +1,9 @@
 """SOFT_MAX with ggml's CPU arithmetic (ops.cpp ggml_compute_forward_soft_max_f32, vec.cpp ggml_vec_soft_max_f32,
-AVX-512 build): w = x * scale (float32), w += slope * mask (fused), max, then 16 lanes at a time ggml_v_expf(w - max)
-with each group's lane sum reduced as _mm512_reduce_add_ps does and added to a double; the leftover elements with
-expf (glibc's), also summed in double; finally every value times (float)(1.0 / sum)."""
+in the host build's width ``F16_VEC_LANES``): w = x * scale (float32), w += slope * mask (fused), max, then 16 lanes
+(AVX-512) or 8 (AVX2) at a time ggml_v_expf(w - max) with each group's lane sum reduced by halving (lanes l and
+l + 8, then l + 4, l + 2, l + 1: _mm512_reduce_add_ps, and the AVX2 build's extract/movehl/movehdup adds) and added
+to a double; the leftover elements with expf (glibc's), also summed in double; finally every value times
+(float)(1.0 / sum)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from .act import _fma, v_expf
+from .simd import F16_VEC_LANES
 
 
 _EXPF_T = np.array([np.float64(2.0 ** (i / 32)).view(np.uint64) - np.uint64((i << 52) // 32) for i in range(32)],
@@ -47,7 +50,8 @@ def _soft_max_rows(x, mask, slopes, scale, out):
     slopes: float32 [ne2] (ALiBi, ones without max_bias)."""
     ne3, ne2, ne1, n = x.shape
     has_mask = mask.shape[3] > 0
-    n16 = n - n % 16
+    VL = F16_VEC_LANES
+    nv = n - n % VL
     for r in prange(ne3 * ne2 * ne1):
         i3 = r // (ne2 * ne1)
         i2 = (r // ne1) % ne2
@@ -66,18 +70,19 @@ def _soft_max_rows(x, mask, slopes, scale, out):
                 mx = w[i]
         total = 0.0
         lanes = np.empty(16, np.float32)   # hoisted out of the row loop by Numba's allocation hoisting
-        for i0 in range(0, n16, 16):
-            for l in range(16):
+        for i0 in range(0, nv, VL):
+            for l in range(VL):
                 lanes[l] = v_expf(np.float32(w[i0 + l] - mx))
                 w[i0 + l] = lanes[l]
-            for l in range(8):
-                lanes[l] = lanes[l] + lanes[l + 8]
+            if VL == 16:
+                for l in range(8):
+                    lanes[l] = lanes[l] + lanes[l + 8]
             for l in range(4):
                 lanes[l] = lanes[l] + lanes[l + 4]
             for l in range(2):
                 lanes[l] = lanes[l] + lanes[l + 2]
             total += np.float64(lanes[0] + lanes[1])
-        for i in range(n16, n):
+        for i in range(nv, n):
             e = expf(np.float32(w[i] - mx))
             w[i] = e
             total += np.float64(e)
