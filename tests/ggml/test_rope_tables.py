@@ -67,3 +67,16 @@ def test_neox_halves_sixteen_lanes_at_a_time_keep_the_bits():
             out = np.empty_like(x)
             apply(x, out, cos, sin, n_dims, neox)
             assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), (hd, n_dims, neox)
+
+
+def test_theta_scale_is_powf_of_a_float_exponent():
+    # ggml: theta_scale = powf(freq_base, -2.0f/n_dims); with 24 rotated values -2/24 is not exact in float, and
+    # powf of the float exponent differs from pow of the double one by an ulp, which position 1000 makes visible
+    p = dict(_params(10000.0), n_dims=24)
+    ts = np.float32(10000.0) ** np.float32(np.float32(-2.0) / np.float32(24))
+    x = np.zeros((1, 1, 1, 24), np.float32)
+    x[..., 1] = 1.0                                            # NEOX pair (1, 13): out = (cos, sin) of pair 1
+    out = _fresh(x, np.array([1000], np.int32), p)
+    theta = np.float32(np.float32(1000.0) * ts)
+    assert abs(out[0, 0, 0, 1] - np.cos(np.float64(theta))) < 1e-6
+    assert abs(out[0, 0, 0, 13] - np.sin(np.float64(theta))) < 1e-6

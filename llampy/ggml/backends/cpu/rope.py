@@ -164,7 +164,8 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     frequency factors) differ from what they hold, then rotates."""
     n_dims = p["n_dims"]
     f32 = np.float32
-    theta_scale = f32(math.pow(p["freq_base"], -2.0 / n_dims))
+    # powf(freq_base, -2.0f/n_dims): the exponent rounded to float first (it is not exact for n_dims 24, 40, ...)
+    theta_scale = f32(math.pow(f32(p["freq_base"]), f32(-2.0 / n_dims)))
     corr0 = corr1 = f32(0.0)
     if p["ext_factor"] != 0.0:
         corr0 = f32(max(0.0, math.floor(_corr_dim(n_dims, p["n_ctx_orig"], p["beta_fast"], p["freq_base"]))))
