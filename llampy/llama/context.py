@@ -349,6 +349,24 @@ class Context:
         np.savez(f, **self.kv.state_write())
         return f.getvalue()
 
+    def state_seq_get_partial(self, seq_id: int) -> dict | None:
+        """A context checkpoint of ``seq_id``: the part of its memory that ``seq_rm`` cannot take back to an earlier
+        position (llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): a recurrent memory's
+        state rows, a hybrid's recurrent rows. None when the memory can cut any suffix (a KV cache): it needs none."""
+        get = getattr(self.kv, "seq_state_get_partial", None)
+        return None if get is None else get(seq_id)
+
+    def state_seq_set_partial(self, seq_id: int, state: dict) -> None:
+        """Put back a checkpoint of state_seq_get_partial; then ``seq_rm(seq_id, n, -1)``, n the tokens it was taken
+        after, cuts the KV cells a hybrid holds past it. A checkpoint of another model raises ContextError."""
+        set_ = getattr(self.kv, "seq_state_set_partial", None)
+        if set_ is None:
+            raise ContextError("this model's memory can cut any suffix: it keeps no checkpoints")
+        try:
+            set_(seq_id, state)
+        except (KeyError, ValueError) as e:
+            raise ContextError(f"the checkpoint does not fit this model's state: {e}") from None
+
     def state_load(self, data: bytes) -> None:
         """Restore what state_save gave; a state of another model or memory size raises ContextError."""
         try:

@@ -3,7 +3,7 @@ attention, the recurrent memory when every layer is recurrent and none attends, 
 mixes them (per layer, or in one layer as Falcon-H1's). All
 answer the same interface (kv_cache.KVCache is its reference: find_slot/apply, split, n_kv_for, n_seqs,
 input_values, the seq_* operations, clear, state_write and state_read), so the context does not know which one it
-holds."""
+holds; a memory that cannot cut a suffix adds seq_state_get/set_partial (the context checkpoints)."""
 from __future__ import annotations
 
 import numpy as np
@@ -95,6 +95,14 @@ class HybridMemory:
     def state_read(self, z) -> None:
         self.recr.state_read(z)
         self.attn.state_read(z)
+
+    # a context checkpoint (llama.cpp's LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): the recurrent rows only; restoring one
+    # takes the state back to where it was taken, and seq_rm then cuts the KV cells after it
+    def seq_state_get_partial(self, seq_id: int) -> dict:
+        return self.recr.seq_state_get(seq_id)
+
+    def seq_state_set_partial(self, seq_id: int, state: dict) -> int:
+        return self.recr.seq_state_set(seq_id, state)
 
     # recurrent rows for the graph helpers
     def get_r(self, il, src):

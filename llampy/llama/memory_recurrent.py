@@ -308,7 +308,9 @@ class RecurrentMemory:
         for il in range(len(self.r)):
             if self.r[il] is not None:
                 for k, t in (("r", self.r[il]), ("s", self.s[il])):
-                    out[f"{k}{il}"] = _rows(t)[c] if c >= 0 else np.zeros(t.ne[0], np.float32)
+                    # the cell's row alone (a checkpoint keeps it: not a view into a copy of every cell)
+                    out[f"{k}{il}"] = (tensor_get(ops.view_1d(t, t.ne[0], c * t.nb[1])).reshape(-1) if c >= 0
+                                       else np.zeros(t.ne[0], np.float32))
         return out
 
     def seq_state_set(self, seq_id: int, state: dict) -> int:
@@ -330,6 +332,11 @@ class RecurrentMemory:
         self.pos[c] = pos
         self.n_tok[c] = n_tok
         return n_tok
+
+    # the part of a sequence that a suffix removal cannot bring back (llama.cpp's LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY):
+    # here all of it, the state rows
+    seq_state_get_partial = seq_state_get
+    seq_state_set_partial = seq_state_set
 
     # ------------------------------------------------------------------ graph views
     # -> [n_embd_r, n_seqs]: the rolling rows the micro-batch's sequences start from

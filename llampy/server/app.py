@@ -48,7 +48,8 @@ class Server:
     def __init__(self, model_path, n_parallel: int = 4, n_ctx: int = 4096, api_key: str | None = None,
                  alias: str | None = None, tune_process: bool = True, n_threads: int | None = None,
                  slot_save_path=None, prompt_cache=None, progress=None, offload: dict | None = None,
-                 mmproj=None, allow_remote_images: bool = False, spec=None, model_draft=None, lora=None):
+                 mmproj=None, allow_remote_images: bool = False, spec=None, model_draft=None, lora=None,
+                 ctx_checkpoints: int = 32):
         """``slot_save_path``: the folder /slots/{id}?action=save|restore reads and writes (None: those actions
         are refused). ``prompt_cache``: a file of the slots' cached prompts, restored here when it exists (and
         fits this model) and written by ``save_prompt_cache`` at shutdown. ``progress(fraction)``: called as the
@@ -56,7 +57,8 @@ class Server:
         tensor_split, main_gpu, override_tensor). ``mmproj``: a projector GGUF (image input, server/media.py);
         ``allow_remote_images``: fetch http(s) image URLs too. ``spec``: speculative decoding settings
         (llama/speculative.SpecParams); ``model_draft``: the draft model's GGUF (spec type draft-simple).
-        ``lora``: (path, scale) pairs of GGUF LoRA adapters (GET/POST /lora-adapters, a request's "lora")."""
+        ``lora``: (path, scale) pairs of GGUF LoRA adapters (GET/POST /lora-adapters, a request's "lora").
+        ``ctx_checkpoints``: recurrent states kept per slot of a recurrent or hybrid model (--ctx-checkpoints)."""
         if tune_process:
             from .. import tuning
             tuning.install()     # before the model's first kernel (llampy/tuning.py)
@@ -86,7 +88,8 @@ class Server:
                 from ..llama.speculative import SpecParams
                 spec = SpecParams(types=("draft-simple",))
         self.spec = spec
-        self.engine = Engine(self.model, n_parallel, n_ctx, min_batch=n_img, spec=spec, draft_model=self.model_draft)
+        self.engine = Engine(self.model, n_parallel, n_ctx, min_batch=n_img, spec=spec, draft_model=self.model_draft,
+                             n_ctx_checkpoints=ctx_checkpoints)
         self.engine.mtmd = self.mtmd
         if lora:
             from ..llama.lora import LoraAdapter

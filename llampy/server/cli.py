@@ -38,6 +38,9 @@ def add_serve_parser(sub) -> None:
                    help="folder for POST /slots/{id}?action=save|restore (slot KV caches as files)")
     p.add_argument("--prompt-cache", default=None,
                    help="file of the slots' cached prompts: restored at start, written at shutdown")
+    p.add_argument("--ctx-checkpoints", "-ctxcp", type=int, default=32, metavar="N",
+                   help="recurrent/hybrid models: states kept per slot, taken near each prompt's end, so that a "
+                        "prompt sharing a prefix restarts from the last one inside it (default 32; 0: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGTERM/SIGINT before they are "
                         "ended (default 30)")
@@ -121,6 +124,9 @@ def cmd_serve(args) -> int:
     if args.threads is not None and args.threads < 1:
         print(f"llampy serve: --threads must be at least 1, got {args.threads}", file=sys.stderr)
         return 2
+    if args.ctx_checkpoints < 0:
+        print(f"llampy serve: --ctx-checkpoints must be 0 or more, got {args.ctx_checkpoints}", file=sys.stderr)
+        return 2
     if args.slot_save_path:
         import os
         os.makedirs(args.slot_save_path, exist_ok=True)
@@ -160,7 +166,8 @@ def cmd_serve(args) -> int:
                         progress=LoadProgress(path.name), offload=offload_kw(args), mmproj=args.mmproj,
                         allow_remote_images=args.allow_remote_images, spec=spec,
                         model_draft=resolve_model(args.model_draft)
-                        if spec is not None and "draft-simple" in spec.types else None, lora=lora)
+                        if spec is not None and "draft-simple" in spec.types else None, lora=lora,
+                        ctx_checkpoints=args.ctx_checkpoints)
     except (SpeculativeError, LoraError) as e:   # a draft model of another vocabulary, a recurrent target; an adapter
         # of another architecture or shape
         print(f"llampy: error: {e}", file=sys.stderr)
@@ -212,7 +219,7 @@ def _serve_router(args, spec) -> int:
     def make_server(path, name):
         return Server(path, args.parallel, args.ctx_size, None, name, n_threads=args.threads,
                       slot_save_path=args.slot_save_path, progress=LoadProgress(path.name), offload=offload_kw(args),
-                      spec=spec, model_draft=draft)
+                      spec=spec, model_draft=draft, ctx_checkpoints=args.ctx_checkpoints)
 
     router = Router(args.models_dir, make_server, lambda s: create_app(s, cors=cors), keep_alive=keep_alive,
                     models_max=args.models_max, autoload=args.models_autoload)

@@ -27,6 +27,11 @@ from ..llama.vocab import StreamDecoder
 # Prompt tokens decoded per step, over all slots together: a long prompt is cut into chunks so that the slots
 # already generating get a token every step (at most this many prompt tokens' worth of delay each step).
 PROMPT_BUDGET = 64
+# llama-server's --ctx-checkpoints default: checkpoints kept per slot of a recurrent or hybrid model
+N_CTX_CHECKPOINTS = 32
+# a checkpoint is also taken this many tokens before a prompt's end (llama-server's last checkpoint_offsets entry):
+# the next turn's prompt often re-renders the end of this one (a chat template's generation prompt)
+CHECKPOINT_TAIL = 4
 
 
 @dataclass
@@ -87,6 +92,18 @@ class Request:
         self.cancelled = True
 
 
+@dataclass
+class Checkpoint:
+    """A slot's recurrent state after its first ``n_tokens`` cached tokens (llama-server's context checkpoint)."""
+    n_tokens: int
+    tokens: tuple                   # those tokens: restored only for a prompt (and a cache) that starts with them
+    state: dict                     # Context.state_seq_get_partial
+
+    @property
+    def nbytes(self) -> int:
+        return sum(np.asarray(a).nbytes for a in self.state.values())
+
+
 class Slot:
     def __init__(self, sid: int, n_ctx_slot: int):
         self.id = sid
@@ -104,6 +121,7 @@ class Slot:
         self.n_draft = 0                # drafted tokens checked for this request, and those accepted
         self.n_draft_acc = 0
         self.lora: tuple = ()           # the LoRA scales its cached K/V were computed with
+        self.checkpoints: list[Checkpoint] = []     # oldest first; each one's tokens prefix ``cached``
         # M-RoPE: (the cached list, items counted, positions they save) so that Engine._pos counts only what was
         # appended since (an image's tokens share one position: the item count is not the position)
         self.pos_memo: tuple | None = None
@@ -111,10 +129,14 @@ class Slot:
 
 class Engine:
     def __init__(self, model, n_parallel: int = 4, n_ctx: int = 4096, prompt_budget: int = PROMPT_BUDGET,
-                 min_batch: int = 0, spec=None, draft_model=None):
+                 min_batch: int = 0, spec=None, draft_model=None, n_ctx_checkpoints: int = N_CTX_CHECKPOINTS):
         """``min_batch``: the micro-batch holds at least this many tokens (the projector's largest image, whose
         tokens are decoded together). ``spec``: speculative.SpecParams (None: no drafting); ``draft_model``: the
-        Model that drafts when spec.types holds draft-simple."""
+        Model that drafts when spec.types holds draft-simple. ``n_ctx_checkpoints``: the recurrent states a slot
+        keeps of a recurrent or hybrid model (llama-server's --ctx-checkpoints; 0: none), so that a prompt sharing
+        a prefix with the slot's cache restarts from the last one inside it rather than from the start."""
+        if n_ctx_checkpoints < 0:
+            raise ValueError(f"ctx-checkpoints must be 0 or more, got {n_ctx_checkpoints}")
         if n_parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {n_parallel}")
         if n_ctx // n_parallel < 8:
@@ -142,6 +164,8 @@ class Engine:
                            max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False,
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
+        # only a memory that cannot cut a suffix needs them (a KV cache answers seq_rm at any position)
+        self.n_ctx_checkpoints = n_ctx_checkpoints if _recurrent(model) else 0
         # LoRA adapters (set_lora_adapters): the server's scales (POST /lora-adapters), and the turn of the scale
         # sets when requests of several are active (one set per decode step)
         self.lora_adapters: list = []
@@ -160,7 +184,7 @@ class Engine:
                         "decode_seconds_total": 0.0, "prompt_seconds_total": 0.0, "gen_seconds_total": 0.0,
                         "steps_total": 0, "busy_slot_steps": 0, "n_tokens_max": 0,
                         "draft_tokens_total": 0, "draft_tokens_accepted": 0, "draft_steps_total": 0,
-                        "draft_seconds_total": 0.0}
+                        "draft_seconds_total": 0.0, "checkpoints_restored": 0}
         self._recent: list[tuple[float, int]] = []   # (time, tokens generated) per step, for a live tokens/s
         self._stop = False
         self.draining = False           # set by begin_drain: new requests are refused
@@ -416,9 +440,10 @@ class Engine:
             n_common -= r.tokens[n_common].j          # an image is decoded whole: from its first position
         r.t_start = time.perf_counter()
         slot.prompt_lps = []
-        if not self.ctx.seq_rm(slot.id, self._pos(slot, n_common), -1):   # a recurrent state: start over
-            self.ctx.seq_rm(slot.id, -1, -1)
-            n_common = 0
+        if not self.ctx.seq_rm(slot.id, self._pos(slot, n_common), -1):   # a recurrent state cannot be cut
+            n_common = self._restore_checkpoint(slot, n_common)
+        # the checkpoints past what is kept no longer describe this sequence
+        slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_common]
         slot.cached = list(r.tokens[:n_common])
         slot.pending = list(r.tokens[n_common:])
         slot.req, slot.n_gen, slot.n_reused, slot.text, slot.emitted = r, 0, n_common, "", 0
@@ -426,6 +451,36 @@ class Engine:
         slot.dec = StreamDecoder(self.vocab, special=False, keep=r.keep_tokens)
         self.metrics["prompt_tokens_total"] += len(slot.pending)
         self.metrics["prompt_tokens_cached"] += n_common
+
+    def _restore_checkpoint(self, slot: Slot, n_common: int) -> int:
+        """seq_rm refused to cut the slot's sequence at n_common (a recurrent state): go back to the newest checkpoint
+        within the common prefix, and cut the KV cells a hybrid holds past it; else start over. Returns the tokens
+        kept."""
+        for ck in reversed(slot.checkpoints):
+            if ck.n_tokens > n_common or tuple(slot.cached[:ck.n_tokens]) != ck.tokens:
+                continue
+            try:
+                self.ctx.state_seq_set_partial(slot.id, ck.state)
+            except ValueError:          # not this model's (cannot happen from _checkpoint): start over
+                break
+            if self.ctx.seq_rm(slot.id, ck.n_tokens, -1):
+                self.metrics["checkpoints_restored"] += 1
+                return ck.n_tokens
+            break
+        self.ctx.seq_rm(slot.id, -1, -1)
+        return 0
+
+    def _checkpoint(self, s: Slot) -> None:
+        """Keep the slot's recurrent state as it is now, after its cached tokens: at most n_ctx_checkpoints per slot,
+        the oldest dropped first, one taken again at the same point replacing the earlier."""
+        st = self.ctx.state_seq_get_partial(s.id)
+        if st is None:
+            return
+        n = len(s.cached)
+        cks = [c for c in s.checkpoints if c.n_tokens != n]
+        del cks[:max(0, len(cks) - self.n_ctx_checkpoints + 1)]
+        cks.append(Checkpoint(n, tuple(s.cached), st))
+        s.checkpoints = cks
 
     def _drop_cancelled(self) -> None:
         for s in self.slots:
@@ -465,6 +520,9 @@ class Engine:
                 if not isinstance(t, (int, np.integer)):
                     chunk = chunk[:j]
                     break
+            tail = len(s.pending) - CHECKPOINT_TAIL
+            if self.n_ctx_checkpoints and 0 < tail < len(chunk):
+                chunk = chunk[:tail]        # stop short of the prompt's end: a checkpoint is taken there
             if took and len(chunk) > budget:
                 continue
             every = s.req.prompt_logprobs >= 0
@@ -511,6 +569,8 @@ class Engine:
                 n = took[s.id]
                 s.cached.extend(s.pending[:n])
                 s.pending = s.pending[n:]
+                if self.n_ctx_checkpoints and len(s.pending) in (0, CHECKPOINT_TAIL) and _text_only(s.cached):
+                    self._checkpoint(s)
             elif not s.pending:
                 s.cached.append(s.next_token)
         m = self.metrics
