@@ -68,8 +68,8 @@ def _shuf(builder, a, b, idx):
 
 @intrinsic
 def crumbs32(typingctx, w, off, shift):
-    """32 two-bit values: the 32 bytes at byte ``off`` of w shifted right by ``shift``, masked to 2 bits (Q2_K's and
-    Q3_K's low bits of one 32-value group: ``(q2bits >> 2s) & 3``), as unsigned bytes."""
+    """32 two-bit values: the 32 bytes at byte ``off`` of w shifted right by ``shift``, masked to 2 bits (Q2_K's low
+    bits of one 32-value group: ``(q2bits >> 2s) & 3``), as unsigned bytes."""
     def codegen(context, builder, sig, args):
         q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V32))
         s = builder.trunc(context.cast(builder, args[2], sig.args[2], types.int64), _I8)
@@ -77,20 +77,6 @@ def crumbs32(typingctx, w, off, shift):
                                     ir.Constant(_V32, None), ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
         return builder.bitcast(builder.and_(builder.lshr(q, sv), _splat(_V32, 3)), _V_I32x8)
     return i32x8(w, types.intp, shift), codegen
-
-
-@intrinsic
-def hclear4_32(typingctx, w, off, bit):
-    """32 bytes, 4 where bit ``bit`` of the 32 bytes at byte ``off`` of w is clear, else 0 (Q3_K's ``q3h``: the 4
-    subtracted from values whose high bit is not set)."""
-    def codegen(context, builder, sig, args):
-        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V32))
-        s = builder.trunc(context.cast(builder, args[2], sig.args[2], types.int64), _I8)
-        sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V32, None), s, ir.Constant(_I32, 0)),
-                                    ir.Constant(_V32, None), ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
-        hb = builder.and_(builder.lshr(builder.xor(q, _splat(_V32, -1)), sv), _splat(_V32, 1))
-        return builder.bitcast(builder.shl(hb, _splat(_V32, 2)), _V_I32x8)
-    return i32x8(w, types.intp, bit), codegen
 
 
 def _nib_lut32(kv):
@@ -176,18 +162,43 @@ def lanes_u(typingctx, q, x, xo, s0, s1):
 
 
 @intrinsic
-def lanes_u2(typingctx, q, h, x, xo, s0, s1):
-    """As ``lanes_u`` for ``q - h`` (Q3_K: the low bits minus ``hclear4_32``), the difference taken on the int16
-    pair sums as ggml does (``maddubs(q3l, x) - maddubs(q3h, x)``)."""
-    if q != i32x8 or h != i32x8:
-        return None
+def q3k_lanes(typingctx, w, o, x, xo):
+    """Q3_K's eight int32 lanes of one super-block (the block at byte o of w, the 256 int8 activations at byte xo of
+    x): per 32-value group c, ``madd(scales, maddubs(q3l, x) - maddubs(q3h, x))`` (q3l the two low bits, q3h 4
+    where the high bit is clear; the difference taken on the int16 pair sums as ggml does), summed over the groups. The sixteen 6-bit scales are decoded at once into one vector (ggml's AVX2 kernel does the
+    same with its kmask shifts), each group's pair a shuffle of it; the low-bit bytes and the high-bit mask are
+    loaded once for all groups."""
+    kinds = {"hm": Q3_HM, "qs": Q3_QS, "sc": Q3_SC}
 
     def codegen(context, builder, sig, args):
-        xv = _x32(context, builder, sig, args, 2, 3)
-        p16 = builder.sub(_maddubs(builder, builder.bitcast(args[0], _V32), xv),
-                          _maddubs(builder, builder.bitcast(args[1], _V32), xv))
-        return _madd(builder, _scale_pair(context, builder, sig, args, 4, 5), p16)
-    return i32x8(i32x8, i32x8, x, types.intp, s0, s1), codegen
+        wty, xty = sig.args[0], sig.args[2]
+        ity = context.get_value_type(types.intp)
+        o = context.cast(builder, args[1], sig.args[1], types.intp)
+        xo = context.cast(builder, args[3], sig.args[3], types.intp)
+
+        def at(off, vty):
+            return _load(builder, _ptr(context, builder, wty, args[0], builder.add(o, ir.Constant(ity, off)), vty))
+        lo8 = at(kinds["sc"], ir.VectorType(_I8, 8))
+        hi4 = at(kinds["sc"] + 8, ir.VectorType(_I8, 4))
+        lo = builder.lshr(_shuf(builder, lo8, lo8, [j & 7 for j in range(16)]),
+                          ir.Constant(_V16, [4 * (j >> 3) for j in range(16)]))
+        hi = builder.lshr(_shuf(builder, hi4, hi4, [j & 3 for j in range(16)]),
+                          ir.Constant(_V16, [2 * (j >> 2) for j in range(16)]))
+        sc = builder.or_(builder.and_(lo, _splat(_V16, 15)), builder.shl(builder.and_(hi, _splat(_V16, 3)),
+                                                                          _splat(_V16, 4)))
+        sc16 = builder.sext(builder.sub(sc, _splat(_V16, 32)), _W16)
+        hm = builder.xor(at(kinds["hm"], _V32), _splat(_V32, -1))
+        qs = [at(kinds["qs"], _V32), at(kinds["qs"] + 32, _V32)]
+        acc = None
+        for c in range(8):
+            q = builder.and_(builder.lshr(qs[c >> 2], _splat(_V32, 2 * (c & 3))), _splat(_V32, 3))
+            h = builder.shl(builder.and_(builder.lshr(hm, _splat(_V32, c)), _splat(_V32, 1)), _splat(_V32, 2))
+            xv = _load(builder, _ptr(context, builder, xty, args[2], builder.add(xo, ir.Constant(ity, 32 * c)), _V32))
+            p16 = builder.sub(_maddubs(builder, q, xv), _maddubs(builder, h, xv))
+            v = _madd(builder, _shuf(builder, sc16, sc16, [2 * c] * 8 + [2 * c + 1] * 8), p16)
+            acc = v if acc is None else builder.add(acc, v)
+        return acc
+    return i32x8(w, o, x, xo), codegen
 
 
 @intrinsic
@@ -412,6 +423,7 @@ X4 = B.BLOCKS[T.IQ4_XS]
 N4 = B.BLOCKS[T.IQ4_NL]
 Q2_BYTES, Q2_QS, Q2_D, Q2_DMIN = Q2.type_size, Q2.field("qs").offset, Q2.field("d").offset, Q2.field("dmin").offset
 Q3_BYTES, Q3_QS, Q3_HM, Q3_D = Q3.type_size, Q3.field("qs").offset, Q3.field("hmask").offset, Q3.field("d").offset
+Q3_SC = Q3.field("scales").offset
 X4_BYTES, X4_QS, X4_D = X4.type_size, X4.field("qs").offset, X4.field("d").offset
 N4_BYTES, N4_QS, N4_D = N4.type_size, N4.field("qs").offset, N4.field("d").offset
 T2 = B.BLOCKS[T.TQ2_0]
@@ -522,15 +534,8 @@ def _st_q2_k(kind, wr, b, xr, xdr, bsr, a1, a2, s):
 @njit(cache=True, inline="always")
 def _st_q3_k(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     o = b * Q3_BYTES
-    xo = b * 256
-    lanes = i32x8_zero()
-    for c in range(8):
-        q = crumbs32(wr, o + Q3_QS + 32 * (c >> 2), 2 * (c & 3))
-        h = hclear4_32(wr, o + Q3_HM, c)
-        lanes = i32x8_add(lanes, lanes_u2(q, h, xr, xo + 32 * c, B.q3_k_scale(wr, o, 2 * c),
-                                          B.q3_k_scale(wr, o, 2 * c + 1)))
     d = np.float32(xdr[b] * f16_at(wr, o + Q3_D))
-    a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    a1 = f32x8_fma(d, i32x8_to_f32x8(q3k_lanes(wr, o, xr, b * 256)), a1)
     return a1, a2, s
 
 
