@@ -7,7 +7,8 @@ import time
 FRESH_S = 3.0       # a replica silent for longer is not counted as healthy
 
 # the prefix routers' counters in this process (the ingress's): router.py counts here, /metrics reads them
-ROUTER_STATS = {"routed": 0, "prefix_hits": 0, "new_prefixes": 0, "load_guard": 0}
+# (routed_elsewhere: requests Serve sent to another replica than the router's first choice)
+ROUTER_STATS = {"routed": 0, "prefix_hits": 0, "new_prefixes": 0, "load_guard": 0, "routed_elsewhere": 0}
 
 
 class Board:

@@ -129,7 +129,8 @@ class RemoteEngine:
 
     async def _drive(self, req) -> None:
         """One request's stream, across replicas if they fail."""
-        spec = self._spec(req)
+        # a replica still working on the request sends an empty item at least this often (replica.py)
+        spec = {**self._spec(req), "keepalive_s": self.idle_timeout / 4}
         gen: list[int] = []
         n_prompt = len(req.tokens)
         why, t_break = "", None

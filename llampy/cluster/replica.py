@@ -2,7 +2,9 @@
 ingress, streaming back the engine's events.
 
 A stream item is a list of events: the first token's event goes at once, later ones are merged when they come
-faster than MERGE_S (an item through a Serve handle costs about a millisecond; a decode step is tens). Every
+faster than MERGE_S (an item through a Serve handle costs about a millisecond; a decode step is tens). A request
+that waits (for a slot, or for its prompt to be decoded) gets an empty item every ``keepalive_s`` of its spec, so
+the ingress's idle timeout catches a replica that stopped answering, not a busy one. Every
 REPORT_S the replica writes its counters to the board (board.py), which the ingress sums for /health and
 /metrics. Its health check fails when the engine thread is dead, or busy without a step for STALL_S.
 """
@@ -14,6 +16,7 @@ import time
 import uuid
 
 MERGE_S = 0.05
+KEEPALIVE_S = 1.0       # when the spec names none
 REPORT_S = 0.5
 STALL_S = 60.0
 
@@ -52,9 +55,14 @@ class Replica:
             yield [Event(finish_reason="error", error=e.message, status=e.status)]
             return
         done, t_last = False, 0.0
+        keepalive = spec.get("keepalive_s") or KEEPALIVE_S
         try:
             while not done:
-                items = [await q.get()]
+                try:
+                    items = [await asyncio.wait_for(q.get(), keepalive)]
+                except asyncio.TimeoutError:
+                    yield []        # still here: the request waits for a slot or for its prompt
+                    continue
                 if items[0].error and self.stages and not self._stages_alive():
                     # a stage died under the step: the stream can go on elsewhere (the ingress moves it on 503)
                     # while Serve replaces this replica (check_health fails from now on)

@@ -7,6 +7,11 @@ with no known key goes to the replica holding the fewest conversations. A load g
 the preferred replica has more than ``max_imbalance`` requests in flight beyond the least busy one. It decides from
 what it has seen (requests routed and completed): no probe per request.
 
+Serve hands the replica a router picks to the request it was picked for (matched by request id) only without
+FIFOMixin: with it, the replica goes to the oldest request waiting, so in a burst of conversations arriving
+together each one's choice served another's request (measured: 4 of a burst of 8 on the other replica, 5
+conversations on one replica's 4 slots, its cache thrashing).
+
 The router runs in the process that holds the handle (the ingress). Serve ships this module by value (cloudpickle),
 so its counters live in another module, imported when counted: llampy.cluster.board.ROUTER_STATS.
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 BLOCK = 16                  # tokens per block: the granularity at which prefixes are matched
 MAX_KEYS = 1 << 18          # keys remembered (least recently used forgotten first)
@@ -30,7 +35,7 @@ def block_keys(tokens: list, block: int = BLOCK) -> list[int]:
     return keys
 
 
-class PrefixRouter(FIFOMixin, RequestRouter):
+class PrefixRouter(RequestRouter):
     def initialize_state(self, max_imbalance: int = 4, block: int = BLOCK):
         self.max_imbalance = max_imbalance
         self.block = block
@@ -70,16 +75,20 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         least = min(by_id, key=lambda r: load[r])
         guarded = load[preferred] - load[least] > self.max_imbalance
         choice = least if guarded else preferred
-        if pending_request is not None and not pending_request.routing_context.should_backoff:
-            # counted once per request (a retry after a full replica comes back here with should_backoff)
-            from llampy.cluster.board import ROUTER_STATS as STATS
-            STATS["routed"] += 1
-            STATS["prefix_hits" if hit else "new_prefixes"] += 1
-            STATS["load_guard"] += guarded
         if pending_request is not None:
+            rid = pending_request.metadata.internal_request_id
+            if rid not in self.chosen:
+                # counted once per request: Serve asks again when every replica it was offered is full or
+                # missed its queue-length probe
+                from llampy.cluster.board import ROUTER_STATS as STATS
+                STATS["routed"] += 1
+                STATS["prefix_hits" if hit else "new_prefixes"] += 1
+                STATS["load_guard"] += guarded
             # counted now, not when Serve reports the request routed: requests arriving together must see each
             # other's choices, or a burst of new conversations all lands on the same replica
-            self._assign(pending_request.metadata.internal_request_id, keys, choice)
+            self._assign(rid, keys, choice)
+            # once every rank has been tried, Serve waits (backs off) before asking again instead of spinning
+            pending_request.routing_context.should_backoff = True
         rest = sorted((r for r in by_id if r != choice), key=lambda r: load[r])
         return [[by_id[choice]]] + [[by_id[r]] for r in rest]
 
@@ -102,6 +111,9 @@ class PrefixRouter(FIFOMixin, RequestRouter):
     # ------------------------------------------------------------ what it learns
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         rid = pending_request.metadata.internal_request_id
+        if self.chosen.get(rid, replica_id) != replica_id:     # the choice was full or did not answer its probe
+            from llampy.cluster.board import ROUTER_STATS as STATS
+            STATS["routed_elsewhere"] += 1
         self._assign(rid, self.pending_keys.pop(rid, None) or [], replica_id)   # where it went, if not the choice
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:

@@ -80,11 +80,11 @@ def replicas():
 _server = {}
 
 
-def cluster_client(replicas, faults=None, live=True):
+def cluster_client(replicas, faults=None, live=True, idle_timeout=5.0):
     """A fresh ingress app over ``replicas``; the ClusterServer (vocabulary, template renderer) is built once."""
     from llampy.cluster.ingress import ClusterServer, RemoteEngine, build_app
     handle = Handle(replicas, faults)
-    eng = RemoteEngine(handle, Board(replicas if live else []), N_PARALLEL, N_CTX, idle_timeout=5.0)
+    eng = RemoteEngine(handle, Board(replicas if live else []), N_PARALLEL, N_CTX, idle_timeout=idle_timeout)
     server = _server.get("s")
     if server is None:
         server = _server["s"] = ClusterServer(MODEL, eng)
@@ -164,6 +164,19 @@ def test_a_stream_that_cannot_go_on_ends_with_an_error_event(replicas):
     err = json.loads(evs[-2])
     assert err["error"]["type"] == "unavailable_error" and "failed on" in err["error"]["message"]
     assert eng.failover["failed"] == 1
+
+
+def test_a_busy_replica_is_not_taken_for_a_dead_one(replicas):
+    """A request that waits on its replica past the idle timeout (here the engine thread held by a job: no step, no
+    event) is kept there by the replica's empty keepalive items: served once, not resubmitted elsewhere."""
+    import time
+    c, handle, eng = cluster_client(replicas[:1], idle_timeout=0.5)
+    hold = replicas[0].engine.run_job(lambda: time.sleep(1.5))     # the engine takes its inbox in order
+    text, objs = stream_text(c, chat(3, 4))
+    assert hold.done()
+    assert text and not any("error" in o for o in objs)
+    assert handle.calls == 1 and eng.failover == {"resubmitted": 0, "resumed": 0, "failed": 0}
+    assert handle.specs[0]["keepalive_s"] == 0.5 / 4
 
 
 def test_no_replica_is_503_with_retry_after(replicas):

@@ -144,7 +144,8 @@ def test_prefix_router_hit_rate_beats_pow2(app):
     assert m["llampy_router_routed_total"] >= 48 and m["llampy_router_prefix_hits_total"] >= 40
     deploy_tiny("pow2")             # the same application, now with Serve's default router
     hit_pow2 = run_conversations(seed=2)
-    print(f"cache hit rate: prefix {hit_prefix:.3f}, pow2 {hit_pow2:.3f}")
+    print(f"cache hit rate: prefix {hit_prefix:.3f} ({m['llampy_router_routed_elsewhere_total']:.0f} of "
+          f"{m['llampy_router_routed_total']:.0f} requests served elsewhere than chosen), pow2 {hit_pow2:.3f}")
     assert hit_prefix >= 0.5
     # The issue asks for 3x. Measured: prefix 0.81 every run (turn 1 is all misses), pow2 0.20-0.35. pow2's rate is
     # a matter of chance here: with 2 replicas it keeps a conversation's replica half the time, and 8 slots for 8

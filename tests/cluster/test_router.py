@@ -1,5 +1,7 @@
 """The prefix router's choices (llampy/cluster/router.py), driven directly with Serve's request records faked:
-bursts of new conversations spread by conversation count, later turns follow their prefix, the load guard."""
+bursts of new conversations spread by conversation count, later turns follow their prefix, the load guard; and
+through Serve's own routing loop (its request queue and replica probes, the replicas faked): each request gets the
+replica chosen for it."""
 from __future__ import annotations
 
 import asyncio
@@ -59,3 +61,45 @@ def test_load_guard_sends_past_a_busy_replica():
     shared = list(range(64))
     picks = [choose(r, request(shared + [i] * 20)) for i in range(6)]   # all prefer the replica holding `shared`
     assert picks[:3] == [picks[0]] * 3 and picks[3] != picks[0]
+
+
+class ProbedReplica:
+    """What Serve's routing loop asks of a replica: its id, capacity and queue length (r0 answers its probe later
+    than r1, so the requests routed to r1 are ready first)."""
+
+    def __init__(self, i):
+        from ray.serve._private.common import DeploymentID, ReplicaID
+        self.replica_id = ReplicaID(unique_id=f"r{i}", deployment_id=DeploymentID(name="replica", app_name="t"))
+        self.max_ongoing_requests, self.delay = 8, 0.02 * (1 - i)
+
+    async def get_queue_len(self, *, deadline_s):
+        await asyncio.sleep(self.delay)
+        return 0
+
+
+def test_serve_gives_each_request_the_replica_chosen_for_it():
+    """A burst of 8 new conversations through RequestRouter's queue: each lands where the router chose for it (with
+    Serve's FIFOMixin the first replica found went to the oldest request waiting: 2 of 8 landed as chosen)."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from llampy.cluster.board import ROUTER_STATS
+
+    async def burst():
+        r = PrefixRouter(deployment_id=DeploymentID(name="replica", app_name="t"),
+                         handle_source=DeploymentHandleSource.UNKNOWN)
+        r.initialize_state()
+        r.update_replicas([ProbedReplica(0), ProbedReplica(1)])
+        rng = random.Random(1)
+        prs = [PendingRequest(args=[{"tokens": [rng.randrange(49152) for _ in range(64)]}], kwargs={},
+                              metadata=RequestMetadata(request_id=str(i), internal_request_id=f"q{i}"))
+               for i in range(8)]
+        got = await asyncio.gather(*(r._choose_replica_for_request(p) for p in prs))
+        return [r.chosen[p.metadata.internal_request_id] for p in prs], [g.replica_id for g in got], prs
+
+    routed0 = ROUTER_STATS["routed"]
+    chosen, got, prs = asyncio.run(burst())
+    assert got == chosen and sorted(x.unique_id for x in got) == ["r0"] * 4 + ["r1"] * 4
+    assert ROUTER_STATS["routed"] - routed0 == 8                # once per request
+    # every rank tried without a free replica: Serve backs off before asking again, not a busy loop
+    assert all(p.routing_context.should_backoff for p in prs)
