@@ -39,6 +39,8 @@ ARCHITECTURES = {
     "nemotron_h": "nemotron_h",
     "nemotron_h_moe": "nemotron_h",
     "qwen3next": "qwen3next",
+    "qwen35": "qwen35",
+    "qwen35moe": "qwen35",
     "phi2": "phi2",
     "olmo2": "olmo2",
     "smollm3": "smollm3",
@@ -133,6 +135,8 @@ LAYER = {
     "ssm_c_norm": "blk.{}.ssm_c_norm",
     "ssm_out": "blk.{}.ssm_out",
     "ssm_ba": "blk.{}.ssm_ba",                 # Qwen3-Next: beta and alpha of the gated DeltaNet
+    "ssm_beta": "blk.{}.ssm_beta",             # Qwen 3.5: the same two, apart
+    "ssm_alpha": "blk.{}.ssm_alpha",
     "attn_gate": "blk.{}.attn_gate",
     "attn_out_norm": "blk.{}.attn_output_norm",
     "layer_out_norm": "blk.{}.layer_output_norm",

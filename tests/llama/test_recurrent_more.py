@@ -17,8 +17,10 @@ B = [7, 8, 9, 10, 11]
 
 
 # the recurrent memory alone (RWKV-7), both memories in one layer (Falcon-H1), the gated DeltaNet's state with two
-# sequences in one op (Qwen3-Next); hybrids by layer are otherwise test_memory_recurrent's (Jamba)
-@pytest.fixture(scope="module", params=["rwkv7-h32-Q8_0", "falcon-h1-s32-Q8_0", "qwen3next-s32-Q8_0"])
+# sequences in one op (Qwen3-Next; Qwen 3.5, whose key heads broadcast to the value heads); hybrids by layer are
+# otherwise test_memory_recurrent's (Jamba)
+@pytest.fixture(scope="module", params=["rwkv7-h32-Q8_0", "falcon-h1-s32-Q8_0", "qwen3next-s32-Q8_0",
+                                        "qwen35-s32-Q8_0"])
 def model(request, tmp_path_factory):
     return Model(gguf(request.param, tmp_path_factory))
 

@@ -31,11 +31,16 @@ def _f32_inv_sqrt(n: int) -> float:
 
 
 def load_hparams(hp, md):
-    m = Meta(md, hp.arch)
-    load_ssm_hparams(hp, md, group=True)
+    load_gdn_hparams(hp, md)
     if not hp.n_expert:
         raise MissingMetadata(f"{hp.arch} needs {hp.arch}.expert_count and {hp.arch}.expert_used_count "
                               f"(llama.cpp: model cannot have zero experts)")
+
+
+def load_gdn_hparams(hp, md):
+    """What Qwen3-Next and Qwen 3.5 share: the gated DeltaNet's sizes, checked, and which layers are recurrent."""
+    m = Meta(md, hp.arch)
+    load_ssm_hparams(hp, md, group=True)
     if m.get_int("nextn_predict_layers", 0, lo=0):
         raise InvalidMetadata(f"{hp.arch}: multi-token prediction layers (nextn_predict_layers) are not supported")
     hp.n_ff_shexp = m.get_int("expert_shared_feed_forward_length", 0, lo=0)
