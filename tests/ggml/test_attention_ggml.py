@@ -1,8 +1,9 @@
-"""The decode flash attention over F16 K and V (llampy/ggml/backends/cpu/attention.py ``_fa_vec16``) against
-llama.cpp's own CPU kernel, run through ctypes as a one-node ggml graph in the libggml-cpu of the build from the
-sdist. That build is native to the machine running the test, so the expected float order is the host's: Q·K in
-AVX-512's sixteen lanes or AVX2's eight (ggml_vec_dot_f16), which changes the bits at head sizes such as 32 and 40
-(leftover values summed in double) and 64 (different accumulators). llampy picks its order from the same host."""
+"""The decode flash attention over F16 K and V (llampy/ggml/backends/cpu/attention.py ``_fa_vec16``) and the F16
+matrix-vector product (dot_blocks, ``ggml_vec_dot_f16``) against llama.cpp's own CPU kernels, called through
+ctypes in the libggml-cpu of the build from the sdist (the attention as a one-node ggml graph). That build is
+native to the machine running the test, so the expected float order is the host's: ggml_vec_dot_f16 in AVX-512's
+sixteen lanes or AVX2's eight, which changes the bits at head sizes such as 32 and 40 (leftover values summed in
+double) and 64 (different accumulators). llampy picks its order from the same host."""
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from llampy.ggml.backends.cpu import attention
+from llampy.ggml.backends.cpu import attention, dot_blocks
+from llampy.ggml.types import GGMLType
 from llampy.ggml.backends.cpu.simd import F16_VEC_LANES
 from tests import llamacpp
 
@@ -42,6 +44,8 @@ def ggml():
     b.ggml_free.argtypes = [P]
     c.ggml_cpu_init()
     c.ggml_graph_compute_with_ctx.argtypes = [P, P, ctypes.c_int]
+    c.ggml_vec_dot_f16.argtypes = [ctypes.c_int, P, ctypes.c_size_t, P, ctypes.c_size_t, P, ctypes.c_size_t,
+                                   ctypes.c_int]
     return b, c
 
 
@@ -88,3 +92,20 @@ def test_decode_flash_attention_gives_ggml_bits_at_the_hosts_width(ggml, d):
         attention.flash_attn(q, k, v, m[None, None], got, scale, 0.0, softcap, True, True)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (d, softcap, F16_VEC_LANES,
                                                                            np.abs(got - want).max())
+
+
+def test_f16_matvec_gives_ggml_vec_dot_f16_bits_at_the_hosts_width(ggml):
+    """Where tinyBLAS refuses an F16 product (one activation row), ggml runs ggml_vec_dot_f16 per pair: x rounded
+    to F16, the host's lanes, the leftovers in double."""
+    _, c = ggml
+    rng = np.random.default_rng(7)
+    for k in (40, 64, 96, 200):
+        w = (rng.standard_normal((5, k)) * 3).astype(np.float16)
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        got = np.empty((1, 5), np.float32)
+        dot_blocks.mul_mat(w, GGMLType.F16, x, got)
+        xh = x[0].astype(np.float16)
+        want = np.empty(5, np.float32)
+        for r in range(5):
+            c.ggml_vec_dot_f16(k, want[r:].ctypes.data, 0, w[r].ctypes.data, 0, xh.ctypes.data, 0, 1)
+        assert np.array_equal(got[0].view(np.uint32), want.view(np.uint32)), (k, F16_VEC_LANES)

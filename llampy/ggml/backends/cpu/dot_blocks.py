@@ -29,7 +29,8 @@ Float order, per (weight row, activation row) pair (ggml-cpu/arch/x86/quants.c a
   chain ``s = fma(d, isum, s)``; ``hsum_float_8(acc) + 1/8 * s``. IQ1_M: grid lanes and the deltas' lanes (+-x
   per chunk, scaled per 16 values) in two f32x8 accumulators, ``fma(1/8, hsum(acc2), hsum(acc1))``.
 - F16 (``ggml_vec_dot_f16``, x rounded to F16): four f32x8 accumulators over steps of 32, ``fma(w, x, acc_j)``;
-  reduced as GGML_F32x8_REDUCE: (a0 + a2) + (a1 + a3), halves added, two hadds. BF16 (``ggml_vec_dot_bf16``):
+  reduced as GGML_F32x8_REDUCE: (a0 + a2) + (a1 + a3), halves added, two hadds. AVX-512 builds: sixteen lanes and
+  steps of 64 (``_fdot16``); llampy follows the host's width (simd.F16_VEC_LANES), as llama.cpp built for it does. BF16 (``ggml_vec_dot_bf16``):
   the same four accumulators (``add(mul(w, x), c)``: the products of two 8-bit significands are exact, so this is
   the fma's value), reduced (c1 + c3) + (c2 + c4), then hsum_float_8. Leftover values (k % 32) in double.
 Integer lane sums are exact in any order; the float operations are ggml's, one for one, so each kernel gives
@@ -47,6 +48,7 @@ from ...types import GGMLType
 from .act_quant import act_split, round_half, scratch_for
 from .dot_kquant import _madd, _maddubs, hsum8x, i32x8_sum
 from .dot_q32 import ROW_CHUNK, prefetch_base, prefetch_byte, prefetch_step
+from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_load, v16_reduce, v16_zero)
 from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8, f32x8_add,
                    f32x8_fma, f32x8_hsum, f32x8_lane, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_to_f32x8)
 
@@ -975,8 +977,31 @@ F_AHEAD = 8
 
 
 @njit(cache=True, inline="always")
+def _fdot16(wr, xr, k):
+    """``ggml_vec_dot_f16`` as AVX-512 builds run it: four sixteen-lane accumulators over each 64 values, reduced
+    (c0 + c2) + (c1 + c3) and then as _mm512_reduce_add_ps; the leftover values (k % 64) in double."""
+    c0 = c1 = c2 = c3 = v16_zero()
+    np_ = k - k % 64
+    for j in range(0, np_, 64):
+        c0 = v16_fma(v16_load(wr, j), v16_load(xr, j), c0)
+        c1 = v16_fma(v16_load(wr, j + 16), v16_load(xr, j + 16), c1)
+        c2 = v16_fma(v16_load(wr, j + 32), v16_load(xr, j + 32), c2)
+        c3 = v16_fma(v16_load(wr, j + 48), v16_load(xr, j + 48), c3)
+    r = v16_reduce(v16_add(v16_add(c0, c2), v16_add(c1, c3)))
+    if np_ == k:
+        return r
+    s = np.float64(r)
+    for j in range(np_, k):
+        s += np.float64(np.float32(B.f16_from_bits(np.int32(wr[j])) * xr[j]))
+    return np.float32(s)
+
+
+@njit(cache=True, inline="always")
 def _fdot(kind, wr, xr, k):
-    """One (weight row, activation row) pair of ``ggml_vec_dot_f16`` / ``ggml_vec_dot_bf16`` (module doc)."""
+    """One (weight row, activation row) pair of ``ggml_vec_dot_f16`` / ``ggml_vec_dot_bf16`` (module doc); F16 in
+    the host build's register width (``F16_VEC_LANES``: AVX-512 builds sum in sixteen lanes, ``_fdot16``)."""
+    if kind == K_F16 and F16_VEC_LANES == 16:
+        return _fdot16(wr, xr, k)
     c0 = c1 = c2 = c3 = f32x8_zero()
     np_ = k - k % 32
     for j in range(0, np_, 32):
