@@ -11,7 +11,7 @@ import numpy as np
 from ...backend import Backend, tensor_data
 from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
-from . import conv
+from . import conv, dot_f32_short
 from . import numpy_ops as K
 from .numba_ops import BINDERS
 from .ssm import bind_ssm_conv, bind_ssm_scan
@@ -121,6 +121,10 @@ class CPUBackend(Backend):
         r3 = b.ne[3] // a.ne[3]
         pairs = [(i13, i12) for i13 in range(b.ne[3]) for i12 in range(b.ne[2])]
         btype = b.type
+        if wtype == T.F32 and btype == T.F32 and a.ne[0] <= dot_f32_short.MAX_K and len(pairs) > 1:
+            # one call for every batch of a short F32 product (ggml_vec_dot_f32's order, as matmul.mul_mat's)
+            self._quantized = {}
+            return lambda: dot_f32_short.mul_mat_f32_short_batched(wa, xb, dst, r2, r3)
         if len(pairs) == 1 and btype == T.F32:
             from .matmul import act_scratch, bind_mul_mat
             x2 = xb[0, 0]

@@ -36,7 +36,7 @@ import os
 import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
-from . import dot_blocks, dot_f16_tiny, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
+from . import dot_blocks, dot_f16_tiny, dot_f32_short, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
 from .act_quant import act_split, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act, round_half
 from .dot_q32 import F16_TABLE, ROWS16_MIN_N
 from .simd import ROWS16
@@ -78,6 +78,9 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     if n == 0 or rows == 0:
         return
     limit = DECODE_MAX_ROWS if exact_max_rows is None else exact_max_rows
+    if wtype == T.F32 and k <= dot_f32_short.MAX_K and n <= limit:
+        dot_f32_short.mul_mat_f32_short(_as_2d_rows(w), _as_2d_rows(x), out)    # ggml_vec_dot_f32's scalar loop
+        return
     if wtype == T.F16 and n <= limit and _rows_ok(w, x, out):
         if dot_f16_tiny.applies(rows, k, n):
             _mul_mat_f16_tiny(w, x, out)                 # ggml's tinyBLAS order (dot_f16_tiny)
