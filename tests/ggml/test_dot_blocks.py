@@ -16,6 +16,7 @@ from llampy.ggml import quants as lq
 from llampy.ggml.backends.cpu import dot_blocks as db
 from llampy.ggml.backends.cpu import matmul as mm
 from llampy.ggml.backends.cpu.act_quant import act_split, f32_to_bf16_bits, bf16_bits_to_f32
+from llampy.ggml.backends.cpu.simd import F16_VEC_LANES
 from llampy.ggml.types import GGMLType as T, TYPE_TRAITS
 
 TYPES = [T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
@@ -99,13 +100,19 @@ def ggml_order(wq, t, x):
     if t in (T.F16, T.BF16):
         xr, _ = x_rounded(x, t)
         wv = dequant(wq, t, k)
-        np_ = k - k % 32
+        lanes = F16_VEC_LANES if t == T.F16 else 8     # ggml_vec_dot_f16 in the host's width (AVX-512: 16)
+        np_ = k - k % (4 * lanes)
         for i in range(n):
-            p = (wv[:, :np_] * xr[i, :np_]).astype(np.float32).reshape(rows, -1, 4, 8)   # exact products
-            c = np.zeros((rows, 4, 8), np.float32)
+            p = (wv[:, :np_] * xr[i, :np_]).astype(np.float32).reshape(rows, -1, 4, lanes)   # exact products
+            c = np.zeros((rows, 4, lanes), np.float32)
             for j in range(p.shape[1]):
                 c = (c + p[:, j]).astype(np.float32)
-            if t == T.F16:
+            if t == T.F16 and lanes == 16:
+                v = (c[:, 0] + c[:, 2]) + (c[:, 1] + c[:, 3])
+                for h in (8, 4, 2, 1):                                # _mm512_reduce_add_ps
+                    v = v[:, :h] + v[:, h:2 * h]
+                r = v[:, 0]
+            elif t == T.F16:
                 v = (c[:, 0] + c[:, 2]) + (c[:, 1] + c[:, 3])
                 tt = v[:, :4] + v[:, 4:]
                 r = (tt[:, 0] + tt[:, 1]) + (tt[:, 2] + tt[:, 3])
