@@ -59,6 +59,7 @@ ARCHITECTURES = {
     "deepseek2": "deepseek2",
     "mistral4": "deepseek2",
     "llama4": "llama4",
+    "gemma3n": "gemma3n",
 }
 
 ENTRY_POINT_GROUP = "llampy.architectures"

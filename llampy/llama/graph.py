@@ -53,7 +53,7 @@ class GraphContext:
     def inp_embd(self, tok_embd: Tensor) -> Tensor:
         if self.embd_input:
             return self.cb(self._input("embd", F32, tok_embd.ne[0], self.n_tokens), "inp_embd")
-        tokens = self._input("tokens", I32, self.n_tokens)
+        tokens = self.inp_tokens()
         cur = ops.get_rows(tok_embd, tokens)
         for ad, scale in self.loras:      # the embedding's pair is flipped: A's rows are indexed by token
             lw = ad.get(tok_embd)
@@ -61,6 +61,11 @@ class GraphContext:
                 delta = ops.mul_mat(lw.b, ops.get_rows(lw.a, tokens))
                 cur = ops.add(cur, ops.scale(delta, lw.scale(ad.alpha, scale)))
         return self.cb(cur, "inp_embd")
+
+    # -> I32 [n_tokens]: the micro-batch's token ids, one input however many tables read them (gemma3n's
+    # per-layer embeddings beside inp_embd's)
+    def inp_tokens(self) -> Tensor:
+        return self.inputs["tokens"] if "tokens" in self.inputs else self._input("tokens", I32, self.n_tokens)
 
     def inp_pos(self) -> Tensor:
         # M-RoPE: four rows of positions (llm_graph_input_pos; a text token's rows are p, p, p, 0)
@@ -309,15 +314,19 @@ class GraphContext:
     # sinks: F32 [n_head], gpt-oss's per-head logit that joins each softmax with no value
     # v_mla: [d_v_compressed, d_v, n_head], MLA's decompression of each head's attention output (llama.cpp's
     # build_attn_mha v_mla: there the one K/V head holds the compressed KV, V inside K)
-    def attn(self, il: int, wo: Tensor | None, wo_b: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+    # k and v None: a layer attending over another layer's cache (hparams.kv_source) stores nothing
+    def attn(self, il: int, wo: Tensor | None, wo_b: Tensor | None, q: Tensor, k: Tensor | None, v: Tensor | None,
              kq_scale: float, softcap: float = 0.0, sinks: Tensor | None = None,
              v_mla: Tensor | None = None) -> Tensor:
-        idxs = self._kv_idxs()
-        # write this batch's K and V into the cache first: the attention below reads them back
-        self.graph.expand(self.kv.store_k(il, k, idxs))
-        stored_v = self.kv.store_v(il, v, idxs)
-        if stored_v is not None:
-            self.graph.expand(stored_v)
+        if k is not None:
+            # write this batch's K and V into the cache first: the attention below reads them back
+            idxs = self._kv_idxs()
+            self.graph.expand(self.kv.store_k(il, k, idxs))
+            stored_v = self.kv.store_v(il, v, idxs)
+            if stored_v is not None:
+                self.graph.expand(stored_v)
+        elif self.hp.kv_source(il) == il:
+            raise ValueError(f"layer {il} keeps its own K and V: its attention needs them")
         swa = self.hp.is_swa(il) and self.hp.n_swa > 0
         mask = self._kq_mask(swa)
         kc = self.kv.view_k(il, self.n_kv)                     # [head_dim, n_kv, n_head_kv]

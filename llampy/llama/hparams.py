@@ -137,6 +137,9 @@ class HParams:
     # part of a K row starts at k_rope_offset (K-shift turns only that part)
     v_in_k: bool = False
     k_rope_offset: int = 0
+    # layers that keep no K and V of their own but attend over another layer's (gemma3n: llama.cpp's reuse
+    # callback): per layer, the layer whose cache it reads, or -1; empty: every layer its own
+    kv_reuse: list = field(default_factory=list)
 
     def n_head(self, il: int = 0) -> int:
         return self.n_head_arr[il]
@@ -158,6 +161,11 @@ class HParams:
 
     def has_kv(self, il: int) -> bool:
         return self.kv_layers[il] if self.kv_layers else not self.is_recurrent(il)
+
+    def kv_source(self, il: int) -> int:
+        """The layer whose K/V cache layer il attends over: its own unless it reuses another's."""
+        src = self.kv_reuse[il] if self.kv_reuse else -1
+        return il if src < 0 else src
 
     def n_embd_r(self) -> int:
         """Floats of a recurrent layer's rolling row per sequence: the convolution's last d_conv - 1 inputs (RWKV:

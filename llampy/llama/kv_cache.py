@@ -9,6 +9,10 @@ With ``hparams.v_in_k`` (MLA, deepseek2: llama.cpp's K-only cache for ``is_mla()
 the first ``n_embd_head_v`` values of its K row (the compressed KV, followed by the roped key part), read through
 a view of K.
 
+A layer may keep no K and V of its own and attend over another layer's (``hparams.kv_source``; gemma3n's layers
+past the twentieth, llama.cpp's reuse callback): no tensors are allocated for it, its views are the other layer's,
+and the graph stores nothing for it.
+
 With ``n_stream`` > 1 (llama.cpp's ``kv_unified = false``, llama-server's default) the cells are cut into one
 equal range per sequence, each with its own ``head``: a sequence's cells then stay in position order whatever the
 other sequences did, and since flash attention sums the visible cells in cell order (with an F16 accumulator, as
@@ -87,8 +91,11 @@ class KVCache:
         self.buffers = []
         # one buffer per layer's backend, tensors placed in it
         by_backend: dict[int, list] = {}
+        # the layer whose tensors each layer's views read (llama.cpp's map_layer_ids)
+        self.layer_src = [hp.kv_source(il) for il in range(hp.n_layer)]
         for il in range(hp.n_layer):
-            if not hp.has_kv(il):               # a hybrid's recurrent layer keeps no K and V
+            # a hybrid's recurrent layer keeps no K and V, nor does a layer reading another's
+            if not hp.has_kv(il) or self.layer_src[il] != il:
                 self.k.append(None)
                 self.v.append(None)
                 continue
@@ -368,10 +375,12 @@ class KVCache:
     # ------------------------------------------------------------------ graph views
     # k: [n_embd_head_k, n_kv, n_head_kv] — contiguous per head
     def view_k(self, il: int, n_kv: int) -> Tensor:
+        il = self.layer_src[il]
         k = self.k[il]
         return ops.view_3d(k, k.ne[0], n_kv, k.ne[2], k.nb[1], k.nb[2], 0)
 
     def view_v(self, il: int, n_kv: int) -> Tensor:
+        il = self.layer_src[il]
         if self.v[il] is None:      # V inside K: the first n_embd_head_v values of each K row
             k = self.k[il]
             return ops.view_3d(k, self.hp.n_embd_head_v, n_kv, k.ne[2], k.nb[1], k.nb[2], 0)

@@ -195,7 +195,8 @@ def test_kv_cache_takes_alignment_and_size_limit_from_the_buffer_type():
     from types import SimpleNamespace
     from llampy.llama.kv_cache import KVCache
     hp = SimpleNamespace(n_layer=3, n_embd_head_k=8, n_embd_head_v=8, n_head_kv=lambda il: 1,
-                         is_recurrent=lambda il: False, has_kv=lambda il: True, v_in_k=False)
+                         is_recurrent=lambda il: False, has_kv=lambda il: True, v_in_k=False,
+                         kv_source=lambda il: il)
     be = _DeviceCache(alignment=1000, max_size=3000)
     kv = KVCache(hp, 10, 1, [be] * 3)                  # each K or V: 8 x 10 x F16 = 160 bytes
     offs = [t.offs for t in kv.k + kv.v]
