@@ -1,5 +1,6 @@
-"""The prompt attention's BLAS tiles (attention._attend_tiles: products called from Numba, the causal diagonal in
-sub-blocks) against a float64 statement of softmax attention and against the numpy path they replace."""
+"""The attention's BLAS tiles (attention._attend_tiles: products called from Numba, the causal diagonal in
+sub-blocks; the one_chunk path's for K/V types other than F16) against a float64 statement of softmax attention and
+against the numpy path they replace."""
 import numpy as np
 import pytest
 
@@ -76,7 +77,9 @@ def _attend(q, k, v, mask, scale, max_bias, softcap, tiles):
     A.USE_TILES = tiles
     try:
         out = np.full((q.shape[0], q.shape[2], q.shape[1], v.shape[3]), np.nan, np.float32)
-        A.flash_attn(q, k.view(np.uint16), v.view(np.uint16), mask, out, scale, max_bias, softcap, True, True, True)
+        sc = np.float32(scale / softcap) if softcap else np.float32(scale)
+        A._attend_blas(q, k.astype(np.float32), v.astype(np.float32), mask, out, sc, softcap,
+                       alibi_slopes(q.shape[1], max_bias, np.float32), A._NO_SINKS)
         return out
     finally:
         A.USE_TILES = saved

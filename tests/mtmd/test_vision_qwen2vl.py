@@ -201,9 +201,10 @@ def test_mrope_through_the_server(lm_vl_path, monkeypatch):
     url, uv, t = serve_in_thread(create_app(server))
     try:
         data = base64.b64encode((HERE / ref["images"][0]).read_bytes()).decode()
-        msgs = [{"role": "user", "content": [
-            {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}},
-            {"type": "text", "text": "What is it?"}]}]
+        url = "data:image/png;base64," + data
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What is it?"}]}]
         body = {"messages": msgs, "max_tokens": len(ref["ids"]), "temperature": 0, "logprobs": True, "top_logprobs": 1}
         want = server.model.vocab.detokenize(ref["ids"])
         n_prompt = sum(c["n_tokens"] if c["type"] == "image" else len(c["tokens"]) for c in ref["chunks"])

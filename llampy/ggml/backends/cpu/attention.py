@@ -3,9 +3,10 @@
 - few queries (decode, small batches: ggml's ``one_chunk`` path, n_q < 64): Q rounded to F16, Q·K in float32 over
   F16 K, online softmax, and with F16 V the output accumulator itself kept in F16 (rounded after every scale and
   every multiply-add), in Numba; Q·K summed in the order of the host build's register width (``_kq``);
-- many queries (ggml's tiled path, n_q >= 64): float32 throughout, the products BLAS's (numpy's OpenBLAS called
-  from a Numba kernel, ``_attend_tiles``, or through numpy where that cannot be reached), per KV head and chunk of
-  queries, each multiplying only the cells its mask leaves visible.
+- many queries (ggml's tiled path, n_q >= 64, F16/F32 K and V): its float order, in attention_tiled.py;
+- other K/V types on the few-query path (F32, quantized): float32 products, BLAS's (numpy's OpenBLAS called from a Numba kernel,
+  ``_attend_tiles``, or through numpy where that cannot be reached), per KV head and chunk of queries, each
+  multiplying only the cells its mask leaves visible.
 """
 from __future__ import annotations
 
@@ -223,8 +224,11 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
                   np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, sinks)
         out[...] = res
         return
-    # tiled numerics (and one_chunk with other K/V types, up to float32 summation order): float32 products,
-    # exact softmax per row
+    if tiled:           # ggml's tiled kernel in its float order (attention_tiled.py)
+        from .attention_tiled import flash_attn_tiled
+        flash_attn_tiled(q, k, v, mask, out, scale, softcap, slopes, sinks)
+        return
+    # one_chunk with other K/V types (up to float32 summation order): float32 products, exact softmax per row
     if not tiled and q_dot_type is not None:
         from .act_quant import round_act
         q = round_act(np.ascontiguousarray(q.reshape(-1, q.shape[-1]), np.float32), q_dot_type).reshape(q.shape)
