@@ -5,7 +5,6 @@ backends. Graphs are kept per image size (one for gemma3, whose images are all i
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -104,7 +103,9 @@ class EncoderGraph:
             cur = ops.reshape(cur, hp.n_embd, n_pos, 1)
             mask16 = ops.cast(self.window_mask, F16)
         inpL = cur
-        kq_scale = 1.0 / math.sqrt(d_head)
+        # clip.cpp's 1.0f / sqrtf(d_head), in float32: one ulp off the double's rounding at head sizes 72 (SigLIP's)
+        # and 96, which changes every score
+        kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(d_head)))
         act = _ACT[hp.ffn_op]
         for il, L in enumerate(p.layers):
             # qwen2.5-VL: every n_wa_pattern-th block attends to all patches, the others within their window

@@ -113,9 +113,9 @@ def test_greedy_continuation_matches_llamacpp(lm_ctx, mctx, gen):
 
 
 def test_1024_patches_match_llamacpp_exactly(lm, tmp_path):
-    """A realistic patch count (1024, as in a 512-px SmolVLM tile): the encoder's attention takes ggml's tiled path
-    (16 x 16 tiles of 64 queries and 64 cells), which llampy runs in ggml's float order: libmtmd's embeddings bit
-    for bit."""
+    """A realistic patch count (1024, as in a 512-px SmolVLM tile) and head size (72, SigLIP's): the encoder's
+    attention takes ggml's tiled path (16 x 16 tiles of 64 queries and 64 cells), which llampy runs in ggml's float
+    order, with clip.cpp's float32 kq_scale: libmtmd's embeddings bit for bit."""
     ref = json.loads((HERE / "gemma3-large.json").read_text())
     path = tmp_path / "gemma3-large-mmproj.gguf"
     _gen_module().write_mmproj(path, **ref["spec"])
