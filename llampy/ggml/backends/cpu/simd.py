@@ -470,10 +470,11 @@ def round_f16(typingctx, x):
 
 
 AVX512F = _FORCE not in ("avx2", "generic") and "avx512f" in _FEATS
-# ggml's F16/F32 vector helpers (ggml_vec_dot_f16, the flash-attention accumulators) run in the host build's
-# register width: sixteen lanes and steps of 64 with AVX-512, eight lanes and steps of 32 with AVX/AVX2. Their
-# float order follows it (the generic path takes the AVX2 order, as the integer kernels do).
-F16_VEC_LANES = 16 if AVX512F else 8
+# ggml's vector helpers (ggml_vec_dot_f16, ggml_v_expf in SiLU and softmax) run in the register width of the build:
+# sixteen lanes and steps of 64 with AVX-512, eight and 32 with AVX2, and their float order follows it. A native
+# llama.cpp build takes the host's width, so llampy takes it too, whatever LLAMPY_SIMD forces: that switch picks
+# llampy's instructions (to test the lesser paths against the same native build), not the order to reproduce.
+F16_VEC_LANES = 16 if "avx512f" in (_FEATS if _FORCE != "generic" else _host_features()) else 8
 
 
 def _c16(v):
