@@ -58,6 +58,7 @@ ARCHITECTURES = {
     "gpt-oss": "gpt_oss",
     "deepseek2": "deepseek2",
     "mistral4": "deepseek2",
+    "deepseek2-ocr": "deepseek2",
     "llama4": "llama4",
     "gemma3n": "gemma3n",
 }

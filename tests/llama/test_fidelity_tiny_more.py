@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_more"
 # perplexity (128-token batches: ggml's tiled attention) on the first chunks of two, qwen3moe (head size 8) and
 # gpt-oss (sinks), against llama.cpp's running value
 MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "deepseek2", "deepseek2-legacy",
+       "deepseek2-ocr",
        "mistral4", "llama4"]
 DECODERS = ["phi2", "olmo2", "smollm3", "exaone", "internlm2", "command-r", "cohere2", "mistral3"] + MOE
 MOE_PPL = {"qwen3moe", "gpt-oss", "deepseek2"}
