@@ -15,22 +15,31 @@ import os
 import time
 import uuid
 
+from ..server.app import Server
+
 MERGE_S = 0.05
 KEEPALIVE_S = 1.0       # when the spec names none
 REPORT_S = 0.5
 STALL_S = 60.0
 
 
+class TokensServer(Server):
+    """The one-process Server without its chat template check: the ingress renders the templates (and checks them
+    when it starts); a replica is sent token lists, so it starts no render processes."""
+
+    def _check_template(self) -> None:
+        pass
+
+
 class Replica:
     def __init__(self, model_path: str, n_parallel: int, n_ctx: int, n_threads: int | None = None,
                  pipeline: int = 1, sha256: str | None = None, board: str | None = None):
-        from ..server.app import Server
         from .stage import check_model_file, start_stages
         check_model_file(model_path, sha256)
         offload, self.stages = None, []
         if pipeline > 1:
             offload, self.stages = start_stages(model_path, pipeline, sha256, n_threads)
-        self.server = Server(model_path, n_parallel, n_ctx, n_threads=n_threads, offload=offload)
+        self.server = TokensServer(model_path, n_parallel, n_ctx, n_threads=n_threads, offload=offload)
         self.engine = self.server.engine
         self.id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._steps, self._t_step = -1, time.monotonic()
