@@ -13,9 +13,11 @@ import pytest
 from llampy.llama.batch import Batch
 from llampy.llama.context import Context
 from llampy.llama.model import Model
+from llampy.llama.perplexity import perplexity
 
 from tests.llama.test_load_recurrent import _rewrite
 from tests.llama.tiny_recurrent import HERE, gguf
+from tests.paths import TINY
 
 # llama.cpp's numbers to the last bit where recorded (max |d| = 0 on the recording machine); a build whose SIMD
 # width differs sums some products in another order
@@ -50,6 +52,16 @@ def test_teacher_forced_logprobs_equal_llamacpps(name, tmp_path_factory):
             if step["top"][0][1] - step["top"][1][1] > MARGIN:
                 assert int(np.argmax(row)) == step["id"], f"{name} step {k}: argmax differs"
     assert worst <= TOL, f"{name}: max |dlogprob| {worst:.2e} > {TOL}"
+
+
+def test_perplexity_first_chunk_equals_llamacpps(tmp_path_factory):
+    # 128 tokens in one batch: the decay's softplus must be the C library's logf(1 + expf(x)) to the last bit (NumPy's
+    # float32 log and exp were one ulp away on 200 of 512 inputs, and the chunk's ln PPL 0.018 away)
+    name = "qwen35-s32-Q8_0"
+    pp = json.loads((HERE / f"{name}.json").read_text())["perplexity"]
+    text = (TINY / pp["text_file"]).read_text(encoding="utf-8")
+    res = perplexity(Model(gguf(name, tmp_path_factory)), text, n_ctx=pp["n_ctx"], n_batch=pp["n_batch"], max_chunks=1)
+    assert abs(res.nll - np.log(pp["chunks"][0])) <= 1e-4
 
 
 def test_sections_leaving_pairs_to_the_fourth_row_are_refused(tmp_path, tmp_path_factory):

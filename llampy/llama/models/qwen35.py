@@ -118,10 +118,10 @@ def linear_attn(g, layer, cur, il: int):
     T = g.n_tokens // n_seqs
     qkv = ops.reshape(g.mm(layer.wqkv, cur), 2 * d * n_k + d * n_v, T, n_seqs)
     z = ops.reshape(g.mm(layer.wqkv_gate, cur), d, n_v, T, n_seqs)
-    beta = ops.sigmoid(ops.reshape(g.mm(layer.ssm_beta, cur), 1, n_v, T, n_seqs))
+    beta = g.cb(ops.sigmoid(ops.reshape(g.mm(layer.ssm_beta, cur), 1, n_v, T, n_seqs)), "beta_sigmoid", il)
     alpha = ops.reshape(g.mm(layer.ssm_alpha, cur), n_v, T, n_seqs)
-    alpha = ops.softplus(ops.add(alpha, layer.ssm_dt_b))
-    gate = ops.reshape(ops.mul(alpha, layer.ssm_a), 1, n_v, T, n_seqs)     # -exp(A_log) * softplus
+    alpha = g.cb(ops.softplus(ops.add(alpha, layer.ssm_dt_b)), "a_softplus", il)
+    gate = ops.reshape(g.cb(ops.mul(alpha, layer.ssm_a), "gate", il), 1, n_v, T, n_seqs)   # -exp(A_log) * softplus
     conv_dim = 2 * d * n_k + d * n_v
     conv = ops.silu(ops.ssm_conv(conv_input(g, il, qkv, conv_dim), layer.ssm_conv1d))   # [conv_dim, T, n_seqs]
     conv = g.cb(conv, "conv_output_silu", il)
@@ -129,7 +129,8 @@ def linear_attn(g, layer, cur, il: int):
     q = ops.view_4d(conv, d, n_k, T, n_seqs, d * 4, nb1, nb2, 0)
     k = ops.view_4d(conv, d, n_k, T, n_seqs, d * 4, nb1, nb2, d * n_k * 4)
     v = ops.view_4d(conv, d, n_v, T, n_seqs, d * 4, nb1, nb2, 2 * d * n_k * 4)
-    q, k = qwen3next.l2_norm(q, hp.f_norm_rms_eps), qwen3next.l2_norm(k, hp.f_norm_rms_eps)
+    q = g.cb(qwen3next.l2_norm(q, hp.f_norm_rms_eps), "q_conv_predelta", il)
+    k = g.cb(qwen3next.l2_norm(k, hp.f_norm_rms_eps), "k_conv_predelta", il)
     states, src = g.rs_s(il)
     state = ops.reshape(ops.get_rows(states, src), d, d, n_v, n_seqs)
     out = ops.gated_delta_net(q, k, v, gate, beta, state)      # value head h reads key head h % n_k

@@ -166,12 +166,14 @@ def geglu_rows_par(g, u, table, out):
 GLU_PAR_ROWS = 16
 
 
-# EXP, TANH and SIGMOID: ggml-cpu's scalar loops over the C library's expf and tanhf (ggml_vec_exp_f32,
-# ggml_vec_tanh_f32, ggml_vec_sigmoid_f32). NumPy's float32 exp and tanh are its own vector code, a last bit away
-# on some inputs; Numba's math.exp/math.tanh on float32 call the C library's expf/tanhf.
+# EXP, TANH, SIGMOID and SOFTPLUS: ggml-cpu's scalar loops over the C library's expf, tanhf and logf
+# (ggml_vec_exp_f32, ggml_vec_tanh_f32, ggml_vec_sigmoid_f32, op_softplus). NumPy's float32 exp, tanh and log are its
+# own vector code, a last bit away on some inputs (softplus: 200 of Qwen 3.5's 512 decay inputs, which moved one
+# perplexity chunk by 0.018); Numba's math functions on float32 call the C library's.
 @njit(cache=True)
 def libm_unary(x, out, kind):
-    """x, out: float32, flat. kind 0: expf(x); 1: tanhf(x); 2: 1 / (1 + expf(-x))."""
+    """x, out: float32, flat. kind 0: expf(x); 1: tanhf(x); 2: 1 / (1 + expf(-x)); 3: softplus as ggml's
+    op_softplus, x above 20, else logf(1 + expf(x))."""
     one = np.float32(1.0)
     for i in range(x.shape[0]):
         v = x[i]
@@ -179,5 +181,7 @@ def libm_unary(x, out, kind):
             out[i] = np.float32(math.exp(v))
         elif kind == 1:
             out[i] = np.float32(math.tanh(v))
-        else:
+        elif kind == 2:
             out[i] = one / (one + np.float32(math.exp(np.float32(-v))))
+        else:
+            out[i] = v if v > np.float32(20.0) else np.float32(math.log(one + np.float32(math.exp(v))))

@@ -87,11 +87,11 @@ def k_unary(node, dst, srcs, acc):
             r = x * x
         elif op is Op.SQRT:
             r = np.sqrt(x)
-        elif op in (Op.EXP, Op.TANH, Op.SIGMOID) and acc == np.float32:
+        elif op in (Op.EXP, Op.TANH, Op.SIGMOID, Op.SOFTPLUS) and acc == np.float32:
             from .act import libm_unary
             x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
             r = np.empty_like(x2)
-            libm_unary(x2, r, (Op.EXP, Op.TANH, Op.SIGMOID).index(op))
+            libm_unary(x2, r, (Op.EXP, Op.TANH, Op.SIGMOID, Op.SOFTPLUS).index(op))
             r = r.reshape(x.shape)
         elif op is Op.EXP:
             r = np.exp(x)
