@@ -239,6 +239,7 @@ def test_cli_embed(capsys):
     ("deepseek2", "deepseek2.expert_group_used_count", {"deepseek2.expert_group_used_count": 4},
      "expert_group_count"),
     ("llama4", "llama4.interleave_moe_layer_step", {}, "interleave_moe_layer_step"),
+    ("deepseek2-ocr", "deepseek2-ocr.rope.freq_base", {"deepseek2-ocr.rope.freq_base": 500000.0}, "requires 10000"),
 ])
 def test_load_refuses_what_llama_cpp_refuses(tmp_path, name, drop, add, match):
     from llampy.gguf import GGUFReader
