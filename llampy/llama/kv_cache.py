@@ -28,6 +28,12 @@ from ..ggml.tensor import Tensor, Flags
 from ..ggml.types import GGMLType, row_size
 
 KV_PAD = 256  # n_kv is padded to this so that decode graphs are reused for 256 steps
+# With one stream per sequence, pieces of several sequences share a micro-batch while together they hold fewer
+# tokens than this: ggml's CPU flash attention takes its tiled path from 64 queries (Q_TILE) and below it computes
+# each query row on its own (one_chunk), and the matrix products give each row the same bits at every batch size,
+# so every row gets the result it gets in a micro-batch of its own sequence (llama.cpp's split_equal groups
+# streams too, its query blocks per stream).
+MIX_BELOW = 64
 
 
 class CacheFull(ValueError):
@@ -200,19 +206,33 @@ class KVCache:
         micro-batches of its own and the single tokens of the others (generation steps) together: as llama.cpp
         gives each stream its own block of queries, a sequence's attention then takes the kernel path its own
         token count picks (ggml's CPU flash attention switches to float32 tiles from 64 queries), whatever the
-        other sequences send in the same batch."""
+        other sequences send in the same batch. Pieces shorter than MIX_BELOW then share micro-batches while
+        together below it (a step's short prompts and drafts in one pass over the weights, not one each)."""
         n = len(batch)
         if self.n_stream == 1:
-            groups = [np.arange(n)]
-        else:
-            seqs = np.array([s[0] for s in batch.seq_id], dtype=np.int64)
-            _, first, inverse, counts = np.unique(seqs, return_index=True, return_inverse=True, return_counts=True)
-            single = np.flatnonzero(counts[inverse] == 1)
-            groups = [single] if len(single) else []
-            for u in np.argsort(first):
-                if counts[u] > 1:
-                    groups.append(np.flatnonzero(inverse == u))
-        return [g[i0:i0 + n_ubatch] for g in groups for i0 in range(0, len(g), n_ubatch)]
+            return [np.arange(i0, min(i0 + n_ubatch, n)) for i0 in range(0, n, n_ubatch)]
+        seqs = np.array([s[0] for s in batch.seq_id], dtype=np.int64)
+        _, first, inverse, counts = np.unique(seqs, return_index=True, return_inverse=True, return_counts=True)
+        single = np.flatnonzero(counts[inverse] == 1)
+        groups = [single] if len(single) else []
+        for u in np.argsort(first):
+            if counts[u] > 1:
+                groups.append(np.flatnonzero(inverse == u))
+        cap = min(n_ubatch, MIX_BELOW - 1)     # a shared micro-batch's tokens
+        out, mix = [], []
+        for g in groups:
+            for i0 in range(0, len(g), n_ubatch):
+                piece = g[i0:i0 + n_ubatch]
+                if len(piece) > cap:
+                    out.append(piece)
+                    continue
+                if mix and sum(map(len, mix)) + len(piece) > cap:
+                    out.append(np.concatenate(mix))
+                    mix = []
+                mix.append(piece)
+        if mix:
+            out.append(np.concatenate(mix))
+        return out
 
     def n_seqs(self) -> int:
         """Sequences of the micro-batch that decides the graph's shape: a KV cache's graphs do not depend on it."""

@@ -24,9 +24,13 @@ from ..llama.sampling import Chain, top_logprobs
 from ..llama.speculative import Drafters, SpeculativeError
 from ..llama.vocab import StreamDecoder
 
-# Prompt tokens decoded per step, over all slots together: a long prompt is cut into chunks so that the slots
-# already generating get a token every step (at most this many prompt tokens' worth of delay each step).
+# A prompt is decoded in chunks of this many tokens, one per step, so that the slots already generating get a token
+# every step (a chunk's worth of delay each).
 PROMPT_BUDGET = 64
+# Chunks of the prompts of this many slots at most share a step (llama-server fills each step up to n_batch with
+# every prompt's tokens): requests arriving together all start within the same steps, instead of each waiting for
+# the whole prompts of those before it (the first ones would finish before the last ones had a token).
+PROMPT_SLOTS_PER_STEP = 8
 # llama-server's --ctx-checkpoints default: checkpoints kept per slot of a recurrent or hybrid model
 N_CTX_CHECKPOINTS = 32
 # a checkpoint is also taken this many tokens before a prompt's end (llama-server's last checkpoint_offsets entry):
@@ -129,9 +133,12 @@ class Slot:
 
 class Engine:
     def __init__(self, model, n_parallel: int = 4, n_ctx: int = 4096, prompt_budget: int = PROMPT_BUDGET,
-                 min_batch: int = 0, spec=None, draft_model=None, n_ctx_checkpoints: int = N_CTX_CHECKPOINTS):
-        """``min_batch``: the micro-batch holds at least this many tokens (the projector's largest image, whose
-        tokens are decoded together). ``spec``: speculative.SpecParams (None: no drafting); ``draft_model``: the
+                 min_batch: int = 0, spec=None, draft_model=None, n_ctx_checkpoints: int = N_CTX_CHECKPOINTS,
+                 step_budget: int | None = None):
+        """``prompt_budget``: the tokens of a prompt's chunk; ``step_budget``: prompt tokens of all slots together
+        per step (default: the chunks of min(n_parallel, PROMPT_SLOTS_PER_STEP) slots). ``min_batch``: the
+        micro-batch holds at least this many tokens (the projector's largest image, whose tokens are decoded
+        together). ``spec``: speculative.SpecParams (None: no drafting); ``draft_model``: the
         Model that drafts when spec.types holds draft-simple. ``n_ctx_checkpoints``: the recurrent states a slot
         keeps of a recurrent or hybrid model (llama-server's --ctx-checkpoints; 0: none), so that a prompt sharing
         a prefix with the slot's cache restarts from the last one inside it rather than from the start."""
@@ -146,6 +153,8 @@ class Engine:
         self.n_parallel = n_parallel
         self.n_ctx = n_ctx
         self.prompt_budget = max(1, prompt_budget)
+        self.step_budget = max(self.prompt_budget, step_budget if step_budget is not None
+                               else self.prompt_budget * min(n_parallel, PROMPT_SLOTS_PER_STEP))
         self.spec = spec if spec is not None and spec.enabled() else None
         self.drafters = None
         spec_cap = 0                    # the longest draft: a step's batch holds it after each slot's token
@@ -154,13 +163,16 @@ class Engine:
             if not getattr(model.arch, "USES_KV_CACHE", True) or _recurrent(model):
                 raise SpeculativeError(f"speculative decoding needs a model whose cache can drop rejected drafts; "
                                        f"{model.hparams.arch} keeps a recurrent state or no cache")
-        n_batch = max(self.prompt_budget + n_parallel * (1 + spec_cap), min_batch)
+        n_batch = max(self.step_budget + n_parallel * (1 + spec_cap), min_batch)
+        # a micro-batch: one prompt chunk, or the step's tokens of generating slots, or pieces of both together
+        # (KVCache.split); an image's tokens in one
+        n_ubatch = max(self.prompt_budget + n_parallel * (1 + spec_cap), min_batch)
         self.mtmd = None                # a MtmdContext when the server takes images (its prompts hold ImagePos)
         # graphs are cached per (tokens, outputs, kv) shape, so keep more; decode steps read the whole cache
         # (n_kv padded to it), so theirs differ only in the batch size
         # one KV stream per slot (llama-server's default, kv_unified off): a request's result does not depend on
         # where earlier requests left cells in the cache
-        self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_parallel,
+        self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_parallel,
                            max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False,
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
@@ -507,9 +519,10 @@ class Engine:
         # accumulator: cells out of order would change the last bits, which SmolLM2 amplifies).
         # A prompt is cut into chunks of prompt_budget tokens from where its slot's cache ends, each decoded whole
         # (a later one waits for the next step rather than be cut to the budget left): where a prompt's chunks
-        # begin, and so the attention path of its tokens (the Context decodes each prompt's chunk apart), depends
-        # on that prompt only, not on the other requests of the step.
-        budget = self.prompt_budget
+        # begin, and so the attention path of its tokens (the Context decodes a chunk apart, or with other short
+        # pieces that keep it on the same path: KVCache.split), depends on that prompt only, not on the other
+        # requests of the step.
+        budget = self.step_budget
         prows: dict[int, int] = {}      # slot id -> batch position of its chunk's first token (prompt log-probs)
         for s in sorted((s for s in active if s.pending), key=lambda s: s.req.t_arrival):
             if not isinstance(s.pending[0], (int, np.integer)):

@@ -118,7 +118,7 @@ def test_engine_builds_decode_graphs_while_idle(llama_server):
         while eng._to_reserve and time.time() - t0 < 60:
             time.sleep(0.05)
         shapes = {key[:3] for key in eng.ctx._graphs}       # (n_tokens, n_outputs, n_kv[, the memory's part])
-        assert {(k, k, 384) for k in (1, 2, 3)} <= shapes and (eng.ctx.n_batch, 3, 256) in shapes
+        assert {(k, k, 384) for k in (1, 2, 3)} <= shapes and (eng.ctx.n_ubatch, 3, 256) in shapes
     finally:
         eng.stop()
 
