@@ -201,9 +201,9 @@ def test_mrope_through_the_server(lm_vl_path, monkeypatch):
     url, uv, t = serve_in_thread(create_app(server))
     try:
         data = base64.b64encode((HERE / ref["images"][0]).read_bytes()).decode()
-        url = "data:image/png;base64," + data
+        data_url = "data:image/png;base64," + data
         msgs = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
-                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "image_url", "image_url": {"url": data_url}},
                                              {"type": "text", "text": "What is it?"}]}]
         body = {"messages": msgs, "max_tokens": len(ref["ids"]), "temperature": 0, "logprobs": True, "top_logprobs": 1}
         want = server.model.vocab.detokenize(ref["ids"])
