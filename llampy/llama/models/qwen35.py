@@ -9,7 +9,8 @@ full_attention_interval-th layer) with three changes (llama.cpp's qwen35 and qwe
   32 pairs); a file whose sections leave pairs to the fourth row is refused. Images (mtmd) are not supported.
 
 qwen35 follows each mixer with a SwiGLU feed-forward, qwen35moe with Qwen3-Next's experts and gated shared expert.
-Multi-token-prediction layers (nextn_predict_layers) are refused, as for Qwen3-Next."""
+Multi-token-prediction blocks (nextn_predict_layers, after the trunk) are skipped, as llama.cpp does when it does not
+draft with them."""
 from __future__ import annotations
 
 from ...ggml import ops

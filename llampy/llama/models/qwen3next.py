@@ -40,9 +40,15 @@ def load_hparams(hp, md):
 def load_gdn_hparams(hp, md):
     """What Qwen3-Next and Qwen 3.5 share: the gated DeltaNet's sizes, checked, and which layers are recurrent."""
     m = Meta(md, hp.arch)
-    load_ssm_hparams(hp, md, group=True)
-    if m.get_int("nextn_predict_layers", 0, lo=0):
+    n_nextn = m.get_int("nextn_predict_layers", 0, lo=0)
+    if n_nextn and hp.arch in ("qwen35", "qwen35moe") and n_nextn < hp.n_layer:
+        # Qwen 3.5's multi-token-prediction blocks follow the trunk; llama.cpp skips them unless it drafts with them
+        # (load_mtp), so the model is the first block_count - nextn_predict_layers layers
+        n = hp.n_layer = hp.n_layer - n_nextn
+        hp.n_ff_arr, hp.n_head_arr, hp.n_head_kv_arr = hp.n_ff_arr[:n], hp.n_head_arr[:n], hp.n_head_kv_arr[:n]
+    elif n_nextn:
         raise InvalidMetadata(f"{hp.arch}: multi-token prediction layers (nextn_predict_layers) are not supported")
+    load_ssm_hparams(hp, md, group=True)
     hp.n_ff_shexp = m.get_int("expert_shared_feed_forward_length", 0, lo=0)
     hp.rope_type = 2        # NEOX
     n_v, n_k = hp.ssm_dt_rank, hp.ssm_n_group
@@ -52,9 +58,9 @@ def load_gdn_hparams(hp, md):
     key = m.key("attention.recurrent_layers")
     if key in md:
         v = md[key]
-        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) != hp.n_layer:
-            raise InvalidMetadata(f"{key} must hold one value per layer ({hp.n_layer})")
-        hp.recurrent_layers = [bool(x) for x in v]
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) != hp.n_layer + n_nextn:
+            raise InvalidMetadata(f"{key} must hold one value per layer ({hp.n_layer + n_nextn})")
+        hp.recurrent_layers = [bool(x) for x in v][:hp.n_layer]
     else:
         interval = m.get_int("full_attention_interval", 4, lo=1)
         hp.recurrent_layers = [(il + 1) % interval != 0 for il in range(hp.n_layer)]
