@@ -179,6 +179,48 @@ def test_a_busy_replica_is_not_taken_for_a_dead_one(replicas):
     assert handle.specs[0]["keepalive_s"] == 0.5 / 4
 
 
+def test_health_check_fails_when_the_engine_stalls_while_busy(replicas, monkeypatch):
+    """Serve's health check on a replica (Replica.check_health): passes while idle and while steps go on; fails
+    when a request holds a slot and no decode step comes for STALL_S (here the engine thread held by a job);
+    passes again once steps resume."""
+    import threading
+    import time
+
+    import llampy.cluster.replica as R
+    monkeypatch.setattr(R, "STALL_S", 0.3)
+    rep = replicas[1]
+    c, _, _ = cluster_client(replicas[1:])
+    rep.check_health()
+    idle = rep.engine.metrics["steps_total"]
+    t = threading.Thread(target=stream_text, args=(c, {**chat(5, 48), "ignore_eos": True}))
+    t.start()
+    try:
+        t0 = time.monotonic()      # a slot busy and a step made for it
+        while not (rep.engine.busy_slots() and rep.engine.metrics["steps_total"] > idle) and \
+                time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+        assert rep.engine.busy_slots()
+        release = threading.Event()
+        hold = rep.engine.run_job(lambda: release.wait(10))
+        try:
+            rep.check_health()
+            time.sleep(0.4)
+            held = rep.engine.metrics["steps_total"]
+            assert rep.engine.busy_slots()
+            with pytest.raises(RuntimeError, match="busy without a decode step for 0.3 s"):
+                rep.check_health()
+            assert rep.engine.metrics["steps_total"] == held
+        finally:
+            release.set()
+        hold.result(timeout=10)
+        t0 = time.monotonic()
+        while rep.engine.metrics["steps_total"] == held and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        rep.check_health()
+    finally:
+        t.join(timeout=120)
+
+
 def test_no_replica_is_503_with_retry_after(replicas):
     c, _, _ = cluster_client(replicas, live=False)
     r = c.post("/v1/chat/completions", json={**chat(0), "stream": False})
