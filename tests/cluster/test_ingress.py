@@ -200,9 +200,10 @@ def test_health_check_fails_when_the_engine_stalls_while_busy(replicas, monkeypa
                 time.monotonic() - t0 < 30:
             time.sleep(0.01)
         assert rep.engine.busy_slots()
-        release = threading.Event()
-        hold = rep.engine.run_job(lambda: release.wait(10))
+        started, release = threading.Event(), threading.Event()
+        hold = rep.engine.run_job(lambda: (started.set(), release.wait(10)))
         try:
+            assert started.wait(10)     # the engine is between two steps from here on
             rep.check_health()
             time.sleep(0.4)
             held = rep.engine.metrics["steps_total"]
