@@ -252,7 +252,7 @@ class Engine:
             raise ValueError(f"slot {sid} is processing a request")
         n = len(s.cached)
         self.ctx.seq_rm(sid, -1, -1)
-        s.cached = []
+        s.cached, s.checkpoints = [], []
         return n
 
     def save_slot(self, sid: int, path) -> tuple[int, int]:
@@ -275,7 +275,7 @@ class Engine:
             raise StateError(f"{path} holds no slot")
         if len(st["tokens"]) >= s.n_ctx:
             raise ValueError(f"the saved prompt has {len(st['tokens'])} tokens, more than slot {sid} holds")
-        s.cached = []
+        s.cached, s.checkpoints = [], []
         s.cached = load_seq(st, self.ctx, sid)
         return len(s.cached), size
 
@@ -435,7 +435,13 @@ class Engine:
             slot = max(free, key=lambda s: (c if (c := _common(s.cached, r.tokens)) * 10 > len(r.tokens) else 0,
                                             -len(s.cached)))
             self.waiting.remove(r)
-            self._start(slot, r)
+            try:
+                self._start(slot, r)
+            except Exception as e:  # the request has no slot yet: _loop's handler would not reach it
+                slot.req, slot.cached, slot.checkpoints = None, [], []
+                r.emit(Event(error=f"internal error: {type(e).__name__}: {e}", finish_reason="error",
+                             n_prompt=len(r.tokens), slot=slot.id))
+                self.ctx.seq_rm(slot.id, -1, -1)
 
     def _start(self, slot: Slot, r: Request) -> None:
         # keep at least the last prompt token to decode: its logits give the first generated token; a request

@@ -39,6 +39,8 @@ def _kept(eng):
 
 
 def test_prompt_sharing_a_prefix_restarts_from_a_checkpoint(engine):
+    engine.run_job(lambda: engine.erase_slot(0)).result()
+    restored = engine.metrics["checkpoints_restored"]
     _, _, t = _run(engine, P)
     assert (t["cache_n"], t["prompt_n"]) == (0, 40)
     assert _kept(engine) == [36, 40]                # 4 tokens before the prompt's end, and at its end
@@ -49,7 +51,7 @@ def test_prompt_sharing_a_prefix_restarts_from_a_checkpoint(engine):
     # diverging 2 tokens before the end of that prompt: back to its checkpoint 4 tokens before the end
     _, _, t = _run(engine, P + Q[:8] + [20, 21, 22])
     assert (t["cache_n"], t["prompt_n"]) == (46, 5)
-    assert engine.metrics["checkpoints_restored"] == 2
+    assert engine.metrics["checkpoints_restored"] == restored + 2
     # the same prompt from zero (cache_prompt off): the same tokens and top log-probs, bit for bit
     toks0, tops0, t = _run(engine, P + Q, cache_prompt=False)
     assert (t["cache_n"], t["prompt_n"]) == (0, 50)
@@ -57,3 +59,22 @@ def test_prompt_sharing_a_prefix_restarts_from_a_checkpoint(engine):
     # nothing in common: no checkpoint fits, the prompt is decoded whole
     _, _, t = _run(engine, [5] + P)
     assert (t["cache_n"], t["prompt_n"]) == (0, 41)
+
+
+def test_a_failure_while_admitting_ends_the_request(engine, monkeypatch):
+    # before a request has its slot, an exception used to leave it without any event (its client waited forever)
+    real, calls = engine.ctx.seq_rm, []
+
+    def seq_rm(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise RuntimeError("seq_rm broke")
+        return real(*a)
+    monkeypatch.setattr(engine.ctx, "seq_rm", seq_rm)
+    r = engine.submit(Request(tokens=P, max_tokens=2, sampler=Chain([Greedy()])))
+    ev = r.events.get(timeout=60)
+    assert ev.finish_reason == "error" and "seq_rm broke" in ev.error
+    assert engine.slots[0].req is None and engine.slots[0].cached == []
+    monkeypatch.undo()
+    _, _, t = _run(engine, P)                       # the slot serves the next request, from zero
+    assert (t["cache_n"], t["prompt_n"]) == (0, 40)
