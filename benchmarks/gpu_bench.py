@@ -177,7 +177,14 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the GGUF files")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="the GPU kernels of 16 decode steps, by time (first file)")
+    ap.add_argument("--mmvq-shapes", default=None, help="launch shapes of the integer decode kernels to try instead "
+                    "of the backend's table (a JSON written by gpu_matvec.py --json): for tuning that table")
     args = ap.parse_args(argv)
+    if args.mmvq_shapes and Path(args.mmvq_shapes).exists():
+        from llampy.ggml.backends.cuda import mmvq as MMVQ
+        for name, shape in json.loads(Path(args.mmvq_shapes).read_text()).items():
+            MMVQ.SHAPES[T[name]] = tuple(shape)
+        print("integer decode kernels' launch shapes:", {t.name: v for t, v in MMVQ.SHAPES.items()}, flush=True)
 
     import torch
     from llampy.llama.bench import bench

@@ -22,6 +22,7 @@ def main(argv=None) -> int:
     import torch
     import triton
     from llampy.ggml.backends.cuda import kernels as K
+    from llampy.ggml.backends.cuda import mmvq as MMVQ
     from llampy.ggml.backends.cuda.backend import WORD_KERNELS
     from llampy.ggml.quants import quantize
     from llampy.ggml.quants_tables import kvalues_iq4nl
@@ -30,7 +31,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K,Q4_0,Q8_0,Q6_K")
     ap.add_argument("--shape", default="4096x4096")
+    ap.add_argument("--quick", action="store_true", help="value rules and word kernels at one launch shape each")
+    ap.add_argument("--no-mmvq", action="store_true")
+    ap.add_argument("--json", default=None, help="write the best integer-kernel shape per type here "
+                    "(gpu_bench.py --mmvq-shapes reads it)")
     args = ap.parse_args(argv)
+    best = {}
     n, k = (int(v) for v in args.shape.split("x"))
     dev = torch.device("cuda")
     lut = torch.tensor(kvalues_iq4nl.astype(np.int8), device=dev)
@@ -50,10 +56,11 @@ def main(argv=None) -> int:
         act = K.ACT_OF_DOT_TYPE.get(TYPE_TRAITS[t].vec_dot_type, 0)
         results = []
         ref = None
-        for bn in (1, 4, 8, 16, 32):
-            for bk in (256, 512, 1024):
-                for warps in (4, 8):
-                    for want in (0, 16, 32):
+        quick = args.quick
+        for bn in ((4,) if quick else (1, 4, 8, 16, 32)):
+            for bk in ((1024,) if quick else (256, 512, 1024)):
+                for warps in ((4,) if quick else (4, 8)):
+                    for want in ((32,) if quick else (0, 16, 32)):
                         nkb = (k + bk - 1) // bk
                         split = 1 if want == 0 else max(1, min(nkb, want * nsm // ((n + bn - 1) // bn)))
                         kc = (nkb + split - 1) // split * bk
@@ -82,9 +89,10 @@ def main(argv=None) -> int:
                         results.append((w.numel() / t_ms / 1e6, bn, bk, warps, split, t_ms * 1e3, err))
         if t in WORD_KERNELS:          # the word-wide kernel, activations rounded first (as the backend runs it)
             xr = torch.empty_like(x)
-            for bn in (1, 2, 4, 8, 16):
-                for warps in (2, 4, 8):
-                    for want in (0, 16, 32):
+            wx = {"TYPE": int(t)} if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0) else {}
+            for bn in ((4,) if quick else (1, 2, 4, 8, 16)):
+                for warps in ((4,) if quick else (2, 4, 8)):
+                    for want in ((32,) if quick else (0, 16, 32)):
                         nkb = k // 256
                         split = 1 if want == 0 else max(1, min(nkb, want * nsm // ((n + bn - 1) // bn)))
                         kc = (nkb + split - 1) // split * 256
@@ -94,7 +102,7 @@ def main(argv=None) -> int:
 
                         def go_w():
                             K.round_act[(1, k // 256)](x, xr, k, k, k, ACT=act, BK=256)
-                            WORD_KERNELS[t][((n + bn - 1) // bn, split)](w, xr, part, n, k, kc, sw, n, BN=bn,
+                            WORD_KERNELS[t][((n + bn - 1) // bn, split)](w, xr, part, n, k, kc, sw, n, BN=bn, **wx,
                                                                         num_warps=warps)
                             torch.sum(part, dim=0, out=y)
                         try:
@@ -106,14 +114,47 @@ def main(argv=None) -> int:
                         err = float((y - ref).abs().max() / ref.abs().max())
                         t_ms = triton.testing.do_bench(go_w, warmup=5, rep=30)
                         results.append((w.numel() / t_ms / 1e6, f"words {bn}", 256, warps, split, t_ms * 1e3, err))
+        if t in MMVQ.KERNELS and not args.no_mmvq:    # the integer kernels (mmvq.py): quantize + one launch
+            kern, g = MMVQ.KERNELS[t]
+            xq = torch.empty(k, dtype=torch.int8, device=dev)
+            xd = torch.empty(k // g, dtype=torch.float32, device=dev)
+            xs = torch.empty(k // 16, dtype=torch.int32, device=dev)
+            extra = {"TYPE": int(t)} if t in MMVQ.TYPE_ARG else {}
+            sbs = (16, 32) if g == 32 else (4, 8)
+            for bn in (1, 2, 4, 8):
+                for sb in sbs:
+                    for warps in (4, 8):
+                        y = torch.empty((1, n), dtype=torch.float32, device=dev)
+
+                        def go_q():
+                            MMVQ.quantize_act[(k // g,)](x, xq, xd, xs, k, G=g)
+                            kern[((n + bn - 1) // bn,)](w, xq, xd, xs, y, n, k, sw, BN=bn, SB=sb, ASM=True,
+                                                        num_warps=warps, **extra)
+                        try:
+                            go_q()
+                            torch.cuda.synchronize()
+                        except Exception as e:
+                            print(f"{name} mmvq BN={bn} SB={sb} warps={warps}: {type(e).__name__}: {str(e)[:300]}",
+                                  flush=True)
+                            continue
+                        err = float((y - ref).abs().max() / ref.abs().max())
+                        t_ms = triton.testing.do_bench(go_q, warmup=5, rep=30)
+                        results.append((w.numel() / t_ms / 1e6, f"mmvq {bn}", sb, warps, 1, t_ms * 1e3, err))
+                        if err < 1e-3 and (t not in best or t_ms < best[t][0]):
+                            best[t] = (t_ms, bn, sb, warps)
         results.sort(key=lambda r: -r[0])
         print(f"\n{name} {n}x{k} ({w.numel() / 2**20:.1f} MiB): best launch shapes")
         print("| GB/s | BN | BK | warps | splits | us | rel. err vs first |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
-        for r in results[:6]:
+        for r in results[:8]:
             print(f"| {r[0]:.0f} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:.1e} |")
         worst = max(r[6] for r in results)
         print(f"(configurations: {len(results)}, largest disagreement {worst:.1e})", flush=True)
+
+    if args.json:
+        import json
+        Path(args.json).write_text(json.dumps({t.name: list(v[1:]) for t, v in best.items()}))
+    print("best integer-kernel shapes (BN, SB, warps):", {t.name: v[1:] for t, v in best.items()})
 
     # does a CUDA graph capture the kernel? replay after new input values must follow them
     t = GGMLType.Q4_0

@@ -235,3 +235,74 @@ def test_norm_and_weight_fuse_into_one_row_kernel():
     assert y.op is Op.RMS_NORM_MUL
     want = xv / np.sqrt((xv.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * wv
     np.testing.assert_allclose(tensor_get(y).reshape(6, 64), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,k", [(T.Q4_K, 1280), (T.Q6_K, 768), (T.Q4_0, 352), (T.Q4_1, 352), (T.Q8_0, 800)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_integer_decode_kernels_agree_with_the_value_rules(t, k):
+    """The integer decode kernels (mmvq.py: int8 activations, dp4a on weight words) give the value-rule kernel's
+    product (activations rounded the same way) at launch shapes whose last chunk of blocks is partial; Q4_1 to
+    the F16 rounding of Q8_1's sum, as ggml stores it."""
+    import torch
+    from llampy.ggml.backends.cuda import mmvq as M
+    from llampy.ggml.backends.cuda.buffer import rows
+    rng = np.random.default_rng(13)
+    n = 11
+    q = quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    w = Tensor(t, (k, n))
+    tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
+    tensor_set(w, q)
+    x = torch.tensor(rng.standard_normal((1, k)).astype(np.float32), device=CUDA.dev)
+    want = torch.empty((1, n), dtype=torch.float32, device=CUDA.dev)
+    bk = 256 if k % 256 == 0 else 32
+    CUDA._matvec(w, rows(w), x, want, (8, bk, k, 1))
+    kern, g = M.KERNELS[t]
+    xq = (torch.empty(k, dtype=torch.int8, device=CUDA.dev), torch.empty(k // g, dtype=torch.float32, device=CUDA.dev),
+          torch.empty(k // 16, dtype=torch.int32, device=CUDA.dev))
+    M.quantize_act[(k // g,)](x, *xq, k, G=g)
+    extra = {"TYPE": int(t)} if t in M.TYPE_ARG else {}
+    for bn, sb in ((4, 2), (2, 8)):
+        y = torch.full((n,), float("nan"), dtype=torch.float32, device=CUDA.dev)
+        kern[((n + bn - 1) // bn,)](rows(w), *xq, y, n, k, w.nb[1], BN=bn, SB=sb, ASM=CUDA.dev.type == "cuda",
+                                    **extra)
+        np.testing.assert_allclose(y.cpu().numpy(), want[0].cpu().numpy(), rtol=1e-3 if t == T.Q4_1 else 1e-5,
+                                   atol=1e-3 if t == T.Q4_1 else 1e-5)
+
+
+def test_products_of_one_input_share_its_quantization():
+    """q, k and v products of one activation row (Q4_K, Q6_K and Q4_K weights) quantize it once in the plan and
+    still give the three separate products."""
+    from llampy.ggml.backends.cuda import mmvq as M
+    rng = np.random.default_rng(14)
+    k = 512
+    x = device_leaf(CUDA, T.F32, (1, k), rng.standard_normal((1, k)).astype(np.float32))
+    outs, ws = [], []
+    for t, n in ((T.Q4_K, 6), (T.Q6_K, 5), (T.Q4_K, 3)):
+        wv = rng.standard_normal((n, k)).astype(np.float32)
+        ws.append(wv)
+        outs.append(ops.mul_mat(device_leaf(CUDA, t, (n, k), wv), x))
+    total = ops.concat(ops.concat(outs[0], outs[1], 0), outs[2], 0).set_output()
+    g = Graph.build(total)
+    calls = []
+    orig = M.quantize_act
+
+    class Counting:                     # counts the quantizations the plan launches
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return orig[grid]
+    M.quantize_act = Counting()
+    try:
+        Scheduler([CUDA]).graph_compute(g)
+    finally:
+        M.quantize_act = orig
+    assert len(calls) == 1
+    got = tensor_get(total).reshape(-1)
+    sep = []                            # each product alone, in a graph of its own: its own quantization
+    for wv, t in zip(ws, (T.Q4_K, T.Q6_K, T.Q4_K)):
+        o = ops.mul_mat(device_leaf(CUDA, t, wv.shape, wv), x).set_output()
+        Scheduler([CUDA]).graph_compute(Graph.build(o))
+        sep.append(tensor_get(o).reshape(-1))
+    np.testing.assert_array_equal(got, np.concatenate(sep))
+    want = np.concatenate([dequantize(quantize(wv, t), t, k).reshape(wv.shape) @ tensor_get(x).reshape(-1)
+                           for wv, t in zip(ws, (T.Q4_K, T.Q6_K, T.Q4_K))])
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())

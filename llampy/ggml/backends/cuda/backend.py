@@ -31,6 +31,7 @@ from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
 from ...quants_tables import kvalues_iq4nl
 from . import kernels as K
+from . import mmvq as MMVQ
 from .buffer import CUDABufferType, TORCH_DTYPE, rows, view
 
 T = GGMLType
@@ -134,6 +135,7 @@ class CUDABackend(Backend):
         self._lut = torch.tensor(kvalues_iq4nl.astype(np.int8), device=self.dev)
         self._dummy = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self._capture_warned = False
+        self._q8_shared = None          # while a plan is bound: activation quantizations its products share
 
     def description(self) -> str:
         if self.dev.type == "cuda":
@@ -193,7 +195,11 @@ class CUDABackend(Backend):
 
     # ------------------------------------------------------------ plans
     def graph_plan_create(self, nodes: list[Tensor]) -> Plan:
-        calls = [self._bind(n) for n in nodes if n.op not in VIEW_OPS and n.op != Op.NONE]
+        self._q8_shared = {}
+        try:
+            calls = [self._bind(n) for n in nodes if n.op not in VIEW_OPS and n.op != Op.NONE]
+        finally:
+            self._q8_shared = None
         capturable = not any(n.op == Op.MUL_MAT_ID for n in nodes)
         return Plan(calls, nodes, capturable)
 
@@ -301,6 +307,42 @@ class CUDABackend(Backend):
         if split > 1:
             torch.sum(part, dim=0, out=y)
 
+    def _q8_scratch(self, t: GGMLType, b: Tensor, kdim: int):
+        """Buffers for one activation row quantized for a format of MMVQ.KERNELS (int8 values, block scales, sums
+        of 16), and whether this product quantizes it: products of one plan that read the same activations in the
+        same block size (attention's q, k, v; the FFN's gate and up) share one quantization, done by the first."""
+        g = MMVQ.KERNELS[t][1]
+        shared = self._q8_shared.get((id(b), g)) if self._q8_shared is not None else None
+        if shared is not None:
+            return shared, False
+        bufs = (torch.empty(kdim, dtype=torch.int8, device=self.dev), torch.empty(kdim // g, dtype=F32, device=self.dev),
+                torch.empty(kdim // 16, dtype=torch.int32, device=self.dev), g)
+        if self._q8_shared is not None:
+            self._q8_shared[(id(b), g)] = bufs
+        return bufs, True
+
+    def _mmvq(self, a: Tensor, w: torch.Tensor, x: torch.Tensor, xq, y: torch.Tensor, quant: bool = True) -> None:
+        """y [1, N] = x [1, K] @ a^T by the integer kernels (mmvq.py): x quantized to int8 in a's dot type (unless
+        an earlier product of the plan did), then one program per BN rows. Falls back to the value rules (with a
+        warning, once per type) where the device cannot compile them."""
+        kdim, n = a.ne[0], a.ne[1]
+        q, d, s, g = xq
+        if quant:
+            MMVQ.quantize_act[(kdim // g,)](x, q, d, s, kdim, G=g)
+        kern = MMVQ.KERNELS[a.type][0]
+        bn, sb, warps = MMVQ.SHAPES[a.type] if self.dev.type == "cuda" else (8, 8, 4)
+        try:
+            extra = {"TYPE": int(a.type)} if a.type in MMVQ.TYPE_ARG else {}
+            kern[(triton_cdiv(n, bn),)](w, q, d, s, y, n, kdim, a.nb[1], BN=bn, SB=sb, ASM=self.dev.type == "cuda",
+                                        num_warps=warps, **extra)
+        except Exception as e:          # a compiler that refuses the kernel: the value rules still work
+            MMVQ.KERNELS.pop(a.type, None)
+            warnings.warn(f"cuda: the integer {a.type.name} decode kernel failed ({type(e).__name__}: {e}); using "
+                          f"the per-element one", RuntimeWarning, stacklevel=2)
+            plan = self._matvec_plan(a, 1)
+            part = torch.empty((plan[3], 1, n), dtype=F32, device=self.dev) if plan[3] > 1 else None
+            self._matvec(a, w, x, y, plan, part)
+
     def _round_act(self, a_type: GGMLType, x: torch.Tensor) -> torch.Tensor:
         """x [n, K] (float32, rows contiguous) rounded to a_type's dot type, as a new tensor."""
         act = _act(a_type)
@@ -373,6 +415,10 @@ def b_glu(be, node):
     act = F.silu if node.op is Op.SWIGLU else _gelu
     if len(node.src) == 2 and node.src[1] is not None:
         u = view(node.src[1])
+        if (node.op is Op.SWIGLU and a.dtype == u.dtype == d.dtype == F32 and a.is_contiguous()
+                and u.is_contiguous() and d.is_contiguous() and a.shape == u.shape == d.shape):
+            n = d.numel()
+            return lambda: K.swiglu[(triton_cdiv(n, 1024),)](a, u, d, n, BLOCK=1024)
         return lambda: d.copy_(act(_f(a)) * _f(u))
     h = node.src[0].ne[0] // 2
     g, u = (a[..., h:], a[..., :h]) if node.op_params.get("swapped") else (a[..., :h], a[..., h:])
@@ -540,8 +586,10 @@ def b_mul_mat(be, node):
         use_mv = n_act <= MATVEC_MAX_COLS
         big = torch.float16 if be.dev.type == "cuda" else F32
         mv_plan = be._matvec_plan(a, n_act) if use_mv else None
+        q8 = use_mv and n_act == 1 and a.type in MMVQ.KERNELS
         words = use_mv and n_act == 1 and a.type in WORD_KERNELS and kdim % TYPE_TRAITS[a.type].blck_size == 0
         xr = torch.empty((1, kdim), dtype=F32, device=be.dev) if words else None
+        xq, quant = be._q8_scratch(a.type, b, kdim) if q8 else (None, False)
         part = torch.empty((mv_plan[3], n_act, n_out), dtype=F32, device=be.dev) if use_mv and mv_plan[3] > 1 \
             else None
 
@@ -550,7 +598,9 @@ def b_mul_mat(be, node):
             x = x if x.dtype == F32 and x.is_contiguous() else _f(x).contiguous()
             if use_mv:
                 out = d2 if d2 is not None else torch.empty((n_act, n_out), dtype=F32, device=be.dev)
-                if words and a.type in WORD_KERNELS:
+                if q8 and a.type in MMVQ.KERNELS:
+                    be._mmvq(a, w, x, xq, out, quant)
+                elif words and a.type in WORD_KERNELS:
                     be._matvec_words(a, w, x, xr, out, mv_plan, part)
                 else:
                     be._matvec(a, w, x, out, mv_plan, part)
@@ -673,7 +723,13 @@ def b_set_rows(be, node):
     src, idx = node.src[0], node.src[1]
     d, s, iv = view(node), view(src), view(idx)
     s3, s2 = src.ne[3], src.ne[2]
-
+    if (s3 == 1 and node.ne[3] == 1 and node.ne[2] == s2 and src.type == T.F32 and d.stride(-1) == 1
+            and s.stride(-1) == 1 and idx.ne[1] == idx.ne[2] == idx.ne[3] == 1 and iv.stride(-1) == 1):
+        n, ne0 = src.ne[1], src.ne[0]       # the KV cache's store: one kernel for every row of every head
+        d3, s3d, i1 = d[0], s[0], iv.reshape(-1)
+        blk = min(1024, triton.next_power_of_2(ne0))
+        return lambda: K.set_rows[(n, s2, triton_cdiv(ne0, blk))](s3d, i1, d3, ne0, s3d.stride(1), d3.stride(1),
+                                                                   s3d.stride(0), d3.stride(0), BLOCK=blk)
     def run():
         ii = iv.to(torch.int64)
         for i3 in range(s3):
@@ -749,6 +805,21 @@ def b_flash_attn(be, node):
     def expand_kv(t):
         t = t if t.shape[0] == ne3 else t[torch.arange(ne3, device=be.dev) % t.shape[0]]
         return t
+
+    dk, dvh = qv.shape[-1], vv.shape[-1]
+    if (not manual and ne3 == 1 and n_q == 1 and kv.shape[0] == 1 and vv.shape[0] == 1 and qv.stride(-1) == 1
+            and kv.stride(-1) == 1 and vv.stride(-1) == 1 and d.stride(-1) == 1 and max(dk, dvh) <= 256
+            and (mv is None or mv.stride(-1) == 1)):
+        q1, k1, v1, d1 = qv[0, :, 0], kv[0], vv[0], d[0, 0]         # (H, D), (Hkv, n_kv, D), (H, Dv)
+        m1 = mv[0, 0, 0] if mv is not None else be._dummy
+        n_kv = kv.shape[2]
+        bd, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dvh)
+
+        def run_decode():
+            K.attn_decode[(H,)](q1, k1, v1, m1, d1, n_kv, rk, q1.stride(0), k1.stride(1), k1.stride(0),
+                                v1.stride(1), v1.stride(0), d1.stride(0), scale, HAS_MASK=mv is not None,
+                                D=dk, DV=dvh, BD=bd, BDV=bdv, BN=64)
+        return run_decode
 
     if manual:
         def run():

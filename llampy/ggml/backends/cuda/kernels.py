@@ -480,3 +480,61 @@ def rope(x, pos, powers, ff, mix, out, n_head, sx_t, sx_h, so_t, so_h, ne0, freq
         j = N_DIMS + tl.arange(0, TAIL)
         mj = j < ne0
         tl.store(orow + j, tl.load(xr + j, mask=mj, other=0.0), mask=mj)
+
+
+@triton.jit
+def set_rows(src, idx, dst, ne0, ss, sd, ss2, sd2, BLOCK: tl.constexpr):
+    """dst[i2, idx[r]] = src[i2, r] (rows of float32 values, converted to dst's type; one index list for every
+    i2, as the KV cache's heads): the cache's store in one launch. Grid (rows, i2, column blocks)."""
+    r = tl.program_id(0).to(tl.int64)
+    i2 = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    m = i < ne0
+    to = tl.load(idx + r).to(tl.int64)
+    v = tl.load(src + i2 * ss2 + r * ss + i, mask=m, other=0.0)
+    tl.store(dst + i2 * sd2 + to * sd + i, v.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def swiglu(g, u, out, n, BLOCK: tl.constexpr):
+    """out = silu(g) * u over n contiguous float32 values (ggml's silu: x / (1 + exp(-x)))."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    a = tl.load(g + i, mask=m, other=0.0)
+    tl.store(out + i, a / (1.0 + tl.exp(-a)) * tl.load(u + i, mask=m, other=0.0), mask=m)
+
+
+@triton.jit
+def attn_decode(q, k, v, mask, out, n_kv, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h, scale,
+                HAS_MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                BN: tl.constexpr):
+    """One query row per head (decode) over the F16 cache: softmax(scale q k^T + mask) v for head h = program 0,
+    its KV head h // rk; q rounded to F16 as ggml-cuda's kernels read it; online softmax over tiles of BN keys.
+    Rows with every key masked give zeros (as the other paths' nan_to_num)."""
+    h = tl.program_id(0).to(tl.int64)
+    kh = h // rk
+    di = tl.arange(0, BD)
+    dv = tl.arange(0, BDV)
+    qv = tl.load(q + h * sq_h + di, mask=di < D, other=0.0).to(tl.float16).to(tl.float32)
+    m_i = tl.full([], -float("inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BDV], tl.float32)
+    for n0 in range(0, n_kv, BN):
+        ns = n0 + tl.arange(0, BN)
+        nm = ns < n_kv
+        kt = tl.load(k + kh * sk_h + ns[:, None] * sk_n + di[None, :], mask=nm[:, None] & (di[None, :] < D),
+                     other=0.0).to(tl.float32)
+        s = tl.sum(kt * qv[None, :], axis=1) * scale
+        if HAS_MASK:
+            s += tl.load(mask + ns, mask=nm, other=0.0).to(tl.float32)
+        s = tl.where(nm, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp(s - m_use)
+        alpha = tl.exp(m_i - m_use)
+        vt = tl.load(v + kh * sv_h + ns[:, None] * sv_n + dv[None, :], mask=nm[:, None] & (dv[None, :] < DV),
+                     other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    tl.store(out + h * so_h + dv, tl.where(l_i > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0), 0.0), mask=dv < DV)

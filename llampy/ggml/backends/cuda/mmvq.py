@@ -1,0 +1,239 @@
+"""Integer decode kernels of the CUDA backend (ggml-cuda's mmvq): one activation row times a block-format matrix.
+
+The activation row is quantized once per product (``quantize_act``) to int8 in the weight's dot type — blocks of
+32 with an F16-rounded scale (Q8_0/Q8_1) or of 256 with a float32 scale (Q8_K), as llama.cpp's CPU quantizers
+round — with the integer sums of every 16 values beside it. The products then run on whole 32-bit words: a word
+of weight nibbles masked with 0x0F0F0F0F is four int8 lanes, multiplied with four int8 activations and summed by
+one ``dp4a`` instruction; the integer sums of a block meet the float scales once per block (the minimums and the
+formats' offsets through the activation sums). This is the arithmetic of ggml's vec_dot_<type>_q8 on the CPU:
+integer sums per block are exact, so the GPU's products are the CPU's up to the float32 order of the block sums.
+
+Each program takes BN rows and walks K in chunks of SB blocks, loading a [BN, SB, words] tile per step (enough
+bytes in flight to fill the memory system without splitting K, so a product is two launches: quantize, multiply).
+Formats whose blocks are not 4-byte aligned (Q6_K: 210 bytes, Q4_0: 18, Q8_0: 34) read their words as two 16-bit
+halves. Under ``TRITON_INTERPRET=1`` (CI, no GPU) ``dp4a`` is spelled out in shifts (``ASM=False``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...types import GGMLType as T
+
+Q4_0: tl.constexpr = tl.constexpr(int(T.Q4_0))
+Q4_1: tl.constexpr = tl.constexpr(int(T.Q4_1))
+Q8_0: tl.constexpr = tl.constexpr(int(T.Q8_0))
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + the sum over the four bytes of a * b (int32 words read as four signed int8 lanes)."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        s = c
+        for i in tl.static_range(4):
+            s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return s
+
+
+@triton.jit
+def _rint(v):
+    """Round to nearest, halves to even (|v| < 2^22), as kernels._rint."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def quantize_act(x, xq, xd, xs, K, G: tl.constexpr):
+    """Block b of the row x (float32, K values; G = 32: Q8_0/Q8_1, G = 256: Q8_K) to int8 xq, its scale xd[b]
+    (float32), and the integer sums of its groups of 16 in xs[b * G / 16 + i]."""
+    b = tl.program_id(0)
+    ks = b * G + tl.arange(0, G)
+    v = tl.load(x + ks, mask=ks < K, other=0.0)
+    if G == 32:         # quantize_row_q8_0/q8_1: d = max|x| / 127 (stored as F16), q = round(x * 127 / max|x|)
+        amax = tl.max(tl.abs(v), axis=0)
+        d = (amax / 127.0).to(tl.float16).to(tl.float32)
+        iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
+        q = _rint(v * iv)
+    else:               # quantize_row_q8_K: the signed value of largest |x| maps to -127
+        j = tl.argmax(tl.abs(v), axis=0)
+        mx = tl.sum(tl.where(tl.arange(0, G) == j, v, 0.0), axis=0)
+        zero = mx == 0.0
+        isc = tl.where(zero, 0.0, -127.0 / tl.where(zero, 1.0, mx))
+        d = tl.where(zero, 0.0, 1.0 / tl.where(zero, 1.0, isc))
+        q = tl.minimum(_rint(v * isc), 127.0)
+    qi = q.to(tl.int32)
+    tl.store(xq + ks, qi.to(tl.int8), mask=ks < K)
+    tl.store(xd + b, d)
+    tl.store(xs + b * (G // 16) + tl.arange(0, G // 16), tl.sum(tl.reshape(qi, [G // 16, 16]), axis=1))
+
+
+@triton.jit
+def _word16(p):
+    """The 32-bit words at the 2-byte aligned uint8 pointers p, from two 16-bit loads."""
+    p16 = p.to(tl.pointer_type(tl.int16))
+    lo = tl.load(p16).to(tl.int32) & 0xFFFF
+    hi = tl.load(p16 + 1).to(tl.int32)
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _f16(p):
+    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _q4k_scale(p, g):
+    """Q4_K's 6-bit scale of groups g (0..7) of the 12 bytes at p + 4 (p uint8 pointers, g broadcast with p)."""
+    lo = g < 4
+    a = tl.load(p + 4 + tl.where(lo, g, g - 4)).to(tl.int32)
+    b = tl.load(p + 8 + g).to(tl.int32)                  # s[g + 4]
+    return tl.where(lo, a & 63, (b & 15) | ((a >> 6) << 4))
+
+
+@triton.jit
+def _q4k_min(p, g):
+    lo = g < 4
+    b = tl.load(p + 8 + g).to(tl.int32)                  # s[g + 4]
+    c = tl.load(p + 4 + g).to(tl.int32)                  # s[g] (its top bits hold min g's for g >= 4)
+    return tl.where(lo, b & 63, (b >> 4) | ((c >> 6) << 4))
+
+
+@triton.jit
+def mmvq_q4_k(w, xq, xd, xs, y, N, K, sw, BN: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """y[r] = Q4_K row r . x (x as Q8_K): per superblock 32 words of nibbles (word 8c + j: bytes 4(8c + j).. of
+    qs; its low nibbles the values 64c + 4j + 0..3, of group 2c; high nibbles + 32, group 2c + 1), summed per
+    group, then d * sum(scale * isum) - dmin * sum(min * xsum), times the activation's scale. Tiles are
+    [BN, SB, 4, 8] from the start (pointers cast to words before the offsets: 16-byte loads, no reshapes)."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rowp = w + tl.minimum(rows, N - 1).to(tl.int64) * sw                  # [BN]
+    nsb = K // 256
+    si = tl.arange(0, SB)
+    ci = tl.arange(0, 4)
+    ji = tl.arange(0, 8)
+    wo = (8 * ci[:, None] + ji[None, :])[None, None, :, :]                 # [1, 1, 4, 8] word of qs
+    xw = (16 * ci[:, None] + ji[None, :])[None, :, :]                      # [1, 4, 8] word of the x superblock
+    x32 = xq.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BN, SB], tl.float32)
+    for s0 in range(0, nsb, SB):
+        sb = s0 + si
+        ok = sb < nsb
+        sbc = tl.minimum(sb, nsb - 1)
+        base = rowp[:, None] + sbc[None, :] * 144                            # [BN, SB]
+        wq = tl.load((base + 16).to(tl.pointer_type(tl.int32))[:, :, None, None] + wo)
+        xp = x32 + sbc[:, None, None] * 64 + xw                              # [SB, 4, 8]
+        gl = tl.sum(_dp4a(wq & 0x0F0F0F0F, tl.load(xp)[None], tl.zeros_like(wq), ASM), axis=3)   # groups 2c
+        gh = tl.sum(_dp4a((wq >> 4) & 0x0F0F0F0F, tl.load(xp + 8)[None], tl.zeros_like(wq), ASM), axis=3)
+        b3 = base[:, :, None]
+        g_even = 2 * ci[None, None, :]
+        isum = tl.sum(_q4k_scale(b3, g_even) * gl + _q4k_scale(b3, g_even + 1) * gh, axis=2)
+        xso = sbc[:, None] * 16 + 4 * ci[None, :]                           # [SB, 4]: sums of 16 of group 2c
+        xe = tl.load(xs + xso) + tl.load(xs + xso + 1)
+        xo_ = tl.load(xs + xso + 2) + tl.load(xs + xso + 3)
+        msum = tl.sum(_q4k_min(b3, g_even) * xe[None, :, :] + _q4k_min(b3, g_even + 1) * xo_[None, :, :], axis=2)
+        dx = tl.load(xd + sbc)[None, :]
+        part = dx * (_f16(base) * isum.to(tl.float32)) - dx * (_f16(base + 2) * msum.to(tl.float32))
+        acc += tl.where(ok[None, :], part, 0.0)
+    tl.store(y + rows, tl.sum(acc, axis=1), mask=rows < N)
+
+
+@triton.jit
+def mmvq_q6_k(w, xq, xd, xs, y, N, K, sw, BN: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """y[r] = Q6_K row r . x (x as Q8_K). Word slot j (0..15) of a superblock: half n = j // 8, l = 4 (j % 8);
+    A = ql[64n + l..], B = ql[64n + 32 + l..], H = qh[32n + l..]; their four 6-bit quarters are the values
+    128n + 32i + l (i = 0..3). Group 8n + 2i + h (16 values) meets scale[8n + 2i + h]; the offset 32 leaves
+    through the activation sums of 16."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rowp = w + tl.minimum(rows, N - 1).to(tl.int64) * sw
+    nsb = K // 256
+    ji = tl.arange(0, 16)
+    si = tl.arange(0, SB)
+    gi = tl.arange(0, 4)                                   # (n, h) = (g // 2, g % 2)
+    x32 = xq.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BN, SB], tl.float32)
+    off_a = 64 * (ji // 8) + 4 * (ji % 8)                  # [16] byte offsets in ql
+    off_h = 128 + 32 * (ji // 8) + 4 * (ji % 8)
+    for s0 in range(0, nsb, SB):
+        sb = s0 + si
+        ok = sb < nsb
+        sbc = tl.minimum(sb, nsb - 1)
+        base = rowp[:, None] + sbc[None, :] * 210
+        b3 = base[:, :, None]
+        wa = _word16(b3 + off_a[None, None, :])
+        wb = _word16(b3 + off_a[None, None, :] + 32)
+        wh = _word16(b3 + off_h[None, None, :])
+        xbase = sbc[:, None] * 64 + 32 * (ji // 8)[None, :] + (ji % 8)[None, :]   # [SB, 16], + 8i for quarter i
+        isum = tl.zeros([BN, SB], tl.int32)
+        for i in tl.static_range(4):
+            if i == 0:
+                q = (wa & 0x0F0F0F0F) | ((wh & 0x03030303) << 4)
+            elif i == 1:
+                q = (wb & 0x0F0F0F0F) | (((wh >> 2) & 0x03030303) << 4)
+            elif i == 2:
+                q = ((wa >> 4) & 0x0F0F0F0F) | (((wh >> 4) & 0x03030303) << 4)
+            else:
+                q = ((wb >> 4) & 0x0F0F0F0F) | (((wh >> 6) & 0x03030303) << 4)
+            xw = tl.load(x32 + xbase + 8 * i)[None, :, :]
+            p = _dp4a(q, xw, tl.zeros_like(q), ASM)
+            g = tl.sum(tl.reshape(p, [BN, SB, 4, 4]), axis=3)                   # [BN, SB, 4]: group (n, h)
+            gidx = 8 * (gi // 2) + 2 * i + (gi % 2)                             # [4]
+            sc = tl.load((b3 + 192 + gidx[None, None, :]).to(tl.pointer_type(tl.int8))).to(tl.int32)
+            xsum = tl.load(xs + sbc[:, None] * 16 + gidx[None, :])[None, :, :]
+            isum += tl.sum(sc * (g - 32 * xsum), axis=2)
+        part = tl.load(xd + sbc)[None, :] * (_f16(base + 208) * isum.to(tl.float32))
+        acc += tl.where(ok[None, :], part, 0.0)
+    tl.store(y + rows, tl.sum(acc, axis=1), mask=rows < N)
+
+
+@triton.jit
+def mmvq_q32(w, xq, xd, xs, y, N, K, sw, TYPE: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
+             ASM: tl.constexpr):
+    """y[r] = row r . x for the 32-value formats (x as Q8_0 / Q8_1): Q4_0 (18 bytes: d, 16 nibble bytes; value
+    q - 8), Q4_1 (20 bytes: d, m, nibbles; value d q + m) and Q8_0 (34 bytes: d, 32 int8). Nibble word j (0..3):
+    low nibbles the values 4j..4j+3, high nibbles 16 + 4j..; Q8_0 word j the values 4j..4j+3."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rowp = w + tl.minimum(rows, N - 1).to(tl.int64) * sw
+    nb = K // 32
+    si = tl.arange(0, SB)
+    x32 = xq.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BN, SB], tl.float32)
+    for s0 in range(0, nb, SB):
+        sb = s0 + si
+        ok = sb < nb
+        sbc = tl.minimum(sb, nb - 1)
+        dx = tl.load(xd + sbc)[None, :]
+        if TYPE == Q8_0:
+            j = tl.arange(0, 8)
+            base = rowp[:, None] + sbc[None, :] * 34
+            wq = _word16(base[:, :, None] + 2 + 4 * j[None, None, :])
+            xw = tl.load(x32 + sbc[:, None] * 8 + j[None, :])[None, :, :]
+            isum = tl.sum(_dp4a(wq, xw, tl.zeros_like(wq), ASM), axis=2)
+            part = dx * (_f16(base) * isum.to(tl.float32))
+        else:
+            j = tl.arange(0, 4)
+            if TYPE == Q4_1:
+                base = rowp[:, None] + sbc[None, :] * 20
+                wq = tl.load((base[:, :, None] + 4 + 4 * j[None, None, :]).to(tl.pointer_type(tl.int32)))
+            else:
+                base = rowp[:, None] + sbc[None, :] * 18
+                wq = _word16(base[:, :, None] + 2 + 4 * j[None, None, :])
+            xl = tl.load(x32 + sbc[:, None] * 8 + j[None, :])[None, :, :]
+            xh = tl.load(x32 + sbc[:, None] * 8 + 4 + j[None, :])[None, :, :]
+            isum = tl.sum(_dp4a(wq & 0x0F0F0F0F, xl, tl.zeros_like(wq), ASM)
+                          + _dp4a((wq >> 4) & 0x0F0F0F0F, xh, tl.zeros_like(wq), ASM), axis=2)
+            xsum = tl.load(xs + 2 * sbc) + tl.load(xs + 2 * sbc + 1)            # [SB]
+            if TYPE == Q4_1:    # ggml's Q8_1 keeps s = d * sum(q) as F16
+                s = (tl.load(xd + sbc) * xsum.to(tl.float32)).to(tl.float16).to(tl.float32)
+                part = dx * (_f16(base) * isum.to(tl.float32)) + _f16(base + 2) * s[None, :]
+            else:
+                part = dx * (_f16(base) * (isum - 8 * xsum[None, :]).to(tl.float32))
+        acc += tl.where(ok[None, :], part, 0.0)
+    tl.store(y + rows, tl.sum(acc, axis=1), mask=rows < N)
+
+
+# the kernel of each format, the activation's block size, and the launch shape (rows, blocks per step, warps)
+KERNELS = {T.Q4_K: (mmvq_q4_k, 256), T.Q6_K: (mmvq_q6_k, 256), T.Q4_0: (mmvq_q32, 32), T.Q4_1: (mmvq_q32, 32),
+           T.Q8_0: (mmvq_q32, 32)}
+TYPE_ARG = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
+SHAPES = {T.Q4_K: (2, 4, 4), T.Q6_K: (2, 4, 4), T.Q4_0: (2, 32, 4), T.Q4_1: (2, 32, 4), T.Q8_0: (2, 16, 4)}
