@@ -161,7 +161,7 @@ def profile_decode(model, steps: int = 16) -> None:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps
     print(f"decode step: {wall * 1e3:.2f} ms wall (under the profiler)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60))
 
 
 def main(argv=None) -> int:
