@@ -150,6 +150,7 @@ def add_engine_parsers(sub) -> None:
                         "for the formats with integer kernels)")
     p.add_argument("-t", "--threads", type=int, default=None)
     add_offload_args(p)
+    add_lora_args(p)
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("bench", help="llama-bench's pp and tg tests")
@@ -162,18 +163,28 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
     p.add_argument("--json", action="store_true")
     add_offload_args(p)
+    add_lora_args(p)
     p.set_defaults(func=cmd_bench)
+
+
+def _lora_pairs(args) -> list:
+    """(path, scale) pairs of --lora / --lora-scaled."""
+    from .llama.lora import LoraError, parse_lora_args
+    try:
+        return parse_lora_args(getattr(args, "lora", None), getattr(args, "lora_scaled", None))
+    except ValueError:
+        raise LoraError(f"--lora-scaled: the scale must be a number, got {args.lora_scaled}") from None
+
+
+def _lora_adapters(args, model) -> list:
+    """--lora / --lora-scaled loaded for ``model``: (LoraAdapter, scale) pairs for Context.set_loras."""
+    from .llama.lora import LoraAdapter
+    return [(LoraAdapter(model, p), s) for p, s in _lora_pairs(args)]
 
 
 def _load(args, **kw):
     from .llama.api import Llama
-    from .llama.lora import parse_lora_args
-    try:
-        loras = parse_lora_args(getattr(args, "lora", None), getattr(args, "lora_scaled", None))
-    except ValueError:
-        from .llama.lora import LoraError
-        raise LoraError(f"--lora-scaled: the scale must be a number, got {args.lora_scaled}") from None
-    return Llama(args.model, n_threads=_threads(args), lora_adapters=loras, **offload_kw(args), **kw)
+    return Llama(args.model, n_threads=_threads(args), lora_adapters=_lora_pairs(args), **offload_kw(args), **kw)
 
 
 def _grammar(args):
@@ -363,8 +374,9 @@ def cmd_perplexity(args) -> int:
         print("llampy: error: -f/--file is required", file=sys.stderr)
         return 2
     m = Model(resolve_model(args.model), n_threads=args.threads, **offload_kw(args))
+    loras = _lora_adapters(args, m)
     if args.kl_divergence:
-        return _kl_divergence(m, args)
+        return _kl_divergence(m, args, loras)
     with open(args.file, encoding="utf-8", errors="replace") as f:
         text = f.read()
     t0 = time.perf_counter()
@@ -384,7 +396,7 @@ def cmd_perplexity(args) -> int:
         writer = BaseWriter(args.kl_divergence_base, args.ctx_size, m.hparams.n_vocab, tokens, n_chunk)
     try:
         res = perplexity(m, text, n_ctx=args.ctx_size, n_batch=args.batch_size, max_chunks=args.chunks,
-                         progress=progress, fast=args.blas, on_logits=writer)
+                         progress=progress, fast=args.blas, on_logits=writer, loras=loras)
     finally:
         if writer:
             writer.close()
@@ -393,7 +405,7 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
-def _kl_divergence(m, args) -> int:
+def _kl_divergence(m, args, loras) -> int:
     from .llama.kld import CHUNK_HEADER, kl_divergence, read_base
     try:
         base = read_base(args.kl_divergence_base)
@@ -403,7 +415,7 @@ def _kl_divergence(m, args) -> int:
     print(CHUNK_HEADER)
     try:
         st = kl_divergence(m, base, n_batch=args.batch_size, max_chunks=args.chunks, fast=args.blas,
-                           on_line=lambda s: print(s, flush=True))
+                           on_line=lambda s: print(s, flush=True), loras=loras)
     except ValueError as e:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
@@ -448,7 +460,8 @@ def cmd_bench(args) -> int:
     import numba
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     m = Model(resolve_model(args.model), n_threads=args.threads, **offload_kw(args))
-    results = bench(m, args.n_prompt, args.n_gen, args.reps, args.batch_size, args.ubatch_size, args.threads)
+    results = bench(m, args.n_prompt, args.n_gen, args.reps, args.batch_size, args.ubatch_size, args.threads,
+                    loras=_lora_adapters(args, m))
     if args.json:
         print(json.dumps([r.to_json() for r in results], indent=1))
         return 0

@@ -50,11 +50,13 @@ def _run_tg(ctx: Context, tokens: np.ndarray) -> None:
 
 
 def bench(model, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_batch: int = 2048, n_ubatch: int = 512,
-          n_threads: int = 2, seed: int = 1234) -> list[BenchResult]:
+          n_threads: int = 2, seed: int = 1234, loras=None) -> list[BenchResult]:
+    """llama-bench's pp and tg tests; ``loras``: (LoraAdapter, scale) pairs applied throughout (--lora)."""
     rng = np.random.default_rng(seed)
     n_vocab = model.hparams.n_vocab
     n_ctx = max(n_prompt, n_gen, 1) + 1
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch)
+    ctx.set_loras(loras or [])
     results = []
     tests = []
     if n_prompt > 0:

@@ -242,7 +242,8 @@ CHUNK_HEADER = ("chunk             PPL               ln(PPL(Q)/PPL(base))       
                 "Δp RMS            Same top p")
 
 
-def kl_divergence(model, base: BaseFile, n_batch=None, max_chunks=None, fast=False, on_line=None) -> KLDStats:
+def kl_divergence(model, base: BaseFile, n_batch=None, max_chunks=None, fast=False, on_line=None,
+                  loras=None) -> KLDStats:
     """Runs ``model`` over the base file's tokens and compares its log-probabilities with the stored ones."""
     from .perplexity import perplexity
     n_vocab = model.hparams.n_vocab
@@ -257,5 +258,5 @@ def kl_divergence(model, base: BaseFile, n_batch=None, max_chunks=None, fast=Fal
             on_line(st.chunk_line(c + 1))
     n_chunk = base.n_chunk if not max_chunks else min(max_chunks, base.n_chunk)
     perplexity(model, "", n_ctx=base.n_ctx, n_batch=n_batch, max_chunks=n_chunk, fast=fast,
-               tokens=base.tokens.tolist(), on_logits=on_logits)
+               tokens=base.tokens.tolist(), on_logits=on_logits, loras=loras)
     return st

@@ -31,14 +31,15 @@ def _nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def perplexity(model, text: str, n_ctx: int = 512, n_batch: int | None = None, max_chunks: int | None = None,
-               progress=None, fast: bool = False, tokens=None, on_logits=None) -> PerplexityResult:
+               progress=None, fast: bool = False, tokens=None, on_logits=None, loras=None) -> PerplexityResult:
     """``fast``: batched matrix products through the dequantize-and-BLAS path instead of the integer kernels (the
     mean log-likelihood moves by ~1e-3). It used to be the default; since the integer kernels' prompt tiles it is
     the slower of the two (seeds/003 at -c 256 -b 256: SmolLM2 7.1 s BLAS vs 4.6 s integer, Gemma 3 19.4 vs 17.3),
     and the integer path is llama.cpp's arithmetic (SmolLM2 52.0295 vs llama.cpp's 52.0007; BLAS 51.9299).
 
     ``tokens``: score these instead of tokenizing ``text`` (the KL-divergence mode reads them from the base file).
-    ``on_logits(c, chunk_tokens, logits)``: each chunk's scored rows, float32 [n_ctx - 1 - n_ctx/2, n_vocab]."""
+    ``on_logits(c, chunk_tokens, logits)``: each chunk's scored rows, float32 [n_ctx - 1 - n_ctx/2, n_vocab].
+    ``loras``: (LoraAdapter, scale) pairs applied to every chunk (llama-perplexity --lora / --lora-scaled)."""
     vocab = model.vocab
     add_bos = bool(vocab.add_bos and vocab.bos is not None)
     if tokens is None:
@@ -51,6 +52,7 @@ def perplexity(model, text: str, n_ctx: int = 512, n_batch: int | None = None, m
                            f"(a longer text, or a smaller -c)")
     n_batch = min(n_batch or n_ctx, n_ctx)
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch)
+    ctx.set_loras(loras or [])
     saved = [getattr(b, "exact_max_rows", None) for b in model.backends]
     if fast:
         for b in model.backends:

@@ -82,15 +82,10 @@ def test_two_adapters_match_libllama(tmp_path):
     assert err <= 1e-3, f"max |dlogprob| over the top 10: {err:.2e}"
 
 
-def test_adapter_equals_merged_weights(tmp_path):
-    """llama-F32 with an adapter at scale s against the same model with W + s * alpha/rank * B @ A written into
-    its weights (the output head, tied to the embedding, is kept as it was)."""
-    src, rank, alpha, s = TINY / "llama-F32.gguf", 4, 6.0, 0.8
-    pairs = random_pairs(src, rank, 3)
-    path = write_lora(tmp_path / "a.gguf", "llama", pairs, alpha=alpha)
-    k = s * alpha / rank
+def write_merged(src, pairs: dict, k: float, path):
+    """``src`` with W + k * B @ A written into its weights (the output head, tied to the embedding, kept as it was)."""
     with GGUFReader(src) as r:
-        w = GGUFWriter(tmp_path / "merged.gguf")
+        w = GGUFWriter(path)
         for key, v in r.metadata.items():
             w.add(key, v, r.value_types[key])
         for name in r.tensors:
@@ -101,12 +96,48 @@ def test_adapter_equals_merged_weights(tmp_path):
             w.add_tensor(name, arr)
         w.add_tensor("output.weight", r.tensor_array("token_embd.weight").copy())
         w.write()
+    return path
+
+
+def test_adapter_equals_merged_weights(tmp_path):
+    """llama-F32 with an adapter at scale s against the same model with W + s * alpha/rank * B @ A written into
+    its weights (the output head, tied to the embedding, is kept as it was)."""
+    src, rank, alpha, s = TINY / "llama-F32.gguf", 4, 6.0, 0.8
+    pairs = random_pairs(src, rank, 3)
+    path = write_lora(tmp_path / "a.gguf", "llama", pairs, alpha=alpha)
+    write_merged(src, pairs, s * alpha / rank, tmp_path / "merged.gguf")
     model = Model(src)
     ours = llampy_logits(model, [(LoraAdapter(model, path), s)])
     merged = llampy_logits(Model(tmp_path / "merged.gguf"))
     base = llampy_logits(model)
     assert np.abs(merged - base).max() > 1.0
     np.testing.assert_allclose(ours, merged, atol=2e-3 * np.abs(merged).max())
+
+
+def test_perplexity_and_bench_lora_flags(tmp_path, capsys):
+    """`perplexity --lora-scaled` scores as the merged model does (not as the base); `bench --lora` loads the adapter
+    for the model (a file that is not one is refused) and runs with it."""
+    import json
+    import re
+    from llampy.cli import main
+    src, s = TINY / "llama-F32.gguf", 0.5
+    pairs = random_pairs(src, 4, 7, std=0.1)
+    path = write_lora(tmp_path / "a.gguf", "llama", pairs)
+    merged = write_merged(src, pairs, s, tmp_path / "merged.gguf")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    ppl = {}
+    for name, model, extra in (("lora", src, ["--lora-scaled", str(path), str(s)]), ("merged", merged, []),
+                               ("base", src, [])):
+        assert main(["perplexity", str(model), "-f", str(text), "-c", "32", "--chunks", "2", "-ngl", "0",
+                     *extra]) == 0
+        ppl[name] = float(re.search(r"PPL = ([0-9.]+)", capsys.readouterr().out).group(1))
+    assert abs(ppl["lora"] - ppl["merged"]) < 1e-3 * ppl["merged"]
+    assert abs(ppl["base"] - ppl["merged"]) > 1e-2 * ppl["merged"]
+    assert main(["bench", str(src), "-p", "8", "-n", "2", "-r", "1", "-ngl", "0", "--json", "--lora", str(path)]) == 0
+    assert [r["n_prompt"] + r["n_gen"] for r in json.loads(capsys.readouterr().out)] == [8, 2]
+    assert main(["bench", str(src), "-p", "8", "-n", "0", "-r", "1", "-ngl", "0", "--lora", str(src)]) == 1
+    assert "general.type" in capsys.readouterr().err
 
 
 def test_output_head_pair_matches_libllama(tmp_path):
