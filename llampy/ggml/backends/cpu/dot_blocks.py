@@ -90,18 +90,33 @@ def _nib_lut32(kv):
     def nib_lut(typingctx, w, off):
         def codegen(context, builder, sig, args):
             q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16))
-            lo = builder.and_(q, _splat(_V16, 15))
-            hi = builder.lshr(q, _splat(_V16, 4))
-            idx = _shuf(builder, lo, hi, range(32))
-            if AVX2:
-                table = ir.Constant(_V32, kv + kv)
-                return builder.bitcast(_call(builder, "llvm.x86.avx2.pshuf.b", _V32, [table, idx]), _V_I32x8)
-            v = ir.Constant(_V32, [0] * 32)
-            for j, kj in enumerate(kv):
-                v = builder.select(builder.icmp_unsigned("==", idx, _splat(_V32, j)), _splat(_V32, kj), v)
-            return builder.bitcast(v, _V_I32x8)
+            return builder.bitcast(_lut_nibbles(builder, q, kv), _V_I32x8)
         return i32x8(w, types.intp), codegen
     return nib_lut
+
+
+def _lut_nibbles(builder, q, kv):
+    """<16 x i8> packed nibbles -> <32 x i8>: kv at the low nibbles (elements 0..15), then at the high ones."""
+    lo = builder.and_(q, _splat(_V16, 15))
+    hi = builder.lshr(q, _splat(_V16, 4))
+    idx = _shuf(builder, lo, hi, range(32))
+    if AVX2:
+        return _call(builder, "llvm.x86.avx2.pshuf.b", _V32, [ir.Constant(_V32, kv + kv), idx])
+    v = ir.Constant(_V32, [0] * 32)
+    for j, kj in enumerate(kv):
+        v = builder.select(builder.icmp_unsigned("==", idx, _splat(_V32, j)), _splat(_V32, kj), v)
+    return v
+
+
+def _signed_madd(builder, a, b, s16):
+    """madd(mul_add_epi8(a, b), s16): ggml's sign trick (maddubs(|a|, b with a's sign); exact, |a| <= 127) on two
+    <32 x i8>, the pair sums times the <16 x i16> s16."""
+    zero = _splat(_V32, 0)
+    neg = builder.icmp_signed("<", a, zero)
+    absa = builder.select(neg, builder.sub(zero, a), a)
+    sb = builder.select(neg, builder.sub(zero, b), b)
+    sb = builder.select(builder.icmp_signed("==", a, zero), zero, sb)
+    return _madd(builder, _maddubs(builder, absa, sb), s16)
 
 
 nib_lut32 = _nib_lut32(B.KVALUES_IQ4NL)      # IQ4_NL, IQ4_XS
@@ -213,17 +228,46 @@ def lanes_s(typingctx, q, x, xo, s):
     def codegen(context, builder, sig, args):
         a = builder.bitcast(args[0], _V32)
         b = _x32(context, builder, sig, args, 1, 2)
-        zero = _splat(_V32, 0)
-        neg = builder.icmp_signed("<", a, zero)
-        absa = builder.select(neg, builder.sub(zero, a), a)
-        sb = builder.select(neg, builder.sub(zero, b), b)
-        sb = builder.select(builder.icmp_signed("==", a, zero), zero, sb)
-        p16 = _maddubs(builder, absa, sb)
         sv = builder.trunc(context.cast(builder, args[3], sig.args[3], types.int64), _I16)
-        return _madd(builder, p16, _shuf(builder, builder.insert_element(ir.Constant(_W16, None), sv,
-                                                                        ir.Constant(_I32, 0)),
-                                         ir.Constant(_W16, None), [0] * 16))
+        return _signed_madd(builder, a, b, _shuf(builder, builder.insert_element(ir.Constant(_W16, None), sv,
+                                                                                 ir.Constant(_I32, 0)),
+                                                  ir.Constant(_W16, None), [0] * 16))
     return i32x8(i32x8, x, types.intp, s), codegen
+
+
+@intrinsic
+def iq4xs_lanes(typingctx, w, o, x, xo):
+    """IQ4_XS's eight int32 lanes of one super-block (the block at byte o of w, the 256 int8 activations at byte
+    xo of x): per 32-value group g, the IQ4_NL table at its nibbles times x by the sign trick, the pair sums times
+    the group's 6-bit scale (``lanes_s``), summed over the groups. The eight scales are decoded at once into one
+    vector (low nibbles from scales_l, two high bits each from scales_h), each group's a broadcast of its lane."""
+    kv = [int(v) for v in B.KVALUES_IQ4NL]
+
+    def codegen(context, builder, sig, args):
+        wty, xty = sig.args[0], sig.args[2]
+        ity = context.get_value_type(types.intp)
+        o = context.cast(builder, args[1], sig.args[1], types.intp)
+        xo = context.cast(builder, args[3], sig.args[3], types.intp)
+
+        def at(off, vty):
+            return _load(builder, _ptr(context, builder, wty, args[0], builder.add(o, ir.Constant(ity, off)), vty))
+        v8 = ir.VectorType(_I8, 8)
+        w8 = ir.VectorType(_I16, 8)
+        sl = at(X4_SL, ir.VectorType(_I8, 4))
+        lo = builder.and_(builder.lshr(_shuf(builder, sl, sl, [g >> 1 for g in range(8)]),
+                                       ir.Constant(v8, [4 * (g & 1) for g in range(8)])), _splat(v8, 15))
+        sh = at(X4_SH, ir.VectorType(_I16, 1))
+        hi = builder.and_(builder.lshr(_shuf(builder, sh, sh, [0] * 8), ir.Constant(w8, [2 * g for g in range(8)])),
+                          _splat(w8, 3))
+        ls = builder.sub(builder.or_(builder.zext(lo, w8), builder.shl(hi, _splat(w8, 4))), _splat(w8, 32))
+        acc = None
+        for g in range(8):
+            q = _lut_nibbles(builder, at(X4_QS + 16 * g, _V16), kv)
+            xv = _load(builder, _ptr(context, builder, xty, args[2], builder.add(xo, ir.Constant(ity, 32 * g)), _V32))
+            v = _signed_madd(builder, q, xv, _shuf(builder, ls, ls, [g] * 16))
+            acc = v if acc is None else builder.add(acc, v)
+        return acc
+    return i32x8(w, o, x, xo), codegen
 
 
 @intrinsic
@@ -427,6 +471,7 @@ Q2_BYTES, Q2_QS, Q2_D, Q2_DMIN = Q2.type_size, Q2.field("qs").offset, Q2.field("
 Q3_BYTES, Q3_QS, Q3_HM, Q3_D = Q3.type_size, Q3.field("qs").offset, Q3.field("hmask").offset, Q3.field("d").offset
 Q3_SC = Q3.field("scales").offset
 X4_BYTES, X4_QS, X4_D = X4.type_size, X4.field("qs").offset, X4.field("d").offset
+X4_SH, X4_SL = X4.field("scales_h").offset, X4.field("scales_l").offset
 N4_BYTES, N4_QS, N4_D = N4.type_size, N4.field("qs").offset, N4.field("d").offset
 T2 = B.BLOCKS[T.TQ2_0]
 T1 = B.BLOCKS[T.TQ1_0]
@@ -544,13 +589,8 @@ def _st_q3_k(kind, wr, b, xr, xdr, bsr, a1, a2, s):
 @njit(cache=True, inline="always")
 def _st_iq4_xs(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     o = b * X4_BYTES
-    xo = b * 256
-    lanes = i32x8_zero()
-    for g in range(8):
-        lanes = i32x8_add(lanes, lanes_s(nib_lut32(wr, o + X4_QS + 16 * g), xr, xo + 32 * g,
-                                         B.iq4_xs_scale(wr, o, g)))
     d = np.float32(f16_at(wr, o + X4_D) * xdr[b])
-    a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
+    a1 = f32x8_fma(d, i32x8_to_f32x8(iq4xs_lanes(wr, o, xr, b * 256)), a1)
     return a1, a2, s
 
 
