@@ -120,7 +120,7 @@ def main(argv=None) -> int:
             xd = torch.empty(k // g, dtype=torch.float32, device=dev)
             xs = torch.empty(k // 16, dtype=torch.int32, device=dev)
             extra = {"TYPE": int(t)} if t in MMVQ.TYPE_ARG else {}
-            sbs = (16, 32) if g == 32 else (4, 8)
+            sbs = (16, 32) if g == 32 else (4, 8, 16)
             for bn in (1, 2, 4, 8):
                 for sb in sbs:
                     for warps in (4, 8):
