@@ -5,7 +5,10 @@ results are bit-identical to ggml's (C ``float`` arithmetic without fused multip
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numba import njit
 
 from .types import GGMLType, TYPE_TRAITS
 
@@ -25,6 +28,32 @@ def to_f16_bytes(v: np.ndarray) -> np.ndarray:
 def round_f16(v: np.ndarray) -> np.ndarray:
     """GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(v))"""
     return np.asarray(v, F32).astype(np.float16).astype(F32)
+
+
+@njit(cache=True, nogil=True)
+def fp16_bits(v):
+    """GGML_FP32_TO_FP16 inside Numba kernels: float32 -> its fp16 bit pattern, nearest even (as F16C and NumPy).
+    Arithmetic on the float64 value (exact for a float32) instead of bit casts, which Numba scalars lack."""
+    s = 0x8000 if math.copysign(1.0, v) < 0 else 0
+    a = abs(float(v))
+    if a != a:
+        return s | 0x7E00
+    if a >= 65520.0:                                     # rounds past 65504: infinity
+        return s | 0x7C00
+    if a < 6.103515625e-05:                              # below 2^-14: subnormal steps of 2^-24 (1024 = 2^-14)
+        return s | int(np.rint(a * 16777216.0))
+    m, e = math.frexp(a)                                 # a = m 2^e, 0.5 <= m < 1
+    q = int(np.rint(m * 2048.0))                         # 11 significant bits; q = 2048 carries into the exponent
+    return s | (((e + 14) << 10) + q - 1024)
+
+
+@njit(cache=True, nogil=True)
+def fp16_value(h):
+    """GGML_FP16_TO_FP32 of a bit pattern from fp16_bits (finite)."""
+    e = (h >> 10) & 31
+    m = h & 1023
+    v = math.ldexp(float(m), -24) if e == 0 else math.ldexp(float(1024 + m), e - 25)
+    return F32(-v if h & 0x8000 else v)
 
 
 def as_bytes(data: np.ndarray) -> np.ndarray:

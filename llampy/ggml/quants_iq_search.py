@@ -201,19 +201,63 @@ def _fold_signs(xb, weight, xval, signs, even):
 
 @njit(cache=True)
 def _best_neighbour(nb, start, grid, xval, w, off, scale, L):
-    """iq2_find_best_neighbour / iq3_find_best_neighbour: least sum w (scale q - x)^2 among the listed points"""
+    """iq2_find_best_neighbour / iq3_find_best_neighbour: least sum w (scale q - x)^2 among the listed points.
+    Written out per grid width (4 or 8) with the point's x and w in registers; the same sums in the same order."""
     dim = grid.shape[1]
     best = FLT_MAX
     gi = -1
-    for j in range(1, int(nb[start]) + 1):
-        g = int(nb[start + j])
-        d2 = F32(0.0)
-        for i in range(dim):
-            diff = scale * F32(grid[g, i]) - xval[off + i]
-            d2 += w[off + i] * diff * diff
-        if d2 < best:
-            best = d2
-            gi = g
+    x0 = xval[off]
+    x1 = xval[off + 1]
+    x2 = xval[off + 2]
+    x3 = xval[off + 3]
+    w0 = w[off]
+    w1 = w[off + 1]
+    w2 = w[off + 2]
+    w3 = w[off + 3]
+    if dim == 4:
+        for j in range(1, int(nb[start]) + 1):
+            g = int(nb[start + j])
+            d = scale * F32(grid[g, 0]) - x0
+            d2 = w0 * d * d
+            d = scale * F32(grid[g, 1]) - x1
+            d2 += w1 * d * d
+            d = scale * F32(grid[g, 2]) - x2
+            d2 += w2 * d * d
+            d = scale * F32(grid[g, 3]) - x3
+            d2 += w3 * d * d
+            if d2 < best:
+                best = d2
+                gi = g
+    else:
+        x4 = xval[off + 4]
+        x5 = xval[off + 5]
+        x6 = xval[off + 6]
+        x7 = xval[off + 7]
+        w4 = w[off + 4]
+        w5 = w[off + 5]
+        w6 = w[off + 6]
+        w7 = w[off + 7]
+        for j in range(1, int(nb[start]) + 1):
+            g = int(nb[start + j])
+            d = scale * F32(grid[g, 0]) - x0
+            d2 = w0 * d * d
+            d = scale * F32(grid[g, 1]) - x1
+            d2 += w1 * d * d
+            d = scale * F32(grid[g, 2]) - x2
+            d2 += w2 * d * d
+            d = scale * F32(grid[g, 3]) - x3
+            d2 += w3 * d * d
+            d = scale * F32(grid[g, 4]) - x4
+            d2 += w4 * d * d
+            d = scale * F32(grid[g, 5]) - x5
+            d2 += w5 * d * d
+            d = scale * F32(grid[g, 6]) - x6
+            d2 += w6 * d * d
+            d = scale * F32(grid[g, 7]) - x7
+            d2 += w7 * d * d
+            if d2 < best:
+                best = d2
+                gi = g
     if gi < 0:
         raise ValueError("IQ quantization: no grid point found (non-finite values?)")
     for i in range(dim):

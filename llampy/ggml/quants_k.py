@@ -1,15 +1,16 @@
 """The k-quants (Q2_K..Q6_K): vectorised dequantize, and quantize as ggml's quantize_row_q*_K_ref.
 
-The reference quantizers search scales per sub-block (make_qkx2_quants, make_q3_quants, make_qx_quants). Those
-searches are sequential per sub-block, so they run in Numba, in float32 and in ggml's operation order; the rest
-(super-block scales, fp16 rounding, the final requantization and the bit packing) is vectorised NumPy.
+The quantizers are sequential per super-block (a scale search per sub-block: make_qkx2_quants, make_q3_quants,
+make_qx_quants; then the super-block scales, fp16 rounding, requantization and bit packing), so each is one Numba
+kernel over blocks, in float32 and in ggml's operation order, writing the block bytes directly. The ``*_pack``
+functions are the shared ends of ggml's _ref and importance-weighted _impl quantizers (quants_imatrix uses them).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .quants_base import F32, f16, nearest_int, pack, round_f16, to_blocks, to_f16_bytes
+from .quants_base import F32, f16, fp16_bits, fp16_value, to_blocks
 from .types import GGMLType, QK_K
 
 T = GGMLType
@@ -104,9 +105,18 @@ def _nearest_int(v):
     return int((v + F32(12582912.0)) - F32(12582912.0))
 
 
-@njit(cache=True)
-def _make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad, L, Laux):
-    """make_qkx2_quants: returns (scale, -min); L gets the levels 0..nmax."""
+QKX_LANES = 40     # make_qkx2/3_quants' at most 37 trial scales, padded to a multiple of the SIMD width
+
+
+@njit(cache=True, nogil=True)
+def make_qkx(x, w, nmax, rmin, rdelta, nstep, use_mad, L, acc):
+    """make_qkx2_quants (and make_qkx3_quants, the same search): returns (scale, -min); L gets the levels 0..nmax.
+    ``acc`` float32 [7, QKX_LANES] scratch.
+
+    The trial scales run side by side, one SIMD lane each, every sum taken over i in ggml's order (so bit-identical
+    to its sequential loops), and the trials are then taken in ggml's order. An accepted trial moves ``min``, which
+    the later trials in ggml start from: those lanes are then run again from the new min. Levels are clamped as
+    floats (iscale * (x - min) stays well inside +-2^22, where the rounded float is the int)."""
     n = x.shape[0]
     lo = x[0]
     hi = x[0]
@@ -121,80 +131,89 @@ def _make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad, L, Laux):
         sum_x += w[i] * x[i]
     if lo > 0:
         lo = F32(0.0)
-    if hi == lo:
+    if hi <= lo:
         for i in range(n):
             L[i] = 0
         return F32(0.0), -lo
-    fnmax = F32(nmax)
-    iscale = fnmax / (hi - lo)
+    fn = F32(nmax)
+    iscale = fn / (hi - lo)
     scale = F32(1.0) / iscale
-    best_error = F32(0.0)
+    best = F32(0.0)
     for i in range(n):
         l = max(0, min(nmax, _nearest_int(iscale * (x[i] - lo))))
         L[i] = l
         diff = scale * F32(l) + lo - x[i]
         diff = abs(diff) if use_mad else diff * diff
-        best_error += w[i] * diff
+        best += w[i] * diff
     if nstep < 1:
         return scale, -lo
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * F32(step) + fnmax) / (hi - lo)
-        sum_l = F32(0.0)
-        sum_l2 = F32(0.0)
-        sum_xl = F32(0.0)
+    its = acc[0]
+    sl = acc[1]
+    sl2 = acc[2]
+    sxl = acc[3]
+    ts = acc[4]
+    tm = acc[5]
+    err = acc[6]
+    best_is = F32(0.0)       # the accepted trial's iscale and the min it rounded against (its levels, at the end)
+    best_lo = lo
+    taken = False
+    start = 0
+    while start <= nstep:
+        nl = (nstep + 1 - start + 7) // 8 * 8
+        for k in range(nl):
+            its[k] = (rmin + rdelta * F32(start + k) + fn) / (hi - lo) if start + k <= nstep else F32(0.0)
+            sl[k] = F32(0.0)
+            sl2[k] = F32(0.0)
+            sxl[k] = F32(0.0)
+            err[k] = F32(0.0)
         for i in range(n):
-            l = max(0, min(nmax, _nearest_int(iscale * (x[i] - lo))))
-            Laux[i] = l
-            fl = F32(l)
-            sum_l += w[i] * fl
-            sum_l2 += w[i] * fl * fl
-            sum_xl += w[i] * fl * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > 0:
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > 0:
-                this_min = F32(0.0)
-                this_scale = sum_xl / sum_l2
-            cur_error = F32(0.0)
-            for i in range(n):
-                diff = this_scale * F32(Laux[i]) + this_min - x[i]
+            xi = x[i]
+            di = xi - lo
+            wi = w[i]
+            for k in range(nl):
+                l = min(max((its[k] * di + F32(12582912.0)) - F32(12582912.0), F32(0.0)), fn)
+                wl = wi * l
+                sl[k] += wl
+                sl2[k] += wl * l
+                sxl[k] += wl * xi
+        for k in range(nl):
+            D = sum_w * sl2[k] - sl[k] * sl[k]
+            this_scale = F32(0.0)
+            this_min = F32(0.0)
+            if D > 0:
+                this_scale = (sum_w * sxl[k] - sum_x * sl[k]) / D
+                this_min = (sl2[k] * sum_x - sl[k] * sxl[k]) / D
+                if this_min > 0:
+                    this_min = F32(0.0)
+                    this_scale = sxl[k] / sl2[k]
+            ts[k] = this_scale
+            tm[k] = this_min
+        for i in range(n):
+            xi = x[i]
+            di = xi - lo
+            wi = w[i]
+            for k in range(nl):
+                l = min(max((its[k] * di + F32(12582912.0)) - F32(12582912.0), F32(0.0)), fn)
+                diff = ts[k] * l + tm[k] - xi
                 diff = abs(diff) if use_mad else diff * diff
-                cur_error += w[i] * diff
-            if cur_error < best_error:
-                for i in range(n):
-                    L[i] = Laux[i]
-                best_error = cur_error
-                scale = this_scale
-                lo = this_min
+                err[k] += wi * diff
+        nxt = nstep + 1
+        for k in range(nstep + 1 - start):
+            if sum_w * sl2[k] - sl[k] * sl[k] > 0 and err[k] < best:
+                best = err[k]
+                scale = ts[k]
+                best_is = its[k]
+                best_lo = lo
+                taken = True
+                if tm[k] != lo:
+                    lo = tm[k]
+                    nxt = start + k + 1
+                    break
+        start = nxt
+    if taken:
+        for i in range(n):
+            L[i] = max(0, min(nmax, _nearest_int(best_is * (x[i] - best_lo))))
     return scale, -lo
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def _search_qkx2(b, sub, nmax, rmin, rdelta, nstep, use_mad, rms_weights):
-    """Per sub-block of ``sub`` values: make_qkx2_quants with weights |x| (Q2_K) or rms(x) + |x| (Q4_K, Q5_K)."""
-    n, k = b.shape
-    nsub = k // sub
-    scales = np.empty((n, nsub), np.float32)
-    mins = np.empty((n, nsub), np.float32)
-    L = np.empty((n, k), np.uint8)
-    for i in prange(n):
-        w = np.empty(sub, np.float32)
-        Laux = np.empty(sub, np.uint8)
-        for j in range(nsub):
-            x = b[i, j * sub:(j + 1) * sub]
-            av_x = F32(0.0)
-            if rms_weights:
-                sum_x2 = F32(0.0)
-                for l in range(sub):
-                    sum_x2 += x[l] * x[l]
-                av_x = F32(np.sqrt(sum_x2 / F32(sub)))
-            for l in range(sub):
-                w[l] = av_x + abs(x[l])
-            s, m = _make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad, L[i, j * sub:(j + 1) * sub], Laux)
-            scales[i, j] = s
-            mins[i, j] = m
-    return scales, mins, L
 
 
 @njit(cache=True)
@@ -244,21 +263,17 @@ def _make_q3(x, nmax, L):
     return sumlx / suml2 if suml2 > 0 else F32(0.0)
 
 
-@njit(cache=True)
-def _qx_sums(x, iscale, nmax):
-    sumlx = F32(0.0)
-    suml2 = F32(0.0)
-    for i in range(x.shape[0]):
-        l = F32(max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i]))))
-        w = x[i] * x[i]
-        sumlx += w * x[i] * l
-        suml2 += w * l * l
-    return sumlx, suml2
+QX_STEPS = 24      # make_qx_quants' 19 trial scales, padded to a multiple of the SIMD width
 
 
-@njit(cache=True)
-def _make_qx(x, nmax, L):
-    """make_qx_quants with rmse_type 1 and no importance: returns the scale; L gets the levels 0..2*nmax-1."""
+@njit(cache=True, nogil=True)
+def make_qx(x, w, nmax, L, acc):
+    """make_qx_quants(n, nmax, x, L, rmse_type 1, qw) with the weights given (x*x for qw NULL): returns the scale;
+    L gets the levels 0..2*nmax-1. ``acc`` float32 [3, QX_STEPS] scratch.
+
+    The 19 trial scales' sums run side by side, one lane per trial (SIMD), each summed over i in ggml's order,
+    so every sum is bit-identical to ggml's sequential loop; the trials are then taken in ggml's order. The
+    levels are clamped as floats: iscale * x stays well inside +-2^22, where the rounded float is the int."""
     n = x.shape[0]
     mx = F32(0.0)
     amax = F32(0.0)
@@ -270,165 +285,337 @@ def _make_qx(x, nmax, L):
         for i in range(n):
             L[i] = 0
         return F32(0.0)
-    iscale = F32(-nmax) / mx
+    fn = F32(nmax)
+    its = acc[0]
+    sx = acc[1]
+    s2 = acc[2]
+    its[0] = -fn / mx
+    for k in range(1, 19):
+        step = k - 10 if k < 10 else k - 9                       # -9..-1, 1..9
+        its[k] = -(fn + F32(0.1) * F32(step)) / mx
+    for k in range(QX_STEPS):
+        if k >= 19:
+            its[k] = F32(0.0)
+        sx[k] = F32(0.0)
+        s2[k] = F32(0.0)
+    lo = -fn
+    hi = fn - F32(1.0)
     for i in range(n):
-        L[i] = nmax + max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i])))
-    sumlx, suml2 = _qx_sums(x, iscale, nmax)
-    scale = sumlx / suml2 if suml2 != 0 else F32(0.0)
-    best = scale * sumlx
-    for step in range(-9, 10):
-        if step == 0:
-            continue
-        iscale = -(F32(nmax) + F32(0.1) * F32(step)) / mx
-        sumlx, suml2 = _qx_sums(x, iscale, nmax)
-        if suml2 > 0 and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                L[i] = nmax + max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i])))
-            scale = sumlx / suml2
-            best = scale * sumlx
+        xi = x[i]
+        wi = w[i]
+        wx = wi * xi                                             # ggml's w*x[i]*l is (w*x[i])*l
+        for k in range(QX_STEPS):
+            r = (its[k] * xi + F32(12582912.0)) - F32(12582912.0)
+            l = min(max(r, lo), hi)
+            sx[k] += wx * l
+            s2[k] += wi * l * l
+    scale = sx[0] / s2[0] if s2[0] != 0 else F32(0.0)
+    best = scale * sx[0]
+    kb = 0
+    for k in range(1, 19):
+        if s2[k] > 0 and sx[k] * sx[k] > best * s2[k]:
+            scale = sx[k] / s2[k]
+            best = scale * sx[k]
+            kb = k
+    for i in range(n):
+        L[i] = nmax + max(-nmax, min(nmax - 1, _nearest_int(its[kb] * x[i])))
     return scale
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _search_q3(b, nmax, use_q3):
-    """Per sub-block of 16: make_q3_quants (Q3_K) or make_qx_quants (Q6_K)."""
-    n = b.shape[0]
-    scales = np.empty((n, 16), np.float32)
-    L = np.empty((n, QK_K), np.int8)
-    for i in prange(n):
-        for j in range(16):
-            x = b[i, 16 * j:16 * (j + 1)]
-            Lj = L[i, 16 * j:16 * (j + 1)]
-            scales[i, j] = _make_q3(x, nmax, Lj) if use_q3 else _make_qx(x, nmax, Lj)
-    return scales, L
-
-
 # ------------------------------------------------------------------------------------------------ quantize
+# One kernel per type: prange over chunks of CHUNK super-blocks (the scratch arrays allocated once per chunk).
+# ``b`` [n, 256] float32 blocks, ``out`` [n, type_size] uint8; a block's bytes are written in its struct's order.
 
-def _requant(L, x, d, dm, lo, hi, offset):
-    """ggml's last pass: where the sub-block scale d is non-zero, L = clamp(nearest_int((x + dm) / d)) + offset;
-    elsewhere the search's levels stay. d, dm: [n, nsub]."""
-    n, nsub = d.shape
-    sub = x.shape[1] // nsub
-    xs = x.reshape(n, nsub, sub)
-    dd = d[:, :, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        v = (xs + dm[:, :, None]) / dd if dm is not None else xs / dd
-        new = np.clip(np.rint(np.where(dd != 0, v, F32(0))), lo, hi).astype(np.int32) + offset
-    return np.where(dd != 0, new, L.reshape(n, nsub, sub).astype(np.int32)).reshape(n, -1)
+CHUNK = 16
 
 
-def _pack_2bit(L):
-    """L [n, 256] of 0..3 -> qs [n, 64]: byte 32h + l holds L[128h + l + 32s] at bits 2s."""
-    q = L.reshape(len(L), 2, 4, 32).astype(np.uint8) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    return np.bitwise_or.reduce(q, axis=2).reshape(len(L), 64)
+@njit(cache=True, nogil=True, inline="always")
+def _put_f16(o, at, v):
+    """o[at:at+2] = GGML_FP32_TO_FP16(v); returns GGML_FP16_TO_FP32 of it."""
+    h = fp16_bits(v)
+    o[at] = h & 0xFF
+    o[at + 1] = h >> 8
+    return fp16_value(h)
 
 
-def _inv_or_zero(num, den):
-    with np.errstate(divide="ignore"):
-        return np.where(den > 0, F32(num) / np.where(den > 0, den, F32(1)), F32(0)).astype(F32)
+@njit(cache=True, nogil=True, inline="always")
+def _pack_2bit(L, o, at):
+    """byte 32h + l holds L[128h + l + 32s] at bits 2s (Q2_K's and Q3_K's qs)."""
+    for h in range(2):
+        for l in range(32):
+            j = 128 * h + l
+            o[at + 32 * h + l] = L[j] | (L[j + 32] << 2) | (L[j + 64] << 4) | (L[j + 96] << 6)
+
+
+@njit(cache=True, nogil=True)
+def q2_k_pack(x, sc, d, dmin, L, o):
+    """block_q2_K {scales[16], qs[64], d, dmin} from the 16 packed scale|min<<4 bytes, d, dmin and the searched
+    levels (requantized where the sub-block scale is non-zero)."""
+    for j in range(16):
+        o[j] = sc[j]
+    dq = _put_f16(o, 80, d)
+    mq = _put_f16(o, 82, dmin)
+    for j in range(16):
+        dj = dq * F32(sc[j] & 0xF)
+        if dj == 0:
+            continue
+        mj = mq * F32(sc[j] >> 4)
+        for l in range(16):
+            L[16 * j + l] = max(0, min(3, _nearest_int((x[16 * j + l] + mj) / dj)))
+    _pack_2bit(L, o, 16)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _q2_k_rows(b, out):
+    n = b.shape[0]
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        w = np.empty(16, np.float32)
+        acc = np.empty((7, QKX_LANES), np.float32)
+        L = np.empty(QK_K, np.uint8)
+        scales = np.empty(16, np.float32)
+        mins = np.empty(16, np.float32)
+        sc = np.empty(16, np.uint8)
+        for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
+            x = b[i]
+            max_scale = F32(0.0)
+            max_min = F32(0.0)
+            for j in range(16):
+                for l in range(16):
+                    w[l] = abs(x[16 * j + l])
+                s, m = make_qkx(x[16 * j:16 * j + 16], w, 3, F32(-0.5), F32(0.1), 15, True,
+                                L[16 * j:16 * j + 16], acc)
+                scales[j] = s
+                mins[j] = m
+                max_scale = max(max_scale, s)
+                max_min = max(max_min, m)
+            d = F32(0.0)
+            for j in range(16):
+                sc[j] = 0
+            if max_scale > 0:
+                iscale = F32(15.0) / max_scale
+                for j in range(16):
+                    sc[j] = _nearest_int(iscale * scales[j]) & 0xFF
+                d = max_scale / F32(15.0)
+            dmin = F32(0.0)
+            if max_min > 0:
+                iscale = F32(15.0) / max_min
+                for j in range(16):
+                    sc[j] |= (_nearest_int(iscale * mins[j]) << 4) & 0xFF
+                dmin = max_min / F32(15.0)
+            q2_k_pack(x, sc, d, dmin, L, out[i])
+
+
+@njit(cache=True, nogil=True)
+def q3_k_pack(x, ls, d, L, o):
+    """block_q3_K {hmask[32], qs[64], scales[12], d} from the 16 six-bit scales (0..63, 32 is zero), d and the
+    searched levels 0..7 (requantized where the sub-block scale is non-zero)."""
+    for j in range(12):
+        o[96 + j] = 0
+    for j in range(16):
+        l = ls[j]
+        if j < 8:
+            o[96 + j] = l & 0xF
+        else:
+            o[96 + j - 8] |= (l & 0xF) << 4
+        o[104 + j % 4] |= (l >> 4) << (2 * (j // 4))
+    dq = _put_f16(o, 108, d)
+    for j in range(16):
+        dj = dq * F32(np.int32(ls[j]) - 32)
+        if dj == 0:
+            continue
+        for l in range(16):
+            L[16 * j + l] = max(-4, min(3, _nearest_int(x[16 * j + l] / dj))) + 4
+    # the high bit of value j goes to hmask[j % 32], bit j // 32
+    for m in range(32):
+        o[m] = 0
+    for j in range(QK_K):
+        if L[j] > 3:
+            o[j % 32] |= 1 << (j // 32)
+            L[j] -= 4
+    _pack_2bit(L, o, 32)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _q3_k_rows(b, out):
+    n = b.shape[0]
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        L = np.empty(QK_K, np.int8)
+        scales = np.empty(16, np.float32)
+        ls = np.empty(16, np.uint8)
+        for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
+            x = b[i]
+            max_scale = F32(0.0)
+            amax = F32(0.0)
+            for j in range(16):
+                s = _make_q3(x[16 * j:16 * j + 16], 4, L[16 * j:16 * j + 16])
+                scales[j] = s
+                if abs(s) > amax:
+                    amax = abs(s)
+                    max_scale = s
+            d = F32(0.0)
+            for j in range(16):
+                ls[j] = 0
+            if max_scale != 0:
+                iscale = F32(-32.0) / max_scale
+                for j in range(16):
+                    l = np.int8(_nearest_int(iscale * scales[j]) & 0xFF)     # ggml stores it in an int8_t first
+                    ls[j] = max(-32, min(31, np.int32(l))) + 32
+                d = F32(1.0) / iscale
+            q3_k_pack(x, ls, d, L, out[i])
+
+
+@njit(cache=True, nogil=True)
+def q45_k_pack(x, ls, lm, d, dmin, L, o, nmax):
+    """block_q4_K {d, dmin, scales[12], qs[128]} (nmax 15) or block_q5_K {d, dmin, scales[12], qh[32], qs[128]}
+    (nmax 31) from the 8 six-bit scales and mins, d, dmin and the searched levels."""
+    for j in range(4):
+        o[4 + j] = ls[j]
+        o[8 + j] = lm[j]
+    for j in range(4, 8):
+        o[8 + j] = (ls[j] & 0xF) | ((lm[j] & 0xF) << 4)
+        o[j] |= (ls[j] >> 4) << 6
+        o[4 + j] |= (lm[j] >> 4) << 6
+    dq = _put_f16(o, 0, d)
+    mq = _put_f16(o, 2, dmin)
+    for j in range(8):
+        dj = dq * F32(ls[j])
+        if dj == 0:
+            continue
+        mj = mq * F32(lm[j])
+        for l in range(32):
+            L[32 * j + l] = max(0, min(nmax, _nearest_int((x[32 * j + l] + mj) / dj)))
+    if nmax == 15:
+        for c in range(4):
+            for l in range(32):
+                o[16 + 32 * c + l] = L[64 * c + l] | (L[64 * c + 32 + l] << 4)
+    else:
+        # qh bit 2c for L[64c + l], bit 2c+1 for L[64c + 32 + l]
+        for l in range(32):
+            o[16 + l] = 0
+        for c in range(4):
+            for l in range(32):
+                l1 = L[64 * c + l]
+                l2 = L[64 * c + 32 + l]
+                o[16 + l] |= ((l1 >> 4) << (2 * c)) | ((l2 >> 4) << (2 * c + 1))
+                o[48 + 32 * c + l] = (l1 & 0xF) | ((l2 & 0xF) << 4)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _q45_k_rows(b, out, nmax, rmin, nstep):
+    n = b.shape[0]
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        w = np.empty(32, np.float32)
+        acc = np.empty((7, QKX_LANES), np.float32)
+        L = np.empty(QK_K, np.uint8)
+        scales = np.empty(8, np.float32)
+        mins = np.empty(8, np.float32)
+        ls = np.empty(8, np.uint8)
+        lm = np.empty(8, np.uint8)
+        for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
+            x = b[i]
+            max_scale = F32(0.0)
+            max_min = F32(0.0)
+            for j in range(8):
+                xj = x[32 * j:32 * j + 32]
+                sum_x2 = F32(0.0)
+                for l in range(32):
+                    sum_x2 += xj[l] * xj[l]
+                av_x = F32(np.sqrt(sum_x2 / F32(32.0)))
+                for l in range(32):
+                    w[l] = av_x + abs(xj[l])
+                s, m = make_qkx(xj, w, nmax, rmin, F32(0.1), nstep, False, L[32 * j:32 * j + 32], acc)
+                scales[j] = s
+                mins[j] = m
+                max_scale = max(max_scale, s)
+                max_min = max(max_min, m)
+            inv_scale = F32(63.0) / max_scale if max_scale > 0 else F32(0.0)
+            inv_min = F32(63.0) / max_min if max_min > 0 else F32(0.0)
+            for j in range(8):
+                ls[j] = min(63, _nearest_int(inv_scale * scales[j]) & 0xFF)
+                lm[j] = min(63, _nearest_int(inv_min * mins[j]) & 0xFF)
+            q45_k_pack(x, ls, lm, max_scale / F32(63.0), max_min / F32(63.0), L, out[i], nmax)
+
+
+@njit(cache=True, nogil=True)
+def q6_k_pack(x, scales, L, o):
+    """block_q6_K {ql[128], qh[64], scales[16], d} from the 16 sub-block scales and the searched levels 0..63: the
+    shared end of quantize_row_q6_K_ref and _impl."""
+    max_scale = F32(0.0)
+    max_abs = F32(0.0)
+    for j in range(16):
+        if abs(scales[j]) > max_abs:
+            max_abs = abs(scales[j])
+            max_scale = scales[j]
+    if max_abs < GROUP_MAX_EPS:                          # an all-zero block
+        for j in range(210):
+            o[j] = 0
+        return
+    iscale = F32(-128.0) / max_scale
+    dq = _put_f16(o, 208, F32(1.0) / iscale)
+    for j in range(16):
+        sc = min(127, _nearest_int(iscale * scales[j]))
+        o[192 + j] = sc & 0xFF
+        dj = dq * F32(sc)
+        if dj == 0:
+            continue
+        for l in range(16):
+            L[16 * j + l] = max(-32, min(31, _nearest_int(x[16 * j + l] / dj))) + 32
+    # per half h: ql[64h + l] = L[l] | L[l+64] << 4, ql[64h + 32 + l] = L[l+32] | L[l+96] << 4 (low nibbles);
+    # qh[32h + l] the four high bit pairs
+    for h in range(2):
+        for l in range(32):
+            j = 128 * h + l
+            q1 = L[j]
+            q2 = L[j + 32]
+            q3 = L[j + 64]
+            q4 = L[j + 96]
+            o[64 * h + l] = (q1 & 0xF) | ((q3 & 0xF) << 4)
+            o[64 * h + 32 + l] = (q2 & 0xF) | ((q4 & 0xF) << 4)
+            o[128 + 32 * h + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _q6_k_rows(b, out):
+    n = b.shape[0]
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        L = np.empty(QK_K, np.int8)
+        scales = np.empty(16, np.float32)
+        w = np.empty(16, np.float32)
+        acc = np.empty((3, QX_STEPS), np.float32)
+        for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
+            for j in range(16):
+                xj = b[i, 16 * j:16 * j + 16]
+                for l in range(16):
+                    w[l] = xj[l] * xj[l]
+                scales[j] = make_qx(xj, w, 32, L[16 * j:16 * j + 16], acc)
+            q6_k_pack(b[i], scales, L, out[i])
+
+
+def _run(kernel, x, type_size, *args):
+    b, lead = to_blocks(x, QK_K)
+    out = np.empty((len(b), type_size), np.uint8)
+    kernel(b, out, *args)
+    return out.reshape(lead + (x.shape[-1] // QK_K * type_size,))
 
 
 def quantize_q2_k(x):
-    b, lead = to_blocks(x, QK_K)
-    scales, mins, L = _search_qkx2(b, 16, 3, F32(-0.5), F32(0.1), 15, True, False)
-    max_scale = np.maximum(scales.max(axis=1), F32(0))
-    max_min = np.maximum(mins.max(axis=1), F32(0))
-    ls = nearest_int(_inv_or_zero(15, max_scale)[:, None] * scales).astype(np.uint8)
-    lm = nearest_int(_inv_or_zero(15, max_min)[:, None] * mins).astype(np.uint8)
-    sc = ls | (lm << 4)
-    d = np.where(max_scale > 0, max_scale / F32(15), F32(0)).astype(F32)
-    dmin = np.where(max_min > 0, max_min / F32(15), F32(0)).astype(F32)
-    dq = round_f16(d)[:, None] * (sc & 0xF).astype(F32)
-    dm = round_f16(dmin)[:, None] * (sc >> 4).astype(F32)
-    L = _requant(L, b, dq, dm, 0, 3, 0)
-    return pack([sc, _pack_2bit(L), to_f16_bytes(d), to_f16_bytes(dmin)], lead, x.shape[-1] // QK_K)
+    return _run(_q2_k_rows, x, 84)
 
 
 def quantize_q3_k(x):
-    b, lead = to_blocks(x, QK_K)
-    n = len(b)
-    scales, L = _search_q3(b, 4, True)
-    max_scale = scales[np.arange(n), np.abs(scales).argmax(axis=1)]
-    has = max_scale != 0
-    with np.errstate(divide="ignore"):
-        iscale = np.where(has, F32(-32) / np.where(has, max_scale, F32(1)), F32(0)).astype(F32)
-        d = np.where(has, F32(1) / np.where(has, iscale, F32(1)), F32(0)).astype(F32)
-    l = np.where(has[:, None], np.clip(nearest_int(iscale[:, None] * scales), -32, 31) + 32, 0).astype(np.uint8)
-    sc = np.zeros((n, 12), np.uint8)
-    sc[:, 0:8] = (l[:, 0:8] & 0xF) | ((l[:, 8:16] & 0xF) << 4)
-    hi = (l >> 4).reshape(n, 4, 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 4, 1)      # [n, j//4, j%4]
-    sc[:, 8:12] = np.bitwise_or.reduce(hi, axis=1)
-    dq = round_f16(d)[:, None] * (l.astype(np.int8) - 32).astype(F32)
-    L = _requant(L, b, dq, None, -4, 3, 4)
-    high = L > 3
-    hmask = np.bitwise_or.reduce(high.reshape(n, 8, 32).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None],
-                                 axis=1)
-    return pack([hmask, _pack_2bit(np.where(high, L - 4, L)), sc, to_f16_bytes(d)], lead, x.shape[-1] // QK_K)
-
-
-def _q45_k_scales(scales, mins):
-    """Shared by Q4_K and Q5_K: 6-bit scales and mins of 8 sub-blocks, packed into 12 bytes; d, dmin."""
-    n = len(scales)
-    max_scale = np.maximum(scales.max(axis=1), F32(0))
-    max_min = np.maximum(mins.max(axis=1), F32(0))
-    ls = np.minimum(63, nearest_int(_inv_or_zero(63, max_scale)[:, None] * scales).astype(np.uint8))
-    lm = np.minimum(63, nearest_int(_inv_or_zero(63, max_min)[:, None] * mins).astype(np.uint8))
-    sc = np.empty((n, 12), np.uint8)
-    sc[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
-    sc[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
-    sc[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
-    d = (max_scale / F32(63)).astype(F32)
-    dmin = (max_min / F32(63)).astype(F32)
-    dq = round_f16(d)[:, None] * ls.astype(F32)
-    dm = round_f16(dmin)[:, None] * lm.astype(F32)
-    return sc, d, dmin, dq, dm
+    return _run(_q3_k_rows, x, 110)
 
 
 def quantize_q4_k(x):
-    b, lead = to_blocks(x, QK_K)
-    scales, mins, L = _search_qkx2(b, 32, 15, F32(-1.0), F32(0.1), 20, False, True)
-    sc, d, dmin, dq, dm = _q45_k_scales(scales, mins)
-    L = _requant(L, b, dq, dm, 0, 15, 0).astype(np.uint8).reshape(len(b), 4, 2, 32)
-    qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(len(b), 128)
-    return pack([to_f16_bytes(d), to_f16_bytes(dmin), sc, qs], lead, x.shape[-1] // QK_K)
+    return _run(_q45_k_rows, x, 144, 15, F32(-1.0), 20)
 
 
 def quantize_q5_k(x):
-    b, lead = to_blocks(x, QK_K)
-    n = len(b)
-    scales, mins, L = _search_qkx2(b, 32, 31, F32(-0.5), F32(0.1), 15, False, True)
-    sc, d, dmin, dq, dm = _q45_k_scales(scales, mins)
-    L = _requant(L, b, dq, dm, 0, 31, 0).astype(np.uint8).reshape(n, 4, 2, 32)
-    qs = ((L[:, :, 0] & 0xF) | ((L[:, :, 1] & 0xF) << 4)).reshape(n, 128)
-    hbits = (L >> 4).reshape(n, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]   # bit 2c for L[64c+j], 2c+1 for +32
-    qh = np.bitwise_or.reduce(hbits, axis=1)
-    return pack([to_f16_bytes(d), to_f16_bytes(dmin), sc, qh, qs], lead, x.shape[-1] // QK_K)
+    return _run(_q45_k_rows, x, 176, 31, F32(-0.5), 15)
 
 
 def quantize_q6_k(x):
-    b, lead = to_blocks(x, QK_K)
-    scales, L = _search_q3(b, 32, False)
-    return quantize_q6_k_from(b, lead, x.shape[-1], scales, L)
-
-
-def quantize_q6_k_from(b, lead, k, scales, L):
-    """Q6_K's blocks from the sub-block scales and levels of a search (with or without an importance matrix)."""
-    n = len(b)
-    max_scale = scales[np.arange(n), np.abs(scales).argmax(axis=1)]
-    zero = np.abs(max_scale) < GROUP_MAX_EPS
-    with np.errstate(divide="ignore"):
-        iscale = np.where(zero, F32(0), F32(-128) / np.where(zero, F32(1), max_scale)).astype(F32)
-        d = np.where(zero, F32(0), F32(1) / np.where(zero, F32(1), iscale)).astype(F32)
-    sc = np.minimum(127, nearest_int(iscale[:, None] * scales)).astype(np.int8)
-    dq = round_f16(d)[:, None] * sc.astype(F32)
-    L = _requant(L, b, dq, None, -32, 31, 32).astype(np.uint8).reshape(n, 2, 4, 32)
-    ql = np.concatenate([(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4),
-                         (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)], axis=2).reshape(n, 128)
-    qh = np.bitwise_or.reduce((L >> 4) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1), axis=2)
-    out = np.concatenate([ql, qh.reshape(n, 64), sc.view(np.uint8), to_f16_bytes(d)], axis=1)
-    out[zero] = 0                                        # an all-zero super-block is all zero bytes
-    return out.reshape(lead + (k // QK_K * 210,))
+    return _run(_q6_k_rows, x, 210)
 
 
 QUANT = {T.Q2_K: quantize_q2_k, T.Q3_K: quantize_q3_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,

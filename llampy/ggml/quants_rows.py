@@ -1,12 +1,13 @@
 """The 32-value ``quantize_row_<type>_ref`` quantizers as Numba loops that release the GIL, for quantizing whole
 models (``llama.quant`` runs them over chunks of rows in several threads). Same bytes as ``quants.quantize``, whose
-vectorised NumPy versions stay the readable reference; the block scale d is rounded to fp16 by NumPy."""
+vectorised NumPy versions stay the readable reference; each kernel writes the block bytes, fp16 fields included."""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
 from .quants_base import F32
+from .quants_k import _put_f16
 from .types import GGMLType
 
 T = GGMLType
@@ -22,22 +23,25 @@ def _roundf(v):
 
 
 @njit(cache=True, nogil=True)
-def _q8_0(b, d, q):
+def _q8_0(b, o):
+    """block_q8_0 {d, qs[32]}"""
     for i in range(b.shape[0]):
         amax = F32(0.0)
         for j in range(32):
             amax = max(amax, abs(b[i, j]))
         di = amax / F32(127.0)
         inv = F32(1.0) / di if di != 0 else F32(0.0)
-        d[i] = di
+        _put_f16(o[i], 0, di)
         for j in range(32):
-            q[i, j] = np.int8(_roundf(b[i, j] * inv))
+            o[i, 2 + j] = np.int8(_roundf(b[i, j] * inv)) & 0xFF
 
 
 @njit(cache=True, nogil=True)
-def _qx_0(b, d, L, nlev):
-    """Q4_0 (nlev 8) / Q5_0 (nlev 16): d = max / -nlev, L = min(2*nlev - 1, (int8)(x * id + nlev + 0.5))."""
+def _qx_0(b, o, nlev):
+    """Q4_0 (nlev 8: {d, qs[16]}) / Q5_0 (nlev 16: {d, qh[4], qs[16]}): d = max / -nlev,
+    L = min(2*nlev - 1, (int8)(x * id + nlev + 0.5)); qs[j] = L[j] low nibble | L[j+16] low nibble << 4."""
     off = F32(nlev) + F32(0.5)
+    q = 2 if nlev == 8 else 6
     for i in range(b.shape[0]):
         amax = F32(0.0)
         mx = F32(0.0)
@@ -48,14 +52,24 @@ def _qx_0(b, d, L, nlev):
                 mx = v
         di = mx / F32(-nlev)
         inv = F32(1.0) / di if di != 0 else F32(0.0)
-        d[i] = di
-        for j in range(32):
-            L[i, j] = min(2 * nlev - 1, int(b[i, j] * inv + off))
+        _put_f16(o[i], 0, di)
+        qh = 0
+        for j in range(16):
+            l0 = min(2 * nlev - 1, int(b[i, j] * inv + off))
+            l1 = min(2 * nlev - 1, int(b[i, 16 + j] * inv + off))
+            o[i, q + j] = (l0 & 0xF) | ((l1 & 0xF) << 4)
+            qh |= ((l0 >> 4) & 1) << j
+            qh |= ((l1 >> 4) & 1) << (j + 16)
+        if nlev == 16:
+            for k in range(4):
+                o[i, 2 + k] = (qh >> (8 * k)) & 0xFF
 
 
 @njit(cache=True, nogil=True)
-def _qx_1(b, d, m, L, nmax, clamp):
-    """Q4_1 (nmax 15) / Q5_1 (nmax 31, no clamp in ggml): d = (max - min) / nmax, L = (x - min) * id + 0.5."""
+def _qx_1(b, o, nmax):
+    """Q4_1 (nmax 15: {d, m, qs[16]}) / Q5_1 (nmax 31, no clamp in ggml: {d, m, qh[4], qs[16]}):
+    d = (max - min) / nmax, L = (x - min) * id + 0.5."""
+    q = 4 if nmax == 15 else 8
     for i in range(b.shape[0]):
         mn = b[i, 0]
         mx = b[i, 0]
@@ -64,52 +78,53 @@ def _qx_1(b, d, m, L, nmax, clamp):
             mx = max(mx, b[i, j])
         di = (mx - mn) / F32(nmax)
         inv = F32(1.0) / di if di != 0 else F32(0.0)
-        d[i] = di
-        m[i] = mn
-        for j in range(32):
-            v = int((b[i, j] - mn) * inv + F32(0.5))
-            L[i, j] = min(nmax, v) if clamp else v & 0xFF
+        _put_f16(o[i], 0, di)
+        _put_f16(o[i], 2, mn)
+        qh = 0
+        for j in range(16):
+            l0 = int((b[i, j] - mn) * inv + F32(0.5))
+            l1 = int((b[i, 16 + j] - mn) * inv + F32(0.5))
+            if nmax == 15:
+                l0 = min(15, l0)
+                l1 = min(15, l1)
+            o[i, q + j] = (l0 & 0xF) | ((l1 & 0xF) << 4)
+            qh |= ((l0 >> 4) & 1) << j
+            qh |= ((l1 >> 4) & 1) << (j + 16)
+        if nmax == 31:
+            for k in range(4):
+                o[i, 4 + k] = (qh >> (8 * k)) & 0xFF
 
 
-def _f16(v):
-    return v.astype("<f2").view(np.uint8).reshape(-1, 2)
-
-
-def _q5_bits(L):
-    qs = (L[:, :16] & 0xF) | ((L[:, 16:] & 0xF) << 4)
-    qh = np.packbits((L >> 4) & 1, axis=1, bitorder="little")
-    return qh, qs
+_KERNELS = {T.Q8_0: (_q8_0, 34, ()), T.Q4_0: (_qx_0, 18, (8,)), T.Q5_0: (_qx_0, 22, (16,)),
+            T.Q4_1: (_qx_1, 20, (15,)), T.Q5_1: (_qx_1, 24, (31,))}
 
 
 def quantize_rows_ref(x: np.ndarray, t: GGMLType) -> np.ndarray | None:
     """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1; None for other types."""
-    t = GGMLType(t)
-    if t not in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1):
+    k = _KERNELS.get(GGMLType(t))
+    if k is None:
         return None
+    kernel, size, args = k
     x = np.ascontiguousarray(x, F32)
-    nrows = x.shape[0]
     b = x.reshape(-1, 32)
-    n = len(b)
-    d = np.empty(n, F32)
-    if t == T.Q8_0:
-        q = np.empty((n, 32), np.int8)
-        _q8_0(b, d, q)
-        parts = [_f16(d), q.view(np.uint8)]
-    elif t in (T.Q4_0, T.Q5_0):
-        L = np.empty((n, 32), np.uint8)
-        _qx_0(b, d, L, 8 if t == T.Q4_0 else 16)
-        if t == T.Q4_0:
-            parts = [_f16(d), L[:, :16] | (L[:, 16:] << 4)]
-        else:
-            qh, qs = _q5_bits(L)
-            parts = [_f16(d), qh, qs]
-    else:
-        m = np.empty(n, F32)
-        L = np.empty((n, 32), np.uint8)
-        _qx_1(b, d, m, L, 15 if t == T.Q4_1 else 31, t == T.Q4_1)
-        if t == T.Q4_1:
-            parts = [_f16(d), _f16(m), L[:, :16] | (L[:, 16:] << 4)]
-        else:
-            qh, qs = _q5_bits(L)
-            parts = [_f16(d), _f16(m), qh, qs]
-    return np.concatenate(parts, axis=1).reshape(nrows, -1)
+    out = np.empty((len(b), size), np.uint8)
+    kernel(b, out, *args)
+    return out.reshape(x.shape[0], -1)
+
+
+_F16_TABLE = None
+
+
+@njit(cache=True, nogil=True)
+def _lookup(h, table, out):
+    for i in range(h.shape[0]):
+        out[i] = table[h[i]]
+
+
+def f16_to_f32(h: np.ndarray, out: np.ndarray) -> None:
+    """fp16 bit patterns (uint16) -> float32 into ``out``, exact (GGML_FP16_TO_FP32), through a 65536-entry table:
+    ~25x faster than np.take (which first widens the indices) and ~4x faster than NumPy's float16 cast."""
+    global _F16_TABLE
+    if _F16_TABLE is None:
+        _F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    _lookup(h, _F16_TABLE, out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -453,43 +454,42 @@ class QuantizeResult:
     seconds: float
 
 
-_F16_TABLE = None
-
-
-def _rows_to_f32(raw: np.ndarray, t: GGMLType, ne0: int, pool=None) -> np.ndarray:
-    global _F16_TABLE
+def _rows_to_f32(raw: np.ndarray, t: GGMLType, ne0: int) -> np.ndarray:
     if t == T.F32:
         return raw.view(np.float32).reshape(-1, ne0)
-    if t == T.F16:
-        # a 65536-entry table (exact, as ggml's fp16 -> fp32): NumPy's own conversion is several times slower
-        if _F16_TABLE is None:
-            _F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
-        h = raw.view("<u2")
-        out = np.empty(len(h), np.float32)
-        step = max(1 << 16, -(-len(h) // 8))
-
-        def conv(a):
-            np.take(_F16_TABLE, h[a:a + step], out=out[a:a + step])
-        if pool is not None:
-            list(pool.map(conv, range(0, len(h), step)))
-        else:
-            conv(0) if len(h) <= step else [conv(a) for a in range(0, len(h), step)]
-        return out.reshape(-1, ne0)
     if t == T.BF16:
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(-1, ne0)
     from ..ggml.quants import dequantize
     return dequantize(raw, t, ne0).reshape(-1, ne0)
 
 
+_TLS = threading.local()
+
+
+def _f32_rows(x: np.ndarray) -> np.ndarray:
+    """Rows as float32: fp16 bit patterns (uint16) converted into this thread's scratch buffer (reused: a chunk of
+    rows stays in cache between the conversion and the quantizer, and no tensor-sized array is faulted in)."""
+    if x.dtype != np.uint16:
+        return x
+    from ..ggml.quants_rows import f16_to_f32
+    buf = getattr(_TLS, "buf", None)
+    if buf is None or buf.size < x.size:
+        buf = _TLS.buf = np.empty(x.size, np.float32)
+    f16_to_f32(np.ascontiguousarray(x).reshape(-1), buf[:x.size])
+    return buf[:x.size].reshape(x.shape)
+
+
 def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=None, rows_per_chunk=None) -> np.ndarray:
-    """x float32 [nrows, ne0] -> uint8 [nrows, row_bytes]; rows in chunks over ``pool`` (NumPy and Numba release
-    the GIL). Every format's rows are independent, so the chunking does not change a byte."""
+    """x [nrows, ne0] float32, or uint16 fp16 bit patterns -> uint8 [nrows, row_bytes]; rows in chunks of at most
+    ~256K values (converted to float32 chunk by chunk) over ``pool`` (NumPy and Numba release the GIL). Every
+    format's rows are independent, so the chunking does not change a byte."""
     from ..ggml.quants import quantize
     from ..ggml.quants_imatrix import quantize_weighted
-    nrows, ne0 = x.shape
-
     from ..ggml.quants_iq_search import SEARCH_TYPES, quantize_iq
     from ..ggml.quants_rows import quantize_rows_ref
+    nrows, ne0 = x.shape
+    tt = TYPE_TRAITS[t]
+    out = np.empty((nrows, ne0 // tt.blck_size * tt.type_size), np.uint8)
 
     def run(a, b):
         if pool is not None:
@@ -497,19 +497,27 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
             # not prange, spreads the work, and the NumPy packing runs in parallel too
             import numba
             numba.set_num_threads(1)
-        if imatrix is not None:
-            return quantize_weighted(x[a:b], t, imatrix)
-        if t in SEARCH_TYPES:
-            return quantize_iq(x[a:b], t)
-        y = quantize_rows_ref(x[a:b], t)
-        return quantize(x[a:b], t) if y is None else y
-    if t == T.F32:
-        return np.ascontiguousarray(x).view(np.uint8)
-    if pool is None or nrows < 2:
-        return run(0, nrows)
-    step = rows_per_chunk or max(1, -(-nrows // (4 * pool._max_workers)))
-    parts = list(pool.map(lambda a: run(a, min(nrows, a + step)), range(0, nrows, step)))
-    return np.concatenate(parts, axis=0)
+        xa = _f32_rows(x[a:b])
+        if t == T.F32:
+            y = xa.view(np.uint8)
+        elif imatrix is not None:
+            y = quantize_weighted(xa, t, imatrix)
+        elif t in SEARCH_TYPES:
+            y = quantize_iq(xa, t)
+        else:
+            y = quantize_rows_ref(xa, t)
+            if y is None:
+                y = quantize(xa, t)
+        out[a:b] = y.reshape(b - a, -1)
+    workers = pool._max_workers if pool is not None else 1
+    step = rows_per_chunk or max(1, min(-(-nrows // (4 * workers)), (1 << 18) // ne0))
+    starts = range(0, nrows, step)
+    if pool is None or len(starts) < 2:
+        for a in starts:
+            run(a, min(nrows, a + step))
+    else:
+        list(pool.map(lambda a: run(a, min(nrows, a + step)), starts))
+    return out
 
 
 def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) -> QuantizeResult:
@@ -642,7 +650,8 @@ def _quantize_tensor(ti, ne, new_type, im, pool) -> np.ndarray:
     for x in ne[2:]:
         n_expert *= x
     rows_per_expert = ne[1] if len(ne) > 1 else 1
-    x = _rows_to_f32(ti.data, T(ti.type), ne0, pool)
+    # F16 rows go to quantize_rows as they are (converted chunk by chunk there)
+    x = ti.data.view("<u2").reshape(-1, ne0) if ti.type == T.F16 else _rows_to_f32(ti.data, T(ti.type), ne0)
     if im is None:
         return quantize_rows(x, new_type, None, pool).reshape(-1)
     parts = [quantize_rows(x[e * rows_per_expert:(e + 1) * rows_per_expert], new_type, im[e], pool)
