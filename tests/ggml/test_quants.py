@@ -358,3 +358,32 @@ def test_every_tensor_of_the_real_models_dequantizes_like_gguf_py(which):
         assert_same_floats(ours, theirs, ti.name)
         n += TYPE_TRAITS[t].is_quantized
     assert n > 100
+
+
+def test_numba_fp16_rounding_equals_numpy():
+    """quants_base.fp16_bits / fp16_value (the k-quant kernels' fp16 fields) against NumPy's float16 cast: every
+    fp16 value, the midpoints between neighbours and one float32 either side (ties to even), random float32 bit
+    patterns, subnormals, overflow to infinity and signed zeros."""
+    from numba import njit
+    from llampy.ggml.quants_base import fp16_bits, fp16_value
+
+    @njit(cache=False)
+    def conv(x, h, r):
+        for i in range(x.shape[0]):
+            h[i] = fp16_bits(x[i])
+            r[i] = fp16_value(h[i]) if (h[i] & 0x7C00) != 0x7C00 else np.float32(np.inf)
+    f = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    f = np.sort(f[np.isfinite(f)])
+    mid = ((f[:-1].astype(np.float64) + f[1:]) / 2).astype(np.float32)
+    bits = np.random.default_rng(3).integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([f, mid, np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf)),
+                        bits.view(np.float32), np.float32([0.0, -0.0, 65504, 65519.996, 65520, 1e30, -1e30,
+                                                           2.98e-8, 2.99e-8, 1e-30, -1e-30])])
+    x = x[~np.isnan(x)]
+    h, r = np.empty(len(x), np.uint16), np.empty(len(x), np.float32)
+    conv(x, h, r)
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16)
+    assert (h == ref.view(np.uint16)).all()
+    fin = np.isfinite(ref)
+    assert (r[fin] == ref[fin].astype(np.float32)).all()
