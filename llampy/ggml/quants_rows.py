@@ -99,17 +99,19 @@ _KERNELS = {T.Q8_0: (_q8_0, 34, ()), T.Q4_0: (_qx_0, 18, (8,)), T.Q5_0: (_qx_0, 
             T.Q4_1: (_qx_1, 20, (15,)), T.Q5_1: (_qx_1, 24, (31,))}
 
 
-def quantize_rows_ref(x: np.ndarray, t: GGMLType) -> np.ndarray | None:
-    """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1; None for other types."""
+def quantize_rows_ref(x: np.ndarray, t: GGMLType, out: np.ndarray | None = None) -> np.ndarray | None:
+    """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 (into ``out``, C-contiguous,
+    when given); None for other types."""
     k = _KERNELS.get(GGMLType(t))
     if k is None:
         return None
     kernel, size, args = k
     x = np.ascontiguousarray(x, F32)
     b = x.reshape(-1, 32)
-    out = np.empty((len(b), size), np.uint8)
-    kernel(b, out, *args)
-    return out.reshape(x.shape[0], -1)
+    if out is None:
+        out = np.empty((x.shape[0], b.shape[0] // x.shape[0] * size), np.uint8)
+    kernel(b, out.reshape(len(b), size), *args)
+    return out
 
 
 _F16_TABLE = None

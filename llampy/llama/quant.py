@@ -504,10 +504,10 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
             y = quantize_weighted(xa, t, imatrix)
         elif t in SEARCH_TYPES:
             y = quantize_iq(xa, t)
+        elif quantize_rows_ref(xa, t, out[a:b]) is not None:       # written in place
+            return
         else:
-            y = quantize_rows_ref(xa, t)
-            if y is None:
-                y = quantize(xa, t)
+            y = quantize(xa, t)
         out[a:b] = y.reshape(b - a, -1)
     workers = pool._max_workers if pool is not None else 1
     step = rows_per_chunk or max(1, min(-(-nrows // (4 * workers)), (1 << 18) // ne0))
