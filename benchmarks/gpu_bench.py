@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from llampy.ggml.quants import quantize                     # noqa: E402
 from llampy.ggml.types import GGMLType, TYPE_TRAITS, row_size  # noqa: E402
 from llampy.gguf import GGUFWriter                           # noqa: E402
+from llampy.gguf.constants import GGUFValueType as VT         # noqa: E402
 from llampy.llama.warmup import add_spm_vocab                # noqa: E402
 
 T = GGMLType
@@ -71,7 +72,7 @@ def write_model(path: Path, shape: str, mix: str) -> int:
                  (f"{a}.feed_forward_length", n_ff), (f"{a}.attention.head_count", n_head),
                  (f"{a}.attention.head_count_kv", n_head_kv), (f"{a}.rope.dimension_count", head_dim),
                  (f"{a}.rope.freq_base", base), (f"{a}.attention.layer_norm_rms_epsilon", 1e-5)):
-        w.add(k, v)
+        w.add(k, v, VT.UINT32 if isinstance(v, int) else None)     # llama.cpp reads these counts as u32
     add_spm_vocab(w, n_vocab)
 
     def mat(name, key, ncols, nrows):

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from ..ggml.types import TYPE_TRAITS, GGMLType
+from ..gguf.constants import GGUFValueType
 
 # batch sizes warmed: by default a short prompt and one-token decode (what a first `llampy run` or chat turn takes);
 # with all=True also a long prompt (the tiled kernels and tiled attention from 64 queries) and the sixteen- and
@@ -64,8 +65,8 @@ def add_spm_vocab(w, n_vocab: int) -> None:
     w.add("tokenizer.ggml.tokens", pieces)
     w.add("tokenizer.ggml.scores", [0.0] * n_vocab)
     w.add("tokenizer.ggml.token_type", [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259))
-    w.add("tokenizer.ggml.bos_token_id", 1)
-    w.add("tokenizer.ggml.eos_token_id", 2)
+    w.add("tokenizer.ggml.bos_token_id", 1, GGUFValueType.UINT32)     # llama.cpp reads token ids as u32
+    w.add("tokenizer.ggml.eos_token_id", 2, GGUFValueType.UINT32)
 
 
 def types_model(types, out_path) -> None:

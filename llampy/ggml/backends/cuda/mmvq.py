@@ -232,9 +232,11 @@ def mmvq_q32(w, xq, xd, xs, y, N, K, sw, TYPE: tl.constexpr, BN: tl.constexpr, S
     tl.store(y + rows, tl.sum(acc, axis=1), mask=rows < N)
 
 
-# the kernel of each format, the activation's block size, and the launch shape (rows, blocks per step, warps): the
-# fastest of benchmarks/gpu_matvec.py's grid on an H100 for a 4096 x 4096 matrix (Q4_1 takes Q4_0's)
+# the kernel of each format, the activation's block size, and the launch shape (rows, blocks per step, warps):
+# chosen on an H100 by gpu_bench.py's 7B decode (gpu_matvec.py's grid on the FFN's 11008 x 4096 and 4096 x 11008
+# shapes, then the whole model; Q4_1 takes Q4_0's). Steps of 16 superblocks / 32 blocks beat the 4096 x 4096
+# optimum by 23% on the whole model (Q4_K_M tg128 144 -> 178 tok/s); 32 / 64 were slower again.
 KERNELS = {T.Q4_K: (mmvq_q4_k, 256), T.Q6_K: (mmvq_q6_k, 256), T.Q4_0: (mmvq_q32, 32), T.Q4_1: (mmvq_q32, 32),
            T.Q8_0: (mmvq_q32, 32)}
 TYPE_ARG = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
-SHAPES = {T.Q4_K: (8, 8, 4), T.Q6_K: (1, 8, 4), T.Q4_0: (4, 16, 4), T.Q4_1: (4, 16, 4), T.Q8_0: (2, 16, 4)}
+SHAPES = {T.Q4_K: (4, 16, 4), T.Q6_K: (8, 16, 4), T.Q4_0: (4, 32, 4), T.Q4_1: (4, 32, 4), T.Q8_0: (2, 32, 4)}
