@@ -470,11 +470,17 @@ def round_f16(typingctx, x):
 
 
 AVX512F = _FORCE not in ("avx2", "generic") and "avx512f" in _FEATS
-# ggml's vector helpers (ggml_vec_dot_f16, ggml_v_expf in SiLU and softmax) run in the register width of the build:
-# sixteen lanes and steps of 64 with AVX-512, eight and 32 with AVX2, and their float order follows it. A native
-# llama.cpp build takes the host's width, so llampy takes it too, whatever LLAMPY_SIMD forces: that switch picks
-# llampy's instructions (to test the lesser paths against the same native build), not the order to reproduce.
-F16_VEC_LANES = 16 if "avx512f" in (_FEATS if _FORCE != "generic" else _host_features()) else 8
+# ggml's vector helpers (ggml_vec_dot_f16, ggml_v_expf in SiLU and softmax, the attention kernels' sums) run in the
+# register width of the build: sixteen lanes and steps of 64 with AVX-512, eight and 32 with AVX2, and their float
+# order follows it (through F16 accumulators and softmax a last-bit difference grows to ~0.2 in a log-prob). llampy
+# reproduces one build's order on every host: the AVX-512 build's by default (the build the project's recorded
+# llama.cpp outputs come from), or LLAMPY_FLOAT_ORDER=avx2 / host (the host's own, to match a native llama.cpp built
+# on an AVX2 machine). LLAMPY_SIMD picks llampy's instructions, not this order.
+HOST_VEC_LANES = 16 if "avx512f" in (_FEATS if _FORCE != "generic" else _host_features()) else 8
+_ORDER = os.environ.get("LLAMPY_FLOAT_ORDER", "avx512").lower()
+if _ORDER not in ("avx512", "avx2", "host"):
+    raise ValueError(f"LLAMPY_FLOAT_ORDER={_ORDER!r}: expected avx512, avx2 or host")
+F16_VEC_LANES = {"avx512": 16, "avx2": 8}.get(_ORDER, HOST_VEC_LANES)
 
 
 def _c16(v):
