@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from llampy.ggml.backend import tensor_alloc, tensor_data
 from llampy.ggml.graph import Graph
 from llampy.ggml.sched import Scheduler
 from llampy.ggml.tensor import Tensor
 from llampy.ggml.types import GGMLType
+from llampy.ggml.backends.cpu import simd as _simd
+
+# for tests against the host's own llama.cpp build: they hold when llampy reproduces the host's float order
+# (LLAMPY_FLOAT_ORDER=host, or an AVX-512 host at the default); elsewhere llampy keeps the AVX-512 build's order
+HOST_ORDER_ONLY = pytest.mark.skipif(_simd.F16_VEC_LANES != _simd.HOST_VEC_LANES,
+                                     reason="llampy reproduces another build's float order than this host's llama.cpp")
 
 
 def leaf(backend, type, shape_np, value=None, rng=None) -> Tensor:

@@ -16,11 +16,7 @@ from llampy.ggml.backends.cpu.simd import F16_VEC_LANES
 from llampy.ggml.backends.cpu.softmax import soft_max_rows
 from tests import llamacpp
 
-# these compare with the host's own llama.cpp build, so they hold when llampy reproduces the host's float order
-# (LLAMPY_FLOAT_ORDER=host, or an AVX-512 host at the default): elsewhere llampy keeps the AVX-512 build's order
-from llampy.ggml.backends.cpu import simd as _simd  # noqa: E402
-pytestmark = pytest.mark.skipif(_simd.F16_VEC_LANES != _simd.HOST_VEC_LANES,
-                                reason="llampy reproduces another build's float order than this host's llama.cpp")
+from tests.ggml.helpers import HOST_ORDER_ONLY as pytestmark  # noqa: E402,F401  (against the host's own build)
 
 
 F = ctypes.c_void_p
