@@ -134,6 +134,9 @@ class CUDABackend(Backend):
         self.cuda_graphs = cuda_graphs and self.dev.type == "cuda"
         self._lut = torch.tensor(kvalues_iq4nl.astype(np.int8), device=self.dev)
         self._dummy = torch.zeros(1, dtype=torch.int32, device=self.dev)
+        # streaming multiprocessors (launch shapes fill them); the interpreter: a few, so that its tests take the
+        # split paths too
+        self.n_sm = torch.cuda.get_device_properties(self.dev).multi_processor_count if self.dev.type == "cuda" else 4
         self._capture_warned = False
         self._q8_shared = None          # while a plan is bound: activation quantizations its products share
 
@@ -815,11 +818,28 @@ def b_flash_attn(be, node):
         n_kv = kv.shape[2]
         bd, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dvh)
 
-        def run_decode():
-            K.attn_decode[(H,)](q1, k1, v1, m1, d1, n_kv, rk, q1.stride(0), k1.stride(1), k1.stride(0),
-                                v1.stride(1), v1.stride(0), d1.stride(0), scale, HAS_MASK=mv is not None,
-                                D=dk, DV=dvh, BD=bd, BDV=bdv, BN=64)
-        return run_decode
+        # flash-decoding: split the keys so that heads x splits fill the device twice over, in runs of whole
+        # 64-key tiles; the splits' partial rows meet in attn_combine
+        n_split = max(1, min(triton.cdiv(n_kv, 64), triton.cdiv(2 * be.n_sm, H)))
+        chunk = triton.cdiv(triton.cdiv(n_kv, n_split), 64) * 64
+        n_split = triton.cdiv(n_kv, chunk)
+        if n_split == 1:
+            def run_decode():
+                K.attn_decode[(H, 1)](q1, k1, v1, m1, d1, be._dummy, n_kv, chunk, rk, q1.stride(0), k1.stride(1),
+                                      k1.stride(0), v1.stride(1), v1.stride(0), d1.stride(0), 0, scale,
+                                      HAS_MASK=mv is not None, SPLIT=False, D=dk, DV=dvh, BD=bd, BDV=bdv, BN=64)
+            return run_decode
+        part = torch.empty((H, n_split, dvh), dtype=F32, device=be.dev)
+        pml = torch.empty((H, n_split, 2), dtype=F32, device=be.dev)
+
+        def run_split():
+            K.attn_decode[(H, n_split)](q1, k1, v1, m1, part, pml, n_kv, chunk, rk, q1.stride(0), k1.stride(1),
+                                        k1.stride(0), v1.stride(1), v1.stride(0), part.stride(0), part.stride(1),
+                                        scale, HAS_MASK=mv is not None, SPLIT=True, D=dk, DV=dvh, BD=bd, BDV=bdv,
+                                        BN=64)
+            K.attn_combine[(H,)](part, pml, d1, n_split, part.stride(0), part.stride(1), d1.stride(0), DV=dvh,
+                                 BDV=bdv, BS=triton.next_power_of_2(n_split))
+        return run_split
 
     if manual:
         def run():

@@ -457,7 +457,8 @@ def rope(x, pos, powers, ff, mix, out, n_head, sx_t, sx_h, so_t, so_h, ne0, freq
     m = i < N_DIMS // 2
     th = tl.load(pos + t).to(tl.float32) * tl.load(powers + i, mask=m, other=0.0)
     if HAS_FF:
-        th = th / tl.load(ff + i, mask=m, other=1.0)
+        # IEEE division: Triton's float32 `/` is div.full.f32 (2 ulp), 1e-4 rad off at a position of 1000
+        th = tl.math.div_rn(th, tl.load(ff + i, mask=m, other=1.0))
     theta = th * freq_scale
     if HAS_MIX:
         mx = tl.load(mix + i, mask=m, other=0.0)
@@ -505,13 +506,17 @@ def swiglu(g, u, out, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def attn_decode(q, k, v, mask, out, n_kv, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h, scale,
-                HAS_MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                BN: tl.constexpr):
+def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h, so_s, scale,
+                HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+                BDV: tl.constexpr, BN: tl.constexpr):
     """One query row per head (decode) over the F16 cache: softmax(scale q k^T + mask) v for head h = program 0,
     its KV head h // rk; q rounded to F16 as ggml-cuda's kernels read it; online softmax over tiles of BN keys.
-    Rows with every key masked give zeros (as the other paths' nan_to_num)."""
+    Program 1 takes keys [s * chunk, (s + 1) * chunk) (flash-decoding: a short cache gives H programs, too few for
+    the device): with SPLIT, it writes its unnormalised sum to out[h, s] and (max, sum of weights) to pml[h, s] for
+    attn_combine; without, the normalised row to out[h]. Rows with every key masked give zeros (as the other
+    paths' nan_to_num)."""
     h = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1).to(tl.int64)
     kh = h // rk
     di = tl.arange(0, BD)
     dv = tl.arange(0, BDV)
@@ -519,9 +524,11 @@ def attn_decode(q, k, v, mask, out, n_kv, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h
     m_i = tl.full([], -float("inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BDV], tl.float32)
-    for n0 in range(0, n_kv, BN):
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, n_kv)
+    for n0 in range(lo, hi, BN):
         ns = n0 + tl.arange(0, BN)
-        nm = ns < n_kv
+        nm = ns < hi
         kt = tl.load(k + kh * sk_h + ns[:, None] * sk_n + di[None, :], mask=nm[:, None] & (di[None, :] < D),
                      other=0.0).to(tl.float32)
         s = tl.sum(kt * qv[None, :], axis=1) * scale
@@ -537,4 +544,31 @@ def attn_decode(q, k, v, mask, out, n_kv, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h
         acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
-    tl.store(out + h * so_h + dv, tl.where(l_i > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0), 0.0), mask=dv < DV)
+    if SPLIT:
+        tl.store(out + h * so_h + sp * so_s + dv, acc, mask=dv < DV)
+        tl.store(pml + (h * tl.num_programs(1) + sp) * 2, m_i)
+        tl.store(pml + (h * tl.num_programs(1) + sp) * 2 + 1, l_i)
+    else:
+        tl.store(out + h * so_h + dv, tl.where(l_i > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0), 0.0),
+                 mask=dv < DV)
+
+
+@triton.jit
+def attn_combine(part, pml, out, n_split, sp_h, sp_s, so_h, DV: tl.constexpr, BDV: tl.constexpr,
+                 BS: tl.constexpr):
+    """The splits of attn_decode for head h = program 0: each part rescaled by exp(its max - the row's max), summed,
+    divided by the summed weights; a row whose every key was masked gives zeros."""
+    h = tl.program_id(0).to(tl.int64)
+    si = tl.arange(0, BS)
+    sm = si < n_split
+    dv = tl.arange(0, BDV)
+    m = tl.load(pml + (h * n_split + si) * 2, mask=sm, other=-float("inf"))
+    ls = tl.load(pml + (h * n_split + si) * 2 + 1, mask=sm, other=0.0)
+    mx = tl.max(m, axis=0)
+    mx = tl.where(mx == -float("inf"), 0.0, mx)
+    w = tl.where(sm, tl.exp(m - mx), 0.0)
+    acc = tl.load(part + h * sp_h + si[:, None] * sp_s + dv[None, :], mask=sm[:, None] & (dv[None, :] < DV),
+                  other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(ls * w, axis=0)
+    tl.store(out + h * so_h + dv, tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0), mask=dv < DV)
