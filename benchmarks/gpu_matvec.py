@@ -1,5 +1,5 @@
 """The CUDA backend's decode kernel alone: GB/s of the Triton matvec per block format and launch shape, against
-the device's copy bandwidth, and whether a CUDA graph captures it. Formats with a word-wide kernel (backend.WORD_KERNELS) get rows "words BN" timed beside.
+the device's copy bandwidth, and whether a CUDA graph captures it.
 
     python benchmarks/gpu_matvec.py [--types Q4_K,Q4_0,Q8_0,Q6_K] [--shape 4096x4096]
 
@@ -23,7 +23,6 @@ def main(argv=None) -> int:
     import triton
     from llampy.ggml.backends.cuda import kernels as K
     from llampy.ggml.backends.cuda import mmvq as MMVQ
-    from llampy.ggml.backends.cuda.backend import WORD_KERNELS
     from llampy.ggml.quants import quantize
     from llampy.ggml.quants_tables import kvalues_iq4nl
     from llampy.ggml.types import GGMLType, TYPE_TRAITS
@@ -31,7 +30,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K,Q4_0,Q8_0,Q6_K")
     ap.add_argument("--shape", default="4096x4096")
-    ap.add_argument("--quick", action="store_true", help="value rules and word kernels at one launch shape each")
+    ap.add_argument("--quick", action="store_true", help="value rules at one launch shape")
     ap.add_argument("--no-mmvq", action="store_true")
     ap.add_argument("--json", default=None, help="write the best integer-kernel shape per type here "
                     "(gpu_bench.py --mmvq-shapes reads it)")
@@ -87,33 +86,6 @@ def main(argv=None) -> int:
                         err = float((y - ref).abs().max() / ref.abs().max())
                         t_ms = triton.testing.do_bench(go, warmup=5, rep=30)
                         results.append((w.numel() / t_ms / 1e6, bn, bk, warps, split, t_ms * 1e3, err))
-        if t in WORD_KERNELS:          # the word-wide kernel, activations rounded first (as the backend runs it)
-            xr = torch.empty_like(x)
-            wx = {"TYPE": int(t)} if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0) else {}
-            for bn in ((4,) if quick else (1, 2, 4, 8, 16)):
-                for warps in ((4,) if quick else (2, 4, 8)):
-                    for want in ((32,) if quick else (0, 16, 32)):
-                        nkb = k // 256
-                        split = 1 if want == 0 else max(1, min(nkb, want * nsm // ((n + bn - 1) // bn)))
-                        kc = (nkb + split - 1) // split * 256
-                        split = (k + kc - 1) // kc
-                        part = torch.empty((split, 1, n), dtype=torch.float32, device=dev)
-                        y = torch.empty((1, n), dtype=torch.float32, device=dev)
-
-                        def go_w():
-                            K.round_act[(1, k // 256)](x, xr, k, k, k, ACT=act, BK=256)
-                            WORD_KERNELS[t][((n + bn - 1) // bn, split)](w, xr, part, n, k, kc, sw, n, BN=bn, **wx,
-                                                                        num_warps=warps)
-                            torch.sum(part, dim=0, out=y)
-                        try:
-                            go_w()
-                            torch.cuda.synchronize()
-                        except Exception as e:
-                            print(f"{name} words BN={bn} warps={warps}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                            continue
-                        err = float((y - ref).abs().max() / ref.abs().max())
-                        t_ms = triton.testing.do_bench(go_w, warmup=5, rep=30)
-                        results.append((w.numel() / t_ms / 1e6, f"words {bn}", 256, warps, split, t_ms * 1e3, err))
         if t in MMVQ.KERNELS and not args.no_mmvq:    # the integer kernels (mmvq.py): quantize + one launch
             kern, g = MMVQ.KERNELS[t]
             xq = torch.empty(k, dtype=torch.int8, device=dev)

@@ -10,7 +10,7 @@ from llampy.ggml import ops
 from llampy.ggml.backend import backend_init, tensor_alloc, tensor_data, tensor_get, tensor_set
 from llampy.ggml.blocks import BLOCKS
 from llampy.ggml.graph import Graph
-from llampy.ggml.quants import QUANTIZE_TYPES, dequantize, quantize
+from llampy.ggml.quants import dequantize, quantize
 from llampy.ggml.sched import Scheduler
 from llampy.ggml.tensor import Tensor
 from llampy.ggml.types import GGMLType as T, TYPE_TRAITS
@@ -191,32 +191,6 @@ def test_split_k_sums_to_the_whole_product(t):
         part = torch.empty((split, 1, n), dtype=torch.float32, device=CUDA.dev)
         CUDA._matvec(w, rows(w), x, y, (8, 256, kc, split), part)
         np.testing.assert_allclose(y.cpu().numpy(), whole.cpu().numpy(), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("t,k", [(T.Q4_K, 1024), (T.Q6_K, 1024), (T.Q4_0, 1024), (T.Q4_1, 576), (T.Q8_0, 800)],
-                         ids=lambda v: getattr(v, "name", str(v)))
-def test_word_kernel_splits_agree_with_the_value_rules(t, k):
-    """A word-wide decode kernel, whole and split along K, gives the value-rule kernel's product."""
-    import torch
-    from llampy.ggml.backends.cuda.backend import WORD_KERNELS
-    from llampy.ggml.backends.cuda.buffer import rows
-    assert t in WORD_KERNELS
-    rng = np.random.default_rng(12)
-    n = 19
-    q = quantize(rng.standard_normal((n, k)).astype(np.float32), t)
-    w = Tensor(t, (k, n))
-    tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
-    tensor_set(w, q)
-    x = torch.tensor(rng.standard_normal((1, k)).astype(np.float32), device=CUDA.dev)
-    want = torch.empty((1, n), dtype=torch.float32, device=CUDA.dev)
-    CUDA._matvec(w, rows(w), x, want, (8, 256, k, 1))
-    xr = torch.empty_like(x)
-    for bn, kc in ((8, (k + 255) // 256 * 256), (4, 256)):
-        split = (k + kc - 1) // kc
-        y = torch.empty((1, n), dtype=torch.float32, device=CUDA.dev)
-        part = torch.empty((split, 1, n), dtype=torch.float32, device=CUDA.dev)
-        CUDA._matvec_words(w, rows(w), x, xr, y, (bn, 256, kc, split), part)
-        np.testing.assert_allclose(y.cpu().numpy(), want.cpu().numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_norm_and_weight_fuse_into_one_row_kernel():

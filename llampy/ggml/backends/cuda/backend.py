@@ -289,27 +289,6 @@ class CUDABackend(Backend):
         if split > 1:
             torch.sum(part, dim=0, out=y)
 
-    def _matvec_words(self, a: Tensor, w: torch.Tensor, x: torch.Tensor, xr: torch.Tensor, y: torch.Tensor, plan,
-                      part=None) -> None:
-        """One activation row through a word-wide kernel (WORD_KERNELS): x rounded into xr first, then the product.
-        Falls back to the value-rule kernel (with a warning, once per type) if this device cannot compile it."""
-        bn, _bk, kc, split = plan
-        kdim, n = a.ne[0], a.ne[1]
-        K.round_act[(1, triton_cdiv(kdim, 256))](x, xr, kdim, x.stride(0), xr.stride(0), ACT=_act(a.type), BK=256)
-        out = y if split == 1 else part
-        try:
-            extra = {"TYPE": int(a.type)} if a.type in _WORD_TYPE_ARG else {}
-            WORD_KERNELS[a.type][(triton_cdiv(n, bn), split)](w, xr, out, n, kdim, kc, a.nb[1],
-                                                              out.stride(0) if split > 1 else 0, BN=bn, **extra)
-        except Exception as e:          # a compiler that refuses the kernel: the value rules still work
-            WORD_KERNELS.pop(a.type, None)
-            warnings.warn(f"cuda: the word-wide {a.type.name} kernel failed ({type(e).__name__}: {e}); using the "
-                          f"per-element one", RuntimeWarning, stacklevel=2)
-            self._matvec(a, w, x, y, plan, part)
-            return
-        if split > 1:
-            torch.sum(part, dim=0, out=y)
-
     def _q8_scratch(self, t: GGMLType, b: Tensor, kdim: int):
         """Buffers for one activation row quantized for a format of MMVQ.KERNELS (int8 values, block scales, sums
         of 16), and whether this product quantizes it: products of one plan that read the same activations in the
@@ -357,10 +336,6 @@ class CUDABackend(Backend):
         return out
 
 
-# formats with a word-wide decode kernel for one activation row (kernels.matvec_<type>)
-WORD_KERNELS = {T.Q4_K: K.matvec_q4_k, T.Q6_K: K.matvec_q6_k, T.Q4_0: K.matvec_q32, T.Q4_1: K.matvec_q32,
-                T.Q8_0: K.matvec_q32}
-_WORD_TYPE_ARG = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})       # kernels that take the format as a constexpr
 
 
 def _act(t: GGMLType) -> int:
@@ -590,8 +565,6 @@ def b_mul_mat(be, node):
         big = torch.float16 if be.dev.type == "cuda" else F32
         mv_plan = be._matvec_plan(a, n_act) if use_mv else None
         q8 = use_mv and n_act == 1 and a.type in MMVQ.KERNELS
-        words = use_mv and n_act == 1 and a.type in WORD_KERNELS and kdim % TYPE_TRAITS[a.type].blck_size == 0
-        xr = torch.empty((1, kdim), dtype=F32, device=be.dev) if words else None
         xq, quant = be._q8_scratch(a.type, b, kdim) if q8 else (None, False)
         part = torch.empty((mv_plan[3], n_act, n_out), dtype=F32, device=be.dev) if use_mv and mv_plan[3] > 1 \
             else None
@@ -603,8 +576,6 @@ def b_mul_mat(be, node):
                 out = d2 if d2 is not None else torch.empty((n_act, n_out), dtype=F32, device=be.dev)
                 if q8 and a.type in MMVQ.KERNELS:
                     be._mmvq(a, w, x, xq, out, quant)
-                elif words and a.type in WORD_KERNELS:
-                    be._matvec_words(a, w, x, xr, out, mv_plan, part)
                 else:
                     be._matvec(a, w, x, out, mv_plan, part)
             else:
