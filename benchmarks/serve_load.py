@@ -9,17 +9,25 @@ The server runs as a subprocess on 127.0.0.1 with --parallel = the largest strea
 under the same load with the same slots and context. If llama-cpp-python's server (`python -m llama_cpp.server`)
 is importable in benchmarks/.llamacpp-venv, it runs too.
 Each server runs in its own process; the server's log goes to benchmarks/.serve_load.log.
+
+`--models A B ...` (GGUF paths, or smollm2 / gemma3): several models behind one server. Both servers run in router
+mode over a folder of links to the files (`llampy serve --models-dir`, llama-server's `--models-dir`, each with
+--models-max = the number of models and --parallel = the largest stream count over the models, rounded up); every
+model is loaded by a warm-up request first, and request i asks for model i mod N.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures as cf
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,10 +88,11 @@ def safe_stream(url: str, i: int, n_tokens: int, model: str):
         return None
 
 
-def run_load(url: str, streams: int, requests: int, n_tokens: int, model: str) -> dict:
+def run_load(url: str, streams: int, requests: int, n_tokens: int, models: list) -> dict:
+    """``requests`` streamed completions, ``streams`` at a time; request i asks for models[i % len(models)]."""
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(streams) as ex:
-        res = list(ex.map(lambda i: safe_stream(url, i, n_tokens, model), range(requests)))
+        res = list(ex.map(lambda i: safe_stream(url, i, n_tokens, models[i % len(models)]), range(requests)))
     wall = time.perf_counter() - t0
     failed = sum(r is None for r in res)
     res = [r for r in res if r is not None] or [(0.0, 0.0, 0)]
@@ -111,11 +120,14 @@ def serve(cmd: list, port: int, log) -> subprocess.Popen:
 def load_levels(name: str, url: str, args, rounds: int) -> list:
     """Each round runs every level once, so that a slow spell of a shared machine hits all levels alike; a level's
     row is its median round (by tokens/s), with the failures of all rounds."""
-    run_load(url, 1, 1, 4, "default")       # warm-up: kernels compiled or loaded, graphs built
+    for m in args.model_names:          # warm-up: every model loaded, kernels compiled or loaded, graphs built
+        r = run_load(url, 1, 1, 4, [m])
+        if r["failed"]:
+            raise RuntimeError(f"{name}: the warm-up request for model {m!r} failed")
     runs: dict = {s: [] for s in args.streams}
     for k in range(rounds):
         for s in args.streams:
-            r = run_load(url, s, max(args.requests, s), args.tokens, "default")
+            r = run_load(url, s, max(args.requests, s), args.tokens, args.model_names)
             print(f"{name} (round {k + 1}/{rounds}): {s} streams, {r['tok_s']:.1f} generated tok/s, "
                   f"TTFT p50 {r['ttft_p50_s']:.2f} s, {r['failed']} failed", flush=True)
             runs[s].append(r)
@@ -140,16 +152,36 @@ def main(argv=None) -> int:
                     help="llama.cpp's llama-server (default: LLAMPY_LLAMACPP_TOOLS/llama-server when it exists)")
     ap.add_argument("--llama-server-rounds", type=int, default=None, help="rounds for llama-server (default --rounds)")
     ap.add_argument("-t", "--threads", type=int, default=2, help="threads of each server's kernels (default 2)")
+    ap.add_argument("--models", nargs="+", default=None, metavar="MODEL",
+                    help="several models behind one server (router mode, --models-dir): GGUF paths, or smollm2 / "
+                         "gemma3; request i asks for model i mod N")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
-    from llampy.models import smollm2_path
-    n_par = max(args.streams)
+    from llampy.models import resolve_model, smollm2_path
+    models_dir = None
+    if args.models:
+        # a folder of links: each model named by its file name without .gguf, as both routers name them
+        models_dir = Path(tempfile.mkdtemp(prefix="serve-load-models-"))
+        atexit.register(shutil.rmtree, models_dir, ignore_errors=True)
+        args.model_names = []
+        for m in args.models:
+            path = resolve_model(m).resolve()
+            if path.stem in args.model_names:
+                ap.error(f"--models: {path.name} is given twice")
+            (models_dir / path.name).symlink_to(path)
+            args.model_names.append(path.stem)
+        n_par = -(-max(args.streams) // len(args.models))
+        routed = ["--models-dir", str(models_dir), "--models-max", str(len(args.models))]
+    else:
+        args.model_names = ["default"]
+        n_par = max(args.streams)
     rows = []
     # each server in its own process, as in production: the load generator's threads must not share its GIL
     with open(HERE / ".serve_load.log", "w") as log:
         port = free_port()
-        proc = serve([sys.executable, "-m", "llampy", "serve", "--port", str(port), "--parallel", str(n_par),
-                      "--ctx-size", str(512 * n_par), "-t", str(args.threads)], port, log)
+        model_args = routed if models_dir else []
+        proc = serve([sys.executable, "-m", "llampy", "serve", *model_args, "--port", str(port), "--parallel",
+                      str(n_par), "--ctx-size", str(512 * n_par), "-t", str(args.threads)], port, log)
         try:
             rows += load_levels("llampy", f"http://127.0.0.1:{port}", args, max(1, args.rounds))
         finally:
@@ -161,8 +193,9 @@ def main(argv=None) -> int:
             port = free_port()
             # the same slots, context and threads; its own defaults otherwise (continuous batching, unified KV
             # cache, prompt cache); --no-webui: the page is not part of the load
-            proc = serve([ls, "-m", str(smollm2_path()), "--port", str(port), "-np", str(n_par), "-c",
-                          str(512 * n_par), "-t", str(args.threads), "--no-webui"], port, log)
+            model_args = routed if models_dir else ["-m", str(smollm2_path())]
+            proc = serve([ls, *model_args, "--port", str(port), "-np", str(n_par), "-c", str(512 * n_par), "-t",
+                          str(args.threads), "--no-webui"], port, log)
             try:
                 rows += load_levels("llama-server", f"http://127.0.0.1:{port}", args,
                                    max(1, args.llama_server_rounds or args.rounds))
@@ -173,7 +206,7 @@ def main(argv=None) -> int:
             print("(no llama-server: bash scripts/llamacpp_server.sh builds it into LLAMPY_LLAMACPP_TOOLS, or give "
                   "--llama-server PATH)\n")
         lc_py = HERE / ".llamacpp-venv" / "bin" / "python"
-        if args.no_llamacpp:
+        if args.no_llamacpp or models_dir:      # llama-cpp-python's server serves one model
             pass
         elif lc_py.exists() and subprocess.run([lc_py, "-c", "import llama_cpp.server, uvicorn"],
                                                capture_output=True).returncode == 0:
@@ -197,8 +230,10 @@ def main(argv=None) -> int:
         else:
             print("(llama-cpp-python's server is not installed in benchmarks/.llamacpp-venv, "
                   "pip install 'llama-cpp-python[server]' there: llampy only)\n")
-    print(f"{args.tokens} generated tokens per request; --parallel {max(args.streams)} for llampy; each row the "
-          f"median of its rounds\n")
+    if models_dir:
+        print(f"models {', '.join(args.model_names)} behind one server (router mode, --parallel {n_par} each), "
+              f"request i to model i mod {len(args.model_names)}")
+    print(f"{args.tokens} generated tokens per request; --parallel {n_par}; each row the median of its rounds\n")
     print("| server | streams | rounds | requests (failed) | generated tok/s (vs 1 stream) | TTFT p50 | TTFT p95 "
           "| latency p50 | latency p95 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -163,3 +163,19 @@ def test_list_show_ps_commands(routed, capsys):
     assert "<|im_start|>" in capsys.readouterr().out
     assert main(["show", "nothing-here", "--models-dir", str(router.dir)]) == 1
     assert main(["ps", "--url", "http://127.0.0.1:9"]) == 1
+
+
+def test_memory_running_short_unloads_idle_models(routed, monkeypatch):
+    """Below --models-max, a model is still unloaded (least recently used, idle) when the memory left would not
+    hold the next one's file."""
+    import llampy.server.router as rt
+    url, router = routed
+    unload_all(url)
+    assert chat(url, "qwen2-Q8_0").status_code == 200
+    monkeypatch.setattr(rt, "_mem_available", lambda: router.mem_margin)     # less than any file + the margin
+    assert chat(url, "qwen3-Q8_0").status_code == 200
+    assert states(url) == {"qwen2-Q8_0": "unloaded", "qwen3-Q8_0": "loaded", "granite-Q8_0": "unloaded"}
+    monkeypatch.undo()
+    assert chat(url, "granite-Q8_0").status_code == 200       # memory enough again: two models side by side
+    st = states(url)
+    assert st["qwen3-Q8_0"] == st["granite-Q8_0"] == "loaded"

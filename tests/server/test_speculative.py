@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import json
+import re
 from pathlib import Path
 
 import httpx
@@ -152,3 +154,27 @@ def test_api_generate_with_drafts_matches_plain():
     assert stats[1]["accepted"] == stats[1]["drafted"], stats
     llm.set_speculative(None)
     assert run(temperature=0) == greedy
+
+
+def test_cli_run_with_drafts_prints_the_plain_run(capsys):
+    """`llampy run` with a draft model and with prompt lookup: the greedy tokens of the run without them, and
+    llama-cli's summary of drafted / accepted tokens on stderr."""
+    from llampy.cli import main
+    target = str(SHARED / "fixtures" / "tiny" / "qwen3-Q8_0.gguf")
+    base = ["run", target, "-p", STORY, "-n", "16", "--temp", "0", "-c", "256", "--json"]
+
+    def run(*extra):
+        assert main(base + list(extra)) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out)["tokens"], err
+    plain, err = run()
+    assert "speculative" not in err
+    for extra in (["--model-draft", str(DRAFT), "--draft-max", "5"],
+                  ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                   "--spec-ngram-simple-size-m", "8"]):
+        toks, err = run(*extra)
+        assert toks == plain, extra
+        m = re.search(r"speculative: (\d+) tokens drafted, (\d+) accepted", err)
+        assert m and int(m.group(2)) <= int(m.group(1)), err
+        # the draft model drafts at every step (this random target's output never repeats the prompt's 2-grams)
+        assert int(m.group(1)) > 0 or extra[0] == "--spec-type", err
