@@ -361,6 +361,18 @@ def test_gelu_matches_ggml_table_definition():
     assert (g[x <= -10] == 0).all() and (g[x >= 10] == x[x >= 10]).all()
 
 
+def test_gelu_kernel_is_the_table_lookup():
+    """The CPU backend's Numba GELU (act.gelu_rows_par) gives gelu_f32's numbers (ggml_vec_gelu_f32 with
+    GGML_GELU_FP16) at every F16 value, values that round to an F16 neighbour, past +-10, and inf/nan."""
+    from llampy.ggml.backends.cpu.act import gelu_f32
+    h = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    mid = np.random.default_rng(3).uniform(-11, 11, 30000).astype(np.float32)
+    x = np.concatenate([h, mid, np.float32([-10, 10, -9.99, 9.99, np.inf, -np.inf, np.nan])])
+    x = np.concatenate([x, np.zeros((-len(x)) % 97, np.float32)]).reshape(-1, 97)
+    g = run(CPU, ops.gelu(leaf(CPU, F32, x.shape, x)))[0].reshape(x.shape)
+    assert np.array_equal(g.view(np.uint32), gelu_f32(x).view(np.uint32))
+
+
 def test_every_op_supported_by_both_backends():
     """The op list each backend runs: every op of the graph layer, on both."""
     for be in (CPU, REF):

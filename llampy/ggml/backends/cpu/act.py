@@ -129,6 +129,23 @@ def gelu_f32(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, v)).astype(np.float32)
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def gelu_rows_par(x, table, out):
+    """out = gelu(x) row by row on all threads, as ggml_vec_gelu_f32 with GGML_GELU_FP16 (``gelu_f32``'s numbers:
+    0 for x <= -10, x for x >= 10, else the F16 table at x's F16 value): the vision encoders' GELU over
+    n_patches x n_ff values, 30 ns a value through NumPy's temporaries."""
+    for r in prange(x.shape[0]):
+        xr, orow = x[r], out[r]
+        for i in range(xr.shape[0]):
+            v = xr[i]
+            if v <= np.float32(-10.0):
+                orow[i] = np.float32(0.0)
+            elif v >= np.float32(10.0):
+                orow[i] = v
+            else:
+                orow[i] = table[f16_bits(v)]
+
+
 @njit(cache=True, inline="always")
 def _geglu_row(gr, ur, table, orow):
     n = gr.shape[0]

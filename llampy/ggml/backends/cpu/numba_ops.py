@@ -132,6 +132,18 @@ def bind_glu(node, dst, srcs):
     return lambda: fn(g, u, d)
 
 
+def bind_gelu(node, dst, srcs):
+    """GELU of float32 rows into float32 rows of the same shape (act.gelu_rows_par); else numpy_ops' gelu."""
+    if node.type != T.F32 or node.src[0].type != T.F32 or srcs[0].shape != dst.shape:
+        return None
+    x, d = _rows2d(srcs[0]), _rows2d(dst)
+    if x is None or d is None:
+        return None
+    from .act import gelu_rows_par, gelu_table
+    table = gelu_table()
+    return lambda: gelu_rows_par(x, table, d)
+
+
 def bind_rms_norm_mul(node, dst, srcs):
     if not (node.type == node.src[0].type == node.src[1].type == T.F32):
         return None
@@ -164,4 +176,4 @@ def bind_rope(node, dst, srcs):
 
 BINDERS = {Op.SCALE: bind_scale, Op.SOFT_MAX: bind_soft_max, Op.GET_ROWS: bind_get_rows, Op.SET_ROWS: bind_set_rows,
            Op.SWIGLU: bind_glu, Op.GEGLU: bind_glu, Op.RMS_NORM_MUL: bind_rms_norm_mul, Op.ROPE: bind_rope,
-           **{op: bind_binary for op in _BIN}}
+           Op.GELU: bind_gelu, **{op: bind_binary for op in _BIN}}
