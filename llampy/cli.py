@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
+    if getattr(args, "no_engine", False):
+        return _main_no_engine(args)
     from . import tuning
     from .gguf import GGUFError
     from .llama.arch import UnknownArchitecture
@@ -98,6 +100,21 @@ def main(argv=None) -> int:
     except (tuning.TuningError, GGUFError, UnknownArchitecture, ContextError, MissingMetadata, ModelLoadError, ModelNotFound,
             VocabError, ChatTemplateError, FileNotFoundError, IsADirectoryError, PermissionError, ProjectorError,
             ImageError, MediaError) as e:
+        print(f"llampy: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def _main_no_engine(args) -> int:
+    """A command that runs no model (quantize): without the engine's imports and process tuning, which would cost
+    it about a second of start-up."""
+    from .gguf import GGUFError
+    try:
+        return args.func(args) or 0
+    except (GGUFError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

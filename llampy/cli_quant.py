@@ -31,7 +31,7 @@ def add_quant_parsers(sub) -> None:
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
     p.add_argument("args", nargs="+", metavar="model-f32.gguf [model-quant.gguf] type [nthreads]")
-    p.set_defaults(func=cmd_quantize)
+    p.set_defaults(func=cmd_quantize, no_engine=True)
 
     p = sub.add_parser("imatrix", help="importance matrix for quantization (llama-imatrix's GGUF format)")
     p.add_argument("model", nargs="?", default=None, help="GGUF path, or 'smollm2' (default) / 'gemma3'")

@@ -41,36 +41,45 @@ def _code(levels, j, bits):
 
 
 @njit(cache=True)
-def _dist2(levels, i, bits, d2):
-    """squared distances of code i's point (2l+1 per coordinate) to every grid point"""
-    mask = (1 << bits) - 1
-    for j in range(levels.shape[0]):
-        s = 0
-        for k in range(levels.shape[1]):
-            diff = 2 * int(levels[j, k]) - 2 * ((i >> (bits * k)) & mask)
-            s += diff * diff
-        d2[j] = s
+def _coord_dist2(levels, bits):
+    """D[k, v, j] = squared distance along coordinate k between level v (2v) and grid point j's level, so a code's
+    squared distances to every grid point are a sum of dim rows (SIMD over j)."""
+    ngrid, dim = levels.shape
+    D = np.empty((dim, 1 << bits, ngrid), np.int32)
+    for k in range(dim):
+        for v in range(1 << bits):
+            for j in range(ngrid):
+                diff = 2 * np.int32(levels[j, k]) - 2 * v
+                D[k, v, j] = diff * diff
+    return D
 
 
 @njit(cache=True)
-def _smallest_distinct(d2, nwant, vals):
-    """the nwant smallest distinct values of d2, ascending (fewer if d2 has fewer); returns how many"""
+def _neighbour_dists(D, i, bits, nwant, d2, vals):
+    """d2 = code i's squared distances to every grid point; vals = their nwant smallest distinct values, ascending
+    (fewer if there are fewer). Returns how many."""
+    dim, _, ngrid = D.shape
+    mask = (1 << bits) - 1
+    row = D[0, i & mask]
+    for j in range(ngrid):
+        d2[j] = row[j]
+    for k in range(1, dim):
+        row = D[k, (i >> (bits * k)) & mask]
+        for j in range(ngrid):
+            d2[j] += row[j]
+    big = np.int32(1 << 30)
+    prev = np.int32(-1)
     nv = 0
-    for j in range(d2.shape[0]):
-        v = d2[j]
-        seen = False
-        for t in range(nv):
-            if vals[t] == v:
-                seen = True
-        if seen or (nv == nwant and v >= vals[nv - 1]):
-            continue
-        if nv < nwant:
-            nv += 1
-        p = nv - 1
-        while p > 0 and vals[p - 1] > v:
-            vals[p] = vals[p - 1]
-            p -= 1
-        vals[p] = v
+    for t in range(nwant):
+        m = big
+        for j in range(ngrid):
+            v = d2[j]
+            m = min(m, v if v > prev else big)
+        if m == big:
+            break
+        vals[t] = m
+        prev = m
+        nv += 1
     return nv
 
 
@@ -81,36 +90,36 @@ def _build_neighbours(levels, bits, kmap_size, nwant):
     kmap = np.full(kmap_size, -1, np.int32)
     for j in range(ngrid):
         kmap[_code(levels, j, bits)] = j
-    d2 = np.empty(ngrid, np.int64)
-    vals = np.empty(nwant, np.int64)
+    D = _coord_dist2(levels, bits)
+    d2 = np.empty(ngrid, np.int32)
+    vals = np.empty(nwant, np.int32)
+    counts = np.zeros(kmap_size, np.int32)
     total = 0
     for i in range(kmap_size):
         if kmap[i] >= 0:
             continue
-        _dist2(levels, i, bits, d2)
-        nv = _smallest_distinct(d2, nwant, vals)
+        nv = _neighbour_dists(D, i, bits, nwant, d2, vals)
         last = vals[nv - 1]
         n = 0
         for j in range(ngrid):
-            if d2[j] <= last:
-                n += 1
+            n += np.int32(d2[j] <= last)
+        counts[i] = n
         total += 1 + n
     nb = np.empty(total, np.uint16)
     off = 0
     for i in range(kmap_size):
         if kmap[i] >= 0:
             continue
-        _dist2(levels, i, bits, d2)
-        nv = _smallest_distinct(d2, nwant, vals)
+        nv = _neighbour_dists(D, i, bits, nwant, d2, vals)
         kmap[i] = -(off + 1)
-        start = off
+        nb[off] = counts[i]
         off += 1
+        # by distance, then index
         for t in range(nv):
             for j in range(ngrid):
                 if d2[j] == vals[t]:
                     nb[off] = j
                     off += 1
-        nb[start] = off - start - 1
     return kmap, nb
 
 
@@ -808,12 +817,6 @@ def _iq1_m(x, qw, has_w, grid, kmap, nb, out, dout):
     index = np.zeros(2, np.int64)
     scales = np.zeros(16, F32)
     shifts = np.zeros(16, np.int64)
-    sumqx = np.zeros(4, F32)
-    sumq2 = np.zeros(4, F32)
-    qx_p = np.zeros(2, F32)
-    qx_m = np.zeros(2, F32)
-    q2_p = np.zeros(2, F32)
-    q2_m = np.zeros(2, F32)
     sc = np.zeros(4, np.int64)
     p2 = x_p[2]
     m2 = x_m[2]
@@ -855,26 +858,38 @@ def _iq1_m(x, qw, has_w, grid, kmap, nb, out, dout):
                     px[1 - h, j + 1] = px[1 - h, j]
                     pw[h, j + 1] = pw[h, j] + weight[i]
                     pw[1 - h, j + 1] = pw[1 - h, j]
+                # the split search on scalars (registers), in ggml's operation order: the two halves' sums for
+                # x_p and x_m, then the four sign combinations in order k = 0..3
+                tx0 = px[0, 16]
+                tx1 = px[1, 16]
+                tw0p = pw[0, 16] * p2 * p2
+                tw1p = pw[1, 16] * p2 * p2
+                tw0m = pw[0, 16] * m2 * m2
+                tw1m = pw[1, 16] * m2 * m2
                 for i1 in range(17):
+                    a0 = px[0, i1]
+                    a1 = px[1, i1]
+                    b0 = pw[0, i1]
+                    b1 = pw[1, i1]
                     for i2 in range(i1, 17):
-                        for h in range(2):
-                            sx = px[h, i1] + px[h, i2]
-                            qx_p[h] = px[h, 16] * p2 - sx
-                            qx_m[h] = px[h, 16] * m2 - sx
-                            q2_p[h] = pw[h, 16] * p2 * p2 + pw[h, i1] * cp1 + pw[h, i2] * cp2
-                            q2_m[h] = pw[h, 16] * m2 * m2 + pw[h, i1] * cm1 + pw[h, i2] * cm2
-                        sumqx[0] = qx_p[0] + qx_p[1]
-                        sumqx[1] = qx_p[0] + qx_m[1]
-                        sumqx[2] = qx_m[0] + qx_p[1]
-                        sumqx[3] = qx_m[0] + qx_m[1]
-                        sumq2[0] = q2_p[0] + q2_p[1]
-                        sumq2[1] = q2_p[0] + q2_m[1]
-                        sumq2[2] = q2_m[0] + q2_p[1]
-                        sumq2[3] = q2_m[0] + q2_m[1]
+                        sx0 = a0 + px[0, i2]
+                        sx1 = a1 + px[1, i2]
+                        qxp0 = tx0 * p2 - sx0
+                        qxm0 = tx0 * m2 - sx0
+                        qxp1 = tx1 * p2 - sx1
+                        qxm1 = tx1 * m2 - sx1
+                        c0 = pw[0, i2]
+                        c1 = pw[1, i2]
+                        q2p0 = tw0p + b0 * cp1 + c0 * cp2
+                        q2m0 = tw0m + b0 * cm1 + c0 * cm2
+                        q2p1 = tw1p + b1 * cp1 + c1 * cp2
+                        q2m1 = tw1m + b1 * cm1 + c1 * cm2
                         for k in range(4):
-                            if sumq2[k] > 0 and sumqx[k] * sumqx[k] > best_score * sumq2[k]:
-                                scale = sumqx[k] / sumq2[k]
-                                best_score = scale * sumqx[k]
+                            sqx = (qxp0 if k < 2 else qxm0) + (qxp1 if k % 2 == 0 else qxm1)
+                            sq2 = (q2p0 if k < 2 else q2m0) + (q2p1 if k % 2 == 0 else q2m1)
+                            if sq2 > 0 and sqx * sqx > best_score * sq2:
+                                scale = sqx / sq2
+                                best_score = scale * sqx
                                 besti1 = i1
                                 besti2 = i2
                                 best_k = k

@@ -216,51 +216,76 @@ def make_qkx(x, w, nmax, rmin, rdelta, nstep, use_mad, L, acc):
     return scale, -lo
 
 
-@njit(cache=True)
-def _make_q3(x, nmax, L):
-    """make_q3_quants with do_rmse: returns the scale; L gets the levels 0..2*nmax-1."""
-    n = x.shape[0]
-    mx = F32(0.0)
-    amax = F32(0.0)
-    for i in range(n):
-        if abs(x[i]) > amax:
-            amax = abs(x[i])
-            mx = x[i]
-    if amax < GROUP_MAX_EPS:
-        for i in range(n):
-            L[i] = 0
-        return F32(0.0)
-    iscale = F32(-nmax) / mx
-    sumlx = F32(0.0)
-    suml2 = F32(0.0)
-    for i in range(n):
-        l = max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i])))
-        L[i] = l
-        w = x[i] * x[i]
-        sumlx += w * x[i] * F32(l)
-        suml2 += w * F32(l) * F32(l)
+@njit(cache=True, nogil=True, error_model="numpy")      # IEEE division (x / 0 in lanes whose result is unused)
+def make_q3_lanes(x, X, W, Lf, acc, L, scales):
+    """make_q3_quants(16, 4, x + 16 j, L + 16 j, do_rmse) for the 16 sub-blocks j of a super-block x side by side:
+    lane j holds sub-block j (X[i, j] = x[16 j + i]), so every step runs on 16 lanes (SIMD) and each lane does
+    ggml's operations on its values in ggml's order (the same bits). The refinement passes run until no lane
+    changes a level (at most 5): a pass that changes nothing in a lane leaves its state as it was, so the passes
+    a lane runs after it stopped in ggml are no-ops. Levels are rounded and clamped as floats (exact: |v| < 2^22,
+    ggml's nearest_int domain). L int8 [256] gets the levels 0..7 (0 for an all-zero sub-block), scales [16].
+    Scratch: X, W, Lf float32 [16, 16], acc float32 [5, 16]."""
+    sumlx = acc[0]
+    suml2 = acc[1]
+    amax = acc[2]
+    mx = acc[3]
+    isc = acc[4]
+    for j in range(16):
+        amax[j] = F32(0.0)
+        mx[j] = F32(0.0)
+        sumlx[j] = F32(0.0)
+        suml2[j] = F32(0.0)
+    for i in range(16):
+        for j in range(16):
+            v = x[16 * j + i]
+            X[i, j] = v
+            W[i, j] = v * v
+    for i in range(16):
+        for j in range(16):
+            v = X[i, j]
+            a = abs(v)
+            gt = a > amax[j]
+            mx[j] = v if gt else mx[j]
+            amax[j] = a if gt else amax[j]
+    for j in range(16):
+        isc[j] = F32(-4.0) / mx[j]
+    for i in range(16):
+        for j in range(16):
+            r = (isc[j] * X[i, j] + F32(12582912.0)) - F32(12582912.0)
+            r = F32(-4.0) if r < F32(-4.0) else r
+            r = F32(3.0) if r > F32(3.0) else r
+            Lf[i, j] = r
+            w = W[i, j]
+            sumlx[j] += w * X[i, j] * r
+            suml2[j] += w * r * r
     for _ in range(5):
-        n_changed = 0
-        for i in range(n):
-            w = x[i] * x[i]
-            li = F32(L[i])
-            slx = sumlx - w * x[i] * li
-            if slx > 0:
-                sl2 = suml2 - w * li * li
-                new_l = max(-nmax, min(nmax - 1, _nearest_int(x[i] * sl2 / slx)))
-                if new_l != L[i]:
-                    slx += w * x[i] * F32(new_l)
-                    sl2 += w * F32(new_l) * F32(new_l)
-                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
-                        L[i] = new_l
-                        sumlx = slx
-                        suml2 = sl2
-                        n_changed += 1
-        if n_changed == 0:
+        changed = 0
+        for i in range(16):
+            for j in range(16):
+                w = W[i, j]
+                v = X[i, j]
+                li = Lf[i, j]
+                sx = sumlx[j]
+                s2 = suml2[j]
+                slx = sx - w * v * li
+                sl2 = s2 - w * li * li
+                r = (v * sl2 / slx + F32(12582912.0)) - F32(12582912.0)
+                r = F32(-4.0) if r < F32(-4.0) else r
+                r = F32(3.0) if r > F32(3.0) else r
+                nslx = slx + w * v * r
+                nsl2 = sl2 + w * r * r
+                take = (slx > 0) & (r != li) & (nsl2 > 0) & (nslx * nslx * s2 > sx * sx * nsl2)
+                Lf[i, j] = r if take else li
+                sumlx[j] = nslx if take else sx
+                suml2[j] = nsl2 if take else s2
+                changed += np.int32(take)
+        if changed == 0:
             break
-    for i in range(n):
-        L[i] += nmax
-    return sumlx / suml2 if suml2 > 0 else F32(0.0)
+    for j in range(16):
+        zero = amax[j] < GROUP_MAX_EPS
+        scales[j] = F32(0.0) if zero or not suml2[j] > 0 else sumlx[j] / suml2[j]
+        for i in range(16):
+            L[16 * j + i] = 0 if zero else np.int8(Lf[i, j]) + 4
 
 
 QX_STEPS = 24      # make_qx_quants' 19 trial scales, padded to a multiple of the SIMD width
@@ -405,7 +430,7 @@ def _q2_k_rows(b, out):
             q2_k_pack(x, sc, d, dmin, L, out[i])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")      # no zero check on x / dj (dj != 0 there): SIMD
 def q3_k_pack(x, ls, d, L, o):
     """block_q3_K {hmask[32], qs[64], scales[12], d} from the 16 six-bit scales (0..63, 32 is zero), d and the
     searched levels 0..7 (requantized where the sub-block scale is non-zero)."""
@@ -442,13 +467,17 @@ def _q3_k_rows(b, out):
         L = np.empty(QK_K, np.int8)
         scales = np.empty(16, np.float32)
         ls = np.empty(16, np.uint8)
+        X = np.empty((16, 16), np.float32)
+        W = np.empty((16, 16), np.float32)
+        Lf = np.empty((16, 16), np.float32)
+        acc = np.empty((5, 16), np.float32)
         for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
             x = b[i]
+            make_q3_lanes(x, X, W, Lf, acc, L, scales)
             max_scale = F32(0.0)
             amax = F32(0.0)
             for j in range(16):
-                s = _make_q3(x[16 * j:16 * j + 16], 4, L[16 * j:16 * j + 16])
-                scales[j] = s
+                s = scales[j]
                 if abs(s) > amax:
                     amax = abs(s)
                     max_scale = s

@@ -479,17 +479,20 @@ def _f32_rows(x: np.ndarray) -> np.ndarray:
     return buf[:x.size].reshape(x.shape)
 
 
-def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=None, rows_per_chunk=None) -> np.ndarray:
-    """x [nrows, ne0] float32, or uint16 fp16 bit patterns -> uint8 [nrows, row_bytes]; rows in chunks of at most
-    ~256K values (converted to float32 chunk by chunk) over ``pool`` (NumPy and Numba release the GIL). Every
-    format's rows are independent, so the chunking does not change a byte."""
+def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=None, rows_per_chunk=None,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """x [nrows, ne0] float32, or uint16 fp16 bit patterns -> uint8 [nrows, row_bytes] (into ``out``, C-contiguous
+    uint8 of that size, when given); rows in chunks of at most ~256K values (converted to float32 chunk by chunk)
+    over ``pool`` (NumPy and Numba release the GIL). Every format's rows are independent, so the chunking does not
+    change a byte."""
     from ..ggml.quants import quantize
     from ..ggml.quants_imatrix import quantize_weighted
     from ..ggml.quants_iq_search import SEARCH_TYPES, quantize_iq
     from ..ggml.quants_rows import quantize_rows_ref
     nrows, ne0 = x.shape
     tt = TYPE_TRAITS[t]
-    out = np.empty((nrows, ne0 // tt.blck_size * tt.type_size), np.uint8)
+    shape = (nrows, ne0 // tt.blck_size * tt.type_size)
+    out = np.empty(shape, np.uint8) if out is None else out.reshape(shape)
 
     def run(a, b):
         if pool is not None:
@@ -575,31 +578,17 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
         plan.append((name, ti, ne, new_type))
 
     nthread = params.nthread if params.nthread > 0 else (os.cpu_count() or 1)
-    # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
-    import numba
-    numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
-    pool = ThreadPoolExecutor(nthread) if nthread > 1 else None
     types, size_org, size_new, n_el = {}, 0, 0, 0
-    try:
-        for i, (name, ti, ne, new_type) in enumerate(plan):
-            n_el += ti.n_elements
-            size_org += ti.nbytes
-            shape = "[" + ", ".join(f"{x:5d}" for x in (tuple(ne) + (1,) * 4)[:4]) + "]"
-            head = f"[{i + 1:4d}/{len(plan):4d}] {name:<36s} - {shape}, type = {ggml_type_name(ti.type):>6s}, "
-            ne_out = ne[:n_dims(ne)]
-            if new_type == ti.type:
-                log(head + f"size = {ti.nbytes / 1048576:8.3f} MiB")
-                if not params.dry_run:
-                    w.add_tensor_raw(name, ti.type, ne_out, ti.data)
-                size_new += ti.nbytes
-            else:
-                tt = TYPE_TRAITS[new_type]
-                nbytes = ti.n_elements // tt.blck_size * tt.type_size
-                if params.dry_run:
-                    size_new += nbytes
-                    log(head + f"size = {ti.nbytes / 1048576:8.2f} MiB -> {nbytes / 1048576:8.2f} MiB "
-                               f"({ggml_type_name(new_type)})")
-                    continue
+    jobs = []                           # (name, ti, ne, new_type, output bytes, imatrix or None): checked up front
+    for name, ti, ne, new_type in plan:
+        n_el += ti.n_elements
+        size_org += ti.nbytes
+        nbytes = ti.nbytes
+        im = None
+        if new_type != ti.type:
+            tt = TYPE_TRAITS[new_type]
+            nbytes = ti.n_elements // tt.blck_size * tt.type_size
+            if not params.dry_run:
                 if TYPE_TRAITS[ti.type].is_quantized and not params.allow_requantize:
                     raise QuantizeError(f"requantizing from type {ggml_type_name(ti.type)} is disabled")
                 if new_type not in QUANTIZE_TYPES and new_type not in SEARCH_TYPES and new_type != T.F32:
@@ -608,23 +597,61 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
                 if im is None and new_type in REQUIRES_IMATRIX:   # ggml asserts here; say it instead
                     raise QuantizeError(f"quantizing {name} to {ggml_type_name(new_type)} needs an importance "
                                         f"matrix entry for it")
-                data = _quantize_tensor(ti, ne, new_type, im, pool)
-                assert data.nbytes == nbytes
-                w.add_tensor_raw(name, new_type, ne_out, data)
-                size_new += nbytes
-                log(head + f"converting to {ggml_type_name(new_type)} .. size = {ti.nbytes / 1048576:8.2f} MiB -> "
-                           f"{nbytes / 1048576:8.2f} MiB")
-            types[name] = new_type
+        size_new += nbytes
+        types[name] = new_type
+        jobs.append((name, ti, ne, new_type, nbytes, im))
+
+    def line(i, name, ti, ne, new_type, nbytes):
+        shape = "[" + ", ".join(f"{x:5d}" for x in (tuple(ne) + (1,) * 4)[:4]) + "]"
+        head = f"[{i + 1:4d}/{len(plan):4d}] {name:<36s} - {shape}, type = {ggml_type_name(ti.type):>6s}, "
+        if new_type == ti.type:
+            return head + f"size = {ti.nbytes / 1048576:8.3f} MiB"
+        if params.dry_run:
+            return (head + f"size = {ti.nbytes / 1048576:8.2f} MiB -> {nbytes / 1048576:8.2f} MiB "
+                           f"({ggml_type_name(new_type)})")
+        return (head + f"converting to {ggml_type_name(new_type)} .. size = {ti.nbytes / 1048576:8.2f} MiB -> "
+                       f"{nbytes / 1048576:8.2f} MiB")
+
+    if params.dry_run:
+        for i, (name, ti, ne, new_type, nbytes, _) in enumerate(jobs):
+            log(line(i, name, ti, ne, new_type, nbytes))
             if progress:
                 progress(i + 1, len(plan), name)
-    finally:
-        if pool:
-            pool.shutdown()
+    else:
+        # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
+        import numba
+        numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
+        pool = ThreadPoolExecutor(nthread) if nthread > 1 else None
+        # each tensor is quantized when the writer reaches it, into one buffer reused for all of them (written out
+        # before the next is made): memory holds one output tensor, not the file, as llama-quantize
+        sizes = [j[4] for j in jobs if j[3] != j[1].type]
+        scratch = np.empty(max(sizes, default=0), np.uint8)
+
+        def make(i):
+            name, ti, ne, new_type, nbytes, im = jobs[i]
+            if new_type == ti.type:
+                data = ti.data
+            else:
+                data = _quantize_tensor(ti, ne, new_type, im, pool, scratch[:nbytes])
+            log(line(i, name, ti, ne, new_type, nbytes))
+            if progress:
+                progress(i + 1, len(plan), name)
+            return data
+
+        for i, (name, ti, ne, new_type, _, _) in enumerate(jobs):
+            w.add_tensor_lazy(name, new_type, ne[:n_dims(ne)], lambda i=i: make(i))
+        try:
+            w.target = out
+            w.write()
+        except BaseException:
+            if isinstance(out, (str, os.PathLike)) and os.path.exists(out):
+                os.remove(out)          # no half-written file left behind
+            raise
+        finally:
+            if pool:
+                pool.shutdown()
     for msg in qs.warnings:
         log("warning: " + msg)
-    if not params.dry_run:
-        w.target = out
-        w.write()
     return QuantizeResult(types, size_org, size_new, n_el, qs.n_fallback, time.perf_counter() - t0)
 
 
@@ -644,7 +671,7 @@ def _imatrix_for(params, name, ne, new_type, ftype):
     return np.asarray(v, np.float32).reshape(n_expert, ne[0])
 
 
-def _quantize_tensor(ti, ne, new_type, im, pool) -> np.ndarray:
+def _quantize_tensor(ti, ne, new_type, im, pool, out: np.ndarray) -> np.ndarray:
     ne0 = ne[0]
     n_expert = 1
     for x in ne[2:]:
@@ -653,7 +680,9 @@ def _quantize_tensor(ti, ne, new_type, im, pool) -> np.ndarray:
     # F16 rows go to quantize_rows as they are (converted chunk by chunk there)
     x = ti.data.view("<u2").reshape(-1, ne0) if ti.type == T.F16 else _rows_to_f32(ti.data, T(ti.type), ne0)
     if im is None:
-        return quantize_rows(x, new_type, None, pool).reshape(-1)
-    parts = [quantize_rows(x[e * rows_per_expert:(e + 1) * rows_per_expert], new_type, im[e], pool)
-             for e in range(n_expert)]
-    return np.concatenate([p.reshape(-1) for p in parts])
+        return quantize_rows(x, new_type, None, pool, out=out).reshape(-1)
+    per = out.nbytes // n_expert
+    for e in range(n_expert):
+        quantize_rows(x[e * rows_per_expert:(e + 1) * rows_per_expert], new_type, im[e], pool,
+                      out=out[e * per:(e + 1) * per])
+    return out
