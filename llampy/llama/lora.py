@@ -10,6 +10,9 @@ of (adapter, scale): every product ``W @ x`` the graph helpers build becomes
 as extra nodes added by ``llama/graph.py`` (llama.cpp's build_lora_mm); architecture files never see them. The
 token embedding's pair is flipped (A [rank, n_vocab] indexed by token, B [rank, n_embd]), as llama.cpp's
 build_inp_embd reads it.
+
+An activated LoRA (aLoRA) also has ``adapter.alora.invocation_tokens`` (an array of u32 token ids): the server
+applies it only from its invocation sequence on (server/slots.py); the adapter itself is an ordinary LoRA here.
 """
 from __future__ import annotations
 
@@ -56,10 +59,25 @@ class LoraAdapter:
                 raise LoraError(f"{self.path}: adapter for {md.get('general.architecture')!r}, the model is "
                                 f"{model.hparams.arch!r}")
             self.alpha = float(md.get("adapter.lora.alpha", 0.0))
+            self.alora_invocation_tokens: list[int] = self._invocation_tokens()
             self.weights: dict[str, LoraWeight] = self._load(model)
         except BaseException:
             self.reader.close()
             raise
+
+    def _invocation_tokens(self) -> list[int]:
+        """adapter.alora.invocation_tokens, as llama_adapter_lora_init reads it (an array of u32, else refused)."""
+        key = "adapter.alora.invocation_tokens"
+        if key not in self.reader.metadata:
+            return []
+        from ..gguf.constants import GGUFValueType as VT
+        sig = self.reader.value_types[key]
+        if sig[0] != VT.ARRAY:
+            raise LoraError(f"{self.path}: invalid gguf type for {key}")
+        if sig[1] != VT.UINT32:
+            raise LoraError(f"{self.path}: invalid gguf element type for {key}")
+        # llama_token is an int32: ids are taken as ggml copies them
+        return [int(t) for t in self.reader.metadata[key].view("<i4")]
 
     def _load(self, model) -> dict[str, LoraWeight]:
         pairs: dict[str, dict[str, object]] = {}
@@ -107,7 +125,8 @@ class LoraAdapter:
         self.reader.close()
 
     def __repr__(self) -> str:
-        return f"LoraAdapter({self.path!r}, {len(self.weights)} weights, alpha {self.alpha:g})"
+        inv = f", aLoRA invocation {self.alora_invocation_tokens}" if self.alora_invocation_tokens else ""
+        return f"LoraAdapter({self.path!r}, {len(self.weights)} weights, alpha {self.alpha:g}{inv})"
 
 
 def parse_lora_args(lora: list | None = None, lora_scaled: list | None = None) -> list[tuple[str, float]]:

@@ -217,6 +217,8 @@ class Server:
         if lora is not None and any(i >= n_ad for i in lora):
             raise APIError(400, f"'lora': adapter id {max(lora)} is out of range (the server has {n_ad} LoRA "
                                 f"adapter{'' if n_ad == 1 else 's'})", "lora")
+        if len(self.engine.alora_ids(self.engine.lora_of(lora))) > 1:
+            raise APIError(400, "Cannot run multiple aLoRAs in a single request", "lora")
         shown = {k: v for k, v in p.items() if k != "logit_bias" and v is not None}
         return Request(tokens=tokens, max_tokens=max_tokens, sampler=self.sampler(p, grammar), stop=p["stop"],
                        n_probs=n_probs, logprobs=logprobs or n_probs > 0, ignore_eos=p["ignore_eos"],

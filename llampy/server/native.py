@@ -218,8 +218,17 @@ def add_native_routes(app, server) -> None:
     @app.get("/lora-adapters")
     async def lora_adapters():
         e = server.engine
-        return [{"id": i, "path": p, "scale": sc, "task_name": "", "prompt_prefix": ""}
-                for i, (p, sc) in enumerate(zip(e.lora_paths, e.lora_scales))]
+        out = []
+        for i, (ad, p, sc) in enumerate(zip(e.lora_adapters, e.lora_paths, e.lora_scales)):
+            entry = {"id": i, "path": p, "scale": sc, "task_name": "", "prompt_prefix": ""}
+            inv = ad.alora_invocation_tokens
+            if inv:             # an activated LoRA: its invocation sequence, as text and as ids
+                v = server.model.vocab
+                entry["alora_invocation_string"] = b"".join(v.token_to_piece(t) for t in inv).decode(
+                    "utf-8", errors="replace")
+                entry["alora_invocation_tokens"] = list(inv)
+            out.append(entry)
+        return out
 
     @app.post("/lora-adapters")
     async def set_lora_adapters(http: HTTPRequest):

@@ -125,6 +125,7 @@ class Slot:
         self.n_draft = 0                # drafted tokens checked for this request, and those accepted
         self.n_draft_acc = 0
         self.lora: tuple = ()           # the LoRA scales its cached K/V were computed with
+        self.alora_from = 0             # an aLoRA request: its first tokens up to this one decode without adapters
         self.checkpoints: list[Checkpoint] = []     # oldest first; each one's tokens prefix ``cached``
         # M-RoPE: (the cached list, items counted, positions they save) so that Engine._pos counts only what was
         # appended since (an image's tokens share one position: the item count is not the position)
@@ -214,10 +215,24 @@ class Engine:
         admitted from now on use them. Call through run_job."""
         self.lora_scales = [float(scales.get(i, 0.0)) for i in range(len(self.lora_adapters))]
 
-    def _lora_of(self, r: Request) -> tuple:
-        if r.lora is None:
+    def lora_of(self, lora: dict | None) -> tuple:
+        """A request's adapter scales: its "lora" ({id: scale}, the others 0), else the server's."""
+        if lora is None:
             return tuple(self.lora_scales)
-        return tuple(float(r.lora.get(i, 0.0)) for i in range(len(self.lora_adapters)))
+        return tuple(float(lora.get(i, 0.0)) for i in range(len(self.lora_adapters)))
+
+    def _lora_of(self, r: Request) -> tuple:
+        return self.lora_of(r.lora)
+
+    def alora_ids(self, lora: tuple) -> list:
+        """The adapters enabled in ``lora`` when all of them are activated LoRAs (llama-server's lora_all_alora),
+        else []."""
+        on = [i for i, sc in enumerate(lora) if sc != 0.0]
+        return on if on and all(self.lora_adapters[i].alora_invocation_tokens for i in on) else []
+
+    def _lora_now(self, s: Slot) -> tuple:
+        """The scales the slot's next tokens decode with: none before an aLoRA's activation, else its request's."""
+        return (0.0,) * len(s.lora) if len(s.cached) < s.alora_from else s.lora
 
     @property
     def n_ctx_slot(self) -> int:
@@ -451,9 +466,25 @@ class Engine:
         if not r.cache_prompt or r.prompt_logprobs >= 0:
             n_common = 0
         lora = self._lora_of(r)
-        if lora != slot.lora:           # K/V computed under other adapter scales are not this request's
+        alora = self.alora_ids(lora)
+        start = -1
+        if alora:
+            if len(alora) != 1:         # the request's fields were checked; the server's scales may have changed
+                raise ValueError("Cannot run multiple aLoRAs in a single request")
+            start = _alora_start(r.tokens, self.lora_adapters[alora[0]].alora_invocation_tokens)
+            if start < 0:               # no invocation in the prompt: the adapter is off for this request
+                lora = tuple(0.0 if i == alora[0] else sc for i, sc in enumerate(lora))
+                alora = []
+        # K/V computed under other adapter scales are not this request's; llama-server keeps them for an aLoRA
+        # after no adapter or an aLoRA (lora_should_clear_cache), to where its adapter starts
+        if lora != slot.lora and not (alora and (not any(slot.lora) or self.alora_ids(slot.lora))):
             n_common = 0
-            slot.lora = lora
+        slot.lora = lora
+        # llama-server decodes an aLoRA prompt's tokens before the one preceding the invocation without the adapter,
+        # and reuses a cache up to there only
+        slot.alora_from = max(0, start - 1)
+        if start > 0:
+            n_common = min(n_common, start - 1)
         if n_common < len(r.tokens) and not isinstance(r.tokens[n_common], (int, np.integer)):
             n_common -= r.tokens[n_common].j          # an image is decoded whole: from its first position
         r.t_start = time.perf_counter()
@@ -512,10 +543,10 @@ class Engine:
         if self.lora_adapters and active:
             # one set of adapter scales per decode (the graph applies them to every row): slots of other sets
             # wait for their turn, which comes round step by step
-            sets = sorted({s.lora for s in active})
+            sets = sorted({self._lora_now(s) for s in active})
             cur = sets[self._lora_turn % len(sets)]
             self._lora_turn += 1
-            active = [s for s in active if s.lora == cur]
+            active = [s for s in active if self._lora_now(s) == cur]
             self.ctx.set_loras([(ad, sc) for ad, sc in zip(self.lora_adapters, cur) if sc != 0.0])
         batch = Batch.empty()
         rows: dict[int, int] = {}       # slot id -> batch position whose logits it samples from
@@ -542,6 +573,8 @@ class Engine:
             tail = len(s.pending) - CHECKPOINT_TAIL
             if self.n_ctx_checkpoints and 0 < tail < len(chunk):
                 chunk = chunk[:tail]        # stop short of the prompt's end: a checkpoint is taken there
+            if len(s.cached) < s.alora_from:
+                chunk = chunk[:s.alora_from - len(s.cached)]     # an aLoRA's adapter starts after this chunk
             if took and len(chunk) > budget:
                 continue
             every = s.req.prompt_logprobs >= 0
@@ -793,6 +826,20 @@ def _recurrent(model) -> bool:
 def _text_only(tokens: list) -> bool:
     """No image positions (mtmd.ImagePos) among the tokens: what the state files can hold."""
     return all(isinstance(t, (int, np.integer)) for t in tokens)
+
+
+def _alora_start(tokens: list, inv: list) -> int:
+    """Where the last occurrence of the invocation sequence starts in the prompt, -1 if none: llama-server's
+    backward scan, which after a mismatch looks for the sequence's last token from the next position on."""
+    m = len(inv) - 1
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] == inv[m]:
+            if m == 0:
+                return i
+            m -= 1
+        else:
+            m = len(inv) - 1
+    return -1
 
 
 def _common(a: list, b: list) -> int:
