@@ -72,6 +72,73 @@ def _chunk_sum(row, lanes):
     return tot
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _scores(qr, kb, row, dk, sc, cap, kv_tile, has_mask, mrow, c0, slope):
+    """One query row against one tile: the scaled (soft-capped, masked) scores into row; returns their maximum."""
+    # Q·K: per cell an fma chain over the head's dimensions, from 0
+    a0 = v16_zero()
+    a1 = v16_zero()
+    a2 = v16_zero()
+    a3 = v16_zero()
+    for d in range(dk):
+        x = qr[d]
+        kd = kb[d]
+        a0 = v16_fma(v16_load(kd, 0), x, a0)
+        a1 = v16_fma(v16_load(kd, 16), x, a1)
+        a2 = v16_fma(v16_load(kd, 32), x, a2)
+        a3 = v16_fma(v16_load(kd, 48), x, a3)
+    v16_store(row, 0, v16_scale(a0, sc))
+    v16_store(row, 16, v16_scale(a1, sc))
+    v16_store(row, 32, v16_scale(a2, sc))
+    v16_store(row, 48, v16_scale(a3, sc))
+    if cap != 0:
+        for j in range(KV_TILE):
+            row[j] = np.float32(np.tanh(row[j])) * cap
+    for j in range(kv_tile, KV_TILE):
+        row[j] = -np.inf
+    if has_mask:
+        for j in range(kv_tile):
+            row[j] = row[j] + slope * mrow[c0 + j]
+    vm = v16_max(v16_max(v16_load(row, 0), v16_load(row, 16)),
+                 v16_max(v16_load(row, 32), v16_load(row, 48)))
+    return v16_hmax(vm)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pv1(row, vh, vb, kv_tile, acc):
+    """P·V of one row: per output an fma chain over the tile's cells, continuing the accumulator."""
+    for j in range(0, acc.shape[0], 16):
+        av = v16_load(acc, j)
+        for c in range(kv_tile):
+            av = v16_fma(v16_load(vh[vb + c], j), row[c], av)
+        v16_store(acc, j, av)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pv4(rows, vh, vb, kv_tile, acc):
+    """``_pv1`` of four rows at once: the same chains, each V load shared by the four (the chains overlap, which a
+    single row's 64-long chain of dependent fmas cannot)."""
+    r0, r1, r2, r3 = rows[0], rows[1], rows[2], rows[3]
+    for j in range(0, acc.shape[1], 16):
+        b0 = v16_load(acc[0], j)
+        b1 = v16_load(acc[1], j)
+        b2 = v16_load(acc[2], j)
+        b3 = v16_load(acc[3], j)
+        for c in range(kv_tile):
+            vv = v16_load(vh[vb + c], j)
+            b0 = v16_fma(vv, r0[c], b0)
+            b1 = v16_fma(vv, r1[c], b1)
+            b2 = v16_fma(vv, r2[c], b2)
+            b3 = v16_fma(vv, r3[c], b3)
+        v16_store(acc[0], j, b0)
+        v16_store(acc[1], j, b1)
+        v16_store(acc[2], j, b2)
+        v16_store(acc[3], j, b3)
+
+
+ROWS = 4        # query rows walked through the cache together (their P·V chains interleaved; each row's own order)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _tiled(q, kt, vt, n_kv, mask, out, sc, cap, slopes, sinks, lanes):
     ne3, n_head, n_q, dk = q.shape
@@ -89,84 +156,73 @@ def _tiled(q, kt, vt, n_kv, mask, out, sc, cap, slopes, sinks, lanes):
         kh = kt[i3 % kt.shape[0], h // rk]
         vh = vt[i3 % vt.shape[0], h // rk]
         slope = slopes[h]
-        row = np.empty(KV_TILE, np.float32)
-        acc = np.empty(dvp, np.float32)
-        for i in range(i0, i1):
-            qr = q[i3, h, i]
-            mrow = mask[i3 % mask.shape[0], h % mask.shape[1], i] if has_mask else mask[0, 0, 0]
+        rows = np.empty((ROWS, KV_TILE), np.float32)
+        acc = np.empty((ROWS, dvp), np.float32)
+        Ss = np.empty(ROWS, np.float32)
+        Ms = np.empty(ROWS, np.float32)
+        live = np.empty(ROWS, np.bool_)
+        for g0 in range(i0, i1, ROWS):
+            nr = min(ROWS, i1 - g0)
             acc[:] = 0
-            S = np.float32(0.0)
-            M = np.float32(-np.inf)
+            Ss[:] = 0
+            Ms[:] = -np.inf
             for t in range(nt):
                 c0 = t * KV_TILE
                 kv_tile = min(KV_TILE, n_kv - c0)
-                if has_mask:        # a tile this row sees nothing of leaves it as it was
-                    seen = False
-                    for j in range(kv_tile):
-                        if slope * mrow[c0 + j] != -np.inf:
-                            seen = True
-                            break
-                    if not seen:
+                n_live = 0
+                for r in range(nr):
+                    live[r] = False
+                    i = g0 + r
+                    mrow = mask[i3 % mask.shape[0], h % mask.shape[1], i] if has_mask else mask[0, 0, 0]
+                    if has_mask:        # a tile this row sees nothing of leaves it as it was
+                        seen = False
+                        for j in range(kv_tile):
+                            if slope * mrow[c0 + j] != -np.inf:
+                                seen = True
+                                break
+                        if not seen:
+                            continue
+                    row = rows[r]
+                    tmax = _scores(q[i3, h, i], kh[t], row, dk, sc, cap, kv_tile, has_mask, mrow, c0, slope)
+                    if tmax == -np.inf:
                         continue
-                kb = kh[t]
-                # Q·K: per cell an fma chain over the head's dimensions, from 0
-                a0 = v16_zero()
-                a1 = v16_zero()
-                a2 = v16_zero()
-                a3 = v16_zero()
-                for d in range(dk):
-                    x = qr[d]
-                    kd = kb[d]
-                    a0 = v16_fma(v16_load(kd, 0), x, a0)
-                    a1 = v16_fma(v16_load(kd, 16), x, a1)
-                    a2 = v16_fma(v16_load(kd, 32), x, a2)
-                    a3 = v16_fma(v16_load(kd, 48), x, a3)
-                v16_store(row, 0, v16_scale(a0, sc))
-                v16_store(row, 16, v16_scale(a1, sc))
-                v16_store(row, 32, v16_scale(a2, sc))
-                v16_store(row, 48, v16_scale(a3, sc))
-                if cap != 0:
-                    for j in range(KV_TILE):
-                        row[j] = np.float32(np.tanh(row[j])) * cap
-                for j in range(kv_tile, KV_TILE):
-                    row[j] = -np.inf
-                if has_mask:
-                    for j in range(kv_tile):
-                        row[j] = row[j] + slope * mrow[c0 + j]
-                vm = v16_max(v16_max(v16_load(row, 0), v16_load(row, 16)),
-                             v16_max(v16_load(row, 32), v16_load(row, 48)))
-                tmax = v16_hmax(vm)
-                if tmax == -np.inf:
-                    continue
-                Mnew = max(M, tmax)
-                if Mnew > M:
-                    ms = expf(M - Mnew)
-                    for j in range(0, dvp, 16):
-                        v16_store(acc, j, v16_scale(v16_load(acc, j), ms))
-                    S = S * ms
-                M = Mnew
-                for j in range(0, KV_TILE, 16):
-                    v16_store(row, j, v16_exp_shifted(v16_load(row, j), M))
-                S = np.float32(np.float64(S) + _chunk_sum(row, lanes))
-                # P·V: per output an fma chain over the tile's cells, continuing the accumulator
-                vb = c0
-                for j in range(0, dvp, 16):
-                    av = v16_load(acc, j)
-                    for c in range(kv_tile):
-                        av = v16_fma(v16_load(vh[vb + c], j), row[c], av)
-                    v16_store(acc, j, av)
-            if sinks.shape[0] > 0:
-                s = sinks[h]
-                ms = np.float32(1.0)
-                vs = np.float32(1.0)
-                if s > M:
-                    ms = expf(M - s)
-                    for j in range(0, dvp, 16):
-                        v16_store(acc, j, v16_scale(v16_load(acc, j), ms))
+                    M = Ms[r]
+                    Mnew = max(M, tmax)
+                    if Mnew > M:
+                        ms = expf(M - Mnew)
+                        ar = acc[r]
+                        for j in range(0, dvp, 16):
+                            v16_store(ar, j, v16_scale(v16_load(ar, j), ms))
+                        Ss[r] = Ss[r] * ms
+                    Ms[r] = Mnew
+                    for j in range(0, KV_TILE, 16):
+                        v16_store(row, j, v16_exp_shifted(v16_load(row, j), Mnew))
+                    Ss[r] = np.float32(np.float64(Ss[r]) + _chunk_sum(row, lanes))
+                    live[r] = True
+                    n_live += 1
+                if n_live == ROWS:
+                    _pv4(rows, vh, c0, kv_tile, acc)
                 else:
-                    vs = expf(s - M)
-                S = fma32(S, ms, vs)     # S * ms + vs, contracted by the compiler as in the one_chunk path
-            inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
-            o = out[i3, i, h]
-            for j in range(dv):
-                o[j] = acc[j] * inv
+                    for r in range(nr):
+                        if live[r]:
+                            _pv1(rows[r], vh, c0, kv_tile, acc[r])
+            for r in range(nr):
+                i = g0 + r
+                S = Ss[r]
+                M = Ms[r]
+                ar = acc[r]
+                if sinks.shape[0] > 0:
+                    s = sinks[h]
+                    ms = np.float32(1.0)
+                    vs = np.float32(1.0)
+                    if s > M:
+                        ms = expf(M - s)
+                        for j in range(0, dvp, 16):
+                            v16_store(ar, j, v16_scale(v16_load(ar, j), ms))
+                    else:
+                        vs = expf(s - M)
+                    S = fma32(S, ms, vs)     # S * ms + vs, contracted by the compiler as in the one_chunk path
+                inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
+                o = out[i3, i, h]
+                for j in range(dv):
+                    o[j] = ar[j] * inv
