@@ -41,6 +41,12 @@ class RemoteEngine:
     # the replicas load no LoRA adapters: a request's "lora" ids get the server's 400 (out of range)
     lora_adapters = lora_paths = lora_scales = ()
 
+    def lora_of(self, lora) -> tuple:
+        return ()
+
+    def alora_ids(self, lora) -> list:
+        return []
+
     def __init__(self, handle, board, n_parallel: int, n_ctx: int, idle_timeout: float):
         self.handle, self.board = handle, board
         self.n_parallel, self.n_ctx = n_parallel, n_ctx

@@ -63,6 +63,44 @@ class Deployment:
             self.local_cluster.shutdown()
 
 
+# Serve's controller restarts a proxy that is not ready within 5 s (then 10 s, 15 s: it counts as a failed health
+# check, 3 in a row) or misses health checks of 10 s: on a loaded machine a local cluster's proxy took longer to start
+# and was killed again and again (Serve's controller log). The local cluster's nodes get longer ones (the user's
+# environment wins).
+LOCAL_NODE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+START_TRIES = 3
+
+
+def _started(start, what: str):
+    """``start()``, which starts a Ray node, tried again when the node did not register in time: Ray gives it 30 s
+    (hard-coded in ray/_private/node.py), which a loaded machine can miss. The half-started node's processes are
+    stopped first (the Node is the frame's ``self`` in the exception's traceback: Ray hands back no handle)."""
+    import logging
+    from ray._private.node import Node
+    for attempt in range(START_TRIES):
+        try:
+            return start()
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == START_TRIES - 1:
+                raise
+            tb, node = e.__traceback__, None
+            while tb is not None and node is None:
+                node = tb.tb_frame.f_locals.get("self")
+                node = node if isinstance(node, Node) else None
+                tb = tb.tb_next
+            if node is not None:
+                node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            logging.getLogger("llampy.cluster").warning("the %s did not register within Ray's 30 s; starting it "
+                                                        "again (%d of %d)", what, attempt + 2, START_TRIES)
+
+
+def add_worker(c, cpus: int = 1, wait: bool = True):
+    """A worker node of ``cpus`` CPUs on 127.0.0.1 added to the local cluster ``c``."""
+    env = {k: os.environ.get(k, v) for k, v in LOCAL_NODE_ENV.items()}
+    return _started(lambda: c.add_node(wait=wait, num_cpus=cpus, node_ip_address="127.0.0.1", env_vars=env),
+                    "worker node")
+
+
 def start_local(n_nodes: int, cpus_per_node: int = 1):
     """A local cluster: a head with no CPUs (Serve's controller and proxy) and ``n_nodes`` worker nodes, on
     127.0.0.1, without the dashboard."""
@@ -71,12 +109,17 @@ def start_local(n_nodes: int, cpus_per_node: int = 1):
     from ray.cluster_utils import Cluster
     if n_nodes < 1:
         raise ClusterError(f"local:{n_nodes}: a local cluster needs at least one worker node")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                       "node_ip_address": "127.0.0.1"})
-    for _ in range(n_nodes):        # started together, then waited for
-        c.add_node(wait=False, num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
-    c.wait_for_nodes(timeout=120)
-    ray.init(address=c.address, namespace=NAMESPACE, logging_level="warning", log_to_driver=False)
+    env = {k: os.environ.get(k, v) for k, v in LOCAL_NODE_ENV.items()}
+    c = _started(lambda: Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "node_ip_address": "127.0.0.1", "env_vars": env}), "head node")
+    try:
+        for _ in range(n_nodes):        # each start waits for its node to register; then all are waited for
+            add_worker(c, cpus_per_node, wait=False)
+        c.wait_for_nodes(timeout=120)
+        ray.init(address=c.address, namespace=NAMESPACE, logging_level="warning", log_to_driver=False)
+    except BaseException:
+        c.shutdown()
+        raise
     return c
 
 
