@@ -119,6 +119,12 @@ def main() -> int:
         servers[cfg] = Server(path, n_parallel=max(args.streams), n_ctx=1024 * max(args.streams), spec=spec,
                               model_draft=d)
     toks = [servers[args.configs[0]].chat_tokens(m) for m in TASKS]
+    # every engine builds its decode graphs while idle: wait for all of them, so that none builds while another is
+    # timed; then a short untimed round each (kernels loaded, the draft context's graphs built)
+    while any(server.engine._to_reserve for server in servers.values()):
+        time.sleep(0.2)
+    for server in servers.values():
+        one_round(server, toks[:1], 4, 1)
     best, replies = {}, {}
     # configurations take turns within each round, so that a slow spell of a shared machine hits them alike
     for k in range(args.rounds):
