@@ -2,7 +2,8 @@
 ``--reasoning-format``), and the checks of the request fields that steer it.
 
 The block is ``<think> ... </think>`` (DeepSeek R1, Qwen 3, QwQ) or, for a Gemma 4 template,
-``<|channel>thought ... <channel|>``. ``reasoning_format``: "none" keeps it in the content; "auto", the default,
+``<|channel>thought ... <channel|>``; a gpt-oss (harmony) template's replies are read by tools_harmony's splitter
+(the ``analysis`` channel is the reasoning). ``reasoning_format``: "none" keeps it in the content; "auto", the default,
 splits it where the template knows the tags or the prompt opened a block; "deepseek" splits it whatever the
 template. ``chat_template_kwargs`` are extra template variables (``enable_thinking`` among them, a boolean as
 llama-server requires).
@@ -10,6 +11,7 @@ llama-server requires).
 from __future__ import annotations
 
 from . import tools_gemma4 as gemma4
+from . import tools_harmony as harmony
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
@@ -49,6 +51,8 @@ def tags(template_source: str) -> tuple[str, str]:
 
 def markers(template_source: str) -> tuple:
     """The tokens a reply keeps in its text so that its block can be found (Gemma 4's are control tokens)."""
+    if harmony.is_harmony(template_source):
+        return harmony.MARKERS
     if tags(template_source)[0] == gemma4.THOUGHT_OPEN:
         return "<|channel>", "<channel|>"
     return THINK_OPEN, THINK_CLOSE
@@ -65,6 +69,8 @@ def wants_reasoning(template_source: str, prompt: str, reasoning_format: str | N
 
 def splitter_for(template_source: str, prompt: str, reasoning_format: str | None) -> "ReasoningSplitter | None":
     """The splitter of one request's reply, or None where the block stays in the content."""
+    if harmony.is_harmony(template_source):       # its messages' headers never stay in the content
+        return harmony.HarmonySplitter(keep_analysis=reasoning_format == "none")
     if not wants_reasoning(template_source, prompt, reasoning_format):
         return None
     t = tags(template_source)

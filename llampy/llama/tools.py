@@ -11,6 +11,9 @@ them from the template's source:
   templates take back in the history.
 - ``gemma4`` (the template writes ``'<|tool_call>call:'``): ``<|tool_call>call:NAME{key:value}<tool_call|>`` in
   Gemma's own notation (llampy/llama/tools_gemma4.py), reasoning in ``<|channel>thought ... <channel|>``.
+- ``gpt-oss`` (the template writes ``<|channel|>``): OpenAI's harmony messages, a call being
+  ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`` (llampy/llama/tools_harmony.py); only
+  tool_choice "auto" (llama.cpp constrains a forced call by a grammar of those messages, llampy refuses it).
 - ``generic`` (anything else, SmolLM2 and Gemma 3 among them): the tools and an instruction go into a system
   message, and the reply is JSON, ``{"tool_call": {"name", "arguments"}}`` (``{"tool_calls": [...]}`` with parallel
   calls) or ``{"response": "..."}``, always constrained by a schema of those shapes (the output cannot be parsed
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 
 from . import reasoning
 from . import tools_gemma4 as gemma4
+from . import tools_harmony as harmony
 from .grammar import JSON_OPTIONS, GrammarError, LlamaGrammar
 
 GENERIC_SYSTEM = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` reply "
@@ -72,7 +76,7 @@ class ToolCall:
 @dataclass
 class ToolPlan:
     """What one request with tools does: the template's inputs, the constraint, how to read the reply."""
-    format: str                     # hermes | llama3 | mistral | gemma4 | generic | none
+    format: str                     # hermes | llama3 | mistral | gemma4 | gpt-oss | generic | none
     messages: list
     tools: list | None              # as the template receives them
     grammar: LlamaGrammar | None
@@ -130,6 +134,8 @@ def detect_format(source: str) -> str:
     """The tool-call format of a chat template, by the markers llama.cpp's chat.cpp looks for."""
     if gemma4.DETECT in source:
         return "gemma4"
+    if harmony.is_harmony(source):
+        return "gpt-oss"
     if "<tool_call>" in source:
         return "hermes"
     if "[TOOL_CALLS]" in source:
@@ -149,7 +155,7 @@ def _call_schema(tool: dict, args_key: str = "arguments", with_id: bool = False)
 
 
 MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
-           "mistral": ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"), "gemma4": gemma4.MARKERS}
+           "mistral": ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"), "gemma4": gemma4.MARKERS, "gpt-oss": harmony.MARKERS}
 
 
 def keep_tokens(vocab, texts) -> frozenset:
@@ -201,6 +207,9 @@ def plan(template_source: str, messages: list, tools: list, tool_choice, paralle
         msgs = _add_system(_generic_history(messages), system)
         return ToolPlan(fmt, msgs, tools, LlamaGrammar.from_json_schema(schema), parallel)
     grammar = None
+    if forced and fmt == "gpt-oss":
+        raise ToolError("tool_choice 'required' or a named function is not supported with gpt-oss's chat format "
+                        "(harmony messages); use 'auto'")
     if forced:
         if fmt == "hermes":
             block = f'{_token_or_text(vocab, "<tool_call>")} "\\n"? call "\\n"? {_token_or_text(vocab, "</tool_call>")}'
@@ -255,7 +264,9 @@ def object_arguments(template_source: str) -> bool:
 def template_messages(template_source: str, messages: list) -> list:
     """The messages as the template wants them: earlier calls' JSON-text arguments as objects where it reads
     objects, and content "" instead of none beside calls (llama.cpp's func_args_not_string and
-    requires_non_null_content)."""
+    requires_non_null_content); for gpt-oss's template, reasoning_content as its ``thinking``."""
+    if harmony.is_harmony(template_source):
+        messages = harmony.template_messages(messages)
     if not any(isinstance(m, dict) and m.get("tool_calls") for m in messages):
         return messages
     objects = object_arguments(template_source)
@@ -386,6 +397,19 @@ def parse(fmt: str, text: str) -> tuple[str, list]:
         return text, []
     if fmt == "mistral":
         return _parse_mistral(text)
+    if fmt == "gpt-oss":
+        calls, content, pos = [], [], 0
+        for name, start, end in harmony.call_headers(text):
+            if start < pos:
+                continue
+            v, jend = _json_at(text, end)
+            if not isinstance(v, dict):
+                continue
+            content.append(text[pos:start])
+            calls.append(ToolCall(name, _args_text(v)))
+            pos = jend
+        content.append(text[pos:])
+        return ("".join(content).strip() if calls else text), calls
     if fmt == "gemma4":
         content, calls = gemma4.parse_calls(text)
         return content, [ToolCall(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
