@@ -6,6 +6,8 @@ issue's figures, printed as one JSON object.
   stream_ms_per_token  streaming cost per token: wall time between a stream's first and last token minus the
                        engine's own generation time (llama-server's timings), over the tokens
   resume_s             a stream's break (SIGKILL of its replica) to its next token from another replica
+  resume_s_node_lost   the same when the replica's worker node is removed at once (its raylet and workers killed);
+                       the per-stream idle timeout is IDLE_S
   handoff_ms           one round trip actor -> stage actor on another node carrying N KB (a split's hidden state)
   pipeline_ms_per_token  SmolLM2 decode per token, one process vs second half in a stage on another node
   *_pss_mib            memory (PSS) of the cluster's processes: idle, then with Serve and 2 replicas of the tiny
@@ -15,7 +17,7 @@ issue's figures, printed as one JSON object.
                        target >= 0.8. Only meaningful across real hosts: the local nodes share this machine's cores
 
 Run as root, in a loopback-only network namespace as the tests do (names select figures: handoff router stream
-resume pipeline throughput; none: all but throughput):
+resume node pipeline throughput; none: all but throughput):
     unshare -n sh -c 'ip link set lo up && RAY_USAGE_STATS_ENABLED=0 .venv/bin/python benchmarks/cluster_bench.py'
 Throughput over N real hosts: start Ray on them (`ray start --head --node-ip-address=PRIVATE_IP` on one,
 `ray start --address=PRIVATE_IP:6379 --node-ip-address=...` on the others, each with the model at the same path),
@@ -40,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 TINY = Path(os.environ.get("LLAMPY_SHARED", ROOT.parent / "shared")) / "fixtures" / "tiny" / "llama-F32.gguf"
 PORT = 8000
 URL = f"http://127.0.0.1:{PORT}"
+IDLE_S = 5          # the deployments' per-stream idle timeout (the tests' too): a stream silent this long has broken
 
 
 def p50(xs):
@@ -49,7 +52,7 @@ def p50(xs):
 def router_latency(router: str, n: int = 60) -> float:
     import httpx
     from llampy.cluster import deploy
-    deploy(str(TINY), replicas=2, parallel=4, router=router, port=PORT, place_timeout=240)
+    deploy(str(TINY), replicas=2, parallel=4, router=router, port=PORT, place_timeout=240, idle_timeout=IDLE_S)
     _wait(2)
     c = httpx.Client(timeout=60)
     body = {"prompt": "Hello " * 40, "max_tokens": 1, "temperature": 0}
@@ -123,11 +126,14 @@ def stream_cost(n_tok: int = 128, reps: int = 5) -> float:
     return p50(out)
 
 
-def resume_seconds() -> list:
+def resume_seconds(cluster=None) -> list:
+    """Seconds from a stream's break to its next token from another replica, for the streams on the busiest replica:
+    that replica SIGKILLed, or (``cluster`` given) its worker node removed at once."""
     import httpx
     import ray
     board = ray.get_actor("llampy-board")
     started = threading.Event()
+    n0 = len(httpx.get(URL + "/cluster/failover").json()["resume_seconds"])
 
     def one(i):
         body = {"prompt": f"Story {i}", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -140,11 +146,15 @@ def resume_seconds() -> list:
         t.start()
     started.wait(60)
     time.sleep(0.3)
-    rows = ray.get(board.read.remote())
-    os.kill(max(rows, key=lambda r: r["busy"])["pid"], signal.SIGKILL)     # a replica with streams on it
+    victim = max(ray.get(board.read.remote()), key=lambda r: r["busy"])     # a replica with streams on it
+    if cluster is None:
+        os.kill(victim["pid"], signal.SIGKILL)
+    else:
+        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == victim["node_id"]),
+                            allow_graceful=False)
     for t in ths:
         t.join()
-    return [round(x, 3) for x in httpx.get(URL + "/cluster/failover").json()["resume_seconds"]]
+    return [round(x, 3) for x in httpx.get(URL + "/cluster/failover").json()["resume_seconds"][n0:]]
 
 
 def handoff_ms(sizes=(2, 8, 32), n: int = 200) -> dict:
@@ -306,7 +316,7 @@ def main() -> None:
     if want("router"):
         put("router_p50_ms_pow2", router_latency("pow2"))
         put("serve_2_tiny_replicas_pss_mib", tree_pss_mib())
-    if want("router") or want("stream") or want("resume"):
+    if want("router") or want("stream") or want("resume") or want("node"):
         put("router_p50_ms_prefix", router_latency("prefix"))
     if want("router"):
         put("router_choose_us", router_choose_us())
@@ -314,6 +324,9 @@ def main() -> None:
         put("stream_ms_per_token", stream_cost())
     if want("resume"):
         put("resume_s", resume_seconds())
+    if want("node") and c is not None:         # last: the cluster has one worker node less after it
+        _wait(2)        # Serve has replaced the killed replica
+        put("resume_s_node_lost", resume_seconds(c))
     if "throughput" in only:
         put("throughput", throughput(os.environ.get("LLAMPY_BENCH_MODEL", str(TINY)),
                                      int(os.environ.get("LLAMPY_BENCH_PARALLEL", "4")),
