@@ -20,7 +20,8 @@ def alora_server(tmp_path_factory):
     from llampy.server.app import Server, create_app
     a, p = write_adapters(tmp_path_factory.mktemp("alora"))
     assert {"alora": sha(a), "plain": sha(p)} == REC["adapters"]          # the adapters llama-server ran
-    server = Server(model_path(), n_parallel=2, n_ctx=256, lora=[(a, 1.0), (p, 1.0)])
+    # a third adapter, the aLoRA again at scale 0, for the refusal of two aLoRAs in one request
+    server = Server(model_path(), n_parallel=2, n_ctx=256, lora=[(a, 1.0), (p, 1.0), (a, 0.0)])
     url, uv, t = serve_in_thread(create_app(server))
     yield url, server
     uv.should_exit = True
@@ -73,10 +74,23 @@ def test_alora_as_llama_server(alora_server):
 def test_alora_listed_and_cached(alora_server):
     url, _ = alora_server
     got = [{k: v for k, v in e.items() if k != "path"} for e in httpx.get(url + "/lora-adapters").json()]
-    assert got == REC["lora_adapters"]
+    assert got[:2] == REC["lora_adapters"]
     case = REC["cases"]["alora"]
     # a prompt cached without the adapter is reused up to the token before the invocation (then as recorded)
     complete(url, case["prompt"], [{"id": 0, "scale": 0.0}], id_slot=0)
     res = complete(url, case["prompt"], case["lora"], id_slot=0)
     assert res["tokens"] == case["tokens"] and close(top(res), case["top_logprobs"])
     assert res["timings"]["cache_n"] == case["prompt"].index(REC["invocation"][0]) - 1
+
+
+def test_two_aloras_refused(alora_server):
+    url, _ = alora_server
+    r = httpx.post(url + "/completion", json={"prompt": REC["cases"]["alora"]["prompt"], "n_predict": 1,
+                                              "lora": [{"id": 0, "scale": 1.0}, {"id": 2, "scale": 1.0}]})
+    assert r.status_code == 400 and "Cannot run multiple aLoRAs in a single request" in r.text
+    # an aLoRA beside an ordinary LoRA is no aLoRA request: both apply to every token (llama-server's
+    # lora_all_alora), as the plain adapter at twice the scale here
+    both = complete(url, REC["cases"]["alora"]["prompt"], [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 1.0}],
+                    cache_prompt=False)
+    twice = complete(url, REC["cases"]["alora"]["prompt"], [{"id": 1, "scale": 2.0}], cache_prompt=False)
+    assert close(top(both), top(twice))
