@@ -49,6 +49,7 @@ def ggml():
     c.ggml_graph_compute_with_ctx.argtypes = [P, P, ctypes.c_int]
     c.ggml_vec_dot_f16.argtypes = [ctypes.c_int, P, ctypes.c_size_t, P, ctypes.c_size_t, P, ctypes.c_size_t,
                                    ctypes.c_int]
+    c.ggml_vec_dot_f32.argtypes = c.ggml_vec_dot_f16.argtypes
     return b, c
 
 
@@ -111,4 +112,24 @@ def test_f16_matvec_gives_ggml_vec_dot_f16_bits_at_the_hosts_width(ggml):
         want = np.empty(5, np.float32)
         for r in range(5):
             c.ggml_vec_dot_f16(k, want[r:].ctypes.data, 0, w[r].ctypes.data, 0, xh.ctypes.data, 0, 1)
+        assert np.array_equal(got[0].view(np.uint32), want.view(np.uint32)), (k, F16_VEC_LANES)
+
+
+def test_f32_matvec_gives_ggml_vec_dot_f32_bits_at_the_hosts_width(ggml):
+    """F32 weights against one activation row (tinyBLAS refuses n < 2): ggml_vec_dot_f32 per pair, the host's
+    lanes, the leftovers summed in float; through matmul's dispatch and a plan's bound call."""
+    from llampy.ggml.backends.cpu import matmul
+    _, c = ggml
+    rng = np.random.default_rng(8)
+    for k in (40, 64, 96, 200, 576):
+        w = (rng.standard_normal((9, k)) * rng.choice([1e-3, 1.0, 50.0], size=(9, 1))).astype(np.float32)
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        want = np.empty(9, np.float32)
+        for r in range(9):
+            c.ggml_vec_dot_f32(k, want[r:].ctypes.data, 0, w[r].ctypes.data, 0, x.ctypes.data, 0, 1)
+        got = np.full((1, 9), np.nan, np.float32)
+        matmul.mul_mat(w, GGMLType.F32, x, got)
+        assert np.array_equal(got[0].view(np.uint32), want.view(np.uint32)), (k, F16_VEC_LANES)
+        got[...] = np.nan
+        matmul.bind_mul_mat(w, GGMLType.F32, x, got, lambda: None)()
         assert np.array_equal(got[0].view(np.uint32), want.view(np.uint32)), (k, F16_VEC_LANES)

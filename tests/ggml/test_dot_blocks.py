@@ -25,6 +25,8 @@ TYPES = [T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
 def weights(rng, rows, k, t):
     """Quantized rows of mixed magnitudes, in the layout mul_mat takes (F16: float16, BF16: uint16 bits)."""
     w = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1.0, 40.0], size=(rows, 1))).astype(np.float32)
+    if t == T.F32:
+        return w
     q = lq.quantize(w, t)
     if t == T.F16:
         return q.view(np.float16).reshape(rows, k)
@@ -34,12 +36,16 @@ def weights(rng, rows, k, t):
 
 
 def dequant(wq, t, k):
+    if t == T.F32:
+        return wq.astype(np.float64)
     return lq.dequantize(wq.view(np.uint8).reshape(wq.shape[0], -1), t).reshape(wq.shape[0], k).astype(np.float64)
 
 
 def x_rounded(x, t):
     """x through t's dot type, float64, plus the split form (xq, xd, xs) for the 8-bit ones."""
     vdt = TYPE_TRAITS[t].vec_dot_type
+    if vdt == T.F32:
+        return x.astype(np.float64), None
     if vdt == T.F16:
         return x.astype(np.float16).astype(np.float64), None
     if vdt == T.BF16:
@@ -97,28 +103,36 @@ def ggml_order(wq, t, x):
     """out[i, r] as llama.cpp's x86 build computes it (module doc), in NumPy over all rows at once."""
     rows, n, k = wq.shape[0], x.shape[0], x.shape[1]
     out = np.empty((n, rows), np.float32)
-    if t in (T.F16, T.BF16):
+    if t in (T.F32, T.F16, T.BF16):
         xr, _ = x_rounded(x, t)
         wv = dequant(wq, t, k)
-        lanes = F16_VEC_LANES if t == T.F16 else 8     # ggml_vec_dot_f16 in the host's width (AVX-512: 16)
+        lanes = 8 if t == T.BF16 else F16_VEC_LANES    # ggml_vec_dot_f16/_f32 in the build's width (AVX-512: 16)
         np_ = k - k % (4 * lanes)
         for i in range(n):
-            p = (wv[:, :np_] * xr[i, :np_]).astype(np.float32).reshape(rows, -1, 4, lanes)   # exact products
+            p = (wv[:, :np_] * xr[i, :np_]).reshape(rows, -1, 4, lanes)     # exact in float64
+            if t != T.F32:
+                p = p.astype(np.float32)       # and in float32: products of two 11- or 8-bit significands
             c = np.zeros((rows, 4, lanes), np.float32)
             for j in range(p.shape[1]):
-                c = (c + p[:, j]).astype(np.float32)
-            if t == T.F16 and lanes == 16:
+                c = (c + p[:, j]).astype(np.float32)     # one rounding: the fma's
+            if t != T.BF16 and lanes == 16:
                 v = (c[:, 0] + c[:, 2]) + (c[:, 1] + c[:, 3])
                 for h in (8, 4, 2, 1):                                # _mm512_reduce_add_ps
                     v = v[:, :h] + v[:, h:2 * h]
                 r = v[:, 0]
-            elif t == T.F16:
+            elif t != T.BF16:
                 v = (c[:, 0] + c[:, 2]) + (c[:, 1] + c[:, 3])
                 tt = v[:, :4] + v[:, 4:]
                 r = (tt[:, 0] + tt[:, 1]) + (tt[:, 2] + tt[:, 3])
             else:
                 r = hsum8((c[:, 0] + c[:, 2]) + (c[:, 1] + c[:, 3]))
             tail = (wv[:, np_:] * xr[i, np_:]).astype(np.float32).astype(np.float64)
+            if t == T.F32:      # ggml_vec_dot_f32's leftovers: a float sum
+                tail, r = tail.astype(np.float32), r.astype(np.float32)
+                for j in range(tail.shape[1]):
+                    r = (r + tail[:, j]).astype(np.float32)
+                out[i] = r
+                continue
             s = r.astype(np.float64)
             for j in range(tail.shape[1]):
                 s = s + tail[:, j]
@@ -183,7 +197,7 @@ def ggml_order(wq, t, x):
     return out
 
 
-CASES = [(T.F16, 576, 21), (T.F16, 1552, 8), (T.BF16, 576, 13), (T.BF16, 80, 4), (T.Q2_K, 512, 13),
+CASES = [(T.F32, 200, 9), (T.F16, 576, 21), (T.F16, 1552, 8), (T.BF16, 576, 13), (T.BF16, 80, 4), (T.Q2_K, 512, 13),
          (T.Q3_K, 768, 9), (T.IQ4_XS, 512, 11), (T.IQ4_NL, 576, 16), (T.IQ4_NL, 608, 13)]
 
 

@@ -1,5 +1,5 @@
-"""Dot products of the formats described in ``llampy/ggml/blocks.py`` that had no kernel of their own: F16, BF16,
-Q2_K, Q3_K, IQ4_XS, TQ1_0, TQ2_0, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (against Q8_K activations),
+"""Dot products of the formats described in ``llampy/ggml/blocks.py`` that had no kernel of their own: F32, F16,
+BF16, Q2_K, Q3_K, IQ4_XS, TQ1_0, TQ2_0, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (against Q8_K activations),
 IQ4_NL, MXFP4 (against Q8_0), in llama.cpp's x86 float order.
 
     mul_mat(w, wtype, x, out, scratch)     # out[i, r] = dot(w[r], x[i]); x float32 [n, k], rounded here to the
@@ -33,6 +33,8 @@ Float order, per (weight row, activation row) pair (ggml-cpu/arch/x86/quants.c a
   steps of 64 (``_fdot16``); llampy follows the host's width (simd.F16_VEC_LANES), as llama.cpp built for it does. BF16 (``ggml_vec_dot_bf16``):
   the same four accumulators (``add(mul(w, x), c)``: the products of two 8-bit significands are exact, so this is
   the fma's value), reduced (c1 + c3) + (c2 + c4), then hsum_float_8. Leftover values (k % 32) in double.
+- F32 (``ggml_vec_dot_f32``, one activation row: tinyBLAS takes n >= 2): F16's accumulators, widths and reduction
+  on the float32 values; the leftovers ``sumf += w * x`` in float, the product rounded (as dot_f32_short's).
 Integer lane sums are exact in any order; the float operations are ggml's, one for one, so each kernel gives
 the same bits on AVX2, AVX-512 and the generic path (LLAMPY_SIMD).
 """
@@ -1011,15 +1013,25 @@ def _iq1_m(w, xq, xd, bsums, out):
     _mv(w, xq, xd, bsums, out, K_IQ1_M, _st_iq1_m, _fin_iq1_m)
 
 
-# ------------------------------------------------------------------------------------------------ F16, BF16
-K_F16, K_BF16 = 0, 1
+# ------------------------------------------------------------------------------------------------ F16, BF16, F32
+K_F16, K_BF16, K_F32 = 0, 1, 2
 F_AHEAD = 8
 
 
 @njit(cache=True, inline="always")
-def _fdot16(wr, xr, k):
-    """``ggml_vec_dot_f16`` as AVX-512 builds run it: four sixteen-lane accumulators over each 64 values, reduced
-    (c0 + c2) + (c1 + c3) and then as _mm512_reduce_add_ps; the leftover values (k % 64) in double."""
+def _f32_tail(r, wr, xr, np_, k):
+    """ggml_vec_dot_f32's leftovers after its vector body: ``sumf += x[i]*y[i]`` in float, the product rounded
+    (not contracted: dot_f32_short.py)."""
+    for j in range(np_, k):
+        r = np.float32(r + np.float32(wr[j] * xr[j]))
+    return r
+
+
+@njit(cache=True, inline="always")
+def _fdot16(wr, xr, k, kind):
+    """``ggml_vec_dot_f16`` (or ``_f32``: ``kind``) as AVX-512 builds run it: four sixteen-lane accumulators over each
+    64 values, reduced (c0 + c2) + (c1 + c3) and then as _mm512_reduce_add_ps; the leftover values (k % 64) in double
+    (F32: in float)."""
     c0 = c1 = c2 = c3 = v16_zero()
     np_ = k - k % 64
     for j in range(0, np_, 64):
@@ -1030,6 +1042,8 @@ def _fdot16(wr, xr, k):
     r = v16_reduce(v16_add(v16_add(c0, c2), v16_add(c1, c3)))
     if np_ == k:
         return r
+    if kind == K_F32:      # ggml_vec_dot_f32 (sumf a float)
+        return _f32_tail(r, wr, xr, np_, k)
     s = np.float64(r)
     for j in range(np_, k):
         s += np.float64(np.float32(B.f16_from_bits(np.int32(wr[j])) * xr[j]))
@@ -1038,14 +1052,14 @@ def _fdot16(wr, xr, k):
 
 @njit(cache=True, inline="always")
 def _fdot(kind, wr, xr, k):
-    """One (weight row, activation row) pair of ``ggml_vec_dot_f16`` / ``ggml_vec_dot_bf16`` (module doc); F16 in
-    the host build's register width (``F16_VEC_LANES``: AVX-512 builds sum in sixteen lanes, ``_fdot16``)."""
-    if kind == K_F16 and F16_VEC_LANES == 16:
-        return _fdot16(wr, xr, k)
+    """One (weight row, activation row) pair of ``ggml_vec_dot_f16`` / ``_bf16`` / ``_f32`` (module doc); F16 and F32
+    in the build's register width (``F16_VEC_LANES``: AVX-512 builds sum in sixteen lanes, ``_fdot16``)."""
+    if (kind == K_F16 or kind == K_F32) and F16_VEC_LANES == 16:
+        return _fdot16(wr, xr, k, kind)
     c0 = c1 = c2 = c3 = f32x8_zero()
     np_ = k - k % 32
     for j in range(0, np_, 32):
-        if kind == K_F16:
+        if kind == K_F16 or kind == K_F32:     # F32: wr float32, loaded as it is
             c0 = f32x8_fmav(f32x8_ld(wr, j, False), f32x8_ld(xr, j, False), c0)
             c1 = f32x8_fmav(f32x8_ld(wr, j + 8, False), f32x8_ld(xr, j + 8, False), c1)
             c2 = f32x8_fmav(f32x8_ld(wr, j + 16, False), f32x8_ld(xr, j + 16, False), c2)
@@ -1055,12 +1069,14 @@ def _fdot(kind, wr, xr, k):
             c1 = f32x8_fmav(f32x8_ld(wr, j + 8, True), f32x8_ld(xr, j + 8, False), c1)
             c2 = f32x8_fmav(f32x8_ld(wr, j + 16, True), f32x8_ld(xr, j + 16, False), c2)
             c3 = f32x8_fmav(f32x8_ld(wr, j + 24, True), f32x8_ld(xr, j + 24, False), c3)
-    if kind == K_F16:
+    if kind == K_F16 or kind == K_F32:
         r = f16_reduce(c0, c1, c2, c3)
     else:
         r = f32x8_hsum(f32x8_add(f32x8_add(c0, c2), f32x8_add(c1, c3)))
     if np_ == k:
         return r
+    if kind == K_F32:
+        return _f32_tail(r, wr, xr, np_, k)
     s = np.float64(r)
     for j in range(np_, k):
         h = np.int32(wr[j])
@@ -1081,7 +1097,7 @@ def _mvf(w, xr, out, kind):
         for r in range(c * ROW_CHUNK, r1):
             rn = r + F_AHEAD       # the row F_AHEAD ahead asked for while this one is computed (dot_q32's reason)
             if rn < rows:
-                for p in range(rn * s0, rn * s0 + 2 * k, 64):
+                for p in range(rn * s0, rn * s0 + (4 if kind == K_F32 else 2) * k, 64):
                     prefetch_byte(w, p)
             wr = w[r]
             for i in range(n):
@@ -1098,18 +1114,26 @@ def _bf16k(w, xr, out):
     _mvf(w, xr, out, K_BF16)
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _f32k(w, x, out):
+    _mvf(w, x, out, K_F32)
+
+
 # ------------------------------------------------------------------------------------------------ dispatch
 
 _QK = {T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.IQ4_XS: _iq4_xs, T.TQ2_0: _tq2_0, T.TQ1_0: _tq1_0, T.IQ2_XXS: _iq2_xxs,
        T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s, T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m}
 _R8 = {T.IQ4_NL: (_iq4_nl_r8, _iq4_nl), T.MXFP4: (_mxfp4_r8, _mxfp4)}    # llama.cpp repacks rows % 8 == 0
-TYPES = frozenset({T.F16, T.BF16, T.IQ4_NL, T.MXFP4}) | frozenset(_QK)
+TYPES = frozenset({T.F32, T.F16, T.BF16, T.IQ4_NL, T.MXFP4}) | frozenset(_QK)
 
 
 def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scratch=None, quantized=False) -> None:
     """out[n, rows] = x[n, k] . w[rows, k]^T for wtype in TYPES (w: uint8 blocks [rows, row_bytes]; F16 float16 or
-    uint16 bits, BF16 uint16 bits [rows, k]; rows contiguous); out float32 with contiguous rows."""
+    uint16 bits, BF16 uint16 bits, F32 float32 [rows, k]; rows contiguous); out float32 with contiguous rows."""
     wtype = GGMLType(wtype)
+    if wtype == T.F32:
+        _f32k(w, x, out)
+        return
     if wtype == T.F16:
         xr = round_half(x, T.F16)
         _f16(w.view(np.uint16), xr, out)

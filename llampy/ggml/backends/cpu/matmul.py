@@ -203,7 +203,7 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
     if out.shape != (n, w.shape[0]):
         return None
     scratch = act_scratch(n, k, wtype)
-    quantized = reuse and TYPE_TRAITS[wtype].vec_dot_type not in (T.F16, T.BF16)
+    quantized = reuse and TYPE_TRAITS[wtype].vec_dot_type not in (T.F32, T.F16, T.BF16)
 
     def run():
         limit = limit_fn()
