@@ -55,6 +55,40 @@ def md_float(md: dict, key: str, default=None, positive: bool = False, nonneg: b
     return v
 
 
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def yarn_attn_factor(freq_scale: float, rope_attn_factor: float = 1.0, log_mul: float = 0.0,
+                     mscale: float = 1.0) -> float:
+    """The rope's attention factor under YaRN, as llama.cpp's context sets it, in its float32 arithmetic:
+    get_mscale(s, mscale) / get_mscale(s, log_mul) with a yarn_log_multiplier (mscale_all_dim), else
+    get_mscale(s, 1); then divided by 1 + 0.1 ln s (ggml's rope multiplies that back) and times rope.scaling's
+    attn_factor. get_mscale(s, m) = 0.1 m ln s + 1 for a factor s > 1."""
+    s = _f32(1.0 / _f32(freq_scale))
+    tenth = _f32(0.1)
+
+    def get_mscale(m):
+        return 1.0 if s <= 1.0 else _f32(_f32(_f32(tenth * _f32(m)) * _f32(math.log(s))) + 1.0)
+
+    att = _f32(get_mscale(mscale) / get_mscale(log_mul)) if log_mul else get_mscale(1.0)
+    att = _f32(att * _f32(1.0 / _f32(1.0 + _f32(tenth * _f32(math.log(s))))))
+    return _f32(att * _f32(rope_attn_factor))
+
+
+def load_swa_pattern(hp, md: dict, n_pattern: int) -> None:
+    """llama.cpp's load_swa_pattern: attention.sliding_window_pattern as a per-layer bool array (layers past its end
+    not sliding, the array's default there) or as a period (every n-th layer dense), n_pattern when absent."""
+    key = f"{hp.arch}.attention.sliding_window_pattern"
+    pattern = md.get(key)
+    if pattern is not None and not isinstance(pattern, (int, np.integer, bool)):
+        if len(pattern) > LLAMA_MAX_LAYERS:
+            raise InvalidMetadata(f"{key} has {len(pattern)} values (at most {LLAMA_MAX_LAYERS})")
+        hp.swa_layers = ([bool(x) for x in pattern] + [False] * hp.n_layer)[:hp.n_layer]
+    else:
+        hp.set_swa_pattern(md_int(md, key, n_pattern, lo=0))
+
+
 def _what(v) -> str:
     if isinstance(v, (list, np.ndarray)):
         return f"an array of {len(v)}"
@@ -287,10 +321,9 @@ def load_hparams(md: dict, module=None, tensors=None) -> HParams:
     hp.rope_attn_factor = m.get_float("rope.scaling.attn_factor", 1.0, positive=True)
     if hp.rope_scaling_type == "yarn":
         hp.yarn_ext_factor = 1.0
-        f = 1.0 / hp.rope_freq_scale
-        mscale = 1.0 if f <= 1.0 else 0.1 * math.log(f) + 1.0
-        hp.yarn_attn_factor = mscale / (1.0 + 0.1 * math.log(f)) if f > 1.0 else mscale
-    hp.yarn_attn_factor *= hp.rope_attn_factor
+        hp.yarn_attn_factor = yarn_attn_factor(hp.rope_freq_scale, hp.rope_attn_factor)
+    else:
+        hp.yarn_attn_factor *= hp.rope_attn_factor
     hp.rope_freq_base_swa = m.get_float("rope.freq_base_swa", 10000.0, positive=True)
 
     # MoE

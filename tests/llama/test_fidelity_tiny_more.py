@@ -234,7 +234,6 @@ def test_cli_embed(capsys):
     ("cohere2", "cohere2.logit_scale", {}, "cohere2.logit_scale"),
     ("cohere2", "cohere2.attention.sliding_window", {}, "cohere2.attention.sliding_window"),
     ("bert", "tokenizer.ggml.token_type_count", {}, "token type count"),
-    ("olmo2", None, {"olmo2.attention.sliding_window": 8}, "sliding"),
     ("deepseek2", "deepseek2.attention.key_length_mla", {}, "key_length_mla and value_length_mla"),
     ("deepseek2", "deepseek2.expert_group_used_count", {"deepseek2.expert_group_used_count": 4},
      "expert_group_count"),

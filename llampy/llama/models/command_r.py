@@ -8,7 +8,7 @@ import math
 
 from ...ggml import ops
 from .. import arch as A
-from ..hparams import MissingMetadata
+from ..hparams import MissingMetadata, load_swa_pattern
 from ._common import load_ffn, load_qkv
 
 
@@ -21,7 +21,7 @@ def load_hparams(hp, md):
                 raise MissingMetadata(f"missing metadata key '{a}.{key}'")
         hp.f_logit_scale = float(md[f"{a}.logit_scale"])
         hp.n_swa = int(md[f"{a}.attention.sliding_window"])
-        hp.set_swa_pattern(int(md.get(f"{a}.attention.sliding_window_pattern", 4)))
+        load_swa_pattern(hp, md, 4)
         # the graph ropes the sliding-window layers with the global base and scale (rope.freq_base_swa unused)
         hp.rope_freq_base_swa, hp.rope_freq_scale_swa = hp.rope_freq_base, hp.rope_freq_scale
     else:

@@ -8,7 +8,7 @@ import math
 
 from ...ggml import ops
 from .. import arch as A
-from ..hparams import MissingMetadata, md_float, md_int
+from ..hparams import MissingMetadata, load_swa_pattern, md_float, md_int
 from ._common import load_qkv
 
 
@@ -22,11 +22,7 @@ def load_hparams(hp, md):
     if f"{a}.attention.sliding_window" not in md:
         raise MissingMetadata(f"missing metadata key '{a}.attention.sliding_window'")
     hp.n_swa = md_int(md, f"{a}.attention.sliding_window", lo=0)
-    pattern = md.get(f"{a}.attention.sliding_window_pattern")
-    if pattern is not None and not isinstance(pattern, int):      # llama.cpp's per-layer bool array
-        hp.swa_layers = [bool(x) for x in pattern][:hp.n_layer]
-    else:
-        hp.set_swa_pattern(2 if pattern is None else int(pattern))
+    load_swa_pattern(hp, md, 2)
     # the sliding layers rope as the others unless the file says otherwise
     hp.rope_freq_base_swa = md_float(md, f"{a}.rope.freq_base_swa", hp.rope_freq_base, positive=True)
     hp.rope_freq_scale_swa = hp.rope_freq_scale

@@ -1,11 +1,14 @@
 """mistral3 (Ministral 3, Mistral Small 3.x text model): the llama block with optional biases on the output
 projection and the FFN, optional rope frequency factors, and llama 4's attention temperature: Q scaled per position
-by log(floor(pos / n_ctx_orig) + 1) * attention.temperature_scale + 1 when that key is given."""
+by log(floor(pos / n_ctx_orig) + 1) * attention.temperature_scale + 1 when that key is given. YaRN's attention
+factor takes rope.scaling.yarn_log_multiplier (the converter's mscale_all_dim) when the file has one. With
+expert_count set, each FFN is a mixture of experts (softmax router, the chosen weights renormalised)."""
 from __future__ import annotations
 
 import math
 
 from ...ggml import ops
+from ..hparams import md_float, yarn_attn_factor
 from ._common import load_embd_and_output, load_ffn, load_qkv
 
 
@@ -15,6 +18,9 @@ def load_hparams(hp, md):
     hp.f_attn_temp_scale = float(md.get(f"{a}.attention.temperature_scale", 0.0))
     hp.yarn_beta_fast = float(md.get(f"{a}.rope.scaling.yarn_beta_fast", hp.yarn_beta_fast))
     hp.yarn_beta_slow = float(md.get(f"{a}.rope.scaling.yarn_beta_slow", hp.yarn_beta_slow))
+    log_mul = md_float(md, f"{a}.rope.scaling.yarn_log_multiplier", 0.0)
+    if hp.yarn_ext_factor and log_mul:
+        hp.yarn_attn_factor = yarn_attn_factor(hp.rope_freq_scale, hp.rope_attn_factor, log_mul)
     if hp.f_attn_temp_scale and hp.n_ctx_orig_yarn == 0:
         raise ValueError(f"{a}: attention temperature scaling needs rope.scaling.original_context_length > 0")
     if hp.n_rot != hp.n_embd_head_k:
@@ -31,6 +37,13 @@ def load_tensors(model, ld):
         load_qkv(model, ld, layer, il, bias=True)
         layer.wo_b = ld.create("attn_output", (hp.n_embd,), il, required=False, suffix="bias")
         layer.ffn_norm = ld.create("ffn_norm", (hp.n_embd,), il)
+        if hp.n_expert:      # experts as wide as feed_forward_length, ffn_gate_exps optional (as llama.cpp)
+            n_ff = hp.n_ff(il)
+            layer.ffn_gate_inp = ld.create("ffn_gate_inp", (hp.n_embd, hp.n_expert), il)
+            layer.ffn_gate_exps = ld.create("ffn_gate_exps", (hp.n_embd, n_ff, hp.n_expert), il, required=False)
+            layer.ffn_up_exps = ld.create("ffn_up_exps", (hp.n_embd, n_ff, hp.n_expert), il)
+            layer.ffn_down_exps = ld.create("ffn_down_exps", (n_ff, hp.n_embd, hp.n_expert), il)
+            continue
         load_ffn(model, ld, layer, il, bias=True)
         layer.ffn_gate_b = ld.create("ffn_gate", (hp.n_ff(il),), il, required=False, suffix="bias")
 
@@ -55,8 +68,12 @@ def build_graph(model, g):
             cur, inpSA = g.select_outputs(cur, inpSA, out_ids=out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
         cur = g.cb(g.norm(ffn_inp, layer.ffn_norm, il=il), "ffn_norm", il)
-        cur = g.ffn(cur, layer.ffn_up, layer.ffn_up_b, layer.ffn_gate, layer.ffn_gate_b, layer.ffn_down,
-                    layer.ffn_down_b, "silu", il=il)
+        if hp.n_expert:
+            cur = g.moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                            hp.n_expert, hp.n_expert_used, True, il)
+        else:
+            cur = g.ffn(cur, layer.ffn_up, layer.ffn_up_b, layer.ffn_gate, layer.ffn_gate_b, layer.ffn_down,
+                        layer.ffn_down_b, "silu", il=il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
     cur = g.norm(inpL, model.output_norm)
     return g.finish(cur, g.lm_head(model.output, cur))

@@ -1,19 +1,26 @@
 """olmo2: no pre-norms; RMS norms after attention and after the FFN (post-norm on each branch), RMS norm of Q and K
-over all heads at once (before the split into heads), NeoX RoPE, an untied output matrix."""
+over all heads at once (before the split into heads), NeoX RoPE, an untied output matrix. With
+attention.sliding_window (OLMo 3): sliding-window layers (pattern 4, or the file's per-layer array) roped with the
+global base and without the file's rope scaling (llama.cpp's graph: rope.freq_base_swa is read but only its K-shift
+uses it), the others as configured."""
 from __future__ import annotations
 
 import math
 
 from ...ggml import ops
 from .. import arch as A
+from ..hparams import load_swa_pattern, md_float, md_int
 from ._common import load_ffn, load_qkv
 
 
 def load_hparams(hp, md):
+    a = hp.arch
     hp.rope_type = 2  # NEOX
-    if int(md.get(f"{hp.arch}.attention.sliding_window", 0)):
-        raise ValueError(f"{hp.arch}.attention.sliding_window: olmo2 with sliding-window layers (OLMo 3) is "
-                              f"not supported")
+    hp.n_swa = md_int(md, f"{a}.attention.sliding_window", 0, lo=0)
+    if hp.n_swa:
+        load_swa_pattern(hp, md, 4)
+        hp.rope_freq_base_swa = md_float(md, f"{a}.rope.freq_base_swa", hp.rope_freq_base, positive=True)
+        hp.rope_freq_scale_swa = 1.0
 
 
 def load_tensors(model, ld):
@@ -40,7 +47,13 @@ def attn_block(g, layer, cur, pos, il):
     k = g.cb(g.norm(ops.reshape(k, k.ne[0] * k.ne[1], n_tokens), layer.attn_k_norm, il=il), "Kcur_normed", il)
     q = ops.reshape(q, hp.n_embd_head_k, hp.n_head(il), n_tokens)
     k = ops.reshape(k, hp.n_embd_head_k, hp.n_head_kv(il), n_tokens)
-    q, k = g.rope(q, pos, il), g.rope(k, pos, il)
+    if hp.is_swa(il):       # OLMo 3's window layers: plain RoPE (no scaling, no YaRN)
+        def rope(x):
+            return ops.rope_ext(x, pos, None, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn, hp.rope_freq_base, 1.0,
+                                0.0, 1.0, hp.yarn_beta_fast, hp.yarn_beta_slow)
+        q, k = rope(q), rope(k)
+    else:
+        q, k = g.rope(q, pos, il), g.rope(k, pos, il)
     return g.attn(il, layer.wo, None, q, k, v, 1.0 / math.sqrt(hp.n_embd_head_k))
 
 
