@@ -3,6 +3,7 @@
 
     python benchmarks/compare_llamacpp.py [MODEL ...] [-t 2] [-r 3] [-p 512] [-n 128]
     python benchmarks/compare_llamacpp.py --types F16 Q2_K IQ4_XS ... [--shape 1b] [--no-start]
+    python benchmarks/compare_llamacpp.py --shape mamba2-370m lfm2-350m --shape-mixes Q8_0 --no-start
 
 MODEL: a path, or 'smollm2' / 'gemma3' (default: both, unless --types or --shape name the models).
 ``--types``: the default model requantized by llama-quantize (``$LLAMPY_LLAMACPP/bin/llama-quantize``,
@@ -10,7 +11,9 @@ MODEL: a path, or 'smollm2' / 'gemma3' (default: both, unless --types or --shape
 as that mix gives a dense model's matrices Q8_0; the IQ1-IQ3 types with an importance matrix made once by
 ``llampy imatrix``), cached in ~/.cache/llampy/requant. ``--shape 1b``: a random model of Llama 3.2 1B's shape
 written by llampy's own writer and quantizer (benchmarks/gpu_bench.py's ``write_model``) in each of
-``--shape-mixes`` (Q4_K_M Q4_0 Q8_0), cached in ~/.cache/llampy/shapes. ``--no-start``: pp and tg only.
+``--shape-mixes`` (Q4_K_M Q4_0 Q8_0), cached in ~/.cache/llampy/shapes; the recurrent and hybrid shapes
+(mamba2-370m, lfm2-350m, lfm2-1.2b, granite-4.0-h-350m) come from benchmarks/recurrent_shapes.py the same way.
+``--no-start``: pp and tg only.
 
 For each model, llampy's bench and llama.cpp's (through llama-cpp-python's low-level llama_decode, the same pp/tg
 tests) run interleaved, and the table gives pp and tg tok/s with the ratio llampy/llama.cpp, time from process
@@ -169,6 +172,8 @@ def popen_rss(cmd, env=None) -> tuple[str, float, float]:
 
 
 CACHE = Path.home() / ".cache" / "llampy"
+# recurrent_shapes.SHAPES' names (kept here so that --help needs no import of llampy)
+SHAPE_NAMES = ("mamba2-370m", "lfm2-350m", "lfm2-1.2b", "granite-4.0-h-350m")
 # llama-quantize refuses these without an importance matrix (llama-quant.cpp); IQ3_XXS/IQ3_S/IQ2_S use one if given
 NEEDS_IMATRIX = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M"}
 # types llama-quantize names only as a MoE mix (MXFP4_MOE: Q8_0 for a dense model's matrices): --pure with it
@@ -217,12 +222,13 @@ def shaped(shape: str, mix: str) -> Path:
     """A random model of the named shape in the named tensor-type mix, written by llampy (cached)."""
     sys.path.insert(0, str(HERE))
     import gpu_bench
+    import recurrent_shapes
     out = CACHE / "shapes" / f"{shape}-random-{mix}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".part")
         print(f"compare_llamacpp: writing {out.name}", file=sys.stderr)
-        gpu_bench.write_model(tmp, shape, mix)
+        (recurrent_shapes if shape in recurrent_shapes.SHAPES else gpu_bench).write_model(tmp, shape, mix)
         tmp.rename(out)
     return out
 
@@ -232,7 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("models", nargs="*")
     ap.add_argument("--types", nargs="+", default=[], metavar="TYPE",
                     help="the default model requantized by llama-quantize to each of these types")
-    ap.add_argument("--shape", choices=["1b"], help="also a random model of this shape (llampy's writer)")
+    ap.add_argument("--shape", nargs="+", default=[], choices=["1b", *SHAPE_NAMES],
+                    help="also random models of these shapes (llampy's writer)")
     ap.add_argument("--shape-mixes", nargs="+", default=["Q4_K_M", "Q4_0", "Q8_0"], metavar="MIX")
     ap.add_argument("--no-start", action="store_true", help="skip the start-to-first-token and RSS columns")
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -260,7 +267,7 @@ def main(argv=None) -> int:
     paths = [resolve_model(m) for m in (args.models or ([] if args.types or args.shape else ["smollm2", "gemma3"]))]
     paths += [requantized(resolve_model(None), t, lc_py, env) for t in args.types]
     if args.shape:
-        paths += [shaped(args.shape, mix) for mix in args.shape_mixes]
+        paths += [shaped(shape, mix) for shape in args.shape for mix in args.shape_mixes]
     for p in paths:
         if not Path(p).is_file():
             die(f"{p}: no such model file")

@@ -14,12 +14,34 @@ import sys
 def cmd_inspect(args) -> int:
     from .gguf.inspect import format_report, inspect_report
     from .models import resolve_model
-    rep = inspect_report(resolve_model(args.model))
+    path = resolve_model(args.model)
+    rep = inspect_report(path)
+    state = _recurrent_state_bytes(path)
+    if state:
+        rep["recurrent_state_bytes_per_seq"] = state
     if args.json:
         print(json.dumps(rep, ensure_ascii=False))
     else:
         print(format_report(rep))
+        if state:
+            print(f"recurrent state per sequence: {state} bytes ({state / 2**20:.2f} MiB, F32)")
     return 0
+
+
+def _recurrent_state_bytes(path) -> int:
+    """The recurrent state one sequence holds in a model with recurrent layers (0 for others, and where the file's
+    hyper-parameters do not load: the report above still shows what the file holds)."""
+    from .gguf import GGUFReader
+    from .llama import arch as arch_mod
+    from .llama.hparams import load_hparams
+    from .llama.memory import state_bytes_per_seq
+    try:
+        with GGUFReader(path) as r:         # metadata arrays are views of the mapping: read them inside
+            md = r.metadata
+            hp = load_hparams(md, arch_mod.arch_module(str(md.get("general.architecture", ""))))
+    except Exception:       # noqa: BLE001 -- inspect reports any file; an unloadable one has no state to add
+        return 0
+    return state_bytes_per_seq(hp) if getattr(hp, "recurrent_layers", None) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

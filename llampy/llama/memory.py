@@ -12,6 +12,12 @@ from .kv_cache import KVCache
 from .memory_recurrent import RecurrentMemory
 
 
+def state_bytes_per_seq(hp) -> int:
+    """Bytes of recurrent state one sequence holds (every recurrent layer's rolling row and state row, F32), as
+    RecurrentMemory allocates them and llama.cpp's llama_memory_recurrent does; 0 for a model without such layers."""
+    return sum(4 * (hp.n_embd_r() + hp.n_embd_s()) for il in range(hp.n_layer) if hp.is_recurrent(il))
+
+
 def create_memory(model, n_ctx: int, n_seq_max: int, type_k, type_v, n_stream: int):
     hp = model.hparams
     recurrent = [hp.is_recurrent(il) for il in range(hp.n_layer)]

@@ -1,6 +1,8 @@
 """Loading state-space models: the errors llama.cpp gives for files it cannot run, and what it accepts."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llampy.gguf import GGUFReader
@@ -106,3 +108,14 @@ def test_qwen3next_value_heads_must_be_state_sized(built, tmp_path):
     path = _rewrite(built["qwen3next-s64-legacy-Q8_0"], tmp_path / "m.gguf", set_={"qwen3next.ssm.inner_size": 96})
     with pytest.raises(ValueError, match="ssm.inner_size 96"):
         Model(path)
+
+
+def test_inspect_reports_the_state_per_sequence(built, capsys):
+    from llampy.cli import main
+    # mamba2-s16-g2: 2 layers of (3 * (128 + 2 * 2 * 16) + 16 * 128) floats; lfm2-c3: 3 convolution layers of
+    # 64 * 2 floats (the attention layer holds none)
+    for name, want in (("mamba2-s16-g2-Q8_0", 2 * 4 * (3 * 192 + 16 * 128)), ("lfm2-c3-Q8_0", 3 * 4 * 128)):
+        assert main(["inspect", str(built[name])]) == 0
+        assert f"recurrent state per sequence: {want} bytes" in capsys.readouterr().out
+        assert main(["inspect", str(built[name]), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["recurrent_state_bytes_per_seq"] == want
