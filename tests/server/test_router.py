@@ -171,11 +171,12 @@ def test_memory_running_short_unloads_idle_models(routed, monkeypatch):
     import llampy.server.router as rt
     url, router = routed
     unload_all(url)
-    assert chat(url, "qwen2-Q8_0").status_code == 200
+    # keep_alive given: an earlier test's keep_alive 0 / 1s stays with a model until a request sets another
+    assert chat(url, "qwen2-Q8_0", keep_alive=60).status_code == 200
     monkeypatch.setattr(rt, "_mem_available", lambda: router.mem_margin)     # less than any file + the margin
-    assert chat(url, "qwen3-Q8_0").status_code == 200
+    assert chat(url, "qwen3-Q8_0", keep_alive=60).status_code == 200
     assert states(url) == {"qwen2-Q8_0": "unloaded", "qwen3-Q8_0": "loaded", "granite-Q8_0": "unloaded"}
     monkeypatch.undo()
-    assert chat(url, "granite-Q8_0").status_code == 200       # memory enough again: two models side by side
+    assert chat(url, "granite-Q8_0", keep_alive=60).status_code == 200    # memory enough again: two side by side
     st = states(url)
     assert st["qwen3-Q8_0"] == st["granite-Q8_0"] == "loaded"
