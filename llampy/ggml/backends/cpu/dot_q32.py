@@ -187,6 +187,16 @@ def _offset(kind):
 
 
 @njit(cache=True, inline="always")
+def _act_offset(kind):
+    """Whether the prompt tiles take the activation-offset form (``_row8_off``): a signed format whose products with
+    the activations plus 128 (unsigned bytes up to 255) stay exact. With VNNI's vpdpbusd (32-bit sums) every one;
+    with AVX2's vpmaddubsw, whose pair sums saturate at 16 bits, Q4_0 and Q5_0 (|q| <= 16: 2 * 255 * 16 < 32767)
+    but not Q8_0, which keeps ggml's sign trick. Measured on an AVX2 host (benchmarks/README.md): the sign trick per
+    pair made Q4_0's tiles 1.4x Q4_1's time."""
+    return _signed(kind) and (UNSIGNED_OFFSET or kind != K_Q8_0)
+
+
+@njit(cache=True, inline="always")
 def _offset_lane_sums(kind, xq):
     """The activations' ``lane_sums`` where the kernels use the unsigned-offset form (a signed format on a CPU
     where it is exact: ``UNSIGNED_OFFSET``), else an unused (n, 1) placeholder."""
@@ -207,7 +217,7 @@ def _group_activations(kind, xq, n8):
     nb = k // 32
     ng = (n8 + 15) // 16
     xg = np.zeros((ng, nb, 512), np.int8)
-    flip = _signed(kind) and UNSIGNED_OFFSET
+    flip = _act_offset(kind)
     for i in prange(n8):              # on all threads: a serial pass here left the other core idle
         g, j = i // 16, i % 16
         xr = xq[i]
@@ -298,7 +308,7 @@ def _tile8(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32x8_zero()
     sv = f32x8_zero()
     for b in range(nb):
-        if _signed(kind) and UNSIGNED_OFFSET:
+        if _act_offset(kind):
             a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xg[b], 0, dvb[b], a0, a1, a2, a3, a4, a5, a6, a7)
         else:
             a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xg[b], 0, dvb[b], f32x8_load(xsT[b], i),
@@ -336,7 +346,7 @@ def _tile16(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
     c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = f32x8_zero()
     sa = sc = f32x8_zero()
     for b in range(nb):
-        if _signed(kind) and UNSIGNED_OFFSET:
+        if _act_offset(kind):
             a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xg[b], 0, dvb[b, 0], a0, a1, a2, a3, a4, a5, a6, a7)
             c0, c1, c2, c3, c4, c5, c6, c7 = _row8_off(kind, wr, b, xg[b], 8, dvb[b, 1],
                                                        c0, c1, c2, c3, c4, c5, c6, c7)
