@@ -6,6 +6,7 @@ skip, except in CI (``CI`` set), where a missing build is a failure: a different
 protects nothing."""
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import subprocess
@@ -32,6 +33,20 @@ def libllama() -> str | None:
 
 def libggml_base() -> str | None:
     return _lib("libggml-base.so", "LLAMPY_LIBGGML")
+
+
+class GGMLInitParams(ctypes.Structure):
+    """ggml_init's argument."""
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def libggml_cpu(mode: int = ctypes.DEFAULT_MODE) -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """ggml's base and CPU libraries of llama.cpp's build, loaded through ctypes (skip, or fail in CI, without)."""
+    base = libggml_base()
+    cpu = base and os.path.join(os.path.dirname(base), "libggml-cpu.so")
+    if not cpu or not os.path.exists(cpu):
+        missing("libggml-cpu.so")
+    return ctypes.CDLL(base, mode=mode), ctypes.CDLL(cpu, mode=mode)
 
 
 def python() -> str | None:

@@ -6,7 +6,6 @@ elements past the last full register through the C library's expf."""
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import pytest
@@ -24,11 +23,7 @@ F = ctypes.c_void_p
 
 @pytest.fixture(scope="module")
 def ggml_cpu():
-    base = llamacpp.libggml_base()
-    path = base and os.path.join(os.path.dirname(base), "libggml-cpu.so")
-    if not path or not os.path.exists(path):
-        llamacpp.missing("libggml-cpu.so")
-    lib = ctypes.CDLL(path)
+    lib = llamacpp.libggml_cpu()[1]
     lib.ggml_vec_silu_f32.argtypes = [ctypes.c_int, F, F]
     lib.ggml_vec_swiglu_f32.argtypes = [ctypes.c_int, F, F, F]
     lib.ggml_vec_soft_max_f32.argtypes = [ctypes.c_int, F, F, ctypes.c_float]

@@ -7,7 +7,6 @@ double) and 64 (different accumulators). llampy picks its order from the same ho
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import pytest
@@ -23,20 +22,11 @@ from tests.ggml.helpers import HOST_ORDER_ONLY as pytestmark  # noqa: E402,F401 
 F32, F16 = 0, 1
 
 
-class _InitParams(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-
-
 @pytest.fixture(scope="module")
 def ggml():
-    base = llamacpp.libggml_base()
-    cpu = base and os.path.join(os.path.dirname(base), "libggml-cpu.so")
-    if not cpu or not os.path.exists(cpu):
-        llamacpp.missing("libggml-cpu.so")
-    b = ctypes.CDLL(base)
-    c = ctypes.CDLL(cpu)
+    b, c = llamacpp.libggml_cpu()
     P = ctypes.c_void_p
-    b.ggml_init.restype, b.ggml_init.argtypes = P, [_InitParams]
+    b.ggml_init.restype, b.ggml_init.argtypes = P, [llamacpp.GGMLInitParams]
     b.ggml_new_tensor_4d.restype = P
     b.ggml_new_tensor_4d.argtypes = [P, ctypes.c_int] + [ctypes.c_int64] * 4
     b.ggml_get_data.restype, b.ggml_get_data.argtypes = P, [P]
@@ -63,7 +53,7 @@ def ggml_flash_attn(lib, q, k, v, mask, scale, softcap):
     """ggml_flash_attn_ext on the CPU: q (1, n_head, n_q, d) f32, k / v (1, n_head_kv, n_kv, d|dv) F16 bits,
     mask (1, 1, n_q, n_kv) F16 bits; the result (1, n_q, n_head, dv) f32."""
     b, c = lib
-    ctx = b.ggml_init(_InitParams(64 << 20, None, False))
+    ctx = b.ggml_init(llamacpp.GGMLInitParams(64 << 20, None, False))
     try:
         out = b.ggml_flash_attn_ext(ctx, _tensor(b, ctx, F32, q), _tensor(b, ctx, F16, k), _tensor(b, ctx, F16, v),
                                     _tensor(b, ctx, F16, mask), scale, 0.0, softcap)

@@ -7,7 +7,6 @@ the register width. That build is native to the machine running the test, as lla
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import pytest
@@ -22,19 +21,11 @@ from tests.ggml.helpers import HOST_ORDER_ONLY as pytestmark  # noqa: E402,F401 
 F32, F16 = 0, 1
 
 
-class _InitParams(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-
-
 @pytest.fixture(scope="module")
 def ggml():
-    base = llamacpp.libggml_base()
-    cpu = base and os.path.join(os.path.dirname(base), "libggml-cpu.so")
-    if not cpu or not os.path.exists(cpu):
-        llamacpp.missing("libggml-cpu.so")
-    b, c = ctypes.CDLL(base), ctypes.CDLL(cpu)
+    b, c = llamacpp.libggml_cpu()
     P = ctypes.c_void_p
-    b.ggml_init.restype, b.ggml_init.argtypes = P, [_InitParams]
+    b.ggml_init.restype, b.ggml_init.argtypes = P, [llamacpp.GGMLInitParams]
     b.ggml_new_tensor_4d.restype = P
     b.ggml_new_tensor_4d.argtypes = [P, ctypes.c_int] + [ctypes.c_int64] * 4
     b.ggml_get_data.restype, b.ggml_get_data.argtypes = P, [P]
@@ -51,7 +42,7 @@ def ggml():
 
 def _ggml_flash_attn(lib, q, k, v, mask, kv_type, scale, max_bias, softcap, sinks=None):
     b, c = lib
-    ctx = b.ggml_init(_InitParams(256 << 20, None, False))
+    ctx = b.ggml_init(llamacpp.GGMLInitParams(256 << 20, None, False))
 
     def tensor(typ, arr):
         t = b.ggml_new_tensor_4d(ctx, typ, *reversed(arr.shape))

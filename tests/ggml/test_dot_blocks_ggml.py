@@ -36,11 +36,7 @@ _VEC_DOT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_float), 
 
 @pytest.fixture(scope="module")
 def ggml_cpu():
-    base = llamacpp.libggml_base()
-    path = base and os.path.join(os.path.dirname(base), "libggml-cpu.so")
-    if not path or not os.path.exists(path):
-        llamacpp.missing("libggml-cpu.so")
-    lib = ctypes.CDLL(path)
+    lib = llamacpp.libggml_cpu()[1]
     lib.ggml_cpu_init()
     lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
     lib.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]

@@ -5,7 +5,6 @@ fixtures were recorded with), so the test runs where the host's build is that on
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import pytest
@@ -18,19 +17,10 @@ pytestmark = pytest.mark.skipif(simd.HOST_VEC_LANES != 8, reason="the host's ggm
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Init(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", P), ("no_alloc", ctypes.c_bool)]
-
-
 @pytest.fixture(scope="module")
 def ggml():
-    path = llamacpp.libggml_base()
-    cpu_path = path and os.path.join(os.path.dirname(path), "libggml-cpu.so")
-    if not cpu_path or not os.path.exists(cpu_path):
-        llamacpp.missing("libggml-cpu.so")
-    base = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    cpu = ctypes.CDLL(cpu_path, mode=ctypes.RTLD_GLOBAL)
-    base.ggml_init.argtypes, base.ggml_init.restype = [_Init], P
+    base, cpu = llamacpp.libggml_cpu(ctypes.RTLD_GLOBAL)
+    base.ggml_init.argtypes, base.ggml_init.restype = [llamacpp.GGMLInitParams], P
     base.ggml_new_tensor_4d.argtypes, base.ggml_new_tensor_4d.restype = [P, ctypes.c_int, I64, I64, I64, I64], P
     base.ggml_ssm_scan.argtypes, base.ggml_ssm_scan.restype = [P] * 8 + [I64], P
     base.ggml_new_graph.argtypes, base.ggml_new_graph.restype = [P], P
@@ -51,7 +41,7 @@ def test_mamba2_scan_gives_ggml_bits(ggml, n_seqs, n_tok, n_head, head_dim, d_st
     ins = [f(n_seqs + 1, n_head, head_dim, d_state), f(n_seqs, n_tok, n_head, head_dim), f(n_seqs, n_tok, n_head, s=2),
            -rng.uniform(1, 16, (n_head, 1)).astype(np.float32), f(n_seqs, n_tok, n_group, d_state),
            f(n_seqs, n_tok, n_group, d_state), np.arange(n_seqs, 0, -1, dtype=np.int32)]
-    ctx = base.ggml_init(_Init(1 << 26, None, False))
+    ctx = base.ggml_init(llamacpp.GGMLInitParams(1 << 26, None, False))
     ts = []
     for a in ins:
         ne = list(reversed(a.shape)) + [1] * (4 - a.ndim)
