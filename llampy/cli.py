@@ -113,30 +113,27 @@ def main(argv=None) -> int:
     import warnings
     # the command's own process: a warning is one line, as llama.cpp's log lines are
     warnings.showwarning = lambda message, category, *a, **k: print(f"llampy: warning: {message}", file=sys.stderr)
-    try:
-        tuning.install()      # the command's process is llampy's own: tune it before any kernel runs
-        return args.func(args) or 0
-    except OffloadError as e:
-        print(f"llampy: error: {e}", file=sys.stderr)
-        return 1
-    except (tuning.TuningError, GGUFError, UnknownArchitecture, ContextError, MissingMetadata, ModelLoadError, ModelNotFound,
-            VocabError, ChatTemplateError, FileNotFoundError, IsADirectoryError, PermissionError, ProjectorError,
-            ImageError, MediaError) as e:
-        print(f"llampy: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return 0
+    # the command's process is llampy's own: tune it before any kernel runs
+    return _run(args, (OffloadError, tuning.TuningError, GGUFError, UnknownArchitecture, ContextError,
+                       MissingMetadata, ModelLoadError, ModelNotFound, VocabError, ChatTemplateError,
+                       FileNotFoundError, IsADirectoryError, PermissionError, ProjectorError, ImageError, MediaError),
+                before=tuning.install)
 
 
 def _main_no_engine(args) -> int:
     """A command that runs no model (quantize): without the engine's imports and process tuning, which would cost
     it about a second of start-up."""
     from .gguf import GGUFError
+    return _run(args, (GGUFError, FileNotFoundError, IsADirectoryError, PermissionError))
+
+
+def _run(args, errors: tuple, before=None) -> int:
+    """The command, with the errors a user can cause as one line instead of a traceback."""
     try:
+        if before is not None:
+            before()
         return args.func(args) or 0
-    except (GGUFError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except errors as e:
         print(f"llampy: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
