@@ -163,6 +163,23 @@ def profile_decode(model, steps: int = 16) -> None:
     wall = (time.perf_counter() - t0) / steps
     print(f"decode step: {wall * 1e3:.2f} ms wall (under the profiler)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60))
+    # the host's share: the step's wall time alone, then where Python spends it (cProfile, by own time)
+    import cProfile
+    import pstats
+    pos = 7 + steps
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        ctx.decode(Batch.from_tokens([5], pos0=pos + i))
+    wall = (time.perf_counter() - t0) / steps
+    pos += steps
+    print(f"decode step: {wall * 1e3:.3f} ms wall (no profiler)")
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(steps):
+        ctx.decode(Batch.from_tokens([5], pos0=pos + i))
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(22)
 
 
 def main(argv=None) -> int:
@@ -184,8 +201,9 @@ def main(argv=None) -> int:
     if args.mmvq_shapes and Path(args.mmvq_shapes).exists():
         from llampy.ggml.backends.cuda import mmvq as MMVQ
         for name, shape in json.loads(Path(args.mmvq_shapes).read_text()).items():
-            MMVQ.SHAPES[T[name]] = tuple(shape)
-        print("integer decode kernels' launch shapes:", {t.name: v for t, v in MMVQ.SHAPES.items()}, flush=True)
+            MMVQ.choose(T[name], shape)
+        print("integer decode kernels' launch shapes:", {t.name: v for t, v in MMVQ.SHAPES.items()},
+              {t.name: k.fn.__name__ for t, (k, g) in MMVQ.KERNELS.items()}, flush=True)
 
     import torch
     from llampy.llama.bench import bench

@@ -32,10 +32,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="4096x4096")
     ap.add_argument("--quick", action="store_true", help="value rules at one launch shape")
     ap.add_argument("--no-mmvq", action="store_true")
+    ap.add_argument("--timings", default=None, help="write every integer-kernel timing here (JSON), to choose "
+                    "launch shapes over several matrix shapes")
+    ap.add_argument("--variant-grid", action="store_true", help="the integer kernels only (both variants), on a "
+                    "smaller grid of launch shapes")
     ap.add_argument("--json", default=None, help="write the best integer-kernel shape per type here "
                     "(gpu_bench.py --mmvq-shapes reads it)")
     args = ap.parse_args(argv)
     best = {}
+    timings: dict = {}      # type -> "variant,BN,SB,warps" -> us (--timings)
     n, k = (int(v) for v in args.shape.split("x"))
     dev = torch.device("cuda")
     lut = torch.tensor(kvalues_iq4nl.astype(np.int8), device=dev)
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
         results = []
         ref = None
         quick = args.quick
-        for bn in ((4,) if quick else (1, 4, 8, 16, 32)):
+        for bn in (() if args.variant_grid else (4,) if quick else (1, 4, 8, 16, 32)):
             for bk in ((1024,) if quick else (256, 512, 1024)):
                 for warps in ((4,) if quick else (4, 8)):
                     for want in ((32,) if quick else (0, 16, 32)):
@@ -87,33 +92,43 @@ def main(argv=None) -> int:
                         t_ms = triton.testing.do_bench(go, warmup=5, rep=30)
                         results.append((w.numel() / t_ms / 1e6, bn, bk, warps, split, t_ms * 1e3, err))
         if t in MMVQ.KERNELS and not args.no_mmvq:    # the integer kernels (mmvq.py): quantize + one launch
-            kern, g = MMVQ.KERNELS[t]
+            g = MMVQ.KERNELS[t][1]
             xq = torch.empty(k, dtype=torch.int8, device=dev)
             xd = torch.empty(k // g, dtype=torch.float32, device=dev)
             xs = torch.empty(k // 16, dtype=torch.int32, device=dev)
             extra = {"TYPE": int(t)} if t in MMVQ.TYPE_ARG else {}
-            sbs = (16, 32) if g == 32 else (4, 8, 16)
-            for bn in (1, 2, 4, 8):
-                for sb in sbs:
-                    for warps in (4, 8):
-                        y = torch.empty((1, n), dtype=torch.float32, device=dev)
+            sbs = (16, 32) if g == 32 else (8, 16)
+            for var, kern in MMVQ.VARIANTS[t].items():
+                for bn in (1, 2, 4, 8):
+                    for sb in sbs:
+                        for warps in (4, 8):
+                            if args.variant_grid and (bn == 1 or (warps == 8 and bn < 4)):
+                                continue
+                            y = torch.empty((1, n), dtype=torch.float32, device=dev)
 
-                        def go_q():
-                            MMVQ.quantize_act[(k // g,)](x, xq, xd, xs, k, G=g)
-                            kern[((n + bn - 1) // bn,)](w, xq, xd, xs, y, n, k, sw, BN=bn, SB=sb, ASM=True,
-                                                        num_warps=warps, **extra)
-                        try:
-                            go_q()
-                            torch.cuda.synchronize()
-                        except Exception as e:
-                            print(f"{name} mmvq BN={bn} SB={sb} warps={warps}: {type(e).__name__}: {str(e)[:300]}",
-                                  flush=True)
-                            continue
-                        err = float((y - ref).abs().max() / ref.abs().max())
-                        t_ms = triton.testing.do_bench(go_q, warmup=5, rep=30)
-                        results.append((w.numel() / t_ms / 1e6, f"mmvq {bn}", sb, warps, 1, t_ms * 1e3, err))
-                        if err < 1e-3 and (t not in best or t_ms < best[t][0]):
-                            best[t] = (t_ms, bn, sb, warps)
+                            def go_q():
+                                MMVQ.quantize_act[(k // g,)](x, xq, xd, xs, k, G=g)
+                                kern[((n + bn - 1) // bn,)](w, xq, xd, xs, y, n, k, sw, BN=bn, SB=sb, ASM=True,
+                                                            num_warps=warps, **extra)
+                            try:
+                                go_q()
+                                torch.cuda.synchronize()
+                            except Exception as e:
+                                print(f"{name} mmvq {var} BN={bn} SB={sb} warps={warps}: {type(e).__name__}: "
+                                      f"{str(e)[:300]}", flush=True)
+                                continue
+                            if ref is None:         # --variant-grid: the first integer kernel is the reference
+                                ref = y.clone()
+                            err = float((y - ref).abs().max() / ref.abs().max())
+                            t_ms = triton.testing.do_bench(go_q, warmup=5, rep=30)
+                            results.append((w.numel() / t_ms / 1e6, f"mmvq-{var} {bn}", sb, warps, 1, t_ms * 1e3,
+                                            err))
+                            if err < 1e-3:
+                                timings.setdefault(name, {})[f"{var},{bn},{sb},{warps}"] = t_ms * 1e3
+                            if err < 1e-3 and (t not in best or t_ms < best[t][0]):
+                                best[t] = (t_ms, bn, sb, warps, var)
+        if ref is None:
+            continue
         results.sort(key=lambda r: -r[0])
         print(f"\n{name} {n}x{k} ({w.numel() / 2**20:.1f} MiB): best launch shapes")
         print("| GB/s | BN | BK | warps | splits | us | rel. err vs first |")
@@ -126,6 +141,9 @@ def main(argv=None) -> int:
     if args.json:
         import json
         Path(args.json).write_text(json.dumps({t.name: list(v[1:]) for t, v in best.items()}))
+    if args.timings:
+        import json
+        Path(args.timings).write_text(json.dumps({"shape": args.shape, "us": timings}))
     print("best integer-kernel shapes (BN, SB, warps):", {t.name: v[1:] for t, v in best.items()})
 
     # does a CUDA graph capture the kernel? replay after new input values must follow them

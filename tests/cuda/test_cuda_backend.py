@@ -114,6 +114,41 @@ def test_matvec_and_tiles_past_one_block(t, ncols):
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("t", [T.F16, T.BF16], ids=lambda t: t.name)
+def test_half_matvec_sums_in_float32_over_rounded_activations(t):
+    """One activation row times an F16/BF16 matrix (the decode kernel matvec_half, K not a multiple of its
+    tile, rows not a multiple of its rows per program): float32 sums of the weights times x rounded to the
+    weight's type, as ggml's vec_dot_f16/bf16 — within float32 summation error of the float64 product, where
+    torch's half matmul of one row rounds the result to the half type."""
+    from llampy.ggml.quants import quantize_bf16
+
+    def bits(v):            # the half type's bits of float32 values
+        return v.astype(np.float16).view(np.uint16) if t == T.F16 else quantize_bf16(v).view(np.uint16)
+
+    def value(h):           # and back, exactly
+        return h.view(np.float16).astype(np.float64) if t == T.F16 else \
+            (h.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    rng = np.random.default_rng(21)
+    n, k = 37, 1000
+    wb = bits(rng.standard_normal((n, k)).astype(np.float32)).reshape(n, k)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    w = Tensor(t, (k, n))
+    tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
+    tensor_set(w, wb.view(np.float16) if t == T.F16 else wb)
+    xt = Tensor(T.F32, (k, 1))
+    tensor_alloc(CUDA.alloc_buffer(xt.nbytes), xt, 0)
+    tensor_set(xt, x)
+    out = ops.mul_mat(w, xt).set_output()
+    Scheduler([CUDA]).graph_compute(Graph.build(out))
+    got = tensor_get(out).reshape(n)
+    wf = value(wb)
+    want = wf @ value(bits(x[0]).reshape(k))
+    unrounded = wf @ x[0].astype(np.float64)
+    scale = np.abs(wf) @ np.abs(x[0].astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * scale.max())
+    assert np.abs(want - unrounded).max() > 10e-6 * scale.max()    # the rounding of x is visible at this tolerance
+
+
 def test_device_memory_is_not_host_memory():
     """Code outside the backend cannot take a NumPy view of device tensors: tensor_data refuses, and
     tensor_set/tensor_get go through the buffer."""
@@ -230,17 +265,18 @@ def test_integer_decode_kernels_agree_with_the_value_rules(t, k):
     want = torch.empty((1, n), dtype=torch.float32, device=CUDA.dev)
     bk = 256 if k % 256 == 0 else 32
     CUDA._matvec(w, rows(w), x, want, (8, bk, k, 1))
-    kern, g = M.KERNELS[t]
+    g = M.KERNELS[t][1]
     xq = (torch.empty(k, dtype=torch.int8, device=CUDA.dev), torch.empty(k // g, dtype=torch.float32, device=CUDA.dev),
           torch.empty(k // 16, dtype=torch.int32, device=CUDA.dev))
     M.quantize_act[(k // g,)](x, *xq, k, G=g)
     extra = {"TYPE": int(t)} if t in M.TYPE_ARG else {}
-    for bn, sb in ((4, 2), (2, 8)):
-        y = torch.full((n,), float("nan"), dtype=torch.float32, device=CUDA.dev)
-        kern[((n + bn - 1) // bn,)](rows(w), *xq, y, n, k, w.nb[1], BN=bn, SB=sb, ASM=CUDA.dev.type == "cuda",
-                                    **extra)
-        np.testing.assert_allclose(y.cpu().numpy(), want[0].cpu().numpy(), rtol=1e-3 if t == T.Q4_1 else 1e-5,
-                                   atol=1e-3 if t == T.Q4_1 else 1e-5)
+    for name, kern in M.VARIANTS[t].items():           # both kernels of the format
+        for bn, sb in ((4, 2), (2, 8)):
+            y = torch.full((n,), float("nan"), dtype=torch.float32, device=CUDA.dev)
+            kern[((n + bn - 1) // bn,)](rows(w), *xq, y, n, k, w.nb[1], BN=bn, SB=sb, ASM=CUDA.dev.type == "cuda",
+                                        **extra)
+            np.testing.assert_allclose(y.cpu().numpy(), want[0].cpu().numpy(), rtol=1e-3 if t == T.Q4_1 else 1e-5,
+                                       atol=1e-3 if t == T.Q4_1 else 1e-5, err_msg=f"kernel {name}, BN={bn}, SB={sb}")
 
 
 def test_products_of_one_input_share_its_quantization():

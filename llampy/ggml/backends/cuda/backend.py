@@ -587,6 +587,21 @@ def b_mul_mat(be, node):
     # plain weights: cuBLAS, a broadcast over b's dims 2 and 3
     av = view(a)
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
+    if a.type in (T.F16, T.BF16) and n_act == 1 and a.ne[2] == 1 and a.ne[3] == 1 and av.stride(-1) == 1 \
+            and bv.is_contiguous():
+        # one activation row (decode): a Triton kernel, float32 sums of the weights times x rounded to their
+        # type (torch's half matmul of one row rounds the result to F16 and reaches ~half the bandwidth)
+        kdim, n_out = a.ne[0], a.ne[1]
+        bn, bk, warps = (4, 512, 4) if be.dev.type == "cuda" else (64, 256, 4)
+        x1 = bv.reshape(1, kdim)
+
+        def run_mv():
+            x = x1 if x1.dtype == F32 else x1.to(F32)
+            out = torch.empty((1, n_out), dtype=F32, device=be.dev)
+            K.matvec_half[(triton_cdiv(n_out, bn),)](av, x, out, n_out, kdim, av.stride(-2), kdim, n_out, NC=1,
+                                                     BN=bn, BK=bk, num_warps=warps)
+            d.copy_(out.reshape(d.shape))
+        return run_mv
     low = a.type in (T.F16, T.BF16) and be.dev.type == "cuda"
     dt = TORCH_DTYPE[a.type] if low else F32
 

@@ -268,6 +268,31 @@ def matvec(w, x, y, lut, N, K, KC, sw, sx, sy, ss, NC: tl.constexpr, TYPE: tl.co
 
 
 @triton.jit
+def matvec_half(w, x, y, N, K, sw, sx, sy, NC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[c, r] = w row r . round(x[c]) for c < NC: F16 or BF16 weights (w's element type), x float32 rounded to
+    w's type on the way in (as ggml's vec_dot_f16 / vec_dot_bf16 round the activations), float32 sums. The
+    activations are loaded at the tile's full shape (one layout with the weights: 16-byte loads, no conversions)
+    and every tile element keeps its own partial sum until the end. Rows sw elements apart."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    p = w + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * sw
+    zr = tl.zeros([BN, 1], tl.int32)
+    for c in tl.static_range(NC):
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)[None, :]
+            km = (ks + zr) < K
+            wv = tl.load(p + ks, mask=km, other=0.0).to(tl.float32)
+            xv = tl.load(x + c * sx + ks + zr, mask=km, other=0.0)
+            if w.dtype.element_ty == tl.bfloat16:   # round to nearest even in bits (ggml_compute_fp32_to_bf16;
+                u = xv.to(tl.int32, bitcast=True)     # Triton's interpreter truncates in .to(bfloat16))
+                xv = ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            else:
+                xv = xv.to(tl.float16).to(tl.float32)
+            acc += wv * xv
+        tl.store(y + c * sy + rows, tl.sum(acc, axis=1), mask=rows < N)
+
+
+@triton.jit
 def dequant(w, idx, out, lut, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.constexpr, OUT_F16: tl.constexpr,
             BR: tl.constexpr, BK: tl.constexpr):
     """out[r, k] = value(w row (idx[r] if USE_IDX else r), k) for r < NR, k < K; out rows so elements apart."""

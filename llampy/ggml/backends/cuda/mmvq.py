@@ -232,6 +232,151 @@ def mmvq_q32(w, xq, xd, xs, y, N, K, sw, TYPE: tl.constexpr, BN: tl.constexpr, S
     tl.store(y + rows, tl.sum(acc, axis=1), mask=rows < N)
 
 
+# The same products with the accumulation kept per tile element: every (row, block, word) of the tile adds its
+# own float partial to an accumulator of the tile's shape, and the tile is reduced once, after the last step.
+# The kernels above reduce inside the loop (sums over words and groups), which costs warp shuffles, shared memory
+# and barriers on every step (ggml's mmvq reduces once per row too). The offsets and minimums need no sums of 16:
+# dp4a against a word of repeated bytes sums a word's four activations.
+
+@triton.jit
+def mmvq_q4_k_e(w, xq, xd, xs, y, N, K, sw, BN: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """mmvq_q4_k with a per-element accumulator (tile [BN, SB, 4, 8] as there)."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rowp = w + tl.minimum(rows, N - 1).to(tl.int64) * sw
+    nsb = K // 256
+    si = tl.arange(0, SB)
+    ci = tl.arange(0, 4)
+    ji = (tl.arange(0, 8) * 5) % 8      # words in an order Triton cannot prove contiguous: 4-byte loads, one layout
+    wo = (8 * ci[:, None] + ji[None, :])[None, None, :, :]
+    xw = (16 * ci[:, None] + ji[None, :])[None, None, :, :]                # [1, 1, 4, 8]
+    g = 2 * ci[None, None, :, None] + 0 * ji[None, None, None, :]          # [1, 1, 4, 8]: scale loads of the
+    # tile's own shape (threads of one superblock read the same bytes), so the loop keeps one layout
+    x32 = xq.to(tl.pointer_type(tl.int32))
+    ones = tl.full([1, 1, 1, 1], 0x01010101, tl.int32)
+    acc = tl.zeros([BN, SB, 4, 8], tl.float32)
+    for s0 in range(0, nsb, SB):
+        sb = s0 + si
+        ok = sb < nsb
+        sbc = tl.minimum(sb, nsb - 1)
+        base = rowp[:, None] + sbc[None, :] * 144                            # [BN, SB]
+        wq = tl.load((base + 16).to(tl.pointer_type(tl.int32))[:, :, None, None] + wo)
+        xp = x32 + sbc[None, :, None, None] * 64 + xw                        # [1, SB, 4, 8]
+        xl = tl.load(xp)
+        xh = tl.load(xp + 8)
+        lo = _dp4a(wq & 0x0F0F0F0F, xl, tl.zeros_like(wq), ASM)
+        hi = _dp4a((wq >> 4) & 0x0F0F0F0F, xh, tl.zeros_like(wq), ASM)
+        sl = _dp4a(ones, xl, tl.zeros_like(xl), ASM)
+        sh = _dp4a(ones, xh, tl.zeros_like(xh), ASM)
+        b4 = base[:, :, None, None]
+        isum = _q4k_scale(b4, g) * lo + _q4k_scale(b4, g + 1) * hi
+        msum = _q4k_min(b4, g) * sl + _q4k_min(b4, g + 1) * sh
+        dx = tl.load(xd + sbc)[None, :]
+        dd = tl.where(ok[None, :], dx * _f16(base), 0.0)[:, :, None, None]
+        dm = tl.where(ok[None, :], dx * _f16(base + 2), 0.0)[:, :, None, None]
+        acc += dd * isum.to(tl.float32) - dm * msum.to(tl.float32)
+    tl.store(y + rows, tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1), mask=rows < N)
+
+
+@triton.jit
+def mmvq_q6_k_e(w, xq, xd, xs, y, N, K, sw, BN: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """mmvq_q6_k with a per-element accumulator: tile [BN, SB, 16] of word slots, the four quarters of a slot
+    summed in integers (scale x (q - 32) . x, the offset through dp4a of 0x20202020). Every index is built at the
+    tile's full shape, so that the loop runs in one register layout (no conversions through shared memory)."""
+    r3 = tl.arange(0, BN)[:, None, None]
+    s3 = tl.arange(0, SB)[None, :, None]
+    j3 = tl.arange(0, 16)[None, None, :]
+    z3 = r3 * 0 + s3 * 0 + j3 * 0
+    rows3 = tl.program_id(0) * BN + r3 + z3
+    rowp = w + tl.minimum(rows3, N - 1).to(tl.int64) * sw
+    nsb = K // 256
+    x32 = xq.to(tl.pointer_type(tl.int32))
+    off_a = 64 * (j3 // 8) + 4 * (j3 % 8)                  # byte offsets in ql
+    off_h = 128 + 32 * (j3 // 8) + 4 * (j3 % 8)
+    gbase = 8 * (j3 // 8) + (j3 % 8) // 4                  # group of quarter i: gbase + 2i
+    xoff = 32 * (j3 // 8) + (j3 % 8)
+    c32 = tl.full([BN, SB, 16], 0x20202020, tl.int32)
+    acc = tl.zeros([BN, SB, 16], tl.float32)
+    for s0 in range(0, nsb, SB):
+        sb = s0 + s3 + z3
+        ok = sb < nsb
+        sbc = tl.minimum(sb, nsb - 1)
+        base = rowp + sbc * 210
+        wa = _word16(base + off_a)
+        wb = _word16(base + off_a + 32)
+        wh = _word16(base + off_h)
+        xbase = sbc * 64 + xoff                             # + 8i for quarter i
+        isum = tl.zeros([BN, SB, 16], tl.int32)
+        for i in tl.static_range(4):
+            if i == 0:
+                q = (wa & 0x0F0F0F0F) | ((wh & 0x03030303) << 4)
+            elif i == 1:
+                q = (wb & 0x0F0F0F0F) | (((wh >> 2) & 0x03030303) << 4)
+            elif i == 2:
+                q = ((wa >> 4) & 0x0F0F0F0F) | (((wh >> 4) & 0x03030303) << 4)
+            else:
+                q = ((wb >> 4) & 0x0F0F0F0F) | (((wh >> 6) & 0x03030303) << 4)
+            xw = tl.load(x32 + xbase + 8 * i)
+            p = _dp4a(q, xw, tl.zeros_like(q), ASM) - _dp4a(c32, xw, tl.zeros_like(xw), ASM)
+            sc = tl.load((base + 192 + gbase + 2 * i).to(tl.pointer_type(tl.int8))).to(tl.int32)
+            isum += sc * p
+        dd = tl.load(xd + sbc) * _f16(base + 208)
+        acc += tl.where(ok, dd, 0.0) * isum.to(tl.float32)
+    tl.store(y + tl.program_id(0) * BN + tl.arange(0, BN), tl.sum(tl.sum(acc, axis=2), axis=1),
+             mask=tl.program_id(0) * BN + tl.arange(0, BN) < N)
+
+
+@triton.jit
+def mmvq_q32_e(w, xq, xd, xs, y, N, K, sw, TYPE: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
+               ASM: tl.constexpr):
+    """mmvq_q32 with a per-element accumulator (tile [BN, SB, words], every index at the full shape as in
+    mmvq_q6_k_e); Q4_0's offset 8 through dp4a of 0x08080808, Q4_1's m * s term on word 0 of each block."""
+    NW: tl.constexpr = 8 if TYPE == Q8_0 else 4
+    r3 = tl.arange(0, BN)[:, None, None]
+    s3 = tl.arange(0, SB)[None, :, None]
+    j3 = (tl.arange(0, NW)[None, None, :] * 3) % NW       # an order Triton cannot prove contiguous: 4-byte loads
+    z3 = r3 * 0 + s3 * 0 + j3 * 0
+    rows3 = tl.program_id(0) * BN + r3 + z3
+    rowp = w + tl.minimum(rows3, N - 1).to(tl.int64) * sw
+    nb = K // 32
+    x32 = xq.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BN, SB, NW], tl.float32)
+    for s0 in range(0, nb, SB):
+        sb = s0 + s3 + z3
+        ok = sb < nb
+        sbc = tl.minimum(sb, nb - 1)
+        dx = tl.load(xd + sbc)
+        xo = sbc * 8 + j3
+        if TYPE == Q8_0:
+            base = rowp + sbc * 34
+            wq = _word16(base + 2 + 4 * j3)
+            isum = _dp4a(wq, tl.load(x32 + xo), tl.zeros_like(wq), ASM)
+            acc += tl.where(ok, dx * _f16(base), 0.0) * isum.to(tl.float32)
+        else:
+            xl = tl.load(x32 + xo)
+            xh = tl.load(x32 + xo + 4)
+            if TYPE == Q4_1:
+                base = rowp + sbc * 20
+                wq = tl.load((base + 4 + 4 * j3).to(tl.pointer_type(tl.int32)))
+            else:
+                base = rowp + sbc * 18
+                wq = _word16(base + 2 + 4 * j3)
+            isum = _dp4a(wq & 0x0F0F0F0F, xl, tl.zeros_like(wq), ASM)
+            isum = _dp4a((wq >> 4) & 0x0F0F0F0F, xh, isum, ASM)
+            dd = tl.where(ok, dx * _f16(base), 0.0)
+            if TYPE == Q4_1:    # ggml's Q8_1 keeps s = d * sum(q) as F16; m * s joins on word 0
+                xsum = tl.load(xs + 2 * sbc) + tl.load(xs + 2 * sbc + 1)
+                s = (dx * xsum.to(tl.float32)).to(tl.float16).to(tl.float32)
+                ms = tl.where(ok & (j3 == 0), _f16(base + 2) * s, 0.0)
+                acc += dd * isum.to(tl.float32) + ms
+            else:
+                c8 = tl.full([BN, SB, NW], 0x08080808, tl.int32)
+                off = _dp4a(c8, xl, tl.zeros_like(xl), ASM)
+                off = _dp4a(c8, xh, off, ASM)
+                acc += dd * (isum - off).to(tl.float32)
+    tl.store(y + tl.program_id(0) * BN + tl.arange(0, BN), tl.sum(tl.sum(acc, axis=2), axis=1),
+             mask=tl.program_id(0) * BN + tl.arange(0, BN) < N)
+
+
 # the kernel of each format, the activation's block size, and the launch shape (rows, blocks per step, warps):
 # chosen on an H100 by gpu_bench.py's 7B decode (gpu_matvec.py's grid on the FFN's 11008 x 4096 and 4096 x 11008
 # shapes, then the whole model; Q4_1 takes Q4_0's). Steps of 16 superblocks / 32 blocks beat the 4096 x 4096
@@ -240,3 +385,15 @@ KERNELS = {T.Q4_K: (mmvq_q4_k, 256), T.Q6_K: (mmvq_q6_k, 256), T.Q4_0: (mmvq_q32
            T.Q8_0: (mmvq_q32, 32)}
 TYPE_ARG = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
 SHAPES = {T.Q4_K: (4, 16, 4), T.Q6_K: (8, 16, 4), T.Q4_0: (4, 32, 4), T.Q4_1: (4, 32, 4), T.Q8_0: (2, 32, 4)}
+# each format's two kernels: "r" reduces in the loop, "e" keeps a per-element accumulator (gpu_matvec.py times
+# both; gpu_bench.py --mmvq-shapes takes a choice as the fourth entry of a shape)
+VARIANTS = {T.Q4_K: {"r": mmvq_q4_k, "e": mmvq_q4_k_e}, T.Q6_K: {"r": mmvq_q6_k, "e": mmvq_q6_k_e},
+            T.Q4_0: {"r": mmvq_q32, "e": mmvq_q32_e}, T.Q4_1: {"r": mmvq_q32, "e": mmvq_q32_e},
+            T.Q8_0: {"r": mmvq_q32, "e": mmvq_q32_e}}
+
+
+def choose(t: T, shape) -> None:
+    """Set format t's launch shape (rows, blocks per step, warps[, variant]) and with a variant its kernel."""
+    SHAPES[t] = tuple(shape[:3])
+    if len(shape) > 3:
+        KERNELS[t] = (VARIANTS[t][shape[3]], KERNELS[t][1])
