@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="the GPU kernels of 16 decode steps, by time (first file)")
     ap.add_argument("--mmvq-shapes", default=None, help="launch shapes of the integer decode kernels to try instead "
                     "of the backend's table (a JSON written by gpu_matvec.py --json): for tuning that table")
+    ap.add_argument("--half-shape", default=None, help="BN,BK,warps of the F16/BF16 decode kernel to use instead "
+                    "of kernels.HALF_SHAPE (gpu_matvec.py --half prints the best)")
     args = ap.parse_args(argv)
     if args.mmvq_shapes and Path(args.mmvq_shapes).exists():
         from llampy.ggml.backends.cuda import mmvq as MMVQ
@@ -205,6 +207,10 @@ def main(argv=None) -> int:
         print("integer decode kernels' launch shapes:", {t.name: v for t, v in MMVQ.SHAPES.items()},
               {t.name: k.fn.__name__ for t, (k, g) in MMVQ.KERNELS.items()}, flush=True)
 
+    if args.half_shape:
+        from llampy.ggml.backends.cuda import kernels as KK
+        KK.HALF_SHAPE = tuple(int(v) for v in args.half_shape.split(","))
+        print("F16/BF16 decode kernel's launch shape:", KK.HALF_SHAPE, flush=True)
     import torch
     from llampy.llama.bench import bench
     from llampy.llama.model import Model

@@ -34,11 +34,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mmvq", action="store_true")
     ap.add_argument("--timings", default=None, help="write every integer-kernel timing here (JSON), to choose "
                     "launch shapes over several matrix shapes")
+    ap.add_argument("--small-grid", action="store_true", help="the integer kernels only: programs of 1-2 rows "
+                    "and 1-2 warps, beside the backend's current shape")
     ap.add_argument("--variant-grid", action="store_true", help="the integer kernels only (both variants), on a "
                     "smaller grid of launch shapes")
     ap.add_argument("--json", default=None, help="write the best integer-kernel shape per type here "
                     "(gpu_bench.py --mmvq-shapes reads it)")
+    ap.add_argument("--half", action="store_true", help="the F16/BF16 decode kernel (matvec_half) over a grid of "
+                    "launch shapes instead")
     args = ap.parse_args(argv)
+    if args.half:
+        return half_grid(args)
     best = {}
     timings: dict = {}      # type -> "variant,BN,SB,warps" -> us (--timings)
     n, k = (int(v) for v in args.shape.split("x"))
@@ -61,7 +67,7 @@ def main(argv=None) -> int:
         results = []
         ref = None
         quick = args.quick
-        for bn in (() if args.variant_grid else (4,) if quick else (1, 4, 8, 16, 32)):
+        for bn in (() if args.variant_grid or args.small_grid else (4,) if quick else (1, 4, 8, 16, 32)):
             for bk in ((1024,) if quick else (256, 512, 1024)):
                 for warps in ((4,) if quick else (4, 8)):
                     for want in ((32,) if quick else (0, 16, 32)):
@@ -98,11 +104,16 @@ def main(argv=None) -> int:
             xs = torch.empty(k // 16, dtype=torch.int32, device=dev)
             extra = {"TYPE": int(t)} if t in MMVQ.TYPE_ARG else {}
             sbs = (16, 32) if g == 32 else (8, 16)
+            cur = MMVQ.SHAPES[t]
+            cur_var = next(v for v, f in MMVQ.VARIANTS[t].items() if f is MMVQ.KERNELS[t][0])
             for var, kern in MMVQ.VARIANTS[t].items():
                 for bn in (1, 2, 4, 8):
                     for sb in sbs:
-                        for warps in (4, 8):
-                            if args.variant_grid and (bn == 1 or (warps == 8 and bn < 4)):
+                        for warps in (1, 2, 4, 8):
+                            if args.small_grid:     # small programs, and the backend's current choice
+                                if not (bn <= 2 and warps <= 2) and (var, bn, sb, warps) != (cur_var, *cur):
+                                    continue
+                            elif warps < 4 or args.variant_grid and (bn == 1 or (warps == 8 and bn < 4)):
                                 continue
                             y = torch.empty((1, n), dtype=torch.float32, device=dev)
 
@@ -168,6 +179,46 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     print(f"\ncuda graph replay follows new inputs: {bool(torch.allclose(got, y))} "
           f"(max diff {float((got - y).abs().max()):.3e})")
+    return 0
+
+
+def half_grid(args) -> int:
+    """matvec_half's launch shapes (rows per program, K tile, warps) on each --shape (comma-separated), F16
+    weights: GB/s each, and the shape with the least total time over them."""
+    import torch
+    import triton
+    from llampy.ggml.backends.cuda import kernels as K
+    dev = torch.device("cuda")
+    tot: dict = {}
+    for shape in args.shape.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        w = (torch.randn((n, k), device=dev) * 0.02).to(torch.float16)
+        x = torch.randn((1, k), device=dev)
+        want = (w.float() @ x.half().float().t()).t()
+        rows = []
+        for bn in (1, 2, 4, 8, 16):
+            for bk in (256, 512, 1024, 2048):
+                for warps in (2, 4, 8):
+                    if bn * bk > 16384 or bn * bk < 256 * warps:
+                        continue
+                    y = torch.empty((1, n), device=dev)
+
+                    def go():
+                        K.matvec_half[((n + bn - 1) // bn,)](w, x, y, n, k, k, k, n, NC=1, BN=bn, BK=bk,
+                                                             num_warps=warps)
+                    go()
+                    torch.cuda.synchronize()
+                    err = float((y - want).abs().max() / want.abs().max())
+                    ms = triton.testing.do_bench(go, warmup=5, rep=30)
+                    rows.append((2 * n * k / ms / 1e6, bn, bk, warps, ms * 1e3, err))
+                    if err < 1e-4:
+                        tot[(bn, bk, warps)] = tot.get((bn, bk, warps), 0.0) + ms * 1e3
+        rows.sort(key=lambda r: -r[0])
+        print(f"\nF16 {shape}: best launch shapes\n| GB/s | BN | BK | warps | us | rel. err |")
+        for r in rows[:6]:
+            print(f"| {r[0]:.0f} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]:.1e} |")
+    best = min(tot, key=tot.get)
+    print(f"\nbest over the shapes: --half-shape {best[0]},{best[1]},{best[2]} ({tot[best]:.1f} us in all)")
     return 0
 
 

@@ -592,7 +592,7 @@ def b_mul_mat(be, node):
         # one activation row (decode): a Triton kernel, float32 sums of the weights times x rounded to their
         # type (torch's half matmul of one row rounds the result to F16 and reaches ~half the bandwidth)
         kdim, n_out = a.ne[0], a.ne[1]
-        bn, bk, warps = (4, 512, 4) if be.dev.type == "cuda" else (64, 256, 4)
+        bn, bk, warps = K.HALF_SHAPE if be.dev.type == "cuda" else (64, 256, 4)
         x1 = bv.reshape(1, kdim)
 
         def run_mv():

@@ -267,6 +267,12 @@ def matvec(w, x, y, lut, N, K, KC, sw, sx, sy, ss, NC: tl.constexpr, TYPE: tl.co
         tl.store(y + cols[None, :] * sy + rows[:, None], acc2, mask=(rows[:, None] < N) & (cols[None, :] < NC))
 
 
+# matvec_half's launch shape on a GPU (rows per program, K tile, warps): the least time over a 7B layer's three
+# shapes on an H200 (benchmarks/gpu_matvec.py --half: 2.0-2.7 TB/s; (4, 512, 4) gave 7B F16 decode 89 tok/s,
+# this 190): many small programs keep more loads in flight than a few wide ones
+HALF_SHAPE = (1, 512, 2)
+
+
 @triton.jit
 def matvec_half(w, x, y, N, K, sw, sx, sy, NC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[c, r] = w row r . round(x[c]) for c < NC: F16 or BF16 weights (w's element type), x float32 rounded to

@@ -378,13 +378,14 @@ def mmvq_q32_e(w, xq, xd, xs, y, N, K, sw, TYPE: tl.constexpr, BN: tl.constexpr,
 
 
 # the kernel of each format, the activation's block size, and the launch shape (rows, blocks per step, warps):
-# chosen on an H100 by gpu_bench.py's 7B decode (gpu_matvec.py's grid on the FFN's 11008 x 4096 and 4096 x 11008
-# shapes, then the whole model; Q4_1 takes Q4_0's). Steps of 16 superblocks / 32 blocks beat the 4096 x 4096
-# optimum by 23% on the whole model (Q4_K_M tg128 144 -> 178 tok/s); 32 / 64 were slower again.
-KERNELS = {T.Q4_K: (mmvq_q4_k, 256), T.Q6_K: (mmvq_q6_k, 256), T.Q4_0: (mmvq_q32, 32), T.Q4_1: (mmvq_q32, 32),
+# chosen on an H200 by gpu_matvec.py --small-grid's timings summed over a 7B layer's shapes (.devcarry-style
+# runs; gpu_bench.py --mmvq-shapes). Small programs won everywhere: 1-2 rows and one or two warps each, so that
+# many programs keep loads in flight on every multiprocessor (7B decode, tok/s: Q4_K_M 185 -> 224, Q4_0 195 ->
+# 243, Q8_0 154 -> 226 against 4-8 rows of 4 warps). Q4_1 takes Q4_0's.
+KERNELS = {T.Q4_K: (mmvq_q4_k, 256), T.Q6_K: (mmvq_q6_k, 256), T.Q4_0: (mmvq_q32_e, 32), T.Q4_1: (mmvq_q32_e, 32),
            T.Q8_0: (mmvq_q32, 32)}
 TYPE_ARG = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
-SHAPES = {T.Q4_K: (4, 16, 4), T.Q6_K: (8, 16, 4), T.Q4_0: (4, 32, 4), T.Q4_1: (4, 32, 4), T.Q8_0: (2, 32, 4)}
+SHAPES = {T.Q4_K: (2, 8, 1), T.Q6_K: (2, 8, 1), T.Q4_0: (1, 16, 2), T.Q4_1: (1, 16, 2), T.Q8_0: (1, 16, 1)}
 # each format's two kernels: "r" reduces in the loop, "e" keeps a per-element accumulator (gpu_matvec.py times
 # both; gpu_bench.py --mmvq-shapes takes a choice as the fourth entry of a shape)
 VARIANTS = {T.Q4_K: {"r": mmvq_q4_k, "e": mmvq_q4_k_e}, T.Q6_K: {"r": mmvq_q6_k, "e": mmvq_q6_k_e},
