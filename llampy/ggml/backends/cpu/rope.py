@@ -134,8 +134,8 @@ _TRIG: dict = {}
 
 
 class _Trig:
-    """cos/sin of one shape and one set of RoPE constants, and the positions (and frequency factors) they were
-    last filled for."""
+    """cos/sin of one shape and one set of RoPE constants, and the positions (their bytes) and frequency factors
+    they were last filled for."""
     __slots__ = ("cos", "sin", "pos", "ff")
 
     def __init__(self, nt, half):
@@ -186,10 +186,11 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     def run():
         pi = pos if pos.dtype == np.int32 and pos.flags.c_contiguous else np.ascontiguousarray(pos, dtype=np.int32)
         fa = ffa if not has_ff or ff is None else np.ascontiguousarray(ff, dtype=f32)
-        if tr.pos is None or not np.array_equal(tr.pos, pi) or (has_ff and not np.array_equal(tr.ff, fa)):
+        key = pi.tobytes()                  # the positions' bytes: a compare ~20x cheaper than np.array_equal's
+        if tr.pos != key or (has_ff and not np.array_equal(tr.ff, fa)):
             tr.pos = None                   # invalid while being filled
             rope_cache(pi, n_dims, theta_scale, freq_scale, fa, has_ff, ext, attn, corr0, corr1, cos, sin)
-            tr.pos, tr.ff = pi.copy(), (fa.copy() if has_ff else None)
+            tr.pos, tr.ff = key, (fa.copy() if has_ff else None)
         apply(x if direct else np.ascontiguousarray(x, dtype=f32), out, cos, sin, n_dims, neox)
     return run
 
