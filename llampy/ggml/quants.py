@@ -16,6 +16,7 @@ from . import quants_iq as iq
 from . import quants_k as kq
 from .quants_base import (F32, f16, nibbles, pack, roundf, safe_inv, signed_absmax, split_blocks,
                           to_blocks, to_f16_bytes)
+from .quants_np import quantize_bf16, quantize_f16
 from .quants_tables import kvalues_iq4nl
 from .types import GGMLType, QK_K, TYPE_TRAITS
 
@@ -233,19 +234,6 @@ def quantize_q2_0(x):
     q = np.clip(roundf(b * safe_inv(d)[:, None]) + 1, 0, 3).astype(np.uint8).reshape(len(b), 16, 4)
     qs = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
     return pack([to_f16_bytes(d), qs], lead, x.shape[-1] // 64)
-
-
-def quantize_f16(x):
-    return np.ascontiguousarray(x, F32).astype("<f2").view(np.uint8).reshape(np.shape(x)[:-1] + (-1,))
-
-
-def quantize_bf16(x):
-    """ggml_compute_fp32_to_bf16: round to nearest even; NaN made quiet."""
-    u = np.ascontiguousarray(x, F32).view(np.uint32)
-    r = ((u.astype(np.uint64) + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    r[nan] = ((u[nan] >> 16) | 64).astype(np.uint16)
-    return r.astype("<u2").view(np.uint8).reshape(np.shape(x)[:-1] + (-1,))
 
 
 _QUANT = {

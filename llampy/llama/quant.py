@@ -466,12 +466,16 @@ def _rows_to_f32(raw: np.ndarray, t: GGMLType, ne0: int) -> np.ndarray:
 _TLS = threading.local()
 
 
-def _f32_rows(x: np.ndarray) -> np.ndarray:
+def _f32_rows(x: np.ndarray, kernels: bool = True) -> np.ndarray:
     """Rows as float32: fp16 bit patterns (uint16) converted into this thread's scratch buffer (reused: a chunk of
-    rows stays in cache between the conversion and the quantizer, and no tensor-sized array is faulted in)."""
+    rows stays in cache between the conversion and the quantizer, and no tensor-sized array is faulted in), by the
+    Numba table lookup with ``kernels``, else by NumPy (same values)."""
     if x.dtype != np.uint16:
         return x
-    from ..ggml.quants_rows import f16_to_f32
+    if kernels:
+        from ..ggml.quants_rows import f16_to_f32
+    else:
+        from ..ggml.quants_np import f16_to_f32
     buf = getattr(_TLS, "buf", None)
     if buf is None or buf.size < x.size:
         buf = _TLS.buf = np.empty(x.size, np.float32)
@@ -480,21 +484,30 @@ def _f32_rows(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=None, rows_per_chunk=None,
-                  out: np.ndarray | None = None) -> np.ndarray:
+                  out: np.ndarray | None = None, kernels: bool = True) -> np.ndarray:
     """x [nrows, ne0] float32, or uint16 fp16 bit patterns -> uint8 [nrows, row_bytes] (into ``out``, C-contiguous
     uint8 of that size, when given); rows in chunks of at most ~256K values (converted to float32 chunk by chunk)
     over ``pool`` (NumPy and Numba release the GIL). Every format's rows are independent, so the chunking does not
-    change a byte."""
-    from ..ggml.quants import quantize
-    from ..ggml.quants_imatrix import quantize_weighted
-    from ..ggml.quants_iq_search import SEARCH_TYPES, quantize_iq
-    from ..ggml.quants_rows import quantize_rows_ref
+    change a byte. ``kernels=False`` (types of ``quants_np.NUMPY_TYPES`` only, whose imatrix ggml ignores): NumPy
+    alone, without importing Numba."""
     nrows, ne0 = x.shape
     tt = TYPE_TRAITS[t]
     shape = (nrows, ne0 // tt.blck_size * tt.type_size)
     out = np.empty(shape, np.uint8) if out is None else out.reshape(shape)
+    if kernels:
+        from ..ggml.quants import quantize
+        from ..ggml.quants_imatrix import quantize_weighted
+        from ..ggml.quants_iq_search import SEARCH_TYPES, quantize_iq
+        from ..ggml.quants_rows import quantize_rows_ref
+    else:
+        from ..ggml.quants_np import NUMPY_TYPES, quantize_rows as quantize_rows_np
+        if t not in NUMPY_TYPES:
+            raise ValueError(f"{T(t).name} needs the Numba kernels")
 
     def run(a, b):
+        if not kernels:
+            quantize_rows_np(_f32_rows(x[a:b], kernels=False), t, out[a:b])
+            return
         if pool is not None:
             # each pool thread runs the Numba searches on its own rows (set_num_threads is per thread): the pool,
             # not prange, spreads the work, and the NumPy packing runs in parallel too
@@ -536,8 +549,7 @@ def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) ->
 
 
 def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResult:
-    from ..ggml.quants import QUANTIZE_TYPES
-    from ..ggml.quants_iq_search import REQUIRES_IMATRIX, SEARCH_TYPES
+    from ..ggml.quants_np import NUMPY_TYPES
     from ..gguf.writer import GGUFWriter
     ftype = params.ftype
     if ftype not in FTYPE_DEFAULT:
@@ -591,10 +603,11 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
             if not params.dry_run:
                 if TYPE_TRAITS[ti.type].is_quantized and not params.allow_requantize:
                     raise QuantizeError(f"requantizing from type {ggml_type_name(ti.type)} is disabled")
-                if new_type not in QUANTIZE_TYPES and new_type not in SEARCH_TYPES and new_type != T.F32:
+                if new_type not in NUMPY_TYPES and new_type not in _kernel_types()[0]:
                     raise QuantizeError(f"quantizing to {ggml_type_name(new_type)} is not implemented in llampy")
                 im = _imatrix_for(params, name, ne, new_type, ftype)
-                if im is None and new_type in REQUIRES_IMATRIX:   # ggml asserts here; say it instead
+                if im is None and new_type not in NUMPY_TYPES and new_type in _kernel_types()[1]:
+                    # ggml asserts here; say it instead
                     raise QuantizeError(f"quantizing {name} to {ggml_type_name(new_type)} needs an importance "
                                         f"matrix entry for it")
         size_new += nbytes
@@ -618,9 +631,11 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
             if progress:
                 progress(i + 1, len(plan), name)
     else:
-        # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
-        import numba
-        numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
+        kernels = _needs_kernels(jobs, nthread)
+        if kernels:
+            # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
+            import numba
+            numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
         pool = ThreadPoolExecutor(nthread) if nthread > 1 else None
         # each tensor is quantized when the writer reaches it, into one buffer reused for all of them (written out
         # before the next is made): memory holds one output tensor, not the file, as llama-quantize
@@ -632,7 +647,7 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
             if new_type == ti.type:
                 data = ti.data
             else:
-                data = _quantize_tensor(ti, ne, new_type, im, pool, scratch[:nbytes])
+                data = _quantize_tensor(ti, ne, new_type, im, pool, scratch[:nbytes], kernels)
             log(line(i, name, ti, ne, new_type, nbytes))
             if progress:
                 progress(i + 1, len(plan), name)
@@ -655,6 +670,33 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
     return QuantizeResult(types, size_org, size_new, n_el, qs.n_fallback, time.perf_counter() - t0)
 
 
+def _kernel_types():
+    """(the types llampy quantizes, those that need an importance matrix): importing them loads Numba."""
+    from ..ggml.quants import QUANTIZE_TYPES
+    from ..ggml.quants_iq_search import REQUIRES_IMATRIX, SEARCH_TYPES
+    return QUANTIZE_TYPES | SEARCH_TYPES | {T.F32}, REQUIRES_IMATRIX
+
+
+# Numba's import and first cached kernel cost ~0.5 s of CPU; NumPy's conversions cost more per value than the
+# kernels (per value and thread, ~1.5 ns more from fp16 rows, ~4.5 ns for Q8_0: one "unit" below each ~1.5 ns),
+# so NumPy alone converts a file while it has at most this many units of work per thread
+_NUMPY_UNITS_PER_THREAD = 200_000_000
+
+
+def _needs_kernels(jobs, nthread: int) -> bool:
+    """Whether the Numba kernels quantize this file: a type or input only they handle, or enough work that their
+    speed pays for their start-up (the bytes are the same either way)."""
+    from ..ggml.quants_np import NUMPY_TYPES
+    units = 0
+    for _, ti, _, new_type, _, _ in jobs:
+        if new_type == ti.type:
+            continue
+        if new_type not in NUMPY_TYPES or ti.type not in (T.F32, T.F16, T.BF16):
+            return True
+        units += ti.n_elements * (3 if new_type == T.Q8_0 else 1 if ti.type == T.F16 else 0)
+    return units > _NUMPY_UNITS_PER_THREAD * max(1, nthread)
+
+
 def _imatrix_for(params, name, ne, new_type, ftype):
     if not params.imatrix:
         if tensor_requires_imatrix(name, new_type, ftype):
@@ -671,7 +713,7 @@ def _imatrix_for(params, name, ne, new_type, ftype):
     return np.asarray(v, np.float32).reshape(n_expert, ne[0])
 
 
-def _quantize_tensor(ti, ne, new_type, im, pool, out: np.ndarray) -> np.ndarray:
+def _quantize_tensor(ti, ne, new_type, im, pool, out: np.ndarray, kernels: bool = True) -> np.ndarray:
     ne0 = ne[0]
     n_expert = 1
     for x in ne[2:]:
@@ -679,8 +721,8 @@ def _quantize_tensor(ti, ne, new_type, im, pool, out: np.ndarray) -> np.ndarray:
     rows_per_expert = ne[1] if len(ne) > 1 else 1
     # F16 rows go to quantize_rows as they are (converted chunk by chunk there)
     x = ti.data.view("<u2").reshape(-1, ne0) if ti.type == T.F16 else _rows_to_f32(ti.data, T(ti.type), ne0)
-    if im is None:
-        return quantize_rows(x, new_type, None, pool, out=out).reshape(-1)
+    if im is None or not kernels:           # the NumPy types are those whose importance matrix ggml ignores
+        return quantize_rows(x, new_type, None, pool, out=out, kernels=kernels).reshape(-1)
     per = out.nbytes // n_expert
     for e in range(n_expert):
         quantize_rows(x[e * rows_per_expert:(e + 1) * rows_per_expert], new_type, im[e], pool,

@@ -204,3 +204,48 @@ def test_row_quantizers_match_reference(t):
 def test_q2_k_s_needs_an_imatrix(rand_model, tmp_path, capsys):
     assert main(["quantize", "--progress", "off", str(rand_model), str(tmp_path / "o.gguf"), "Q2_K_S", "1"]) == 1
     assert "requires an importance matrix" in capsys.readouterr().err
+
+
+def test_numpy_rows_match_reference():
+    """quants_np (the conversions quantize runs without Numba) against quants.quantize, ties and zero blocks
+    included; its rounding against roundf on every float32 within 2000 steps of each integer and half to 128."""
+    from llampy.ggml.quants import quantize
+    from llampy.ggml.quants_base import roundf
+    from llampy.ggml.quants_np import _HALF_DOWN, quantize_rows
+    x = (np.random.default_rng(6).standard_normal((64, 256)) * 0.05).astype(np.float32)
+    x[0, :32] = 0
+    x[1, :32] = 1
+    x[2, 5] = -3
+    x[3, 32:64] = np.linspace(-127, 127, 32, dtype=np.float32)     # x * id lands on halves and integers
+    x[4, :2] = [np.float32(0.49999997), np.float32(127)]
+    x[5, :4] = [np.float32(1e-30), np.float32(7e4), -np.float32(3e38), np.float32(2.5)]
+    for t in (T.Q8_0, T.F16, T.BF16, T.F32):
+        ref = x.view(np.uint8) if t == T.F32 else quantize(x, t)
+        out = np.empty_like(ref)
+        quantize_rows(x, t, out)
+        assert (out == ref).all(), t.name
+    marks = np.concatenate([np.arange(129, dtype=np.float32), np.arange(128, dtype=np.float32) + np.float32(0.5)])
+    v = (marks.view(np.int32)[:, None] + np.arange(-2000, 2000, dtype=np.int32)).reshape(-1).view(np.float32)
+    v = np.concatenate([v, -v])
+    v = v[np.abs(v) <= 128]
+    assert (np.trunc(v + np.copysign(_HALF_DOWN, v)) == roundf(v)).all()
+
+
+def test_plain_types_without_numba(tmp_path, monkeypatch):
+    """A file of F32/F16/BF16/Q8_0 tensors only is converted without importing Numba (its start-up would cost more
+    than the conversion), to the bytes the Numba kernels write."""
+    import sys
+    from llampy.llama import quant
+    src = tmp_path / "f16.gguf"
+    write_random_llama(src, n_layer=1, dtype=np.float16)
+    for ftype in ("Q8_0", "BF16"):
+        ours = tmp_path / f"np-{ftype}.gguf"
+        code = ("import sys; from llampy.cli import main; "
+                f"rc = main(['quantize', '--progress', 'off', {str(src)!r}, {str(ours)!r}, {ftype!r}, '2']); "
+                "assert rc == 0; assert 'numba' not in sys.modules, 'numba imported'")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-2000:]
+        monkeypatch.setattr(quant, "_NUMPY_UNITS_PER_THREAD", 0)    # the same file through the Numba kernels
+        _ours([str(src), str(tmp_path / "kernels.gguf"), ftype, "2"])
+        monkeypatch.undo()
+        assert ours.read_bytes() == (tmp_path / "kernels.gguf").read_bytes(), ftype
