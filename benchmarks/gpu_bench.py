@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="the GPU kernels of 16 decode steps, by time (first file)")
     ap.add_argument("--mmvq-shapes", default=None, help="launch shapes of the integer decode kernels to try instead "
                     "of the backend's table (a JSON written by gpu_matvec.py --json): for tuning that table")
+    ap.add_argument("--dequant", choices=("fast", "values"), default="fast", help="prompts' dequantization of "
+                    "Q4_0/Q8_0/Q4_K/Q6_K weights: the wide-load kernel (default) or the per-element value rules")
     ap.add_argument("--half-shape", default=None, help="BN,BK,warps of the F16/BF16 decode kernel to use instead "
                     "of kernels.HALF_SHAPE (gpu_matvec.py --half prints the best)")
     args = ap.parse_args(argv)
@@ -207,6 +209,9 @@ def main(argv=None) -> int:
         print("integer decode kernels' launch shapes:", {t.name: v for t, v in MMVQ.SHAPES.items()},
               {t.name: k.fn.__name__ for t, (k, g) in MMVQ.KERNELS.items()}, flush=True)
 
+    if args.dequant == "values":
+        from llampy.ggml.backends.cuda import kernels as KK
+        KK.FAST_DEQUANT_ON = False
     if args.half_shape:
         from llampy.ggml.backends.cuda import kernels as KK
         KK.HALF_SHAPE = tuple(int(v) for v in args.half_shape.split(","))

@@ -79,9 +79,17 @@ def test_value_rules_match_dequantize(t):
     tensor_set(w, raw)
     import torch
     from llampy.ggml.backends.cuda.buffer import rows
-    got = CUDA._dequant(w, rows(w), torch.float32).cpu().numpy()
     want = dequantize(raw.reshape(nrow, -1), t)
-    np.testing.assert_array_equal(got, want)
+    for fast in ((True, False) if t in K.FAST_DEQUANT else (False,)):   # dequant_fast's layout too, and gathers
+        K.FAST_DEQUANT_ON = fast
+        try:
+            got = CUDA._dequant(w, rows(w), torch.float32).cpu().numpy()
+            pick = torch.tensor([3, 0, 3], dtype=torch.int32, device=CUDA.dev)
+            got_idx = CUDA._dequant(w, rows(w), torch.float16, pick).cpu().numpy()
+        finally:
+            K.FAST_DEQUANT_ON = True
+        np.testing.assert_array_equal(got, want, err_msg=f"fast={fast}")
+        np.testing.assert_array_equal(got_idx, want[[3, 0, 3]].astype(np.float16), err_msg=f"fast={fast}, rows")
     fields = {f.name: f.offset for f in BLOCKS[t].fields}
     for name, off in K.FIELD_OFFSETS[t].items():
         assert fields[name] == off, (t.name, name)

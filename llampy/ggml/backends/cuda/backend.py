@@ -255,6 +255,12 @@ class CUDABackend(Backend):
             return out
         br, bk = (16, 256) if self.dev.type == "cuda" else (256, 256)   # the interpreter runs programs one by one
         grid = (triton_cdiv(n, br), triton_cdiv(kdim, bk))
+        if a.type in K.FAST_DEQUANT and K.FAST_DEQUANT_ON:
+            br = 16 if self.dev.type == "cuda" else 32
+            K.dequant_fast[(triton_cdiv(n, br), triton_cdiv(kdim, 256))](
+                w, idx if idx is not None else self._dummy, out, n, kdim, a.nb[1], kdim, USE_IDX=idx is not None,
+                TYPE=int(a.type), OUT_F16=out_dtype == torch.float16, BR=br)
+            return out
         K.dequant[grid](w, idx if idx is not None else self._dummy, out, self._lut, n, kdim, a.nb[1], kdim,
                         USE_IDX=idx is not None, TYPE=int(a.type), OUT_F16=out_dtype == torch.float16,
                         BR=br, BK=bk)
