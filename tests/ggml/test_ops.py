@@ -183,6 +183,8 @@ CASES = {
     "cont_reshape": (lambda B: ops.cont(ops.transpose(B(F32, (3, 8))), 4, 6), 0),
     "concat_dim1_odd": (lambda B: ops.concat(B(F32, (2, 3, 7)), B(F32, (2, 5, 7)), 1), 0),
     "concat_dim2": (lambda B: ops.concat(B(F32, (3, 4)), B(F32, (1, 3, 4)), 2), 0),
+    # the recurrent layers' convolution window: the rolling rows, then the new tokens' transposed inputs
+    "concat_dim0_transposed": (lambda B: ops.concat(B(F32, (2, 5, 3)), ops.transpose(B(F32, (2, 4, 5))), 0), 0),
     "repeat_3d": (lambda B: ops.repeat(B(F32, (1, 3, 1)), B(F32, (2, 3, 5))), 0),
     "sum_rows_permuted": (lambda B: ops.sum_rows(ops.permute(B(F32, (3, 4, 33)), 1, 0, 2, 3)), 1e-5),
     "argsort_asc_odd": (lambda B: ops.argsort(B(F32, (3, 2, 17))), 0),

@@ -1,19 +1,23 @@
 """The Mamba-2 ssm_scan kernel (llampy/ggml/backends/cpu/ssm.py) against ggml_ssm_scan itself, called through ctypes in
-llama.cpp's build from the sdist: bit for bit, with leftover states (16, 48, 160) and whole 32-lane blocks (64,
-128), several sequences starting from other state rows. The kernel follows ggml's AVX2 build (the one the recurrent
-fixtures were recorded with), so the test runs where the host's build is that one (no avx512f)."""
+llama.cpp's build from the sdist: bit for bit, with leftover states and whole blocks of GGML_F32_STEP lanes (AVX2:
+32, so 16, 48 and 160 leave some over and 64, 128 do not; AVX-512: 64, so 16 and 48 run wholly in scalar code and
+160 leaves 32), several sequences starting from other state rows. The build is native to the machine running the
+test, so the kernel must follow the host's width (HOST_ORDER_ONLY: the default order on an AVX-512 host,
+LLAMPY_FLOAT_ORDER=host elsewhere). A NumPy statement of both widths' orders checks the width llampy runs on any
+host."""
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 
 import numpy as np
 import pytest
 
-from llampy.ggml.backends.cpu import simd
+from llampy.ggml.backends.cpu.simd import F16_VEC_LANES
 from llampy.ggml.backends.cpu.ssm import ssm_scan_f32
 from tests import llamacpp
+from tests.ggml.helpers import HOST_ORDER_ONLY
 
-pytestmark = pytest.mark.skipif(simd.HOST_VEC_LANES != 8, reason="the host's ggml build runs AVX-512's 64-lane order")
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -31,16 +35,30 @@ def ggml():
     return base, cpu
 
 
+def _inputs(n_seqs, n_tok, n_head, head_dim, d_state, n_group):
+    """s (a pool of n_seqs + 1 state rows), x, dt, A (< 0, per head), B, C, ids (each sequence from another row)."""
+    rng = np.random.default_rng(d_state + n_tok)
+    f = lambda *sh, s=1.0: (rng.standard_normal(sh) * s).astype(np.float32)   # noqa: E731
+    return [f(n_seqs + 1, n_head, head_dim, d_state), f(n_seqs, n_tok, n_head, head_dim), f(n_seqs, n_tok, n_head, s=2),
+            -rng.uniform(1, 16, (n_head, 1)).astype(np.float32), f(n_seqs, n_tok, n_group, d_state),
+            f(n_seqs, n_tok, n_group, d_state), np.arange(n_seqs, 0, -1, dtype=np.int32)]
+
+
+def _kernel(ins):
+    n_seqs, _, n_head, head_dim = ins[1].shape
+    y = np.zeros_like(ins[1])
+    states = np.zeros((n_seqs, n_head, head_dim, ins[0].shape[3]), np.float32)
+    ssm_scan_f32(*ins, y, states)
+    return np.concatenate([y.ravel(), states.ravel()])
+
+
+@HOST_ORDER_ONLY
 @pytest.mark.parametrize("n_seqs,n_tok,n_head,head_dim,d_state,n_group",
                          [(1, 1, 4, 16, 128, 1), (2, 7, 4, 16, 64, 2), (1, 5, 2, 8, 16, 1), (2, 3, 4, 8, 48, 2),
                           (1, 9, 6, 16, 160, 1)])
 def test_mamba2_scan_gives_ggml_bits(ggml, n_seqs, n_tok, n_head, head_dim, d_state, n_group):
     base, cpu = ggml
-    rng = np.random.default_rng(d_state + n_tok)
-    f = lambda *sh, s=1.0: (rng.standard_normal(sh) * s).astype(np.float32)   # noqa: E731
-    ins = [f(n_seqs + 1, n_head, head_dim, d_state), f(n_seqs, n_tok, n_head, head_dim), f(n_seqs, n_tok, n_head, s=2),
-           -rng.uniform(1, 16, (n_head, 1)).astype(np.float32), f(n_seqs, n_tok, n_group, d_state),
-           f(n_seqs, n_tok, n_group, d_state), np.arange(n_seqs, 0, -1, dtype=np.int32)]
+    ins = _inputs(n_seqs, n_tok, n_head, head_dim, d_state, n_group)
     ctx = base.ggml_init(llamacpp.GGMLInitParams(1 << 26, None, False))
     ts = []
     for a in ins:
@@ -55,8 +73,70 @@ def test_mamba2_scan_gives_ggml_bits(ggml, n_seqs, n_tok, n_head, head_dim, d_st
     n = ins[1].size + n_seqs * n_head * head_dim * d_state
     want = np.ctypeslib.as_array(ctypes.cast(base.ggml_get_data(r), ctypes.POINTER(ctypes.c_float)), (n,)).copy()
     base.ggml_free(ctx)
-    y = np.zeros_like(ins[1])
-    states = np.zeros((n_seqs, n_head, head_dim, d_state), np.float32)
-    ssm_scan_f32(*ins, y, states)
-    got = np.concatenate([y.ravel(), states.ravel()])
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(_kernel(ins).view(np.uint32), want.view(np.uint32))
+
+
+def _fma(a, b, c):
+    """float32 a * b + c rounded once (the float64 product of two float32 values is exact)."""
+    return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+
+
+def _reduce(acc, lanes):
+    """GGML_F32_VEC_REDUCE of the four vectors of ``lanes`` laid out flat in acc (..., 4 * lanes): x0 + x2, x1 + x3,
+    their sum, then AVX2's halves and two hadds, or AVX-512's halving order (GCC's _mm512_reduce_add_ps)."""
+    x = acc.reshape(acc.shape[:-1] + (4, lanes))
+    v = (x[..., 0, :] + x[..., 2, :]) + (x[..., 1, :] + x[..., 3, :])
+    if lanes == 8:
+        t = v[..., :4] + v[..., 4:]
+        return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    return v[..., 0]
+
+
+def _statement(s, x, dt, A, B, C, ids, lanes):
+    """ggml_ssm_scan's Mamba-2 loop in the order of the build of ``lanes`` (8: AVX2, 16: AVX-512), with the C
+    library's expf and logf for dt's softplus and the decay, as ggml's scalar calls."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.restype = libm.logf.restype = ctypes.c_float
+    libm.expf.argtypes = libm.logf.argtypes = [ctypes.c_float]
+    f32 = np.float32
+    n_seqs, n_tok, n_head, head_dim = x.shape
+    d_state = s.shape[3]
+    step = 4 * lanes
+    nv = d_state - d_state % step
+    per_group = n_head // B.shape[2]
+    y = np.zeros_like(x)
+    out = np.zeros((n_seqs, n_head, head_dim, d_state), np.float32)
+    for j in range(n_seqs):
+        for h in range(n_head):
+            st = s[ids[j], h].copy()
+            g = h // per_group
+            for t in range(n_tok):
+                d = dt[j, t, h]
+                dsp = d if d > 20 else f32(libm.logf(f32(1) + f32(libm.expf(d))))
+                dA = f32(libm.expf(f32(dsp * A[h, 0])))
+                x_dt = x[j, t, h] * dsp                               # (head_dim,)
+                st = _fma(st, dA, B[j, t, g][None, :] * x_dt[:, None])
+                acc = np.zeros((head_dim, step), np.float32)
+                for k0 in range(0, nv, step):
+                    acc = _fma(st[:, k0:k0 + step], C[j, t, g, k0:k0 + step], acc)
+                sumf = _reduce(acc, lanes) if nv else np.zeros(head_dim, np.float32)
+                for k in range(nv, d_state):
+                    sumf = _fma(st[:, k], C[j, t, g, k], sumf)
+                y[j, t, h] = sumf
+            out[j, h] = st
+    return np.concatenate([y.ravel(), out.ravel()])
+
+
+@pytest.mark.parametrize("n_seqs,n_tok,n_head,head_dim,d_state,n_group",
+                         [(2, 3, 4, 8, 48, 2), (1, 4, 2, 8, 128, 1), (2, 2, 2, 4, 160, 1)])
+def test_mamba2_scan_follows_the_build_width(n_seqs, n_tok, n_head, head_dim, d_state, n_group):
+    """The kernel in the width llampy runs (simd.F16_VEC_LANES) equals the NumPy statement of that build's order,
+    and differs from the other width's where their blocks differ (the orders are distinct, not two names for one)."""
+    ins = _inputs(n_seqs, n_tok, n_head, head_dim, d_state, n_group)
+    got = _kernel(ins).view(np.uint32)
+    assert np.array_equal(got, _statement(*ins, F16_VEC_LANES).view(np.uint32))
+    if d_state == 128:
+        assert not np.array_equal(got, _statement(*ins, 24 - F16_VEC_LANES).view(np.uint32))

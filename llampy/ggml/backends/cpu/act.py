@@ -81,19 +81,30 @@ def swiglu_rows_par(g, u, out):
         _swiglu_row(g[r], u[r], out[r])
 
 
-@njit(cache=True)
-def silu_rows(x, out):
-    rows, n = x.shape
+@njit(cache=True, inline="always")
+def _silu_row(xr, orow):
+    n = xr.shape[0]
     n16 = n - n % 16
     nv = n - n % F16_VEC_LANES
-    for r in range(rows):
-        xr, orow = x[r], out[r]
-        for i in range(0, n16, 16):
-            v16_store(orow, i, v16_silu(v16_load(xr, i)))
-        for i in range(n16, nv):        # AVX2: an eight-lane step more
-            orow[i] = _silu_v(xr[i])
-        for i in range(nv, n):
-            orow[i] = _silu_s(xr[i])
+    for i in range(0, n16, 16):
+        v16_store(orow, i, v16_silu(v16_load(xr, i)))
+    for i in range(n16, nv):        # AVX2: an eight-lane step more
+        orow[i] = _silu_v(xr[i])
+    for i in range(nv, n):
+        orow[i] = _silu_s(xr[i])
+
+
+@njit(cache=True)
+def silu_rows(x, out):
+    for r in range(x.shape[0]):
+        _silu_row(x[r], out[r])
+
+
+@njit(parallel=True, cache=True)
+def silu_rows_par(x, out):
+    """``silu_rows`` with the rows on all threads (prompts: Mamba-2's convolution outputs, 512 x 2304 per layer)."""
+    for r in prange(x.shape[0]):
+        _silu_row(x[r], out[r])
 
 
 @njit(cache=True)

@@ -123,13 +123,58 @@ def bind_glu(node, dst, srcs):
     if g is None or u is None or d is None:
         return None                    # two sources: gate, up in that order (ggml reads swapped only with one)
     from .act import GLU_PAR_ROWS, geglu_rows, geglu_rows_par, gelu_table, swiglu_rows, swiglu_rows_par
-    par = g.shape[0] >= GLU_PAR_ROWS
+    # Mamba-2's decoded token gives n_head short rows: rows alone would start a parallel region for 2048 values
+    par = g.shape[0] >= GLU_PAR_ROWS and node.nelements >= PAR_MIN_ELEMENTS
     if node.op is Op.GEGLU:
         table = gelu_table()
         fn = geglu_rows_par if par else geglu_rows
         return lambda: fn(g, u, table, d)
     fn = swiglu_rows_par if par else swiglu_rows
     return lambda: fn(g, u, d)
+
+
+def _apart(*arrays):
+    """The arrays' memory ranges do not overlap (the loops below copy without NumPy's overlap handling)."""
+    return not any(np.may_share_memory(x, y) for i, x in enumerate(arrays) for y in arrays[i + 1:])
+
+
+def bind_cont(node, dst, srcs):
+    """CONT / CPY / DUP of float32 into float32 (rows.cont_f32); else numpy_ops' k_cpy."""
+    src = srcs[0]
+    if node.src[0].type != T.F32 or node.type != T.F32 or src.ndim != 4 or not dst.flags.c_contiguous:
+        return None
+    out = dst.view()
+    try:
+        out.shape = src.shape           # raises instead of copying
+    except (AttributeError, ValueError):
+        return None
+    if not _apart(src, out):
+        return None
+    fn = _pick(rows, "cont_f32", node.nelements)
+    return lambda: fn(src, out)
+
+
+def bind_concat(node, dst, srcs):
+    """CONCAT of float32 along dim 0 (rows.concat0_f32); other dims and types in numpy_ops."""
+    a, b = srcs
+    if node.op_params["dim"] != 0 or not (node.type == node.src[0].type == node.src[1].type == T.F32) or \
+            a.ndim != 4 or b.ndim != 4 or dst.ndim != 4 or not (_apart(a, dst) and _apart(b, dst)):
+        return None
+    fn = _pick(rows, "concat0_f32", node.nelements)
+    return lambda: fn(a, b, dst)
+
+
+def bind_silu(node, dst, srcs):
+    """SILU of float32 rows into float32 rows of the same shape (act.silu_rows), without numpy_ops' copies (Mamba-2
+    and LFM2 run one per layer on the convolution's output)."""
+    if node.type != T.F32 or node.src[0].type != T.F32 or srcs[0].shape != dst.shape:
+        return None
+    x, d = _rows2d(srcs[0]), _rows2d(dst)
+    if x is None or d is None:
+        return None
+    from . import act
+    fn = act.silu_rows_par if x.shape[0] > 1 and node.nelements >= PAR_MIN_ELEMENTS else act.silu_rows
+    return lambda: fn(x, d)
 
 
 def bind_gelu(node, dst, srcs):
@@ -176,4 +221,5 @@ def bind_rope(node, dst, srcs):
 
 BINDERS = {Op.SCALE: bind_scale, Op.SOFT_MAX: bind_soft_max, Op.GET_ROWS: bind_get_rows, Op.SET_ROWS: bind_set_rows,
            Op.SWIGLU: bind_glu, Op.GEGLU: bind_glu, Op.RMS_NORM_MUL: bind_rms_norm_mul, Op.ROPE: bind_rope,
-           Op.GELU: bind_gelu, **{op: bind_binary for op in _BIN}}
+           Op.GELU: bind_gelu, Op.SILU: bind_silu, Op.CONT: bind_cont, Op.CPY: bind_cont, Op.DUP: bind_cont,
+           Op.CONCAT: bind_concat, **{op: bind_binary for op in _BIN}}

@@ -127,3 +127,71 @@ set_rows_f16 = njit(cache=True)(_set_rows_f16)
 
 set_rows_same_par = njit(parallel=True, cache=True)(_set_rows_same)
 set_rows_same = njit(cache=True)(_set_rows_same)
+
+
+# CONT and CONCAT of float32, as loops: NumPy's copy of a strided view goes through a temporary (reshape(-1)) and
+# concatenate through another, ~30 us of calls for the few thousand values of a decoded token's convolution window
+# (Mamba-2, LFM2: a CONCAT with a transposed source and a CONT of the window's tail per layer). Rows are walked as
+# nested loops (a flat row index costs three integer divisions per row, more than a short row's copy).
+@njit(inline="always")
+def _cont_plane(src, out, i3, i2):
+    s = src[i3, i2]
+    o = out[i3, i2]
+    for i1 in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            o[i1, j] = s[i1, j]
+
+
+@njit(cache=True)
+def cont_f32(src, out):
+    """out (C-contiguous) = src, both 4-D of one shape; src of any strides."""
+    for i3 in range(src.shape[0]):
+        for i2 in range(src.shape[1]):
+            _cont_plane(src, out, i3, i2)
+
+
+@njit(parallel=True, cache=True)
+def cont_f32_par(src, out):
+    """``cont_f32`` with the planes on all threads, or the rows when there is one plane."""
+    n3, n2 = src.shape[0], src.shape[1]
+    if n3 * n2 == 1:
+        s = src[0, 0]
+        o = out[0, 0]
+        for i1 in prange(s.shape[0]):
+            for j in range(s.shape[1]):
+                o[i1, j] = s[i1, j]
+        return
+    for r in prange(n3 * n2):
+        _cont_plane(src, out, r // n2, r % n2)
+
+
+@njit(inline="always")
+def _concat_rows(a, b, out, i3, i2, i0, i1):
+    x = a[i3, i2]
+    y = b[i3, i2]
+    o = out[i3, i2]
+    na = x.shape[1]
+    for r in range(i0, i1):
+        for j in range(na):
+            o[r, j] = x[r, j]
+        for j in range(y.shape[1]):
+            o[r, na + j] = y[r, j]
+
+
+@njit(cache=True)
+def concat0_f32(a, b, out):
+    """out = a and b side by side along the last axis (ggml's dim 0), all 4-D; a and b of any strides."""
+    for i3 in range(a.shape[0]):
+        for i2 in range(a.shape[1]):
+            _concat_rows(a, b, out, i3, i2, 0, a.shape[2])
+
+
+@njit(parallel=True, cache=True)
+def concat0_f32_par(a, b, out):
+    """``concat0_f32`` in blocks of 64 rows on all threads."""
+    n3, n2, n1 = a.shape[0], a.shape[1], a.shape[2]
+    nblk = (n1 + 63) // 64
+    for q in prange(n3 * n2 * nblk):
+        p = q // nblk
+        i0 = (q % nblk) * 64
+        _concat_rows(a, b, out, p // n2, p % n2, i0, min(i0 + 64, n1))

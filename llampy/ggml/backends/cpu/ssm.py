@@ -1,20 +1,31 @@
 """SSM_CONV and SSM_SCAN (Mamba-1 and Mamba-2) in float32, in ggml-cpu's order of operations: the convolution's sum
 in kernel order, and per token state = state * exp(dt' * A) + B * (x * dt'), y = the sum of state * C over the
 state, dt' = softplus(dt) as ggml computes it. Mamba-1 sums y in index order (ggml's scalar loop). Mamba-2 runs as
-ggml's AVX2 build (the one the fixtures were recorded with, as wkv.py and delta.py) compiles it: the state update
-one FMA (state * exp(dt' A) + the rounded B * x dt'), y as 32 lanes (four vectors of eight) of FMAs across the
-state, GGML_F32_VEC_REDUCE's pairwise order, then the leftover states (d_state % 32) one FMA each; bit-identical to
-ggml_ssm_scan of that build, and vector code (the index-order sum it replaced was scalar). Sequences and heads are
-independent: the threads split them.
+ggml's x86 build compiles it, in the build's register width (simd.F16_VEC_LANES, as the other vector kernels): the
+state update one FMA (state * exp(dt' A) + the rounded B * x dt': GCC contracts ggml's ``s0*dA + B*x_dt`` so on
+AVX2 and AVX-512 alike), y in GGML_F32_STEP lanes (four vectors of the width: 32 lanes on AVX2, 64 on AVX-512) of
+FMAs across the state, GGML_F32_VEC_REDUCE's order, then the leftover states (d_state % STEP) one FMA each;
+bit-identical to ggml_ssm_scan of that build. Sequences and heads are independent: the threads split them.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .simd import fma32, v16_add, v16_fma, v16_load, v16_reduce_x8, v16_scale, v16_store, v16_zero
+from .simd import (F16_VEC_LANES, fma32, v16_add, v16_fma, v16_load, v16_reduce, v16_reduce_x8, v16_scale, v16_store,
+                   v16_zero)
 
-STEP = 32           # GGML_F32_STEP on AVX: GGML_F32_ARR = 4 vectors of GGML_F32_EPR = 8 lanes
+LANES = F16_VEC_LANES   # GGML_F32_EPR of the build whose order llampy follows (8: AVX2, 16: AVX-512)
+STEP = 4 * LANES        # GGML_F32_STEP: GGML_F32_ARR = 4 vectors
+
+
+@njit(inline="always")
+def _conv_row(sx, c, out, s, i, n_t, d_conv):
+    for t in range(n_t):
+        acc = np.float32(0.0)
+        for k in range(d_conv):
+            acc += sx[s, i, t + k] * c[i, k]
+        out[s, t, i] = acc
 
 
 @njit(parallel=True, cache=True)
@@ -24,42 +35,114 @@ def ssm_conv_f32(sx, c, out):
     d_conv = c.shape[1]
     n_t = out.shape[1]
     for r in prange(n_s * d_inner):
-        s = r // d_inner
-        i = r % d_inner
-        for t in range(n_t):
-            acc = np.float32(0.0)
-            for k in range(d_conv):
-                acc += sx[s, i, t + k] * c[i, k]
-            out[s, t, i] = acc
+        _conv_row(sx, c, out, r // d_inner, r % d_inner, n_t, d_conv)
+
+
+@njit(cache=True)
+def ssm_conv_f32_one(sx, c, out):
+    """``ssm_conv_f32`` on one thread, channels innermost (a token's output row written in order): for a decoded
+    token, whose few thousand products cost less than a parallel region's start."""
+    n_s, d_inner, _ = sx.shape
+    d_conv = c.shape[1]
+    for s in range(n_s):
+        xs = sx[s]
+        for t in range(out.shape[1]):
+            o = out[s, t]
+            for i in range(d_inner):
+                acc = np.float32(0.0)
+                for k in range(d_conv):
+                    acc += xs[i, t + k] * c[i, k]
+                o[i] = acc
 
 
 @njit(inline="always")
-def _mamba2_token(st, xr, b, c, dA, dsp, yr):
-    """One token of one head: st (head_dim, d_state) in place, xr / yr (head_dim,), b / c (d_state,). A state row's
-    32-lane blocks run as two 16-lane vectors: lanes 0-15 hold ggml's vectors x0 and x1, lanes 16-31 x2 and x3, so
-    their sum is x0 + x2, x1 + x3 side by side and v16_reduce_x8 finishes GGML_F32x8_REDUCE."""
+def _mamba2_token(prev, st, xr, b, c, dA, dsp, yr):
+    """One token of one head: st (head_dim, d_state) = the update of prev (st itself, or the starting state at the
+    first token: the copy-in and the first update are one pass), xr / yr (head_dim,), b / c (d_state,).
+    AVX-512 (LANES 16): ggml's four vectors x0..x3 are four 16-lane vectors, reduced x0 + x2, x1 + x3, their sum,
+    then _mm512_reduce_add_ps (v16_reduce). AVX2 (LANES 8): a 32-lane block runs as two 16-lane vectors, lanes 0-15
+    holding ggml's x0 and x1, lanes 16-31 x2 and x3, so their sum is x0 + x2, x1 + x3 side by side and
+    v16_reduce_x8 finishes GGML_F32x8_REDUCE."""
     head_dim, d_state = st.shape
-    n32 = d_state - d_state % STEP
+    nv = d_state - d_state % STEP
     for i in range(head_dim):
         row = st[i]
+        src = prev[i]
         x_dt = xr[i] * dsp
         sumf = np.float32(0.0)
-        if n32:
+        if nv and LANES == 16:
+            a0 = v16_zero()
+            a1 = v16_zero()
+            a2 = v16_zero()
+            a3 = v16_zero()
+            for k0 in range(0, nv, STEP):
+                v = v16_fma(v16_load(src, k0), dA, v16_scale(v16_load(b, k0), x_dt))
+                v16_store(row, k0, v)
+                a0 = v16_fma(v, v16_load(c, k0), a0)
+                v = v16_fma(v16_load(src, k0 + 16), dA, v16_scale(v16_load(b, k0 + 16), x_dt))
+                v16_store(row, k0 + 16, v)
+                a1 = v16_fma(v, v16_load(c, k0 + 16), a1)
+                v = v16_fma(v16_load(src, k0 + 32), dA, v16_scale(v16_load(b, k0 + 32), x_dt))
+                v16_store(row, k0 + 32, v)
+                a2 = v16_fma(v, v16_load(c, k0 + 32), a2)
+                v = v16_fma(v16_load(src, k0 + 48), dA, v16_scale(v16_load(b, k0 + 48), x_dt))
+                v16_store(row, k0 + 48, v)
+                a3 = v16_fma(v, v16_load(c, k0 + 48), a3)
+            sumf = v16_reduce(v16_add(v16_add(a0, a2), v16_add(a1, a3)))
+        elif nv:
             lo = v16_zero()
             hi = v16_zero()
-            for k0 in range(0, n32, STEP):
-                v = v16_fma(v16_load(row, k0), dA, v16_scale(v16_load(b, k0), x_dt))
+            for k0 in range(0, nv, STEP):
+                v = v16_fma(v16_load(src, k0), dA, v16_scale(v16_load(b, k0), x_dt))
                 v16_store(row, k0, v)
                 lo = v16_fma(v, v16_load(c, k0), lo)
-                v = v16_fma(v16_load(row, k0 + 16), dA, v16_scale(v16_load(b, k0 + 16), x_dt))
+                v = v16_fma(v16_load(src, k0 + 16), dA, v16_scale(v16_load(b, k0 + 16), x_dt))
                 v16_store(row, k0 + 16, v)
                 hi = v16_fma(v, v16_load(c, k0 + 16), hi)
             sumf = v16_reduce_x8(v16_add(lo, hi))
-        for k in range(n32, d_state):
-            v = fma32(row[k], dA, b[k] * x_dt)
+        for k in range(nv, d_state):
+            v = fma32(src[k], dA, b[k] * x_dt)
             sumf = fma32(v, c[k], sumf)
             row[k] = v
         yr[i] = sumf
+
+
+@njit(inline="always")
+def _softplus(d):
+    return d if d > np.float32(20.0) else np.float32(np.log(np.float32(1.0) + np.exp(d)))
+
+
+@njit(inline="always")
+def _scan_head(s, x, dt, A, B, C, ids, y, out_s, j, h, per_group, per_elem):
+    n_tok = x.shape[1]
+    head_dim = x.shape[3]
+    d_state = s.shape[3]
+    g = h // per_group
+    st = out_s[j, h]
+    src = s[ids[j], h]
+    if not per_elem:
+        for t in range(n_tok):
+            dsp = _softplus(dt[j, t, h])
+            dA = np.float32(np.exp(dsp * A[h, 0]))
+            if t == 0:
+                _mamba2_token(src, st, x[j, t, h], B[j, t, g], C[j, t, g], dA, dsp, y[j, t, h])
+            else:
+                _mamba2_token(st, st, x[j, t, h], B[j, t, g], C[j, t, g], dA, dsp, y[j, t, h])
+        if n_tok == 0:
+            st[:, :] = src
+        return
+    st[:, :] = src
+    for t in range(n_tok):
+        dsp = _softplus(dt[j, t, h])
+        for i in range(head_dim):
+            x_dt = x[j, t, h, i] * dsp
+            acc = np.float32(0.0)
+            for k in range(d_state):
+                dA = np.float32(np.exp(dsp * A[h, k]))
+                v = st[i, k] * dA + B[j, t, g, k] * x_dt
+                acc += v * C[j, t, g, k]
+                st[i, k] = v
+            y[j, t, h, i] = acc
 
 
 @njit(parallel=True, cache=True)
@@ -67,45 +150,20 @@ def ssm_scan_f32(s, x, dt, A, B, C, ids, y, out_s):
     """s (n_rs, n_head, head_dim, d_state): the states ids[j] starts from; x, y (n_seqs, n_tok, n_head, head_dim);
     dt (n_seqs, n_tok, n_head); A (n_head, d_state) or (n_head, 1); B, C (n_seqs, n_tok, n_group, d_state), each
     row of d_state packed; out_s (n_seqs, n_head, head_dim, d_state): the final states."""
-    n_seqs, n_tok, n_head, head_dim = x.shape
-    d_state = s.shape[3]
+    n_seqs, _, n_head, _ = x.shape
     per_group = n_head // B.shape[2]
     per_elem = A.shape[1] != 1
-    one = np.float32(1.0)
     for r in prange(n_seqs * n_head):
-        j = r // n_head
-        h = r % n_head
-        g = h // per_group
-        st = out_s[j, h]
-        src = s[ids[j], h]
-        for i in range(head_dim):
-            for k in range(d_state):
-                st[i, k] = src[i, k]
-        for t in range(n_tok):
-            d = dt[j, t, h]
-            dsp = d if d > np.float32(20.0) else np.float32(np.log(one + np.exp(d)))
-            if not per_elem:
-                dA = np.float32(np.exp(dsp * A[h, 0]))
-                _mamba2_token(st, x[j, t, h], B[j, t, g], C[j, t, g], dA, dsp, y[j, t, h])
-                continue
-            for i in range(head_dim):
-                x_dt = x[j, t, h, i] * dsp
-                acc = np.float32(0.0)
-                for k in range(d_state):
-                    dA = np.float32(np.exp(dsp * A[h, k]))
-                    v = st[i, k] * dA + B[j, t, g, k] * x_dt
-                    acc += v * C[j, t, g, k]
-                    st[i, k] = v
-                y[j, t, h, i] = acc
+        _scan_head(s, x, dt, A, B, C, ids, y, out_s, r // n_head, r % n_head, per_group, per_elem)
 
 
 def bind_ssm_conv(node, dst, srcs):
     sx = srcs[0][0]
     c = srcs[1][0, 0]
     out = dst[0]
-    return lambda: ssm_conv_f32(sx, c, out)
-
-
+    # one decoded token per sequence: a parallel region's start costs more than the 4 x d_inner products
+    fn = ssm_conv_f32_one if out.shape[1] == 1 and out.shape[0] <= 2 else ssm_conv_f32
+    return lambda: fn(sx, c, out)
 def bind_ssm_scan(node, dst, srcs):
     x_t = node.src[1]
     s = srcs[0]
