@@ -92,10 +92,13 @@ def bind_set_rows(node, dst, srcs):
     if node.src[0].type != T.F32 or t not in (T.F16, T.F32):
         return None
     n_rows = node.ne[1]
+    # the threads split rows: one row (a recurrent layer's state of one sequence, 1 MiB in Mamba-2 370M) runs on one
+    # thread either way, without a parallel region's start
+    size = src.size if src.size // src.shape[-1] > 1 else 0
     if t == T.F16:
-        fn, d, src = _pick(rows, "set_rows_f16", src.size), dst.view(np.uint16), src.view(np.uint32)
+        fn, d, src = _pick(rows, "set_rows_f16", size), dst.view(np.uint16), src.view(np.uint32)
     else:
-        fn, d = _pick(rows, "set_rows_same", src.size), dst
+        fn, d = _pick(rows, "set_rows_same", size), dst
 
     def run():
         rows.check_index(idx, n_rows, "set_rows")
