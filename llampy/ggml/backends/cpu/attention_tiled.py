@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import (F16_VEC_LANES, fma32, v16_exp_shifted, v16_fma, v16_hmax, v16_load, v16_max, v16_reduce,
-                   v16_scale, v16_store, v16_zero)
+from .simd import (F16_VEC_LANES, f16_at, f32x8_fma_s, f32x8_load, f32x8_store, fma32, v16_exp_shifted, v16_fma,
+                   v16_hmax, v16_load, v16_max, v16_reduce, v16_scale, v16_store, v16_zero)
 from .softmax import expf
 
 KV_TILE = 64        # GGML_FA_TILE_KV
@@ -43,15 +43,56 @@ def _pack(k, v):
     dv rounded up to 16), both float32 and zero past the cache's end (as ggml zero-pads its last tile)."""
     n_kv, dk = k.shape[2], k.shape[3]
     nt = (n_kv + KV_TILE - 1) // KV_TILE
+    dv = v.shape[3]
+    kt = np.empty(k.shape[:2] + (nt, dk, KV_TILE), np.float32)
+    vt = np.empty(v.shape[:2] + (nt * KV_TILE, dv + (-dv) % 16), np.float32)
+    if k.dtype == np.uint16 and v.dtype == np.uint16:      # the usual F16 cache: widened on all threads
+        _pack_f16(k.view(np.uint8), v.view(np.uint8), kt, vt, n_kv)
+        return kt, vt
     kf = k.astype(np.float32) if k.dtype == np.float32 else k.view(np.float16).astype(np.float32)
     vf = v.astype(np.float32) if v.dtype == np.float32 else v.view(np.float16).astype(np.float32)
     kp = np.zeros(k.shape[:2] + (nt * KV_TILE, dk), np.float32)
     kp[:, :, :n_kv] = kf
-    kt = np.ascontiguousarray(kp.reshape(k.shape[:2] + (nt, KV_TILE, dk)).transpose(0, 1, 2, 4, 3))
-    dv = v.shape[3]
-    vp = np.zeros(v.shape[:2] + (nt * KV_TILE, dv + (-dv) % 16), np.float32)
-    vp[:, :, :n_kv, :dv] = vf
-    return kt, vp
+    kt[:] = kp.reshape(k.shape[:2] + (nt, KV_TILE, dk)).transpose(0, 1, 2, 4, 3)
+    vt[:] = 0
+    vt[:, :, :n_kv, :dv] = vf
+    return kt, vt
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _pack_f16(kb, vb, kt, vt, n_kv):
+    """``_pack`` of F16 K and V (their bytes: (e3, n_head_kv, n_kv, 2 * d) uint8), per tile on all threads."""
+    nt, dk = kt.shape[2], kt.shape[3]
+    dv, dvp = vb.shape[3] // 2, vt.shape[3]
+    nk = kt.shape[0] * kt.shape[1] * nt
+    for it in prange(nk + vt.shape[0] * vt.shape[1] * nt):
+        if it < nk:
+            t = it % nt
+            src = kb[it // nt // kt.shape[1], (it // nt) % kt.shape[1]]
+            dst = kt[it // nt // kt.shape[1], (it // nt) % kt.shape[1], t]
+            for c in range(KV_TILE):
+                cell = t * KV_TILE + c
+                if cell < n_kv:
+                    for d in range(dk):
+                        dst[d, c] = f16_at(src[cell], 2 * d)
+                else:
+                    for d in range(dk):
+                        dst[d, c] = 0
+        else:
+            jt = it - nk
+            t = jt % nt
+            src = vb[jt // nt // vt.shape[1], (jt // nt) % vt.shape[1]]
+            dst = vt[jt // nt // vt.shape[1], (jt // nt) % vt.shape[1]]
+            for c in range(t * KV_TILE, (t + 1) * KV_TILE):
+                o = dst[c]
+                if c < n_kv:
+                    for d in range(dv):
+                        o[d] = f16_at(src[c], 2 * d)
+                    for d in range(dv, dvp):
+                        o[d] = 0
+                else:
+                    for d in range(dvp):
+                        o[d] = 0
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -73,9 +114,8 @@ def _chunk_sum(row, lanes):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scores(qr, kb, row, dk, sc, cap, kv_tile, has_mask, mrow, c0, slope):
-    """One query row against one tile: the scaled (soft-capped, masked) scores into row; returns their maximum."""
-    # Q·K: per cell an fma chain over the head's dimensions, from 0
+def _qk1(qr, kb, row, dk):
+    """One query row against one tile: per cell an fma chain over the head's dimensions, from 0, into row."""
     a0 = v16_zero()
     a1 = v16_zero()
     a2 = v16_zero()
@@ -87,10 +127,42 @@ def _scores(qr, kb, row, dk, sc, cap, kv_tile, has_mask, mrow, c0, slope):
         a1 = v16_fma(v16_load(kd, 16), x, a1)
         a2 = v16_fma(v16_load(kd, 32), x, a2)
         a3 = v16_fma(v16_load(kd, 48), x, a3)
-    v16_store(row, 0, v16_scale(a0, sc))
-    v16_store(row, 16, v16_scale(a1, sc))
-    v16_store(row, 32, v16_scale(a2, sc))
-    v16_store(row, 48, v16_scale(a3, sc))
+    v16_store(row, 0, a0)
+    v16_store(row, 16, a1)
+    v16_store(row, 32, a2)
+    v16_store(row, 48, a3)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _qk2(qr, qs, kb, row, ros, dk):
+    """``_qk1`` of two rows, each K load shared by both: the tile in halves of 32 cells, so that the eight
+    accumulators, the K values and the two queries' dimensions stay in registers."""
+    for h in range(0, KV_TILE, 32):
+        a0 = v16_zero()
+        a1 = v16_zero()
+        b0 = v16_zero()
+        b1 = v16_zero()
+        for d in range(dk):
+            kd = kb[d]
+            k0 = v16_load(kd, h)
+            k1 = v16_load(kd, h + 16)
+            x = qr[d]
+            y = qs[d]
+            a0 = v16_fma(k0, x, a0)
+            a1 = v16_fma(k1, x, a1)
+            b0 = v16_fma(k0, y, b0)
+            b1 = v16_fma(k1, y, b1)
+        v16_store(row, h, a0)
+        v16_store(row, h + 16, a1)
+        v16_store(ros, h, b0)
+        v16_store(ros, h + 16, b1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scores(row, sc, cap, kv_tile, has_mask, mrow, c0, slope):
+    """The tile's Q·K values in row scaled (soft-capped, masked) in place; returns their maximum."""
+    for j in range(0, KV_TILE, 16):
+        v16_store(row, j, v16_scale(v16_load(row, j), sc))
     if cap != 0:
         for j in range(KV_TILE):
             row[j] = np.float32(np.tanh(row[j])) * cap
@@ -115,25 +187,57 @@ def _pv1(row, vh, vb, kv_tile, acc):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _pv4(rows, vh, vb, kv_tile, acc):
-    """``_pv1`` of four rows at once: the same chains, each V load shared by the four (the chains overlap, which a
-    single row's 64-long chain of dependent fmas cannot)."""
+def _pv4(rows, vh, vb, kv_tile, acc, dv8):
+    """``_pv1`` of four rows at once over the first dv8 outputs (the head's size rounded up to 8): the same chains,
+    each V load shared by the four, 24 outputs at a time (twelve accumulators: the chains overlap, which one row's
+    64-long chain of dependent fmas cannot)."""
     r0, r1, r2, r3 = rows[0], rows[1], rows[2], rows[3]
-    for j in range(0, acc.shape[1], 16):
-        b0 = v16_load(acc[0], j)
-        b1 = v16_load(acc[1], j)
-        b2 = v16_load(acc[2], j)
-        b3 = v16_load(acc[3], j)
+    o0, o1, o2, o3 = acc[0], acc[1], acc[2], acc[3]
+    j = 0
+    while j + 24 <= dv8:
+        a0, a1, a2, a3 = f32x8_load(o0, j), f32x8_load(o1, j), f32x8_load(o2, j), f32x8_load(o3, j)
+        b0, b1, b2, b3 = f32x8_load(o0, j + 8), f32x8_load(o1, j + 8), f32x8_load(o2, j + 8), f32x8_load(o3, j + 8)
+        e0, e1 = f32x8_load(o0, j + 16), f32x8_load(o1, j + 16)
+        e2, e3 = f32x8_load(o2, j + 16), f32x8_load(o3, j + 16)
         for c in range(kv_tile):
-            vv = v16_load(vh[vb + c], j)
-            b0 = v16_fma(vv, r0[c], b0)
-            b1 = v16_fma(vv, r1[c], b1)
-            b2 = v16_fma(vv, r2[c], b2)
-            b3 = v16_fma(vv, r3[c], b3)
-        v16_store(acc[0], j, b0)
-        v16_store(acc[1], j, b1)
-        v16_store(acc[2], j, b2)
-        v16_store(acc[3], j, b3)
+            vr = vh[vb + c]
+            u = f32x8_load(vr, j)
+            w = f32x8_load(vr, j + 8)
+            z = f32x8_load(vr, j + 16)
+            x = r0[c]
+            a0, b0, e0 = f32x8_fma_s(x, u, a0), f32x8_fma_s(x, w, b0), f32x8_fma_s(x, z, e0)
+            x = r1[c]
+            a1, b1, e1 = f32x8_fma_s(x, u, a1), f32x8_fma_s(x, w, b1), f32x8_fma_s(x, z, e1)
+            x = r2[c]
+            a2, b2, e2 = f32x8_fma_s(x, u, a2), f32x8_fma_s(x, w, b2), f32x8_fma_s(x, z, e2)
+            x = r3[c]
+            a3, b3, e3 = f32x8_fma_s(x, u, a3), f32x8_fma_s(x, w, b3), f32x8_fma_s(x, z, e3)
+        f32x8_store(o0, j, a0)
+        f32x8_store(o1, j, a1)
+        f32x8_store(o2, j, a2)
+        f32x8_store(o3, j, a3)
+        f32x8_store(o0, j + 8, b0)
+        f32x8_store(o1, j + 8, b1)
+        f32x8_store(o2, j + 8, b2)
+        f32x8_store(o3, j + 8, b3)
+        f32x8_store(o0, j + 16, e0)
+        f32x8_store(o1, j + 16, e1)
+        f32x8_store(o2, j + 16, e2)
+        f32x8_store(o3, j + 16, e3)
+        j += 24
+    while j < dv8:
+        a0, a1, a2, a3 = f32x8_load(o0, j), f32x8_load(o1, j), f32x8_load(o2, j), f32x8_load(o3, j)
+        for c in range(kv_tile):
+            u = f32x8_load(vh[vb + c], j)
+            a0 = f32x8_fma_s(r0[c], u, a0)
+            a1 = f32x8_fma_s(r1[c], u, a1)
+            a2 = f32x8_fma_s(r2[c], u, a2)
+            a3 = f32x8_fma_s(r3[c], u, a3)
+        f32x8_store(o0, j, a0)
+        f32x8_store(o1, j, a1)
+        f32x8_store(o2, j, a2)
+        f32x8_store(o3, j, a3)
+        j += 8
 
 
 ROWS = 4        # query rows walked through the cache together (their P·V chains interleaved; each row's own order)
@@ -145,6 +249,7 @@ def _tiled(q, kt, vt, n_kv, mask, out, sc, cap, slopes, sinks, lanes):
     n_head_kv, nt = kt.shape[1], kt.shape[2]
     dv = out.shape[3]
     dvp = vt.shape[3]
+    dv8 = dv + (-dv) % 8
     rk = n_head // n_head_kv
     has_mask = mask.shape[3] > 0
     n_qt = (n_q + Q_TILE - 1) // Q_TILE
@@ -157,72 +262,87 @@ def _tiled(q, kt, vt, n_kv, mask, out, sc, cap, slopes, sinks, lanes):
         vh = vt[i3 % vt.shape[0], h // rk]
         slope = slopes[h]
         rows = np.empty((ROWS, KV_TILE), np.float32)
-        acc = np.empty((ROWS, dvp), np.float32)
-        Ss = np.empty(ROWS, np.float32)
-        Ms = np.empty(ROWS, np.float32)
+        acc = np.zeros((Q_TILE, dvp), np.float32)
+        Ss = np.zeros(Q_TILE, np.float32)
+        Ms = np.full(Q_TILE, -np.inf, np.float32)
+        seen = np.empty(ROWS, np.bool_)
         live = np.empty(ROWS, np.bool_)
-        for g0 in range(i0, i1, ROWS):
-            nr = min(ROWS, i1 - g0)
-            acc[:] = 0
-            Ss[:] = 0
-            Ms[:] = -np.inf
-            for t in range(nt):
-                c0 = t * KV_TILE
-                kv_tile = min(KV_TILE, n_kv - c0)
+        # each tile of K and V is read by every row of the query tile before the next (ggml's loop order: it stays
+        # in cache); each row still sees the tiles in order, so its float order is that of a row walking alone
+        for t in range(nt):
+            c0 = t * KV_TILE
+            kv_tile = min(KV_TILE, n_kv - c0)
+            kb = kh[t]
+            for g0 in range(i0, i1, ROWS):
+                nr = min(ROWS, i1 - g0)
+                for r in range(nr):
+                    seen[r] = True
+                    if has_mask:        # a tile this row sees nothing of leaves it as it was
+                        mrow = mask[i3 % mask.shape[0], h % mask.shape[1], g0 + r]
+                        seen[r] = False
+                        for j in range(kv_tile):
+                            if slope * mrow[c0 + j] != -np.inf:
+                                seen[r] = True
+                                break
+                # Q·K two rows at a time where two see the tile
+                p = -1
+                for r in range(nr):
+                    if seen[r]:
+                        if p < 0:
+                            p = r
+                        else:
+                            _qk2(q[i3, h, g0 + p], q[i3, h, g0 + r], kb, rows[p], rows[r], dk)
+                            p = -1
+                if p >= 0:
+                    _qk1(q[i3, h, g0 + p], kb, rows[p], dk)
                 n_live = 0
                 for r in range(nr):
                     live[r] = False
+                    if not seen[r]:
+                        continue
                     i = g0 + r
+                    ri = i - i0
                     mrow = mask[i3 % mask.shape[0], h % mask.shape[1], i] if has_mask else mask[0, 0, 0]
-                    if has_mask:        # a tile this row sees nothing of leaves it as it was
-                        seen = False
-                        for j in range(kv_tile):
-                            if slope * mrow[c0 + j] != -np.inf:
-                                seen = True
-                                break
-                        if not seen:
-                            continue
                     row = rows[r]
-                    tmax = _scores(q[i3, h, i], kh[t], row, dk, sc, cap, kv_tile, has_mask, mrow, c0, slope)
+                    tmax = _scores(row, sc, cap, kv_tile, has_mask, mrow, c0, slope)
                     if tmax == -np.inf:
                         continue
-                    M = Ms[r]
+                    M = Ms[ri]
                     Mnew = max(M, tmax)
                     if Mnew > M:
                         ms = expf(M - Mnew)
-                        ar = acc[r]
+                        ar = acc[ri]
                         for j in range(0, dvp, 16):
                             v16_store(ar, j, v16_scale(v16_load(ar, j), ms))
-                        Ss[r] = Ss[r] * ms
-                    Ms[r] = Mnew
+                        Ss[ri] = Ss[ri] * ms
+                    Ms[ri] = Mnew
                     for j in range(0, KV_TILE, 16):
                         v16_store(row, j, v16_exp_shifted(v16_load(row, j), Mnew))
-                    Ss[r] = np.float32(np.float64(Ss[r]) + _chunk_sum(row, lanes))
+                    Ss[ri] = np.float32(np.float64(Ss[ri]) + _chunk_sum(row, lanes))
                     live[r] = True
                     n_live += 1
                 if n_live == ROWS:
-                    _pv4(rows, vh, c0, kv_tile, acc)
+                    _pv4(rows, vh, c0, kv_tile, acc[g0 - i0:g0 - i0 + ROWS], dv8)
                 else:
                     for r in range(nr):
                         if live[r]:
-                            _pv1(rows[r], vh, c0, kv_tile, acc[r])
-            for r in range(nr):
-                i = g0 + r
-                S = Ss[r]
-                M = Ms[r]
-                ar = acc[r]
-                if sinks.shape[0] > 0:
-                    s = sinks[h]
-                    ms = np.float32(1.0)
-                    vs = np.float32(1.0)
-                    if s > M:
-                        ms = expf(M - s)
-                        for j in range(0, dvp, 16):
-                            v16_store(ar, j, v16_scale(v16_load(ar, j), ms))
-                    else:
-                        vs = expf(s - M)
-                    S = fma32(S, ms, vs)     # S * ms + vs, contracted by the compiler as in the one_chunk path
-                inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
-                o = out[i3, i, h]
-                for j in range(dv):
-                    o[j] = ar[j] * inv
+                            _pv1(rows[r], vh, c0, kv_tile, acc[g0 - i0 + r])
+        for i in range(i0, i1):
+            S = Ss[i - i0]
+            M = Ms[i - i0]
+            ar = acc[i - i0]
+            if sinks.shape[0] > 0:
+                s = sinks[h]
+                ms = np.float32(1.0)
+                vs = np.float32(1.0)
+                if s > M:
+                    ms = expf(M - s)
+                    for j in range(0, dvp, 16):
+                        v16_store(ar, j, v16_scale(v16_load(ar, j), ms))
+                else:
+                    vs = expf(s - M)
+                S = fma32(S, ms, vs)     # S * ms + vs, contracted by the compiler as in the one_chunk path
+            inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
+            o = out[i3, i, h]
+            for j in range(dv):
+                o[j] = ar[j] * inv
