@@ -74,24 +74,26 @@ def ggml_vec_dot(lib, t, wq, xb, k):
     return out
 
 
-def mxfp4_x8(wq):
-    """Rows repacked as llama.cpp's make_block_mxfp4x8 (interleave 8): per 8 rows and block, the 8 exponents,
-    then 16 chunks of 8 quant bytes, chunk c from row c % 8 at byte 8 * (c // 8)."""
+def repack_x8(wq, hs):
+    """Rows repacked as llama.cpp's make_block_mxfp4x8 / make_block_iq4_nlx8 (interleave 8): per 8 rows and block,
+    the 8 scales (``hs`` bytes each: MXFP4's exponent, IQ4_NL's F16 d), then 16 chunks of 8 quant bytes, chunk c
+    from row c % 8 at byte 8 * (c // 8)."""
     rows, rb = wq.shape
-    nb = rb // 17
-    blk = wq.reshape(rows // 8, 8, nb, 17)
-    out = np.empty((rows // 8, nb, 136), np.uint8)
-    out[:, :, 0:8] = blk[:, :, :, 0].transpose(0, 2, 1)
-    qs = blk[:, :, :, 1:17].reshape(rows // 8, 8, nb, 2, 8)          # row, block, half, 8 bytes
-    out[:, :, 8:] = qs.transpose(0, 2, 3, 1, 4).reshape(rows // 8, nb, 128)
+    nb = rb // (16 + hs)
+    blk = wq.reshape(rows // 8, 8, nb, 16 + hs)
+    out = np.empty((rows // 8, nb, 8 * hs + 128), np.uint8)
+    out[:, :, 0:8 * hs] = blk[:, :, :, 0:hs].transpose(0, 2, 1, 3).reshape(rows // 8, nb, 8 * hs)
+    qs = blk[:, :, :, hs:].reshape(rows // 8, 8, nb, 2, 8)           # row, block, half, 8 bytes
+    out[:, :, 8 * hs:] = qs.transpose(0, 2, 3, 1, 4).reshape(rows // 8, nb, 128)
     return np.ascontiguousarray(out.reshape(-1))
 
 
-def ggml_gemv_mxfp4(lib, wq, xb, k):
-    fn = lib.ggml_gemv_mxfp4_8x8_q8_0
+def ggml_gemv_mxfp4(lib, wq, xb, k, t=T.MXFP4):
+    """ggml_gemv_<t>_8x8_q8_0 (MXFP4 or IQ4_NL) on the rows repacked, one activation row per call."""
+    fn = getattr(lib, f"ggml_gemv_{t.name.lower()}_8x8_q8_0")
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int]
-    rep = mxfp4_x8(wq)
+    rep = repack_x8(wq, 1 if t == T.MXFP4 else 2)
     out = np.zeros((xb.shape[0], wq.shape[0]), np.float32)
     for i in range(xb.shape[0]):
         row = np.ascontiguousarray(xb[i])
@@ -149,6 +151,23 @@ ALL = ([(T.TQ2_0, 768, 6), (T.TQ1_0, 512, 7), (T.MXFP4, 288, 16), (T.MXFP4, 96, 
        + [(t, 512, 5) for t in GRID])
 SUITE = {(T.TQ1_0, 512), (T.MXFP4, 288), (T.IQ4_NL, 608), (T.IQ2_XXS, 512), (T.IQ1_M, 512)}
 CASES = ALL if os.environ.get("LLAMPY_TEST_ALL_BLOCKS") == "1" else [c for c in ALL if c[:2] in SUITE]
+
+
+@pytest.mark.parametrize("t", [T.IQ4_NL, T.MXFP4], ids=lambda t: t.name)
+def test_repacked_rows_give_ggml_gemv_bits_at_every_batch_size(ggml_cpu, t):
+    """rows % 8 == 0, which llama.cpp repacks: its gemm keeps the gemv's chain per pair, so every batch size gives the
+    gemv's bits, here through the decode kernel (eight weight rows as lanes: n = 3, and the last 3 rows of n = 27)
+    and the prompt tiles (sixteen, then eight activation rows as lanes: rows 0..23 of n = 27)."""
+    rng = np.random.default_rng(int(t))
+    k, rows = 160, 16                   # an odd block count
+    wq = weights(rng, rows, k, t)
+    for n in (3, 27):
+        x = (rng.standard_normal((n, k)) * rng.choice([1e-2, 1.0, 30.0], size=(n, 1))).astype(np.float32)
+        s, xb = ggml_act_blocks(x, T.Q8_0)
+        out = np.full((n, rows), np.nan, np.float32)
+        db.mul_mat(wq, t, x, out, s, quantized=True)
+        ref = ggml_gemv_mxfp4(ggml_cpu, wq, xb, k, t)
+        assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), (n, np.max(np.abs(out - ref)))
 
 
 @pytest.mark.parametrize("t,k,rows", CASES, ids=lambda v: getattr(v, "name", str(v)))

@@ -43,16 +43,18 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ... import blocks as B
 from ...types import GGMLType
 from .act_quant import act_split, round_half, scratch_for
-from .dot_kquant import _madd, _maddubs, hsum8x, i32x8_sum
-from .dot_q32 import ROW_CHUNK, prefetch_base, prefetch_byte, prefetch_step
+from .dot_kquant import _madd, _maddubs, hsum8x_ir, i32x8_sum
+from .dot_q32 import ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_load, v16_reduce, v16_zero)
-from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8, f32x8_add,
-                   f32x8_fma, f32x8_hsum, f32x8_lane, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_to_f32x8)
+from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _ptr, _sdot, f16_at, f32x8,
+                   f32x8_add, f32x8_fma, f32x8_hsum, f32x8_load, f32x8_scale, f32x8_store, f32x8_zero, fma32,
+                   i32x8, i32x8_add, i32x8_to_f32x8)
 
 T = GGMLType
 _V32 = ir.VectorType(_I8, 32)
@@ -123,6 +125,89 @@ def _signed_madd(builder, a, b, s16):
 
 nib_lut32 = _nib_lut32(B.KVALUES_IQ4NL)      # IQ4_NL, IQ4_XS
 fp4_lut32 = _nib_lut32(B.KVALUES_FP4)        # MXFP4
+
+
+def _row_ptr(context, builder, aryty, ary, r, off):
+    """(i8* to byte ``off`` of row ``r`` of a 2-D array, the row stride): the rows of a tile are addressed from one
+    base, with no array view per row."""
+    a = context.make_array(aryty)(context, builder, ary)
+    s0 = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    p = builder.gep(builder.bitcast(a.data, _I8.as_pointer()), [builder.add(builder.mul(r, s0), off)])
+    return p, s0
+
+
+def _q4_rows8(kv):
+    """An intrinsic: lane j the exact integer dot product of the 32-value block at byte ``o`` of row r + j of w (a
+    2-D uint8 array; the table kv at the 16 nibble bytes there, as ``_lut_nibbles``) with the 32 int8 activations at
+    byte xo of x: eight weight rows' block sums side by side, the lanes of llama.cpp's repacked gemv (one row per
+    lane there too), from rows in GGUF's layout by one transposed reduction (``hsum8x_ir``)."""
+    kv = [int(v) for v in kv]
+
+    @intrinsic
+    def rows8(typingctx, w, r, o, x, xo):
+        def codegen(context, builder, sig, args):
+            p, s0 = _row_ptr(context, builder, sig.args[0], args[0], args[1], args[2])
+            b = _x32(context, builder, sig, args, 3, 4)
+            lanes = []
+            for j in range(8):
+                q = _load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, j), s0)]),
+                                                   _V16.as_pointer()))
+                lanes.append(_sdot(builder, _lut_nibbles(builder, q, kv), b))
+            return hsum8x_ir(builder, lanes)
+        return i32x8(w, types.intp, types.intp, x, types.intp), codegen
+    return rows8
+
+
+def _q4_acts8(kv):
+    """An intrinsic: lane a the exact integer dot product of the 32-value block at byte ``o`` of the weight row wr
+    (decoded once: kv at its nibbles) with the 32 int8 activations at byte xo of row i + a of x (a 2-D int8 array):
+    one weight block against eight activation rows, their block sums side by side (the prompt tiles' form)."""
+    kv = [int(v) for v in kv]
+
+    @intrinsic
+    def acts8(typingctx, wr, o, x, i, xo):
+        def codegen(context, builder, sig, args):
+            q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16))
+            a = _lut_nibbles(builder, q, kv)
+            p, s0 = _row_ptr(context, builder, sig.args[2], args[2], args[3], args[4])
+            lanes = []
+            for j in range(8):
+                xb = _load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, j), s0)]),
+                                                    _V32.as_pointer()))
+                lanes.append(_sdot(builder, a, xb))
+            return hsum8x_ir(builder, lanes)
+        return i32x8(wr, types.intp, x, types.intp, types.intp), codegen
+    return acts8
+
+
+nl_rows8, nl_acts8 = _q4_rows8(B.KVALUES_IQ4NL), _q4_acts8(B.KVALUES_IQ4NL)
+mx_rows8, mx_acts8 = _q4_rows8(B.KVALUES_FP4), _q4_acts8(B.KVALUES_FP4)
+
+
+@intrinsic
+def f16_rows8(typingctx, w, r, o):
+    """Lane j: the F16 value at byte ``o`` of row r + j of w (a 2-D uint8 array), as float32 (exact)."""
+    def codegen(context, builder, sig, args):
+        p, s0 = _row_ptr(context, builder, sig.args[0], args[0], args[1], args[2])
+        v = ir.Constant(ir.VectorType(_I16, 8), None)
+        for j in range(8):
+            h = _load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, j), s0)]),
+                                               _I16.as_pointer()))
+            v = builder.insert_element(v, h, ir.Constant(_I32, j))
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), _V_F32x8)
+    return f32x8(w, types.intp, types.intp), codegen
+
+
+@intrinsic
+def f32x8_set(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
+    """Eight float32 scalars as lanes 0..7."""
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(_V_F32x8, None)
+        for j in range(8):
+            v = builder.insert_element(v, context.cast(builder, args[j], sig.args[j], types.float32),
+                                       ir.Constant(_I32, j))
+        return v
+    return f32x8(a0, a1, a2, a3, a4, a5, a6, a7), codegen
 
 
 def _trits32(g):
@@ -485,21 +570,17 @@ MX_BYTES, MX_QS, MX_E = MX.type_size, MX.field("qs").offset, MX.field("e").offse
 
 @njit(cache=True, inline="always")
 def _step_bytes(kind):
-    """Weight bytes one step of ``_step`` reads (a super-block; IQ4_NL: eight blocks, or two in its vec_dot form)."""
+    """Weight bytes one step of ``_step`` reads (a super-block; IQ4_NL, MXFP4: two blocks, their vec_dot form)."""
     if kind == K_Q2_K:
         return Q2_BYTES
     if kind == K_Q3_K:
         return Q3_BYTES
     if kind == K_IQ4_XS:
         return X4_BYTES
-    if kind == K_IQ4_NL_R8:
-        return 8 * N4_BYTES
     if kind == K_TQ2_0:
         return T2_BYTES
     if kind == K_TQ1_0:
         return T1_BYTES
-    if kind == K_MXFP4_R8:
-        return 8 * MX_BYTES
     if kind == K_MXFP4:
         return 2 * MX_BYTES
     if kind == K_IQ2_XXS:
@@ -529,16 +610,6 @@ def _n_steps(kind, k):
 @njit(cache=True, inline="always")
 def _nl_isum(wr, o, xr, xo):
     return i32x8_sum(lanes_s(nib_lut32(wr, o + N4_QS), xr, xo, 1))
-
-
-@njit(cache=True, inline="always")
-def _nl_lanes(wr, o, xr, xo, g):
-    return lanes_s(nib_lut32(wr, o + g * N4_BYTES + N4_QS), xr, xo + 32 * g, 1)
-
-
-@njit(cache=True, inline="always")
-def _nl_d(wr, o, xdr, b0, g):
-    return np.float32(f16_at(wr, o + g * N4_BYTES + N4_D) * xdr[b0 + g])
 
 
 @njit(cache=True, inline="always")
@@ -597,26 +668,6 @@ def _st_iq4_xs(kind, wr, b, xr, xdr, bsr, a1, a2, s):
 
 
 @njit(cache=True, inline="always")
-def _st_iq4_nl_r8(kind, wr, b, xr, xdr, bsr, a1, a2, s):
-    # eight blocks: their exact sums at once (one transposed reduction), then the chain block by block
-    o = b * 8 * N4_BYTES
-    xo = b * 256
-    v = hsum8x(_nl_lanes(wr, o, xr, xo, 0), _nl_lanes(wr, o, xr, xo, 1), _nl_lanes(wr, o, xr, xo, 2),
-               _nl_lanes(wr, o, xr, xo, 3), _nl_lanes(wr, o, xr, xo, 4), _nl_lanes(wr, o, xr, xo, 5),
-               _nl_lanes(wr, o, xr, xo, 6), _nl_lanes(wr, o, xr, xo, 7))
-    f = i32x8_to_f32x8(v)
-    s = fma32(f32x8_lane(f, 0), _nl_d(wr, o, xdr, 8 * b, 0), s)
-    s = fma32(f32x8_lane(f, 1), _nl_d(wr, o, xdr, 8 * b, 1), s)
-    s = fma32(f32x8_lane(f, 2), _nl_d(wr, o, xdr, 8 * b, 2), s)
-    s = fma32(f32x8_lane(f, 3), _nl_d(wr, o, xdr, 8 * b, 3), s)
-    s = fma32(f32x8_lane(f, 4), _nl_d(wr, o, xdr, 8 * b, 4), s)
-    s = fma32(f32x8_lane(f, 5), _nl_d(wr, o, xdr, 8 * b, 5), s)
-    s = fma32(f32x8_lane(f, 6), _nl_d(wr, o, xdr, 8 * b, 6), s)
-    s = fma32(f32x8_lane(f, 7), _nl_d(wr, o, xdr, 8 * b, 7), s)
-    return a1, a2, s
-
-
-@njit(cache=True, inline="always")
 def _st_iq4_nl(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     o = b * 2 * N4_BYTES
     xo = b * 64
@@ -653,25 +704,6 @@ def _st_tq1_0(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     lanes = i32x8_add(lanes, lanes_u(tq1_d6(wr, o), xr, xo + 192, 1, 1))
     lanes = i32x8_add(lanes, lanes_u(tq1_d7(wr, o), xr, xo + 224, 1, 1))
     a1 = f32x8_fma(np.float32(xdr[b] * f16_at(wr, o + T1_D)), i32x8_to_f32x8(lanes), a1)
-    return a1, a2, s
-
-
-@njit(cache=True, inline="always")
-def _st_mxfp4_r8(kind, wr, b, xr, xdr, bsr, a1, a2, s):
-    o = b * 8 * MX_BYTES
-    xo = b * 256
-    v = hsum8x(_mx_lanes(wr, o, xr, xo, 0), _mx_lanes(wr, o, xr, xo, 1), _mx_lanes(wr, o, xr, xo, 2),
-               _mx_lanes(wr, o, xr, xo, 3), _mx_lanes(wr, o, xr, xo, 4), _mx_lanes(wr, o, xr, xo, 5),
-               _mx_lanes(wr, o, xr, xo, 6), _mx_lanes(wr, o, xr, xo, 7))
-    f = i32x8_to_f32x8(v)
-    s = fma32(f32x8_lane(f, 0), _mx_d(wr, o, xdr, 8 * b, 0), s)
-    s = fma32(f32x8_lane(f, 1), _mx_d(wr, o, xdr, 8 * b, 1), s)
-    s = fma32(f32x8_lane(f, 2), _mx_d(wr, o, xdr, 8 * b, 2), s)
-    s = fma32(f32x8_lane(f, 3), _mx_d(wr, o, xdr, 8 * b, 3), s)
-    s = fma32(f32x8_lane(f, 4), _mx_d(wr, o, xdr, 8 * b, 4), s)
-    s = fma32(f32x8_lane(f, 5), _mx_d(wr, o, xdr, 8 * b, 5), s)
-    s = fma32(f32x8_lane(f, 6), _mx_d(wr, o, xdr, 8 * b, 6), s)
-    s = fma32(f32x8_lane(f, 7), _mx_d(wr, o, xdr, 8 * b, 7), s)
     return a1, a2, s
 
 
@@ -802,14 +834,6 @@ def _fin_lanes(kind, wr, xr, xdr, k, a1, a2, s):
 
 
 @njit(cache=True, inline="always")
-def _fin_iq4_nl_r8(kind, wr, xr, xdr, k, a1, a2, s):
-    for b in range(k // 256 * 8, k // 32):      # the blocks past the last group of eight, one by one
-        d = np.float32(f16_at(wr, b * N4_BYTES + N4_D) * xdr[b])
-        s = fma32(np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32)), d, s)
-    return s
-
-
-@njit(cache=True, inline="always")
 def _fin_iq4_nl(kind, wr, xr, xdr, k, a1, a2, s):
     r = f32x8_hsum(f32x8_add(a1, a2))
     nb = k // 32
@@ -819,13 +843,6 @@ def _fin_iq4_nl(kind, wr, xr, xdr, k, a1, a2, s):
         d = np.float32(xdr[b] * f16_at(wr, b * N4_BYTES + N4_D))
         r = np.float32(r + np.float32(d * np.float32(_nl_isum(wr, b * N4_BYTES, xr, b * 32))))
     return r
-
-
-@njit(cache=True, inline="always")
-def _fin_mxfp4_r8(kind, wr, xr, xdr, k, a1, a2, s):
-    for b in range(k // 256 * 8, k // 32):
-        s = fma32(np.float32(_mx_isum(wr, b * MX_BYTES, xr, b * 32)), _mx_d(wr, b * MX_BYTES, xdr, b, 0), s)
-    return s
 
 
 @njit(cache=True, inline="always")
@@ -949,11 +966,6 @@ def _iq4_xs(w, xq, xd, bsums, out):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq4_nl_r8(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_IQ4_NL_R8, _st_iq4_nl_r8, _fin_iq4_nl_r8)
-
-
-@njit(parallel=True, cache=True, nogil=True)
 def _iq4_nl(w, xq, xd, bsums, out):
     _mv(w, xq, xd, bsums, out, K_IQ4_NL, _st_iq4_nl, _fin_iq4_nl)
 
@@ -966,11 +978,6 @@ def _tq2_0(w, xq, xd, bsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def _tq1_0(w, xq, xd, bsums, out):
     _mv(w, xq, xd, bsums, out, K_TQ1_0, _st_tq1_0, _fin_lanes)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_r8(w, xq, xd, bsums, out):
-    _mv(w, xq, xd, bsums, out, K_MXFP4_R8, _st_mxfp4_r8, _fin_mxfp4_r8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1011,6 +1018,152 @@ def _iq1_s(w, xq, xd, bsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def _iq1_m(w, xq, xd, bsums, out):
     _mv(w, xq, xd, bsums, out, K_IQ1_M, _st_iq1_m, _fin_iq1_m)
+
+
+# ------------------------------------------------------------------------------------------------ repacked rows
+# IQ4_NL and MXFP4 with rows % 8 == 0, which llama.cpp repacks eight rows to a block
+# (``gemv/gemm_q4_b32_8x8_q8_0_lut_avx``): per (weight row, activation row) pair and block, the exact integer sum,
+# ``acc = fma(f32(isum), d_w * d_x, acc)``, in block order, at every batch size (its gemm keeps the gemv's chain). Decode holds eight weight rows as the lanes of
+# one accumulator per activation row, as the gemv does (``_mv_r8``: the eight rows' block sums by one transposed
+# reduction, their scales one vector); prompts hold eight or sixteen activation rows as lanes against one weight
+# row, its block decoded once for all of them (``_tiles_r8``). The same chain per pair either way.
+
+@njit(cache=True, inline="always")
+def _r8_bytes(kind):
+    return MX_BYTES if kind == K_MXFP4_R8 else N4_BYTES
+
+
+@njit(cache=True, inline="always")
+def _r8_rows(kind, w, r, o, xr, xo):
+    """Lane j: the block sum of weight row r + j (its block at byte o) with the activations at byte xo of xr."""
+    if kind == K_MXFP4_R8:
+        return mx_rows8(w, r, o + MX_QS, xr, xo)
+    return nl_rows8(w, r, o + N4_QS, xr, xo)
+
+
+@njit(cache=True, inline="always")
+def _r8_wscales(kind, w, r, o):
+    """Lane j: the scale of the block at byte o of weight row r + j."""
+    if kind == K_MXFP4_R8:
+        return f32x8_set(B.e8m0_half(w[r, o + MX_E]), B.e8m0_half(w[r + 1, o + MX_E]),
+                         B.e8m0_half(w[r + 2, o + MX_E]), B.e8m0_half(w[r + 3, o + MX_E]),
+                         B.e8m0_half(w[r + 4, o + MX_E]), B.e8m0_half(w[r + 5, o + MX_E]),
+                         B.e8m0_half(w[r + 6, o + MX_E]), B.e8m0_half(w[r + 7, o + MX_E]))
+    return f16_rows8(w, r, o + N4_D)
+
+
+@njit(cache=True, inline="always")
+def _r8_acts(kind, wr, o, xq, i, xo):
+    """Lane a: the block sum of weight row wr (its block at byte o) with the activations at byte xo of row i + a."""
+    if kind == K_MXFP4_R8:
+        return mx_acts8(wr, o + MX_QS, xq, i, xo)
+    return nl_acts8(wr, o + N4_QS, xq, i, xo)
+
+
+@njit(cache=True, inline="always")
+def _r8_wscale(kind, wr, o):
+    if kind == K_MXFP4_R8:
+        return B.e8m0_half(wr[o + MX_E])
+    return f16_at(wr, o + N4_D)
+
+
+@njit(cache=True, inline="always")
+def _mv_r8(w, xq, xd, out, kind):
+    """out[i, r] = dot(w[r], x[i]), rows % 8 == 0: eight weight rows (lanes) by two activation rows at a time, each
+    weight block decoded once for both; the rows PREFETCH_AHEAD (eight: the next group) ahead asked for a piece
+    per block step (``prefetch_step``)."""
+    rows = w.shape[0]
+    n, k = xq.shape
+    nb = k // 32
+    ng = rows // 8
+    n2 = n - n % 2
+    for c in prange((ng + 1) // 2):          # sixteen rows (ROW_CHUNK) per task
+        for g in range(2 * c, min(ng, 2 * c + 2)):
+            r = 8 * g
+            pb = prefetch_base(w, r)
+            bb = _r8_bytes(kind)
+            step = 8 * _r8_bytes(kind)
+            for i in range(0, n2, 2):
+                x0, x1 = xq[i], xq[i + 1]
+                a0 = a1 = f32x8_zero()
+                for b in range(nb):
+                    prefetch_step(w, pb, b, step)
+                    dw = _r8_wscales(kind, w, r, b * bb)
+                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_rows(kind, w, r, b * bb, x0, 32 * b)),
+                                    f32x8_scale(dw, xd[i, b]), a0)
+                    a1 = f32x8_fmav(i32x8_to_f32x8(_r8_rows(kind, w, r, b * bb, x1, 32 * b)),
+                                    f32x8_scale(dw, xd[i + 1, b]), a1)
+                f32x8_store(out[i], r, a0)
+                f32x8_store(out[i + 1], r, a1)
+            if n2 < n:
+                xr = xq[n2]
+                a0 = f32x8_zero()
+                for b in range(nb):
+                    prefetch_step(w, pb, b, step)
+                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_rows(kind, w, r, b * bb, xr, 32 * b)),
+                                    f32x8_scale(_r8_wscales(kind, w, r, b * bb), xd[n2, b]), a0)
+                f32x8_store(out[n2], r, a0)
+
+
+@njit(cache=True, inline="always")
+def _tiles_r8(w, xq, xd, out, kind):
+    """The activation rows 0 .. n - n % 8 of ``_mv_r8``'s product: each weight row against sixteen (then eight)
+    activation rows, its block decoded once for all of them, the pairs' chains the lanes of two (one) accumulators
+    and each pair's scale d_w * d_x one lane of a vector product. Rows in chunks of ROW_CHUNK per task, whose blocks
+    stay in cache for all the activation rows."""
+    rows = w.shape[0]
+    n, k = xq.shape
+    nb = k // 32
+    n8 = n - n % 8
+    n16 = n8 - n8 % 16
+    xdT = np.ascontiguousarray(xd.T)      # (nb, n): eight activation rows' scales of a block side by side
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r1 = min(rows, (c + 1) * ROW_CHUNK)
+        bb = _r8_bytes(kind)
+        for r in range(c * ROW_CHUNK, r1):
+            prefetch_row(w, r)
+        for i in range(0, n16, 16):
+            for r in range(c * ROW_CHUNK, r1):
+                wr = w[r]
+                a0 = a1 = f32x8_zero()
+                for b in range(nb):
+                    o = b * bb
+                    dw = _r8_wscale(kind, wr, o)
+                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b)),
+                                    f32x8_scale(f32x8_load(xdT[b], i), dw), a0)
+                    a1 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i + 8, 32 * b)),
+                                    f32x8_scale(f32x8_load(xdT[b], i + 8), dw), a1)
+                _store8(out, i, r, a0)
+                _store8(out, i + 8, r, a1)
+        for i in range(n16, n8, 8):
+            for r in range(c * ROW_CHUNK, r1):
+                wr = w[r]
+                a0 = f32x8_zero()
+                for b in range(nb):
+                    o = b * bb
+                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b)),
+                                    f32x8_scale(f32x8_load(xdT[b], i), _r8_wscale(kind, wr, o)), a0)
+                _store8(out, i, r, a0)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq4_nl_r8(w, xq, xd, bsums, out):
+    _mv_r8(w, xq, xd, out, K_IQ4_NL_R8)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _iq4_nl_r8_tiles(w, xq, xd, out):
+    _tiles_r8(w, xq, xd, out, K_IQ4_NL_R8)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mxfp4_r8(w, xq, xd, bsums, out):
+    _mv_r8(w, xq, xd, out, K_MXFP4_R8)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mxfp4_r8_tiles(w, xq, xd, out):
+    _tiles_r8(w, xq, xd, out, K_MXFP4_R8)
 
 
 # ------------------------------------------------------------------------------------------------ F16, BF16, F32
@@ -1124,6 +1277,7 @@ def _f32k(w, x, out):
 _QK = {T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.IQ4_XS: _iq4_xs, T.TQ2_0: _tq2_0, T.TQ1_0: _tq1_0, T.IQ2_XXS: _iq2_xxs,
        T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s, T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m}
 _R8 = {T.IQ4_NL: (_iq4_nl_r8, _iq4_nl), T.MXFP4: (_mxfp4_r8, _mxfp4)}    # llama.cpp repacks rows % 8 == 0
+_R8_TILES = {T.IQ4_NL: _iq4_nl_r8_tiles, T.MXFP4: _mxfp4_r8_tiles}
 TYPES = frozenset({T.F32, T.F16, T.BF16, T.IQ4_NL, T.MXFP4}) | frozenset(_QK)
 
 
@@ -1146,7 +1300,14 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scra
     vdt = B.BLOCKS[wtype].dot_type
     s = scratch if quantized else act_split(x, vdt, scratch)
     if wtype in _R8:
-        _R8[wtype][0 if w.shape[0] % 8 == 0 else 1](w, s.xq, s.xd, s.xs, out)
+        if w.shape[0] % 8:
+            _R8[wtype][1](w, s.xq, s.xd, s.xs, out)
+            return
+        n8 = n - n % 8
+        if n8:
+            _R8_TILES[wtype](w, s.xq, s.xd, out)
+        if n8 < n:
+            _R8[wtype][0](w, s.xq[n8:], s.xd[n8:], s.xs, out[n8:])
     else:
         _QK[wtype](w, s.xq, s.xd, s.xs, out)
 
@@ -1248,13 +1409,12 @@ DEQUANT_TILE = {T.IQ1_S: _dq_iq1_s, T.IQ1_M: _dq_iq1_m, T.IQ2_XXS: _dq_iq2_xxs, 
 def use_kernel(wtype: GGMLType, n: int, rows: int) -> bool:
     """Whether a batch of n activation rows takes these kernels (else the BLAS path's dequantized tiles). Below
     SMALL_N rows they run ggml's own order and read each weight once. From there llama.cpp runs other kernels
-    (tinyBLAS for F16/BF16, its tiled k-quant kernel for Q2_K/Q3_K/IQ4_XS), except for IQ4_NL's repacked rows, whose
-    gemm keeps the gemv's chain, so these kernels would stay exact there; but at n = 128 they take 2.7x Q4_1's
-    prompt tiles' time (single thread: 10.6-12.8 ms vs 3.7-3.9 on SmolLM2's feed-forward shapes) and dequantized
-    tiles + BLAS 1.6x: the prompt tiles of these formats are still to come (issue 17). The ternary, MXFP4 and IQ1-IQ3
-    formats have no other kernel in llama.cpp (its vec_dot at every batch size, so these kernels would be exact
-    there too); their prompts take the BLAS path for its speed, exact to float32 summation order."""
-    return n < SMALL_N
+    (tinyBLAS for F16/BF16, its tiled k-quant kernel for Q2_K/Q3_K/IQ4_XS), except for the rows it repacks (IQ4_NL,
+    MXFP4, rows % 8 == 0), whose gemm keeps the gemv's chain: those take ``_tiles_r8`` at every size, exact.
+    The ternary and IQ1-IQ3 formats have no other kernel in llama.cpp (its vec_dot at every batch size, so these
+    kernels would be exact there too); their prompts take the BLAS path for its speed, exact to float32 summation
+    order."""
+    return n < SMALL_N or (rows % 8 == 0 and GGMLType(wtype) in _R8)
 
 
 SMALL_N = 8

@@ -198,10 +198,11 @@ def _act_offset(kind):
 
 @njit(cache=True, inline="always")
 def _offset_lane_sums(kind, xq):
-    """The activations' ``lane_sums`` where the kernels use the unsigned-offset form (a signed format on a CPU
-    where it is exact: ``UNSIGNED_OFFSET``), else an unused (n, 1) placeholder."""
+    """The activations' ``lane_sums`` where the decode kernels use the weight-offset form (a signed format where it
+    is exact, ``simd.offset_exact``: everywhere for Q4_0 and Q5_0, Q8_0 with ``UNSIGNED_OFFSET``), else an unused
+    (n, 1) placeholder. Must agree with ``simd._signed_lanes``, which loads them."""
     n, k = xq.shape
-    if _signed(kind) and UNSIGNED_OFFSET:
+    if _signed(kind) and (UNSIGNED_OFFSET or kind != K_Q8_0):
         xls = np.empty((n, k // 4), np.int32)
         lane_sums(xq, _offset(kind), xls)
         return xls

@@ -233,10 +233,11 @@ def i32x8_add(typingctx, a, b):
 
 def _signed_lanes(context, builder, sig, args, au, b, off, il, iso):
     """Eight int32 lanes of signed weights times int8 activations b, from ``au``: the weights plus ``off`` as
-    unsigned bytes. Where the offset form is exact (``UNSIGNED_OFFSET``, below): vpdpbusd of au and b accumulating
-    into the activations' negated lane sums times off (``dot_q32.lane_sums``: args[il] at element args[iso]), one
-    instruction; else ggml's sign trick on au - off. The same integers either way."""
-    if UNSIGNED_OFFSET:
+    unsigned bytes. Where the offset form is exact (``offset_exact(off)``, below): the products of au and b
+    (vpdpbusd, or vpmaddubsw + vpmaddwd) added to the activations' negated lane sums times off
+    (``dot_q32.lane_sums``: args[il] at element args[iso]); else ggml's sign trick on au - off. The same integers
+    either way."""
+    if offset_exact(off):
         acc = _load(builder, _elem_ptr(context, builder, sig.args[il], args[il], args[iso], _V_I32x8))
         return _udot(builder, au, b, acc)
     return _sdot(builder, builder.sub(au, ir.Constant(au.type, [off] * 32)), b)
@@ -895,8 +896,14 @@ def f16_bits(typingctx, x):
 # form), an offset makes one operand unsigned instead of ggml's sign trick. The decode kernels offset the weights,
 # sum (q + off) * x - off * sum(x) per lane, the activations' lane sums computed once per call (``lane_sums``); the
 # prompt tiles offset the activations, sum q * (x + 128) - 128 * sum(q), once per weight block (``xdot``).
-# pmaddubsw saturates at 255 times a byte, so AVX2 keeps the sign trick.
+# pmaddubsw saturates at 255 times a byte, so AVX2 keeps the sign trick for Q8_0 (offset 128); Q4_0's and Q5_0's
+# offsets (8, 16) leave pair sums of at most 2 * 31 * 127 < 32767, so they take the offset form there too.
 UNSIGNED_OFFSET = VNNI or not AVX2
+
+
+def offset_exact(off):
+    """Whether weights offset by ``off`` into unsigned bytes give exact products with int8 activations here."""
+    return UNSIGNED_OFFSET or off <= 16
 
 
 @intrinsic
