@@ -185,6 +185,12 @@ CASES = {
     "concat_dim2": (lambda B: ops.concat(B(F32, (3, 4)), B(F32, (1, 3, 4)), 2), 0),
     # the recurrent layers' convolution window: the rolling rows, then the new tokens' transposed inputs
     "concat_dim0_transposed": (lambda B: ops.concat(B(F32, (2, 5, 3)), ops.transpose(B(F32, (2, 4, 5))), 0), 0),
+    # from numba_ops.PAR_MIN_ELEMENTS values the kernels split the work over threads (a prompt's window, 300 rows:
+    # four full blocks of 64 and a part; one plane or several; many rows of SiLU)
+    "concat_dim0_transposed_par": (lambda B: ops.concat(B(F32, (300, 3)), ops.transpose(B(F32, (220, 300))), 0), 0),
+    "cont_transposed_par": (lambda B: ops.cont(ops.transpose(B(F32, (260, 256)))), 0),
+    "cont_permuted_par": (lambda B: ops.cont(ops.permute(B(F32, (4, 130, 128)), 1, 0, 2, 3)), 0),
+    "silu_par": (lambda B: ops.silu(B(F32, (17, 4096))), 1e-6),
     "repeat_3d": (lambda B: ops.repeat(B(F32, (1, 3, 1)), B(F32, (2, 3, 5))), 0),
     "sum_rows_permuted": (lambda B: ops.sum_rows(ops.permute(B(F32, (3, 4, 33)), 1, 0, 2, 3)), 1e-5),
     "argsort_asc_odd": (lambda B: ops.argsort(B(F32, (3, 2, 17))), 0),
