@@ -49,24 +49,20 @@ def _q8_0(b: np.ndarray, o: np.ndarray) -> None:
         inv = np.where(d != 0, F32(1) / d, F32(0)).astype(F32, copy=False)
     v = b * inv[:, None]
     v += np.copysign(_HALF_DOWN, v)
-    with np.errstate(invalid="ignore"):
-        o[:, 2:] = v.astype(np.int8).view(np.uint8)         # float -> int8 truncates, as the C cast
+    o[:, 2:] = v.astype(np.int8).view(np.uint8)         # float -> int8 truncates, as the C cast
     o[:, :2] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
 def quantize_rows(x: np.ndarray, t: GGMLType, out: np.ndarray) -> None:
     """float32 [nrows, k] -> the rows of type ``t`` (one of NUMPY_TYPES) into ``out`` (uint8, C-contiguous)."""
     t = GGMLType(t)
-    if t == T.Q8_0:
-        x = np.ascontiguousarray(x, F32)
-        _q8_0(x.reshape(-1, 32), out.reshape(-1, 34))
-        return
-    if t == T.F32:
-        y = np.ascontiguousarray(x, F32).view(np.uint8)
-    elif t == T.F16:
-        y = quantize_f16(x)
-    elif t == T.BF16:
-        y = quantize_bf16(x)
-    else:
+    if t not in NUMPY_TYPES:
         raise ValueError(f"{t.name} is not converted here")
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):     # as quants.quantize: inf fits fp16
+        if t == T.Q8_0:
+            x = np.ascontiguousarray(x, F32)
+            _q8_0(x.reshape(-1, 32), out.reshape(-1, 34))
+            return
+        y = np.ascontiguousarray(x, F32).view(np.uint8) if t == T.F32 else \
+            quantize_f16(x) if t == T.F16 else quantize_bf16(x)
     out.reshape(y.shape)[...] = y
