@@ -155,6 +155,17 @@ def test_broken_streams_resume_with_the_same_text(replicas):
         assert s["p"]["seed"] == handle.specs[handle.specs.index(s) - 1]["p"]["seed"]
 
 
+def test_a_sampled_stream_resumes_with_the_same_text(replicas):
+    """Temperature sampling: the resumed replica's sampler replays the tokens so far (their random draws included),
+    so a stream broken after its first item and again later reads as the unbroken one."""
+    body = {**chat(11, 32), "temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1234}
+    c, _, _ = cluster_client(replicas)
+    want = stream_text(c, body)[0]
+    c, handle, eng = cluster_client(replicas, faults={0: 1, 1: 3})
+    assert stream_text(c, body)[0] == want
+    assert eng.failover["resumed"] == 2 and len(handle.specs[2]["generated"]) > len(handle.specs[1]["generated"])
+
+
 def test_a_stream_that_cannot_go_on_ends_with_an_error_event(replicas):
     from llampy.cluster.ingress import MAX_TRIES
     c, _, eng = cluster_client(replicas, faults={i: 1 for i in range(MAX_TRIES)})
