@@ -3,8 +3,8 @@
 A chat template is a program that came with the model file. jinja2's sandbox stops it from reaching out, but not
 from looping (`{% for i in range(100000) %}{% for j in range(100000) %}`) or from building huge values, and a
 Python thread cannot be stopped from outside. So the server renders in child processes (``python -m
-llampy.server.render``): a child's address space is capped (RLIMIT_AS), and a render that takes longer than its
-budget kills the child. Either way the request gets a ChatTemplateError (a 400), and the next render gets a fresh
+llampy.server.render``): a child's address space is capped (RLIMIT_AS), and a render that spends more CPU time
+than its budget kills the child. Either way the request gets a ChatTemplateError (a 400), and the next render gets a fresh
 child; the event loop, /health and shutdown never wait on a template.
 
 Protocol over the child's stdin/stdout: frames of a 4-byte little-endian length and UTF-8 JSON. Request:
@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..llama.chat import ChatTemplate, ChatTemplateError
 
-RENDER_SECONDS = 3.0        # wall time of one render
+RENDER_SECONDS = 3.0        # CPU time of one render (its wall time may reach WALL_FACTOR times that on a busy machine)
+WALL_FACTOR = 10.0
 RENDER_MEMORY = 1 << 30     # address space of a render process, bytes
 N_WORKERS = 2               # render processes at most (renders beyond wait for one)
 STARTUP_SECONDS = 30.0      # for a new render process to answer its first message
@@ -42,6 +43,16 @@ def _frame(obj) -> bytes:
     return _HDR.pack(len(data)) + data
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process pid (Linux's /proc), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _Worker:
     def __init__(self, memory: int):
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
@@ -50,12 +61,13 @@ class _Worker:
                                      env=env, close_fds=True)
         self.ready = False                      # answered once: the interpreter and jinja2 have started
 
-    def _read_exact(self, n: int, deadline: float) -> bytes:
+    def _read_exact(self, n: int, expired) -> bytes:
         fd, out = self.proc.stdout.fileno(), bytearray()
         while len(out) < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
+            if not select.select([fd], [], [], 0.05)[0]:
+                if expired():
+                    raise TimeoutError
+                continue
             part = os.read(fd, min(n - len(out), 1 << 20))
             if not part:
                 raise EOFError
@@ -63,11 +75,22 @@ class _Worker:
         return bytes(out)
 
     def call(self, request: dict, seconds: float) -> dict:
-        deadline = time.monotonic() + seconds
+        """The child's reply to one request; TimeoutError once the child has spent ``seconds`` of CPU time on it
+        (a template that loops), or ``WALL_FACTOR`` times that of wall time (a child starved by a loaded machine
+        is waited for, not killed at its first seconds: a 400 for a template that was merely slow to get a CPU)."""
+        start = time.monotonic()
+        cpu0 = _cpu_seconds(self.proc.pid)
+
+        def expired() -> bool:
+            wall = time.monotonic() - start
+            if wall < seconds:
+                return False
+            cpu = _cpu_seconds(self.proc.pid) if cpu0 is not None else None
+            return cpu is None or cpu - cpu0 >= seconds or wall >= seconds * WALL_FACTOR
         self.proc.stdin.write(_frame(request))
         self.proc.stdin.flush()
-        (n,) = _HDR.unpack(self._read_exact(_HDR.size, deadline))
-        return json.loads(self._read_exact(n, deadline))
+        (n,) = _HDR.unpack(self._read_exact(_HDR.size, expired))
+        return json.loads(self._read_exact(n, expired))
 
     def kill(self) -> None:
         try:
@@ -78,8 +101,8 @@ class _Worker:
 
 
 class TemplateRenderer:
-    """Renders ChatTemplates in up to ``n_workers`` child processes, each render limited to ``seconds`` of wall
-    time and ``memory`` bytes of address space. Thread-safe; ``render`` blocks its caller (call it off the event
+    """Renders ChatTemplates in up to ``n_workers`` child processes, each render limited to ``seconds`` of CPU
+    time (``_Worker.call``) and ``memory`` bytes of address space. Thread-safe; ``render`` blocks its caller (call it off the event
     loop)."""
 
     def __init__(self, seconds: float = RENDER_SECONDS, memory: int = RENDER_MEMORY, n_workers: int = N_WORKERS):

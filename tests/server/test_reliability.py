@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import socket
 import threading
 import time
@@ -70,6 +71,27 @@ def test_a_hostile_template_is_a_400_and_never_stops_the_server(llama_server, se
     if kind == "loops":             # it ran for its whole budget: the other chat was answered meanwhile
         assert ok_first
     assert lat and max(t for t, _ in lat) < 1.0 and all(s == 200 for _, s in lat), lat
+
+
+def test_a_starved_render_process_is_waited_for():
+    """The budget is the render's CPU time: a render process that gets no CPU for longer than the budget (a loaded
+    machine; here stopped with SIGSTOP) still answers, where a wall-time limit turned the request into a 400."""
+    import signal
+    from llampy.llama.chat import CHATML, ChatTemplate
+    from llampy.server.render import TemplateRenderer
+    r = TemplateRenderer(seconds=0.5, memory=512 << 20, n_workers=1)
+    try:
+        good = ChatTemplate(CHATML)
+        assert r.render(good, MSG) == good.render(MSG)          # its process started and idle
+        pid = r._idle[0].proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(r.render, good, MSG)
+            time.sleep(1.5)                                     # three budgets of wall time, no CPU
+            os.kill(pid, signal.SIGCONT)
+            assert fut.result(timeout=10) == good.render(MSG)
+    finally:
+        r.close()
 
 
 def test_render_budget_of_the_render_processes():
