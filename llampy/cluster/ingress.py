@@ -26,6 +26,10 @@ from ..server.slots import Event
 MAX_TRIES = 4           # replicas one stream may be sent to
 RETRY_AFTER_S = 2
 REFRESH_S = 0.5         # how often the ingress reads the board
+# A render's wall-time budget in the ingress (one server's is 3 s). The render child runs at nice +10 beside
+# the head's nice-0 processes; on a head that also runs replicas (a local cluster, the tests) a fresh child's
+# first render, which compiles the template, missed 3 s under load and every chat request got a 400.
+RENDER_SECONDS = 15.0
 
 
 class NoReplica(APIError):
@@ -223,7 +227,7 @@ class ClusterServer(Server):
         self.engine = engine
         self.api_key = api_key
         self.template = template_from_metadata(self.model.metadata)
-        self.renderer = TemplateRenderer()
+        self.renderer = TemplateRenderer(seconds=RENDER_SECONDS)
         self._check_template()
         self.n_vocab = self.model.hparams.n_vocab
         self.n_restored = 0
