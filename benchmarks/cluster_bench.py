@@ -25,6 +25,8 @@ then on the head:
     LLAMPY_BENCH_ADDRESS=PRIVATE_IP:6379 LLAMPY_BENCH_MODEL=/models/smollm2.gguf \
         .venv/bin/python benchmarks/cluster_bench.py throughput
 (LLAMPY_BENCH_SECONDS: each load's length, default 30; LLAMPY_BENCH_PARALLEL: slots per replica, default 4.)
+Ray runs its workers at nice 15 unless its nodes start with RAY_worker_niceness=0 (the local cluster here does;
+on real hosts, set it for `ray start` to compare with one server at normal priority).
 """
 from __future__ import annotations
 
@@ -288,6 +290,10 @@ def tree_pss_mib() -> float:
 
 def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers (the replicas, the ingress, Serve's proxy) at nice 15; one server runs at the
+    # caller's priority. The local nodes inherit this environment: workers at 0 (any other process on the
+    # machine would otherwise take the cores from them)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     from llampy.cluster.launch import start_local
     res: dict = {}
 
