@@ -66,8 +66,11 @@ class Deployment:
 # Serve's controller restarts a proxy that is not ready within 5 s (then 10 s, 15 s: it counts as a failed health
 # check, 3 in a row) or misses health checks of 10 s: on a loaded machine a local cluster's proxy took longer to start
 # and was killed again and again (Serve's controller log). The local cluster's nodes get longer ones (the user's
-# environment wins).
-LOCAL_NODE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+# environment wins). Ray starts its workers 15 nice levels below the raylet: on a machine that runs anything else, the
+# replicas, the ingress and its template renderer (another 10 below) starved, and from nice 5 up they all sat at 19;
+# a local cluster's workers run at the caller's priority instead, as one server does.
+LOCAL_NODE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+                  "RAY_worker_niceness": "0"}
 START_TRIES = 3
 
 
