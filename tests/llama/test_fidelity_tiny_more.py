@@ -30,10 +30,10 @@ MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "dee
        "deepseek2-ocr",
        "mistral4", "llama4"]
 # second configurations (make_tiny_more.py's SECOND): teacher-forced log-probs on every prompt; no greedy run or
-# perplexity (CI time). gpt-oss-b (MXFP4 experts, heads of 32) is recorded but left out: its records come from an
-# AVX2 build, whose F16 Q·K order at heads of 32 is not the AVX-512 order llampy keeps by default
+# perplexity (CI time). Their heads are under 32: there ggml's F16 Q·K order is the same in AVX2 and AVX-512 builds
+# (the records come from an AVX2 build; llampy keeps AVX-512's order by default)
 SECOND = ["phi2-b", "olmo2-b", "smollm3-b", "exaone-b", "internlm2-b", "command-r-b", "cohere2-b", "mistral3-b",
-          "mixtral-b", "qwen2moe-b", "olmoe-b", "granitemoe-b", "llama4-b"]
+          "mixtral-b", "qwen2moe-b", "olmoe-b", "granitemoe-b", "gpt-oss-b", "llama4-b"]
 DECODERS = ["phi2", "olmo2", "smollm3", "exaone", "internlm2", "command-r", "cohere2", "mistral3"] + MOE + SECOND
 SHORT = set(MOE) | set(SECOND)
 MOE_PPL = {"qwen3moe", "gpt-oss", "deepseek2"}
