@@ -299,15 +299,20 @@ def matvec_half(w, x, y, N, K, sw, sx, sy, NC: tl.constexpr, BN: tl.constexpr, B
 
 
 @triton.jit
+def _source_rows(idx, r, NR, USE_IDX: tl.constexpr):
+    """The weight rows that output rows r read (int64): idx[r] for a gather, else r (clamped to NR - 1)."""
+    rc = tl.minimum(r, NR - 1)
+    if USE_IDX:
+        return tl.load(idx + rc).to(tl.int64)
+    return rc.to(tl.int64)
+
+
+@triton.jit
 def dequant(w, idx, out, lut, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.constexpr, OUT_F16: tl.constexpr,
             BR: tl.constexpr, BK: tl.constexpr):
     """out[r, k] = value(w row (idx[r] if USE_IDX else r), k) for r < NR, k < K; out rows so elements apart."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    rc = tl.minimum(r, NR - 1)
-    if USE_IDX:
-        src = tl.load(idx + rc).to(tl.int64)
-    else:
-        src = rc.to(tl.int64)
+    src = _source_rows(idx, r, NR, USE_IDX)
     p = w + src[:, None] * sw
     ks = tl.program_id(1) * BK + tl.arange(0, BK)
     v = _value(p, tl.minimum(ks, K - 1)[None, :], lut, TYPE)
@@ -338,11 +343,7 @@ def dequant_fast(w, idx, out, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.con
     arithmetic, so the same values (prompts dequantize weights for cuBLAS: ~0.2 TB/s with the value rules'
     per-element byte gathers on a Q4_K_M 7B)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    rc = tl.minimum(r, NR - 1)
-    if USE_IDX:
-        src = tl.load(idx + rc).to(tl.int64)
-    else:
-        src = rc.to(tl.int64)
+    src = _source_rows(idx, r, NR, USE_IDX)
     col = tl.program_id(1) * 256
     r4 = r[:, None, None, None]
     if TYPE == Q4_K or TYPE == Q6_K:

@@ -139,6 +139,20 @@ def mmvq_q4_k(w, xq, xd, xs, y, N, K, sw, BN: tl.constexpr, SB: tl.constexpr, AS
 
 
 @triton.jit
+def _q6k_quarter(wa, wb, wh, i: tl.constexpr):
+    """Quarter i (0..3) of a Q6_K word slot as four 6-bit lanes: low or high nibbles of ql word A (quarters 0, 2)
+    or B (1, 3), with bits 2i, 2i + 1 of each qh byte on top."""
+    if i == 0:
+        return (wa & 0x0F0F0F0F) | ((wh & 0x03030303) << 4)
+    elif i == 1:
+        return (wb & 0x0F0F0F0F) | (((wh >> 2) & 0x03030303) << 4)
+    elif i == 2:
+        return ((wa >> 4) & 0x0F0F0F0F) | (((wh >> 4) & 0x03030303) << 4)
+    else:
+        return ((wb >> 4) & 0x0F0F0F0F) | (((wh >> 6) & 0x03030303) << 4)
+
+
+@triton.jit
 def mmvq_q6_k(w, xq, xd, xs, y, N, K, sw, BN: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
     """y[r] = Q6_K row r . x (x as Q8_K). Word slot j (0..15) of a superblock: half n = j // 8, l = 4 (j % 8);
     A = ql[64n + l..], B = ql[64n + 32 + l..], H = qh[32n + l..]; their four 6-bit quarters are the values
@@ -166,14 +180,7 @@ def mmvq_q6_k(w, xq, xd, xs, y, N, K, sw, BN: tl.constexpr, SB: tl.constexpr, AS
         xbase = sbc[:, None] * 64 + 32 * (ji // 8)[None, :] + (ji % 8)[None, :]   # [SB, 16], + 8i for quarter i
         isum = tl.zeros([BN, SB], tl.int32)
         for i in tl.static_range(4):
-            if i == 0:
-                q = (wa & 0x0F0F0F0F) | ((wh & 0x03030303) << 4)
-            elif i == 1:
-                q = (wb & 0x0F0F0F0F) | (((wh >> 2) & 0x03030303) << 4)
-            elif i == 2:
-                q = ((wa >> 4) & 0x0F0F0F0F) | (((wh >> 4) & 0x03030303) << 4)
-            else:
-                q = ((wb >> 4) & 0x0F0F0F0F) | (((wh >> 6) & 0x03030303) << 4)
+            q = _q6k_quarter(wa, wb, wh, i)
             xw = tl.load(x32 + xbase + 8 * i)[None, :, :]
             p = _dp4a(q, xw, tl.zeros_like(q), ASM)
             g = tl.sum(tl.reshape(p, [BN, SB, 4, 4]), axis=3)                   # [BN, SB, 4]: group (n, h)
@@ -307,14 +314,7 @@ def mmvq_q6_k_e(w, xq, xd, xs, y, N, K, sw, BN: tl.constexpr, SB: tl.constexpr, 
         xbase = sbc * 64 + xoff                             # + 8i for quarter i
         isum = tl.zeros([BN, SB, 16], tl.int32)
         for i in tl.static_range(4):
-            if i == 0:
-                q = (wa & 0x0F0F0F0F) | ((wh & 0x03030303) << 4)
-            elif i == 1:
-                q = (wb & 0x0F0F0F0F) | (((wh >> 2) & 0x03030303) << 4)
-            elif i == 2:
-                q = ((wa >> 4) & 0x0F0F0F0F) | (((wh >> 4) & 0x03030303) << 4)
-            else:
-                q = ((wb >> 4) & 0x0F0F0F0F) | (((wh >> 6) & 0x03030303) << 4)
+            q = _q6k_quarter(wa, wb, wh, i)
             xw = tl.load(x32 + xbase + 8 * i)
             p = _dp4a(q, xw, tl.zeros_like(q), ASM) - _dp4a(c32, xw, tl.zeros_like(xw), ASM)
             sc = tl.load((base + 192 + gbase + 2 * i).to(tl.pointer_type(tl.int8))).to(tl.int32)
