@@ -253,14 +253,14 @@ class CUDABackend(Backend):
         out = torch.empty((n, kdim), dtype=out_dtype, device=self.dev)
         if n == 0:
             return out
-        br, bk = (16, 256) if self.dev.type == "cuda" else (256, 256)   # the interpreter runs programs one by one
-        grid = (triton_cdiv(n, br), triton_cdiv(kdim, bk))
         if a.type in K.FAST_DEQUANT and K.FAST_DEQUANT_ON:
             br = 16 if self.dev.type == "cuda" else 32
             K.dequant_fast[(triton_cdiv(n, br), triton_cdiv(kdim, 256))](
                 w, idx if idx is not None else self._dummy, out, n, kdim, a.nb[1], kdim, USE_IDX=idx is not None,
                 TYPE=int(a.type), OUT_F16=out_dtype == torch.float16, BR=br)
             return out
+        br, bk = (16, 256) if self.dev.type == "cuda" else (256, 256)   # the interpreter runs programs one by one
+        grid = (triton_cdiv(n, br), triton_cdiv(kdim, bk))
         K.dequant[grid](w, idx if idx is not None else self._dummy, out, self._lut, n, kdim, a.nb[1], kdim,
                         USE_IDX=idx is not None, TYPE=int(a.type), OUT_F16=out_dtype == torch.float16,
                         BR=br, BK=bk)
@@ -600,13 +600,15 @@ def b_mul_mat(be, node):
         kdim, n_out = a.ne[0], a.ne[1]
         bn, bk, warps = K.HALF_SHAPE if be.dev.type == "cuda" else (64, 256, 4)
         x1 = bv.reshape(1, kdim)
+        d2 = d.reshape(1, n_out) if d.is_contiguous() and d.dtype == F32 else None
 
         def run_mv():
             x = x1 if x1.dtype == F32 else x1.to(F32)
-            out = torch.empty((1, n_out), dtype=F32, device=be.dev)
+            out = d2 if d2 is not None else torch.empty((1, n_out), dtype=F32, device=be.dev)
             K.matvec_half[(triton_cdiv(n_out, bn),)](av, x, out, n_out, kdim, av.stride(-2), kdim, n_out, NC=1,
                                                      BN=bn, BK=bk, num_warps=warps)
-            d.copy_(out.reshape(d.shape))
+            if out is not d2:
+                d.copy_(out.reshape(d.shape))
         return run_mv
     low = a.type in (T.F16, T.BF16) and be.dev.type == "cuda"
     dt = TORCH_DTYPE[a.type] if low else F32

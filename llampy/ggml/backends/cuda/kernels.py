@@ -325,13 +325,13 @@ def dequant(w, idx, out, lut, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.con
 
 
 @triton.jit
-def _store_rows(out, r, NR, so, j, v, OUT_F16: tl.constexpr):
-    """v at columns j of output rows r (r and j broadcast with v)."""
+def _store_rows(out, r, so, j, v, ok, OUT_F16: tl.constexpr):
+    """v at columns j of output rows r where ok (r, j and ok broadcast with v)."""
     dst = out + r.to(tl.int64) * so + j
     if OUT_F16:
-        tl.store(dst, v.to(tl.float16), mask=r < NR)
+        tl.store(dst, v.to(tl.float16), mask=ok)
     else:
-        tl.store(dst, v, mask=r < NR)
+        tl.store(dst, v, mask=ok)
 
 
 @triton.jit
@@ -355,14 +355,8 @@ def dequant_fast(w, idx, out, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.con
             h = tl.arange(0, 2)[None, None, :, None]
             q = (tl.load(b4 + 16 + 32 * c + l).to(tl.int32) >> (4 * h)) & 15
             g = 2 * c + h
-            lo = g < 4
-            gl = tl.where(lo, g, g - 4)
-            a = tl.load(b4 + 4 + gl).to(tl.int32)
-            e = tl.load(b4 + 4 + gl + 8).to(tl.int32)
-            m_a = tl.load(b4 + 4 + gl + 4).to(tl.int32)
-            sc = tl.where(lo, a & 63, (e & 15) | ((a >> 6) << 4))
-            mn = tl.where(lo, m_a & 63, (e >> 4) | ((m_a >> 6) << 4))
-            v = _f16(b4, 0) * (sc * q).to(tl.float32) - _f16(b4, 2) * mn.to(tl.float32)
+            v = _f16(b4, 0) * (_kscale(b4, 0, g, False) * q).to(tl.float32) \
+                - _f16(b4, 2) * _kscale(b4, 0, g, True).to(tl.float32)
             j = 64 * c + 32 * h + l
         else:                   # [BR, n, qd, l]: value 128n + 32qd + l
             n = tl.arange(0, 2)[None, :, None, None]
@@ -372,7 +366,7 @@ def dequant_fast(w, idx, out, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.con
             sc = _i8(b4, 192 + 8 * n + l // 16 + 2 * qd)
             v = _f16(b4, 208) * (sc * ((ql | (qh << 4)) - 32)).to(tl.float32)
             j = 128 * n + 32 * qd + l
-        _store_rows(out, r4, NR, so, col + j, v, OUT_F16)
+        _store_rows(out, r4, so, col + j, v, r4 < NR, OUT_F16)
     else:                       # Q4_0 / Q8_0: eight blocks of 32 [BR, b, h, l]: value 32b + 16h + l
         bi = tl.arange(0, 8)[None, :, None, None]
         blk = tl.program_id(1) * 8 + bi
@@ -385,13 +379,7 @@ def dequant_fast(w, idx, out, NR, K, sw, so, USE_IDX: tl.constexpr, TYPE: tl.con
             v = _f16(b4, 0) * (q - 8).to(tl.float32)
         else:
             v = _f16(b4, 0) * _i8(b4, 2 + 16 * h + l).to(tl.float32)
-        j = 32 * blk + 16 * h + l
-        dst = out + r4.to(tl.int64) * so + j
-        ok = (r4 < NR) & (blk < K // 32)
-        if OUT_F16:
-            tl.store(dst, v.to(tl.float16), mask=ok)
-        else:
-            tl.store(dst, v, mask=ok)
+        _store_rows(out, r4, so, 32 * blk + 16 * h + l, v, (r4 < NR) & (blk < K // 32), OUT_F16)
 
 
 FAST_DEQUANT = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K})
