@@ -143,6 +143,130 @@ def test_unordered_map_order():
     assert q.tokens[q.eot] == "<|im_end|>" and l3.tokens[l3.eot] == "<|eot_id|>"
 
 
+# ------------------------------------------------------------------------------- llama.cpp's own tables, re-read
+_C_ESCAPES = {"\\": "\\", '"': '"', "'": "'", "n": "\n", "r": "\r", "t": "\t", "?": "?"}
+
+
+def _lex_cpp(src: str) -> tuple[str, list[str]]:
+    """C++ source without its comments, each string literal (adjacent ones joined, as the compiler joins them)
+    replaced by ``@N@``, and the strings' values."""
+    out, strs, i, joined = [], [], 0, False
+    while i < len(src):
+        if src.startswith("//", i):
+            end = src.find("\n", i)
+            i = len(src) if end < 0 else end
+        elif src.startswith("/*", i):
+            i = src.index("*/", i) + 2
+        elif src[i] in "\"'":
+            q, j, buf = src[i], i + 1, []
+            while src[j] != q:
+                if src[j] == "\\":
+                    assert src[j + 1] in _C_ESCAPES, f"escape \\{src[j + 1]} not read here: {src[i:j + 10]!r}"
+                    buf.append(_C_ESCAPES[src[j + 1]])
+                    j += 2
+                else:
+                    buf.append(src[j])
+                    j += 1
+            i = j + 1
+            if q == "'":
+                out.append("'?'")
+                joined = False
+            elif joined:
+                strs[-1] += "".join(buf)
+            else:
+                strs.append("".join(buf))
+                out.append(f"@{len(strs) - 1}@")
+                joined = True
+            continue
+        else:
+            joined = joined and src[i].isspace()
+            out.append(src[i])
+            i += 1
+    return "".join(out), strs
+
+
+def _llama_vocab_cpp() -> str:
+    """llama.cpp's src/llama-vocab.cpp of the sdist the vocabularies come from (scripts/llamacpp_vocabs.sh)."""
+    for d in _cache_dirs():
+        if (d / "llama-vocab.cpp").exists():
+            return (d / "llama-vocab.cpp").read_text(encoding="utf-8")
+    msg = "llama-vocab.cpp is not in the vocabulary cache: run `bash scripts/llamacpp_vocabs.sh` (make test does)"
+    if os.environ.get("CI"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def _region(src: str, start: str, end: str) -> tuple[str, list[str]]:
+    a = src.index(start)
+    return _lex_cpp(src[a:src.index(end, a)])
+
+
+def test_every_llamacpp_pre_tokenizer_is_llampys():
+    """llama_vocab::impl::load's pre-tokenizer names and the options each sets, and llm_tokenizer_bpe's regexes per
+    pre-tokenizer type, read from llama.cpp's source: llampy's table (PRE_TYPES) has the same names, the same
+    regexes verbatim and the same options; every tokenizer model llama.cpp names is one llampy loads."""
+    import re
+    from types import SimpleNamespace
+    from llampy.llama import vocab as V
+    from llampy.llama.vocab_bpe import _REGEXES, PRE_TYPES, UNSUPPORTED_PRE
+    from llampy.server.rerank import add_sep
+    src = _llama_vocab_cpp()
+    # llm_tokenizer_bpe's constructor: pre-tokenizer type -> (regexes, byte_encode)
+    code, strs = _region(src, "struct llm_tokenizer_bpe : llm_tokenizer {", "std::vector<std::string> regex_exprs;")
+    regexes, n_blocks = {}, 0
+    for m in re.finditer(r"((?:case\s+LLAMA_VOCAB_PRE_TYPE_\w+\s*:\s*)+|default\s*:\s*)regex_exprs\s*=\s*"
+                         r"\{([^{}]*)\}\s*;([^{}]*?)break\s*;", code):
+        rx = tuple(strs[int(k)] for k in re.findall(r"@(\d+)@", m.group(2)))
+        rest = dict(re.findall(r"([\w.]+)\s*=\s*(\w+)\s*;", m.group(3)))
+        assert set(rest) <= {"byte_encode"}, rest
+        for t in re.findall(r"LLAMA_VOCAB_PRE_TYPE_(\w+)", m.group(1)) or ["<default>"]:
+            regexes[t] = (rx, rest.get("byte_encode", "true") == "true")
+        n_blocks += 1
+    assert n_blocks == len(re.findall(r"regex_exprs\s*=", code)) and "<default>" in regexes
+    assert len(regexes) == len(re.findall(r"\bcase\b", code)) + 1
+    # the load's chain of pre-tokenizer names: name -> (type, options set)
+    code, strs = _region(src, "if (type == LLAMA_VOCAB_TYPE_BPE) {", "} else if (type == LLAMA_VOCAB_TYPE_SPM)")
+    names = {}
+    for m in re.finditer(r"if\s*\(([^{}]*)\)\s*\{([^{}]*)\}", code):
+        assigns = dict(re.findall(r"([\w.]+)\s*=\s*(\w+)\s*;", m.group(2)))
+        pre_type = assigns.pop("pre_type").removeprefix("LLAMA_VOCAB_PRE_TYPE_")
+        for k in re.findall(r"tokenizer_pre\s*==\s*@(\d+)@", m.group(1)):
+            assert strs[int(k)] not in names
+            names[strs[int(k)]] = (pre_type, assigns)
+    assert len(names) == len(re.findall(r"tokenizer_pre\s*==", code)) >= 90
+    forced = re.search(r"if \(pre_type == LLAMA_VOCAB_PRE_TYPE_(\w+) && !add_bos\) \{\s*add_bos = true;", src)
+    assert forced
+    known = {"clean_spaces", "ignore_merges", "add_bos", "escape_whitespaces", "special_bos_id", "add_sep",
+             "normalizer_opts.lowercase"}
+    assert set(names) == set(PRE_TYPES), f"not in both: {sorted(set(names) ^ set(PRE_TYPES))}"
+    assert not UNSUPPORTED_PRE & set(names)
+    bad = []
+    for name, (pre_type, a) in sorted(names.items()):
+        assert set(a) <= known, (name, a)          # an option this test does not compare yet
+        rx, byte_enc = regexes.get(pre_type, regexes["<default>"])
+        key, opts = PRE_TYPES[name]
+        want = dict(regexes=rx, byte_encode=byte_enc, clean_spaces=a.get("clean_spaces", "true") == "true",
+                    ignore_merges=a.get("ignore_merges") == "true", add_bos=a.get("add_bos") == "true",
+                    escape_whitespaces=a.get("escape_whitespaces") == "true",
+                    no_bos=a.get("special_bos_id") == "LLAMA_TOKEN_NULL",
+                    lowercase=a.get("normalizer_opts.lowercase", "true") == "true",
+                    force_bos=pre_type == forced.group(1), add_sep=a.get("add_sep") == "true")
+        got = dict(regexes=_REGEXES[key], byte_encode=opts.get("byte_encode", True),
+                   clean_spaces=opts.get("clean_spaces", True), ignore_merges=opts.get("ignore_merges", False),
+                   add_bos=opts.get("add_bos", False), escape_whitespaces=opts.get("escape_whitespaces", False),
+                   no_bos=opts.get("no_bos", False), lowercase=opts.get("lowercase", True),
+                   force_bos=opts.get("force_bos", False),
+                   add_sep=add_sep(SimpleNamespace(type="bpe"), {"tokenizer.ggml.pre": name}))
+        bad += [(name, k, got[k], want[k]) for k in want if got[k] != want[k]]
+    assert not bad, f"{len(bad)} differ from llama.cpp, first {bad[:3]}"
+    # tokenizer.ggml.model: every name llama.cpp's load compares against
+    code, strs = _region(src, "ml.get_key(LLM_KV_TOKENIZER_MODEL, tokenizer_model);",
+                         "// for now, only BPE models have pre-tokenizers")
+    models = {strs[int(k)] for k in re.findall(r"tokenizer_model\s*==\s*@(\d+)@", code)}
+    ours = set(V._MODELS) | V._KNOWN_MODELS
+    assert len(models) >= 10 and models == ours, f"not in both: {sorted(models ^ ours)}"
+
+
 # ------------------------------------------------------------------------------------------ libllama, differential
 _ORACLE = r'''
 import ctypes, json, sys
