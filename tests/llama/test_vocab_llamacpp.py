@@ -402,9 +402,11 @@ def _rwkv_tokens(v) -> list[str]:
 
 
 # pre-tokenizers no shipped vocabulary uses, run over gpt-2's vocabulary (and its merges); not "whitespace", whose
-# words hold spaces that llama.cpp's merge lookup asserts against outside its own tokenizer model
+# words hold spaces that llama.cpp's merge lookup asserts against outside its own tokenizer model. With
+# tests/llama/test_vocab.py's list (SmolLM2's vocabulary) every regex set of llm_tokenizer_bpe is run.
 _PRES = ["afmoe", "tiny_aya", "cohere2moe", "superbpe", "kimi-k2", "granite-embed-multi-311m",
-         "sarvam-moe", "gemma4", "youtu", "exaone-moe", "minicpm5", "laguna", "seed-coder"]
+         "sarvam-moe", "gemma4", "youtu", "exaone-moe", "minicpm5", "laguna", "seed-coder",
+         "chameleon", "granite-embed-multi-97m", "spark2_5", "ufakzeka", "viking"]
 
 
 @pytest.mark.slow
