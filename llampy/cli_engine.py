@@ -31,6 +31,8 @@ def add_offload_args(p, default="auto") -> None:
 def add_mtmd_args(p, image: bool = True) -> None:
     """llama.cpp's multimodal flags (``llampy.mtmd``)."""
     p.add_argument("--mmproj", default=None, metavar="FILE", help="the model's projector GGUF (image input)")
+    p.add_argument("--no-mmproj-offload", dest="mmproj_offload", action="store_false",
+                   help="encode images on the CPU even when the model has GPU layers (default: on its first GPU)")
     if image:
         p.add_argument("--image", action="append", default=None, metavar="FILE",
                        help="an image for the prompt (repeatable); each goes where the prompt has <__media__>, or "
@@ -224,7 +226,8 @@ def cmd_run(args) -> int:
     except SpeculativeError as e:
         print(f"llampy run: {e}", file=sys.stderr)
         return 2
-    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, mmproj_path=args.mmproj)
+    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, mmproj_path=args.mmproj,
+                mmproj_offload=args.mmproj_offload)
     try:
         llm.set_speculative(spec, args.model_draft if spec is not None and "draft-simple" in spec.types else None)
     except SpeculativeError as e:
@@ -292,7 +295,8 @@ def _then(steps, fn):
 
 
 def cmd_chat(args) -> int:
-    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, chat_template=args.chat_template, mmproj_path=args.mmproj)
+    llm = _load(args, n_ctx=args.ctx_size, seed=args.seed, chat_template=args.chat_template, mmproj_path=args.mmproj,
+                mmproj_offload=args.mmproj_offload)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     pending: list = []                # image parts added with /image, sent with the next message
     tty = sys.stdin.isatty()

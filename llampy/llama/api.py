@@ -87,7 +87,8 @@ class Llama:
                  type_k: str = "f16", type_v: str = "f16", use_mmap: bool = True, verbose: bool = False,
                  tune_process: bool = True, vocab_only: bool = False, split_mode: str = "layer",
                  tensor_split=None, main_gpu: int = 0, override_tensor=None, lora_path: str | None = None,
-                 lora_scale: float = 1.0, lora_adapters=None, mmproj_path: str | None = None):
+                 lora_scale: float = 1.0, lora_adapters=None, mmproj_path: str | None = None,
+                 mmproj_offload: bool = True):
         """``tune_process``: install llampy's process tuning (``llampy.tuning``: OpenMP spin, single-threaded
         OpenBLAS, Numba patches, graphs frozen out of the garbage collector) before loading; False leaves the
         process as it is, for a program that hosts llampy beside other work. ``vocab_only``: the vocabulary
@@ -98,7 +99,9 @@ class Llama:
         (``llama.lora``; ``set_lora_scales`` changes the scales later). ``pooling`` (``embed``): mean, cls, last
         or rank; None: the file's pooling_type for an encoder (bert), else mean. An encoder embeds only.
         ``mmproj_path``: a projector GGUF (llama.cpp's --mmproj): chat messages may then hold OpenAI-style
-        ``image_url`` parts (``llampy.mtmd``); a projector for another model raises ProjectorError."""
+        ``image_url`` parts (``llampy.mtmd``); a projector for another model raises ProjectorError. With GPU layers
+        the image encoder runs on the model's first GPU too (``mmproj_offload`` False: on the CPU, as llama.cpp's
+        --no-mmproj-offload)."""
         from ..ggml.types import GGMLType
         if tune_process:
             from .. import tuning
@@ -129,7 +132,7 @@ class Llama:
         self.mtmd = None
         if mmproj_path:
             from ..mtmd import MtmdContext
-            self.mtmd = MtmdContext(mmproj_path, self.model, n_threads=n_threads)
+            self.mtmd = MtmdContext(mmproj_path, self.model, n_threads=n_threads, use_gpu=mmproj_offload)
 
     # ------------------------------------------------------------------ basics
     def set_lora_scales(self, scales) -> None:

@@ -158,7 +158,10 @@ class Projector:
             self.hparams = _load_hparams(md)
         except InvalidMetadata as e:
             raise ProjectorError(f"projector {self.path.name}: {e}") from None
-        self.backend = backend or backend_init("cpu", n_threads=n_threads)
+        # the encoder's backend (an accelerator when given: llama.cpp's mmproj offload) and the CPU, which runs what
+        # the accelerator does not and holds the weights of a type it cannot read
+        self.cpu = backend_init("cpu", n_threads=n_threads)
+        self.backend = backend or self.cpu
         self.tensors: dict[str, Tensor] = {}
         self._load_tensors()
 
@@ -178,7 +181,10 @@ class Projector:
             raise ProjectorError(f"projector tensor {name!r} has type {GGMLType(info.type).name}")
         t = Tensor(GGMLType(info.type), info.ne, name=name)
         t.flags |= Flags.WEIGHT
-        buft = self.backend.get_default_buffer_type()
+        be = self.backend
+        if be is not self.cpu and not getattr(be, "supports_weight", lambda _t: True)(GGMLType(info.type)):
+            be = self.cpu
+        buft = be.get_default_buffer_type()
         tensor_alloc(buft.buffer_from_host(info.data, BufferUsage.WEIGHTS), t, 0)
         self.tensors[name] = t
         return t

@@ -80,9 +80,16 @@ _NON_CAUSAL = frozenset({"gemma3"})
 
 class MtmdContext:
     def __init__(self, mmproj_path, model, n_threads: int | None = None, media_marker: str = DEFAULT_MEDIA_MARKER,
-                 cache_images: int = 32):
+                 cache_images: int = 32, use_gpu: bool = True):
+        """``use_gpu`` (llama.cpp's mtmd_context_params.use_gpu; False: --no-mmproj-offload): when the language
+        model runs layers on an accelerator, the projector's weights and its encoder graph go to the first of its
+        devices too, with the CPU beside it for the ops that device lacks. llama.cpp offloads the projector
+        whenever a GPU backend exists; llampy starts its GPU backend only for a model that asks for GPU layers."""
         self.model = model
-        self.proj = Projector(mmproj_path, n_threads=n_threads)
+        gpu = None
+        if use_gpu and getattr(model, "n_gpu_layers", 0) and getattr(model, "devices", None):
+            gpu = model.devices[0]
+        self.proj = Projector(mmproj_path, n_threads=n_threads, backend=gpu)
         try:
             self.proj.check_text_model(model.hparams.n_embd)
             if self.proj.hparams.proj_type not in _WRAP:

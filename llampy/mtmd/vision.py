@@ -239,8 +239,12 @@ class Encoder:
     """Runs images through the projector: ``encode(pixels)`` with pixels float32 (H, W, 3), normalised."""
 
     def __init__(self, proj, backends=None):
+        """``backends``: the scheduler's, in priority order; by default the projector's backend, then the CPU
+        where that is an accelerator (the ops it lacks fall back there, op by op, as ggml's scheduler does)."""
         self.proj = proj
-        self.sched = Scheduler(list(backends) if backends else [proj.backend])
+        if not backends:
+            backends = [proj.backend] + ([proj.cpu] if getattr(proj, "cpu", proj.backend) is not proj.backend else [])
+        self.sched = Scheduler(list(backends))
         self._graphs: dict[tuple, EncoderGraph] = {}
 
     def graph_for(self, width: int, height: int) -> EncoderGraph:

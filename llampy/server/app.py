@@ -49,13 +49,14 @@ class Server:
                  alias: str | None = None, tune_process: bool = True, n_threads: int | None = None,
                  slot_save_path=None, prompt_cache=None, progress=None, offload: dict | None = None,
                  mmproj=None, allow_remote_images: bool = False, spec=None, model_draft=None, lora=None,
-                 ctx_checkpoints: int = 32):
+                 ctx_checkpoints: int = 32, mmproj_offload: bool = True):
         """``slot_save_path``: the folder /slots/{id}?action=save|restore reads and writes (None: those actions
         are refused). ``prompt_cache``: a file of the slots' cached prompts, restored here when it exists (and
         fits this model) and written by ``save_prompt_cache`` at shutdown. ``progress(fraction)``: called as the
         weights load (Model's progress_callback). ``offload``: Model's GPU keywords (n_gpu_layers, split_mode,
         tensor_split, main_gpu, override_tensor). ``mmproj``: a projector GGUF (image input, server/media.py);
-        ``allow_remote_images``: fetch http(s) image URLs too. ``spec``: speculative decoding settings
+        ``mmproj_offload``: the image encoder on the model's first GPU when it has GPU layers (--no-mmproj-offload:
+        False); ``allow_remote_images``: fetch http(s) image URLs too. ``spec``: speculative decoding settings
         (llama/speculative.SpecParams); ``model_draft``: the draft model's GGUF (spec type draft-simple).
         ``lora``: (path, scale) pairs of GGUF LoRA adapters (GET/POST /lora-adapters, a request's "lora").
         ``ctx_checkpoints``: recurrent states kept per slot of a recurrent or hybrid model (--ctx-checkpoints)."""
@@ -77,7 +78,7 @@ class Server:
         self.allow_remote_images = allow_remote_images
         if mmproj:
             from ..mtmd import MtmdContext
-            self.mtmd = MtmdContext(mmproj, self.model, n_threads=n_threads)
+            self.mtmd = MtmdContext(mmproj, self.model, n_threads=n_threads, use_gpu=mmproj_offload)
         # an image is decoded in one micro-batch (its tokens attend to each other): the batch holds the largest
         n_img = self.mtmd.proj.n_image_tokens(self.mtmd.proj.hparams.image_size,
                                               self.mtmd.proj.hparams.image_size) if self.mtmd else 0

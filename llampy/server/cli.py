@@ -20,6 +20,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--alias", default=None, help="the model name reported to clients")
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the model's projector GGUF: image_url parts and multimodal_data are then accepted")
+    p.add_argument("--no-mmproj-offload", dest="mmproj_offload", action="store_false",
+                   help="encode images on the CPU even when the model has GPU layers (default: on its first GPU)")
     p.add_argument("--lora", action="append", default=None, metavar="FILE",
                    help="a GGUF LoRA adapter at scale 1 (repeatable; GET/POST /lora-adapters, a request's 'lora')")
     p.add_argument("--lora-scaled", nargs=2, action="append", default=None, metavar=("FILE", "SCALE"),
@@ -164,6 +166,7 @@ def cmd_serve(args) -> int:
         server = Server(path, args.parallel, args.ctx_size, args.api_key, args.alias, n_threads=args.threads,
                         slot_save_path=args.slot_save_path, prompt_cache=args.prompt_cache,
                         progress=LoadProgress(path.name), offload=offload_kw(args), mmproj=args.mmproj,
+                        mmproj_offload=args.mmproj_offload,
                         allow_remote_images=args.allow_remote_images, spec=spec,
                         model_draft=resolve_model(args.model_draft)
                         if spec is not None and "draft-simple" in spec.types else None, lora=lora,

@@ -753,6 +753,41 @@ def b_repeat(be, node):
     return lambda: d.copy_(_bcast(a, shape).expand(shape))
 
 
+def b_im2col(be, node):
+    """dst (N, OH, OW, IC*KH*KW) = the input's patches, channel-major (c, kh, kw) as ggml's im2col (torch's unfold
+    order), 0 outside the input; stored in dst's type (F16: the pixels rounded to F16, as ggml-cuda's)."""
+    p = node.op_params
+    x, d = view(node.src[1]), view(node)                             # x (N, IC, IH, IW)
+    kw, kh = node.src[0].ne[0], node.src[0].ne[1]
+
+    def run():
+        cols = F.unfold(_f(x), (kh, kw), dilation=(p["d1"], p["d0"]), padding=(p["p1"], p["p0"]),
+                        stride=(p["s1"], p["s0"]))                   # (N, IC*KH*KW, OH*OW)
+        d.copy_(cols.transpose(1, 2).reshape(d.shape))
+    return run
+
+
+def b_pool_2d(be, node):
+    """ggml's pool_2d: the max, or the sum / (k0 * k1), of the input values under each window; padding is left
+    out of the sum but counted in the divisor (zeros for AVG), an empty window's max is -FLT_MAX."""
+    p = node.op_params
+    x, d = view(node.src[0]), view(node)                             # (N, C, IH, IW) -> (N, C, OH, OW)
+    k, s = (p["k1"], p["k0"]), (p["s1"], p["s0"])
+    pad = (p["p0"], p["p0"], p["p1"], p["p1"])
+    avg = p["op"] == 1
+
+    def run():
+        xx = _f(x)
+        if any(pad):
+            xx = F.pad(xx, pad, value=0.0 if avg else -math.inf)
+        if avg:
+            y = F.avg_pool2d(xx, k, s)
+        else:
+            y = torch.clamp(F.max_pool2d(xx, k, s), min=-float(np.finfo(np.float32).max))
+        d.copy_(y[..., :d.shape[2], :d.shape[3]])
+    return run
+
+
 def b_sum_rows(be, node):
     a, d = view(node.src[0]), view(node)
     return lambda: d.copy_(_f(a).sum(-1, keepdim=True))
@@ -876,6 +911,7 @@ _TABLE = {
     Op.RMS_NORM: b_rms_norm, Op.RMS_NORM_MUL: b_rms_norm_mul, Op.NORM: b_norm, Op.L2_NORM: b_l2_norm,
     Op.SCALE: b_scale, Op.CLAMP: b_clamp, Op.SOFTCAP: b_softcap, Op.SWIGLU: b_glu, Op.GEGLU: b_glu,
     Op.CPY: b_cpy, Op.CONT: b_cpy, Op.DUP: b_cpy, Op.CONCAT: b_concat, Op.REPEAT: b_repeat,
+    Op.IM2COL: b_im2col, Op.POOL_2D: b_pool_2d,
     Op.SUM_ROWS: b_sum_rows, Op.MEAN: b_mean, Op.ARGMAX: b_argmax, Op.ARGSORT: b_argsort, Op.TOP_K: b_top_k,
     **{o: b_binary for o in BINARY_OPS}, **{o: b_unary for o in UNARY_OPS},
 }
