@@ -129,9 +129,10 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) * n / dt
 
 
-def llama_bench(exe: str, path: Path, n_prompt: int, n_gen: int, reps: int, ngl: int = 99) -> dict:
+def llama_bench(exe: str, path: Path, n_prompt: int, n_gen: int, reps: int, ngl: int = 99, ctk: str = "f16",
+                ctv: str = "f16") -> dict:
     cmd = [exe, "-m", str(path), "-ngl", str(ngl), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps), "-o",
-           "json", "-fa", "1"]
+           "json", "-fa", "1", "-ctk", ctk, "-ctv", ctv]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
     except (subprocess.SubprocessError, OSError) as e:
@@ -193,6 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-bench", default=None, help="a llama-bench built with -DGGML_CUDA=ON")
     ap.add_argument("--partial", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the GGUF files")
+    ap.add_argument("-ctk", "--cache-type-k", default="f16", help="the KV cache's K type (both sides)")
+    ap.add_argument("-ctv", "--cache-type-v", default="f16", help="the KV cache's V type (both sides)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="the GPU kernels of 16 decode steps, by time (first file)")
     ap.add_argument("--mmvq-shapes", default=None, help="launch shapes of the integer decode kernels to try instead "
@@ -236,7 +239,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             m = Model(path, n_gpu_layers=-1)
             t_load = time.perf_counter() - t0
-            res = {r.test[:2]: r.avg_ts for r in bench(m, args.n_prompt, args.n_gen, args.reps)}
+            kv = dict(type_k=T[args.cache_type_k.upper()], type_v=T[args.cache_type_v.upper()])
+            res = {r.test[:2]: r.avg_ts for r in bench(m, args.n_prompt, args.n_gen, args.reps, **kv)}
             if args.profile and not rows and on_gpu:
                 profile_decode(m)
             nbytes = decode_bytes(m)
@@ -248,7 +252,8 @@ def main(argv=None) -> int:
             if on_gpu:
                 torch.cuda.empty_cache()
             if args.llama_bench:
-                lc = llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps)
+                lc = llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps,
+                                 ctk=args.cache_type_k, ctv=args.cache_type_v)
                 row["llamacpp"] = lc
                 if "tg" in lc and row["tg"]:
                     row["tg_ratio"] = row["tg"] / lc["tg"]

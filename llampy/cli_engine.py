@@ -28,6 +28,24 @@ def add_offload_args(p, default="auto") -> None:
                    help="REGEX=BUFTYPE: weights whose name matches go to CPU, CUDA0, ... (e.g. 'exps=CPU')")
 
 
+# llama.cpp's -ctk/-ctv values (common/arg.cpp's kv_cache_types) but bf16, which the CPU's attention does not read
+CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def add_cache_args(p) -> None:
+    """llama.cpp's KV-cache type flags."""
+    for short, long, what in (("-ctk", "--cache-type-k", "K"), ("-ctv", "--cache-type-v", "V")):
+        p.add_argument(short, long, default="f16", type=str.lower, choices=CACHE_TYPES, metavar="TYPE",
+                       help=f"the KV cache's {what} type: {', '.join(CACHE_TYPES)} (default f16)")
+
+
+def cache_kw(args) -> dict:
+    """type_k / type_v as GGMLType from -ctk / -ctv."""
+    from .ggml.types import GGMLType
+    return dict(type_k=GGMLType[getattr(args, "cache_type_k", "f16").upper()],
+                type_v=GGMLType[getattr(args, "cache_type_v", "f16").upper()])
+
+
 def add_mtmd_args(p, image: bool = True) -> None:
     """llama.cpp's multimodal flags (``llampy.mtmd``)."""
     p.add_argument("--mmproj", default=None, metavar="FILE", help="the model's projector GGUF (image input)")
@@ -101,6 +119,7 @@ def add_engine_parsers(sub) -> None:
     g.add_argument("-jf", "--json-schema-file", default=None, help="a file holding a JSON schema")
     add_mtmd_args(p)
     add_offload_args(p)
+    add_cache_args(p)
     add_lora_args(p)
     from .server.cli import add_spec_args
     add_spec_args(p)
@@ -117,6 +136,7 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-t", "--threads", type=int, default=None)
     add_mtmd_args(p, image=False)
     add_offload_args(p)
+    add_cache_args(p)
     add_lora_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -152,6 +172,7 @@ def add_engine_parsers(sub) -> None:
                         "for the formats with integer kernels)")
     p.add_argument("-t", "--threads", type=int, default=None)
     add_offload_args(p)
+    add_cache_args(p)
     add_lora_args(p)
     p.set_defaults(func=cmd_perplexity)
 
@@ -165,6 +186,7 @@ def add_engine_parsers(sub) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
     p.add_argument("--json", action="store_true")
     add_offload_args(p)
+    add_cache_args(p)
     add_lora_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -186,7 +208,9 @@ def _lora_adapters(args, model) -> list:
 
 def _load(args, **kw):
     from .llama.api import Llama
-    return Llama(args.model, n_threads=_threads(args), lora_adapters=_lora_pairs(args), **offload_kw(args), **kw)
+    kv = {k: v.name.lower() for k, v in cache_kw(args).items()}
+    return Llama(args.model, n_threads=_threads(args), lora_adapters=_lora_pairs(args), **offload_kw(args), **kv,
+                 **kw)
 
 
 def _grammar(args):
@@ -400,7 +424,7 @@ def cmd_perplexity(args) -> int:
         writer = BaseWriter(args.kl_divergence_base, args.ctx_size, m.hparams.n_vocab, tokens, n_chunk)
     try:
         res = perplexity(m, text, n_ctx=args.ctx_size, n_batch=args.batch_size, max_chunks=args.chunks,
-                         progress=progress, fast=args.blas, on_logits=writer, loras=loras)
+                         progress=progress, fast=args.blas, on_logits=writer, loras=loras, **cache_kw(args))
     finally:
         if writer:
             writer.close()
@@ -465,13 +489,15 @@ def cmd_bench(args) -> int:
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     m = Model(resolve_model(args.model), n_threads=args.threads, **offload_kw(args))
     results = bench(m, args.n_prompt, args.n_gen, args.reps, args.batch_size, args.ubatch_size, args.threads,
-                    loras=_lora_adapters(args, m))
+                    loras=_lora_adapters(args, m), **cache_kw(args))
     if args.json:
         print(json.dumps([r.to_json() for r in results], indent=1))
         return 0
-    print("| model | size | params | backend | ngl | threads | test | t/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    kv = args.cache_type_k != "f16" or args.cache_type_v != "f16"     # llama-bench adds the columns when set
+    print("| model | size | params | backend | ngl | threads |" + (" type_k | type_v |" if kv else "") + " test | t/s |")
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if kv else "") + " --- | --- |")
     for r in results:
         print(f"| {m.hparams.arch} {m.hparams.name} | {r.model_size / 2**20:.2f} MiB | {r.model_n_params / 1e6:.2f} M "
-              f"| {r.backend} | {r.n_gpu_layers} | {r.n_threads} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} |")
+              f"| {r.backend} | {r.n_gpu_layers} | {r.n_threads} |"
+              + (f" {r.type_k} | {r.type_v} |" if kv else "") + f" {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} |")
     return 0

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .batch import Batch
+from ..ggml.types import GGMLType
 from .context import Context
 
 
@@ -31,6 +32,8 @@ class BenchResult:
     stddev_ts: float = 0.0
     backend: str = "cpu"
     n_gpu_layers: int = 0
+    type_k: str = "f16"
+    type_v: str = "f16"
     test: str = ""
 
     def to_json(self) -> dict:
@@ -50,12 +53,14 @@ def _run_tg(ctx: Context, tokens: np.ndarray) -> None:
 
 
 def bench(model, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_batch: int = 2048, n_ubatch: int = 512,
-          n_threads: int = 2, seed: int = 1234, loras=None) -> list[BenchResult]:
-    """llama-bench's pp and tg tests; ``loras``: (LoraAdapter, scale) pairs applied throughout (--lora)."""
+          n_threads: int = 2, seed: int = 1234, loras=None, type_k=GGMLType.F16,
+          type_v=GGMLType.F16) -> list[BenchResult]:
+    """llama-bench's pp and tg tests; ``loras``: (LoraAdapter, scale) pairs applied throughout (--lora);
+    ``type_k``/``type_v``: the KV cache's types (-ctk/-ctv)."""
     rng = np.random.default_rng(seed)
     n_vocab = model.hparams.n_vocab
     n_ctx = max(n_prompt, n_gen, 1) + 1
-    ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch)
+    ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v)
     ctx.set_loras(loras or [])
     results = []
     tests = []
@@ -80,6 +85,7 @@ def bench(model, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_batch: 
                         avg_ns=statistics.mean(samples), stddev_ns=statistics.stdev(samples) if len(samples) > 1 else 0.0,
                         avg_ts=statistics.mean(ts), stddev_ts=statistics.stdev(ts) if len(ts) > 1 else 0.0,
                         test=f"{name}{n}", n_gpu_layers=model.n_gpu_layers,
-                        backend="cuda" if model.n_gpu_layers else "cpu")
+                        backend="cuda" if model.n_gpu_layers else "cpu", type_k=GGMLType(type_k).name.lower(),
+                        type_v=GGMLType(type_v).name.lower())
         results.append(r)
     return results

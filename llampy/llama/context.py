@@ -17,7 +17,7 @@ from ..ggml.backend import tensor_get, tensor_set
 from ..ggml.graph import Graph
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
-from ..ggml.types import GGMLType
+from ..ggml.types import GGMLType, TYPE_TRAITS
 from .batch import Batch
 from .graph import build_graph
 from .kv_cache import KV_PAD, CacheFull as _CacheFull
@@ -68,6 +68,12 @@ class Context:
                 if ok is not None and not ok(GGMLType(t)):
                     raise ContextError(f"a {GGMLType(t).name} KV cache is not supported on {b.name} (layers "
                                        f"offloaded there): use f16, bf16 or f32, or fewer GPU layers")
+        if self.uses_cache:             # a block-format cache stores whole blocks per head (llama.cpp asserts)
+            for what, t, d in (("K", type_k, hp.n_embd_head_k), ("V", type_v, hp.n_embd_head_v)):
+                bs = TYPE_TRAITS[GGMLType(t)].blck_size
+                if d and d % bs:
+                    raise ContextError(f"a {GGMLType(t).name} {what} cache needs heads of a multiple of {bs} values; "
+                                       f"this model's {what} heads have {d}: use f16, bf16 or f32")
         self.kv = create_memory(model, self.n_ctx, self.n_seq_max, type_k, type_v,
                                 n_stream=1 if kv_unified else self.n_seq_max)
         self.sched = Scheduler(model.backends)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .batch import Batch
+from ..ggml.types import GGMLType
 from .context import Context, ContextError
 
 
@@ -31,7 +32,8 @@ def _nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def perplexity(model, text: str, n_ctx: int = 512, n_batch: int | None = None, max_chunks: int | None = None,
-               progress=None, fast: bool = False, tokens=None, on_logits=None, loras=None) -> PerplexityResult:
+               progress=None, fast: bool = False, tokens=None, on_logits=None, loras=None, type_k=GGMLType.F16,
+               type_v=GGMLType.F16) -> PerplexityResult:
     """``fast``: batched matrix products through the dequantize-and-BLAS path instead of the integer kernels (the
     mean log-likelihood moves by ~1e-3). It used to be the default; since the integer kernels' prompt tiles it is
     the slower of the two (seeds/003 at -c 256 -b 256: SmolLM2 7.1 s BLAS vs 4.6 s integer, Gemma 3 19.4 vs 17.3),
@@ -51,7 +53,7 @@ def perplexity(model, text: str, n_ctx: int = 512, n_batch: int | None = None, m
         raise ContextError(f"the text has {len(tokens)} tokens: need at least n_ctx={n_ctx} for one chunk "
                            f"(a longer text, or a smaller -c)")
     n_batch = min(n_batch or n_ctx, n_ctx)
-    ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch)
+    ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, type_k=type_k, type_v=type_v)
     ctx.set_loras(loras or [])
     saved = [getattr(b, "exact_max_rows", None) for b in model.backends]
     if fast:

@@ -49,7 +49,7 @@ class Server:
                  alias: str | None = None, tune_process: bool = True, n_threads: int | None = None,
                  slot_save_path=None, prompt_cache=None, progress=None, offload: dict | None = None,
                  mmproj=None, allow_remote_images: bool = False, spec=None, model_draft=None, lora=None,
-                 ctx_checkpoints: int = 32, mmproj_offload: bool = True):
+                 ctx_checkpoints: int = 32, cache_types: dict | None = None, mmproj_offload: bool = True):
         """``slot_save_path``: the folder /slots/{id}?action=save|restore reads and writes (None: those actions
         are refused). ``prompt_cache``: a file of the slots' cached prompts, restored here when it exists (and
         fits this model) and written by ``save_prompt_cache`` at shutdown. ``progress(fraction)``: called as the
@@ -90,7 +90,7 @@ class Server:
                 spec = SpecParams(types=("draft-simple",))
         self.spec = spec
         self.engine = Engine(self.model, n_parallel, n_ctx, min_batch=n_img, spec=spec, draft_model=self.model_draft,
-                             n_ctx_checkpoints=ctx_checkpoints)
+                             n_ctx_checkpoints=ctx_checkpoints, **(cache_types or {}))
         self.engine.mtmd = self.mtmd
         if lora:
             from ..llama.lora import LoraAdapter

@@ -10,8 +10,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=None, help="GGUF path, or 'smollm2' (default) / 'gemma3'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
-    from ..cli_engine import add_offload_args
+    from ..cli_engine import add_cache_args, add_offload_args
     add_offload_args(p)
+    add_cache_args(p)
     p.add_argument("--parallel", "-np", type=int, default=4, help="slots: requests decoded together (default 4)")
     p.add_argument("--ctx-size", "-c", type=int, default=4096,
                    help="KV cache cells in all, shared by the slots; each slot gets ctx-size / parallel")
@@ -118,7 +119,7 @@ def cmd_serve(args) -> int:
     from ..models import resolve_model
     from .app import Server, create_app
     from .ops import make_uvicorn, setup_logging
-    from ..cli_engine import offload_kw
+    from ..cli_engine import cache_kw, offload_kw
     if args.parallel < 1 or args.ctx_size // max(args.parallel, 1) < 8:
         print(f"llampy serve: --parallel {args.parallel} and --ctx-size {args.ctx_size} leave no room per slot",
               file=sys.stderr)
@@ -170,7 +171,7 @@ def cmd_serve(args) -> int:
                         allow_remote_images=args.allow_remote_images, spec=spec,
                         model_draft=resolve_model(args.model_draft)
                         if spec is not None and "draft-simple" in spec.types else None, lora=lora,
-                        ctx_checkpoints=args.ctx_checkpoints)
+                        ctx_checkpoints=args.ctx_checkpoints, cache_types=cache_kw(args))
     except (SpeculativeError, LoraError) as e:   # a draft model of another vocabulary, a recurrent target; an adapter
         # of another architecture or shape
         print(f"llampy: error: {e}", file=sys.stderr)
@@ -206,7 +207,7 @@ def _serve_router(args, spec) -> int:
     from .oai import APIError
     from .ops import shutdown_engine
     from .router import Router, RouterApp, parse_keep_alive
-    from ..cli_engine import offload_kw
+    from ..cli_engine import cache_kw, offload_kw
     try:
         keep_alive = parse_keep_alive(args.keep_alive)
     except APIError as e:
@@ -222,7 +223,8 @@ def _serve_router(args, spec) -> int:
     def make_server(path, name):
         return Server(path, args.parallel, args.ctx_size, None, name, n_threads=args.threads,
                       slot_save_path=args.slot_save_path, progress=LoadProgress(path.name), offload=offload_kw(args),
-                      spec=spec, model_draft=draft, ctx_checkpoints=args.ctx_checkpoints)
+                      spec=spec, model_draft=draft, ctx_checkpoints=args.ctx_checkpoints,
+                      cache_types=cache_kw(args))
 
     router = Router(args.models_dir, make_server, lambda s: create_app(s, cors=cors), keep_alive=keep_alive,
                     models_max=args.models_max, autoload=args.models_autoload)

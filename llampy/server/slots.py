@@ -135,7 +135,7 @@ class Slot:
 class Engine:
     def __init__(self, model, n_parallel: int = 4, n_ctx: int = 4096, prompt_budget: int = PROMPT_BUDGET,
                  min_batch: int = 0, spec=None, draft_model=None, n_ctx_checkpoints: int = N_CTX_CHECKPOINTS,
-                 step_budget: int | None = None):
+                 step_budget: int | None = None, type_k=None, type_v=None):
         """``prompt_budget``: the tokens of a prompt's chunk; ``step_budget``: prompt tokens of all slots together
         per step (default: the chunks of min(n_parallel, PROMPT_SLOTS_PER_STEP) slots). ``min_batch``: the
         micro-batch holds at least this many tokens (the projector's largest image, whose tokens are decoded
@@ -175,6 +175,7 @@ class Engine:
         # where earlier requests left cells in the cache
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_parallel,
                            max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False,
+                           **{k: v for k, v in (("type_k", type_k), ("type_v", type_v)) if v is not None},
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
         # only a memory that cannot cut a suffix needs them (a KV cache answers seq_rm at any position)
