@@ -232,36 +232,49 @@ def pipeline_ms_per_token(n: int = 24) -> dict:
     return out
 
 
-def throughput(model: str, parallel: int, seconds: float, n_tok: int = 64) -> dict:
-    """Tokens/s with 1 replica and with one per node; see the module's docstring."""
+def _load(url: str, n_clients: int, seconds: float, n_tok: int) -> float:
+    """Generated tokens/s at ``url`` under ``n_clients`` clients sending ``n_tok``-token completions back to back."""
+    import httpx
+    toks, t_end = [], time.monotonic() + seconds
+
+    def client(i):
+        k = 0
+        while time.monotonic() < t_end:
+            r = httpx.post(url + "/v1/completions", json={"prompt": f"Story {i} part {k}:", "max_tokens": n_tok,
+                                                          "ignore_eos": True, "temperature": 0}, timeout=300)
+            r.raise_for_status()
+            toks.append(r.json()["usage"]["completion_tokens"])
+            k += 1
+    t0 = time.monotonic()
+    ths = [threading.Thread(target=client, args=(i,)) for i in range(n_clients)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return round(sum(toks) / (time.monotonic() - t0), 1)
+
+
+def throughput(model: str, parallel: int, seconds: float, n_tok: int = 64, server: str | None = None) -> dict:
+    """Tokens/s with 1 replica and with one per node; with ``server`` (the URL of one `llampy serve` of the same
+    model and slots, one thread), the same load on it first. See the module's docstring."""
     import httpx
     import ray
     from llampy.cluster import deploy
     n = sum(1 for nd in ray.nodes() if nd["Alive"] and nd["Resources"].get("CPU", 0) >= 1)
     out: dict = {"nodes": n, "parallel": parallel, "seconds": seconds, "max_tokens": n_tok}
+    if server:
+        for i in range(2):
+            httpx.post(server + "/v1/completions", json={"prompt": f"Warm {i}", "max_tokens": 4}, timeout=120)
+        out["tps_one_server"] = _load(server, 2 * parallel, seconds, n_tok)
     for reps in (1, n):
         deploy(model, replicas=reps, parallel=parallel, port=PORT, place_timeout=240)
         _wait(reps)
         for i in range(2 * reps):       # each replica's first step (plans, caches) outside the timing
             httpx.post(URL + "/v1/completions", json={"prompt": f"Warm {i}", "max_tokens": 4}, timeout=120)
-        toks, t_end = [], time.monotonic() + seconds
-
-        def client(i):
-            k = 0
-            while time.monotonic() < t_end:
-                r = httpx.post(URL + "/v1/completions", json={"prompt": f"Story {i} part {k}:", "max_tokens": n_tok,
-                                                              "ignore_eos": True, "temperature": 0}, timeout=300)
-                r.raise_for_status()
-                toks.append(r.json()["usage"]["completion_tokens"])
-                k += 1
-        t0 = time.monotonic()
-        ths = [threading.Thread(target=client, args=(i,)) for i in range(2 * parallel * reps)]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        out[f"tps_{reps}"] = round(sum(toks) / (time.monotonic() - t0), 1)
+        out[f"tps_{reps}"] = _load(URL, 2 * parallel * reps, seconds, n_tok)
     out["scaling"] = round(out[f"tps_{n}"] / (n * out["tps_1"]), 3)
+    if server:
+        out["scaling_vs_one_server"] = round(out[f"tps_{n}"] / (n * out["tps_one_server"]), 3)
     return out
 
 
@@ -336,7 +349,8 @@ def main() -> None:
     if "throughput" in only:
         put("throughput", throughput(os.environ.get("LLAMPY_BENCH_MODEL", str(TINY)),
                                      int(os.environ.get("LLAMPY_BENCH_PARALLEL", "4")),
-                                     float(os.environ.get("LLAMPY_BENCH_SECONDS", "30"))))
+                                     float(os.environ.get("LLAMPY_BENCH_SECONDS", "30")),
+                                     server=os.environ.get("LLAMPY_BENCH_SERVER")))
     from ray import serve
     serve.delete("llampy")
     if want("pipeline") and c is not None:
