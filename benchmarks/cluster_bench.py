@@ -24,7 +24,11 @@ Throughput over N real hosts: start Ray on them (`ray start --head --node-ip-add
 then on the head:
     LLAMPY_BENCH_ADDRESS=PRIVATE_IP:6379 LLAMPY_BENCH_MODEL=/models/smollm2.gguf \
         .venv/bin/python benchmarks/cluster_bench.py throughput
-(LLAMPY_BENCH_SECONDS: each load's length, default 30; LLAMPY_BENCH_PARALLEL: slots per replica, default 4.)
+(LLAMPY_BENCH_SECONDS: each load's length, default 30; LLAMPY_BENCH_PARALLEL: slots per replica, default 4;
+LLAMPY_BENCH_SERVER: the URL of one `llampy serve MODEL --parallel P -t 1` on one of the hosts, loaded the same way
+first, for scaling_vs_one_server = tps_N / (N x its tokens/s), the issue's measure.) Two nodes on this machine, each
+pinned to its own core in a network namespace of its own, against one server on one core:
+`bash benchmarks/cluster_two_netns.sh [MODEL]` (root).
 Ray runs its workers at nice 15 unless its nodes start with RAY_worker_niceness=0 (the local cluster here does;
 on real hosts, set it for `ray start` to compare with one server at normal priority).
 """
