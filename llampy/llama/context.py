@@ -20,10 +20,38 @@ from ..ggml.tensor import Tensor
 from ..ggml.types import GGMLType, TYPE_TRAITS
 from .batch import Batch
 from .graph import build_graph
-from .kv_cache import KV_PAD, CacheFull as _CacheFull
+from .kv_cache import KV_PAD, CacheFull as _CacheFull, KVCache
 from .memory import create_memory
 
 POOLING = ("none", "mean", "last", "cls", "rank")
+
+# Padded micro-batches (Context's pad_ubatch): one of fewer tokens than PAD_BELOW (flash attention's query-by-query
+# path, kv_cache.MIX_BELOW's shared micro-batches) that is not a decode step of single tokens is padded to a multiple
+# of PAD_STEP tokens and a power of two of outputs, so that a server's prompt pieces reuse a few graphs instead of
+# building one (~60-130 ms of CPU) per new (tokens, outputs) pair. The padding repeats the last token (same id,
+# position, sequence and cell: it writes the cell's values again, bit for bit) and the last output row; neither is
+# returned. That keeps every real row's bits only where each row is computed apart from the others: the products
+# of the 32-value formats (dot_q32: every kernel form, at any row count, sums a row in ggml's vec_dot order), and
+# ops that work row by row. A graph with anything else (another weight format, an op outside this list) is not
+# padded.
+PAD_BELOW = 64
+PAD_STEP = 8
+_ROW_EXACT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
+_ROW_OPS = frozenset({"NONE", "ADD", "MUL", "SCALE", "RMS_NORM", "NORM", "ROPE", "SET_ROWS", "GET_ROWS", "CPY",
+                      "CONT", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "SWIGLU", "GEGLU", "SILU", "GELU",
+                      "FLASH_ATTN_EXT", "MUL_MAT"})
+
+
+def _rows_apart(graph: Graph) -> bool:
+    """Whether each token row of the graph is computed apart from the others (see PAD_BELOW)."""
+    for node in graph.nodes:
+        if node.op.name not in _ROW_OPS:
+            return False
+        if node.op.name == "MUL_MAT":
+            w = node.src[0]
+            if w.op.name != "NONE" or w.view_src is not None or GGMLType(w.type) not in _ROW_EXACT_TYPES:
+                return False
+    return True
 
 
 class ContextError(ValueError):
@@ -38,7 +66,7 @@ class Context:
     def __init__(self, model, n_ctx: int | None = None, n_batch: int = 2048, n_ubatch: int = 512,
                  n_seq_max: int = 1, type_k=GGMLType.F16, type_v=GGMLType.F16, embeddings: bool = False,
                  pooling: str = "mean", max_graphs: int = 8, kv_pad: int = KV_PAD, kv_pad_decode: int | None = None,
-                 kv_unified: bool = True):
+                 kv_unified: bool = True, pad_ubatch: bool = False):
         hp = model.hparams
         self.model = model
         self.n_ctx = int(n_ctx or min(hp.n_ctx_train, 4096))
@@ -87,6 +115,10 @@ class Context:
         self.kv_pad = max(1, int(kv_pad))
         self.kv_pad_decode = max(1, int(kv_pad_decode)) if kv_pad_decode else self.kv_pad
         self.n_graph_builds = 0
+        # pad micro-batches below PAD_BELOW tokens (see PAD_BELOW; n_kv then padded as a decode step's), where the
+        # first graph built shows every row computed apart (None: no graph yet)
+        self.pad_ubatch = bool(pad_ubatch)
+        self._rows_apart: bool | None = None
         self._logits = np.zeros((0, hp.n_vocab), np.float32)
         self._embd = np.zeros((0, hp.n_embd), np.float32)
         self._out_rows: dict[int, int] = {}   # batch index -> row of _logits/_embd
@@ -123,6 +155,8 @@ class Context:
         gc = build_graph(self.model, self.kv, n_tokens, n_outputs, n_kv, self.embeddings, self.pooling,
                          loras=self.loras, embd_input=embd_input)
         self.n_graph_builds += 1
+        if self._rows_apart is None:
+            self._rows_apart = _rows_apart(gc.graph)
         # Graphs live long and hold most of the process's Python objects (a server's ~15 graphs: every full
         # collection walked them, 70-140 ms in the middle of a decode step). With the process tuning installed they
         # move into the collector's permanent generation; reference counting still frees them when evicted.
@@ -146,7 +180,8 @@ class Context:
         return True
 
     def _n_kv(self, n_tokens: int) -> int:
-        pad = self.kv_pad_decode if n_tokens <= self.n_seq_max else self.kv_pad
+        small = n_tokens <= self.n_seq_max or (self.pad_ubatch and self._rows_apart and n_tokens < PAD_BELOW)
+        pad = self.kv_pad_decode if small else self.kv_pad
         return self.kv.n_kv_for(self.kv.used_max_p1(), pad)
 
     # ------------------------------------------------------------------ decode
@@ -210,9 +245,25 @@ class Context:
         """The micro-batches of a batch, as index arrays: the memory's to choose (KVCache.split)."""
         return self.kv.split(batch, self.n_ubatch)
 
+    def _pad_shape(self, ub: Batch, n_outputs: int) -> tuple | None:
+        """(tokens, outputs) of the padded micro-batch's graph, or None when it is not padded (see PAD_BELOW)."""
+        n = len(ub)
+        if (not self.pad_ubatch or n >= PAD_BELOW or n_outputs == n or not self._rows_apart or self.loras
+                or ub.embd is not None or ub.mpos is not None or self.embeddings or not self.causal_attn
+                or not isinstance(self.kv, KVCache) or self.model.devices):
+            return None
+        from ..ggml.backends.cpu.matmul import DECODE_MAX_ROWS
+        exact = getattr(self.model.cpu, "exact_max_rows", None)
+        if min(DECODE_MAX_ROWS, DECODE_MAX_ROWS if exact is None else exact) < PAD_BELOW:
+            return None     # larger batches go to BLAS (not row by row)
+        n_pad = min(-(-n // PAD_STEP) * PAD_STEP, PAD_BELOW - 1, self.n_ubatch)
+        return n_pad, min(1 << (max(n_outputs, 1) - 1).bit_length(), n_pad)
+
     def _decode_ubatch(self, ub: Batch, out_idx: np.ndarray) -> np.ndarray:
         n = len(ub)
         n_outputs = len(out_idx)
+        out_ids = out_idx if n_outputs else np.array([n - 1])
+        shape = self._pad_shape(ub, n_outputs) if self.pad_ubatch else None
         if self.uses_cache:
             try:
                 idxs = self.kv.find_slot(n, ub.seq_id)
@@ -224,7 +275,12 @@ class Context:
             n_kv = self._n_kv(n)
         else:
             n_kv = n
-        gc = self._graph(n, max(n_outputs, 1), n_kv, ub.embd is not None)
+        if shape is not None:           # the last token and the last output row repeated (see PAD_BELOW)
+            sel = np.minimum(np.arange(shape[0]), n - 1)
+            ub = Batch(ub.tokens[sel], ub.pos[sel], [ub.seq_id[i] for i in sel], ub.logits[sel])
+            idxs = idxs[sel]
+            out_ids = out_ids[np.minimum(np.arange(shape[1]), len(out_ids) - 1)]
+        gc = self._graph(len(ub), len(out_ids), n_kv, ub.embd is not None)
         self.sched.alloc_graph(gc.graph)
         inp = gc.inputs
         if ub.embd is not None:
@@ -250,11 +306,12 @@ class Context:
             tensor_set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa,
                                                         chunked=self.model.hparams.swa_chunked, **causal))
         if "out_ids" in inp:
-            tensor_set(inp["out_ids"], (out_idx if n_outputs else np.array([n - 1])).astype(np.int32))
+            tensor_set(inp["out_ids"], out_ids.astype(np.int32))
         self.sched.graph_compute(gc.graph)
         out = gc.t_embd if self.embeddings else gc.t_logits
         res = tensor_get(out).reshape(-1, out.ne[0])
-        return res[:n_outputs]
+        # with out_ids the rows asked for come first; without, every row (a padded batch's real outputs among them)
+        return res[:n_outputs] if "out_ids" in inp else res[out_idx]
 
     def _pool(self, ub: Batch, embd: np.ndarray) -> None:
         seqs = np.array([s[0] for s in ub.seq_id])

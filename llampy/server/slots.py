@@ -170,11 +170,12 @@ class Engine:
         n_ubatch = max(self.prompt_budget + n_parallel * (1 + spec_cap), min_batch)
         self.mtmd = None                # a MtmdContext when the server takes images (its prompts hold ImagePos)
         # graphs are cached per (tokens, outputs, kv) shape, so keep more; decode steps read the whole cache
-        # (n_kv padded to it), so theirs differ only in the batch size
+        # (n_kv padded to it), so theirs differ only in the batch size; so do the short pieces of prompts that share
+        # micro-batches, padded to a few sizes (Context's pad_ubatch: the same bits, fewer graphs to build)
         # one KV stream per slot (llama-server's default, kv_unified off): a request's result does not depend on
         # where earlier requests left cells in the cache
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_parallel,
-                           max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False,
+                           max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False, pad_ubatch=True,
                            **{k: v for k, v in (("type_k", type_k), ("type_v", type_v)) if v is not None},
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
