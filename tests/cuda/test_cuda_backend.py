@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llampy.ggml import ops
-from llampy.ggml.backend import backend_init, tensor_alloc, tensor_data, tensor_get, tensor_set
+from llampy.ggml.backend import backend_init, tensor_alloc, tensor_data, tensor_get, tensor_get_bytes, tensor_set
 from llampy.ggml.blocks import BLOCKS
 from llampy.ggml.graph import Graph
 from llampy.ggml.quants import dequantize, quantize
@@ -23,8 +23,8 @@ from .helpers import REF, device_leaf
 CUDA = backend_init("cuda")
 from llampy.ggml.backends.cuda import kernels as K  # noqa: E402  (imported by the backend)
 
-# what the backend leaves to the CPU: quantized stores (KV caches in block formats) and quantized K/V attention
-NOT_ON_CUDA = {"cpy_f32_q8_0", "set_rows_q8_0", "flash_attn_q8_0_kv"}
+# what the backend leaves to the CPU (the scheduler places it there)
+NOT_ON_CUDA: set[str] = set()
 # the reference rounds activations to the weight's dot type (Q8_0/Q8_1/Q8_K) and uses ggml-cpu's F16 GELU table;
 # the GPU keeps activations in float32 (F16 inside tensor-core tiles), as ggml-cuda's dequantize paths do
 LOOSE = 1e-2
@@ -324,3 +324,80 @@ def test_products_of_one_input_share_its_quantization():
     want = np.concatenate([dequantize(quantize(wv, t), t, k).reshape(wv.shape) @ tensor_get(x).reshape(-1)
                            for wv, t in zip(ws, (T.Q4_K, T.Q6_K, T.Q4_K))])
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------- quantized KV cache
+KV_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+
+
+def _kv_rows(rng):
+    """Rows a cache stores: random values, with blocks that test the quantizers' edges (all zero, one value far
+    out, a tie for the largest magnitude with opposite signs, halves of Q8_0's step)."""
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    x[1, 2, :32] = 0.0
+    x[1, 0, 40] = 10.0
+    x[0, 2, 32:] = 0.5
+    x[0, 2, 40], x[0, 2, 50] = -3.0, 3.0
+    x[0, 0, :32] = np.arange(-16, 16, dtype=np.float32) * 0.25 + 0.125
+    return x
+
+
+def _store_graph(be, t, place):
+    rng = np.random.default_rng(3)
+    x = _kv_rows(rng)
+    cache = place(be, t, (2, 8, 64), np.zeros((2, 8, 64)), rng)
+    src = place(be, T.F32, (2, 3, 64), x, rng)
+    idx = place(be, T.I64, (3,), np.array([6, 2, 0]), rng)
+    stored = ops.set_rows(cache, src, idx)
+    # the K shift's read and write-back: a permuted view of the cache to F32 and back into it
+    view = ops.permute(stored, 0, 2, 1, 3)
+    back = ops.cpy(ops.scale(ops.cont(ops.cast(view, T.F32)), -0.5), view)
+    return stored, back
+
+
+@pytest.mark.parametrize("t", KV_TYPES, ids=lambda t: t.name)
+def test_quantized_kv_cache_stores_the_cpu_backends_bytes(t):
+    """set_rows into a block-format cache (llama.cpp's -ctk/-ctv q8_0 ... q5_1) quantizes on the device as
+    ggml-cpu's from_float does: the same bytes as the CPU backend, edge blocks included; the K shift's cast of a
+    permuted view and its copy back give the CPU's bytes too."""
+    from tests.ggml.helpers import leaf
+    cpu = backend_init("cpu")
+    out = {}
+    for be, place in ((CUDA, device_leaf), (cpu, leaf)):
+        stored, back = _store_graph(be, t, place)
+        g1 = Graph.build(stored.set_output())
+        if be is CUDA:
+            assert all(CUDA.supports_op(n) for n in g1.nodes)
+        Scheduler([be]).graph_compute(g1)
+        first = tensor_get_bytes(stored).copy()
+        g2 = Graph.build(back.set_output())
+        if be is CUDA:
+            assert all(CUDA.supports_op(n) for n in g2.nodes)
+        Scheduler([be]).graph_compute(g2)
+        out[be.name] = first, tensor_get_bytes(stored).copy()
+    np.testing.assert_array_equal(out["cuda"][0], out["cpu"][0])
+    np.testing.assert_array_equal(out["cuda"][1], out["cpu"][1])
+    assert not np.array_equal(out["cpu"][0], out["cpu"][1])      # the write-back changed the cache
+
+
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+def test_decode_attention_reads_a_quantized_cache_in_place(t, monkeypatch):
+    """One query row over a block-format cache: the decode kernel reads the blocks through the value rules (no
+    dense copy of the cache is made), and agrees with the reference; a prompt's rows (dense copies) too."""
+    def case(nq):
+        def build(B):
+            q = ops.permute(B(T.F32, (nq, 4, 64)), 0, 2, 1, 3)
+            m = np.zeros((nq, 70))
+            m[:, 65:] = -np.inf
+            return ops.flash_attn_ext(q, B(t, (2, 70, 64)), B(t, (2, 70, 64)), B(T.F16, (nq, 70), m), 0.125)
+        return build
+    for nq in (1, 5):
+        if nq == 1:
+            monkeypatch.setattr(K, "dequant_rows3", None)              # a dense copy would fail here
+        g, out = _run(CUDA, case(nq))
+        assert all(CUDA.supports_op(n) for n in g.nodes)
+        Scheduler([CUDA]).graph_compute(g)
+        monkeypatch.undo()
+        got = tensor_get(out).astype(np.float64)
+        want = run_host(REF, _run(REF, case(nq))[1])[0].astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=LOOSE * max(1.0, np.abs(want).max()))

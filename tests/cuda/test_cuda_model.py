@@ -163,10 +163,44 @@ def test_real_models_greedy_tokens_equal_the_cpu_backends(which):
     assert np.abs(gpu_lp - cpu_lp).max() <= 0.05
 
 
-def test_quantized_kv_cache_on_the_gpu_is_a_clear_error():
+def test_quantized_kv_cache_on_the_gpu_follows_the_cpu(tmp_path):
+    """A block-format KV cache (-ctk/-ctv) lives on the GPU with its layers: the prompt (attention over dense
+    copies) and decode steps (attention reading the blocks in place) give the CPU backend's top log-probs within
+    the offload tolerance (the same as an F16 cache's; see TOL), with the same cache types, and its argmax where
+    the CPU's top two are clear apart. A type
+    the device cannot store is a clear error. (A random llama with heads of 32: the fixtures' heads of 16 are not
+    whole blocks: the tiny qwen2 read as 2 heads of 32 over 1 KV head.)"""
     from llampy.ggml.types import GGMLType
+    from llampy.gguf import GGUFReader, GGUFWriter
     from llampy.llama.context import ContextError
-    m = Model(TINY / "qwen2-Q8_0.gguf", n_gpu_layers=-1)
-    with pytest.raises(ContextError, match="Q8_0 KV cache is not supported on cuda"):
-        Context(m, n_ctx=64, type_k=GGMLType.Q8_0)
-    Context(m, n_ctx=64, type_k=GGMLType.F16, type_v=GGMLType.BF16)
+    path = tmp_path / "heads32.gguf"
+    r = GGUFReader(TINY / "qwen2-Q8_0.gguf")
+    w = GGUFWriter.from_reader(r, path)
+    heads = {"qwen2.attention.head_count": 2, "qwen2.attention.head_count_kv": 1}
+    w.kv = [(k, heads.get(k, v), ty) for k, v, ty in w.kv]
+    emb = r.tensors["token_embd.weight"]            # an untied head, so that -ot keeps it on the CPU (the
+    w.add_tensor_raw("output.weight", emb.type, emb.ne, emb.data)   # interpreter's 49152-row products are slow)
+    w.write()
+    ref = json.loads((TINY / "qwen2-Q8_0.json").read_text())
+    toks = ref["prompts"][1]["prompt_ids"] + ref["prompts"][1]["ids"]
+    runs = {}
+    for ngl in (0, -1):         # the layers (and their cache) offloaded, the head kept on the CPU
+        m = Model(path, n_gpu_layers=ngl, override_tensor="output=CPU")
+        ctx = Context(m, n_ctx=64, type_k=GGMLType.Q8_0, type_v=GGMLType.Q4_0)
+        if ngl:
+            assert all(m.devices[0].supports_buffer(k.storage.buffer) for k in ctx.kv.k + ctx.kv.v if k is not None)
+        ctx.decode(Batch.from_tokens(toks[:20], logits_all=True))
+        rows = [log_softmax(ctx.get_logits())]
+        for i in range(20, 24):            # one token at a time: the decode kernel
+            ctx.decode(Batch.from_tokens([toks[i]], pos0=i))
+            rows.append(log_softmax(ctx.get_logits()))
+        runs[ngl] = np.concatenate(rows)
+    cpu, gpu = runs[0], runs[-1]
+    top = np.argsort(cpu, axis=-1)[:, -5:]
+    assert np.abs(np.take_along_axis(gpu, top, -1) - np.take_along_axis(cpu, top, -1)).max() <= TOL
+    top2 = np.sort(cpu, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > CLEAR
+    assert clear.sum() >= 4 and (np.argmax(gpu, -1) == np.argmax(cpu, -1))[clear].all()
+    m = Model(path, n_gpu_layers=-1)
+    with pytest.raises(ContextError, match="IQ4_NL KV cache is not supported on cuda"):
+        Context(m, n_ctx=64, type_k=GGMLType.IQ4_NL, type_v=GGMLType.IQ4_NL)

@@ -39,6 +39,7 @@ F32 = torch.float32
 
 MATVEC_MAX_COLS = 8            # activation rows handled by the matvec kernel; more go to dequantize + cuBLAS
 PLAIN = frozenset({T.F32, T.F16, T.BF16})
+KV_QUANT = frozenset(K.KV_QUANT_TYPES)      # the block formats a KV cache may take here (stores and attention)
 BLOCK_TYPES = frozenset(K.TYPES) - PLAIN
 
 
@@ -154,7 +155,7 @@ class CUDABackend(Backend):
 
     def supports_kv_type(self, t: GGMLType) -> bool:
         """Whether a KV cache of this type can live here (set_rows into it and attention over it run here)."""
-        return t in PLAIN
+        return t in PLAIN or t in KV_QUANT
 
     def supports_weight(self, t: GGMLType) -> bool:
         """Whether a weight of this type can live here (its matrix products and row reads run here)."""
@@ -173,11 +174,19 @@ class CUDABackend(Backend):
         if op == Op.GET_ROWS:
             return srcs[0].type in K.TYPES or srcs[0].type == T.I32
         if op == Op.SET_ROWS:
+            if node.type in KV_QUANT:       # the quantizing store: one index list for every plane, F32 rows
+                return (srcs[0].type == T.F32 and srcs[0].nb[0] == 4 and srcs[0].ne[3] == 1 and node.ne[3] == 1
+                        and srcs[1].ne[1] == srcs[1].ne[2] == srcs[1].ne[3] == 1)
             return node.type in PLAIN and srcs[0].type in PLAIN
         if op in (Op.CPY, Op.CONT, Op.DUP):
+            if node.type in KV_QUANT:       # F32 values into rows of a block format (the K shift's store)
+                return srcs[0].type == T.F32 and node.nb[0] == TYPE_TRAITS[node.type].type_size
+            if srcs[0].type in KV_QUANT:    # rows of a block format to F16/F32 (the K shift's read)
+                return node.type in (T.F16, T.F32) and _dense_rows(node) and srcs[0].nb[0] == \
+                    TYPE_TRAITS[srcs[0].type].type_size and srcs[0].ne == node.ne
             return node.type in TORCH_DTYPE and srcs[0].type in TORCH_DTYPE
         if op == Op.FLASH_ATTN_EXT:
-            return all(s.type in PLAIN for s in srcs)
+            return all(s.type in PLAIN or (i in (1, 2) and s.type in KV_QUANT) for i, s in enumerate(srcs))
         if op == Op.ROPE and node.op_params.get("sections"):
             return False                # ggml_rope_multi (M-RoPE, the vision rope): the CPU's
         if op in _TABLE:
@@ -318,7 +327,8 @@ class CUDABackend(Backend):
         if quant:
             MMVQ.quantize_act[(kdim // g,)](x, q, d, s, kdim, G=g)
         kern = MMVQ.KERNELS[a.type][0]
-        bn, sb, warps = MMVQ.SHAPES[a.type] if self.dev.type == "cuda" else (8, 8, 4)
+        # the interpreter runs programs one after another: few programs of many rows (the same sums per row)
+        bn, sb, warps = MMVQ.SHAPES[a.type] if self.dev.type == "cuda" else (512, 8, 4)
         try:
             extra = {"TYPE": int(a.type)} if a.type in MMVQ.TYPE_ARG else {}
             kern[(triton_cdiv(n, bn),)](w, q, d, s, y, n, kdim, a.nb[1], BN=bn, SB=sb, ASM=self.dev.type == "cuda",
@@ -718,6 +728,13 @@ def b_get_rows(be, node):
 
 def b_set_rows(be, node):
     src, idx = node.src[0], node.src[1]
+    if node.type in KV_QUANT:           # the quantizing store into a block-format KV cache
+        s, iv = view(src)[0], view(idx).reshape(-1)
+        db = rows(node)[0]                                             # (planes, rows, row bytes)
+        n, s2, ne0, bb = src.ne[1], src.ne[2], src.ne[0], 8
+        return lambda: K.quantize_rows[(n, s2, triton_cdiv(ne0 // 32, bb))](
+            s, iv, db, n, ne0, s.stride(1), s.stride(0), 1, 1, db.stride(1), db.stride(0), 0, USE_IDX=True,
+            TYPE=int(node.type), BYTES=K.KV_BLOCK_BYTES[node.type], BB=bb)
     d, s, iv = view(node), view(src), view(idx)
     s3, s2 = src.ne[3], src.ne[2]
     if (s3 == 1 and node.ne[3] == 1 and node.ne[2] == s2 and src.type == T.F32 and d.stride(-1) == 1
@@ -736,9 +753,35 @@ def b_set_rows(be, node):
 
 
 def b_cpy(be, node):
-    s, d = view(node.src[0]), view(node)
+    src = node.src[0]
+    if node.type in KV_QUANT:           # values in the source's row-major order, quantized into dst's rows
+        s = view(src)
+        ne0, nr = node.ne[0], node.ne[1] * node.ne[2] * node.ne[3]
+        db = rows(node)
+        bb = 8
+
+        def run_quant():
+            x = s.contiguous().reshape(nr, ne0) if s.dtype == F32 else s.to(F32).reshape(nr, ne0)
+            K.quantize_rows[(nr, 1, triton_cdiv(ne0 // 32, bb))](
+                x, be._dummy, db, nr, ne0, ne0, 0, node.ne[1], node.ne[2], node.nb[1], node.nb[2], node.nb[3],
+                USE_IDX=False, TYPE=int(node.type), BYTES=K.KV_BLOCK_BYTES[node.type], BB=bb)
+        return run_quant
+    if src.type in KV_QUANT:            # same shape: each row decoded into dst's (dense) rows
+        d = view(node)
+        b = rows(src)
+        nr, kdim = src.ne[1] * src.ne[2] * src.ne[3], src.ne[0]
+        grid = (triton_cdiv(nr, 16 if be.dev.type == "cuda" else 256), triton_cdiv(kdim, 256))
+        return lambda: K.dequant_rows3[grid](b, d, be._lut, nr, kdim, src.ne[1], src.ne[2], src.nb[1], src.nb[2],
+                                             src.nb[3], kdim, TYPE=int(src.type), OUT_F16=node.type == T.F16,
+                                             BR=16 if be.dev.type == "cuda" else 256, BK=256)
+    s, d = view(src), view(node)
     shape = tuple(d.shape)
     return lambda: d.copy_(s.reshape(shape))
+
+
+def _dense_rows(t: Tensor) -> bool:
+    """Whether t's rows lie one after another (contiguous)."""
+    return t.is_contiguous()
 
 
 def b_concat(be, node):
@@ -822,7 +865,14 @@ def b_flash_attn(be, node):
     head. torch's SDPA in F16 on the GPU (ggml-cuda rounds Q, K and V to F16 too), float32 on the CPU device."""
     q, k, v = node.src[:3]
     p = node.op_params
-    qv, kv, vv, d = view(q), view(k), view(v), view(node)          # q (ne3, H, n_q, D); d (ne3, n_q, H, Dv)
+    quant = k.type in KV_QUANT or v.type in KV_QUANT                 # a cache in block formats: read by the value rules
+    qv, d = view(q), view(node)                                      # q (ne3, H, n_q, D); d (ne3, n_q, H, Dv)
+    if quant:   # the cache's rows as bytes for decode; dense F16 copies, made by each run, for the other paths
+        kb, vb = rows(k), rows(v)                                    # (ne3, Hkv, n_kv, row bytes)
+        kv = torch.empty((1, 1, 1, 1), dtype=torch.float16, device=be.dev).expand(tuple(k.ne[::-1]))   # shapes only
+        vv = torch.empty((1, 1, 1, 1), dtype=torch.float16, device=be.dev).expand(tuple(v.ne[::-1]))
+    else:
+        kv, vv = view(k), view(v)
     mv = view(node.src[3]) if p["has_mask"] else None               # (m3, m2, n_q_pad, n_kv)
     ne3, H, n_q, _ = qv.shape
     Hkv = kv.shape[1]
@@ -840,9 +890,12 @@ def b_flash_attn(be, node):
 
     dk, dvh = qv.shape[-1], vv.shape[-1]
     if (not manual and ne3 == 1 and n_q == 1 and kv.shape[0] == 1 and vv.shape[0] == 1 and qv.stride(-1) == 1
-            and kv.stride(-1) == 1 and vv.stride(-1) == 1 and d.stride(-1) == 1 and max(dk, dvh) <= 256
+            and (quant or (kv.stride(-1) == 1 and vv.stride(-1) == 1)) and d.stride(-1) == 1 and max(dk, dvh) <= 256
             and (mv is None or mv.stride(-1) == 1)):
         q1, k1, v1, d1 = qv[0, :, 0], kv[0], vv[0], d[0, 0]         # (H, D), (Hkv, n_kv, D), (H, Dv)
+        if quant:
+            k1, v1 = kb[0], vb[0]                                    # strides in bytes: the kernel's byte pointers
+        extra = dict(QUANT=True, KT=int(k.type), VT=int(v.type)) if quant else {}
         m1 = mv[0, 0, 0] if mv is not None else be._dummy
         n_kv = kv.shape[2]
         bd, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dvh)
@@ -855,8 +908,9 @@ def b_flash_attn(be, node):
         if n_split == 1:
             def run_decode():
                 K.attn_decode[(H, 1)](q1, k1, v1, m1, d1, be._dummy, n_kv, chunk, rk, q1.stride(0), k1.stride(1),
-                                      k1.stride(0), v1.stride(1), v1.stride(0), d1.stride(0), 0, scale,
-                                      HAS_MASK=mv is not None, SPLIT=False, D=dk, DV=dvh, BD=bd, BDV=bdv, BN=64)
+                                      k1.stride(0), v1.stride(1), v1.stride(0), d1.stride(0), 0, scale, be._lut,
+                                      HAS_MASK=mv is not None, SPLIT=False, D=dk, DV=dvh, BD=bd, BDV=bdv, BN=64,
+                                      **extra)
             return run_decode
         part = torch.empty((H, n_split, dvh), dtype=F32, device=be.dev)
         pml = torch.empty((H, n_split, 2), dtype=F32, device=be.dev)
@@ -864,14 +918,59 @@ def b_flash_attn(be, node):
         def run_split():
             K.attn_decode[(H, n_split)](q1, k1, v1, m1, part, pml, n_kv, chunk, rk, q1.stride(0), k1.stride(1),
                                         k1.stride(0), v1.stride(1), v1.stride(0), part.stride(0), part.stride(1),
-                                        scale, HAS_MASK=mv is not None, SPLIT=True, D=dk, DV=dvh, BD=bd, BDV=bdv,
-                                        BN=64)
+                                        scale, be._lut, HAS_MASK=mv is not None, SPLIT=True, D=dk, DV=dvh, BD=bd,
+                                        BDV=bdv, BN=64, **extra)
             K.attn_combine[(H,)](part, pml, d1, n_split, part.stride(0), part.stride(1), d1.stride(0), DV=dvh,
                                  BDV=bdv, BS=triton.next_power_of_2(n_split))
         return run_split
 
+    run = _flash_attn_dense(be, d, mv, sinks, ne3, H, n_q, Hkv, rk, scale, cap, slopes, dt, manual, expand_kv)
+    if not quant:
+        return lambda: run(qv, kv, vv)
+    dense_k, dense_v = _dense_kv(be, k), _dense_kv(be, v)
+    if k.type == T.F16:
+        return lambda: run(qv, dense_k(), dense_v())
+    # K in a block format: q rounded to its dot type (Q8_0 blocks of 32), as ggml-cpu does and the decode kernel;
+    # the products then in float32 (F16 would round the rounded q again)
+    run32 = _flash_attn_dense(be, d, mv, sinks, ne3, H, n_q, Hkv, rk, scale, cap, slopes, F32, manual, expand_kv)
+    return lambda: run32(_q8_rounded(qv), dense_k().float(), dense_v())
+
+
+def _q8_rounded(q: torch.Tensor) -> torch.Tensor:
+    """q's values rounded to Q8_0 blocks of 32 along the last axis (d = amax / 127 as F16, q * 127 / amax rounded
+    half to even), as float32."""
+    x = q.float()
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    dq = (amax / 127.0).half().float()
+    iv = torch.where(amax != 0, 127.0 / torch.where(amax != 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    return (torch.round(b * iv) * dq).reshape(x.shape)
+
+
+def _dense_kv(be, t: Tensor):
+    """A closure returning a view of the KV cache (any type) as a new dense F16 tensor (ne3, ne2, ne1, ne0)."""
+    if t.type not in KV_QUANT:
+        src = view(t)
+        return lambda: src.to(torch.float16)
+    b = rows(t)
+    nr, kdim = t.ne[1] * t.ne[2] * t.ne[3], t.ne[0]
+    br, bk = (16, 256) if be.dev.type == "cuda" else (256, 256)
+    grid = (triton_cdiv(nr, br), triton_cdiv(kdim, bk))
+    shape = tuple(t.ne[::-1])
+
+    def dense():
+        out = torch.empty(shape, dtype=torch.float16, device=be.dev)
+        K.dequant_rows3[grid](b, out, be._lut, nr, kdim, t.ne[1], t.ne[2], t.nb[1], t.nb[2], t.nb[3], kdim,
+                              TYPE=int(t.type), OUT_F16=True, BR=br, BK=bk)
+        return out
+    return dense
+
+
+def _flash_attn_dense(be, d, mv, sinks, ne3, H, n_q, Hkv, rk, scale, cap, slopes, dt, manual, expand_kv):
+    """b_flash_attn's paths over dense K and V (the cache's views, or dense copies of a block-format cache): a
+    function of (Q, K, V)."""
     if manual:
-        def run():
+        def run(qv, kv, vv):
             qq = _f(qv.to(torch.float16)) if kv.dtype == torch.float16 else _f(qv)
             kk = _f(expand_kv(kv)).repeat_interleave(rk, dim=1)
             vvv = _f(expand_kv(vv)).repeat_interleave(rk, dim=1)
@@ -890,7 +989,7 @@ def b_flash_attn(be, node):
             d.copy_(torch.matmul(pr, vvv).transpose(1, 2))
         return run
 
-    def run():
+    def run(qv, kv, vv):
         qq = (qv.to(torch.float16).to(dt) if kv.dtype == torch.float16 else qv.to(dt)).reshape(
             ne3, Hkv, rk * n_q, qv.shape[-1])
         kk, vvv = expand_kv(kv).to(dt), expand_kv(vv).to(dt)

@@ -457,6 +457,121 @@ def set_rows(src, idx, dst, ne0, ss, sd, ss2, sd2, BLOCK: tl.constexpr):
     tl.store(dst + i2 * sd2 + to * sd + i, v.to(dst.dtype.element_ty), mask=m)
 
 
+# ------------------------------------------------------------------------------------------------ quantized rows
+# The KV cache in a block format (llama.cpp's --cache-type-k/-v q8_0, q4_0, q4_1, q5_0, q5_1): its store quantizes
+# float32 rows as ggml-cpu's from_float does, so a cache written here holds the CPU's bytes (Q8_0: x86's
+# quantize_row_q8_0, d = amax / 127, q = x * 127/amax rounded half to even; the others ggml's quantize_row_*_ref:
+# d from the block's signed extreme (Q4_0, Q5_0) or its range (Q4_1, Q5_1), q truncated after + 8.5 / + 16.5 /
+# + 0.5, Q4_0 and Q4_1 capped at 15 and Q5_0 at 31). Its reads go through the value rules.
+KV_QUANT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+KV_BLOCK_BYTES = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24}
+
+
+@triton.jit
+def _signed_extreme(xf):
+    """Per block (rows of xf [BB, 32]): the value of largest magnitude, the first such (ggml's ``amax < |v|``)."""
+    j = tl.argmax(tl.abs(xf), axis=1)
+    g = tl.arange(0, 32)
+    return tl.sum(tl.where(g[None, :] == j[:, None], xf, 0.0), axis=1)
+
+
+@triton.jit
+def _quantize_blocks(xf, xl, xh, pb, bm, TYPE: tl.constexpr):
+    """Quantize BB blocks of 32 values (xf [BB, 32] in order; xl, xh [BB, 16] its halves) into the blocks at
+    byte pointers pb [BB], those where bm."""
+    j16 = tl.arange(0, 16)
+    m2 = bm[:, None]
+    if TYPE == Q8_0:
+        amax = tl.max(tl.abs(xf), axis=1)
+        iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
+        tl.store(pb.to(tl.pointer_type(tl.float16)), (amax / 127.0).to(tl.float16), mask=bm)
+        g = tl.arange(0, 32)
+        q = _rint(xf * iv[:, None]).to(tl.int32)
+        tl.store((pb[:, None] + 2 + g[None, :]).to(tl.pointer_type(tl.int8)), q.to(tl.int8), mask=m2)
+    elif TYPE == Q4_0 or TYPE == Q5_0:
+        mx = _signed_extreme(xf)
+        if TYPE == Q4_0:
+            d = mx / -8.0
+        else:
+            d = mx / -16.0
+        iv = tl.where(d != 0.0, 1.0 / tl.where(d != 0.0, d, 1.0), 0.0)
+        tl.store(pb.to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=bm)
+        if TYPE == Q4_0:
+            q0 = tl.minimum((xl * iv[:, None] + 8.5).to(tl.int32), 15)
+            q1 = tl.minimum((xh * iv[:, None] + 8.5).to(tl.int32), 15)
+            tl.store(pb[:, None] + 2 + j16[None, :], (q0 | (q1 << 4)).to(tl.uint8), mask=m2)
+        else:
+            q0 = tl.minimum((xl * iv[:, None] + 16.5).to(tl.int32), 31)
+            q1 = tl.minimum((xh * iv[:, None] + 16.5).to(tl.int32), 31)
+            qh = tl.sum(((q0 >> 4) << j16[None, :]) | ((q1 >> 4) << (j16[None, :] + 16)), axis=1)
+            for b in tl.static_range(4):
+                tl.store(pb + 2 + b, ((qh >> (8 * b)) & 255).to(tl.uint8), mask=bm)
+            tl.store(pb[:, None] + 6 + j16[None, :], ((q0 & 15) | ((q1 & 15) << 4)).to(tl.uint8), mask=m2)
+    else:
+        tl.static_assert(TYPE == Q4_1 or TYPE == Q5_1, "no KV store for this type")
+        lo = tl.min(xf, axis=1)
+        hi = tl.max(xf, axis=1)
+        if TYPE == Q4_1:
+            d = (hi - lo) / 15.0
+        else:
+            d = (hi - lo) / 31.0
+        iv = tl.where(d != 0.0, 1.0 / tl.where(d != 0.0, d, 1.0), 0.0)
+        tl.store(pb.to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=bm)
+        tl.store((pb + 2).to(tl.pointer_type(tl.float16)), lo.to(tl.float16), mask=bm)
+        q0 = ((xl - lo[:, None]) * iv[:, None] + 0.5).to(tl.int32)
+        q1 = ((xh - lo[:, None]) * iv[:, None] + 0.5).to(tl.int32)
+        if TYPE == Q4_1:
+            q0 = tl.minimum(q0, 15)
+            q1 = tl.minimum(q1, 15)
+            tl.store(pb[:, None] + 4 + j16[None, :], (q0 | (q1 << 4)).to(tl.uint8), mask=m2)
+        else:           # ggml's (uint8_t) cast: no cap; the fifth bits go to qh
+            qh = tl.sum((((q0 >> 4) & 1) << j16[None, :]) | (((q1 >> 4) & 1) << (j16[None, :] + 16)), axis=1)
+            for b in tl.static_range(4):
+                tl.store(pb + 4 + b, ((qh >> (8 * b)) & 255).to(tl.uint8), mask=bm)
+            tl.store(pb[:, None] + 8 + j16[None, :], ((q0 & 15) | ((q1 & 15) << 4)).to(tl.uint8), mask=m2)
+
+
+@triton.jit
+def quantize_rows(src, idx, dst, NR, ne0, ss1, ss2, dne1, dne2, sd1, sd2, sd3, USE_IDX: tl.constexpr,
+                  TYPE: tl.constexpr, BYTES: tl.constexpr, BB: tl.constexpr):
+    """Float32 rows into rows of a block format (BYTES per block of 32): row r of source plane i2 (program 0 and
+    1; elements ss1 and ss2 apart) goes to dst row idx[r] of plane i2 (USE_IDX: set_rows into the KV cache,
+    sd1/sd2 bytes apart), or to the row numbered i2 * NR + r of dst's [dne1, dne2, ...] rows (sd1, sd2, sd3 bytes
+    apart: a copy into a view). Program 2 takes BB blocks of 32."""
+    r = tl.program_id(0).to(tl.int64)
+    i2 = tl.program_id(1).to(tl.int64)
+    blk = tl.program_id(2) * BB + tl.arange(0, BB)
+    nb = ne0 // 32
+    bm = blk < nb
+    bc = tl.minimum(blk, nb - 1).to(tl.int64)
+    srow = src + i2 * ss2 + r * ss1
+    g = tl.arange(0, 32)
+    j16 = tl.arange(0, 16)
+    xf = tl.load(srow + bc[:, None] * 32 + g[None, :])
+    xl = tl.load(srow + bc[:, None] * 32 + j16[None, :])
+    xh = tl.load(srow + bc[:, None] * 32 + 16 + j16[None, :])
+    if USE_IDX:
+        drow = dst + i2 * sd2 + tl.load(idx + r).to(tl.int64) * sd1
+    else:
+        gr = i2 * NR + r
+        drow = dst + (gr % dne1) * sd1 + ((gr // dne1) % dne2) * sd2 + (gr // (dne1 * dne2)) * sd3
+    _quantize_blocks(xf, xl, xh, drow + bc * BYTES, bm, TYPE)
+
+
+@triton.jit
+def dequant_rows3(w, out, lut, NR, K, ne1, ne2, sw1, sw2, sw3, so, TYPE: tl.constexpr, OUT_F16: tl.constexpr,
+                  BR: tl.constexpr, BK: tl.constexpr):
+    """``dequant`` of rows laid out in up to three levels: row r of [ne1, ne2, ...] rows (r % ne1 the fastest)
+    lies at w + (r % ne1) sw1 + (r // ne1 % ne2) sw2 + (r // (ne1 ne2)) sw3 bytes: a permuted or strided view
+    of a block-format tensor (the KV cache's heads) to contiguous rows of F16 or F32."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rc = tl.minimum(r, NR - 1).to(tl.int64)
+    p = w + (rc % ne1) * sw1 + ((rc // ne1) % ne2) * sw2 + (rc // (ne1 * ne2)) * sw3
+    ks = tl.program_id(1) * BK + tl.arange(0, BK)
+    v = _value(p[:, None], tl.minimum(ks, K - 1)[None, :], lut, TYPE)
+    _store_rows(out, r[:, None], so, ks[None, :], v, (r[:, None] < NR) & (ks[None, :] < K), OUT_F16)
+
+
 @triton.jit
 def swiglu(g, u, out, n, BLOCK: tl.constexpr):
     """out = silu(g) * u over n contiguous float32 values (ggml's silu: x / (1 + exp(-x)))."""
@@ -467,21 +582,26 @@ def swiglu(g, u, out, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h, so_s, scale,
+def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h, so_s, scale, lut,
                 HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-                BDV: tl.constexpr, BN: tl.constexpr):
+                BDV: tl.constexpr, BN: tl.constexpr, QUANT: tl.constexpr = False, KT: tl.constexpr = 1,
+                VT: tl.constexpr = 1):
     """One query row per head (decode) over the F16 cache: softmax(scale q k^T + mask) v for head h = program 0,
     its KV head h // rk; q rounded to F16 as ggml-cuda's kernels read it; online softmax over tiles of BN keys.
     Program 1 takes keys [s * chunk, (s + 1) * chunk) (flash-decoding: a short cache gives H programs, too few for
     the device): with SPLIT, it writes its unnormalised sum to out[h, s] and (max, sum of weights) to pml[h, s] for
     attn_combine; without, the normalised row to out[h]. Rows with every key masked give zeros (as the other
-    paths' nan_to_num)."""
+    paths' nan_to_num). With QUANT, k and v are the bytes of a cache in block formats KT and VT (strides in
+    bytes), read through the value rules, and q is rounded to Q8_0 blocks (K's dot type) instead of F16."""
     h = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1).to(tl.int64)
     kh = h // rk
     di = tl.arange(0, BD)
     dv = tl.arange(0, BDV)
-    qv = tl.load(q + h * sq_h + di, mask=di < D, other=0.0).to(tl.float16).to(tl.float32)
+    if QUANT and KT != F16:     # q rounded to K's dot type, Q8_0 blocks (ggml-cpu's q_to_vec_dot; ggml-cuda's q8_1)
+        qv = _round_act(tl.load(q + h * sq_h + di, mask=di < D, other=0.0), BD, ACT_Q8)
+    else:
+        qv = tl.load(q + h * sq_h + di, mask=di < D, other=0.0).to(tl.float16).to(tl.float32)
     m_i = tl.full([], -float("inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BDV], tl.float32)
@@ -490,8 +610,13 @@ def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n
     for n0 in range(lo, hi, BN):
         ns = n0 + tl.arange(0, BN)
         nm = ns < hi
-        kt = tl.load(k + kh * sk_h + ns[:, None] * sk_n + di[None, :], mask=nm[:, None] & (di[None, :] < D),
-                     other=0.0).to(tl.float32)
+        if QUANT:       # rows past the chunk read its last row (in the tensor) and are masked below
+            nc = tl.minimum(ns, hi - 1).to(tl.int64)
+            kt = _value(k + kh * sk_h + nc[:, None] * sk_n, tl.minimum(di, D - 1)[None, :], lut, KT)
+            kt = tl.where(di[None, :] < D, kt, 0.0)
+        else:
+            kt = tl.load(k + kh * sk_h + ns[:, None] * sk_n + di[None, :], mask=nm[:, None] & (di[None, :] < D),
+                         other=0.0).to(tl.float32)
         s = tl.sum(kt * qv[None, :], axis=1) * scale
         if HAS_MASK:
             s += tl.load(mask + ns, mask=nm, other=0.0).to(tl.float32)
@@ -500,8 +625,12 @@ def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.exp(s - m_use)
         alpha = tl.exp(m_i - m_use)
-        vt = tl.load(v + kh * sv_h + ns[:, None] * sv_n + dv[None, :], mask=nm[:, None] & (dv[None, :] < DV),
-                     other=0.0).to(tl.float32)
+        if QUANT:
+            vt = _value(v + kh * sv_h + nc[:, None] * sv_n, tl.minimum(dv, DV - 1)[None, :], lut, VT)
+            vt = tl.where(nm[:, None] & (dv[None, :] < DV), vt, 0.0)
+        else:
+            vt = tl.load(v + kh * sv_h + ns[:, None] * sv_n + dv[None, :], mask=nm[:, None] & (dv[None, :] < DV),
+                         other=0.0).to(tl.float32)
         acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
