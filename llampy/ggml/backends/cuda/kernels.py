@@ -193,13 +193,20 @@ def _rint(v):
 
 
 @triton.jit
+def _mul_rn(a, b):
+    """a * b rounded to float32 on its own: an explicit fma with zero, which the compiler does not fuse with the
+    addition that follows (a plain product followed by + c becomes one fma, rounding once: not ggml's value)."""
+    return tl.fma(a, b, 0.0)
+
+
+@triton.jit
 def _round_blocks(xb, ACT: tl.constexpr):
     """xb [NB, G] (G values per block along axis 1) rounded as the dot type's quantizer, as float32 values."""
     if ACT == ACT_Q8:
         amax = tl.max(tl.abs(xb), axis=1)
         d = (amax / 127.0).to(tl.float16).to(tl.float32)
         iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
-        return _rint(xb * iv[:, None]) * d[:, None]
+        return _rint(_mul_rn(xb, iv[:, None])) * d[:, None]
     else:
         ax = tl.abs(xb)
         j = tl.argmax(ax, axis=1)                                       # the first of the largest |x|
@@ -208,7 +215,7 @@ def _round_blocks(xb, ACT: tl.constexpr):
         zero = mx == 0.0
         isc = tl.where(zero, 0.0, -127.0 / tl.where(zero, 1.0, mx))
         d = tl.where(zero, 0.0, 1.0 / tl.where(zero, 1.0, isc))
-        return tl.minimum(_rint(xb * isc[:, None]), 127.0) * d[:, None]
+        return tl.minimum(_rint(_mul_rn(xb, isc[:, None])), 127.0) * d[:, None]
 
 
 @triton.jit
@@ -486,7 +493,7 @@ def _quantize_blocks(xf, xl, xh, pb, bm, TYPE: tl.constexpr):
         iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
         tl.store(pb.to(tl.pointer_type(tl.float16)), (amax / 127.0).to(tl.float16), mask=bm)
         g = tl.arange(0, 32)
-        q = _rint(xf * iv[:, None]).to(tl.int32)
+        q = _rint(_mul_rn(xf, iv[:, None])).to(tl.int32)
         tl.store((pb[:, None] + 2 + g[None, :]).to(tl.pointer_type(tl.int8)), q.to(tl.int8), mask=m2)
     elif TYPE == Q4_0 or TYPE == Q5_0:
         mx = _signed_extreme(xf)
@@ -497,12 +504,12 @@ def _quantize_blocks(xf, xl, xh, pb, bm, TYPE: tl.constexpr):
         iv = tl.where(d != 0.0, 1.0 / tl.where(d != 0.0, d, 1.0), 0.0)
         tl.store(pb.to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=bm)
         if TYPE == Q4_0:
-            q0 = tl.minimum((xl * iv[:, None] + 8.5).to(tl.int32), 15)
-            q1 = tl.minimum((xh * iv[:, None] + 8.5).to(tl.int32), 15)
+            q0 = tl.minimum((_mul_rn(xl, iv[:, None]) + 8.5).to(tl.int32), 15)
+            q1 = tl.minimum((_mul_rn(xh, iv[:, None]) + 8.5).to(tl.int32), 15)
             tl.store(pb[:, None] + 2 + j16[None, :], (q0 | (q1 << 4)).to(tl.uint8), mask=m2)
         else:
-            q0 = tl.minimum((xl * iv[:, None] + 16.5).to(tl.int32), 31)
-            q1 = tl.minimum((xh * iv[:, None] + 16.5).to(tl.int32), 31)
+            q0 = tl.minimum((_mul_rn(xl, iv[:, None]) + 16.5).to(tl.int32), 31)
+            q1 = tl.minimum((_mul_rn(xh, iv[:, None]) + 16.5).to(tl.int32), 31)
             qh = tl.sum(((q0 >> 4) << j16[None, :]) | ((q1 >> 4) << (j16[None, :] + 16)), axis=1)
             for b in tl.static_range(4):
                 tl.store(pb + 2 + b, ((qh >> (8 * b)) & 255).to(tl.uint8), mask=bm)
@@ -518,8 +525,8 @@ def _quantize_blocks(xf, xl, xh, pb, bm, TYPE: tl.constexpr):
         iv = tl.where(d != 0.0, 1.0 / tl.where(d != 0.0, d, 1.0), 0.0)
         tl.store(pb.to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=bm)
         tl.store((pb + 2).to(tl.pointer_type(tl.float16)), lo.to(tl.float16), mask=bm)
-        q0 = ((xl - lo[:, None]) * iv[:, None] + 0.5).to(tl.int32)
-        q1 = ((xh - lo[:, None]) * iv[:, None] + 0.5).to(tl.int32)
+        q0 = (_mul_rn(xl - lo[:, None], iv[:, None]) + 0.5).to(tl.int32)
+        q1 = (_mul_rn(xh - lo[:, None], iv[:, None]) + 0.5).to(tl.int32)
         if TYPE == Q4_1:
             q0 = tl.minimum(q0, 15)
             q1 = tl.minimum(q1, 15)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ...types import GGMLType as T
+from .kernels import _mul_rn, _rint
 
 Q4_0: tl.constexpr = tl.constexpr(int(T.Q4_0))
 Q4_1: tl.constexpr = tl.constexpr(int(T.Q4_1))
@@ -38,10 +39,6 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
         return s
 
 
-@triton.jit
-def _rint(v):
-    """Round to nearest, halves to even (|v| < 2^22), as kernels._rint."""
-    return (v + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -55,14 +52,14 @@ def quantize_act(x, xq, xd, xs, K, G: tl.constexpr):
         amax = tl.max(tl.abs(v), axis=0)
         d = (amax / 127.0).to(tl.float16).to(tl.float32)
         iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
-        q = _rint(v * iv)
+        q = _rint(_mul_rn(v, iv))
     else:               # quantize_row_q8_K: the signed value of largest |x| maps to -127
         j = tl.argmax(tl.abs(v), axis=0)
         mx = tl.sum(tl.where(tl.arange(0, G) == j, v, 0.0), axis=0)
         zero = mx == 0.0
         isc = tl.where(zero, 0.0, -127.0 / tl.where(zero, 1.0, mx))
         d = tl.where(zero, 0.0, 1.0 / tl.where(zero, 1.0, isc))
-        q = tl.minimum(_rint(v * isc), 127.0)
+        q = tl.minimum(_rint(_mul_rn(v, isc)), 127.0)
     qi = q.to(tl.int32)
     tl.store(xq + ks, qi.to(tl.int8), mask=ks < K)
     tl.store(xd + b, d)
