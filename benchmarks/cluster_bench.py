@@ -151,8 +151,12 @@ def resume_seconds(cluster=None) -> list:
     for t in ths:
         t.start()
     started.wait(60)
-    time.sleep(0.3)
-    victim = max(ray.get(board.read.remote()), key=lambda r: r["busy"])     # a replica with streams on it
+    t0 = time.monotonic()       # a replica with streams on it: the board hears from each every half second
+    while True:
+        victim = max(ray.get(board.read.remote()), key=lambda r: r["busy"])
+        if victim["busy"] or time.monotonic() - t0 > 10:
+            break
+        time.sleep(0.1)
     if cluster is None:
         os.kill(victim["pid"], signal.SIGKILL)
     else:
