@@ -24,6 +24,9 @@ from .kv_cache import KV_PAD, CacheFull as _CacheFull, KVCache
 from .memory import create_memory
 
 POOLING = ("none", "mean", "last", "cls", "rank")
+# the cache types llama.cpp offers (common/arg.cpp's kv_cache_types); each backend says which it can hold
+KV_CACHE_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1,
+                  GGMLType.IQ4_NL, GGMLType.Q5_0, GGMLType.Q5_1)
 
 # Padded micro-batches (Context's pad_ubatch): one of fewer tokens than PAD_BELOW (flash attention's query-by-query
 # path, kv_cache.MIX_BELOW's shared micro-batches) that is not a decode step of single tokens is padded to a multiple
@@ -94,8 +97,10 @@ class Context:
             ok = getattr(b, "supports_kv_type", None)
             for t in (type_k, type_v):
                 if ok is not None and not ok(GGMLType(t)):
-                    raise ContextError(f"a {GGMLType(t).name} KV cache is not supported on {b.name} (layers "
-                                       f"offloaded there): use f16, bf16 or f32, or fewer GPU layers")
+                    can = [c.name.lower() for c in KV_CACHE_TYPES if ok(c)]
+                    raise ContextError(f"a {GGMLType(t).name} KV cache is not supported on {b.name}, where layers of "
+                                       f"this model run: use {', '.join(can)}"
+                                       + (", or fewer GPU layers" if b is not model.cpu else ""))
         if self.uses_cache:             # a block-format cache stores whole blocks per head (llama.cpp asserts)
             for what, t, d in (("K", type_k, hp.n_embd_head_k), ("V", type_v, hp.n_embd_head_v)):
                 bs = TYPE_TRAITS[GGMLType(t)].blck_size
@@ -178,6 +183,15 @@ class Context:
             return False
         self.sched.alloc_graph(self._graph(n_tokens, n_outputs, n_kv).graph)
         return True
+
+    def pad_shapes(self, max_outputs: int) -> list:
+        """The (tokens, outputs) shapes padded micro-batches of up to ``max_outputs`` outputs take, less decode steps'
+        (n, n): for a caller to reserve while idle; none when this context does not pad (or has no graph yet)."""
+        if not (self.pad_ubatch and self._rows_apart):
+            return []
+        o_max = 1 << (max(int(max_outputs), 1) - 1).bit_length()
+        sizes = sorted({min(t, PAD_BELOW - 1, self.n_ubatch) for t in range(PAD_STEP, PAD_BELOW + PAD_STEP, PAD_STEP)})
+        return [(t, 1 << b) for t in sizes for b in range(o_max.bit_length()) if 1 << b < t]
 
     def _n_kv(self, n_tokens: int) -> int:
         small = n_tokens <= self.n_seq_max or (self.pad_ubatch and self._rows_apart and n_tokens < PAD_BELOW)

@@ -211,3 +211,14 @@ def test_split_streams_make_a_sequence_independent_of_its_neighbours(model):
     assert np.array_equal(busy.get_logits(), np.stack([want, busy.get_logits_ith(len(b) - 1)]))
     with pytest.raises(ContextError):
         busy.seq_cp(0, 1)
+
+
+def test_a_cache_type_the_backend_cannot_hold_is_a_clear_error(model):
+    """BF16 cells (llama.cpp offers them) are not read by the CPU's attention: refused at creation, naming what
+    can be used, instead of failing at the first decode; a cache of heads that are not whole blocks likewise."""
+    from llampy.ggml.types import GGMLType as T
+    with pytest.raises(ContextError, match="a BF16 KV cache is not supported on cpu, where layers of this model run: "
+                                           "use f32, f16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1$"):
+        Context(model, n_ctx=64, type_v=T.BF16)
+    with pytest.raises(ContextError, match="a Q4_0 K cache needs heads of a multiple of 32 values"):
+        Context(model, n_ctx=64, type_k=T.Q4_0)             # heads of 16

@@ -61,6 +61,11 @@ class CPUBackend(Backend):
             import numba
             numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
 
+    def supports_kv_type(self, t: GGMLType) -> bool:
+        """Whether a KV cache of this type can live here: the types flash attention reads (F32, F16, and the block
+        formats llama.cpp offers for caches), not BF16 (ggml-cpu's vec_dot_bf16 order is not built here)."""
+        return t in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_1, T.IQ4_NL, T.Q5_0, T.Q5_1)
+
     # ------------------------------------------------------------ ops
     def supports_op(self, node: Tensor) -> bool:
         if node.op in VIEW_OPS or node.op in _TABLE or node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.MUL_MAT_GLU,
