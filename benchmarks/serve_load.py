@@ -56,6 +56,20 @@ def wait_up(url: str, proc, timeout: float = 120) -> None:
     raise RuntimeError("server did not come up")
 
 
+def wait_prepared(url: str, timeout: float = 300) -> float:
+    """Seconds until llampy's engine has built the graphs it builds while idle (decode steps, padded prompt pieces:
+    its llampy_graphs_pending gauge at 0), as llama-server warms up before it answers: the rounds then time
+    requests, not what the server does once after it starts. Returns at once where the gauge is absent."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        rows = [line.split() for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+                if line.startswith("llampy_graphs_pending ")]
+        if not rows or float(rows[0][1]) == 0:
+            return time.time() - t0
+        time.sleep(0.5)
+    raise RuntimeError("llampy did not finish building its graphs")
+
+
 def one_stream(url: str, i: int, n_tokens: int, model: str) -> tuple[float, float, int]:
     """Returns (time to first token, total time, tokens)."""
     t0 = time.perf_counter()
@@ -183,6 +197,8 @@ def main(argv=None) -> int:
         proc = serve([sys.executable, "-m", "llampy", "serve", *model_args, "--port", str(port), "--parallel",
                       str(n_par), "--ctx-size", str(512 * n_par), "-t", str(args.threads)], port, log)
         try:
+            print(f"llampy: graphs built while idle after start in {wait_prepared(f'http://127.0.0.1:{port}'):.1f} s",
+                  flush=True)
             rows += load_levels("llampy", f"http://127.0.0.1:{port}", args, max(1, args.rounds))
         finally:
             proc.terminate()

@@ -190,7 +190,8 @@ class Context:
         if not (self.pad_ubatch and self._rows_apart):
             return []
         o_max = 1 << (max(int(max_outputs), 1) - 1).bit_length()
-        sizes = sorted({min(t, PAD_BELOW - 1, self.n_ubatch) for t in range(PAD_STEP, PAD_BELOW + PAD_STEP, PAD_STEP)})
+        sizes = sorted({min(t, PAD_BELOW - 1, self.n_ubatch) for t in range(PAD_STEP, PAD_BELOW + PAD_STEP,
+                                                                            PAD_STEP)})
         return [(t, 1 << b) for t in sizes for b in range(o_max.bit_length()) if 1 << b < t]
 
     def _n_kv(self, n_tokens: int) -> int:

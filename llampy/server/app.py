@@ -744,6 +744,8 @@ def prometheus(server: Server) -> str:
         ("requests_deferred", "gauge", "Requests waiting for a slot (queue depth).", e.queue_depth()),
         ("requests_processing", "gauge", "Busy slots.", e.busy_slots()),
         ("slots_total", "gauge", "Slots (--parallel).", e.n_parallel),
+        ("graphs_pending", "gauge", "Graphs the engine will still build while idle (decode steps, prompt pieces).",
+         e.graphs_pending()),
         ("kv_cache_tokens", "gauge", "KV cache cells in use.", e.kv_used()),
         ("kv_cache_usage_ratio", "gauge", "KV cache cells in use / ctx-size.", round(e.kv_used() / e.n_ctx, 4)),
     ]

@@ -175,7 +175,7 @@ class Engine:
         # one KV stream per slot (llama-server's default, kv_unified off): a request's result does not depend on
         # where earlier requests left cells in the cache
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_parallel,
-                           max_graphs=64, kv_pad_decode=n_ctx, kv_unified=False, pad_ubatch=True,
+                           max_graphs=2 * n_parallel + 64, kv_pad_decode=n_ctx, kv_unified=False, pad_ubatch=True,
                            **{k: v for k, v in (("type_k", type_k), ("type_v", type_v)) if v is not None},
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
@@ -190,8 +190,12 @@ class Engine:
         if self.spec is not None:
             self.drafters = Drafters(self.spec, model.vocab, n_ctx, n_parallel, draft_model)
         # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
-        # would otherwise move them), then a decode step of every number of generating slots
+        # would otherwise move them), then a decode step of every number of generating slots; then, for a server
+        # of PROMPT_SLOTS_PER_STEP slots or more, the padded shapes of short prompt pieces beside generating slots
+        # (Context.pad_shapes: ~40 graphs at 32 slots, a few seconds of CPU while idle, so that requests arriving
+        # together do not wait for them; a smaller server sees few of them and builds them as they come)
         self._to_reserve = [(n_batch, n_parallel)] + [(k, k) for k in range(n_parallel, 0, -1)]
+        self._pad_shapes_due = n_parallel >= PROMPT_SLOTS_PER_STEP
         self.inbox: "queue.Queue" = queue.Queue()   # Requests, and jobs (callables) to run on this thread
         self.waiting: list[Request] = []
         self.metrics = {"requests_total": 0, "requests_finished": 0, "requests_cancelled": 0,
@@ -371,6 +375,10 @@ class Engine:
     def busy_slots(self) -> int:
         return sum(1 for s in self.slots if s.req is not None)
 
+    def graphs_pending(self) -> int:
+        """Graphs the engine still means to build while idle (at least 1 until it knows them all)."""
+        return len(self._to_reserve) + int(self._pad_shapes_due)
+
     def queue_depth(self) -> int:
         return self.inbox.qsize() + len(self.waiting)
 
@@ -416,6 +424,9 @@ class Engine:
                         self.ctx.reserve(*self._to_reserve[0])
                     finally:
                         self._to_reserve.pop(0)
+                        if not self._to_reserve and self._pad_shapes_due:
+                            self._pad_shapes_due = False
+                            self._to_reserve = self.ctx.pad_shapes(self.n_parallel)
                     item = self.inbox.get_nowait()
                 else:
                     item = self.inbox.get(timeout=0.05) if idle else self.inbox.get_nowait()

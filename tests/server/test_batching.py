@@ -160,6 +160,10 @@ def test_padded_prompt_pieces_keep_their_bits(llama_server):
         assert a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert {k[:2] for k in c1._graphs} == {(4, 4), (40, 4), (16, 4), (16, 2)}
     assert (c0.n_graph_builds, c1.n_graph_builds) == (5, 4)
+    # what a server of 4 slots would build while idle: every padded shape up to 4 outputs, these among them
+    shapes = c1.pad_shapes(4)
+    assert c0.pad_shapes(4) == [] and len(shapes) == len(set(shapes)) == 3 + 7 * 3
+    assert {(40, 4), (16, 4), (16, 2)} <= set(shapes) and all(o < t < 64 for t, o in shapes)
 
 
 def test_disconnect_frees_the_slot(server_url):
