@@ -488,7 +488,7 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
     """x [nrows, ne0] float32, or uint16 fp16 bit patterns -> uint8 [nrows, row_bytes] (into ``out``, C-contiguous
     uint8 of that size, when given); rows in chunks of at most ~256K values (converted to float32 chunk by chunk)
     over ``pool`` (NumPy and Numba release the GIL). Every format's rows are independent, so the chunking does not
-    change a byte. ``kernels=False`` (types of ``quants_np.NUMPY_TYPES`` only, whose imatrix ggml ignores): NumPy
+    change a byte. ``kernels=False`` (types of ``quants_np.NUMPY_TYPES`` only, without an importance matrix): NumPy
     alone, without importing Numba."""
     nrows, ne0 = x.shape
     tt = TYPE_TRAITS[t]
@@ -677,23 +677,28 @@ def _kernel_types():
     return QUANTIZE_TYPES | SEARCH_TYPES | {T.F32}, REQUIRES_IMATRIX
 
 
-# Numba's import and first cached kernel cost ~0.5 s of CPU; NumPy's conversions cost more per value than the
-# kernels (per value and thread, ~1.5 ns more from fp16 rows, ~4.5 ns for Q8_0: one "unit" below each ~1.5 ns),
-# so NumPy alone converts a file while it has at most this many units of work per thread
-_NUMPY_UNITS_PER_THREAD = 200_000_000
+# Numba's import, its first cached kernel and the file's further kernels cost ~0.6 s of CPU before the first tensor;
+# NumPy's conversions cost more per value than the kernels (per value and thread, ~1.5 ns more from fp16 rows,
+# ~4.5 ns for Q8_0, Q4_0 and Q5_0, ~6 ns for Q4_1 and Q5_1: one "unit" below each ~1.5 ns), so NumPy alone converts
+# a file while it has at most this many units of work per thread (SmolLM2-135M's F16 to Q4_0 on 2 threads: 270 M
+# units, as much CPU time either way, a quarter less wall time without Numba)
+_NUMPY_UNITS_PER_THREAD = 400_000_000
+_NUMPY_UNITS = {T.Q8_0: 3, T.Q4_0: 3, T.Q5_0: 3, T.Q4_1: 4, T.Q5_1: 4}
 
 
 def _needs_kernels(jobs, nthread: int) -> bool:
-    """Whether the Numba kernels quantize this file: a type or input only they handle, or enough work that their
-    speed pays for their start-up (the bytes are the same either way)."""
+    """Whether the Numba kernels quantize this file: a type, input or importance matrix only they handle, or enough
+    work that their speed pays for their start-up (the bytes are the same either way)."""
     from ..ggml.quants_np import NUMPY_TYPES
     units = 0
-    for _, ti, _, new_type, _, _ in jobs:
+    for _, ti, _, new_type, _, im in jobs:
         if new_type == ti.type:
             continue
         if new_type not in NUMPY_TYPES or ti.type not in (T.F32, T.F16, T.BF16):
             return True
-        units += ti.n_elements * (3 if new_type == T.Q8_0 else 1 if ti.type == T.F16 else 0)
+        if im is not None and new_type not in (T.F32, T.F16, T.BF16, T.Q8_0):    # ggml weighs these by it
+            return True
+        units += ti.n_elements * _NUMPY_UNITS.get(new_type, 1 if ti.type == T.F16 else 0)
     return units > _NUMPY_UNITS_PER_THREAD * max(1, nthread)
 
 
@@ -721,7 +726,7 @@ def _quantize_tensor(ti, ne, new_type, im, pool, out: np.ndarray, kernels: bool 
     rows_per_expert = ne[1] if len(ne) > 1 else 1
     # F16 rows go to quantize_rows as they are (converted chunk by chunk there)
     x = ti.data.view("<u2").reshape(-1, ne0) if ti.type == T.F16 else _rows_to_f32(ti.data, T(ti.type), ne0)
-    if im is None or not kernels:           # the NumPy types are those whose importance matrix ggml ignores
+    if im is None or not kernels:           # no kernels: no tensor has a matrix ggml would use (_needs_kernels)
         return quantize_rows(x, new_type, None, pool, out=out, kernels=kernels).reshape(-1)
     per = out.nbytes // n_expert
     for e in range(n_expert):

@@ -219,7 +219,11 @@ def test_numpy_rows_match_reference():
     x[3, 32:64] = np.linspace(-127, 127, 32, dtype=np.float32)     # x * id lands on halves and integers
     x[4, :2] = [np.float32(0.49999997), np.float32(127)]
     x[5, :4] = [np.float32(1e-30), np.float32(7e4), -np.float32(3e38), np.float32(2.5)]
-    for t in (T.Q8_0, T.F16, T.BF16, T.F32):
+    x[6, :32] = -2.0                                                # ties of the largest magnitude: the first wins
+    x[6, 7] = 2.0
+    x[7, 64:96] = np.arange(32, dtype=np.float32) - 16              # levels on exact halves, the top one clamped
+    x[8, 96:128] = np.float32(3e-8) * np.arange(32, dtype=np.float32)  # a scale that is subnormal in fp16
+    for t in (T.Q8_0, T.F16, T.BF16, T.F32, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         ref = x.view(np.uint8) if t == T.F32 else quantize(x, t)    # 7e4 and 3e38 overflow fp16 to inf
         out = np.empty_like(ref)
         quantize_rows(x, t, out)
@@ -232,20 +236,35 @@ def test_numpy_rows_match_reference():
 
 
 def test_plain_types_without_numba(tmp_path, monkeypatch):
-    """A file of F32/F16/BF16/Q8_0 tensors only is converted without importing Numba (its start-up would cost more
-    than the conversion), to the bytes the Numba kernels write."""
+    """A file of F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 tensors only is converted without importing Numba (its
+    start-up would cost more than the conversion), to the bytes the Numba kernels write."""
     import sys
     from llampy.llama import quant
     src = tmp_path / "f16.gguf"
     write_random_llama(src, n_layer=1, dtype=np.float16)
-    for ftype in ("Q8_0", "BF16"):
-        ours = tmp_path / f"np-{ftype}.gguf"
-        code = ("import sys; from llampy.cli import main; "
-                f"rc = main(['quantize', '--progress', 'off', {str(src)!r}, {str(ours)!r}, {ftype!r}, '2']); "
+    for opts in (["Q8_0"], ["BF16"], ["--pure", "Q5_1"]):           # --pure: output.weight Q5_1 too, not Q6_K
+        ours = tmp_path / f"np-{opts[-1]}.gguf"
+        args = ["quantize", "--progress", "off", *opts[:-1], str(src), str(ours), opts[-1], "2"]
+        code = (f"import sys; from llampy.cli import main; rc = main({args!r}); "
                 "assert rc == 0; assert 'numba' not in sys.modules, 'numba imported'")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
         assert p.returncode == 0, p.stderr[-2000:]
         monkeypatch.setattr(quant, "_NUMPY_UNITS_PER_THREAD", 0)    # the same file through the Numba kernels
-        _ours([str(src), str(tmp_path / "kernels.gguf"), ftype, "2"])
+        _ours([*opts[:-1], str(src), str(tmp_path / "kernels.gguf"), opts[-1], "2"])
         monkeypatch.undo()
-        assert ours.read_bytes() == (tmp_path / "kernels.gguf").read_bytes(), ftype
+        assert ours.read_bytes() == (tmp_path / "kernels.gguf").read_bytes(), opts
+
+
+def test_imatrix_types_need_the_kernels():
+    """An importance matrix sends Q4_0/Q4_1/Q5_0/Q5_1 to the kernels (ggml weighs their search by it; the NumPy
+    rows are the unweighted reference), while Q8_0 ignores it as ggml does; big files go to the kernels too."""
+    from types import SimpleNamespace
+    from llampy.llama.quant import _needs_kernels
+    ti = SimpleNamespace(type=T.F16, n_elements=256 * 256)
+    im = np.ones((1, 256), np.float32)
+    for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        assert not _needs_kernels([("w", ti, (256, 256), t, 0, None)], 2), t.name
+        assert _needs_kernels([("w", ti, (256, 256), t, 0, im)], 2) == (t != T.Q8_0), t.name
+    big = SimpleNamespace(type=T.F16, n_elements=10 ** 9)
+    assert _needs_kernels([("w", big, (4096, 244141), T.Q4_0, 0, None)], 2)
+    assert _needs_kernels([("w", ti, (256, 256), T.Q6_K, 0, None)], 2)
