@@ -892,13 +892,16 @@ def b_flash_attn(be, node):
         return t
 
     dk, dvh = qv.shape[-1], vv.shape[-1]
-    if (not manual and ne3 == 1 and n_q == 1 and kv.shape[0] == 1 and vv.shape[0] == 1 and qv.stride(-1) == 1
+    decode_ok = slopes is None and (mv is None or mv.shape[1] == 1)          # soft-capping and sinks it handles
+    if (decode_ok and ne3 == 1 and n_q == 1 and kv.shape[0] == 1 and vv.shape[0] == 1 and qv.stride(-1) == 1
             and (quant or (kv.stride(-1) == 1 and vv.stride(-1) == 1)) and d.stride(-1) == 1 and max(dk, dvh) <= 256
             and (mv is None or mv.stride(-1) == 1)):
         q1, k1, v1, d1 = qv[0, :, 0], kv[0], vv[0], d[0, 0]         # (H, D), (Hkv, n_kv, D), (H, Dv)
         if quant:
             k1, v1 = kb[0], vb[0]                                    # strides in bytes: the kernel's byte pointers
         extra = dict(QUANT=True, KT=int(k.type), VT=int(v.type)) if quant else {}
+        extra.update(HAS_CAP=cap != 0.0, HAS_SINK=sinks is not None)
+        sk = sinks if sinks is not None else be._dummy
         m1 = mv[0, 0, 0] if mv is not None else be._dummy
         n_kv = kv.shape[2]
         bd, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dvh)
@@ -912,8 +915,8 @@ def b_flash_attn(be, node):
             def run_decode():
                 K.attn_decode[(H, 1)](q1, k1, v1, m1, d1, be._dummy, n_kv, chunk, rk, q1.stride(0), k1.stride(1),
                                       k1.stride(0), v1.stride(1), v1.stride(0), d1.stride(0), 0, scale, be._lut,
-                                      HAS_MASK=mv is not None, SPLIT=False, D=dk, DV=dvh, BD=bd, BDV=bdv, BN=64,
-                                      **extra)
+                                      cap, sk, HAS_MASK=mv is not None, SPLIT=False, D=dk, DV=dvh, BD=bd, BDV=bdv,
+                                      BN=64, **extra)
             return run_decode
         part = torch.empty((H, n_split, dvh), dtype=F32, device=be.dev)
         pml = torch.empty((H, n_split, 2), dtype=F32, device=be.dev)
@@ -921,8 +924,8 @@ def b_flash_attn(be, node):
         def run_split():
             K.attn_decode[(H, n_split)](q1, k1, v1, m1, part, pml, n_kv, chunk, rk, q1.stride(0), k1.stride(1),
                                         k1.stride(0), v1.stride(1), v1.stride(0), part.stride(0), part.stride(1),
-                                        scale, be._lut, HAS_MASK=mv is not None, SPLIT=True, D=dk, DV=dvh, BD=bd,
-                                        BDV=bdv, BN=64, **extra)
+                                        scale, be._lut, cap, sk, HAS_MASK=mv is not None, SPLIT=True, D=dk,
+                                        DV=dvh, BD=bd, BDV=bdv, BN=64, **extra)
             K.attn_combine[(H,)](part, pml, d1, n_split, part.stride(0), part.stride(1), d1.stride(0), DV=dvh,
                                  BDV=bdv, BS=triton.next_power_of_2(n_split))
         return run_split

@@ -589,17 +589,20 @@ def swiglu(g, u, out, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h, so_s, scale, lut,
-                HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-                BDV: tl.constexpr, BN: tl.constexpr, QUANT: tl.constexpr = False, KT: tl.constexpr = 1,
-                VT: tl.constexpr = 1):
+def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n, sv_h, so_h, so_s, scale, lut, cap,
+                sinks, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, QUANT: tl.constexpr = False,
+                KT: tl.constexpr = 1, VT: tl.constexpr = 1, HAS_CAP: tl.constexpr = False,
+                HAS_SINK: tl.constexpr = False):
     """One query row per head (decode) over the F16 cache: softmax(scale q k^T + mask) v for head h = program 0,
     its KV head h // rk; q rounded to F16 as ggml-cuda's kernels read it; online softmax over tiles of BN keys.
     Program 1 takes keys [s * chunk, (s + 1) * chunk) (flash-decoding: a short cache gives H programs, too few for
     the device): with SPLIT, it writes its unnormalised sum to out[h, s] and (max, sum of weights) to pml[h, s] for
     attn_combine; without, the normalised row to out[h]. Rows with every key masked give zeros (as the other
     paths' nan_to_num). With QUANT, k and v are the bytes of a cache in block formats KT and VT (strides in
-    bytes), read through the value rules, and q is rounded to Q8_0 blocks (K's dot type) instead of F16."""
+    bytes), read through the value rules, and q is rounded to Q8_0 blocks (K's dot type) instead of F16.
+    HAS_CAP: scores soft-capped, cap * tanh(s / cap) (gemma 2); HAS_SINK: sinks[h] joins the softmax as a logit with
+    no value (gpt-oss; the first split holds it)."""
     h = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1).to(tl.int64)
     kh = h // rk
@@ -611,6 +614,10 @@ def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n
         qv = tl.load(q + h * sq_h + di, mask=di < D, other=0.0).to(tl.float16).to(tl.float32)
     m_i = tl.full([], -float("inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
+    if HAS_SINK:
+        sk = tl.load(sinks + h).to(tl.float32)
+        m_i = tl.where(sp == 0, sk, m_i)
+        l_i = tl.where(sp == 0, 1.0, l_i)
     acc = tl.zeros([BDV], tl.float32)
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, n_kv)
@@ -625,6 +632,11 @@ def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n
             kt = tl.load(k + kh * sk_h + ns[:, None] * sk_n + di[None, :], mask=nm[:, None] & (di[None, :] < D),
                          other=0.0).to(tl.float32)
         s = tl.sum(kt * qv[None, :], axis=1) * scale
+        if HAS_CAP:         # cap * tanh(s / cap), tanh from one exp of -2|y| (stable both ways)
+            y = s / cap
+            e = tl.exp(-2.0 * tl.abs(y))
+            t = (1.0 - e) / (1.0 + e)
+            s = cap * tl.where(y < 0.0, -t, t)
         if HAS_MASK:
             s += tl.load(mask + ns, mask=nm, other=0.0).to(tl.float32)
         s = tl.where(nm, s, -float("inf"))
