@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     srv = Server(smollm2_path(), n_parallel=args.slots, n_ctx=args.ctx_per_slot * args.slots, n_threads=args.threads)
     eng = srv.engine
-    while eng._to_reserve:              # the graphs the engine builds while idle
+    while eng.graphs_pending():         # the graphs the engine builds while idle
         time.sleep(0.2)
     acc: collections.Counter = collections.Counter()
 

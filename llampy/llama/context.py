@@ -230,7 +230,9 @@ class Context:
         if self.embeddings:
             want[:] = True
         n_out_total = int(want.sum())
-        self._logits = np.zeros((n_out_total, self.n_vocab), np.float32) if not self.embeddings else self._logits
+        logits = None
+        if not self.embeddings:
+            self._logits = np.zeros((0, self.n_vocab), np.float32)
         # with pooling 'rank' the graph's per-token output is the classifier's scores
         width = self.model.hparams.n_cls_out if self.pooling == "rank" else self.model.hparams.n_embd
         self._embd = np.zeros((n_out_total, width), np.float32)
@@ -253,8 +255,14 @@ class Context:
                 self._embd[rows] = res
                 if self.pooling != "none":
                     self._pool(ub, res)
+            elif len(ubatches) == 1 and np.array_equal(rows, np.arange(n_out_total)):
+                logits = res        # one micro-batch with its rows in the batch's order (a decode step): as it is
             else:
-                self._logits[rows] = res
+                if logits is None:
+                    logits = np.empty((n_out_total, self.n_vocab), np.float32)
+                logits[rows] = res
+        if not self.embeddings:
+            self._logits = logits if logits is not None else np.zeros((0, self.n_vocab), np.float32)
 
     def _split(self, batch: Batch) -> list:
         """The micro-batches of a batch, as index arrays: the memory's to choose (KVCache.split)."""

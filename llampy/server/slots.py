@@ -561,7 +561,17 @@ class Engine:
             self._lora_turn += 1
             active = [s for s in active if self._lora_now(s) == cur]
             self.ctx.set_loras([(ad, sc) for ad, sc in zip(self.lora_adapters, cur) if sc != 0.0])
-        batch = Batch.empty()
+        # the batch's columns, made into a Batch once (Batch.add per token copied its arrays every time)
+        toks: list = []
+        poss: list = []
+        seqs: list = []
+        wants: list = []
+
+        def add(t, p, sid, want):
+            toks.append(t)
+            poss.append(p)
+            seqs.append((sid,))
+            wants.append(want)
         rows: dict[int, int] = {}       # slot id -> batch position whose logits it samples from
         took: dict[int, int] = {}       # slot id -> prompt tokens of it in this batch
         # Prompt chunks first, oldest request first, within the step's budget. Each slot's cells come from its own
@@ -592,13 +602,13 @@ class Engine:
                 continue
             every = s.req.prompt_logprobs >= 0
             if every:
-                prows[s.id] = len(batch)
+                prows[s.id] = len(toks)
             p0 = self._pos(s)
             for j, t in enumerate(chunk):
                 last = j == len(chunk) - 1 and len(chunk) == len(s.pending)
-                batch.add(t, p0 + j, [s.id], last or every)
+                add(t, p0 + j, s.id, last or every)
                 if last:
-                    rows[s.id] = len(batch) - 1
+                    rows[s.id] = len(toks) - 1
             took[s.id] = len(chunk)
             budget -= len(chunk)
         active = [s for s in active if s.req is not None]      # an image that failed ended its request
@@ -609,12 +619,13 @@ class Engine:
         for s in active:
             if not s.pending:
                 p0 = self._pos(s)
-                batch.add(s.next_token, p0, [s.id], True)
-                rows[s.id] = len(batch) - 1
+                add(s.next_token, p0, s.id, True)
+                rows[s.id] = len(toks) - 1
                 for j, t in enumerate(drafts.get(s.id, ())):
-                    batch.add(t, p0 + 1 + j, [s.id], True)
-        if not len(batch):              # this step decoded images only
+                    add(t, p0 + 1 + j, s.id, True)
+        if not toks:                    # this step decoded images only
             return
+        batch = Batch(np.array(toks, np.int32), np.array(poss, np.int32), seqs, np.array(wants, bool))
         t0 = time.perf_counter()
         try:
             self.ctx.decode(batch)
@@ -781,7 +792,8 @@ class Engine:
             if r.max_tokens <= 0:       # the prompt only (echo with max_tokens 0)
                 self._finish(s, "length")
                 return None
-        logits = np.array(logits, dtype=np.float32)   # samplers may edit their candidates; keep the raw row
+        # the raw row stays as it is for the log-probs: the sampler edits its own copy (Candidates)
+        logits = np.asarray(logits, dtype=np.float32)
         tok = int(r.sampler.sample(logits))
         r.sampler.accept(tok)
         lp, top = None, []
