@@ -27,7 +27,7 @@ def tinyblas_order(w16: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("rows,k,n", [(8, 48, 2), (12, 96, 7), (20, 1152, 50), (4, 8, 3)])
+@pytest.mark.parametrize("rows,k,n", [(8, 48, 2), (12, 96, 7), (20, 1152, 50), (4, 8, 3), (8, 40, 301)])
 def test_tinyblas_order(rows, k, n):
     rng = np.random.default_rng(rows * k + n)
     w = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1.0, 30.0], size=(rows, 1))).astype(np.float16)

@@ -37,7 +37,7 @@ import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
 from . import dot_blocks, dot_f16_tiny, dot_f32_short, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
-from .act_quant import act_split, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act, round_half
+from .act_quant import act_split, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
 from .dot_q32 import F16_TABLE, ROWS16_MIN_N
 from .simd import ROWS16
 
@@ -215,9 +215,8 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
 
 def _mul_mat_f16_tiny(w, x, out) -> None:
     """F16 weights against 2 or more activation rows (rows % 4 == 0, k % 8 == 0): x rounded to F16, then
-    llamafile's tinyBLAS order, as ggml-cpu computes them."""
-    xr = round_half(x, T.F16)
-    dot_f16_tiny.mul_mat_f16(w, xr, out)
+    llamafile's tinyBLAS order, as ggml-cpu computes them (dot_f16_tiny rounds x to F16 bits itself)."""
+    dot_f16_tiny.mul_mat_f16(w, x, out)
 
 
 def act_scratch(n: int, k: int, wtype: GGMLType):
