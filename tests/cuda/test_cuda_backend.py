@@ -427,3 +427,26 @@ def test_decode_kernel_takes_softcapping_and_sinks(cap, sinks, monkeypatch):
     got = tensor_get(out).astype(np.float64)
     want = run_host(REF, _run(REF, build)[1])[0].astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * max(1.0, np.abs(want).max()))
+
+
+def test_geglu_kernel_follows_ggml_cpus_gelu_table():
+    """GEGLU in one kernel: GELU as ggml-cpu's F16 table gives it (the value at g's F16 rounding, rounded to F16;
+    0 at or below -10, g at or above 10) times u, against the CPU backend over -12..12, within one F16 step."""
+    from tests.ggml.helpers import leaf
+    cpu = backend_init("cpu")
+    g = np.linspace(-12.0, 12.0, 4 * 257, dtype=np.float32).reshape(4, 257)
+    u = np.random.default_rng(2).standard_normal((4, 257)).astype(np.float32)
+
+    def build(be, place):
+        rng = np.random.default_rng(0)
+        return ops.geglu(place(be, T.F32, (4, 257), g, rng), place(be, T.F32, (4, 257), u, rng))
+    out = build(CUDA, device_leaf)
+    Scheduler([CUDA]).graph_compute(Graph.build(out.set_output()))
+    got = tensor_get(out).reshape(4, 257)
+    want = run_host(cpu, build(cpu, leaf))[0].reshape(4, 257)
+    # one F16 step of the GELU value, or where ggml's 1 + tanhf(y) cancels (g below -3) a few float32 steps of 1
+    # times |g| (tanhf's own last bits: CUDA's differs from glibc's)
+    step = np.abs(u) * np.maximum(np.maximum(np.abs(want / u), 6.1e-5) * 2.0 ** -10, 3e-7 * np.abs(g))
+    assert (np.abs(got - want) <= step * 1.001).all(), np.abs(got - want).max()
+    assert (np.abs(got - want) == 0).mean() > 0.95          # and most values exactly the table's
+    assert (got[g <= -10.0] == 0).all() and np.array_equal(got[g >= 10.0], (g * u)[g >= 10.0])

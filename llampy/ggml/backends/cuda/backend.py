@@ -390,6 +390,8 @@ def b_unary(be, node):
 def b_scale(be, node):
     a, d = view(node.src[0]), view(node)
     s, b = _param(node, "s"), _param(node, "b")
+    if b == 0.0 and a.dtype == d.dtype == F32 and a.shape == d.shape:
+        return lambda: torch.mul(a, s, out=d)
     if b == 0.0:
         return lambda: d.copy_(_f(a) * s)
     return lambda: d.copy_(_f(a) * s + b)
@@ -412,10 +414,11 @@ def b_glu(be, node):
     act = F.silu if node.op is Op.SWIGLU else _gelu
     if len(node.src) == 2 and node.src[1] is not None:
         u = view(node.src[1])
-        if (node.op is Op.SWIGLU and a.dtype == u.dtype == d.dtype == F32 and a.is_contiguous()
-                and u.is_contiguous() and d.is_contiguous() and a.shape == u.shape == d.shape):
+        if (a.dtype == u.dtype == d.dtype == F32 and a.is_contiguous() and u.is_contiguous() and d.is_contiguous()
+                and a.shape == u.shape == d.shape):
             n = d.numel()
-            return lambda: K.swiglu[(triton_cdiv(n, 1024),)](a, u, d, n, BLOCK=1024)
+            gelu = node.op is Op.GEGLU
+            return lambda: K.swiglu[(triton_cdiv(n, 1024),)](a, u, d, n, BLOCK=1024, GELU=gelu)
         return lambda: d.copy_(act(_f(a)) * _f(u))
     h = node.src[0].ne[0] // 2
     g, u = (a[..., h:], a[..., :h]) if node.op_params.get("swapped") else (a[..., :h], a[..., h:])

@@ -580,12 +580,23 @@ def dequant_rows3(w, out, lut, NR, K, ne1, ne2, sw1, sw2, sw3, so, TYPE: tl.cons
 
 
 @triton.jit
-def swiglu(g, u, out, n, BLOCK: tl.constexpr):
-    """out = silu(g) * u over n contiguous float32 values (ggml's silu: x / (1 + exp(-x)))."""
+def swiglu(g, u, out, n, BLOCK: tl.constexpr, GELU: tl.constexpr = False):
+    """out = silu(g) * u over n contiguous float32 values (ggml's silu: x / (1 + exp(-x))); with GELU, ggml-cpu's
+    GELU of g instead (its F16 table: the tanh form at g's F16 rounding, rounded to F16; 0 at or below -10, g at or
+    above 10)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     a = tl.load(g + i, mask=m, other=0.0)
-    tl.store(out + i, a / (1.0 + tl.exp(-a)) * tl.load(u + i, mask=m, other=0.0), mask=m)
+    if GELU:
+        h = a.to(tl.float16).to(tl.float32)
+        y = 0.7978845608028654 * h * (1.0 + 0.044715 * h * h)
+        e = tl.exp(-2.0 * tl.abs(y))
+        t = (1.0 - e) / (1.0 + e)
+        gl = (0.5 * h * (1.0 + tl.where(y < 0.0, -t, t))).to(tl.float16).to(tl.float32)
+        act = tl.where(a <= -10.0, 0.0, tl.where(a >= 10.0, a, gl))
+    else:
+        act = a / (1.0 + tl.exp(-a))
+    tl.store(out + i, act * tl.load(u + i, mask=m, other=0.0), mask=m)
 
 
 @triton.jit
