@@ -13,8 +13,9 @@ issue's figures, printed as one JSON object.
   *_pss_mib            memory (PSS) of the cluster's processes: idle, then with Serve and 2 replicas of the tiny
                        model (its weights are 13 MiB; the rest is Ray, Serve and llampy's Python)
   throughput           generated tokens/s through the ingress with 1 replica, then with N (one per node with a
-                       CPU), each replica under 2 x parallel clients; scaling = tps_N / (N x tps_1), the issue's
-                       target >= 0.8. Only meaningful across real hosts: the local nodes share this machine's cores
+                       CPU), each replica under 2 x parallel clients, and the nodes the replicas ran on;
+                       scaling = tps_N / (N x tps_1). Only meaningful across real hosts: the local nodes share
+                       this machine's cores
 
 Run as root, in a loopback-only network namespace as the tests do (names select figures: handoff router stream
 resume node pipeline throughput; none: all but throughput):
@@ -280,6 +281,9 @@ def throughput(model: str, parallel: int, seconds: float, n_tok: int = 64, serve
         for i in range(2 * reps):       # each replica's first step (plans, caches) outside the timing
             httpx.post(URL + "/v1/completions", json={"prompt": f"Warm {i}", "max_tokens": 4}, timeout=120)
         out[f"tps_{reps}"] = _load(URL, 2 * parallel * reps, seconds, n_tok)
+        ip = {nd["NodeID"]: nd["NodeManagerAddress"] for nd in ray.nodes()}
+        out[f"replica_nodes_{reps}"] = sorted(ip.get(r["node_id"], "?")        # where the replicas ran
+                                              for r in ray.get(ray.get_actor("llampy-board").read.remote()))
     out["scaling"] = round(out[f"tps_{n}"] / (n * out["tps_1"]), 3)
     if server:
         out["scaling_vs_one_server"] = round(out[f"tps_{n}"] / (n * out["tps_one_server"]), 3)
