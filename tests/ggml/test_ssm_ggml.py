@@ -48,7 +48,7 @@ def _kernel(ins):
     n_seqs, _, n_head, head_dim = ins[1].shape
     y = np.zeros_like(ins[1])
     states = np.zeros((n_seqs, n_head, head_dim, ins[0].shape[3]), np.float32)
-    ssm_scan_f32(*ins, y, states)
+    ssm_scan_f32(*ins, y, states, np.arange(n_seqs, dtype=np.int32))
     return np.concatenate([y.ravel(), states.ravel()])
 
 

@@ -87,6 +87,10 @@ def bind_get_rows(node, dst, srcs):
 
 
 def bind_set_rows(node, dst, srcs):
+    from .ssm import bind_state_store
+    stored = bind_state_store(node, dst, srcs)       # a Mamba-2 layer's states: its scan writes them itself
+    if stored is not None:
+        return stored
     src, idx = srcs[0], srcs[1][0]
     t = node.type
     if node.src[0].type != T.F32 or t not in (T.F16, T.F32):

@@ -9,9 +9,15 @@ bit-identical to ggml_ssm_scan of that build. Sequences and heads are independen
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numba import njit, prange
 
+from ...tensor import Op
+from ...types import GGMLType as T
+
+from .rows import _in_range, check_index
 from .simd import (F16_VEC_LANES, fma32, v16_add, v16_fma, v16_load, v16_reduce, v16_reduce_x8, v16_scale, v16_store,
                    v16_zero)
 
@@ -113,12 +119,12 @@ def _softplus(d):
 
 
 @njit(inline="always")
-def _scan_head(s, x, dt, A, B, C, ids, y, out_s, j, h, per_group, per_elem):
+def _scan_head(s, x, dt, A, B, C, ids, y, out_s, ods, j, h, per_group, per_elem):
     n_tok = x.shape[1]
     head_dim = x.shape[3]
     d_state = s.shape[3]
     g = h // per_group
-    st = out_s[j, h]
+    st = out_s[ods[j], h]
     src = s[ids[j], h]
     if not per_elem:
         for t in range(n_tok):
@@ -146,15 +152,17 @@ def _scan_head(s, x, dt, A, B, C, ids, y, out_s, j, h, per_group, per_elem):
 
 
 @njit(parallel=True, cache=True)
-def ssm_scan_f32(s, x, dt, A, B, C, ids, y, out_s):
+def ssm_scan_f32(s, x, dt, A, B, C, ids, y, out_s, ods):
     """s (n_rs, n_head, head_dim, d_state): the states ids[j] starts from; x, y (n_seqs, n_tok, n_head, head_dim);
     dt (n_seqs, n_tok, n_head); A (n_head, d_state) or (n_head, 1); B, C (n_seqs, n_tok, n_group, d_state), each
-    row of d_state packed; out_s (n_seqs, n_head, head_dim, d_state): the final states."""
+    row of d_state packed; out_s (n_rows, n_head, head_dim, d_state): sequence j's final state goes to its row
+    ods[j] (the node's own states: out_s of n_seqs rows, ods = 0 .. n_seqs - 1; or the memory s itself, ods the
+    rows the graph stores them in, ``_Scan``)."""
     n_seqs, _, n_head, _ = x.shape
     per_group = n_head // B.shape[2]
     per_elem = A.shape[1] != 1
     for r in prange(n_seqs * n_head):
-        _scan_head(s, x, dt, A, B, C, ids, y, out_s, r // n_head, r % n_head, per_group, per_elem)
+        _scan_head(s, x, dt, A, B, C, ids, y, out_s, ods, r // n_head, r % n_head, per_group, per_elem)
 
 
 def bind_ssm_conv(node, dst, srcs):
@@ -164,6 +172,8 @@ def bind_ssm_conv(node, dst, srcs):
     # one decoded token per sequence: a parallel region's start costs more than the 4 x d_inner products
     fn = ssm_conv_f32_one if out.shape[1] == 1 and out.shape[0] <= 2 else ssm_conv_f32
     return lambda: fn(sx, c, out)
+
+
 def bind_ssm_scan(node, dst, srcs):
     x_t = node.src[1]
     s = srcs[0]
@@ -176,9 +186,81 @@ def bind_ssm_scan(node, dst, srcs):
     nx = x_t.nelements
     y = flat[:nx].reshape(x.shape)
     out_s = flat[nx:].reshape((x.shape[0],) + s.shape[1:])
+    scan = _Scan(s, x, dt, A, B, C, ids, y, out_s)
+    _SCANS[node.id] = scan
+    return scan
+
+
+# the plan's bound scans by node id, for the SET_ROWS that stores their states (``bind_state_store``)
+_SCANS: "weakref.WeakValueDictionary[int, _Scan]" = weakref.WeakValueDictionary()
+
+
+class _Scan:
+    """A bound SSM_SCAN. Alone it writes the final states into the node's own result, which the graph's SET_ROWS
+    then copies into the recurrent memory (llama.cpp's build_rs); once that SET_ROWS is bound to it
+    (``bind_state_store``) it writes them straight into the memory rows the SET_ROWS names, which then has nothing
+    left to do: a
+    decoded token of Mamba-2 370M copied 48 states of 1 MiB each, on one thread. Where a sequence's target row is
+    another sequence's starting row (copy on write within the batch), the threads could overwrite a state before
+    it is read: that batch runs unfused."""
+
+    def __init__(self, s, x, dt, A, B, C, ids, y, out_s):
+        self.args = (s, x, dt, A, B, C, ids, y)
+        self.out_s = out_s
+        self.own = np.arange(out_s.shape[0], dtype=np.int32)
+        self.store = None        # the SET_ROWS' row ids, once bound to it
+        self.stored = False      # the last run wrote the memory rows itself
+
+    def __call__(self):
+        s, ids = self.args[0], self.args[6]
+        if len(ids) and not _in_range(ids, s.shape[0]):
+            raise IndexError(f"ssm_scan: state rows {ids.tolist()} outside 0..{s.shape[0] - 1}")
+        self.stored = False
+        if self.store is not None:
+            dst_ids = self.store
+            check_index(dst_ids, s.shape[0], "set_rows")
+            if _disjoint(ids, dst_ids):
+                ssm_scan_f32(*self.args, s, dst_ids.astype(np.int32, copy=False))
+                self.stored = True
+                return
+        ssm_scan_f32(*self.args, self.out_s, self.own)
+
+
+def _disjoint(src, dst) -> bool:
+    """No sequence's target row is another sequence's starting row (which it would overwrite before that sequence
+    read it: copy on write, seq_cp then both decoding in one batch), and no two share a target."""
+    n = len(dst)
+    if n == 1:
+        return True
+    d, s = [int(v) for v in dst], [int(v) for v in src]
+    return len(set(d)) == n and not any(s[k] == d[j] for j in range(n) for k in range(n) if k != j)
+
+
+def bind_state_store(node, dst, srcs):
+    """The SET_ROWS of a bound scan's final states into the memory that scan reads its states from (a Mamba-2
+    layer's state store): the scan writes them there itself (``_Scan``), and this call copies only when that scan's
+    batch ran unfused. None for any other SET_ROWS."""
+    src_t = node.src[0]
+    scan_t = src_t.view_src if src_t.view_src is not None else src_t
+    scan = _SCANS.get(scan_t.id) if scan_t.op == Op.SSM_SCAN else None
+    if scan is None or node.type != T.F32 or src_t.type != T.F32:
+        return None
+    s, out_s, src = scan.args[0], scan.out_s, srcs[0]
+    # the SET_ROWS reads exactly the states' part of the scan's result and writes into the scan's own memory
+    if (src.__array_interface__["data"][0] != out_s.__array_interface__["data"][0] or src.size != out_s.size
+            or not src.flags.c_contiguous or not dst.flags.c_contiguous
+            or dst.__array_interface__["data"][0] != s.__array_interface__["data"][0] or dst.size != s.size):
+        return None
+    idx = srcs[1].reshape(-1)
+    if idx.shape[0] != out_s.shape[0]:
+        return None
+    scan.store = idx
+    rows_src, rows_dst = out_s.reshape(out_s.shape[0], -1), s.reshape(s.shape[0], -1)
 
     def run():
-        if len(ids) and (ids.min() < 0 or ids.max() >= s.shape[0]):
-            raise IndexError(f"ssm_scan: state rows {ids.tolist()} outside 0..{s.shape[0] - 1}")
-        ssm_scan_f32(s, x, dt, A, B, C, ids, y, out_s)
+        if scan.stored:
+            return
+        check_index(idx, rows_dst.shape[0], "set_rows")
+        for j in range(idx.shape[0]):
+            rows_dst[int(idx[j])] = rows_src[j]
     return run
