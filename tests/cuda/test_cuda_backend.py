@@ -450,3 +450,40 @@ def test_geglu_kernel_follows_ggml_cpus_gelu_table():
     assert (np.abs(got - want) <= step * 1.001).all(), np.abs(got - want).max()
     assert (np.abs(got - want) == 0).mean() > 0.95          # and most values exactly the table's
     assert (got[g <= -10.0] == 0).all() and np.array_equal(got[g >= 10.0], (g * u)[g >= 10.0])
+
+
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_norm_writes_its_products_quantized_activations(t, monkeypatch):
+    """A norm of one row feeding integer-kernel products quantizes the row in its own kernel (Q8_K blocks of 256
+    for the k-quants, Q8_0 blocks of 32 for the others): the products' results are the unfused ones bit for bit,
+    without a quantization launch of their own."""
+    from llampy.ggml.backends.cuda import backend as CB
+    from llampy.ggml.backends.cuda import mmvq as MMVQ
+    launches = []
+    real = MMVQ.quantize_act
+    monkeypatch.setattr(MMVQ, "quantize_act", type("Counted", (), {"__getitem__": lambda s, g: (launches.append(g),
+                                                                                                real[g])[1]})())
+    rng = np.random.default_rng(4)
+    k = 512
+    wq = [quantize(rng.standard_normal((n, k)).astype(np.float32), t) for n in (48, 16)]
+    x = rng.standard_normal((1, k)).astype(np.float32) * 3
+    nwv = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    got = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(CB.CUDABackend, "_norm_quant_plan", lambda self, nodes: {})
+        xs, nw = device_leaf(CUDA, T.F32, (1, k), x), device_leaf(CUDA, T.F32, (k,), nwv)
+        ws = []
+        for n, q in zip((48, 16), wq):
+            w = Tensor(t, (k, n))
+            tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
+            tensor_set(w, q)
+            ws.append(w)
+        h = ops.mul(ops.rms_norm(xs, 1e-6), nw)
+        outs = [ops.mul_mat(w, h).set_output() for w in ws]
+        launches.clear()
+        Scheduler([CUDA]).graph_compute(Graph.build(*outs))
+        got[fused] = [tensor_get(o).copy() for o in outs], len(launches)
+    for a, b in zip(got[True][0], got[False][0]):
+        np.testing.assert_array_equal(a, b)
+    assert (got[True][1], got[False][1]) == (0, 1)

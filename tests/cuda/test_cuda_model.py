@@ -204,3 +204,28 @@ def test_quantized_kv_cache_on_the_gpu_follows_the_cpu(tmp_path):
     m = Model(path, n_gpu_layers=-1)
     with pytest.raises(ContextError, match="IQ4_NL KV cache is not supported on cuda"):
         Context(m, n_ctx=64, type_k=GGMLType.IQ4_NL, type_v=GGMLType.IQ4_NL)
+
+
+def test_norms_quantize_for_their_decode_products(monkeypatch):
+    """In a decode step, an RMS norm whose integer-kernel products all take one block size writes their int8
+    activations itself (one launch less per norm): the logits are the unfused step's, bit for bit, and the
+    products' own quantization launches are gone."""
+    from llampy.ggml.backends.cuda import backend as CB
+    from llampy.ggml.backends.cuda import mmvq as MMVQ
+    launches = []
+    real = MMVQ.quantize_act
+    monkeypatch.setattr(MMVQ, "quantize_act", type("Counted", (), {"__getitem__": lambda s, g: (launches.append(g),
+                                                                                                real[g])[1]})())
+    out = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(CB.CUDABackend, "_norm_quant_plan", lambda self, nodes: {})
+        m = Model(TINY / "qwen2-Q8_0.gguf", n_gpu_layers=-1)
+        ctx = Context(m, n_ctx=64)
+        ctx.decode(Batch.from_tokens([5, 6, 7]))
+        launches.clear()
+        ctx.decode(Batch.from_tokens([8], pos0=3))
+        out[fused] = ctx.get_logits_ith(-1).copy(), len(launches)
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    # per layer the attention norm (q, k, v) and the FFN norm (gate, up), then the output norm: 5 fewer
+    assert out[False][1] - out[True][1] == 2 * 2 + 1

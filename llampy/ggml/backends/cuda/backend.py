@@ -140,6 +140,7 @@ class CUDABackend(Backend):
         self.n_sm = torch.cuda.get_device_properties(self.dev).multi_processor_count if self.dev.type == "cuda" else 4
         self._capture_warned = False
         self._q8_shared = None          # while a plan is bound: activation quantizations its products share
+        self._norm_quant = None         # ... and the norms that make them (_norm_quant_plan)
 
     def description(self) -> str:
         if self.dev.type == "cuda":
@@ -208,6 +209,7 @@ class CUDABackend(Backend):
     # ------------------------------------------------------------ plans
     def graph_plan_create(self, nodes: list[Tensor]) -> Plan:
         self._q8_shared = {}
+        self._norm_quant = self._norm_quant_plan(nodes)
         try:
             calls = [self._bind(n) for n in nodes if n.op not in VIEW_OPS and n.op != Op.NONE]
         finally:
@@ -312,11 +314,29 @@ class CUDABackend(Backend):
         shared = self._q8_shared.get((id(b), g)) if self._q8_shared is not None else None
         if shared is not None:
             return shared, False
-        bufs = (torch.empty(kdim, dtype=torch.int8, device=self.dev), torch.empty(kdim // g, dtype=F32, device=self.dev),
-                torch.empty(kdim // 16, dtype=torch.int32, device=self.dev), g)
+        bufs = self._q8_bufs(kdim, g)
         if self._q8_shared is not None:
             self._q8_shared[(id(b), g)] = bufs
         return bufs, True
+
+    def _q8_bufs(self, kdim: int, g: int):
+        """An activation row's quantized form for the integer decode kernels: int8 values, block scales, sums of 16."""
+        return (torch.empty(kdim, dtype=torch.int8, device=self.dev), torch.empty(kdim // g, dtype=F32, device=self.dev),
+                torch.empty(kdim // 16, dtype=torch.int32, device=self.dev), g)
+
+    def _norm_quant_plan(self, nodes: list[Tensor]) -> dict:
+        """RMS norms of one row whose every integer-kernel product quantizes it in one block size: id -> that size.
+        Their norm kernel writes the quantization too (one launch less per norm)."""
+        sizes: dict[int, set] = {}
+        norms = {id(n) for n in nodes if n.op in (Op.RMS_NORM, Op.RMS_NORM_MUL)}
+        for n in nodes:
+            if n.op != Op.MUL_MAT or id(n.src[1]) not in norms:
+                continue
+            a, b = n.src
+            ok = (a.type in MMVQ.KERNELS and a.ne[2] == a.ne[3] == 1 and b.ne[1] * b.ne[2] * b.ne[3] == 1
+                  and b.type == T.F32 and b.is_contiguous())
+            sizes.setdefault(id(b), set()).add(MMVQ.KERNELS[a.type][1] if ok else None)
+        return {k: next(iter(v)) for k, v in sizes.items() if len(v) == 1 and None not in v}
 
     def _mmvq(self, a: Tensor, w: torch.Tensor, x: torch.Tensor, xq, y: torch.Tensor, quant: bool = True) -> None:
         """y [1, N] = x [1, K] @ a^T by the integer kernels (mmvq.py): x quantized to int8 in a's dot type (unless
@@ -467,11 +487,16 @@ def _bind_rms(be, node, w_t, add_t):
         nrows = x2.shape[0]
         block = triton.next_power_of_2(ne0)
         sw = 0 if w2 is None or w2.shape[0] == 1 else w2.stride(0)
+        g = be._norm_quant.get(id(node)) if nrows == 1 and be._norm_quant is not None else None
+        qg, (xq, xd, xs) = 0, (be._dummy,) * 3
+        if g is not None and be._q8_shared is not None:     # its decode products read the quantization made here
+            xq, xd, xs, _g = be._q8_shared[(id(node), g)] = be._q8_bufs(ne0, g)
+            qg = g
 
         def run():
             K.rms_norm_mul[(nrows,)](x2, w2 if w2 is not None else x2, a2 if a2 is not None else x2, d2, ne0,
                                      x2.stride(0), sw, a2.stride(0) if a2 is not None else 0, d2.stride(0), eps,
-                                     HAS_W=w2 is not None, HAS_ADD=a2 is not None, BLOCK=block)
+                                     xq, xd, xs, HAS_W=w2 is not None, HAS_ADD=a2 is not None, BLOCK=block, QG=qg)
         return run
 
     def run():

@@ -397,10 +397,12 @@ FAST_DEQUANT_ON = True      # False: the value rules for every type (gpu_bench.p
 # One launch where torch would take several: RMS norm with its weight (and a residual add), and rope.
 
 @triton.jit
-def rms_norm_mul(x, w, a, out, ne0, sx, sw, sa, so, eps, HAS_W: tl.constexpr, HAS_ADD: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def rms_norm_mul(x, w, a, out, ne0, sx, sw, sa, so, eps, xq, xd, xs, HAS_W: tl.constexpr, HAS_ADD: tl.constexpr,
+                 BLOCK: tl.constexpr, QG: tl.constexpr = 0):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) (* w[r % rows of w]) (+ a[r]); rows of ne0 float32 values,
-    contiguous within a row, row strides sx, sw, sa, so (sw 0: one weight row for all)."""
+    contiguous within a row, row strides sx, sw, sa, so (sw 0: one weight row for all). QG 32 or 256 (one row):
+    the row also quantized for the integer decode kernels, as mmvq.quantize_act does it (int8 xq, scales xd, sums
+    of 16 xs), saving their products a launch."""
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     m = i < ne0
@@ -411,6 +413,37 @@ def rms_norm_mul(x, w, a, out, ne0, sx, sw, sa, so, eps, HAS_W: tl.constexpr, HA
     if HAS_ADD:
         y = y + tl.load(a + r * sa + i, mask=m, other=0.0)
     tl.store(out + r * so + i, y, mask=m)
+    if QG > 0:
+        _quantize_act_blocks(tl.reshape(y, [BLOCK // QG, QG]), ne0 // QG, xq, xd, xs, QG)
+
+
+@triton.jit
+def _quantize_act_blocks(v, nb, xq, xd, xs, G: tl.constexpr):
+    """Blocks b < nb of v [NB, G] to the integer kernels' activation form (mmvq.quantize_act's arithmetic): G 32,
+    Q8_0/Q8_1 (d = max|x| / 127 as F16, q = x * 127/max|x| rounded half to even); G 256, Q8_K (the signed value of
+    largest |x| maps to -127); int8 q at xq[b * G + j], d at xd[b], sums of each 16 q at xs[b * G/16 + i]."""
+    NB: tl.constexpr = v.shape[0]
+    b = tl.arange(0, NB)
+    j = tl.arange(0, G)
+    if G == 32:
+        amax = tl.max(tl.abs(v), axis=1)
+        d = (amax / 127.0).to(tl.float16).to(tl.float32)
+        iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
+        q = _rint(_mul_rn(v, iv[:, None]))
+    else:
+        jm = tl.argmax(tl.abs(v), axis=1)
+        mx = tl.sum(tl.where(j[None, :] == jm[:, None], v, 0.0), axis=1)
+        zero = mx == 0.0
+        isc = tl.where(zero, 0.0, -127.0 / tl.where(zero, 1.0, mx))
+        d = tl.where(zero, 0.0, 1.0 / tl.where(zero, 1.0, isc))
+        q = tl.minimum(_rint(_mul_rn(v, isc[:, None])), 127.0)
+    qi = q.to(tl.int32)
+    ok = b < nb
+    tl.store(xq + b[:, None] * G + j[None, :], qi.to(tl.int8), mask=ok[:, None])
+    tl.store(xd + b, d, mask=ok)
+    g16 = tl.arange(0, G // 16)
+    tl.store(xs + b[:, None] * (G // 16) + g16[None, :], tl.sum(tl.reshape(qi, [NB, G // 16, 16]), axis=2),
+             mask=ok[:, None])
 
 
 @triton.jit
