@@ -93,6 +93,9 @@ class RemoteEngine:
     def kv_used(self) -> int:
         return sum(r["kv_used"] for r in self.rows)
 
+    def graphs_pending(self) -> int:
+        return sum(r.get("graphs_pending", 0) for r in self.rows)
+
     def tokens_per_second(self) -> float:
         return sum(r["tps"] for r in self.rows)
 

@@ -125,7 +125,8 @@ class Replica:
     def stats(self) -> dict:
         e = self.engine
         return {"id": self.id, "pid": os.getpid(), "node_id": self.node_id, "alive": e.alive(),
-                "busy": e.busy_slots(), "n_parallel": e.n_parallel, "queue": e.queue_depth(), "kv_used": e.kv_used(), "n_ctx": e.n_ctx, "n_ctx_slot": e.n_ctx_slot,
+                "busy": e.busy_slots(), "n_parallel": e.n_parallel, "queue": e.queue_depth(), "kv_used": e.kv_used(),
+                "graphs_pending": e.graphs_pending(), "n_ctx": e.n_ctx, "n_ctx_slot": e.n_ctx_slot,
                 "tps": e.tokens_per_second(), "metrics": dict(e.metrics), "t": time.time()}
 
     async def _report_loop(self):

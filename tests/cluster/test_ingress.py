@@ -233,6 +233,33 @@ def test_health_check_fails_when_the_engine_stalls_while_busy(replicas, monkeypa
         t.join(timeout=120)
 
 
+def test_a_replica_sends_the_first_token_at_once_and_merges_the_rest(replicas, monkeypatch):
+    """A replica's stream items: the first token's event alone, later events merged while they come within MERGE_S
+    of the last item (here longer than the whole request: all the rest in one item, the finish last)."""
+    import llampy.cluster.replica as R
+    c, handle, _ = cluster_client(replicas[:1])
+    text, _ = stream_text(c, {**chat(7, 16), "ignore_eos": True})
+    monkeypatch.setattr(R, "MERGE_S", 60.0)
+
+    async def items():
+        return [it async for it in replicas[0].generate(handle.specs[-1]) if it]     # not the keepalives
+    got = asyncio.run(items())
+    assert len(got) == 2 and len(got[0]) == 1 and got[0][0].token is not None, [len(it) for it in got]
+    assert got[-1][-1].finish_reason is not None and sum(ev.token is not None for it in got for ev in it) == 16
+
+
+def test_health_check_fails_when_the_engine_thread_is_dead():
+    """A replica whose engine thread has ended (here stopped; a crash ends it the same way) fails Serve's health
+    check, so Serve replaces it."""
+    from llampy.cluster.replica import Replica
+    rep = Replica(MODEL, 1, 256, n_threads=1)
+    rep.check_health()
+    rep.engine.stop()
+    assert not rep.engine.alive()
+    with pytest.raises(RuntimeError, match="the engine thread stopped"):
+        rep.check_health()
+
+
 def test_no_replica_is_503_with_retry_after(replicas):
     c, _, _ = cluster_client(replicas, live=False)
     r = c.post("/v1/chat/completions", json={**chat(0), "stream": False})
