@@ -1,5 +1,6 @@
-"""MUL_MAT_GLU's fused kernel (dot_q32._mv_rows16_glu: gate and up tiles and the gated unit in registers) gives the
-bits of the three ops it replaces, run as the cpu backend runs them unfused."""
+"""MUL_MAT_GLU's fused kernels (dot_q32._mv_rows16_glu: gate and up tiles and the gated unit in registers; for a few
+activation rows dot_q32._mv_rest_glu, on any CPU) give the bits of the three ops they replace, run as the cpu
+backend runs them unfused."""
 import numpy as np
 import pytest
 
@@ -34,14 +35,19 @@ def _run(be, out, x, xv):
     return np.array(tensor_data(g.nodes[-1]))
 
 
-@pytest.mark.skipif(not ROWS16, reason="the fused kernel needs AVX-512 VNNI (sixteen-row tiles); elsewhere the node "
-                                       "runs unfused, which test_ops covers")
-@pytest.mark.parametrize("wtype,glu", [(T.Q5_0, "geglu"), (T.Q4_1, "swiglu"), (T.Q8_0, "swiglu")])
-@pytest.mark.parametrize("n", [16, 37])
+_PROMPT = pytest.mark.skipif(not ROWS16, reason="the prompt's fused kernel needs AVX-512 VNNI (sixteen-row tiles); "
+                                                "elsewhere the node runs unfused, which test_ops covers")
+
+
+@pytest.mark.parametrize("wtype,glu,n", [pytest.param(T.Q5_0, "geglu", 16, marks=_PROMPT),
+                                         pytest.param(T.Q4_1, "swiglu", 37, marks=_PROMPT),
+                                         pytest.param(T.Q8_0, "swiglu", 16, marks=_PROMPT),
+                                         pytest.param(T.Q8_0, "swiglu", 37, marks=_PROMPT),
+                                         (T.Q8_0, "swiglu", 1), (T.Q8_0, "geglu", 3)])
 def test_fused_kernel_is_bit_identical_to_the_three_ops(wtype, glu, n):
     rng = np.random.default_rng(n)
     be = CPUBackend()
-    k, rows = 128, 48
+    k, rows = 128 if n > 3 else 160, 48
     wg, wu = _weight(be, wtype, rows, k, rng), _weight(be, wtype, rows, k, rng)
     xv = (rng.standard_normal((n, k)) * 2).astype(np.float32)
     x = Tensor(T.F32, (k, n), name="x").set_input()

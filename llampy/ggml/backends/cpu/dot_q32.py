@@ -512,6 +512,54 @@ def _mv_rows16_glu(wg, wu, xq, xd, xs, out, kind, glu, table):
 
 
 @njit(cache=True, inline="always")
+def _rows4(kind, w, r, xr, xdr, xsr, lr, nb, gb, at):
+    """Rows r..r+3 of w against one activation row: the four dot products into gb[at..at+3] (``_mv_rest``'s
+    one-row form: four chains, each in ggml's block order; the rows PREFETCH_AHEAD ahead prefetched meanwhile)."""
+    w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+    pb = prefetch_base(w, r)
+    step = 4 * _block_bytes(kind)
+    a0 = a1 = a2 = a3 = f32x8_zero()
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for b in range(nb):
+        prefetch_step(w, pb, b, step)
+        d = xdr[b]
+        m = xsr[b]
+        a0, s0 = _block(kind, xdr, w0, b, xr, d, m, lr, a0, s0)     # (_block does not read its table argument)
+        a1, s1 = _block(kind, xdr, w1, b, xr, d, m, lr, a1, s1)
+        a2, s2 = _block(kind, xdr, w2, b, xr, d, m, lr, a2, s2)
+        a3, s3 = _block(kind, xdr, w3, b, xr, d, m, lr, a3, s3)
+    gb[at] = f32x8_hsum(a0) + s0
+    gb[at + 1] = f32x8_hsum(a1) + s1
+    gb[at + 2] = f32x8_hsum(a2) + s2
+    gb[at + 3] = f32x8_hsum(a3) + s3
+
+
+@njit(cache=True, inline="always")
+def _mv_rest_glu(wg, wu, xq, xd, xs, out, kind, glu, table):
+    """MUL_MAT_GLU for a few activation rows (decoding): per group of sixteen weight rows, the gate's and the up
+    matrix's sixteen dot products (``_rows4``, the decode kernels' numbers) and the gated unit over them as ggml's
+    vector GLU computes it (``_mv_rows16_glu``'s), in one parallel region; neither product goes through memory and
+    the unit is not a call of its own. rows % 16 == 0."""
+    rows = wg.shape[0]
+    n, k = xq.shape
+    nb = k // 32
+    xls = _offset_lane_sums(kind, xq)
+    for c in prange(rows // 16):
+        r0 = 16 * c
+        gb = np.empty(16, np.float32)
+        ub = np.empty(16, np.float32)
+        for i in range(n):
+            xr, lr, xdr, xsr = xq[i], xls[i], xd[i], xs[i]
+            for q in range(0, 16, 4):
+                _rows4(kind, wg, r0 + q, xr, xdr, xsr, lr, nb, gb, q)
+                _rows4(kind, wu, r0 + q, xr, xdr, xsr, lr, nb, ub, q)
+            if glu == GLU_SWIGLU:
+                v16_store(out[i], r0, v16_mul(v16_silu(v16_load(gb, 0)), v16_load(ub, 0)))
+            else:
+                v16_store(out[i], r0, v16_geglu(v16_load(gb, 0), v16_load(ub, 0), table))
+
+
+@njit(cache=True, inline="always")
 def _mv_rest(w, xq, xd, xs, out, tab, kind, n8):
     """The activation rows n8 .. n of ``_mv_legacy``: pairs, then one. The rows PREFETCH_AHEAD ahead are
     prefetched a piece per block step (``prefetch_step``)."""
@@ -729,6 +777,16 @@ def _glu_q5_1(wg, wu, xq, xd, xs, out, glu, table):
 
 
 GLU_KERNELS = {"q8_0": _glu_q8_0, "q4_0": _glu_q4_0, "q4_1": _glu_q4_1, "q5_0": _glu_q5_0, "q5_1": _glu_q5_1}
+
+
+# MUL_MAT_GLU of a few activation rows (decoding), any CPU: ``_mv_rest_glu``
+@njit(parallel=True, cache=True, nogil=True)
+def _glu_rest_q8_0(wg, wu, xq, xd, xs, out, glu, table):
+    _mv_rest_glu(wg, wu, xq, xd, xs, out, K_Q8_0, glu, table)
+
+
+GLU_DECODE_KERNELS = {"q8_0": _glu_rest_q8_0}
+GLU_DECODE_MAX_N = 7      # below the prompt tiles' eight rows (``_mv_legacy``): the products run ``_mv_rest`` alone
 
 
 # ------------------------------------------------------------------------------------------ tile dequantization

@@ -150,13 +150,17 @@ def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndar
                      limit_fn, unfused):
     """A MUL_MAT_GLU node's fused call (``dot_q32._mv_rows16_glu``: both products and the gated unit per tile, neither
     product stored), bound once; None where that kernel does not apply: a 32-value format on an AVX-512 VNNI CPU,
-    at least ``ROWS16_MIN_N`` activation rows, weight rows a multiple of 16, float32 rows contiguous. ``unfused()``
+    at least ``ROWS16_MIN_N`` activation rows, weight rows a multiple of 16, float32 rows contiguous. Up to
+    ``dot_q32.GLU_DECODE_MAX_N`` rows (decoding) on any CPU, Q8_0 weights: ``dot_q32._mv_rest_glu``. ``unfused()``
     runs the node as its three ops, for batches past ``limit_fn()``'s integer-path limit (as ``bind_mul_mat``)."""
     wtype = GGMLType(wtype)
     n, k = x.shape
-    kernel = dot_q32.GLU_KERNELS.get(wtype.name.lower())
     vdt = TYPE_TRAITS[wtype].vec_dot_type
-    if kernel is None or not ROWS16 or n < ROWS16_MIN_N or wg.shape[0] % 16 or vdt not in (T.Q8_0, T.Q8_1):
+    if n <= dot_q32.GLU_DECODE_MAX_N:       # decoding: the decode products and the unit in one region, any CPU
+        kernel = dot_q32.GLU_DECODE_KERNELS.get(wtype.name.lower())
+    else:
+        kernel = dot_q32.GLU_KERNELS.get(wtype.name.lower()) if ROWS16 and n >= ROWS16_MIN_N else None
+    if kernel is None or wg.shape[0] % 16 or vdt not in (T.Q8_0, T.Q8_1):
         return None
     if x.dtype != np.float32 or x.strides[-1] != 4 or out.dtype != np.float32 or out.strides[-1] != 4:
         return None
