@@ -51,3 +51,10 @@ def _binary_f32(a, b, out, op):
 
 binary_f32_par = njit(parallel=True, cache=True)(_binary_f32)
 binary_f32 = njit(cache=True)(_binary_f32)
+
+
+@njit(cache=True)
+def scale_f32(x, s, out):
+    """out = x * s (float32, one dimension): SCALE without a bias, one rounding per value as ggml_vec_scale_f32."""
+    for i in range(x.shape[0]):
+        out[i] = x[i] * s

@@ -38,6 +38,10 @@ def bind_scale(node, dst, srcs):
     if node.src[0].type != T.F32 or node.type != T.F32 or p["b"] or srcs[0].shape != dst.shape:
         return None
     x, sv = srcs[0], np.float32(p["s"])
+    if x.flags.c_contiguous and dst.flags.c_contiguous:      # a Numba loop: a third of the ufunc call's time at
+        from .elementwise import scale_f32                    # a token's 768 values (Granite: 65 per token)
+        xf, of = x.reshape(-1), dst.reshape(-1)
+        return lambda: scale_f32(xf, sv, of)
     return lambda: np.multiply(x, sv, out=dst)
 
 
