@@ -194,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-bench", default=None, help="a llama-bench built with -DGGML_CUDA=ON")
     ap.add_argument("--partial", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the GGUF files")
+    ap.add_argument("--reuse", action="store_true", help="use a file an earlier --keep run left (same shape and mix)")
     ap.add_argument("-ctk", "--cache-type-k", default="f16", help="the KV cache's K type (both sides)")
     ap.add_argument("-ctv", "--cache-type-v", default="f16", help="the KV cache's V type (both sides)")
     ap.add_argument("--json", default=None)
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
         for mix in args.types.split(","):
             path = d / f"{shape}-{mix}.gguf"
             t0 = time.perf_counter()
-            size = write_model(path, shape, mix)
+            size = path.stat().st_size if args.reuse and path.exists() else write_model(path, shape, mix)
             t_write = time.perf_counter() - t0
             t0 = time.perf_counter()
             m = Model(path, n_gpu_layers=-1)

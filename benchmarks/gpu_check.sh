@@ -44,6 +44,13 @@ if [ -x $LB ]; then
       | grep -E "^\| llama"
   done
 fi
+# a quantized KV cache on the GPU (both sides: -ctk/-ctv q8_0), the Q4_K_M file again
+if [ "$(left)" -gt 120 ]; then
+  timeout $(( $(left) - 80 )) python3 benchmarks/gpu_bench.py --types Q4_K_M -r 2 --keep --reuse -ctk q8_0 -ctv q8_0 \
+    --mmvq-shapes "$OUT/shapes.json" ${HS:+--half-shape $HS} $( [ -x $LB ] && echo --llama-bench $LB ) \
+    > "$OUT/bench_kvq8.log" 2>&1
+  echo "gpu_bench q8_0 cache rc $? at $(el) s"; grep -E '^\{' "$OUT/bench_kvq8.log" | tail -1
+fi
 [ "$(left)" -gt 40 ] && timeout $(( $(left) - 5 )) python3 - <<'PY'
 import json, os
 from llampy.llama.bench import bench
