@@ -190,6 +190,7 @@ CASES = {
     "concat_dim0_transposed_par": (lambda B: ops.concat(B(F32, (300, 3)), ops.transpose(B(F32, (220, 300))), 0), 0),
     "cont_transposed_par": (lambda B: ops.cont(ops.transpose(B(F32, (260, 256)))), 0),
     "cont_permuted_par": (lambda B: ops.cont(ops.permute(B(F32, (4, 130, 128)), 1, 0, 2, 3)), 0),
+    "cast_permuted_f16_par": (lambda B: ops.cast(ops.permute(B(F32, (72, 16, 60)), 0, 2, 1, 3), F16), 0),
     "silu_par": (lambda B: ops.silu(B(F32, (17, 4096))), 1e-6),
     "repeat_3d": (lambda B: ops.repeat(B(F32, (1, 3, 1)), B(F32, (2, 3, 5))), 0),
     "sum_rows_permuted": (lambda B: ops.sum_rows(ops.permute(B(F32, (3, 4, 33)), 1, 0, 2, 3)), 1e-5),

@@ -150,10 +150,17 @@ def _apart(*arrays):
 
 
 def bind_cont(node, dst, srcs):
-    """CONT / CPY / DUP of float32 into float32 (rows.cont_f32); else numpy_ops' k_cpy."""
+    """CONT / CPY / DUP of float32 into float32 (rows.cont_f32) or F16 (rows.cont_f32_f16); else numpy_ops'
+    k_cpy."""
     src = srcs[0]
-    if node.src[0].type != T.F32 or node.type != T.F32 or src.ndim != 4 or not dst.flags.c_contiguous:
+    if node.src[0].type != T.F32 or node.type not in (T.F32, T.F16) or src.ndim != 4 or not dst.flags.c_contiguous:
         return None
+    if node.type == T.F16:
+        if dst.dtype.itemsize != 2 or src.strides[-1] != 4 or not _apart(src, dst):
+            return None
+        out = dst.view(np.uint16).reshape(src.shape)
+        fn, bits = _pick(rows, "cont_f32_f16", node.nelements), src.view(np.uint32)
+        return lambda: fn(bits, out)
     out = dst.view()
     try:
         out.shape = src.shape           # raises instead of copying

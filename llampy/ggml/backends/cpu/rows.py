@@ -165,6 +165,25 @@ def cont_f32_par(src, out):
         _cont_plane(src, out, r // n2, r % n2)
 
 
+def _cont_f16(src, out):
+    """out (uint16, C-contiguous) = the F16 bits of src (float32 bit patterns as uint32; rows contiguous, any other
+    strides), both 4-D of one shape: ggml's CPY of F32 into F16 (an encoder's K and V cast for flash attention).
+    Rows over the threads, 16 values at a time (vcvtps2ph's rounding, as f32_to_f16_bits)."""
+    n2, n1, n0 = src.shape[1], src.shape[2], src.shape[3]
+    n16 = n0 - n0 % 16
+    for r in prange(src.shape[0] * n2 * n1):
+        s = src[r // (n2 * n1), (r // n1) % n2, r % n1]
+        o = out[r // (n2 * n1), (r // n1) % n2, r % n1]
+        for j in range(0, n16, 16):
+            v16_f16_copy(o, s, j)
+        for j in range(n16, n0):
+            o[j] = f32_to_f16_bits(s[j])
+
+
+cont_f32_f16 = njit(cache=True)(_cont_f16)
+cont_f32_f16_par = njit(parallel=True, cache=True)(_cont_f16)
+
+
 @njit(inline="always")
 def _concat_rows(a, b, out, i3, i2, i0, i1):
     x = a[i3, i2]
