@@ -3,8 +3,9 @@ IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) in llampy/ggml/backends/cpu/dot_blocks.py, against
 llama.cpp's own x86 kernels, called through ctypes in the libggml-cpu of the build from the sdist: the decode
 rules give the reference dequantizer's bits, and every (weight row, activation row) product gives the bits of
 ``ggml_vec_dot_<type>_q8_*`` (from ``ggml_get_type_traits_cpu``) or, where llama.cpp repacks the rows
-(MXFP4, rows % 8 == 0), of ``ggml_gemv_mxfp4_8x8_q8_0`` on the rows repacked as ``make_block_mxfp4x8`` does.
-Both sides read the same 8-bit activations (llampy's, written as ggml's Q8_0 / Q8_K blocks).
+(IQ4_NL, MXFP4, Q4_0 with rows % 8 == 0), of ``ggml_gemv_<type>_8x8_q8_0`` and ``ggml_gemm_<type>_8x8_q8_0`` on the
+rows repacked as ``make_block_<type>x8`` does. Both sides read the same 8-bit activations (llampy's, written as
+ggml's Q8_0 / Q8_K blocks).
 """
 from __future__ import annotations
 
@@ -74,30 +75,58 @@ def ggml_vec_dot(lib, t, wq, xb, k):
     return out
 
 
-def repack_x8(wq, hs):
-    """Rows repacked as llama.cpp's make_block_mxfp4x8 / make_block_iq4_nlx8 (interleave 8): per 8 rows and block,
-    the 8 scales (``hs`` bytes each: MXFP4's exponent, IQ4_NL's F16 d), then 16 chunks of 8 quant bytes, chunk c
-    from row c % 8 at byte 8 * (c // 8)."""
+def repack_x8(wq, hs, xor=0):
+    """Rows repacked as llama.cpp's make_block_mxfp4x8 / make_block_iq4_nlx8 / make_block_q4_0x8 (interleave 8): per
+    8 rows and block, the 8 scales (``hs`` bytes each: MXFP4's exponent, IQ4_NL's and Q4_0's F16 d), then 16 chunks
+    of 8 quant bytes, chunk c from row c % 8 at byte 8 * (c // 8), XORed with ``xor`` (Q4_0: 0x88, so that its
+    signed-nibble table gives q - 8)."""
     rows, rb = wq.shape
     nb = rb // (16 + hs)
     blk = wq.reshape(rows // 8, 8, nb, 16 + hs)
     out = np.empty((rows // 8, nb, 8 * hs + 128), np.uint8)
     out[:, :, 0:8 * hs] = blk[:, :, :, 0:hs].transpose(0, 2, 1, 3).reshape(rows // 8, nb, 8 * hs)
     qs = blk[:, :, :, hs:].reshape(rows // 8, 8, nb, 2, 8)           # row, block, half, 8 bytes
-    out[:, :, 8 * hs:] = qs.transpose(0, 2, 3, 1, 4).reshape(rows // 8, nb, 128)
+    out[:, :, 8 * hs:] = qs.transpose(0, 2, 3, 1, 4).reshape(rows // 8, nb, 128) ^ np.uint8(xor)
     return np.ascontiguousarray(out.reshape(-1))
 
 
-def ggml_gemv_mxfp4(lib, wq, xb, k, t=T.MXFP4):
-    """ggml_gemv_<t>_8x8_q8_0 (MXFP4 or IQ4_NL) on the rows repacked, one activation row per call."""
-    fn = getattr(lib, f"ggml_gemv_{t.name.lower()}_8x8_q8_0")
+def _x8_fn(lib, t, form):
+    fn = getattr(lib, f"ggml_{form}_{t.name.lower()}_8x8_q8_0")
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int]
-    rep = repack_x8(wq, 1 if t == T.MXFP4 else 2)
+    return fn
+
+
+def _repacked(wq, t):
+    return repack_x8(wq, 1 if t == T.MXFP4 else 2, 0x88 if t == T.Q4_0 else 0)
+
+
+def ggml_gemv_x8(lib, wq, xb, k, t=T.MXFP4):
+    """ggml_gemv_<t>_8x8_q8_0 (MXFP4, IQ4_NL or Q4_0) on the rows repacked, one activation row per call."""
+    fn = _x8_fn(lib, t, "gemv")
+    rep = _repacked(wq, t)
     out = np.zeros((xb.shape[0], wq.shape[0]), np.float32)
     for i in range(xb.shape[0]):
         row = np.ascontiguousarray(xb[i])
         fn(k, out[i].ctypes.data, wq.shape[0], rep.ctypes.data, row.ctypes.data, 1, wq.shape[0])
+    return out
+
+
+def ggml_gemm_x8(lib, wq, xb, k, t):
+    """ggml_gemm_<t>_8x8_q8_0 on the rows repacked, the activation rows (a multiple of 4) in the block_q8_0x4
+    layout of ``ggml_quantize_mat_q8_0_4x8``: per 4 rows and block the 4 F16 scales, then 16 chunks of 8 quant bytes,
+    chunk c from row c % 4 at byte 8 * (c // 4). The form llama.cpp runs for a prompt's rows 0 .. n - n % 4."""
+    n = xb.shape[0]
+    nb = k // 32
+    blk = xb.reshape(n // 4, 4, nb, 34)
+    vy = np.empty((n // 4, nb, 8 + 128), np.uint8)
+    vy[:, :, 0:8] = blk[:, :, :, 0:2].transpose(0, 2, 1, 3).reshape(n // 4, nb, 8)
+    vy[:, :, 8:] = blk[:, :, :, 2:].reshape(n // 4, 4, nb, 4, 8).transpose(0, 2, 3, 1, 4).reshape(n // 4, nb, 128)
+    vy = np.ascontiguousarray(vy)
+    fn = _x8_fn(lib, t, "gemm")
+    rep = _repacked(wq, t)
+    out = np.zeros((n, wq.shape[0]), np.float32)
+    fn(k, out.ctypes.data, wq.shape[0], rep.ctypes.data, vy.ctypes.data, n, wq.shape[0])
     return out
 
 
@@ -153,21 +182,26 @@ SUITE = {(T.TQ1_0, 512), (T.MXFP4, 288), (T.IQ4_NL, 608), (T.IQ2_XXS, 512), (T.I
 CASES = ALL if os.environ.get("LLAMPY_TEST_ALL_BLOCKS") == "1" else [c for c in ALL if c[:2] in SUITE]
 
 
-@pytest.mark.parametrize("t", [T.IQ4_NL, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.IQ4_NL, T.MXFP4, T.Q4_0], ids=lambda t: t.name)
 def test_repacked_rows_give_ggml_gemv_bits_at_every_batch_size(ggml_cpu, t):
     """rows % 8 == 0, which llama.cpp repacks: its gemm keeps the gemv's chain per pair, so every batch size gives the
-    gemv's bits, here through the decode kernel (eight weight rows as lanes: n = 3, and the last 3 rows of n = 27)
-    and the prompt tiles (sixteen, then eight activation rows as lanes: rows 0..23 of n = 27)."""
+    gemv's bits (and the gemm's, which llama.cpp runs for a prompt's rows 0 .. n - n % 4), here through the decode
+    kernel (eight weight rows as lanes: n = 3, and the last 3 rows of n = 27) and the prompt tiles (sixteen, then
+    eight activation rows as lanes: rows 0..23 of n = 27)."""
     rng = np.random.default_rng(int(t))
     k, rows = 160, 16                   # an odd block count
     wq = weights(rng, rows, k, t)
     for n in (3, 27):
         x = (rng.standard_normal((n, k)) * rng.choice([1e-2, 1.0, 30.0], size=(n, 1))).astype(np.float32)
+        x[0, :32] = 0                   # an all-zero block (d = 0)
         s, xb = ggml_act_blocks(x, T.Q8_0)
         out = np.full((n, rows), np.nan, np.float32)
         db.mul_mat(wq, t, x, out, s, quantized=True)
-        ref = ggml_gemv_mxfp4(ggml_cpu, wq, xb, k, t)
+        ref = ggml_gemv_x8(ggml_cpu, wq, xb, k, t)
         assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), (n, np.max(np.abs(out - ref)))
+        n4 = n - n % 4
+        gemm = ggml_gemm_x8(ggml_cpu, wq, xb[:n4], k, t)
+        assert np.array_equal(out[:n4].view(np.uint32), gemm.view(np.uint32)), (n, np.max(np.abs(out[:n4] - gemm)))
 
 
 @pytest.mark.parametrize("t,k,rows", CASES, ids=lambda v: getattr(v, "name", str(v)))
@@ -184,7 +218,7 @@ def test_kernels_give_ggml_x86_bits(ggml_cpu, t, k, rows):
     out = np.full((3, rows), np.nan, np.float32)
     db.mul_mat(wq, t, x, out, s, quantized=True)
     if t == T.MXFP4 and rows % 8 == 0:
-        ref = ggml_gemv_mxfp4(ggml_cpu, wq, xb, k)
+        ref = ggml_gemv_x8(ggml_cpu, wq, xb, k)
     else:
         ref = ggml_vec_dot(ggml_cpu, t, wq, xb, k)
     assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), np.max(np.abs(out - ref))

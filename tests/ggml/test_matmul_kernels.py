@@ -2,8 +2,9 @@
 
 Oracles: gguf-py (``gguf.quants``) for the block formats and the Q8_0 activation bytes; NumPy transliterations of
 ggml's ``quantize_row_q8_1`` (x86) and ``quantize_row_q8_K_ref``; a float64 product of gguf-py's dequantized
-weights and x rounded through the dot type; and, for Q8_0 and Q4_1, a NumPy transliteration of ggml's AVX2
-``ggml_vec_dot`` lane order (the integer path must match it bit for bit).
+weights and x rounded through the dot type; and, for Q8_0, Q4_0 and Q4_1, a NumPy transliteration of ggml's AVX2
+``ggml_vec_dot`` lane order (the integer path must match it bit for bit), and for Q4_0's rows % 8 == 0 of the
+repacked gemv / gemm chain llama.cpp runs on them instead.
 """
 from __future__ import annotations
 
@@ -193,8 +194,14 @@ def test_mul_mat_strided_views(wtype):
         assert np.isnan(owide[:, :4]).all() and np.isnan(owide[:, 4 + rows:]).all()
 
 
+def q4_0_values(blk):
+    """Q4_0 blocks [rows, nb, 18] -> their values q - 8 [rows, nb, 32] (low nibbles, then high ones)."""
+    nib = blk[:, :, 2:].astype(np.int64)
+    return np.concatenate([nib & 15, nib >> 4], axis=2) - 8
+
+
 def vec_dot_avx2(wq, wtype, x):
-    """ggml_vec_dot_{q8_0_q8_0, q4_1_q8_1} as the x86 build computes it, in NumPy over all rows at once:
+    """ggml_vec_dot_{q8_0_q8_0, q4_0_q8_0, q4_1_q8_1} as the x86 build computes it, in NumPy over all rows at once:
     lanes of four products, acc = fma(d_w * d_x, lane, acc) per block (float64 product + sum, rounded once),
     hsum_float_8, then + summs for Q4_1 (summs = fma(m, s, summs))."""
     rows, k = wq.shape[0], x.shape[1]
@@ -205,6 +212,8 @@ def vec_dot_avx2(wq, wtype, x):
     dw = blk[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
     if wtype == T.Q8_0:
         vals = blk[:, :, 2:].copy().view(np.int8).astype(np.int64)
+    elif wtype == T.Q4_0:
+        vals = q4_0_values(blk)
     else:
         nib = blk[:, :, 4:].astype(np.int64)
         vals = np.concatenate([nib & 15, nib >> 4], axis=2)
@@ -226,7 +235,7 @@ def vec_dot_avx2(wq, wtype, x):
     return out
 
 
-@pytest.mark.parametrize("wtype", [T.Q8_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("wtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
 def test_integer_path_is_bit_identical_to_ggml_lane_order(wtype):
     rng = np.random.default_rng(11)
     k, rows = 576, 29
@@ -236,6 +245,39 @@ def test_integer_path_is_bit_identical_to_ggml_lane_order(wtype):
         out = np.empty((n, rows), np.float32)
         mm.mul_mat(wq, wtype, x, out, 1 << 30)
         assert np.array_equal(out, vec_dot_avx2(wq, wtype, x))
+
+
+def repacked_chain_q4_0(wq, x):
+    """ggml_gemv/gemm_q4_0_8x8_q8_0 (the x86 build's kernels for the Q4_0 rows it repacks) in NumPy: per pair and
+    block the exact integer sum, ``acc = fma(f32(isum), d_w * d_x, acc)`` in block order (float64 product + sum,
+    rounded once)."""
+    rows, k = wq.shape[0], x.shape[1]
+    nb = k // 32
+    q, d, _ = ref_q8_x86(x)
+    blk = np.ascontiguousarray(wq).reshape(rows, nb, 18)
+    dw = blk[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    isum = np.einsum("rbj,ibj->irb", q4_0_values(blk), q.reshape(-1, nb, 32).astype(np.int64))
+    acc = np.zeros((x.shape[0], rows), np.float32)
+    for b in range(nb):
+        dd = (dw[None, :, b] * d[:, None, b]).astype(np.float32)
+        acc = (isum[:, :, b].astype(np.float32).astype(np.float64) * dd + acc).astype(np.float32)
+    return acc
+
+
+def test_q4_0_repacked_rows_take_the_repacked_chain():
+    """Q4_0 weights with rows % 8 == 0, which llama.cpp repacks on x86 (AVX2 and AVX-512 builds): every batch size
+    (decode kernel and prompt tiles) gives the repacked chain's bits; the same rows where llama.cpp keeps them as
+    they are (``repacked=False``: a view of the KV cache) give ``ggml_vec_dot_q4_0_q8_0``'s."""
+    rng = np.random.default_rng(14)
+    k, rows = 576, 32
+    wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), T.Q4_0)
+    for n in (1, 3, 19):
+        x = act_data(rng, n, k)
+        out = np.empty((n, rows), np.float32)
+        mm.mul_mat(wq, T.Q4_0, x, out, 1 << 30)
+        assert np.array_equal(out, repacked_chain_q4_0(wq, x)), n
+        mm.mul_mat(wq, T.Q4_0, x, out, 1 << 30, repacked=False)
+        assert np.array_equal(out, vec_dot_avx2(wq, T.Q4_0, x)), n
 
 
 def test_mul_mat_float_types():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...backend import Backend, tensor_data
-from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
+from ...tensor import Flags, Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
 from . import conv, dot_f32_short
 from . import numpy_ops as K
@@ -126,6 +126,7 @@ class CPUBackend(Backend):
         r3 = b.ne[3] // a.ne[3]
         pairs = [(i13, i12) for i13 in range(b.ne[3]) for i12 in range(b.ne[2])]
         btype = b.type
+        repacked = _repacked(a, 2)
         if wtype == T.F32 and btype == T.F32 and a.ne[0] <= dot_f32_short.MAX_K and len(pairs) > 1:
             # one call for every batch of a short F32 product (ggml_vec_dot_f32's order, as matmul.mul_mat's)
             self._quantized = {}
@@ -136,7 +137,7 @@ class CPUBackend(Backend):
             key = id(act_scratch(x2.shape[0], x2.shape[1], wtype))
             this_x = (b.id, id(self._owner(b)))
             reuse = self._quantized.get(key) == this_x
-            fast = bind_mul_mat(wa[0, 0], wtype, x2, dst[0, 0], lambda: self.exact_max_rows, reuse)
+            fast = bind_mul_mat(wa[0, 0], wtype, x2, dst[0, 0], lambda: self.exact_max_rows, reuse, repacked)
             if fast is not None:
                 self._quantized[key] = this_x
                 return fast
@@ -148,7 +149,7 @@ class CPUBackend(Backend):
                 x = xb[i13, i12]
                 if btype != T.F32:
                     x = K.to_float(x, btype, np.float32)
-                mm(wa[i13 // r3, i12 // r2], wtype, x, dst[i13, i12], self.exact_max_rows)
+                mm(wa[i13 // r3, i12 // r2], wtype, x, dst[i13, i12], self.exact_max_rows, repacked=repacked)
         return run
 
     def _bind_mul_mat_glu(self, node, dst, srcs):
@@ -182,7 +183,7 @@ class CPUBackend(Backend):
                 for c in late:
                     c()
             fast = bind_mul_mat_glu(srcs[0][0, 0], srcs[1][0, 0], wg_t.type, x2, dst[0, 0], node.op_params["glu"],
-                                    lambda: self.exact_max_rows, run_unfused)
+                                    lambda: self.exact_max_rows, run_unfused, _repacked(wg_t, 2))
             if fast is not None:
                 # the activation buffers now hold this x (a later product of the same x may reuse them)
                 self._quantized[id(act_scratch(x2.shape[0], x2.shape[1], wg_t.type))] = (x_t.id, id(self._owner(x_t)))
@@ -200,6 +201,7 @@ class CPUBackend(Backend):
         mm = self._mul_mat_fn()
         wtype = as_.type
         n_b1 = b.ne[1]
+        repacked = _repacked(as_, 3)
         # each expert's product quantizes its rows into the activation buffers shared by shape (a decode step's
         # rows have the shape of the layer's other products): no later product may take them as its x's
         self._quantized = {}
@@ -210,7 +212,7 @@ class CPUBackend(Backend):
                 t_idx, u_idx = np.nonzero(sel == e)
                 x = np.asarray(xb[0, t_idx, u_idx % n_b1], dtype=np.float32)
                 o = np.empty((len(t_idx), as_.ne[1]), np.float32)
-                mm(wa[0, int(e)], wtype, x, o, self.exact_max_rows)
+                mm(wa[0, int(e)], wtype, x, o, self.exact_max_rows, repacked=repacked)
                 dst[0, t_idx, u_idx] = o
         return run
 
@@ -281,6 +283,13 @@ class CPUBackend(Backend):
 
     def graph_compute(self, nodes: list[Tensor]) -> None:
         self.graph_plan_compute(self.graph_plan_create(nodes))
+
+
+def _repacked(t: Tensor, dims: int) -> bool:
+    """Whether llama.cpp would hold t repacked (its CPU extra buffer, ``ggml_repack_get_optimal_repack_type``): a
+    model's weight of ``dims`` dimensions (2 for MUL_MAT, 3 for MUL_MAT_ID's experts) used as it is, not a view (the
+    KV cache's K, which llama.cpp keeps in a plain buffer and multiplies by vec_dot)."""
+    return t.op == Op.NONE and bool(t.flags & Flags.WEIGHT) and all(v == 1 for v in t.ne[dims:])
 
 
 def _rows_contiguous(a, itemsize) -> bool:

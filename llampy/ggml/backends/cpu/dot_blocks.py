@@ -1,6 +1,6 @@
 """Dot products of the formats described in ``llampy/ggml/blocks.py`` that had no kernel of their own: F32, F16,
 BF16, Q2_K, Q3_K, IQ4_XS, TQ1_0, TQ2_0, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (against Q8_K activations),
-IQ4_NL, MXFP4 (against Q8_0), in llama.cpp's x86 float order.
+IQ4_NL, MXFP4 and the repacked rows of Q4_0 (against Q8_0), in llama.cpp's x86 float order.
 
     mul_mat(w, wtype, x, out, scratch)     # out[i, r] = dot(w[r], x[i]); x float32 [n, k], rounded here to the
                                            # format's dot type (blocks.BLOCKS[wtype].dot_type) as ggml does
@@ -20,6 +20,8 @@ Float order, per (weight row, activation row) pair (ggml-cpu/arch/x86/quants.c a
   block added with one fma).
 - MXFP4: as IQ4_NL (repacked rows % 8 == 0: ``gemv_mxfp4_8x8_q8_0``; else ``ggml_vec_dot_mxfp4_q8_0``), the FP4
   value table and the block scale 2^(e - 128) in place of IQ4_NL's.
+- Q4_0 with rows % 8 == 0 (llama.cpp repacks these too: ``gemv/gemm_q4_0_8x8_q8_0``): IQ4_NL's repacked chain with
+  the values q - 8 (its other rows are dot_q32's ``ggml_vec_dot_q4_0_q8_0``).
 - TQ2_0, TQ1_0 (``ggml_vec_dot_tq*_q8_K``): the digits 0..2 against x in exact int32 lanes (lane l: elements
   4l..4l+3 of every 32-value group) minus the activations' block sums 2l and 2l + 1 (the - 1 of each value),
   ``acc = fma(d_x * d_w, lanes, acc)`` (the source's mul and add, contracted by the compiler), ``hsum_float_8``.
@@ -52,7 +54,8 @@ from .act_quant import act_split, round_half, scratch_for
 from .dot_kquant import _madd, _maddubs, hsum8x_ir, i32x8_sum
 from .dot_q32 import ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_load, v16_reduce, v16_zero)
-from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _ptr, _sdot, f16_at, f32x8,
+from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _nibbles32, _ptr, _sdot,
+                   _udot, f16_at, f32x8,
                    f32x8_add, f32x8_fma, f32x8_hsum, f32x8_load, f32x8_scale, f32x8_store, f32x8_zero, fma32,
                    i32x8, i32x8_add, i32x8_to_f32x8)
 
@@ -182,6 +185,27 @@ def _q4_acts8(kv):
 
 nl_rows8, nl_acts8 = _q4_rows8(B.KVALUES_IQ4NL), _q4_acts8(B.KVALUES_IQ4NL)
 mx_rows8, mx_acts8 = _q4_rows8(B.KVALUES_FP4), _q4_acts8(B.KVALUES_FP4)
+# Q4_0's rule q - 8 as a table (llama.cpp's repack XORs the nibbles with 0x88 so that its table gives q - 8)
+Q4_0_VALUES = tuple(range(-8, 8))
+q40_acts8 = _q4_acts8(Q4_0_VALUES)
+
+
+@intrinsic
+def q40_rows8(typingctx, w, r, o, x, xo):
+    """``_q4_rows8`` with Q4_0's values q - 8, in the offset form: each row's unsigned nibbles times x (``_udot``:
+    pair sums <= 2 * 15 * 127, exact on AVX2 too) started from -8 times x's lane sums, computed once for the eight
+    rows; the same integers as the table and the sign trick, without a lookup and a sign per row and block."""
+    def codegen(context, builder, sig, args):
+        p, s0 = _row_ptr(context, builder, sig.args[0], args[0], args[1], args[2])
+        b = _x32(context, builder, sig, args, 3, 4)
+        neg = builder.sub(ir.Constant(_V_I32x8, [0] * 8), _udot(builder, _splat(_V32, 8), b))
+        lanes = []
+        for j in range(8):
+            q = _load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, j), s0)]),
+                                               _V16.as_pointer()))
+            lanes.append(_udot(builder, _nibbles32(builder, q), b, neg))
+        return hsum8x_ir(builder, lanes)
+    return i32x8(w, types.intp, types.intp, x, types.intp), codegen
 
 
 @intrinsic
@@ -534,6 +558,7 @@ K_Q2_K, K_Q3_K, K_IQ4_XS, K_IQ4_NL_R8, K_IQ4_NL = 0, 1, 2, 3, 4
 K_TQ2_0, K_TQ1_0, K_MXFP4_R8, K_MXFP4 = 5, 6, 7, 8
 K_IQ2_XXS, K_IQ2_XS, K_IQ2_S, K_IQ3_XXS, K_IQ3_S = 9, 10, 11, 12, 13
 K_IQ1_S, K_IQ1_M = 14, 15
+K_Q4_0_R8 = 16
 G_IQ1 = B.tab.iq1s_grid
 IQ1S_BYTES = B.BLOCKS[T.IQ1_S].type_size
 IQ1M_BYTES = B.BLOCKS[T.IQ1_M].type_size
@@ -560,6 +585,8 @@ Q3_SC = Q3.field("scales").offset
 X4_BYTES, X4_QS, X4_D = X4.type_size, X4.field("qs").offset, X4.field("d").offset
 X4_SH, X4_SL = X4.field("scales_h").offset, X4.field("scales_l").offset
 N4_BYTES, N4_QS, N4_D = N4.type_size, N4.field("qs").offset, N4.field("d").offset
+Q40 = B.BLOCKS[T.Q4_0]
+Q40_BYTES, Q40_QS, Q40_D = Q40.type_size, Q40.field("qs").offset, Q40.field("d").offset
 T2 = B.BLOCKS[T.TQ2_0]
 T1 = B.BLOCKS[T.TQ1_0]
 MX = B.BLOCKS[T.MXFP4]
@@ -1021,8 +1048,8 @@ def _iq1_m(w, xq, xd, bsums, out):
 
 
 # ------------------------------------------------------------------------------------------------ repacked rows
-# IQ4_NL and MXFP4 with rows % 8 == 0, which llama.cpp repacks eight rows to a block
-# (``gemv/gemm_q4_b32_8x8_q8_0_lut_avx``): per (weight row, activation row) pair and block, the exact integer sum,
+# IQ4_NL, MXFP4 and Q4_0 with rows % 8 == 0, which llama.cpp repacks eight rows to a block
+# (``gemv/gemm_q4_b32_8x8_q8_0_lut_avx``, Q4_0's nibbles XORed with 0x88 so that its table gives q - 8): per (weight row, activation row) pair and block, the exact integer sum,
 # ``acc = fma(f32(isum), d_w * d_x, acc)``, in block order, at every batch size (its gemm keeps the gemv's chain). Decode holds eight weight rows as the lanes of
 # one accumulator per activation row, as the gemv does (``_mv_r8``: the eight rows' block sums by one transposed
 # reduction, their scales one vector); prompts hold eight or sixteen activation rows as lanes against one weight
@@ -1030,12 +1057,16 @@ def _iq1_m(w, xq, xd, bsums, out):
 
 @njit(cache=True, inline="always")
 def _r8_bytes(kind):
+    if kind == K_Q4_0_R8:
+        return Q40_BYTES
     return MX_BYTES if kind == K_MXFP4_R8 else N4_BYTES
 
 
 @njit(cache=True, inline="always")
 def _r8_rows(kind, w, r, o, xr, xo):
     """Lane j: the block sum of weight row r + j (its block at byte o) with the activations at byte xo of xr."""
+    if kind == K_Q4_0_R8:
+        return q40_rows8(w, r, o + Q40_QS, xr, xo)
     if kind == K_MXFP4_R8:
         return mx_rows8(w, r, o + MX_QS, xr, xo)
     return nl_rows8(w, r, o + N4_QS, xr, xo)
@@ -1049,12 +1080,14 @@ def _r8_wscales(kind, w, r, o):
                          B.e8m0_half(w[r + 2, o + MX_E]), B.e8m0_half(w[r + 3, o + MX_E]),
                          B.e8m0_half(w[r + 4, o + MX_E]), B.e8m0_half(w[r + 5, o + MX_E]),
                          B.e8m0_half(w[r + 6, o + MX_E]), B.e8m0_half(w[r + 7, o + MX_E]))
-    return f16_rows8(w, r, o + N4_D)
+    return f16_rows8(w, r, o + (Q40_D if kind == K_Q4_0_R8 else N4_D))
 
 
 @njit(cache=True, inline="always")
 def _r8_acts(kind, wr, o, xq, i, xo):
     """Lane a: the block sum of weight row wr (its block at byte o) with the activations at byte xo of row i + a."""
+    if kind == K_Q4_0_R8:
+        return q40_acts8(wr, o + Q40_QS, xq, i, xo)
     if kind == K_MXFP4_R8:
         return mx_acts8(wr, o + MX_QS, xq, i, xo)
     return nl_acts8(wr, o + N4_QS, xq, i, xo)
@@ -1064,7 +1097,7 @@ def _r8_acts(kind, wr, o, xq, i, xo):
 def _r8_wscale(kind, wr, o):
     if kind == K_MXFP4_R8:
         return B.e8m0_half(wr[o + MX_E])
-    return f16_at(wr, o + N4_D)
+    return f16_at(wr, o + (Q40_D if kind == K_Q4_0_R8 else N4_D))
 
 
 @njit(cache=True, inline="always")
@@ -1164,6 +1197,16 @@ def _mxfp4_r8(w, xq, xd, bsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def _mxfp4_r8_tiles(w, xq, xd, out):
     _tiles_r8(w, xq, xd, out, K_MXFP4_R8)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _q4_0_r8(w, xq, xd, bsums, out):
+    _mv_r8(w, xq, xd, out, K_Q4_0_R8)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _q4_0_r8_tiles(w, xq, xd, out):
+    _tiles_r8(w, xq, xd, out, K_Q4_0_R8)
 
 
 # ------------------------------------------------------------------------------------------------ F16, BF16, F32
@@ -1275,15 +1318,27 @@ def _f32k(w, x, out):
 # ------------------------------------------------------------------------------------------------ dispatch
 
 _QK = {T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.IQ4_XS: _iq4_xs, T.TQ2_0: _tq2_0, T.TQ1_0: _tq1_0, T.IQ2_XXS: _iq2_xxs,
-       T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s, T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m}
-_R8 = {T.IQ4_NL: (_iq4_nl_r8, _iq4_nl), T.MXFP4: (_mxfp4_r8, _mxfp4)}    # llama.cpp repacks rows % 8 == 0
-_R8_TILES = {T.IQ4_NL: _iq4_nl_r8_tiles, T.MXFP4: _mxfp4_r8_tiles}
-TYPES = frozenset({T.F32, T.F16, T.BF16, T.IQ4_NL, T.MXFP4}) | frozenset(_QK)
+       T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s, T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m,
+       T.IQ4_NL: _iq4_nl, T.MXFP4: _mxfp4}
+# The types llama.cpp repacks (rows % 8 == 0, x86 AVX2 / AVX-512 builds): their decode kernel and prompt tiles. Q4_0
+# takes them only there (matmul: its other rows are dot_q32's).
+R8 = {T.IQ4_NL: (_iq4_nl_r8, _iq4_nl_r8_tiles), T.MXFP4: (_mxfp4_r8, _mxfp4_r8_tiles),
+      T.Q4_0: (_q4_0_r8, _q4_0_r8_tiles)}
+TYPES = frozenset({T.F32, T.F16, T.BF16}) | frozenset(_QK)
 
 
-def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scratch=None, quantized=False) -> None:
-    """out[n, rows] = x[n, k] . w[rows, k]^T for wtype in TYPES (w: uint8 blocks [rows, row_bytes]; F16 float16 or
-    uint16 bits, BF16 uint16 bits, F32 float32 [rows, k]; rows contiguous); out float32 with contiguous rows."""
+def repacked_rows(wtype: GGMLType, rows: int, repacked: bool = True) -> bool:
+    """Whether llama.cpp runs these weights through its repacked gemv / gemm (``ggml_repack_get_optimal_repack_type``:
+    IQ4_NL, MXFP4 and Q4_0 with rows % 8 == 0). ``repacked``: the tensor sits where llama.cpp repacks, a model's
+    weight (its CPU extra buffer), not a view of the KV cache."""
+    return repacked and rows % 8 == 0 and GGMLType(wtype) in R8
+
+
+def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scratch=None, quantized=False,
+            repacked=True) -> None:
+    """out[n, rows] = x[n, k] . w[rows, k]^T for wtype in TYPES, or in R8 where ``repacked_rows`` (w: uint8 blocks
+    [rows, row_bytes]; F16 float16 or uint16 bits, BF16 uint16 bits, F32 float32 [rows, k]; rows contiguous); out
+    float32 with contiguous rows."""
     wtype = GGMLType(wtype)
     if wtype == T.F32:
         _f32k(w, x, out)
@@ -1299,15 +1354,12 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scra
     n, k = x.shape
     vdt = B.BLOCKS[wtype].dot_type
     s = scratch if quantized else act_split(x, vdt, scratch)
-    if wtype in _R8:
-        if w.shape[0] % 8:
-            _R8[wtype][1](w, s.xq, s.xd, s.xs, out)
-            return
+    if repacked_rows(wtype, w.shape[0], repacked):
         n8 = n - n % 8
         if n8:
-            _R8_TILES[wtype](w, s.xq, s.xd, out)
+            R8[wtype][1](w, s.xq, s.xd, out)
         if n8 < n:
-            _R8[wtype][0](w, s.xq[n8:], s.xd[n8:], s.xs, out[n8:])
+            R8[wtype][0](w, s.xq[n8:], s.xd[n8:], s.xs, out[n8:])
     else:
         _QK[wtype](w, s.xq, s.xd, s.xs, out)
 
@@ -1406,15 +1458,15 @@ DEQUANT_TILE = {T.IQ1_S: _dq_iq1_s, T.IQ1_M: _dq_iq1_m, T.IQ2_XXS: _dq_iq2_xxs, 
                 T.TQ2_0: _dq_tq2_0, T.TQ1_0: _dq_tq1_0, T.MXFP4: _dq_mxfp4}
 
 
-def use_kernel(wtype: GGMLType, n: int, rows: int) -> bool:
+def use_kernel(wtype: GGMLType, n: int, rows: int, repacked: bool = True) -> bool:
     """Whether a batch of n activation rows takes these kernels (else the BLAS path's dequantized tiles). Below
     SMALL_N rows they run ggml's own order and read each weight once. From there llama.cpp runs other kernels
-    (tinyBLAS for F16/BF16, its tiled k-quant kernel for Q2_K/Q3_K/IQ4_XS), except for the rows it repacks (IQ4_NL,
-    MXFP4, rows % 8 == 0), whose gemm keeps the gemv's chain: those take ``_tiles_r8`` at every size, exact.
+    (tinyBLAS for F16/BF16, its tiled k-quant kernel for Q2_K/Q3_K/IQ4_XS), except for the rows it repacks
+    (``repacked_rows``), whose gemm keeps the gemv's chain: those take ``_tiles_r8`` at every size, exact.
     The ternary and IQ1-IQ3 formats have no other kernel in llama.cpp (its vec_dot at every batch size, so these
     kernels would be exact there too); their prompts take the BLAS path for its speed, exact to float32 summation
     order."""
-    return n < SMALL_N or (rows % 8 == 0 and GGMLType(wtype) in _R8)
+    return n < SMALL_N or repacked_rows(wtype, rows, repacked)
 
 
 SMALL_N = 8

@@ -9,8 +9,9 @@ Two paths:
 - integer (``dot_q32``, ``dot_kquant_scalar``): x quantized once per call (``act_quant``, buffers cached by shape), then Numba
   integer dot products straight on the GGUF blocks in llama.cpp's float order: bit-identical to llama.cpp.
 - the block table's formats (F16, BF16, Q2_K, Q3_K, IQ4_NL, IQ4_XS: ``dot_blocks``): their own kernels in ggml's
-  float order for batches below ``dot_blocks.SMALL_N`` rows (IQ4_NL's repacked rows at every size), else BLAS with
-  tiles dequantized by the table's decode rules.
+  float order for batches below ``dot_blocks.SMALL_N`` rows, else BLAS with tiles dequantized by the table's decode
+  rules; and the weights llama.cpp repacks on x86 (IQ4_NL, MXFP4, Q4_0 with rows % 8 == 0, not the KV cache's
+  views: ``dot_blocks.repacked_rows``) on its repacked gemv / gemm chain at every batch size.
 - BLAS: x rounded through its dot type and back to float32 (exact values), tiles of w dequantized to float32 in
   Numba (``TILE_BYTES`` at a time), ``np.matmul`` per tile. The same numbers up to float32 summation order
   (relative ~1e-7 of |w|·|x|); the Q8_1 formats' min term is corrected to ggml's ``m_w * F16(s_x)`` (see
@@ -67,9 +68,11 @@ def _as_2d_rows(a: np.ndarray) -> np.ndarray:
 
 
 def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exact_max_rows: int | None = None,
-            scratch=None) -> None:
+            scratch=None, repacked: bool = True) -> None:
     """out[n, rows] = x[n, k] · w[rows, k]^T with llama.cpp's CPU numerics (see module doc). ``scratch``: an
-    ``act_quant.ActScratch`` for x's shape, to reuse (else buffers are cached by shape)."""
+    ``act_quant.ActScratch`` for x's shape, to reuse (else buffers are cached by shape). ``repacked``: w sits where
+    llama.cpp repacks its rows (a model's weight; False for a view of the KV cache): IQ4_NL, MXFP4 and Q4_0 with
+    rows % 8 == 0 take its repacked chain then (``dot_blocks.repacked_rows``)."""
     wtype = GGMLType(wtype)
     n, k = x.shape
     rows = w.shape[0]
@@ -78,6 +81,9 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     if n == 0 or rows == 0:
         return
     limit = DECODE_MAX_ROWS if exact_max_rows is None else exact_max_rows
+    if n <= limit and dot_blocks.repacked_rows(wtype, rows, repacked) and _rows_ok(w, x, out):
+        dot_blocks.mul_mat(w, wtype, x, out, scratch)    # llama.cpp's repacked rows (dot_blocks._mv_r8, _tiles_r8)
+        return
     if wtype == T.F32 and k <= dot_f32_short.MAX_K and n <= limit:
         dot_f32_short.mul_mat_f32_short(_as_2d_rows(w), _as_2d_rows(x), out)    # ggml_vec_dot_f32's scalar loop
         return
@@ -87,8 +93,9 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
         else:
             dot_blocks.mul_mat(w, wtype, x, out, scratch)    # where tinyBLAS refuses, ggml_vec_dot_f16 at any n
         return
-    if wtype in dot_blocks.TYPES and n <= limit and dot_blocks.use_kernel(wtype, n, rows) and _rows_ok(w, x, out):
-        dot_blocks.mul_mat(w, wtype, x, out, scratch)    # the formats of the block table (dot_blocks)
+    if wtype in dot_blocks.TYPES and n <= limit and dot_blocks.use_kernel(wtype, n, rows, repacked) \
+            and _rows_ok(w, x, out):
+        dot_blocks.mul_mat(w, wtype, x, out, scratch, repacked=repacked)    # the block table's formats (dot_blocks)
         return
     if n <= limit and (wtype in _KERNELS or wtype == T.Q4_K):
         _mul_mat_int(_as_2d_rows(w), wtype, x, out, scratch)
@@ -99,16 +106,18 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     _mul_mat_fallback(w, wtype, x, out)
 
 
-def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, limit_fn, reuse: bool = False):
+def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, limit_fn, reuse: bool = False,
+                 repacked: bool = True):
     """A plan's matrix product, bound once: when the integer path applies (a kernel for wtype, the batch within
     ``limit_fn()``'s row limit, x and out float32 with contiguous rows), the call made on every run with its own
     activation buffers, skipping ``mul_mat``'s checks and lookups; else None (the caller uses ``mul_mat``).
     ``reuse``: the plan's previous product quantized this same x into the same buffers (``act_scratch``), and
-    nothing wrote x since: skip quantizing it again (q, k and v, or gate and up, read one x)."""
+    nothing wrote x since: skip quantizing it again (q, k and v, or gate and up, read one x). ``repacked``: as
+    ``mul_mat``'s."""
     wtype = GGMLType(wtype)
     n, k = x.shape
-    if wtype in dot_blocks.TYPES:
-        return _bind_blocks(w, wtype, x, out, limit_fn, reuse)
+    if wtype in dot_blocks.TYPES or dot_blocks.repacked_rows(wtype, w.shape[0], repacked):
+        return _bind_blocks(w, wtype, x, out, limit_fn, reuse, repacked)
     if not (wtype in _KERNELS or wtype == T.Q4_K) or n == 0 or w.shape[0] == 0:
         return None
     if x.dtype != np.float32 or x.strides[-1] != 4 or out.dtype != np.float32 or out.strides[-1] != 4:
@@ -119,7 +128,7 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
     scratch = act_scratch(n, k, wtype)
 
     def fallback(limit):
-        mul_mat(w, wtype, x, out, limit)
+        mul_mat(w, wtype, x, out, limit, repacked=repacked)
 
     kernel = _KERNELS.get(wtype)
     if kernel is not None and vdt in (T.Q8_0, T.Q8_1):
@@ -147,14 +156,17 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
 
 
 def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, glu: str,
-                     limit_fn, unfused):
+                     limit_fn, unfused, repacked: bool = True):
     """A MUL_MAT_GLU node's fused call (``dot_q32._mv_rows16_glu``: both products and the gated unit per tile, neither
     product stored), bound once; None where that kernel does not apply: a 32-value format on an AVX-512 VNNI CPU,
     at least ``ROWS16_MIN_N`` activation rows, weight rows a multiple of 16, float32 rows contiguous. Up to
     ``dot_q32.GLU_DECODE_MAX_N`` rows (decoding) on any CPU, Q8_0 weights: ``dot_q32._mv_rest_glu``. ``unfused()``
-    runs the node as its three ops, for batches past ``limit_fn()``'s integer-path limit (as ``bind_mul_mat``)."""
+    runs the node as its three ops, for batches past ``limit_fn()``'s integer-path limit (as ``bind_mul_mat``).
+    Not for the rows llama.cpp repacks (``dot_blocks.repacked_rows``: Q4_0 weights), whose chain is not vec_dot's."""
     wtype = GGMLType(wtype)
     n, k = x.shape
+    if dot_blocks.repacked_rows(wtype, wg.shape[0], repacked):
+        return None
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     if n <= dot_q32.GLU_DECODE_MAX_N:       # decoding: the decode products and the unit in one region, any CPU
         kernel = dot_q32.GLU_DECODE_KERNELS.get(wtype.name.lower())
@@ -189,19 +201,19 @@ def _rows_ok(w, x, out) -> bool:
             and w.strides[-1] == w.itemsize)
 
 
-def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
-    """``bind_mul_mat`` for the formats of the block table (``dot_blocks``): their kernel where it applies, else
-    None (``mul_mat``'s BLAS path for prompts)."""
+def _bind_blocks(w, wtype, x, out, limit_fn, reuse, repacked=True):
+    """``bind_mul_mat`` for the formats of the block table (``dot_blocks``) and the rows llama.cpp repacks: their
+    kernel where it applies, else None (``mul_mat``'s BLAS path for prompts)."""
     n, k = x.shape
     if wtype == T.F16 and dot_f16_tiny.applies(w.shape[0], k, n) and _rows_ok(w, x, out) \
             and out.shape == (n, w.shape[0]):
         def run_tiny():
             limit = limit_fn()
             if n > (DECODE_MAX_ROWS if limit is None else limit):
-                return mul_mat(w, wtype, x, out, limit)
+                return mul_mat(w, wtype, x, out, limit, repacked=repacked)
             _mul_mat_f16_tiny(w, x, out)
         return run_tiny
-    small = dot_blocks.use_kernel(wtype, n, w.shape[0]) or wtype == T.F16    # F16: ggml's vec_dot at any n
+    small = dot_blocks.use_kernel(wtype, n, w.shape[0], repacked) or wtype == T.F16   # F16: ggml's vec_dot at any n
     if n == 0 or w.shape[0] == 0 or not small or not _rows_ok(w, x, out):
         return None
     if out.shape != (n, w.shape[0]):
@@ -212,8 +224,8 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse):
     def run():
         limit = limit_fn()
         if n > (DECODE_MAX_ROWS if limit is None else limit):
-            return mul_mat(w, wtype, x, out, limit)
-        dot_blocks.mul_mat(w, wtype, x, out, scratch, quantized)
+            return mul_mat(w, wtype, x, out, limit, repacked=repacked)
+        dot_blocks.mul_mat(w, wtype, x, out, scratch, quantized, repacked)
     return run
 
 
