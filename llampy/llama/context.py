@@ -34,9 +34,9 @@ KV_CACHE_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGML
 # building one (~60-130 ms of CPU) per new (tokens, outputs) pair. The padding repeats the last token (same id,
 # position, sequence and cell: it writes the cell's values again, bit for bit) and the last output row; neither is
 # returned. That keeps every real row's bits only where each row is computed apart from the others: the products
-# of the 32-value formats (dot_q32: every kernel form, at any row count, sums a row in ggml's vec_dot order), and
-# ops that work row by row. A graph with anything else (another weight format, an op outside this list) is not
-# padded.
+# of the 32-value formats (dot_q32: every kernel form, at any row count, sums a row in ggml's vec_dot order; Q4_0's
+# repacked rows, dot_blocks: one chain per pair at every batch size, as llama.cpp's gemv and gemm), and ops that work
+# row by row. A graph with anything else (another weight format, an op outside this list) is not padded.
 PAD_BELOW = 64
 PAD_STEP = 8
 _ROW_EXACT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
