@@ -248,6 +248,27 @@ def test_a_replica_sends_the_first_token_at_once_and_merges_the_rest(replicas, m
     assert got[-1][-1].finish_reason is not None and sum(ev.token is not None for it in got for ev in it) == 16
 
 
+def test_the_board_does_not_age_its_rows_while_it_is_stopped(monkeypatch):
+    """The whole cluster stopped for 84 s (a paused host, or this machine's SIGSTOPs): the replicas' rows are still
+    fresh when it goes on, not dropped (which made the ingress answer 503 until the next reports). A replica that
+    stops reporting while the ingress keeps reading is dropped after FRESH_S as before."""
+    from types import SimpleNamespace
+
+    import llampy.cluster.board as B
+    t = [1000.0]
+    monkeypatch.setattr(B, "time", SimpleNamespace(monotonic=lambda: t[0]))
+    b = B.Board()
+    b.report("a", {"id": "a"})
+    b.report("b", {"id": "b"})
+    t[0] += 84.0
+    assert sorted(r["id"] for r in b.read()) == ["a", "b"]
+    for _ in range(int(B.FRESH_S / 0.5) + 2):       # "a" reports, "b" is gone, the ingress reads
+        t[0] += 0.5
+        b.report("a", {"id": "a"})
+        b.read()
+    assert [r["id"] for r in b.read()] == ["a"]
+
+
 def test_health_check_fails_when_the_engine_thread_is_dead():
     """A replica whose engine thread has ended (here stopped; a crash ends it the same way) fails Serve's health
     check, so Serve replaces it."""
