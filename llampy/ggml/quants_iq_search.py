@@ -327,16 +327,37 @@ def _grid_search(xval, weight, waux, n, dim, bits, kmaxq, kmap, nb, grid, L, Lau
     refitted. Returns the scale."""
     best = F32(0.0)
     ngroups = n // dim
+    Lf = np.empty(n, F32)
+    wx = np.empty(n, F32)
+    for i in range(n):
+        wx[i] = weight[i] * xval[i]                     # ggml's w*xval[i]*q is (w*xval[i])*q
     for k in range(ngroups):
         on_grid[k] = fix == 0
+    top = F32(kmaxq - 1)
     for is_ in range(-nstep, nstep + 1):
         id_ = (F32(2 * kmaxq - 1) + F32(is_) * step) / mx
         this_scale = F32(1.0) / id_
+        # every level first, in one loop over the values (SIMD: the nearest integer and the clamp as floats, which
+        # hold small integers exactly), then each group's code, and the best neighbour where it is off the grid
+        for i in range(n):
+            r = (F32(0.5) * (id_ * xval[i] - F32(1.0)) + F32(12582912.0)) - F32(12582912.0)
+            Lf[i] = min(max(r, F32(0.0)), top)
         for k in range(ngroups):
-            gi, on = _levels_to_grid(Laux, dim * k, dim, bits, kmaxq, kmap, nb, grid, xval, waux, this_scale, id_,
-                                     Laux)
-            on_aux[k] = on
-        sumqx, sumq2 = _fit(weight, xval, Laux, n)
+            u = 0
+            for i in range(dim):
+                l = int(Lf[dim * k + i])
+                Laux[dim * k + i] = l
+                u |= l << (bits * i)
+            gi = kmap[u]
+            on_aux[k] = gi >= 0
+            if gi < 0:
+                _best_neighbour(nb, -gi - 1, grid, xval, waux, dim * k, this_scale, Laux)
+        sumqx = F32(0.0)
+        sumq2 = F32(0.0)
+        for i in range(n):                              # _fit, with w * x taken once per block
+            q = F32(2 * Laux[i] + 1)
+            sumqx += wx[i] * q
+            sumq2 += weight[i] * q * q
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
             best = scale * sumqx
