@@ -140,3 +140,35 @@ def test_mamba2_scan_follows_the_build_width(n_seqs, n_tok, n_head, head_dim, d_
     assert np.array_equal(got, _statement(*ins, F16_VEC_LANES).view(np.uint32))
     if d_state == 128:
         assert not np.array_equal(got, _statement(*ins, 24 - F16_VEC_LANES).view(np.uint32))
+
+
+@pytest.mark.parametrize("dst,fused", [([2, 1], True), ([0, 1], True), ([0, 3], True), ([1, 2], False), ([3, 3], False)])
+def test_scan_writing_the_memory_rows_equals_scan_then_copy(dst, fused):
+    """ssm._Scan bound to the SET_ROWS that stores its states (bind_state_store's case) writes them straight into the
+    memory rows, in place where a sequence keeps its row; where a target row is another sequence's starting row
+    ([1, 2]: the sequences starting from rows 2 and 1 swap them, and one would overwrite the other's state before it
+    is read) or two targets meet, it runs unfused and leaves the rows to the SET_ROWS' copy. Either way the outputs
+    and the rows are the scan's then the copy's."""
+    from llampy.ggml.backends.cpu.ssm import _Scan
+    ins = _inputs(2, 3, 4, 16, 48, 2)
+    ins[0] = np.concatenate([ins[0], ins[0][:1] * 0.5])            # four rows: 0, 1, 2 and a spare
+    ins[6] = np.array([2, 1], np.int32)                             # sequence 0 starts from row 2, sequence 1 from 1
+    y_want = np.zeros_like(ins[1])
+    s_want = np.zeros((2,) + ins[0].shape[1:], np.float32)
+    ssm_scan_f32(*[a.copy() for a in ins], y_want, s_want, np.arange(2, dtype=np.int32))
+    mem = ins[0].copy()
+    y = np.zeros_like(ins[1])
+    out_s = np.zeros_like(s_want)
+    scan = _Scan(mem, *ins[1:], y, out_s)
+    scan.store = np.array(dst, np.int32)
+    scan()
+    assert scan.stored == fused
+    assert np.array_equal(y.view(np.uint32), y_want.view(np.uint32))
+    if fused:
+        for j, r in enumerate(dst):
+            assert np.array_equal(mem[r].view(np.uint32), s_want[j].view(np.uint32))
+        untouched = [r for r in range(4) if r not in dst]
+        assert np.array_equal(mem[untouched], ins[0][untouched])
+    else:
+        assert np.array_equal(mem, ins[0])                          # the memory waits for the SET_ROWS' copy
+        assert np.array_equal(out_s.view(np.uint32), s_want.view(np.uint32))
