@@ -19,10 +19,12 @@ N_PARALLEL, N_CTX = 2, 1024
 
 
 class Stream:
-    """A replica's stream as a Serve handle gives it; raises after ``fail_after`` items (a killed replica)."""
+    """A replica's stream as a Serve handle gives it, one event per item (the replica merges the events that come
+    within MERGE_S, so how many items a stream has depends on the machine's speed; the faults below must not);
+    raises after ``fail_after`` items (a killed replica)."""
 
     def __init__(self, agen, fail_after):
-        self.agen, self.fail_after, self.n = agen, fail_after, 0
+        self.agen, self.fail_after, self.n, self.buf = agen, fail_after, 0, []
 
     def __aiter__(self):
         return self
@@ -32,7 +34,9 @@ class Stream:
             await self.agen.aclose()
             raise RuntimeError("ActorDiedError: the replica was killed")
         self.n += 1
-        return await self.agen.__anext__()
+        if not self.buf:
+            self.buf = [[ev] for ev in await self.agen.__anext__()] or [[]]     # a keepalive stays empty
+        return self.buf.pop(0)
 
     def cancel(self):
         asyncio.ensure_future(self.agen.aclose())
@@ -234,8 +238,8 @@ def test_health_check_fails_when_the_engine_stalls_while_busy(replicas, monkeypa
 
 
 def test_a_replica_sends_the_first_token_at_once_and_merges_the_rest(replicas, monkeypatch):
-    """A replica's stream items: the first token's event alone, later events merged while they come within MERGE_S
-    of the last item (here longer than the whole request: all the rest in one item, the finish last)."""
+    """A replica's stream items: the first token's event at once, later events merged while they come within
+    MERGE_S of the last item (here longer than the whole request: all the rest in one item, the finish last)."""
     import llampy.cluster.replica as R
     c, handle, _ = cluster_client(replicas[:1])
     text, _ = stream_text(c, {**chat(7, 16), "ignore_eos": True})
@@ -244,7 +248,8 @@ def test_a_replica_sends_the_first_token_at_once_and_merges_the_rest(replicas, m
     async def items():
         return [it async for it in replicas[0].generate(handle.specs[-1]) if it]     # not the keepalives
     got = asyncio.run(items())
-    assert len(got) == 2 and len(got[0]) == 1 and got[0][0].token is not None, [len(it) for it in got]
+    # the first item goes as soon as the first token is there (with whatever else the engine queued by then)
+    assert len(got) <= 2 and got[0][0].token is not None, [len(it) for it in got]
     assert got[-1][-1].finish_reason is not None and sum(ev.token is not None for it in got for ev in it) == 16
 
 
