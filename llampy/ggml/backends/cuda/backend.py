@@ -189,7 +189,9 @@ class CUDABackend(Backend):
         if op == Op.FLASH_ATTN_EXT:
             return all(s.type in PLAIN or (i in (1, 2) and s.type in KV_QUANT) for i, s in enumerate(srcs))
         if op == Op.ROPE and node.op_params.get("sections"):
-            return False                # ggml_rope_multi (M-RoPE, the vision rope): the CPU's
+            # ggml_rope_multi: the vision rope (an encoder's 2-D positions) here; M-RoPE and YaRN: the CPU's
+            p = node.op_params
+            return p["mode"] == 24 and p["ext_factor"] == 0.0 and srcs[0].type == T.F32 and node.type == T.F32
         if op in _TABLE:
             return all(s.type in TORCH_DTYPE for s in srcs) and node.type in TORCH_DTYPE
         return False
@@ -536,10 +538,41 @@ def b_l2_norm(be, node):
     return run
 
 
+def _bind_rope_vision(be, node):
+    """ggml_rope_multi's vision mode (ggml-cuda's rope_vision): pair i rotates (x_i, x_{i + n_dims}) by the
+    position of its section's row times theta_scale^(i's place in its section), each section starting again at
+    its row; / freq factor, x freq_scale, x attn_factor (no YaRN ramp: supports_op leaves that to the CPU)."""
+    p = node.op_params
+    x, pos, d = view(node.src[0]), view(node.src[1]), view(node)
+    n_dims = p["n_dims"]
+    starts = np.cumsum((0,) + tuple(p["sections"][:3]))
+    sector = np.arange(n_dims) % sum(p["sections"])
+    row = np.searchsorted(starts, sector, side="right") - 1
+    ts = np.float32(math.pow(p["freq_base"], -2.0 / n_dims))
+    powers = torch.tensor(ts ** (sector - starts[row]).astype(np.float32), dtype=F32, device=be.dev)
+    rowt = torch.tensor(row, dtype=torch.long, device=be.dev)
+    ff = view(node.src[2]).reshape(-1)[:n_dims] if p.get("has_freq_factors") else None
+    freq_scale, mscale = float(np.float32(p["freq_scale"])), float(np.float32(p["attn_factor"]))
+
+    def run():
+        th = pos.reshape(4, -1).to(F32)[rowt].t() * powers                   # [n_tokens, n_dims]
+        if ff is not None:
+            th = th / _f(ff)[None, :]
+        theta = th * freq_scale
+        c = (torch.cos(theta) * mscale)[None, :, None, :]
+        s = (torch.sin(theta) * mscale)[None, :, None, :]
+        xf = _f(x)
+        x0, x1 = xf[..., :n_dims], xf[..., n_dims:2 * n_dims]
+        d.copy_(torch.cat([x0 * c - x1 * s, x0 * s + x1 * c, xf[..., 2 * n_dims:]], dim=-1))
+    return run
+
+
 def b_rope(be, node):
     """ggml-cuda's rope: theta = pos * theta_scale^i (float32 power), / freq factor, YaRN ramp; NORM rotates
     adjacent pairs, NEOX the halves; dims past n_dims are copied."""
     p = node.op_params
+    if p.get("sections"):
+        return _bind_rope_vision(be, node)
     x, pos, d = view(node.src[0]), view(node.src[1]), view(node)
     n_dims = p["n_dims"]
     half = n_dims // 2
