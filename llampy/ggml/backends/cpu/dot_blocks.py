@@ -139,6 +139,23 @@ def _row_ptr(context, builder, aryty, ary, r, off):
     return p, s0
 
 
+def _abs8(builder, v):
+    """|v| of a <32 x i8> (v > -128)."""
+    zero = _splat(_V32, 0)
+    return builder.select(builder.icmp_signed("<", v, zero), builder.sub(zero, v), v)
+
+
+def _sign_of(builder, a, b):
+    """a with b's sign (vpsignb on AVX2): a where b > 0, -a where b < 0, 0 where b == 0. With ``_abs8(b)``, ``_udot(|b|,
+    _sign_of(a, b))`` is a . b exactly (|a|, |b| <= 127): ggml's sign trick with the roles swapped, so that the
+    activations' |x| is taken once for every weight row it meets."""
+    if AVX2:
+        return _call(builder, "llvm.x86.avx2.psign.b", _V32, [a, b])
+    zero = _splat(_V32, 0)
+    r = builder.select(builder.icmp_signed("<", b, zero), builder.sub(zero, a), a)
+    return builder.select(builder.icmp_signed("==", b, zero), zero, r)
+
+
 def _q4_rows8(kv):
     """An intrinsic: lane j the exact integer dot product of the 32-value block at byte ``o`` of row r + j of w (a
     2-D uint8 array; the table kv at the 16 nibble bytes there, as ``_lut_nibbles``) with the 32 int8 activations at
@@ -151,11 +168,12 @@ def _q4_rows8(kv):
         def codegen(context, builder, sig, args):
             p, s0 = _row_ptr(context, builder, sig.args[0], args[0], args[1], args[2])
             b = _x32(context, builder, sig, args, 3, 4)
+            absb = _abs8(builder, b)           # the sign trick turned round: |x| once for the eight rows
             lanes = []
             for j in range(8):
                 q = _load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, j), s0)]),
                                                    _V16.as_pointer()))
-                lanes.append(_sdot(builder, _lut_nibbles(builder, q, kv), b))
+                lanes.append(_udot(builder, absb, _sign_of(builder, _lut_nibbles(builder, q, kv), b)))
             return hsum8x_ir(builder, lanes)
         return i32x8(w, types.intp, types.intp, x, types.intp), codegen
     return rows8
