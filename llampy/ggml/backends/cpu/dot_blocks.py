@@ -54,7 +54,7 @@ from .act_quant import act_split, round_half, scratch_for
 from .dot_kquant import _madd, _maddubs, hsum8x_ir, i32x8_sum
 from .dot_q32 import ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_load, v16_reduce, v16_zero)
-from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _nibbles32, _ptr, _sdot,
+from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _nibbles32, _ptr,
                    _udot, f16_at, f32x8,
                    f32x8_add, f32x8_fma, f32x8_hsum, f32x8_load, f32x8_scale, f32x8_store, f32x8_zero, fma32,
                    i32x8, i32x8_add, i32x8_to_f32x8)
@@ -190,12 +190,13 @@ def _q4_acts8(kv):
         def codegen(context, builder, sig, args):
             q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16))
             a = _lut_nibbles(builder, q, kv)
+            absa = _abs8(builder, a)          # ggml's sign trick: |w| once, each activation row given w's sign
             p, s0 = _row_ptr(context, builder, sig.args[2], args[2], args[3], args[4])
             lanes = []
             for j in range(8):
                 xb = _load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, j), s0)]),
                                                     _V32.as_pointer()))
-                lanes.append(_sdot(builder, a, xb))
+                lanes.append(_udot(builder, absa, _sign_of(builder, xb, a)))
             return hsum8x_ir(builder, lanes)
         return i32x8(wr, types.intp, x, types.intp, types.intp), codegen
     return acts8
