@@ -411,3 +411,24 @@ def test_rows16_tiles_equal_one_row_tiles(wtype):
     getattr(dot_q32, "_tiles_" + name)(wq, s.xq, s.xd, s.xs, old, dot_q32.F16_TABLE)
     assert not np.isnan(new).any()
     assert np.array_equal(new, old)
+
+
+def test_backend_takes_the_repacked_chain_for_model_weights_only():
+    """llama.cpp repacks a model's 2-D weights (3-D for MUL_MAT_ID's experts) in its CPU extra buffer, never the KV
+    cache (its K reaches MUL_MAT as a view) nor a LoRA adapter's matrices: the CPU backend's choice of chain."""
+    from llampy.ggml import ops
+    from llampy.ggml.backends.cpu.backend import _repacked
+    from llampy.ggml.tensor import Flags, Tensor
+
+    def leaf(ne, name):
+        t = Tensor(T.Q4_0, ne, name=name)
+        t.flags |= Flags.WEIGHT
+        return t
+    w = leaf((64, 16), "blk.0.attn_q.weight")
+    cache = leaf((64, 32, 2), "cache_k_l0")
+    k_view = ops.view_3d(cache, 64, 16, 2, cache.nb[1], cache.nb[2])
+    experts = leaf((64, 16, 4), "blk.0.ffn_gate_exps.weight")
+    assert _repacked(w, 2) and _repacked(experts, 3)
+    assert not _repacked(k_view, 2) and not _repacked(experts, 2)
+    assert not _repacked(leaf((64, 16), "blk.0.attn_q.weight.lora_a"), 2)
+    assert not _repacked(Tensor(T.Q4_0, (64, 16), name="x"), 2)      # not a weight

@@ -288,8 +288,10 @@ class CPUBackend(Backend):
 def _repacked(t: Tensor, dims: int) -> bool:
     """Whether llama.cpp would hold t repacked (its CPU extra buffer, ``ggml_repack_get_optimal_repack_type``): a
     model's weight of ``dims`` dimensions (2 for MUL_MAT, 3 for MUL_MAT_ID's experts) used as it is, not a view (the
-    KV cache's K, which llama.cpp keeps in a plain buffer and multiplies by vec_dot)."""
-    return t.op == Op.NONE and bool(t.flags & Flags.WEIGHT) and all(v == 1 for v in t.ne[dims:])
+    KV cache's K, which llama.cpp keeps in a plain buffer and multiplies by vec_dot), nor a LoRA adapter's
+    ``.lora_a`` / ``.lora_b`` matrix (llama-adapter.cpp loads those into the plain CPU buffer)."""
+    return (t.op == Op.NONE and bool(t.flags & Flags.WEIGHT) and all(v == 1 for v in t.ne[dims:])
+            and not (t.name or "").endswith((".lora_a", ".lora_b")))
 
 
 def _rows_contiguous(a, itemsize) -> bool:
