@@ -103,6 +103,8 @@ class Context:
                                        + (", or fewer GPU layers" if b is not model.cpu else ""))
         if self.uses_cache:             # a block-format cache stores whole blocks per head (llama.cpp asserts)
             for what, t, d in (("K", type_k, hp.n_embd_head_k), ("V", type_v, hp.n_embd_head_v)):
+                if what == "V" and hp.v_in_k:          # no V cache (MLA): the cache says what type_v must be
+                    continue
                 bs = TYPE_TRAITS[GGMLType(t)].blck_size
                 if d and d % bs:
                     raise ContextError(f"a {GGMLType(t).name} {what} cache needs heads of a multiple of {bs} values; "

@@ -375,7 +375,8 @@ def check_hparams(hp: HParams) -> None:
                  "f_embedding_scale", "f_residual_scale", "f_logit_scale", "f_norm_eps", "f_norm_rms_eps"):
         v = getattr(hp, name)
         if not math.isfinite(v) or v < 0 or (name in ("rope_freq_scale", "rope_freq_scale_swa",
-                                                        "rope_freq_base_swa", "f_norm_eps", "f_norm_rms_eps")
+                                                        "rope_freq_base_swa", "f_norm_eps", "f_norm_rms_eps",
+                                                        "yarn_beta_fast", "yarn_beta_slow")   # YaRN divides by them
                                              and v == 0):
             raise InvalidMetadata(f"{a}: hyper-parameter {name} is {v}")
     if hp.n_swa < 0:
