@@ -17,7 +17,7 @@ from ..ggml.backend import tensor_get, tensor_set
 from ..ggml.graph import Graph
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
-from ..ggml.types import GGMLType, TYPE_TRAITS
+from ..ggml.types import GGMLType
 from .batch import Batch
 from .graph import build_graph
 from .kv_cache import KV_PAD, CacheFull as _CacheFull, KVCache
@@ -101,16 +101,13 @@ class Context:
                     raise ContextError(f"a {GGMLType(t).name} KV cache is not supported on {b.name}, where layers of "
                                        f"this model run: use {', '.join(can)}"
                                        + (", or fewer GPU layers" if b is not model.cpu else ""))
-        if self.uses_cache:             # a block-format cache stores whole blocks per head (llama.cpp asserts)
-            for what, t, d in (("K", type_k, hp.n_embd_head_k), ("V", type_v, hp.n_embd_head_v)):
-                if what == "V" and hp.v_in_k:          # no V cache (MLA): the cache says what type_v must be
-                    continue
-                bs = TYPE_TRAITS[GGMLType(t)].blck_size
-                if d and d % bs:
-                    raise ContextError(f"a {GGMLType(t).name} {what} cache needs heads of a multiple of {bs} values; "
-                                       f"this model's {what} heads have {d}: use f16, bf16 or f32")
-        self.kv = create_memory(model, self.n_ctx, self.n_seq_max, type_k, type_v,
-                                n_stream=1 if kv_unified else self.n_seq_max)
+        try:
+            self.kv = create_memory(model, self.n_ctx, self.n_seq_max, type_k, type_v,
+                                    n_stream=1 if kv_unified else self.n_seq_max)
+        except ValueError as e:         # a cache the model's shapes cannot take (cache types, head sizes)
+            if type(e) is not ValueError:
+                raise
+            raise ContextError(str(e)) from None
         self.sched = Scheduler(model.backends)
         self._graphs: OrderedDict = OrderedDict()
         self.max_graphs = max_graphs

@@ -25,7 +25,7 @@ import numpy as np
 from ..ggml import ops
 from ..ggml.backend import BufferUsage, tensor_alloc, tensor_get, tensor_set
 from ..ggml.tensor import Tensor, Flags
-from ..ggml.types import GGMLType, row_size
+from ..ggml.types import GGMLType, TYPE_TRAITS
 
 KV_PAD = 256  # n_kv is padded to this so that decode graphs are reused for 256 steps
 # With one stream per sequence, pieces of several sequences share a micro-batch while together they hold fewer
@@ -86,8 +86,11 @@ class KVCache:
         if self.v_in_k and self.type_v != self.type_k:
             raise ValueError(f"this model keeps V inside K (MLA): type_v ({self.type_v.name}) must equal type_k "
                              f"({self.type_k.name})")
-        for t, d in ((self.type_k, hp.n_embd_head_k), (self.type_v, hp.n_embd_head_v)):
-            row_size(t, d)  # raises if the head size is not whole blocks of the cache type
+        for what, t, d in (("K", self.type_k, hp.n_embd_head_k), ("V", self.type_v, hp.n_embd_head_v)):
+            bs = TYPE_TRAITS[t].blck_size   # a block-format cache stores whole blocks per head (llama.cpp asserts)
+            if d % bs:
+                raise ValueError(f"a {t.name} {what} cache needs heads of a multiple of {bs} values; this model's "
+                                 f"{what} heads have {d}, not a whole number of blocks: use f16, bf16 or f32")
         self.pos = np.full(self.size, -1, dtype=np.int32)        # -1: empty
         # per stream: where find_slot starts looking (its first cell to begin with)
         self.heads = np.arange(self.n_stream, dtype=np.int64) * self.stream_size
