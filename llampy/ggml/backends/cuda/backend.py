@@ -183,7 +183,7 @@ class CUDABackend(Backend):
             if node.type in KV_QUANT:       # F32 values into rows of a block format (the K shift's store)
                 return srcs[0].type == T.F32 and node.nb[0] == TYPE_TRAITS[node.type].type_size
             if srcs[0].type in KV_QUANT:    # rows of a block format to F16/F32 (the K shift's read)
-                return node.type in (T.F16, T.F32) and _dense_rows(node) and srcs[0].nb[0] == \
+                return node.type in (T.F16, T.F32) and node.is_contiguous() and srcs[0].nb[0] == \
                     TYPE_TRAITS[srcs[0].type].type_size and srcs[0].ne == node.ne
             return node.type in TORCH_DTYPE and srcs[0].type in TORCH_DTYPE
         if op == Op.FLASH_ATTN_EXT:
@@ -832,20 +832,20 @@ def b_cpy(be, node):
         return run_quant
     if src.type in KV_QUANT:            # same shape: each row decoded into dst's (dense) rows
         d = view(node)
-        b = rows(src)
-        nr, kdim = src.ne[1] * src.ne[2] * src.ne[3], src.ne[0]
-        grid = (triton_cdiv(nr, 16 if be.dev.type == "cuda" else 256), triton_cdiv(kdim, 256))
-        return lambda: K.dequant_rows3[grid](b, d, be._lut, nr, kdim, src.ne[1], src.ne[2], src.nb[1], src.nb[2],
-                                             src.nb[3], kdim, TYPE=int(src.type), OUT_F16=node.type == T.F16,
-                                             BR=16 if be.dev.type == "cuda" else 256, BK=256)
+        return lambda: _decode_rows(be, src, d)
     s, d = view(src), view(node)
     shape = tuple(d.shape)
     return lambda: d.copy_(s.reshape(shape))
 
 
-def _dense_rows(t: Tensor) -> bool:
-    """Whether t's rows lie one after another (contiguous)."""
-    return t.is_contiguous()
+def _decode_rows(be, t: Tensor, out: torch.Tensor) -> None:
+    """The rows of t (a block format; any strides, e.g. a permuted view of the KV cache) decoded into out's dense
+    rows (F16 or F32, t's shape)."""
+    nr, kdim = t.ne[1] * t.ne[2] * t.ne[3], t.ne[0]
+    br = 16 if be.dev.type == "cuda" else 256          # the interpreter runs programs one by one
+    K.dequant_rows3[(triton_cdiv(nr, br), triton_cdiv(kdim, 256))](
+        rows(t), out, be._lut, nr, kdim, t.ne[1], t.ne[2], t.nb[1], t.nb[2], t.nb[3], kdim, TYPE=int(t.type),
+        OUT_F16=out.dtype == torch.float16, BR=br, BK=256)
 
 
 def b_concat(be, node):
@@ -1000,18 +1000,10 @@ def b_flash_attn(be, node):
     # K in a block format: q rounded to its dot type (Q8_0 blocks of 32), as ggml-cpu does and the decode kernel;
     # the products then in float32 (F16 would round the rounded q again)
     run32 = _flash_attn_dense(be, d, mv, sinks, ne3, H, n_q, Hkv, rk, scale, cap, slopes, F32, manual, expand_kv)
-    return lambda: run32(_q8_rounded(qv), dense_k().float(), dense_v())
-
-
-def _q8_rounded(q: torch.Tensor) -> torch.Tensor:
-    """q's values rounded to Q8_0 blocks of 32 along the last axis (d = amax / 127 as F16, q * 127 / amax rounded
-    half to even), as float32."""
-    x = q.float()
-    b = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
-    amax = b.abs().amax(-1, keepdim=True)
-    dq = (amax / 127.0).half().float()
-    iv = torch.where(amax != 0, 127.0 / torch.where(amax != 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
-    return (torch.round(b * iv) * dq).reshape(x.shape)
+    def q_rounded():                    # the activation rounding of the products (round_act), q's rows
+        x = qv.float().contiguous()
+        return be._round_act(k.type, x.view(-1, x.shape[-1])).view(x.shape)
+    return lambda: run32(q_rounded(), dense_k().float(), dense_v())
 
 
 def _dense_kv(be, t: Tensor):
@@ -1019,16 +1011,11 @@ def _dense_kv(be, t: Tensor):
     if t.type not in KV_QUANT:
         src = view(t)
         return lambda: src.to(torch.float16)
-    b = rows(t)
-    nr, kdim = t.ne[1] * t.ne[2] * t.ne[3], t.ne[0]
-    br, bk = (16, 256) if be.dev.type == "cuda" else (256, 256)
-    grid = (triton_cdiv(nr, br), triton_cdiv(kdim, bk))
     shape = tuple(t.ne[::-1])
 
     def dense():
         out = torch.empty(shape, dtype=torch.float16, device=be.dev)
-        K.dequant_rows3[grid](b, out, be._lut, nr, kdim, t.ne[1], t.ne[2], t.nb[1], t.nb[2], t.nb[3], kdim,
-                              TYPE=int(t.type), OUT_F16=True, BR=br, BK=bk)
+        _decode_rows(be, t, out)
         return out
     return dense
 

@@ -200,22 +200,27 @@ def _mul_rn(a, b):
 
 
 @triton.jit
-def _round_blocks(xb, ACT: tl.constexpr):
-    """xb [NB, G] (G values per block along axis 1) rounded as the dot type's quantizer, as float32 values."""
+def _q8_blocks(v, ACT: tl.constexpr):
+    """v [NB, G] (G values per block along axis 1) quantized as the dot type's quantizer: (q as float32, d [NB])."""
     if ACT == ACT_Q8:
-        amax = tl.max(tl.abs(xb), axis=1)
+        amax = tl.max(tl.abs(v), axis=1)
         d = (amax / 127.0).to(tl.float16).to(tl.float32)
         iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
-        return _rint(_mul_rn(xb, iv[:, None])) * d[:, None]
+        q = _rint(_mul_rn(v, iv[:, None]))
     else:
-        ax = tl.abs(xb)
-        j = tl.argmax(ax, axis=1)                                       # the first of the largest |x|
-        g = tl.arange(0, xb.shape[1])
-        mx = tl.sum(tl.where(g[None, :] == j[:, None], xb, 0.0), axis=1)
+        mx = _signed_extreme(v)
         zero = mx == 0.0
         isc = tl.where(zero, 0.0, -127.0 / tl.where(zero, 1.0, mx))
         d = tl.where(zero, 0.0, 1.0 / tl.where(zero, 1.0, isc))
-        return tl.minimum(_rint(_mul_rn(xb, isc[:, None])), 127.0) * d[:, None]
+        q = tl.minimum(_rint(_mul_rn(v, isc[:, None])), 127.0)
+    return q, d
+
+
+@triton.jit
+def _round_blocks(xb, ACT: tl.constexpr):
+    """xb [NB, G] (G values per block along axis 1) rounded as the dot type's quantizer, as float32 values."""
+    q, d = _q8_blocks(xb, ACT)
+    return q * d[:, None]
 
 
 @triton.jit
@@ -426,17 +431,9 @@ def _quantize_act_blocks(v, nb, xq, xd, xs, G: tl.constexpr):
     b = tl.arange(0, NB)
     j = tl.arange(0, G)
     if G == 32:
-        amax = tl.max(tl.abs(v), axis=1)
-        d = (amax / 127.0).to(tl.float16).to(tl.float32)
-        iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
-        q = _rint(_mul_rn(v, iv[:, None]))
+        q, d = _q8_blocks(v, ACT_Q8)
     else:
-        jm = tl.argmax(tl.abs(v), axis=1)
-        mx = tl.sum(tl.where(j[None, :] == jm[:, None], v, 0.0), axis=1)
-        zero = mx == 0.0
-        isc = tl.where(zero, 0.0, -127.0 / tl.where(zero, 1.0, mx))
-        d = tl.where(zero, 0.0, 1.0 / tl.where(zero, 1.0, isc))
-        q = tl.minimum(_rint(_mul_rn(v, isc[:, None])), 127.0)
+        q, d = _q8_blocks(v, ACT_Q8_K)
     qi = q.to(tl.int32)
     ok = b < nb
     tl.store(xq + b[:, None] * G + j[None, :], qi.to(tl.int8), mask=ok[:, None])
@@ -509,9 +506,9 @@ KV_BLOCK_BYTES = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24}
 
 @triton.jit
 def _signed_extreme(xf):
-    """Per block (rows of xf [BB, 32]): the value of largest magnitude, the first such (ggml's ``amax < |v|``)."""
+    """Per block (rows of xf [NB, G]): the value of largest magnitude, the first such (ggml's ``amax < |v|``)."""
     j = tl.argmax(tl.abs(xf), axis=1)
-    g = tl.arange(0, 32)
+    g = tl.arange(0, xf.shape[1])
     return tl.sum(tl.where(g[None, :] == j[:, None], xf, 0.0), axis=1)
 
 
@@ -652,7 +649,7 @@ def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n
     kh = h // rk
     di = tl.arange(0, BD)
     dv = tl.arange(0, BDV)
-    if QUANT and KT != F16:     # q rounded to K's dot type, Q8_0 blocks (ggml-cpu's q_to_vec_dot; ggml-cuda's q8_1)
+    if QUANT and KT != F16 and KT != F32 and KT != BF16:    # q rounded to K's dot type, Q8_0 blocks
         qv = _round_act(tl.load(q + h * sq_h + di, mask=di < D, other=0.0), BD, ACT_Q8)
     else:
         qv = tl.load(q + h * sq_h + di, mask=di < D, other=0.0).to(tl.float16).to(tl.float32)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ...types import GGMLType as T
-from .kernels import _mul_rn, _rint
+from .kernels import _quantize_act_blocks
 
 Q4_0: tl.constexpr = tl.constexpr(int(T.Q4_0))
 Q4_1: tl.constexpr = tl.constexpr(int(T.Q4_1))
@@ -44,26 +44,11 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 @triton.jit
 def quantize_act(x, xq, xd, xs, K, G: tl.constexpr):
     """Block b of the row x (float32, K values; G = 32: Q8_0/Q8_1, G = 256: Q8_K) to int8 xq, its scale xd[b]
-    (float32), and the integer sums of its groups of 16 in xs[b * G / 16 + i]."""
+    (float32), and the integer sums of its groups of 16 in xs[b * G / 16 + i] (kernels._quantize_act_blocks)."""
     b = tl.program_id(0)
     ks = b * G + tl.arange(0, G)
     v = tl.load(x + ks, mask=ks < K, other=0.0)
-    if G == 32:         # quantize_row_q8_0/q8_1: d = max|x| / 127 (stored as F16), q = round(x * 127 / max|x|)
-        amax = tl.max(tl.abs(v), axis=0)
-        d = (amax / 127.0).to(tl.float16).to(tl.float32)
-        iv = tl.where(amax != 0.0, 127.0 / tl.where(amax != 0.0, amax, 1.0), 0.0)
-        q = _rint(_mul_rn(v, iv))
-    else:               # quantize_row_q8_K: the signed value of largest |x| maps to -127
-        j = tl.argmax(tl.abs(v), axis=0)
-        mx = tl.sum(tl.where(tl.arange(0, G) == j, v, 0.0), axis=0)
-        zero = mx == 0.0
-        isc = tl.where(zero, 0.0, -127.0 / tl.where(zero, 1.0, mx))
-        d = tl.where(zero, 0.0, 1.0 / tl.where(zero, 1.0, isc))
-        q = tl.minimum(_rint(_mul_rn(v, isc)), 127.0)
-    qi = q.to(tl.int32)
-    tl.store(xq + ks, qi.to(tl.int8), mask=ks < K)
-    tl.store(xd + b, d)
-    tl.store(xs + b * (G // 16) + tl.arange(0, G // 16), tl.sum(tl.reshape(qi, [G // 16, 16]), axis=1))
+    _quantize_act_blocks(tl.reshape(v, [1, G]), 1, xq + b * G, xd + b, xs + b * (G // 16), G)
 
 
 @triton.jit
