@@ -16,3 +16,15 @@ def device_leaf(backend, type, shape_np, value=None, rng=None) -> Tensor:
     tensor_alloc(backend.alloc_buffer(max(t.nbytes, 1)), t, 0)
     tensor_set_bytes(t, tensor_get_bytes(h))
     return t
+
+
+def count_launches(monkeypatch, module, name: str) -> list:
+    """Record the grid of every launch of the Triton kernel ``module.name`` (it still runs): a list to read after."""
+    calls, real = [], getattr(module, name)
+
+    class Counted:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+    monkeypatch.setattr(module, name, Counted())
+    return calls

@@ -18,7 +18,7 @@ from llampy.ggml.types import GGMLType as T, TYPE_TRAITS
 from tests.ggml.helpers import random_blocks, run as run_host
 from tests.ggml.test_ops import CASES
 
-from .helpers import REF, device_leaf
+from .helpers import REF, count_launches, device_leaf
 
 CUDA = backend_init("cuda")
 from llampy.ggml.backends.cuda import kernels as K  # noqa: E402  (imported by the backend)
@@ -408,10 +408,7 @@ def test_decode_kernel_takes_softcapping_and_sinks(cap, sinks, monkeypatch):
     """One query row with soft-capped scores (gemma 2) or attention sinks (gpt-oss) goes through the decode kernel
     (not the dense path's torch expressions), split over the cache where the device is large, and agrees with the
     reference."""
-    calls = []
-    real = K.attn_decode
-    monkeypatch.setattr(K, "attn_decode", type("Counted", (), {"__getitem__": lambda s, g: (calls.append(g),
-                                                                                              real[g])[1]})())
+    calls = count_launches(monkeypatch, K, "attn_decode")
     monkeypatch.setattr(CUDA, "n_sm", 4)                      # 4 heads x 2 splits: the combine step runs too
 
     def build(B):
@@ -459,10 +456,7 @@ def test_norm_writes_its_products_quantized_activations(t, monkeypatch):
     without a quantization launch of their own."""
     from llampy.ggml.backends.cuda import backend as CB
     from llampy.ggml.backends.cuda import mmvq as MMVQ
-    launches = []
-    real = MMVQ.quantize_act
-    monkeypatch.setattr(MMVQ, "quantize_act", type("Counted", (), {"__getitem__": lambda s, g: (launches.append(g),
-                                                                                                real[g])[1]})())
+    launches = count_launches(monkeypatch, MMVQ, "quantize_act")
     rng = np.random.default_rng(4)
     k = 512
     wq = [quantize(rng.standard_normal((n, k)).astype(np.float32), t) for n in (48, 16)]

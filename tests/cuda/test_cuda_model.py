@@ -212,10 +212,8 @@ def test_norms_quantize_for_their_decode_products(monkeypatch):
     products' own quantization launches are gone."""
     from llampy.ggml.backends.cuda import backend as CB
     from llampy.ggml.backends.cuda import mmvq as MMVQ
-    launches = []
-    real = MMVQ.quantize_act
-    monkeypatch.setattr(MMVQ, "quantize_act", type("Counted", (), {"__getitem__": lambda s, g: (launches.append(g),
-                                                                                                real[g])[1]})())
+    from .helpers import count_launches
+    launches = count_launches(monkeypatch, MMVQ, "quantize_act")
     out = {}
     for fused in (True, False):
         if not fused:
