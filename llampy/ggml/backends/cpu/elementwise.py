@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .builds import parallel_build
+
 OP_ADD, OP_SUB, OP_MUL, OP_DIV = 0, 1, 2, 3
 
 
@@ -49,7 +51,7 @@ def _binary_f32(a, b, out, op):
                     o[i] = ar[i] / bv
 
 
-binary_f32_par = njit(parallel=True, cache=True)(_binary_f32)
+binary_f32_par = parallel_build(_binary_f32)
 binary_f32 = njit(cache=True)(_binary_f32)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .builds import parallel_build
 from .simd import v16_f16_copy
 
 
@@ -113,19 +114,19 @@ def check_index(idx: np.ndarray, n_rows: int, what: str) -> None:
         raise IndexError(f"{what}: row index out of range 0..{n_rows - 1}")
 
 
-get_rows_plain_par = njit(parallel=True, cache=True)(_get_rows_plain)
+get_rows_plain_par = parallel_build(_get_rows_plain)
 get_rows_plain = njit(cache=True)(_get_rows_plain)
 
 
-get_rows_f16_par = njit(parallel=True, cache=True)(_get_rows_f16)
+get_rows_f16_par = parallel_build(_get_rows_f16)
 get_rows_f16 = njit(cache=True)(_get_rows_f16)
 
 
-set_rows_f16_par = njit(parallel=True, cache=True)(_set_rows_f16)
+set_rows_f16_par = parallel_build(_set_rows_f16)
 set_rows_f16 = njit(cache=True)(_set_rows_f16)
 
 
-set_rows_same_par = njit(parallel=True, cache=True)(_set_rows_same)
+set_rows_same_par = parallel_build(_set_rows_same)
 set_rows_same = njit(cache=True)(_set_rows_same)
 
 
@@ -181,7 +182,7 @@ def _cont_f16(src, out):
 
 
 cont_f32_f16 = njit(cache=True)(_cont_f16)
-cont_f32_f16_par = njit(parallel=True, cache=True)(_cont_f16)
+cont_f32_f16_par = parallel_build(_cont_f16)
 
 
 @njit(inline="always")

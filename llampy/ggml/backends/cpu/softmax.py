@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from .act import _fma, v_expf
+from .builds import parallel_build
 from .simd import F16_VEC_LANES
 
 
@@ -91,5 +92,5 @@ def _soft_max_rows(x, mask, slopes, scale, out):
             w[i] = np.float32(w[i] * inv)
 
 
-soft_max_rows_par = njit(parallel=True, cache=True)(_soft_max_rows)
+soft_max_rows_par = parallel_build(_soft_max_rows)
 soft_max_rows = njit(cache=True)(_soft_max_rows)
