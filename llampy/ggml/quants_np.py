@@ -35,10 +35,16 @@ def quantize_f16(x):
 
 def quantize_bf16(x):
     """ggml_compute_fp32_to_bf16: round to nearest even; NaN made quiet."""
-    u = np.ascontiguousarray(x, F32).view(np.uint32)
-    r = ((u.astype(np.uint64) + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    r[nan] = ((u[nan] >> 16) | 64).astype(np.uint16)
+    x = np.ascontiguousarray(x, F32)
+    u = x.view(np.uint32)
+    r = u >> 16                         # in uint32, in place: u + 0x7FFF + 1 wraps only for a NaN, replaced below
+    r &= 1
+    r += 0x7FFF
+    r += u
+    r >>= 16
+    nan = np.isnan(x)
+    if nan.any():
+        r[nan] = (u[nan] >> 16) | 64
     return r.astype("<u2").view(np.uint8).reshape(np.shape(x)[:-1] + (-1,))
 
 

@@ -75,6 +75,7 @@ class GGUFReader:
         self._file = self._mm = self._buf = None
         self.metadata: dict[str, object] = {}
         self.value_types: dict[str, tuple] = {}
+        self._spans: dict[str, tuple[int, int]] = {}     # key -> where its value's bytes lie in the file
         self.tensors: dict[str, TensorInfo] = {}
         try:
             self._open()
@@ -250,9 +251,11 @@ class GGUFReader:
             vt = self._value_type(f"type of {key!r}")
             if key == GGUF_KEY_ALIGNMENT:
                 alignment_at = self._pos
+            start = self._pos
             value, sig = self._value(vt, f"value of {key!r}")
             self.metadata[key] = value
             self.value_types[key] = sig
+            self._spans[key] = (start, self._pos)
         self.alignment = GGUF_DEFAULT_ALIGNMENT
         if alignment_at is not None:
             a, sig = self.metadata[GGUF_KEY_ALIGNMENT], self.value_types[GGUF_KEY_ALIGNMENT]
@@ -318,6 +321,16 @@ class GGUFReader:
                 raise GGUFError(f"tensors {prev.name!r} and {cur.name!r} overlap", cur.offset)
 
     # ------------------------------------------------------------------ access
+    def value_bytes(self, key: str) -> bytes:
+        """The bytes of ``key``'s value as the file holds them (after its type tag): what a writer writes for it,
+        so that a copy of the metadata (``GGUFWriter.add_encoded``) need not encode the values again."""
+        a, b = self._spans[key]
+        return bytes(self._mm[a:b])
+
+    def fileno(self) -> int:
+        """The open file's descriptor (``writer.FileRange`` copies tensor bytes from it)."""
+        return self._file.fileno()
+
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
 

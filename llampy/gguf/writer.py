@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -152,6 +153,24 @@ class GGUFWriter:
 
     add_key_value = add
 
+    def add_encoded(self, key: str, raw: bytes, vtype) -> None:
+        """One key whose value is already encoded: ``raw`` the bytes after the type tag, as
+        ``GGUFReader.value_bytes`` returns them, for a value of signature ``vtype``. Copying a model's metadata
+        this way skips decoding and re-encoding its vocabulary (tens of thousands of strings). The bytes are
+        trusted to match the signature; the key is checked as ``add`` checks it."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"metadata keys are non-empty strings, got {key!r}")
+        if any(k == key for k, _, _ in self.kv):
+            raise ValueError(f"duplicate metadata key {key!r}")
+        sig = _normalise_sig(vtype)
+        _check_sig(sig)
+        if key == GGUF_KEY_ALIGNMENT:           # add checks it and takes the writer's alignment from it
+            if sig != (VT.UINT32,) or len(raw) != 4:
+                raise ValueError(f"{GGUF_KEY_ALIGNMENT} must be a power-of-two UINT32, got {sig}")
+            self.add(key, _SCALARS[VT.UINT32].unpack(raw)[0], sig)
+            return
+        self.kv.append((key, _Encoded(bytes(raw)), sig))
+
     def add_tensor_raw(self, name: str, type: GGMLType | int, ne, data) -> None:
         """A tensor from its raw bytes (bytes, memoryview or any contiguous ndarray) and its ggml shape ``ne``."""
         type = GGMLType(type)
@@ -217,6 +236,8 @@ class GGUFWriter:
 
     # ------------------------------------------------------------------ encoding
     def _encode(self, value, sig: tuple, key: str) -> bytes:
+        if isinstance(value, _Encoded):
+            return value.raw
         try:
             return b"".join(_encode_value(value, sig))
         except (struct.error, OverflowError, TypeError, ValueError, AttributeError) as e:
@@ -254,8 +275,9 @@ class GGUFWriter:
             pad = (-raw.nbytes) % self.alignment
             if isinstance(raw, _Lazy):
                 data = raw.make()
-                data = (np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
-                        else np.frombuffer(data, dtype=np.uint8))
+                if not isinstance(data, FileRange):
+                    data = (np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
+                            else np.frombuffer(data, dtype=np.uint8))
                 if data.nbytes != raw.nbytes:
                     raise ValueError(f"tensor {name!r}: {data.nbytes} bytes made, {raw.nbytes} announced")
                 raw = data
@@ -265,10 +287,58 @@ class GGUFWriter:
             if hole:
                 f.seek(hole, os.SEEK_CUR)
                 hole = 0
-            f.write(memoryview(raw))  # no copy of the (possibly mmap-backed) bytes
+            if isinstance(raw, FileRange):
+                _copy_range(f, raw)
+            else:
+                f.write(memoryview(raw))  # no copy of the (possibly mmap-backed) bytes
             f.write(b"\0" * pad)
         if hole:
             f.truncate(f.tell() + hole)
+
+
+class FileRange(NamedTuple):
+    """Tensor bytes that lie in another file (``fd`` open for reading, from byte ``offset``): what an
+    ``add_tensor_lazy`` maker may return for a tensor it copies unchanged, such as ``llampy quantize``'s norms or
+    a COPY. The kernel copies them (copy_file_range): nothing is mapped or read into the process."""
+    fd: int
+    offset: int
+    nbytes: int
+
+
+def _copy_range(f, src: FileRange) -> None:
+    """Appends ``src``'s bytes to the binary file object ``f``: in the kernel where ``f`` is a file on the same
+    kind of file system, else through a buffer."""
+    off, left = src.offset, src.nbytes
+    try:
+        fd = f.fileno()
+    except (AttributeError, OSError, ValueError):           # io.BytesIO and the like
+        fd = None
+    if fd is not None and hasattr(os, "copy_file_range"):
+        f.flush()
+        pos = f.tell()
+        try:
+            while left:
+                n = os.copy_file_range(src.fd, fd, left, off, pos + src.nbytes - left)
+                if n <= 0:
+                    break
+                off, left = off + n, left - n
+        except OSError:             # not supported between these files: the rest through a buffer
+            pass
+        f.seek(pos + src.nbytes - left)
+    while left:
+        chunk = os.pread(src.fd, min(left, 1 << 24), off)
+        if not chunk:
+            raise ValueError(f"{left} bytes missing at byte {off} of the source file")
+        f.write(chunk)
+        off, left = off + len(chunk), left - len(chunk)
+
+
+class _Encoded:
+    """A metadata value added by ``add_encoded``: its bytes."""
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
 
 
 class _Zeros:

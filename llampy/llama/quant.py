@@ -495,10 +495,14 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
     shape = (nrows, ne0 // tt.blck_size * tt.type_size)
     out = np.empty(shape, np.uint8) if out is None else out.reshape(shape)
     if kernels:
-        from ..ggml.quants import quantize
-        from ..ggml.quants_imatrix import quantize_weighted
-        from ..ggml.quants_iq_search import SEARCH_TYPES, quantize_iq
+        # only the modules this type needs: each kernel module's dispatchers cost milliseconds to make, the grid
+        # searches' (imported with the importance-matrix quantizers) ~35 ms
+        from ..ggml.quants import QUANTIZE_TYPES, quantize
         from ..ggml.quants_rows import quantize_rows_ref
+        if imatrix is not None:
+            from ..ggml.quants_imatrix import quantize_weighted
+        elif t not in QUANTIZE_TYPES and t != T.F32:
+            from ..ggml.quants_iq_search import quantize_iq
     else:
         from ..ggml.quants_np import NUMPY_TYPES, quantize_rows as quantize_rows_np
         if t not in NUMPY_TYPES:
@@ -518,7 +522,7 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
             y = xa.view(np.uint8)
         elif imatrix is not None:
             y = quantize_weighted(xa, t, imatrix)
-        elif t in SEARCH_TYPES:
+        elif t not in QUANTIZE_TYPES:
             y = quantize_iq(xa, t)
         elif quantize_rows_ref(xa, t, out[a:b]) is not None:       # written in place
             return
@@ -550,7 +554,7 @@ def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) ->
 
 def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResult:
     from ..ggml.quants_np import NUMPY_TYPES
-    from ..gguf.writer import GGUFWriter
+    from ..gguf.writer import FileRange, GGUFWriter
     ftype = params.ftype
     if ftype not in FTYPE_DEFAULT:
         raise QuantizeError(f"invalid output file type {ftype}")
@@ -562,8 +566,8 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
             if not np.isfinite(v).all():
                 raise QuantizeError(f"imatrix contains non-finite values ({k})")
     w = GGUFWriter(None)
-    for k, v in r.metadata.items():
-        w.add(k, v, r.value_types[k])
+    for k in r.metadata:                # the input's bytes for each value: not decoded and encoded again
+        w.add_encoded(k, r.value_bytes(k), r.value_types[k])
     from ..gguf.constants import GGUFValueType as VT
 
     def set_val(key, value, vt):
@@ -603,10 +607,11 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
             if not params.dry_run:
                 if TYPE_TRAITS[ti.type].is_quantized and not params.allow_requantize:
                     raise QuantizeError(f"requantizing from type {ggml_type_name(ti.type)} is disabled")
-                if new_type not in NUMPY_TYPES and new_type not in _kernel_types()[0]:
+                done_by, needs_im = (True, False) if new_type in NUMPY_TYPES else _kernel_support(new_type)
+                if not done_by:
                     raise QuantizeError(f"quantizing to {ggml_type_name(new_type)} is not implemented in llampy")
                 im = _imatrix_for(params, name, ne, new_type, ftype)
-                if im is None and new_type not in NUMPY_TYPES and new_type in _kernel_types()[1]:
+                if im is None and needs_im:
                     # ggml asserts here; say it instead
                     raise QuantizeError(f"quantizing {name} to {ggml_type_name(new_type)} needs an importance "
                                         f"matrix entry for it")
@@ -645,7 +650,7 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
         def make(i):
             name, ti, ne, new_type, nbytes, im = jobs[i]
             if new_type == ti.type:
-                data = ti.data
+                data = FileRange(r.fileno(), ti.offset, ti.nbytes)     # copied by the kernel
             else:
                 data = _quantize_tensor(ti, ne, new_type, im, pool, scratch[:nbytes], kernels)
             log(line(i, name, ti, ne, new_type, nbytes))
@@ -670,11 +675,14 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
     return QuantizeResult(types, size_org, size_new, n_el, qs.n_fallback, time.perf_counter() - t0)
 
 
-def _kernel_types():
-    """(the types llampy quantizes, those that need an importance matrix): importing them loads Numba."""
+def _kernel_support(t: GGMLType) -> tuple[bool, bool]:
+    """(the kernels quantize ``t``, ``t`` needs an importance matrix): importing them loads Numba; the grid searches'
+    module only for the types the others do not quantize."""
     from ..ggml.quants import QUANTIZE_TYPES
+    if t in QUANTIZE_TYPES or t == T.F32:
+        return True, False
     from ..ggml.quants_iq_search import REQUIRES_IMATRIX, SEARCH_TYPES
-    return QUANTIZE_TYPES | SEARCH_TYPES | {T.F32}, REQUIRES_IMATRIX
+    return t in SEARCH_TYPES, t in REQUIRES_IMATRIX
 
 
 # Numba's import, its first cached kernel and the file's further kernels cost ~0.6 s of CPU before the first tensor;

@@ -10,7 +10,7 @@ import pytest
 from llampy.ggml.types import GGMLType
 from llampy.gguf import GGUFReader, GGUFValueType as VT, GGUFWriter, copy_gguf
 from llampy.gguf.constants import SCALAR_DTYPES
-from llampy.gguf.writer import infer_value_type
+from llampy.gguf.writer import FileRange, infer_value_type
 
 from .conftest import TINY_FILES, sha256
 
@@ -179,3 +179,62 @@ def test_lazy_tensors_are_made_at_write_time(tmp_path):
     w.add_tensor_lazy("a", GGMLType.F32, (32, 3), lambda: a[:2])
     with pytest.raises(ValueError, match="bytes made"):
         w.write()
+
+
+def _copy_by_bytes(r, target):
+    """What llampy quantize writes for an unchanged file: every value as the file's bytes, every tensor as a range
+    of the input copied by the kernel (or through a buffer into a file object)."""
+    w = GGUFWriter(target, r.alignment, r.version)
+    for k in r.metadata:
+        w.add_encoded(k, r.value_bytes(k), r.value_types[k])
+    for t in r.tensors.values():
+        w.add_tensor_lazy(t.name, t.type, t.ne, lambda t=t: FileRange(r.fileno(), t.offset, t.nbytes))
+    w.write()
+
+
+@pytest.mark.parametrize("path", TINY_FILES[:4], ids=lambda p: p.name)
+def test_encoded_values_and_file_ranges_copy_a_file_byte_for_byte(path, tmp_path):
+    with GGUFReader(path) as r:
+        _copy_by_bytes(r, tmp_path / "c.gguf")
+        buf = io.BytesIO()
+        _copy_by_bytes(r, buf)
+    assert (tmp_path / "c.gguf").read_bytes() == path.read_bytes() == buf.getvalue()
+
+
+def test_encoded_values_beside_added_ones(tmp_path):
+    p = tmp_path / "a.gguf"
+    w = GGUFWriter(p)
+    w.add("general.alignment", 64, VT.UINT32)
+    w.add("t.tokens", ["a", "ü", ""], (VT.ARRAY, VT.STRING))
+    w.add("t.n", 7, VT.INT32)
+    w.add_tensor("x", np.arange(64, dtype=np.float32))
+    w.write()
+    with GGUFReader(p) as r:
+        w2 = GGUFWriter(tmp_path / "b.gguf")
+        for k in r.metadata:
+            w2.add_encoded(k, r.value_bytes(k), r.value_types[k])
+        assert w2.alignment == 64            # the alignment key still sets the layout
+        with pytest.raises(ValueError, match="duplicate"):
+            w2.add_encoded("t.n", r.value_bytes("t.n"), r.value_types["t.n"])
+        w2.add("t.more", 1.5)
+        w2.add_tensor("x", np.arange(64, dtype=np.float32))
+        w2.write()
+    with GGUFReader(tmp_path / "b.gguf") as r:
+        assert r.metadata["t.tokens"] == ["a", "ü", ""] and r.metadata["t.n"] == 7 and r.metadata["t.more"] == 1.5
+        assert r.alignment == 64 and list(r.metadata)[-1] == "t.more"
+
+
+def test_file_range_past_the_source_end_is_an_error(tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(100)))
+    with open(src, "rb") as f:
+        w = GGUFWriter(io.BytesIO())
+        w.add_tensor_lazy("x", GGMLType.I8, (64,), lambda: FileRange(f.fileno(), 60, 64))
+        with pytest.raises(ValueError, match="missing"):
+            w.write()
+        out = tmp_path / "ok.gguf"
+        w = GGUFWriter(out)
+        w.add_tensor_lazy("x", GGMLType.I8, (64,), lambda: FileRange(f.fileno(), 36, 64))
+        w.write()
+    with GGUFReader(out) as r:
+        assert bytes(r.tensors["x"].data) == bytes(range(36, 100))

@@ -233,6 +233,16 @@ def test_numpy_rows_match_reference():
     v = np.concatenate([v, -v])
     v = v[np.abs(v) <= 128]
     assert (np.trunc(v + np.copysign(_HALF_DOWN, v)) == roundf(v)).all()
+    # BF16 on every kind of float32 (NaNs of both signs and any payload, infinities, subnormals, the rounding
+    # carry into the exponent) against gguf-py's statement of ggml_compute_fp32_to_bf16
+    import gguf
+    bits = np.random.default_rng(7).integers(0, 2**32, (64, 256), dtype=np.uint64).astype(np.uint32)
+    bits[0, :8] = [0x7F800001, 0xFFFFFFFF, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F80FFFF, 0x00008000, 0x80018000]
+    x = bits.view(np.float32)
+    out = np.empty((64, 512), np.uint8)
+    quantize_rows(x, T.BF16, out)
+    theirs = np.asarray(gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)).view(np.uint16)
+    np.testing.assert_array_equal(out.view(np.uint16), theirs)
 
 
 def test_plain_types_without_numba(tmp_path, monkeypatch):
