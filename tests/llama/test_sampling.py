@@ -260,6 +260,35 @@ def test_partial_selection_is_the_full_sorts_prefix():
             assert np.array_equal(_order_desc(keys, k), full[:k]), (trial, n, k)
 
 
+def test_chain_shortcuts_pick_the_samplers_tokens():
+    """Chain.sample's shortcuts (a leading TopK's candidates taken straight from the row, or from top_positions for
+    many rows at once; a lone Greedy's argmax) pick, step after step, the token that the samplers applied one by one
+    to the whole row pick, with the same seeds."""
+    from llampy.llama.sampling import top_positions
+    rng = np.random.default_rng(11)
+    n_vocab = 3000
+    params = [dict(temperature=0.8), dict(temperature=0), dict(temperature=1.1, top_k=1), dict(temperature=0.9, top_k=0),
+              dict(temperature=0.7, top_k=300, top_p=0.5), dict(temperature=0.6, top_k=n_vocab + 1),
+              dict(temperature=0.8, repeat_penalty=1.3), dict(temperature=1.0, top_k=40, dynatemp_range=0.5)]
+    fast = [Chain.from_params(seed=7 + i, n_vocab=n_vocab, **p) for i, p in enumerate(params)]
+    slow = [Chain.from_params(seed=7 + i, n_vocab=n_vocab, **p) for i, p in enumerate(params)]
+    for step in range(12):
+        logits = (rng.standard_normal((len(params) + 2, n_vocab)) * 3).astype(np.float32)
+        logits[:, :50] = np.round(logits[:, :50])       # ties
+        rows = [int(r) for r in rng.permutation(len(logits))[:len(params)]]
+        tops = top_positions(fast, logits, rows)
+        assert [t is not None for t in tops] == [p.get("top_k", 40) in range(1, n_vocab) and p["temperature"] > 0
+                                                 and "repeat_penalty" not in p for p in params]
+        for i in range(len(params)):
+            c = Candidates(logits[rows[i]])
+            slow[i].apply(c)
+            want = int(c.ids[c.selected])
+            got = fast[i].sample(logits[rows[i]], tops[i]) if step % 2 else fast[i].sample(logits[rows[i]])
+            assert got == want, (step, params[i])
+            fast[i].accept(got)
+            slow[i].accept(want)
+
+
 def test_top_p_adaptive_path_equals_full_sort():
     rng = np.random.default_rng(3)
     for scale in (0.5, 4.0):                                   # flat: nucleus beyond 256; peaked: inside
