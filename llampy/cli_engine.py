@@ -28,8 +28,8 @@ def add_offload_args(p, default="auto") -> None:
                    help="REGEX=BUFTYPE: weights whose name matches go to CPU, CUDA0, ... (e.g. 'exps=CPU')")
 
 
-# llama.cpp's -ctk/-ctv values (common/arg.cpp's kv_cache_types) but bf16, which the CPU's attention does not read
-CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+# llama.cpp's -ctk/-ctv values (common/arg.cpp's kv_cache_types)
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
 def add_cache_args(p) -> None:

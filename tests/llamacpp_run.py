@@ -21,7 +21,8 @@ mp = L.llama_model_default_params(); mp.n_gpu_layers = 0
 model = L.llama_model_load_from_file(req["model"].encode(), mp)
 if not model:
     json.dump({"error": "model load failed"}, sys.stdout); sys.exit(0)
-cp = L.llama_context_default_params(); cp.n_ctx = req["n_ctx"]; cp.n_batch = cp.n_ubatch = req["n_ctx"]
+cp = L.llama_context_default_params(); cp.n_ctx = req["n_ctx"]; cp.n_batch = req["n_ctx"]
+cp.n_ubatch = req["n_ubatch"] or req["n_ctx"]; cp.type_k = req["type_k"]; cp.type_v = req["type_v"]
 cp.n_threads = cp.n_threads_batch = 2
 ctx = L.llama_init_from_model(model, cp)
 if req["loras"]:
@@ -48,17 +49,20 @@ json.dump({"ok": True}, sys.stdout)
 '''
 
 
-def llamacpp_logits(model, tokens: list[int], loras=(), n_ctx: int = 256) -> np.ndarray:
+def llamacpp_logits(model, tokens: list[int], loras=(), n_ctx: int = 256, type_k: int = 1, type_v: int = 1,
+                    n_ubatch: int = 0) -> np.ndarray:
     """libllama's logits [n_tokens, n_vocab] for ``tokens`` decoded as one batch on the CPU; ``loras``: (path,
-    scale) pairs applied with llama_set_adapters_lora. Skips (fails in CI) without llama.cpp's build; raises
-    AssertionError when libllama refuses the file."""
+    scale) pairs applied with llama_set_adapters_lora; type_k / type_v: the KV cache's ggml types (F16 = 1);
+    n_ubatch: the micro-batch size (0: the whole batch in one; 1: token by token, each a decode step). Skips (fails
+    in CI) without llama.cpp's build; raises AssertionError when libllama refuses the file."""
     py = llamacpp.python()
     if py is None:
         llamacpp.missing("a Python with llama_cpp")
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "logits.npy")
         req = {"model": str(model), "tokens": [int(t) for t in tokens], "n_ctx": n_ctx,
-               "loras": [[str(p), float(s)] for p, s in loras], "out": out}
+               "loras": [[str(p), float(s)] for p, s in loras], "out": out, "type_k": int(type_k),
+               "type_v": int(type_v), "n_ubatch": int(n_ubatch)}
         r = subprocess.run([py, "-c", _ORACLE], input=json.dumps(req), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         res = json.loads(r.stdout.strip().splitlines()[-1])

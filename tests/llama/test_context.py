@@ -213,10 +213,14 @@ def test_split_streams_make_a_sequence_independent_of_its_neighbours(model):
         busy.seq_cp(0, 1)
 
 
-def test_a_cache_type_the_backend_cannot_hold_is_a_clear_error(model):
-    """BF16 cells (llama.cpp offers them) are not read by the CPU's attention: refused at creation, naming what
-    can be used, instead of failing at the first decode; a cache of heads that are not whole blocks likewise."""
+def test_a_cache_type_the_backend_cannot_hold_is_a_clear_error(model, monkeypatch):
+    """A cache type the layers' backend does not hold (the CUDA backend's IQ4_NL; here the CPU backend told to
+    refuse BF16) is refused at creation, naming what can be used, instead of failing at the first decode; a cache
+    of heads that are not whole blocks likewise."""
     from llampy.ggml.types import GGMLType as T
+    Context(model, n_ctx=64, type_k=T.BF16, type_v=T.BF16)  # the CPU holds every type llama.cpp offers
+    held = model.cpu.supports_kv_type
+    monkeypatch.setattr(model.cpu, "supports_kv_type", lambda t: t != T.BF16 and held(t))
     with pytest.raises(ContextError, match="a BF16 KV cache is not supported on cpu, where layers of this model run: "
                                            "use f32, f16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1$"):
         Context(model, n_ctx=64, type_v=T.BF16)

@@ -23,7 +23,9 @@ from .blas import sgemm
 from .softmax import expf
 from .simd import (F16_VEC_LANES, fma32, round_f16, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_find_ne, v16_load,
                    v16_max, v16_reduce, v16_reduce_x8, v16_round_f16, v16_scale, v16_splat, v16_store, v16_zero)
-from ...blocks import f16_from_bits
+from .dot_blocks import K_BF16, _fdot, f32x8_ld
+from .simd import f32x8_fma, f32x8_load, f32x8_scale, f32x8_store
+from ...blocks import bf16_from_bits, f16_from_bits
 
 Q_TILE = 64
 KQ_STEP = 4 * F16_VEC_LANES     # ggml_vec_dot_f16's step: four accumulators of the host's register width
@@ -160,12 +162,16 @@ def _visible_in(mask, n_q, tab, lo, hi):
     return idx, val, cnt
 
 
-def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes, sinks=None):
-    """ggml's one_chunk flash attention over F16 K and V (see ``_fa_vec16_kernel``). q (ne3, n_head, n_q, d) f32;
-    k (ke3, n_head_kv, n_kv, d), v (ve3, n_head_kv, n_kv, dv) F16 bits (uint16); out (ne3, n_q, n_head, dv) f32.
-    mask: float32, or F16 bits as uint16, (m3, m2, >= n_q, n_kv); an empty last axis for none. sinks: float32
-    (n_head,) or None."""
+def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes, sinks=None, k_bf16=False, v_bf16=False):
+    """ggml's one_chunk flash attention over F16 or BF16 K and V (see ``_fa_vec16_kernel``). q (ne3, n_head, n_q, d)
+    f32; k (ke3, n_head_kv, n_kv, d), v (ve3, n_head_kv, n_kv, dv) F16 bits (uint16), or BF16 bits where k_bf16 /
+    v_bf16; out (ne3, n_q, n_head, dv) f32. mask: float32, or F16 bits as uint16, (m3, m2, >= n_q, n_kv); an empty
+    last axis for none. sinks: float32 (n_head,) or None."""
     sinks = _NO_SINKS if sinks is None else sinks
+    if k_bf16:      # ggml's q_to_vec_dot for a BF16 K: each value rounded to BF16 (ggml_cpu_fp32_to_bf16)
+        from .act_quant import round_half
+        from ...types import GGMLType
+        q = round_half(q, GGMLType.BF16)
     n_q = q.shape[2]
     if mask.shape[3] == 0:
         idx, val, cnt = _all_visible(k.shape[2])
@@ -174,7 +180,7 @@ def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes, sinks=None):
     else:
         idx, val, cnt = _visible(mask, n_q, F16_TABLE)
         m3, m2, n_qm = mask.shape[0], mask.shape[1], n_q
-    _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks)
+    _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16)
 
 
 _NO_SINKS = np.zeros(0, np.float32)
@@ -186,12 +192,16 @@ def _all_visible(n_kv):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks):
-    """ggml's one_chunk flash attention for F16 K and V: Q rounded to F16, per visible cell ggml_vec_dot_f16 in the
-    host build's order (``_kq``), the online softmax, and the F16 accumulator's ggml_vec_scale_f16 /
-    ggml_vec_mad_f16 (float32 multiply or fma, rounded to F16 per value: the same in any register width; the
-    leftover values' scalar form is contracted to the same fma). Only the visible cells of each query's mask row are visited (``_visible``), in cell order as ggml's loop
-    meets them when it skips the -inf ones; n_qm 1 with m3 = m2 = 1: one row for every query (no mask)."""
+def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16):
+    """ggml's one_chunk flash attention for F16 or BF16 K and V. K F16: Q rounded to F16, per visible cell
+    ggml_vec_dot_f16 in the host build's order (``_kq``); K BF16: Q already rounded to BF16 by the caller,
+    ggml_vec_dot_bf16 in its AVX2 form (dot_blocks ``_fdot``, as llampy's BF16 products). Then the online softmax.
+    V F16: the accumulator itself in F16, ggml_vec_scale_f16 / ggml_vec_mad_f16 (float32 multiply or fma, rounded
+    to F16 per value: the same in any register width; the leftover values' scalar form is contracted to the same
+    fma). V BF16 (any V but F16 in ggml): a float32 accumulator, V widened exactly (v_to_float), ggml_vec_scale_f32
+    / ggml_vec_mad_f32 (a multiply, an fma per value). Only the visible cells of each query's mask row are visited
+    (``_visible``), in cell order as ggml's loop meets them when it skips the -inf ones; n_qm 1 with m3 = m2 = 1:
+    one row for every query (no mask)."""
     ne3, n_head, n_q, d = q.shape
     n_head_kv = k.shape[1]
     dv = v.shape[3]
@@ -205,11 +215,15 @@ def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, 
         qr = np.empty(d, np.float32)
         qrow = q[i3, h, i1]
         d16 = d - d % 16
-        for j in range(0, d16, 16):
-            v16_store(qr, j, v16_round_f16(v16_load(qrow, j)))
-        for j in range(d16, d):
-            qr[j] = round_f16(qrow[j])
+        if k_bf16:
+            qr[:] = qrow
+        else:
+            for j in range(0, d16, 16):
+                v16_store(qr, j, v16_round_f16(v16_load(qrow, j)))
+            for j in range(d16, d):
+                qr[j] = round_f16(qrow[j])
         dv16 = dv - dv % 16
+        dv8 = dv - dv % 8
         acc = np.zeros(dv, np.float32)
         M = np.float32(-np.inf)
         S = np.float32(0.0)
@@ -223,27 +237,39 @@ def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, 
             mv = slope * rval[t]
             if mv == -np.inf:          # a finite mask value that the ALiBi slope took to -inf
                 continue
-            s = _kq(qr, kh[ic], d) * scale
+            s = (_fdot(K_BF16, kh[ic], qr, d) if k_bf16 else _kq(qr, kh[ic], d)) * scale
             if softcap != 0.0:
                 s = softcap * np.float32(math.tanh(s))
             s += mv
             ms = np.float32(1.0)
             vs = np.float32(1.0)
+            vr = vh[ic]
             if s > M:
                 Mold = M
                 M = s
                 ms = np.float32(math.exp(Mold - M))
-                for j in range(0, dv16, 16):
-                    v16_store(acc, j, v16_round_f16(v16_scale(v16_load(acc, j), ms)))
-                for j in range(dv16, dv):
-                    acc[j] = round_f16(acc[j] * ms)
+                if v_bf16:
+                    for j in range(0, dv8, 8):
+                        f32x8_store(acc, j, f32x8_scale(f32x8_load(acc, j), ms))
+                    for j in range(dv8, dv):
+                        acc[j] = acc[j] * ms
+                else:
+                    for j in range(0, dv16, 16):
+                        v16_store(acc, j, v16_round_f16(v16_scale(v16_load(acc, j), ms)))
+                    for j in range(dv16, dv):
+                        acc[j] = round_f16(acc[j] * ms)
             else:
                 vs = np.float32(math.exp(s - M))
-            vr = vh[ic]
-            for j in range(0, dv16, 16):
-                v16_store(acc, j, v16_round_f16(v16_fma(v16_load(vr, j), vs, v16_load(acc, j))))
-            for j in range(dv16, dv):
-                acc[j] = round_f16(fma32(f16_from_bits(np.int32(vr[j])), vs, acc[j]))
+            if v_bf16:
+                for j in range(0, dv8, 8):
+                    f32x8_store(acc, j, f32x8_fma(vs, f32x8_ld(vr, j, True), f32x8_load(acc, j)))
+                for j in range(dv8, dv):
+                    acc[j] = fma32(bf16_from_bits(np.int32(vr[j])), vs, acc[j])
+            else:
+                for j in range(0, dv16, 16):
+                    v16_store(acc, j, v16_round_f16(v16_fma(v16_load(vr, j), vs, v16_load(acc, j))))
+                for j in range(dv16, dv):
+                    acc[j] = round_f16(fma32(f16_from_bits(np.int32(vr[j])), vs, acc[j]))
             S = fma32(S, ms, vs)
         if sinks.shape[0] > 0:
             S = _add_sink(acc, S, M, sinks[h])
@@ -261,20 +287,21 @@ def use_tiled(k_type, v_type, n_q: int, dv: int) -> bool:
 
 def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, out: np.ndarray,
                scale: float, max_bias: float, softcap: float, k_f16: bool, v_f16: bool, tiled: bool = False,
-               q_dot_type=None, sinks: np.ndarray | None = None) -> None:
-    """q (ne3, n_head, n_q, d) float32; k, v (.., n_head_kv, n_kv, d) as F16 bits (uint16) when k_f16/v_f16 else
-    float32; mask (m3, m2, >= n_q, n_kv) float32 or None; out (ne3, n_q, n_head, dv) float32. ``tiled``: ggml's
-    tiled path (float32 Q); else its one_chunk path, Q rounded through K's dot type ``q_dot_type``. sinks: float32
-    (n_head,), one more logit per head in each row's softmax, or None."""
+               q_dot_type=None, sinks: np.ndarray | None = None, k_bf16: bool = False, v_bf16: bool = False) -> None:
+    """q (ne3, n_head, n_q, d) float32; k, v (.., n_head_kv, n_kv, d) as F16 bits (uint16) when k_f16/v_f16, BF16
+    bits when k_bf16/v_bf16, else float32; mask (m3, m2, >= n_q, n_kv) float32 or None; out (ne3, n_q, n_head, dv)
+    float32. ``tiled``: ggml's tiled path (float32 Q); else its one_chunk path, Q rounded through K's dot type
+    ``q_dot_type``. sinks: float32 (n_head,), one more logit per head in each row's softmax, or None."""
     sinks = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32)
     n_head, n_q = q.shape[1], q.shape[2]
     slopes = alibi_slopes(n_head, max_bias, np.float32)
     sc = np.float32(scale / softcap) if softcap else np.float32(scale)
-    if not tiled and k_f16 and v_f16:
+    if not tiled and (k_f16 or k_bf16) and (v_f16 or v_bf16):
         m = mask if mask is not None else np.zeros((1, 1, 1, 0), np.float32)
         res = np.empty(out.shape, np.float32)
         _fa_vec16(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                  np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, sinks)
+                  np.ascontiguousarray(m, dtype=np.float32), res, sc, np.float32(softcap), slopes, sinks,
+                  k_bf16, v_bf16)
         out[...] = res
         return
     if tiled:           # ggml's tiled kernel in its float order (attention_tiled.py)
@@ -285,9 +312,14 @@ def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     if not tiled and q_dot_type is not None:
         from .act_quant import round_act
         q = round_act(np.ascontiguousarray(q.reshape(-1, q.shape[-1]), np.float32), q_dot_type).reshape(q.shape)
-    kf = _f16_to_f32(k) if k_f16 else k.astype(np.float32)
-    vf = _f16_to_f32(v) if v_f16 else v.astype(np.float32)
+    kf = _f16_to_f32(k) if k_f16 else _bf16_to_f32(k) if k_bf16 else k.astype(np.float32)
+    vf = _f16_to_f32(v) if v_f16 else _bf16_to_f32(v) if v_bf16 else v.astype(np.float32)
     _attend_blas(q, kf, vf, mask, out, sc, softcap, slopes, sinks)
+
+
+def _bf16_to_f32(a: np.ndarray) -> np.ndarray:
+    """BF16 bits (uint16) as float32: the bits shifted to the top of each value (exact)."""
+    return (np.asarray(a, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _f16_to_f32(a: np.ndarray) -> np.ndarray:

@@ -62,9 +62,9 @@ class CPUBackend(Backend):
             numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
 
     def supports_kv_type(self, t: GGMLType) -> bool:
-        """Whether a KV cache of this type can live here: the types flash attention reads (F32, F16, and the block
-        formats llama.cpp offers for caches), not BF16 (ggml-cpu's vec_dot_bf16 order is not built here)."""
-        return t in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_1, T.IQ4_NL, T.Q5_0, T.Q5_1)
+        """Whether a KV cache of this type can live here: the types flash attention reads (F32, F16, BF16 and the
+        block formats llama.cpp offers for caches)."""
+        return t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.IQ4_NL, T.Q5_0, T.Q5_1)
 
     # ------------------------------------------------------------ ops
     def supports_op(self, node: Tensor) -> bool:
@@ -73,7 +73,7 @@ class CPUBackend(Backend):
                                                                      Op.RWKV_WKV6, Op.RWKV_WKV7,
                                                                      Op.GATED_DELTA_NET, Op.GATED_LINEAR_ATTN):
             if node.op == Op.FLASH_ATTN_EXT:
-                return all(s.type in (T.F16, T.F32) or TYPE_TRAITS[s.type].is_quantized for s in node.src[1:3])
+                return all(s.type in (T.F16, T.BF16, T.F32) or TYPE_TRAITS[s.type].is_quantized for s in node.src[1:3])
             return True
         return False
 
@@ -227,27 +227,28 @@ class CPUBackend(Backend):
         # attention sinks (gpt-oss): one logit per head, the last source
         sinks = np.ascontiguousarray(srcs[-1], np.float32).reshape(-1)[:q.ne[2]] if p.get("has_sinks") else None
 
-        def kv(arr, t):
-            if t == T.F16:
-                return arr.view(np.uint16), True
-            if TYPE_TRAITS[t].is_quantized or t == T.BF16:
-                return K.to_float(arr, t, np.float32), False
-            return arr, False
+        def kv(arr, t):     # (values, F16 bits, BF16 bits)
+            if t in (T.F16, T.BF16):
+                return arr.view(np.uint16), t == T.F16, t == T.BF16
+            if TYPE_TRAITS[t].is_quantized:
+                return K.to_float(arr, t, np.float32), False, False
+            return arr, False, False
 
         fast = _fa_fast_path(node, qa, ka, va, srcs[3] if p["has_mask"] else None, dst, tiled, sinks)
         if fast is not None:
             return fast
 
         def run():
-            kk, kf16 = kv(ka, k.type)
-            vv, vf16 = kv(va, v.type)
+            kk, kf16, kbf16 = kv(ka, k.type)
+            vv, vf16, vbf16 = kv(va, v.type)
             if ma is None:
                 mask = None
             elif node.src[3].type == T.F16:      # only the queries' rows (the rest is padding), vcvtph2ps
                 mask = _f16_to_f32(ma.view(np.uint16)[:, :, :q.ne[1]])
             else:
                 mask = K.to_float(ma, node.src[3].type, np.float32)
-            flash_attn(qa, kk, vv, mask, dst, p["scale"], p["max_bias"], p["softcap"], kf16, vf16, tiled, vdt, sinks)
+            flash_attn(qa, kk, vv, mask, dst, p["scale"], p["max_bias"], p["softcap"], kf16, vf16, tiled, vdt, sinks,
+                       kbf16, vbf16)
         return run
 
     # ------------------------------------------------------------ plans
@@ -300,18 +301,20 @@ def _rows_contiguous(a, itemsize) -> bool:
 
 
 def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None):
-    """Decode-sized flash attention over F16 K/V views of the cache, bound once: the kernel reads the cache views
-    and writes the destination in place (no copies of K, V or the result per call)."""
+    """Decode-sized flash attention over F16 or BF16 K/V views of the cache, bound once: the kernel reads the cache
+    views and writes the destination in place (no copies of K, V or the result per call)."""
     from .attention import _fa_vec16
     q, k, v = node.src[:3]
     p = node.op_params
-    if tiled or k.type != T.F16 or v.type != T.F16 or q.type != T.F32 or node.type != T.F32:
+    half = (T.F16, T.BF16)
+    if tiled or k.type not in half or v.type not in half or q.type != T.F32 or node.type != T.F32:
         return None
     if not dst.flags.c_contiguous:
         return None
     if not (_rows_contiguous(ka, 2) and _rows_contiguous(va, 2) and qa.strides[-1] == 4):
         return None
     kk, vv = ka.view(np.uint16), va.view(np.uint16)
+    kb, vb = k.type == T.BF16, v.type == T.BF16
     from .numpy_ops import alibi_slopes
     slopes = alibi_slopes(q.ne[2], p["max_bias"], np.float32)
     softcap = p["softcap"]
@@ -321,9 +324,9 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None):
         mtype = node.src[3].type
         if mtype == T.F16:
             m16 = ma.view(np.uint16)                      # read as bits; rows past the queries' are padding
-            return lambda: _fa_vec16(qa, kk, vv, m16, dst, sc, cap, slopes, sinks)
+            return lambda: _fa_vec16(qa, kk, vv, m16, dst, sc, cap, slopes, sinks, kb, vb)
         if mtype == T.F32:
-            return lambda: _fa_vec16(qa, kk, vv, ma, dst, sc, cap, slopes, sinks)
+            return lambda: _fa_vec16(qa, kk, vv, ma, dst, sc, cap, slopes, sinks, kb, vb)
         return None
     nomask = np.zeros((1, 1, 1, 0), np.float32)
-    return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes, sinks)
+    return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes, sinks, kb, vb)

@@ -367,6 +367,9 @@ def k_set_rows(node, dst, srcs, acc):
         dst[j3, j2, rows] = q
     elif t == T.F16:
         dst[j3, j2, rows] = src.astype(np.float16)
+    elif t == T.BF16:                   # ggml_cpu_fp32_to_bf16: to nearest even (dst holds the bits)
+        from .act_quant import f32_to_bf16_bits
+        dst[j3, j2, rows] = f32_to_bf16_bits(src)
     else:
         dst[j3, j2, rows] = src.astype(dst.dtype)
 
