@@ -9,6 +9,11 @@ through each backend's ``graph_optimize`` (ggml's graph_optimize): a backend fus
                                                                                  shape: the feed-forward's gate, up
                                                                                  and gated unit)
   scale(tanh(scale(x, a)), b)                      -> SOFTCAP(x, a, b)          (no offsets)
+  ssm_conv(concat(reshape(get_rows(r, src)), transpose(x), 0), c) with set_rows(r, cont(the concat's last
+  d_conv - 1 columns), dst)                       -> SSM_CONV_STATE(x, c, r, src, dst)
+      a recurrent layer's convolution over its rolling rows in the memory r (mamba's and lfm2's conv_input): one
+      kernel reads each sequence's row, convolves, and writes the row back, where five nodes gathered the rows,
+      concatenated, convolved, copied the last columns out and stored them (the set_rows leaves the node list).
   permute(mul_mat(vᵀ, soft_max_ext(kq, mask, s)), 0, 2, 1, 3), kq = mul_mat(k, q)
                                                    -> FLASH_ATTN_EXT(q, k, v, mask, s)
       the attention of llama.cpp without flash attention, with the shapes of ops.py:
@@ -95,7 +100,57 @@ def _match(n: Tensor, users):
                 return ops.softcap(s.src[0], s.op_params["s"], n.op_params["s"]), [t, s]
     if n.op is Op.PERMUTE and n.op_params.get("axes") == (0, 2, 1, 3):
         return _match_attention(n, users)
+    if n.op is Op.SSM_CONV:
+        return _match_conv_state(n, users)
     return None
+
+
+def _only_reader(t: Tensor, users, reader: Tensor) -> bool:
+    """t (a node, or a view node) is read by ``reader`` alone and is not pinned."""
+    return not (t.flags & _PINNED) and [u.id for u in users.get(t.id, ())] == [reader.id]
+
+
+def _match_conv_state(n: Tensor, users):
+    cx, c = n.src
+    if cx.op is not Op.CONCAT or cx.op_params.get("dim") != 0 or cx.view_src is not None or cx.flags & _PINNED:
+        return None
+    rs, xt = cx.src
+    if rs.op is not Op.RESHAPE or xt.op is not Op.TRANSPOSE or rs.src[0].op is not Op.GET_ROWS:
+        return None
+    get, x = rs.src[0], xt.src[0]
+    r, src = get.src
+    d_conv, d_inner = c.ne[0], c.ne[1]
+    n_t, n_s = n.ne[1], n.ne[2]
+    # the concat's other reader: a view of its last d_conv - 1 columns, copied out and stored into r's rows
+    rest = [u for u in users.get(cx.id, ()) if u is not n]
+    if len(rest) != 1 or rest[0].op is not Op.VIEW:
+        return None
+    last = rest[0]
+    conts = users.get(last.id, ())
+    if len(conts) != 1 or conts[0].op is not Op.CONT:
+        return None
+    cont = conts[0]
+    stores = users.get(cont.id, ())
+    if len(stores) != 1 or stores[0].op is not Op.SET_ROWS:
+        return None
+    store = stores[0]
+    dst = store.src[1]
+    if (r.op is not Op.NONE or store.view_src is not r or store.view_offs or store.src[0] is not cont
+            or store.flags & _PINNED or users.get(store.id) or r.type != get.type or get.type != cont.type):
+        return None
+    if not (_only_reader(get, users, rs) and _only_reader(rs, users, cx) and _only_reader(xt, users, cx)
+            and _only_reader(last, users, cont) and _only_reader(cont, users, store)
+            and [u.id for u in users.get(cx.id, ())].count(n.id) == 1):
+        return None
+    if (last.view_offs != 4 * n_t or last.ne != (d_conv - 1, d_inner, n_s, 1) or last.nb[1:3] != cx.nb[1:3]
+            or cont.ne != (r.ne[0], n_s, 1, 1) or get.ne != (r.ne[0], n_s, 1, 1) or x.ne != (d_inner, n_t, n_s, 1)
+            or dst.type != src.type or dst.ne != src.ne):
+        return None
+    try:
+        new = ops.ssm_conv_state(x, c, r, src, dst)
+    except ValueError:
+        return None
+    return new, [get, rs, xt, cx, last, cont, store]
 
 
 def _match_attention(n: Tensor, users):

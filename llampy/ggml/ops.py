@@ -286,6 +286,23 @@ def ssm_conv(sx: Tensor, c: Tensor) -> Tensor:
     return _node(Op.SSM_CONV, F32, (d_inner, n_t, sx.ne[2]), [sx, c])
 
 
+# x: F32 [d_inner, n_t, n_s] (each sequence's new inputs)  c: [d_conv, d_inner]  r: F32 [(d_conv - 1) d_inner, n_rows]
+# (a row: each channel's last d_conv - 1 inputs, channel by channel)  src, dst: I32 [n_s]  ->  [d_inner, n_t, n_s]
+# = ssm_conv(concat(reshape(get_rows(r, src), d_conv - 1, d_inner, n_s), transpose(x), 0), c), and row dst[j] of r
+# then holds sequence j's last d_conv - 1 inputs (every src row is read before any dst row is written): a recurrent
+# layer's convolution with its rolling rows (llama.cpp's build_rs and ssm_conv). Produced by the fusion pass.
+def ssm_conv_state(x: Tensor, c: Tensor, r: Tensor, src: Tensor, dst: Tensor) -> Tensor:
+    d_conv, d_inner = c.ne[0], c.ne[1]
+    _check(x.type == F32 and c.type == F32 and r.type == F32, "ssm_conv_state: F32 only")
+    _check(x.ne[0] == d_inner and x.ne[3] == 1 and x.nb[0] == 4, f"ssm_conv_state: x {x.shape_str()} for a kernel "
+           f"{c.shape_str()}")
+    _check(d_conv >= 2 and r.ne[0] == (d_conv - 1) * d_inner and r.ne[2] == r.ne[3] == 1 and r.is_contiguous(),
+           f"ssm_conv_state: rows {r.shape_str()} for a kernel {c.shape_str()}")
+    _check(src.type == I32 and dst.type == I32 and src.ne == dst.ne == (x.ne[2], 1, 1, 1),
+           "ssm_conv_state: src and dst must be I32 [n_s]")
+    return _node(Op.SSM_CONV_STATE, F32, (d_inner, x.ne[1], x.ne[2]), [x, c, r, src, dst])
+
+
 # s: [d_state, head_dim, n_head, n_rs]  x: [head_dim, n_head, n_seq_tokens, n_seqs]  dt: [n_head, n_seq_tokens, n_seqs]
 # A: [d_state, n_head] (Mamba-1: a decay per element) or [1, n_head] (Mamba-2: one per head)
 # B, C: [d_state, n_group, n_seq_tokens, n_seqs] (head h reads group h / (n_head / n_group))  ids: I32 [n_seqs]

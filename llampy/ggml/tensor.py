@@ -80,6 +80,7 @@ class Op(Enum):
     RMS_NORM_MUL = "rms_norm_mul"
     SOFTCAP = "softcap"
     MUL_MAT_GLU = "mul_mat_glu"
+    SSM_CONV_STATE = "ssm_conv_state"
 
 
 VIEW_OPS = frozenset({Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})

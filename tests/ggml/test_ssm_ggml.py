@@ -172,3 +172,83 @@ def test_scan_writing_the_memory_rows_equals_scan_then_copy(dst, fused):
     else:
         assert np.array_equal(mem, ins[0])                          # the memory waits for the SET_ROWS' copy
         assert np.array_equal(out_s.view(np.uint32), s_want.view(np.uint32))
+
+
+def _conv_layer(dev, d_conv, d_inner, n_t, n_s, n_rows, rng, extra_reader=False):
+    """mamba's conv_input then ssm_conv over a memory of n_rows rolling rows (the graph models/mamba.py builds):
+    (graph, x, src, dst, memory, conv output)."""
+    from llampy.ggml.backend import BufferUsage, tensor_alloc, tensor_set
+    from llampy.ggml.tensor import Tensor
+    from llampy.ggml.types import GGMLType as T
+    from llampy.ggml import ops
+    from llampy.ggml.graph import Graph
+    from tests.ggml.fakes import weight
+    dc1 = d_conv - 1
+    r = Tensor(T.F32, (dc1 * d_inner, n_rows), name="r")
+    tensor_alloc(dev.alloc_buffer(r.nbytes, BufferUsage.WEIGHTS), r, 0)
+    tensor_set(r, rng.standard_normal((n_rows, dc1 * d_inner)).astype(np.float32))
+    c = weight(dev, (d_conv, d_inner), rng, scale=0.5)
+    x = Tensor(T.F32, (d_inner, n_t, n_s), name="x").set_input()
+    src = Tensor(T.I32, (n_s,), name="src").set_input()
+    dst = Tensor(T.I32, (n_s,), name="dst").set_input()
+    cx = ops.concat(ops.reshape(ops.get_rows(r, src), dc1, d_inner, n_s), ops.transpose(x), 0)
+    last = ops.view_3d(cx, dc1, d_inner, n_s, cx.nb[1], cx.nb[2], n_t * 4)
+    g = Graph()
+    g.expand(ops.set_rows(r, ops.cont(last, dc1 * d_inner, n_s), dst))
+    y = ops.ssm_conv(cx, c)
+    if extra_reader:                     # the concat read by another node: nothing fuses
+        g.expand(ops.scale(cx, 0.5).set_output())
+    g.expand(y.set_output())
+    return g, x, src, dst, r, y
+
+
+@pytest.mark.parametrize("d_conv,d_inner,n_t,n_s,src,dst", [
+    (4, 48, 1, 1, [2], [2]),                 # a decoded token, the row kept (in place)
+    (3, 40, 1, 2, [0, 1], [1, 0]),           # two sequences swapping rows (copy on write within the batch)
+    (4, 48, 5, 2, [1, 3], [0, 3]),           # a prompt of 5 tokens each (the parallel kernel)
+    (2, 16, 2, 3, [3, 3, 1], [0, 2, 1]),     # d_conv 2; two sequences from one row
+])
+def test_conv_with_its_rolling_rows_fuses_to_the_same_bits(d_conv, d_inner, n_t, n_s, src, dst):
+    """The fusion pass turns mamba's / lfm2's convolution over the memory's rolling rows (get_rows, concat with the
+    new inputs, ssm_conv, the last columns copied out and set_rows) into one SSM_CONV_STATE node on the CPU: the
+    same output bits and the same rows written (the others untouched) as the five nodes run apart; the reference
+    backend's kernel of the fused node agrees within float rounding."""
+    from llampy.ggml.backend import tensor_data
+    from llampy.ggml.backends.cpu.backend import CPUBackend
+    from llampy.ggml.backends.reference import ReferenceBackend
+    from llampy.ggml.sched import Scheduler
+    from llampy.ggml.tensor import Op
+
+    class Unfused(CPUBackend):
+        def graph_optimize(self, graph_nodes, nodes):
+            return nodes
+
+    def run(dev):
+        rng = np.random.default_rng(d_conv * 100 + n_t)
+        g, x, s, d, r, y = _conv_layer(dev, d_conv, d_inner, n_t, n_s, 4, rng)
+        sched = Scheduler([dev])
+        sched.alloc_graph(g)
+        tensor_data(x)[...] = rng.standard_normal(tensor_data(x).shape).astype(np.float32)
+        tensor_data(s)[...] = np.array(src, np.int32).reshape(tensor_data(s).shape)
+        tensor_data(d)[...] = np.array(dst, np.int32).reshape(tensor_data(d).shape)
+        sched.graph_compute(g)
+        return {n.op for n in g.nodes}, np.array(tensor_data(y)), np.array(tensor_data(r))
+
+    ops_f, y_f, r_f = run(CPUBackend())
+    ops_u, y_u, r_u = run(Unfused())
+    assert Op.SSM_CONV_STATE in ops_f and not ops_f & {Op.SSM_CONV, Op.CONCAT, Op.GET_ROWS, Op.SET_ROWS, Op.CONT}
+    assert Op.SSM_CONV_STATE not in ops_u
+    assert np.array_equal(y_f.view(np.uint32), y_u.view(np.uint32))
+    assert np.array_equal(r_f.view(np.uint32), r_u.view(np.uint32))
+    _, y_r, r_r = run(ReferenceBackend())
+    np.testing.assert_allclose(y_f, y_r, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(r_f, r_r)
+
+
+def test_conv_rows_not_fused_when_the_concat_has_another_reader():
+    from llampy.ggml.backends.cpu.backend import CPUBackend
+    from llampy.ggml.fusion import fuse
+    from llampy.ggml.tensor import Op
+    g, *_ = _conv_layer(CPUBackend(), 4, 16, 1, 1, 2, np.random.default_rng(0), extra_reader=True)
+    g2, n = fuse(g, CPUBackend())
+    assert Op.SSM_CONV_STATE not in {t.op for t in g2.nodes} and Op.SSM_CONV in {t.op for t in g2.nodes}

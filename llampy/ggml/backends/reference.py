@@ -458,6 +458,23 @@ def k_ssm_conv(node, dst, srcs):
     store(dst, node.type, out.reshape(dst.shape))
 
 
+def k_ssm_conv_state(node, dst, srcs):
+    """ssm_conv over each sequence's row src[j] of r (channel-major, d_conv - 1 a channel) followed by its new
+    inputs x; then row dst[j] of r holds the last d_conv - 1 of them (all src rows read first)."""
+    x = values(srcs[0], node.src[0].type)[0]                      # (n_s, n_t, d_inner)
+    c = values(srcs[1], node.src[1].type)[0, 0]                   # (d_inner, d_conv)
+    r = srcs[2][0, 0]                                             # (n_rows, (d_conv - 1) d_inner), F32
+    src, dst_ids = np.asarray(srcs[3]).reshape(-1), np.asarray(srcs[4]).reshape(-1)
+    n_s, n_t, d_inner = x.shape
+    d_conv = c.shape[1]
+    sx = np.concatenate([r[src].reshape(n_s, d_inner, d_conv - 1), x.transpose(0, 2, 1)], axis=2)
+    out = np.zeros((n_s, n_t, d_inner))
+    for k in range(d_conv):
+        out += sx[:, :, k:k + n_t].transpose(0, 2, 1) * c[:, k]
+    r[dst_ids] = sx[:, :, n_t:].reshape(n_s, -1)
+    store(dst, node.type, out.reshape(dst.shape))
+
+
 def k_ssm_scan(node, dst, srcs):
     """Each sequence from its state row ids[j], token by token: dt' = softplus(dt); state = state * exp(dt' * A) +
     B[g] * x * dt'; y = state . C[g] (g: the head's group). y first, then the final states."""
@@ -728,6 +745,7 @@ def k_top_k(node, dst, srcs):
 _TABLE = {
     Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_GLU: k_mul_mat_glu, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope,
     Op.FLASH_ATTN_EXT: k_flash_attn, Op.SSM_CONV: k_ssm_conv, Op.SSM_SCAN: k_ssm_scan,
+    Op.SSM_CONV_STATE: k_ssm_conv_state,
     Op.IM2COL: k_im2col, Op.POOL_2D: k_pool_2d,
     Op.RWKV_WKV6: k_rwkv_wkv6, Op.RWKV_WKV7: k_rwkv_wkv7, Op.GATED_DELTA_NET: k_gated_delta_net,
     Op.GATED_LINEAR_ATTN: k_gated_linear_attn,

@@ -174,6 +174,119 @@ def bind_ssm_conv(node, dst, srcs):
     return lambda: fn(sx, c, out)
 
 
+@njit(inline="always")
+def _conv_state_channel(xs, st, c, out_s, row, i, n_t, dc1):
+    """Channel i of one sequence: its window is the d_conv - 1 inputs of the row ``st`` (channel-major), then the
+    n_t new ones xs[:, i]; each output sums window[t + k] * c[i, k] in k order (``_conv_row``), then the window's
+    last d_conv - 1 go to ``row`` (which may be ``st`` itself: each value is read before it is overwritten)."""
+    base = i * dc1
+    for t in range(n_t):
+        acc = np.float32(0.0)
+        for k in range(dc1 + 1):
+            u = t + k
+            v = st[base + u] if u < dc1 else xs[u - dc1, i]
+            acc += v * c[i, k]
+        out_s[t, i] = acc
+    for m in range(dc1):
+        u = n_t + m
+        row[base + m] = st[base + u] if u < dc1 else xs[u - dc1, i]
+
+
+@njit(inline="always")
+def _conv_state_token(xs, st, c, o, row, dc1):
+    """A decoded token of one sequence (``_conv_state_channel`` with n_t = 1), the channels innermost: o (d_inner,)
+    accumulates each tap over all channels (the same sums in k order, independent chains side by side), then the
+    rows shift by one input."""
+    d_inner = o.shape[0]
+    for i in range(d_inner):
+        o[i] = np.float32(0.0)
+    for k in range(dc1):
+        for i in range(d_inner):
+            o[i] += st[i * dc1 + k] * c[i, k]
+    for i in range(d_inner):
+        o[i] += xs[i] * c[i, dc1]
+    # the row moves down one value (a channel's last slot takes the next channel's first, then x overwrites it)
+    for p in range(d_inner * dc1 - 1):
+        row[p] = st[p + 1]
+    for i in range(d_inner):
+        row[i * dc1 + dc1 - 1] = xs[i]
+
+
+@njit(inline="always")
+def _start_rows(r, src, dst, tmp):
+    """Where each sequence's starting row is read from: -1, r itself (no sequence's target row is another's
+    starting row); -2, copies in tmp (every starting row read before any is written: copy on write within the
+    batch); else the position of the first index outside r (src first, then n_s + the dst's)."""
+    n_rows, n_s = r.shape[0], src.shape[0]
+    for j in range(n_s):
+        if src[j] < 0 or src[j] >= n_rows:
+            return j
+        if dst[j] < 0 or dst[j] >= n_rows:
+            return n_s + j
+    for j in range(n_s):
+        for q in range(n_s):
+            if q != j and dst[j] == src[q]:
+                for p in range(n_s):
+                    tmp[p] = r[src[p]]
+                return -2
+    return -1
+
+
+@njit(parallel=True, cache=True)
+def ssm_conv_state_f32(x, c, r, src, dst, out, tmp):
+    """SSM_CONV_STATE: x (n_s, n_t, d_inner) the new inputs, c (d_inner, d_conv), r (n_rows, (d_conv - 1) d_inner)
+    the rolling rows, src / dst (n_s,) each sequence's row to start from and to write, out (n_s, n_t, d_inner), tmp
+    (n_s, (d_conv - 1) d_inner) scratch. The threads split sequences and channels. -1, or the position of a row
+    index outside r (src first, then n_s + the dst's)."""
+    how = _start_rows(r, src, dst, tmp)
+    if how >= 0:
+        return how
+    n_s, n_t, d_inner = x.shape
+    dc1 = c.shape[1] - 1
+    copied = how == -2
+    for q in prange(n_s * d_inner):
+        j = q // d_inner
+        st = tmp[j] if copied else r[src[j]]
+        _conv_state_channel(x[j], st, c, out[j], r[dst[j]], q % d_inner, n_t, dc1)
+    return -1
+
+
+@njit(cache=True)
+def ssm_conv_state_f32_one(x, c, r, src, dst, out, tmp):
+    """``ssm_conv_state_f32`` on one thread, for decoded tokens (a parallel region costs more than the work)."""
+    how = _start_rows(r, src, dst, tmp)
+    if how >= 0:
+        return how
+    n_s, n_t, d_inner = x.shape
+    dc1 = c.shape[1] - 1
+    copied = how == -2
+    for j in range(n_s):
+        st = tmp[j] if copied else r[src[j]]
+        if n_t == 1:
+            _conv_state_token(x[j, 0], st, c, out[j, 0], r[dst[j]], dc1)
+        else:
+            for i in range(d_inner):
+                _conv_state_channel(x[j], st, c, out[j], r[dst[j]], i, n_t, dc1)
+    return -1
+
+
+def bind_ssm_conv_state(node, dst, srcs):
+    x = srcs[0][0]
+    c = srcs[1][0, 0]
+    r = srcs[2][0, 0]
+    src, dst_ids = srcs[3].reshape(-1), srcs[4].reshape(-1)
+    out = dst[0]
+    tmp = np.empty((x.shape[0], r.shape[1]), np.float32)
+    fn = ssm_conv_state_f32_one if out.shape[1] == 1 and out.shape[0] <= 2 else ssm_conv_state_f32
+
+    def run():
+        bad = fn(x, c, r, src, dst_ids, out, tmp)
+        if bad >= 0:
+            which, ids = ("src", src) if bad < len(src) else ("dst", dst_ids)
+            raise IndexError(f"ssm_conv_state: {which} rows {ids.tolist()} outside 0..{r.shape[0] - 1}")
+    return run
+
+
 def bind_ssm_scan(node, dst, srcs):
     x_t = node.src[1]
     s = srcs[0]
