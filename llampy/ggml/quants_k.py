@@ -449,14 +449,17 @@ def q3_k_pack(x, ls, d, L, o):
         if dj == 0:
             continue
         for l in range(16):
-            L[16 * j + l] = max(-4, min(3, _nearest_int(x[16 * j + l] / dj))) + 4
+            # nearest_int and the clamp as floats (exact inside nearest_int's domain, |v| < 2^22): SIMD
+            r = (x[16 * j + l] / dj + F32(12582912.0)) - F32(12582912.0)
+            L[16 * j + l] = np.int8(min(max(r, F32(-4.0)), F32(3.0)) + F32(4.0))
     # the high bit of value j goes to hmask[j % 32], bit j // 32
     for m in range(32):
-        o[m] = 0
-    for j in range(QK_K):
-        if L[j] > 3:
-            o[j % 32] |= 1 << (j // 32)
-            L[j] -= 4
+        h = 0
+        for s in range(8):
+            v = L[32 * s + m]
+            h |= (v >> 2) << s
+            L[32 * s + m] = v & 3
+        o[m] = h
     _pack_2bit(L, o, 32)
 
 
