@@ -180,7 +180,10 @@ def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes, sinks=None, k_bf16=Fal
     else:
         idx, val, cnt = _visible(mask, n_q, F16_TABLE)
         m3, m2, n_qm = mask.shape[0], mask.shape[1], n_q
-    _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16)
+    if k_bf16 or v_bf16:
+        _fa_vec_bf16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16)
+    else:
+        _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks)
 
 
 _NO_SINKS = np.zeros(0, np.float32)
@@ -192,10 +195,25 @@ def _all_visible(n_kv):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16):
-    """ggml's one_chunk flash attention for F16 or BF16 K and V. K F16: Q rounded to F16, per visible cell
-    ggml_vec_dot_f16 in the host build's order (``_kq``); K BF16: Q already rounded to BF16 by the caller,
-    ggml_vec_dot_bf16 in its AVX2 form (dot_blocks ``_fdot``, as llampy's BF16 products). Then the online softmax.
+def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks):
+    """``_fa_row`` for every query row, F16 K and V (the types constant: the per-cell branches compiled away)."""
+    for it in prange(q.shape[0] * q.shape[1] * q.shape[2]):
+        _fa_row(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, False, False, it)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _fa_vec_bf16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16):
+    """``_fa_row`` for every query row, a BF16 K or V."""
+    for it in prange(q.shape[0] * q.shape[1] * q.shape[2]):
+        _fa_row(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16, it)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fa_row(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16, it):
+    """Query row ``it`` (batch, head, query) of ggml's one_chunk flash attention for F16 or BF16 K and V. K F16: Q
+    rounded to F16, per visible cell ggml_vec_dot_f16 in the host build's order (``_kq``); K BF16: Q already rounded
+    to BF16 by the caller, ggml_vec_dot_bf16 in its AVX2 form (dot_blocks ``_fdot``, as llampy's BF16 products).
+    Then the online softmax.
     V F16: the accumulator itself in F16, ggml_vec_scale_f16 / ggml_vec_mad_f16 (float32 multiply or fma, rounded
     to F16 per value: the same in any register width; the leftover values' scalar form is contracted to the same
     fma). V BF16 (any V but F16 in ggml): a float32 accumulator, V widened exactly (v_to_float), ggml_vec_scale_f32
@@ -206,76 +224,75 @@ def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, 
     n_head_kv = k.shape[1]
     dv = v.shape[3]
     rk = n_head // n_head_kv
-    for it in prange(ne3 * n_head * n_q):
-        i3 = it // (n_head * n_q)
-        h = (it // n_q) % n_head
-        i1 = it % n_q
-        hk = h // rk
-        r = ((i3 % m3) * m2 + h % m2) * n_qm + (i1 if n_qm > 1 else 0)
-        qr = np.empty(d, np.float32)
-        qrow = q[i3, h, i1]
-        d16 = d - d % 16
-        if k_bf16:
-            qr[:] = qrow
-        else:
-            for j in range(0, d16, 16):
-                v16_store(qr, j, v16_round_f16(v16_load(qrow, j)))
-            for j in range(d16, d):
-                qr[j] = round_f16(qrow[j])
-        dv16 = dv - dv % 16
-        dv8 = dv - dv % 8
-        acc = np.zeros(dv, np.float32)
-        M = np.float32(-np.inf)
-        S = np.float32(0.0)
-        slope = slopes[h]
-        kh = k[i3 % k.shape[0], hk]
-        vh = v[i3 % v.shape[0], hk]
-        ridx = idx[r]
-        rval = val[r]
-        for t in range(cnt[r]):
-            ic = ridx[t]
-            mv = slope * rval[t]
-            if mv == -np.inf:          # a finite mask value that the ALiBi slope took to -inf
-                continue
-            s = (_fdot(K_BF16, kh[ic], qr, d) if k_bf16 else _kq(qr, kh[ic], d)) * scale
-            if softcap != 0.0:
-                s = softcap * np.float32(math.tanh(s))
-            s += mv
-            ms = np.float32(1.0)
-            vs = np.float32(1.0)
-            vr = vh[ic]
-            if s > M:
-                Mold = M
-                M = s
-                ms = np.float32(math.exp(Mold - M))
-                if v_bf16:
-                    for j in range(0, dv8, 8):
-                        f32x8_store(acc, j, f32x8_scale(f32x8_load(acc, j), ms))
-                    for j in range(dv8, dv):
-                        acc[j] = acc[j] * ms
-                else:
-                    for j in range(0, dv16, 16):
-                        v16_store(acc, j, v16_round_f16(v16_scale(v16_load(acc, j), ms)))
-                    for j in range(dv16, dv):
-                        acc[j] = round_f16(acc[j] * ms)
-            else:
-                vs = np.float32(math.exp(s - M))
+    i3 = it // (n_head * n_q)
+    h = (it // n_q) % n_head
+    i1 = it % n_q
+    hk = h // rk
+    r = ((i3 % m3) * m2 + h % m2) * n_qm + (i1 if n_qm > 1 else 0)
+    qr = np.empty(d, np.float32)
+    qrow = q[i3, h, i1]
+    d16 = d - d % 16
+    if k_bf16:
+        qr[:] = qrow
+    else:
+        for j in range(0, d16, 16):
+            v16_store(qr, j, v16_round_f16(v16_load(qrow, j)))
+        for j in range(d16, d):
+            qr[j] = round_f16(qrow[j])
+    dv16 = dv - dv % 16
+    dv8 = dv - dv % 8
+    acc = np.zeros(dv, np.float32)
+    M = np.float32(-np.inf)
+    S = np.float32(0.0)
+    slope = slopes[h]
+    kh = k[i3 % k.shape[0], hk]
+    vh = v[i3 % v.shape[0], hk]
+    ridx = idx[r]
+    rval = val[r]
+    for t in range(cnt[r]):
+        ic = ridx[t]
+        mv = slope * rval[t]
+        if mv == -np.inf:          # a finite mask value that the ALiBi slope took to -inf
+            continue
+        s = (_fdot(K_BF16, kh[ic], qr, d) if k_bf16 else _kq(qr, kh[ic], d)) * scale
+        if softcap != 0.0:
+            s = softcap * np.float32(math.tanh(s))
+        s += mv
+        ms = np.float32(1.0)
+        vs = np.float32(1.0)
+        vr = vh[ic]
+        if s > M:
+            Mold = M
+            M = s
+            ms = np.float32(math.exp(Mold - M))
             if v_bf16:
                 for j in range(0, dv8, 8):
-                    f32x8_store(acc, j, f32x8_fma(vs, f32x8_ld(vr, j, True), f32x8_load(acc, j)))
+                    f32x8_store(acc, j, f32x8_scale(f32x8_load(acc, j), ms))
                 for j in range(dv8, dv):
-                    acc[j] = fma32(bf16_from_bits(np.int32(vr[j])), vs, acc[j])
+                    acc[j] = acc[j] * ms
             else:
                 for j in range(0, dv16, 16):
-                    v16_store(acc, j, v16_round_f16(v16_fma(v16_load(vr, j), vs, v16_load(acc, j))))
+                    v16_store(acc, j, v16_round_f16(v16_scale(v16_load(acc, j), ms)))
                 for j in range(dv16, dv):
-                    acc[j] = round_f16(fma32(f16_from_bits(np.int32(vr[j])), vs, acc[j]))
-            S = fma32(S, ms, vs)
-        if sinks.shape[0] > 0:
-            S = _add_sink(acc, S, M, sinks[h])
-        inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
-        for j in range(dv):
-            out[i3, i1, h, j] = acc[j] * inv
+                    acc[j] = round_f16(acc[j] * ms)
+        else:
+            vs = np.float32(math.exp(s - M))
+        if v_bf16:
+            for j in range(0, dv8, 8):
+                f32x8_store(acc, j, f32x8_fma(vs, f32x8_ld(vr, j, True), f32x8_load(acc, j)))
+            for j in range(dv8, dv):
+                acc[j] = fma32(bf16_from_bits(np.int32(vr[j])), vs, acc[j])
+        else:
+            for j in range(0, dv16, 16):
+                v16_store(acc, j, v16_round_f16(v16_fma(v16_load(vr, j), vs, v16_load(acc, j))))
+            for j in range(dv16, dv):
+                acc[j] = round_f16(fma32(f16_from_bits(np.int32(vr[j])), vs, acc[j]))
+        S = fma32(S, ms, vs)
+    if sinks.shape[0] > 0:
+        S = _add_sink(acc, S, M, sinks[h])
+    inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
+    for j in range(dv):
+        out[i3, i1, h, j] = acc[j] * inv
 
 
 def use_tiled(k_type, v_type, n_q: int, dv: int) -> bool:
