@@ -1,6 +1,7 @@
-"""No two builds of a CPU kernel that differ in ``parallel`` share a Numba cache entry (cpu/builds.py): Numba keys its
-cache by function name, line, signature and bytecode, not by flags, so a shared entry would give the parallel
-binders the one-thread code (or the reverse), whichever was compiled first."""
+"""Parallel CPU kernels: no two builds of a kernel that differ in ``parallel`` share a Numba cache entry
+(cpu/builds.py: Numba keys its cache by function name, line, signature and bytecode, not by flags, so a shared
+entry would give the parallel binders the one-thread code, or the reverse, whichever was compiled first); work
+items taken from a shared counter (cpu/claims.py) each run once."""
 from __future__ import annotations
 
 import importlib
@@ -45,3 +46,27 @@ def test_the_binders_pairs_are_distinct_builds():
         assert par.targetoptions.get("parallel") and not one.targetoptions.get("parallel")
         assert par._cache._cache_file._index_path != one._cache._cache_file._index_path
         assert par.py_func.__code__ is one.py_func.__code__          # the same kernel
+
+
+def test_claimed_items_each_run_once():
+    """cpu/claims.py: workers taking items from the shared counter run every item exactly once."""
+    import numpy as np
+    from numba import njit, prange
+
+    from llampy.ggml.backends.cpu.claims import claim, workers
+
+    @njit(parallel=True)
+    def run(n, hits, n_workers):
+        counter = np.zeros(1, np.int64)
+        for _ in prange(n_workers):
+            while True:
+                it = claim(counter)
+                if it >= n:
+                    break
+                hits[it] += 1
+
+    for n in (0, 1, 7, 1000):
+        hits = np.zeros(n, np.int64)
+        run(n, hits, workers(n))
+        assert (hits == 1).all()
+    assert workers(0) == 1 and workers(1) == 1

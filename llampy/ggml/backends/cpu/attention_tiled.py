@@ -16,8 +16,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import (F16_VEC_LANES, f16_at, f32x8_fma_s, f32x8_load, f32x8_store, fma32, v16_exp_shifted, v16_fma,
-                   v16_hmax, v16_load, v16_max, v16_reduce, v16_scale, v16_store, v16_zero)
+from .claims import claim, workers
+from .simd import (F16_VEC_LANES, f16_at, f32x8_fma_s, f32x8_load, f32x8_store, f32x8_zero, fma32, v16_exp_shifted,
+                   v16_fma, v16_hmax, v16_load, v16_max, v16_reduce, v16_scale, v16_store, v16_zero)
 from .softmax import expf
 
 KV_TILE = 64        # GGML_FA_TILE_KV
@@ -34,8 +35,10 @@ def flash_attn_tiled(q, k, v, mask, out, scale: float, softcap: float, slopes, s
         sc = np.float32(sc / cap)       # ggml: scale /= logit_softcap, in float
     kt, vt = _pack(np.ascontiguousarray(k), np.ascontiguousarray(v))
     m = np.zeros((1, 1, 1, 0), np.float32) if mask is None else np.ascontiguousarray(mask, np.float32)
+    n_items = q.shape[0] * q.shape[1] * -(-q.shape[2] // Q_TILE)
     _tiled(np.ascontiguousarray(q, np.float32), kt, vt, k.shape[2], m, out, sc, cap,
-           np.ascontiguousarray(slopes, np.float32), np.ascontiguousarray(sinks, np.float32), F16_VEC_LANES)
+           np.ascontiguousarray(slopes, np.float32), np.ascontiguousarray(sinks, np.float32), F16_VEC_LANES,
+           workers(n_items))
 
 
 def _pack(k, v):
@@ -65,7 +68,16 @@ def _pack_f16(kb, vb, kt, vt, n_kv):
     nt, dk = kt.shape[2], kt.shape[3]
     dv, dvp = vb.shape[3] // 2, vt.shape[3]
     nk = kt.shape[0] * kt.shape[1] * nt
-    for it in prange(nk + vt.shape[0] * vt.shape[1] * nt):
+    nv = vt.shape[0] * vt.shape[1] * nt
+    m = min(nk, nv)
+    for jt in prange(nk + nv):
+        # K and V tiles taken in turn, so that each thread's even run has its share of both (the K transposes
+        # cost more than the V copies)
+        j = np.int64(jt)
+        if j < 2 * m:
+            it = j // 2 if j % 2 == 0 else nk + j // 2
+        else:
+            it = j - m if nk > nv else j
         if it < nk:
             t = it % nt
             src = kb[it // nt // kt.shape[1], (it // nt) % kt.shape[1]]
@@ -79,10 +91,10 @@ def _pack_f16(kb, vb, kt, vt, n_kv):
                     for d in range(dk):
                         dst[d, c] = 0
         else:
-            jt = it - nk
-            t = jt % nt
-            src = vb[jt // nt // vt.shape[1], (jt // nt) % vt.shape[1]]
-            dst = vt[jt // nt // vt.shape[1], (jt // nt) % vt.shape[1]]
+            iv = it - nk
+            t = iv % nt
+            src = vb[iv // nt // vt.shape[1], (iv // nt) % vt.shape[1]]
+            dst = vt[iv // nt // vt.shape[1], (iv // nt) % vt.shape[1]]
             for c in range(t * KV_TILE, (t + 1) * KV_TILE):
                 o = dst[c]
                 if c < n_kv:
@@ -156,6 +168,44 @@ def _qk2(qr, qs, kb, row, ros, dk):
         v16_store(row, h + 16, a1)
         v16_store(ros, h, b0)
         v16_store(ros, h + 16, b1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _qk6(qt, kb, S, dk):
+    """Q·K of six rows (qt: the query rows, S: their score rows) against one tile, 16 cells at a time: twelve
+    accumulators (the fma chains overlap), each K load shared by the six rows; each cell's chain as in ``_qk1``."""
+    q0, q1, q2, q3, q4, q5 = qt[0], qt[1], qt[2], qt[3], qt[4], qt[5]
+    for j in range(0, KV_TILE, 16):
+        a0 = a1 = a2 = a3 = a4 = a5 = f32x8_zero()
+        b0 = b1 = b2 = b3 = b4 = b5 = f32x8_zero()
+        for d in range(dk):
+            kd = kb[d]
+            u = f32x8_load(kd, j)
+            w = f32x8_load(kd, j + 8)
+            x = q0[d]
+            a0, b0 = f32x8_fma_s(x, u, a0), f32x8_fma_s(x, w, b0)
+            x = q1[d]
+            a1, b1 = f32x8_fma_s(x, u, a1), f32x8_fma_s(x, w, b1)
+            x = q2[d]
+            a2, b2 = f32x8_fma_s(x, u, a2), f32x8_fma_s(x, w, b2)
+            x = q3[d]
+            a3, b3 = f32x8_fma_s(x, u, a3), f32x8_fma_s(x, w, b3)
+            x = q4[d]
+            a4, b4 = f32x8_fma_s(x, u, a4), f32x8_fma_s(x, w, b4)
+            x = q5[d]
+            a5, b5 = f32x8_fma_s(x, u, a5), f32x8_fma_s(x, w, b5)
+        f32x8_store(S[0], j, a0)
+        f32x8_store(S[0], j + 8, b0)
+        f32x8_store(S[1], j, a1)
+        f32x8_store(S[1], j + 8, b1)
+        f32x8_store(S[2], j, a2)
+        f32x8_store(S[2], j + 8, b2)
+        f32x8_store(S[3], j, a3)
+        f32x8_store(S[3], j + 8, b3)
+        f32x8_store(S[4], j, a4)
+        f32x8_store(S[4], j + 8, b4)
+        f32x8_store(S[5], j, a5)
+        f32x8_store(S[5], j + 8, b5)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -240,11 +290,11 @@ def _pv4(rows, vh, vb, kv_tile, acc, dv8):
         j += 8
 
 
-ROWS = 4        # query rows walked through the cache together (their P·V chains interleaved; each row's own order)
+ROWS = 4        # query rows whose P·V chains are interleaved (each row's own order)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _tiled(q, kt, vt, n_kv, mask, out, sc, cap, slopes, sinks, lanes):
+def _tiled(q, kt, vt, n_kv, mask, out, sc, cap, slopes, sinks, lanes, n_workers):
     ne3, n_head, n_q, dk = q.shape
     n_head_kv, nt = kt.shape[1], kt.shape[2]
     dv = out.shape[3]
@@ -253,96 +303,117 @@ def _tiled(q, kt, vt, n_kv, mask, out, sc, cap, slopes, sinks, lanes):
     rk = n_head // n_head_kv
     has_mask = mask.shape[3] > 0
     n_qt = (n_q + Q_TILE - 1) // Q_TILE
-    for it in prange(ne3 * n_head * n_qt):
-        i3 = it // (n_head * n_qt)
-        h = (it // n_qt) % n_head
-        i0 = (it % n_qt) * Q_TILE
-        i1 = min(i0 + Q_TILE, n_q)
-        kh = kt[i3 % kt.shape[0], h // rk]
-        vh = vt[i3 % vt.shape[0], h // rk]
-        slope = slopes[h]
-        rows = np.empty((ROWS, KV_TILE), np.float32)
-        acc = np.zeros((Q_TILE, dvp), np.float32)
-        Ss = np.zeros(Q_TILE, np.float32)
-        Ms = np.full(Q_TILE, -np.inf, np.float32)
-        seen = np.empty(ROWS, np.bool_)
-        live = np.empty(ROWS, np.bool_)
-        # each tile of K and V is read by every row of the query tile before the next (ggml's loop order: it stays
-        # in cache); each row still sees the tiles in order, so its float order is that of a row walking alone
-        for t in range(nt):
-            c0 = t * KV_TILE
-            kv_tile = min(KV_TILE, n_kv - c0)
-            kb = kh[t]
-            for g0 in range(i0, i1, ROWS):
-                nr = min(ROWS, i1 - g0)
+    n_items = ne3 * n_head * n_qt
+    counter = np.zeros(1, np.int64)
+    for _ in prange(n_workers):     # each worker takes the next (batch, head, query tile) until none is left
+        S = np.empty((Q_TILE, KV_TILE), np.float32)
+        acc = np.empty((Q_TILE, dvp), np.float32)
+        Ss = np.empty(Q_TILE, np.float32)
+        Ms = np.empty(Q_TILE, np.float32)
+        seen = np.empty(Q_TILE, np.bool_)
+        live = np.empty(Q_TILE, np.bool_)
+        while True:
+            it = claim(counter)
+            if it >= n_items:
+                break
+            i3 = it // (n_head * n_qt)
+            h = (it // n_qt) % n_head
+            i0 = (it % n_qt) * Q_TILE
+            nr = min(Q_TILE, n_q - i0)
+            kh = kt[i3 % kt.shape[0], h // rk]
+            vh = vt[i3 % vt.shape[0], h // rk]
+            slope = slopes[h]
+            acc[:] = 0
+            Ss[:] = 0
+            Ms[:] = -np.inf
+            # ggml's loop order: per tile of the cache, Q·K of the whole query tile, then its softmax, then its
+            # P·V (the K tile, then the V tile, stays in L1 through its phase); each row still sees the tiles in
+            # order, so its float order is that of a row walking alone
+            for t in range(nt):
+                c0 = t * KV_TILE
+                kv_tile = min(KV_TILE, n_kv - c0)
+                kb = kh[t]
                 for r in range(nr):
                     seen[r] = True
                     if has_mask:        # a tile this row sees nothing of leaves it as it was
-                        mrow = mask[i3 % mask.shape[0], h % mask.shape[1], g0 + r]
+                        mrow = mask[i3 % mask.shape[0], h % mask.shape[1], i0 + r]
                         seen[r] = False
                         for j in range(kv_tile):
                             if slope * mrow[c0 + j] != -np.inf:
                                 seen[r] = True
                                 break
-                # Q·K two rows at a time where two see the tile
+                # Q·K six rows at a time where six in a row see the tile, else two (any two that see it)
                 p = -1
-                for r in range(nr):
+                r = 0
+                while r < nr:
+                    n6 = 0
+                    while n6 < 6 and r + n6 < nr and seen[r + n6]:
+                        n6 += 1
+                    if n6 == 6:
+                        _qk6(q[i3, h, i0 + r:i0 + r + 6], kb, S[r:r + 6], dk)
+                        r += 6
+                        continue
                     if seen[r]:
                         if p < 0:
                             p = r
                         else:
-                            _qk2(q[i3, h, g0 + p], q[i3, h, g0 + r], kb, rows[p], rows[r], dk)
+                            _qk2(q[i3, h, i0 + p], q[i3, h, i0 + r], kb, S[p], S[r], dk)
                             p = -1
+                    r += 1
                 if p >= 0:
-                    _qk1(q[i3, h, g0 + p], kb, rows[p], dk)
-                n_live = 0
+                    _qk1(q[i3, h, i0 + p], kb, S[p], dk)
                 for r in range(nr):
                     live[r] = False
                     if not seen[r]:
                         continue
-                    i = g0 + r
-                    ri = i - i0
-                    mrow = mask[i3 % mask.shape[0], h % mask.shape[1], i] if has_mask else mask[0, 0, 0]
-                    row = rows[r]
+                    mrow = mask[i3 % mask.shape[0], h % mask.shape[1], i0 + r] if has_mask else mask[0, 0, 0]
+                    row = S[r]
                     tmax = _scores(row, sc, cap, kv_tile, has_mask, mrow, c0, slope)
                     if tmax == -np.inf:
                         continue
-                    M = Ms[ri]
+                    M = Ms[r]
                     Mnew = max(M, tmax)
                     if Mnew > M:
                         ms = expf(M - Mnew)
-                        ar = acc[ri]
+                        ar = acc[r]
                         for j in range(0, dvp, 16):
                             v16_store(ar, j, v16_scale(v16_load(ar, j), ms))
-                        Ss[ri] = Ss[ri] * ms
-                    Ms[ri] = Mnew
+                        Ss[r] = Ss[r] * ms
+                    Ms[r] = Mnew
                     for j in range(0, KV_TILE, 16):
                         v16_store(row, j, v16_exp_shifted(v16_load(row, j), Mnew))
-                    Ss[ri] = np.float32(np.float64(Ss[ri]) + _chunk_sum(row, lanes))
+                    Ss[r] = np.float32(np.float64(Ss[r]) + _chunk_sum(row, lanes))
                     live[r] = True
-                    n_live += 1
-                if n_live == ROWS:
-                    _pv4(rows, vh, c0, kv_tile, acc[g0 - i0:g0 - i0 + ROWS], dv8)
-                else:
-                    for r in range(nr):
+                # P·V four rows at a time where the four are live
+                for g in range(0, nr, ROWS):
+                    ng = min(ROWS, nr - g)
+                    n_live = 0
+                    for r in range(g, g + ng):
                         if live[r]:
-                            _pv1(rows[r], vh, c0, kv_tile, acc[g0 - i0 + r])
-        for i in range(i0, i1):
-            S = Ss[i - i0]
-            M = Ms[i - i0]
-            ar = acc[i - i0]
-            if sinks.shape[0] > 0:
-                s = sinks[h]
-                ms = np.float32(1.0)
-                vs = np.float32(1.0)
-                if s > M:
-                    ms = expf(M - s)
-                    for j in range(0, dvp, 16):
-                        v16_store(ar, j, v16_scale(v16_load(ar, j), ms))
-                else:
-                    vs = expf(s - M)
-                S = fma32(S, ms, vs)     # S * ms + vs, contracted by the compiler as in the one_chunk path
-            inv = np.float32(1.0) / S if S != 0 else np.float32(0.0)
-            o = out[i3, i, h]
-            for j in range(dv):
-                o[j] = ar[j] * inv
+                            n_live += 1
+                    if n_live == ROWS:
+                        _pv4(S[g:g + ROWS], vh, c0, kv_tile, acc[g:g + ROWS], dv8)
+                    else:
+                        for r in range(g, g + ng):
+                            if live[r]:
+                                _pv1(S[r], vh, c0, kv_tile, acc[r])
+            for r in range(nr):
+                i = i0 + r
+                S_ = Ss[r]
+                M = Ms[r]
+                ar = acc[r]
+                if sinks.shape[0] > 0:
+                    s = sinks[h]
+                    ms = np.float32(1.0)
+                    vs = np.float32(1.0)
+                    if s > M:
+                        ms = expf(M - s)
+                        for j in range(0, dvp, 16):
+                            v16_store(ar, j, v16_scale(v16_load(ar, j), ms))
+                    else:
+                        vs = expf(s - M)
+                    S_ = fma32(S_, ms, vs)     # S * ms + vs, contracted by the compiler as in the one_chunk path
+                inv = np.float32(1.0) / S_ if S_ != 0 else np.float32(0.0)
+                o = out[i3, i, h]
+                for j in range(dv):
+                    o[j] = ar[j] * inv
