@@ -21,6 +21,7 @@ ggml's), a sequence's logits do not depend on where earlier traffic left holes i
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from ..ggml import ops
 from ..ggml.backend import BufferUsage, tensor_alloc, tensor_get, tensor_set
@@ -34,6 +35,44 @@ KV_PAD = 256  # n_kv is padded to this so that decode graphs are reused for 256 
 # so every row gets the result it gets in a micro-batch of its own sequence (llama.cpp's split_equal groups
 # streams too, its query blocks per stream).
 MIX_BELOW = 64
+
+
+@njit(cache=True)
+def _causal_mask(cpos, seq, pos, seq_first, lo, hi, n_kv, causal):
+    """KVCache.mask without SWA or M-RoPE, as F16 bits: row i is 0 (0x0000) at the cells of [lo[i], hi[i]) that hold
+    sequence seq_first[i] at a position up to pos[i] (any position when not causal), -inf (0xFC00) elsewhere. Only
+    the token's stream is scanned (a stream's cells hold its own sequence only); a unified cache passes [0, n_kv)."""
+    m = np.full((pos.size, n_kv), 0xFC00, np.uint16)
+    for i in range(pos.size):
+        s, p = seq_first[i], pos[i]
+        for j in range(lo[i], hi[i]):
+            if seq[j, s] and cpos[j] >= 0 and (not causal or cpos[j] <= p):
+                m[i, j] = 0
+    return m
+
+
+@njit(cache=True)
+def _free_cells(pos, lo, hi, head, n_tokens):
+    """_find_in_stream's cells (the first n_tokens empty cells of [lo, hi) from head on, wrapping to lo; from lo when
+    head is beyond the used cells + 2 n_tokens), or an empty array when fewer are free."""
+    n_free = 0
+    for j in range(lo, hi):
+        n_free += pos[j] < 0
+    out = np.empty(n_tokens if n_free >= n_tokens else 0, np.int64)
+    if n_free < n_tokens:
+        return out
+    if head - lo > (hi - lo) - n_free + 2 * n_tokens:
+        head = lo
+    k = 0
+    for j in range(head, hi):
+        if k < n_tokens and pos[j] < 0:
+            out[k] = j
+            k += 1
+    for j in range(lo, head):
+        if k < n_tokens and pos[j] < 0:
+            out[k] = j
+            k += 1
+    return out
 
 
 class CacheFull(ValueError):
@@ -177,15 +216,13 @@ class KVCache:
 
     def _find_in_stream(self, st: int, n_tokens: int) -> np.ndarray:
         lo, hi = self._stream_range(st) if self.n_stream > 1 else (0, self.size)
-        free = lo + np.flatnonzero(self.pos[lo:hi] < 0)
-        if len(free) < n_tokens:
+        cells = _free_cells(self.pos, lo, hi, int(self.heads[st]), n_tokens)
+        if len(cells) < n_tokens:
             where = f"stream {st} (sequence {st}) of the KV cache" if self.n_stream > 1 else "the KV cache"
-            raise CacheFull(f"{where} is full: {n_tokens} new tokens need cells but only {len(free)} of "
-                            f"{hi - lo} are free (raise n_ctx, or remove sequences with seq_rm)")
-        head = int(self.heads[st])
-        head = head if head - lo <= ((hi - lo) - len(free)) + 2 * n_tokens else lo
-        order = np.concatenate([free[free >= head], free[free < head]])
-        return order[:n_tokens].astype(np.int64)
+            raise CacheFull(f"{where} is full: {n_tokens} new tokens need cells but only "
+                            f"{int((self.pos[lo:hi] < 0).sum())} of {hi - lo} are free (raise n_ctx, or remove "
+                            f"sequences with seq_rm)")
+        return cells
 
     def check_room(self, seq_ids: list) -> None:
         """Raises CacheFull unless every stream has room for its tokens of a batch (before any is placed)."""
@@ -196,12 +233,13 @@ class KVCache:
                                 f"{self.size} cells are free")
             return
         streams = np.array([self.stream_of(s) for s in seq_ids], dtype=np.int64)
-        for st, n in zip(*np.unique(streams, return_counts=True)):
-            lo, hi = self._stream_range(int(st))
-            free = int((self.pos[lo:hi] < 0).sum())
-            if free < n:
-                raise CacheFull(f"the context of sequence {st} is full: {n} tokens need room but only {free} of "
-                                f"its {hi - lo} cells are free")
+        n_free = (self.pos[:self.n_stream * self.stream_size].reshape(self.n_stream, -1) < 0).sum(axis=1)
+        need = np.bincount(streams, minlength=self.n_stream)
+        short = np.flatnonzero(need > n_free)
+        if len(short):
+            st = short[0]
+            raise CacheFull(f"the context of sequence {st} is full: {need[st]} tokens need room but only "
+                            f"{n_free[st]} of its {self.stream_size} cells are free")
 
     def split(self, batch, n_ubatch: int) -> list:
         """The micro-batches of a batch, as index arrays. A unified cache cuts the batch into runs of n_ubatch.
@@ -285,6 +323,14 @@ class KVCache:
         cpos = self.pos[:n_kv]
         n = len(pos)
         seq_first = np.array([s[0] for s in seq_ids], dtype=np.int64) if n else np.zeros(0, np.int64)
+        if swa <= 0 and mpos is None:   # the common case in one pass, over the token's stream only
+            if self.n_stream > 1:
+                lo = seq_first * self.stream_size
+                hi = np.minimum(lo + self.stream_size, n_kv)
+            else:
+                lo, hi = np.zeros(n, np.int64), np.full(n, n_kv, np.int64)
+            return _causal_mask(cpos, self.seq, np.asarray(pos, np.int64), seq_first, lo, hi, n_kv,
+                                causal).view(np.float16)
         visible = self.seq[:n_kv][:, seq_first].T                       # [n, n_kv] the cell holds the token's sequence
         visible &= (cpos >= 0)[None, :]
         if causal:
@@ -384,6 +430,11 @@ class KVCache:
     def state_read(self, z) -> None:
         if int(z["n_ctx"][0]) != self.size or z["seq"].shape != self.seq.shape:
             raise ValueError(f"state is for a cache of {int(z['n_ctx'][0])} cells, this one has {self.size}")
+        if self.n_stream > 1:           # each stream's cells hold its own sequence only (find_slot, mask)
+            cell, sq = np.nonzero(z["seq"])
+            if (cell // self.stream_size != sq).any():
+                raise ValueError("state is for a cache whose sequences share cells (a unified cache); this one keeps "
+                                 "one stream per sequence")
         used = int(z["used"][0])
         self.pos[:] = z["pos"]
         self.seq[:] = z["seq"]

@@ -132,3 +132,33 @@ def test_streams_keep_each_sequence_in_position_order():
         kv.seq_cp(0, 1)
     kv.clear()
     assert list(kv.heads) == [0, 8]
+
+
+def test_stream_mask_is_each_tokens_visible_cells():
+    """With one stream per sequence (and unified), the mask is 0 exactly where the cell holds the token's sequence at
+    a position up to the token's (any position when not causal), -inf elsewhere; a state whose sequences share
+    cells (a unified cache's) is refused by a cache of streams."""
+    hp = make().hp
+    rng = np.random.default_rng(3)
+    for n_stream in (1, 3):
+        kv = KVCache(hp, 48, 3, [Backend("host")] * 2, GGMLType.F16, GGMLType.F16, n_stream=n_stream)
+        nxt = [0, 0, 0]
+        for _ in range(5):
+            seqs = sorted((int(s),) for s in rng.integers(0, 3, 3))
+            pos = np.array([nxt[s] + [q for q in seqs[:i]].count((s,)) for i, (s,) in enumerate(seqs)], np.int32)
+            for (s,) in seqs:
+                nxt[s] += 1
+            kv.apply(kv.find_slot(3, seqs), pos, seqs)
+            s = int(rng.integers(3))
+            if rng.random() < 0.3 and nxt[s] > 0:         # the sequence's last cell freed
+                kv.seq_rm(s, nxt[s] - 1, -1)
+                nxt[s] -= 1
+            for causal in (True, False):
+                m = kv.mask(48, pos, seqs, causal=causal)
+                want = np.array([[kv.seq[j, s] and kv.pos[j] >= 0 and (not causal or kv.pos[j] <= p)
+                                  for j in range(48)] for (s,), p in zip(seqs, pos)])
+                assert m.dtype == np.float16 and (m[want] == 0).all() and np.isneginf(m[~want]).all()
+    shared = make(size=48, n_seq=3)
+    shared.apply(np.array([40]), np.array([0], np.int32), [(0,)])     # sequence 0 in stream 2's range
+    with pytest.raises(ValueError, match="unified"):
+        kv.state_read(shared.state_write())
