@@ -382,19 +382,61 @@ def quantize_tq2_0(x):
     return pack([qs, to_f16_bytes(d)], lead, x.shape[-1] // QK_K)
 
 
+@njit(cache=True, nogil=True)
+def _best_fp4_groups(v, d, kv, q):
+    """q[i] = best_index_mxfp4(v[i], d[i // k]) for v, q flat and k = v.size // d.size: the first j with the
+    smallest |kv[j] * d - x| (ggml's loop: a NaN error never wins). Per value the 16 candidates are a fixed loop
+    of selects on scalars (unrolled), so the values' loop is SIMD."""
+    m = d.shape[0]
+    k = v.shape[0] // m
+    for r in range(m):
+        dd = d[r]
+        for i in range(r * k, r * k + k):
+            x = v[i]
+            b = abs(kv[0] * dd - x)
+            bj = 0
+            for j in range(1, 16):
+                e = abs(kv[j] * dd - x)
+                lt = e < b
+                b = e if lt else b
+                bj = j if lt else bj
+            q[i] = bj
+
+
+@njit(cache=True, nogil=True)
+def _absmax_groups(v, k, out):
+    """out[r] = the largest |v| of values r k .. r k + k - 1 (ggml's ``if (amax < fabsf(v))``: NaN skipped)."""
+    for r in range(out.shape[0]):
+        a = F32(0.0)
+        for i in range(r * k, r * k + k):
+            x = abs(v[i])
+            a = x if a < x else a
+        out[r] = a
+
+
+def _absmax(b, k):
+    """the largest magnitude of each group of k values of b (its size a multiple of k), float32 [b.size // k]"""
+    out = np.empty(b.size // k, F32)
+    _absmax_groups(np.ascontiguousarray(b, F32).reshape(-1), k, out)
+    return out
+
+
 def _best_fp4(v, d):
-    """best_index_mxfp4: the first of the 16 doubled E2M1 values with the smallest |kv * d - x|."""
-    err = np.abs(KVALUES_FP4_F * d[..., None] - v[..., None])
-    return err.argmin(axis=-1).astype(np.uint8)
+    """best_index_mxfp4 for values v [..., k] sharing the scale d [...] per group of k."""
+    k = v.shape[-1]
+    q = np.empty(v.shape, np.uint8)
+    _best_fp4_groups(np.ascontiguousarray(v, F32).reshape(-1), np.ascontiguousarray(d, F32).reshape(-1),
+                     KVALUES_FP4_F, q.reshape(-1))
+    return q
 
 
 def quantize_mxfp4(x):
     b, lead = to_blocks(x, 32)
-    amax = np.abs(b).max(axis=1)
+    amax = _absmax(b, 32)
     with np.errstate(divide="ignore"):
         e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, F32(1)))) - 2 + 127, 0)
     e = e.astype(np.int32).astype(np.uint8)
-    q = _best_fp4(b, e8m0_to_fp32_half(e)[:, None])
+    q = _best_fp4(b, e8m0_to_fp32_half(e))
     return pack([e, q[:, :16] | (q[:, 16:] << 4)], lead, x.shape[-1] // 32)
 
 
@@ -418,8 +460,8 @@ def quantize_nvfp4(x):
     b, lead = to_blocks(x, 64)
     n = len(b)
     s = b.reshape(n, 4, 16)
-    ue = fp32_to_ue4m3(np.abs(s).max(axis=2) / F32(6))
-    q = _best_fp4(s, UE4M3_TO_F32[ue][:, :, None])                                            # [n, 4, 16]
+    ue = fp32_to_ue4m3(_absmax(s, 16).reshape(n, 4) / F32(6))
+    q = _best_fp4(s, UE4M3_TO_F32[ue])                                                        # [n, 4, 16]
     qs = (q[:, :, :8] | (q[:, :, 8:] << 4)).reshape(n, 32)
     return pack([ue, qs], lead, x.shape[-1] // 64)
 
