@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import get_num_threads, njit, prange
 
+from .claims import claim, workers
 from .dot_blocks import f32x8_fmav, f32x8_ld
 from .simd import f16_bits, f32x8_hsum, f32x8_zero, v16_f16_copy
 
@@ -83,28 +84,34 @@ def _to_f16(xu, xf, out):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mm(w, x, out, nb):
+def _mm(w, x, out, nb, n_workers):
     rows, k = w.shape
     n = x.shape[0]
     n_blocks = (n + nb - 1) // nb
-    for b in prange(n_blocks):
-        i0 = b * nb
-        i1 = min(n, i0 + nb)
-        i_full = i0 + (i1 - i0) // CB * CB
-        for r in range(0, rows - rows % RB, RB):
-            for i in range(i0, i_full, CB):
-                _tile(w, r, x, i, k, out)
-            for i in range(i_full, i1):
-                for rr in range(r, r + RB):
+    counter = np.zeros(1, np.int64)
+    for _ in prange(n_workers):     # each worker takes the next block of activation rows until none is left
+        while True:
+            b = claim(counter)
+            if b >= n_blocks:
+                break
+            i0 = b * nb
+            i1 = min(n, i0 + nb)
+            i_full = i0 + (i1 - i0) // CB * CB
+            for r in range(0, rows - rows % RB, RB):
+                for i in range(i0, i_full, CB):
+                    _tile(w, r, x, i, k, out)
+                for i in range(i_full, i1):
+                    for rr in range(r, r + RB):
+                        out[i, rr] = _dot1(w, rr, x, i, k)
+            for rr in range(rows - rows % RB, rows):
+                for i in range(i0, i1):
                     out[i, rr] = _dot1(w, rr, x, i, k)
-        for rr in range(rows - rows % RB, rows):
-            for i in range(i0, i1):
-                out[i, rr] = _dot1(w, rr, x, i, k)
 
 
 def block_rows(n: int, n_threads: int) -> int:
-    """Activation rows per block: at most N_BLOCK, a multiple of CB, the blocks a multiple of the threads (prange
-    gives each thread an equal run of blocks)."""
+    """Activation rows per block: at most N_BLOCK, a multiple of CB, the blocks a multiple of the threads (equal
+    shares when the threads run at the same speed; the workers take blocks as they finish, so a thread that loses
+    its core for a while is not waited for)."""
     n_blocks = n_threads * -(-n // (n_threads * N_BLOCK))
     return max(CB, -(-n // (n_blocks * CB)) * CB)
 
@@ -114,4 +121,5 @@ def mul_mat_f16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     x = np.ascontiguousarray(x, dtype=np.float32)
     xh = np.empty(x.shape, np.uint16)
     _to_f16(x.view(np.uint32), x, xh)
-    _mm(w.view(np.uint16), xh, out, block_rows(x.shape[0], get_num_threads()))
+    nb = block_rows(x.shape[0], get_num_threads())
+    _mm(w.view(np.uint16), xh, out, nb, workers(-(-x.shape[0] // nb)))
