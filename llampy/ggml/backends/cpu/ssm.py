@@ -174,27 +174,45 @@ def bind_ssm_conv(node, dst, srcs):
     return lambda: fn(sx, c, out)
 
 
+CONV_BLOCK = 64     # channels per task of the prompt form of SSM_CONV_STATE
+
+
 @njit(inline="always")
-def _conv_state_channel(xs, st, c, out_s, row, i, n_t, dc1):
-    """Channel i of one sequence: its window is the d_conv - 1 inputs of the row ``st`` (channel-major), then the
-    n_t new ones xs[:, i]; each output sums window[t + k] * c[i, k] in k order (``_conv_row``), then the window's
-    last d_conv - 1 go to ``row`` (which may be ``st`` itself: each value is read before it is overwritten)."""
-    base = i * dc1
+def _conv_state_block(x, st, cT, o, row, i0, i1, dc1):
+    """Channels i0..i1 of one sequence over its n_t new inputs x (n_t, d_inner): the window of channel i is the
+    row's d_conv - 1 inputs st[i dc1 ..] (channel-major), then x[:, i]; each output sums window[t + k] * c[i, k]
+    in k order (``_conv_row``'s sums, the channels side by side: cT is c transposed, (d_conv, d_inner)); then the
+    window's last d_conv - 1 go to ``row`` (which may be ``st`` itself: these channels' values were all read)."""
+    n_t = x.shape[0]
+    nb = i1 - i0
     for t in range(n_t):
-        acc = np.float32(0.0)
+        ot = o[t, i0:i1]          # views from i0: indices from 0 let LLVM vectorize the loops over channels
+        for i in range(nb):
+            ot[i] = np.float32(0.0)
         for k in range(dc1 + 1):
             u = t + k
-            v = st[base + u] if u < dc1 else xs[u - dc1, i]
-            acc += v * c[i, k]
-        out_s[t, i] = acc
+            ck = cT[k, i0:i1]
+            if u < dc1:
+                for i in range(nb):
+                    ot[i] += st[(i0 + i) * dc1 + u] * ck[i]
+            else:
+                xr = x[u - dc1, i0:i1]
+                for i in range(nb):
+                    ot[i] += xr[i] * ck[i]
     for m in range(dc1):
         u = n_t + m
-        row[base + m] = st[base + u] if u < dc1 else xs[u - dc1, i]
+        if u < dc1:
+            for i in range(nb):
+                row[(i0 + i) * dc1 + m] = st[(i0 + i) * dc1 + u]
+        else:
+            xr = x[u - dc1, i0:i1]
+            for i in range(nb):
+                row[(i0 + i) * dc1 + m] = xr[i]
 
 
 @njit(inline="always")
 def _conv_state_token(xs, st, c, o, row, dc1):
-    """A decoded token of one sequence (``_conv_state_channel`` with n_t = 1), the channels innermost: o (d_inner,)
+    """A decoded token of one sequence (``_conv_state_block`` with n_t = 1), the channels innermost: o (d_inner,)
     accumulates each tap over all channels (the same sums in k order, independent chains side by side), then the
     rows shift by one input."""
     d_inner = o.shape[0]
@@ -236,18 +254,20 @@ def _start_rows(r, src, dst, tmp):
 def ssm_conv_state_f32(x, c, r, src, dst, out, tmp):
     """SSM_CONV_STATE: x (n_s, n_t, d_inner) the new inputs, c (d_inner, d_conv), r (n_rows, (d_conv - 1) d_inner)
     the rolling rows, src / dst (n_s,) each sequence's row to start from and to write, out (n_s, n_t, d_inner), tmp
-    (n_s, (d_conv - 1) d_inner) scratch. The threads split sequences and channels. -1, or the position of a row
-    index outside r (src first, then n_s + the dst's)."""
+    (n_s, (d_conv - 1) d_inner) scratch. The threads split sequences and blocks of CONV_BLOCK channels. -1, or the
+    position of a row index outside r (src first, then n_s + the dst's)."""
     how = _start_rows(r, src, dst, tmp)
     if how >= 0:
         return how
     n_s, n_t, d_inner = x.shape
     dc1 = c.shape[1] - 1
-    copied = how == -2
-    for q in prange(n_s * d_inner):
-        j = q // d_inner
-        st = tmp[j] if copied else r[src[j]]
-        _conv_state_channel(x[j], st, c, out[j], r[dst[j]], q % d_inner, n_t, dc1)
+    cT = np.ascontiguousarray(c.T)
+    nblk = (d_inner + CONV_BLOCK - 1) // CONV_BLOCK
+    for q in prange(n_s * nblk):
+        j = q // nblk
+        i0 = (q % nblk) * CONV_BLOCK
+        st = tmp[j] if how == -2 else r[src[j]]
+        _conv_state_block(x[j], st, cT, out[j], r[dst[j]], i0, min(d_inner, i0 + CONV_BLOCK), dc1)
     return -1
 
 
@@ -259,14 +279,12 @@ def ssm_conv_state_f32_one(x, c, r, src, dst, out, tmp):
         return how
     n_s, n_t, d_inner = x.shape
     dc1 = c.shape[1] - 1
-    copied = how == -2
     for j in range(n_s):
-        st = tmp[j] if copied else r[src[j]]
+        st = tmp[j] if how == -2 else r[src[j]]
         if n_t == 1:
             _conv_state_token(x[j, 0], st, c, out[j, 0], r[dst[j]], dc1)
         else:
-            for i in range(d_inner):
-                _conv_state_channel(x[j], st, c, out[j], r[dst[j]], i, n_t, dc1)
+            _conv_state_block(x[j], st, np.ascontiguousarray(c.T), out[j], r[dst[j]], 0, d_inner, dc1)
     return -1
 
 
