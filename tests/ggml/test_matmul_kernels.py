@@ -280,6 +280,26 @@ def test_q4_0_repacked_rows_take_the_repacked_chain():
         assert np.array_equal(out, vec_dot_avx2(wq, T.Q4_0, x)), n
 
 
+@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_bound_decode_products_equal_mul_mat(wtype):
+    """A plan's bound product of a decoded token (``bind_mul_mat``: Q4_0's repacked decode kernel rounding x itself,
+    the k-quants' decode kernel called directly) gives ``mul_mat``'s bits, also where it reuses the rounding of x that
+    the plan's previous product of the same x left in the shared buffers (``reuse``)."""
+    rng = np.random.default_rng(15)
+    k, rows = 512, (32 if wtype == T.Q4_0 else 37)     # Q4_0: the rows llama.cpp repacks
+    wa, wb = (quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype) for _ in range(2))
+    for n in (1, 3):
+        x = act_data(rng, n, k)
+        ref_a, ref_b = np.empty((n, rows), np.float32), np.empty((n, rows), np.float32)
+        mm.mul_mat(wa, wtype, x, ref_a)
+        mm.mul_mat(wb, wtype, x, ref_b)
+        out_a, out_b = np.full((n, rows), np.nan, np.float32), np.full((n, rows), np.nan, np.float32)
+        mm.act_scratch(n, k, wtype).xq[...] = 0      # nothing left from the references' rounding
+        mm.bind_mul_mat(wa, wtype, x, out_a, lambda: None)()
+        mm.bind_mul_mat(wb, wtype, x, out_b, lambda: None, reuse=True)()
+        assert np.array_equal(out_a, ref_a) and np.array_equal(out_b, ref_b), n
+
+
 def test_mul_mat_float_types():
     rng = np.random.default_rng(5)
     k, rows, n = 96, 13, 4

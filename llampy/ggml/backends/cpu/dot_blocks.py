@@ -50,7 +50,8 @@ from numba.extending import intrinsic
 
 from ... import blocks as B
 from ...types import GGMLType
-from .act_quant import act_split, round_half, scratch_for
+from .act_quant import (PAR_ROWS, _round_bf16, _round_f16, act_split, q8_0_split, q8_k_split, round_half,
+                        scratch_for)
 from .dot_kquant import _madd, _maddubs, hsum8x_ir, i32x8_sum
 from .dot_q32 import ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_load, v16_reduce, v16_zero)
@@ -996,73 +997,102 @@ def _mv(w, xq, xd, bsums, out, kind, _step, _final):
             r += 1
 
 
+# The decode kernels below take x itself beside its buffers: with ``quant`` they round x into them first (on the
+# calling thread, before the rows are shared out), so a decoded token's product is one call, not a quantizer's call
+# and then the kernel's (``bind_decode``); the quantizers are act_split's, so the same bytes either way.
+@njit(cache=True, inline="always")
+def _quant_k(x, xq, xd, bsums, quant):
+    if quant:
+        q8_k_split(x, xq, xd, bsums)
+
+
+@njit(cache=True, inline="always")
+def _quant_0(x, xq, xd, xs, quant):
+    if quant:
+        q8_0_split(x, xq, xd, xs, False)
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _q2_k(w, xq, xd, bsums, out):
+def _q2_k(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_Q2_K, _st_q2_k, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q3_k(w, xq, xd, bsums, out):
+def _q3_k(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_Q3_K, _st_q3_k, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq4_xs(w, xq, xd, bsums, out):
+def _iq4_xs(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ4_XS, _st_iq4_xs, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq4_nl(w, xq, xd, bsums, out):
+def _iq4_nl(w, x, xq, xd, bsums, out, quant):
+    _quant_0(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ4_NL, _st_iq4_nl, _fin_iq4_nl)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _tq2_0(w, xq, xd, bsums, out):
+def _tq2_0(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_TQ2_0, _st_tq2_0, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _tq1_0(w, xq, xd, bsums, out):
+def _tq1_0(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_TQ1_0, _st_tq1_0, _fin_lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mxfp4(w, xq, xd, bsums, out):
+def _mxfp4(w, x, xq, xd, bsums, out, quant):
+    _quant_0(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_MXFP4, _st_mxfp4, _fin_mxfp4)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq2_xxs(w, xq, xd, bsums, out):
+def _iq2_xxs(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ2_XXS, _st_iq2_xxs, _fin_grid8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq2_xs(w, xq, xd, bsums, out):
+def _iq2_xs(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ2_XS, _st_iq2_xs, _fin_grid8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq2_s(w, xq, xd, bsums, out):
+def _iq2_s(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ2_S, _st_iq2_s, _fin_grid8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq3_xxs(w, xq, xd, bsums, out):
+def _iq3_xxs(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ3_XXS, _st_iq3_xxs, _fin_grid4)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq3_s(w, xq, xd, bsums, out):
+def _iq3_s(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ3_S, _st_iq3_s, _fin_grid1)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq1_s(w, xq, xd, bsums, out):
+def _iq1_s(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ1_S, _st_iq1_s, _fin_iq1_s)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq1_m(w, xq, xd, bsums, out):
+def _iq1_m(w, x, xq, xd, bsums, out, quant):
+    _quant_k(x, xq, xd, bsums, quant)
     _mv(w, xq, xd, bsums, out, K_IQ1_M, _st_iq1_m, _fin_iq1_m)
 
 
@@ -1199,7 +1229,8 @@ def _tiles_r8(w, xq, xd, out, kind):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _iq4_nl_r8(w, xq, xd, bsums, out):
+def _iq4_nl_r8(w, x, xq, xd, bsums, out, quant):
+    _quant_0(x, xq, xd, bsums, quant)
     _mv_r8(w, xq, xd, out, K_IQ4_NL_R8)
 
 
@@ -1209,7 +1240,8 @@ def _iq4_nl_r8_tiles(w, xq, xd, out):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_r8(w, xq, xd, bsums, out):
+def _mxfp4_r8(w, x, xq, xd, bsums, out, quant):
+    _quant_0(x, xq, xd, bsums, quant)
     _mv_r8(w, xq, xd, out, K_MXFP4_R8)
 
 
@@ -1219,7 +1251,8 @@ def _mxfp4_r8_tiles(w, xq, xd, out):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q4_0_r8(w, xq, xd, bsums, out):
+def _q4_0_r8(w, x, xq, xd, bsums, out, quant):
+    _quant_0(x, xq, xd, bsums, quant)
     _mv_r8(w, xq, xd, out, K_Q4_0_R8)
 
 
@@ -1378,9 +1411,35 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scra
         if n8:
             R8[wtype][1](w, s.xq, s.xd, out)
         if n8 < n:
-            R8[wtype][0](w, s.xq[n8:], s.xd[n8:], s.xs, out[n8:])
+            R8[wtype][0](w, s.xd, s.xq[n8:], s.xd[n8:], s.xs, out[n8:], False)
     else:
-        _QK[wtype](w, s.xq, s.xd, s.xs, out)
+        _QK[wtype](w, s.xd, s.xq, s.xd, s.xs, out, False)
+
+
+def bind_decode(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, scratch, quantized: bool = False,
+                repacked: bool = True):
+    """``mul_mat`` of a batch below its tiles (fewer than eight activation rows: a decoded token) as one call, bound
+    once: the decode kernel rounds x into ``scratch``'s buffers itself, or, ``quantized``, reads the rounding an
+    earlier product of the same x left there; F16 / BF16 (below round_half's parallel size): x rounded into a buffer
+    of the call's own, then the kernel. None where ``mul_mat`` takes another path (F32, a batch for the tiles) or x's
+    rows are not one C-contiguous block (the kernels' compiled layout)."""
+    wtype = GGMLType(wtype)
+    n = x.shape[0]
+    if wtype in (T.F16, T.BF16) and 0 < n < PAR_ROWS and x.dtype == np.float32 and x.flags.c_contiguous:
+        # x rounded to the weight's half type into a buffer of this call's own (round_half's serial kernels)
+        xr, w16 = np.empty(x.shape, np.float32), w.view(np.uint16)
+        if wtype == T.F16:
+            return lambda: (_round_f16(x, xr), _f16(w16, xr, out))
+        xu, xru = x.view(np.uint32), xr.view(np.uint32)
+        return lambda: (_round_bf16(xu, xru), _bf16k(w16, xr, out))
+    if repacked_rows(wtype, w.shape[0], repacked):
+        kern = R8[wtype][0] if n < 8 else None
+    else:
+        kern = _QK.get(wtype) if n < SMALL_N else None
+    if kern is None or n == 0 or x.dtype != np.float32 or not x.flags.c_contiguous:
+        return None
+    xq, xd, xs, quant = scratch.xq, scratch.xd, scratch.xs, not quantized
+    return lambda: kern(w, x, xq, xd, xs, out, quant)
 
 
 def act_scratch(n: int, k: int, wtype: GGMLType):

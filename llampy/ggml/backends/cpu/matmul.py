@@ -146,6 +146,21 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
             kernel(w, xq, xd, xs, out, tab)
         return run
 
+    kq = _k_decode_kernel(w, wtype, n)
+    if kq is not None:
+        # the k-quants' decode (below their tiles' and 4-row kernels' batch sizes): _mul_mat_int's choice, made here
+        from .act_quant import q8_k_quantizer
+        xq, xd, xs, quantize = scratch.xq, scratch.xd, scratch.xs, q8_k_quantizer(n)
+
+        def run_k():
+            limit = limit_fn()
+            if n > (DECODE_MAX_ROWS if limit is None else limit):
+                return fallback(limit)
+            if not reuse:
+                quantize(x, xq, xd, xs)
+            kq(w, xq, xd, xs, out)
+        return run_k
+
     def run():
         limit = limit_fn()
         if n <= (DECODE_MAX_ROWS if limit is None else limit):
@@ -220,6 +235,14 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse, repacked=True):
         return None
     scratch = act_scratch(n, k, wtype)
     quantized = reuse and TYPE_TRAITS[wtype].vec_dot_type not in (T.F32, T.F16, T.BF16)
+    decode = dot_blocks.bind_decode(w, wtype, x, out, scratch, quantized, repacked)
+    if decode is not None:       # a decoded token: one kernel call (it rounds x itself), no lookups per call
+        def run_decode():
+            limit = limit_fn()
+            if n > (DECODE_MAX_ROWS if limit is None else limit):
+                return mul_mat(w, wtype, x, out, limit, repacked=repacked)
+            decode()
+        return run_decode
 
     def run():
         limit = limit_fn()
@@ -240,6 +263,19 @@ def act_scratch(n: int, k: int, wtype: GGMLType):
     product of the same shape and dot type: the calls run one after another)."""
     from .act_quant import scratch_for
     return scratch_for(n, k, TYPE_TRAITS[GGMLType(wtype)].vec_dot_type)
+
+
+def _k_decode_kernel(w, wtype, n):
+    """The kernel ``_mul_mat_int`` runs for n activation rows of a Q4_K / Q5_K / Q6_K weight when that is one call
+    of (w, xq, xd, bsums, out) (a decoded token: below the tiled kernels' and the 4-row kernels' batch sizes), as a
+    function of those five; else None."""
+    if wtype not in (T.Q4_K, T.Q5_K, T.Q6_K) or n >= min(dot_kquant.SMALL_N, dot_kquant_tiled.TILED_MIN_ROWS):
+        return None
+    if wtype == T.Q4_K and w.shape[0] % 8 == 0:
+        if n >= 4:          # n_gemm rows of the gemm form first
+            return None
+        return lambda w, xq, xd, xs, out: dot_kquant.mv_q4_k_x8(w, xq, xd, xs, out, F16_TABLE, 0)
+    return {T.Q4_K: dot_kquant._q4_k, T.Q5_K: dot_kquant._q5_k, T.Q6_K: dot_kquant._q6_k}[wtype]
 
 
 def _mul_mat_int(w, wtype, x, out, scratch, quantized: bool = False):
