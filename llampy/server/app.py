@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: routes over one model and the continuous-batching engine (slots.py).
 
 Request handlers only validate, tokenize and wait: all model work happens on the engine thread. Events come back
-through ``loop.call_soon_threadsafe`` into one asyncio queue per request."""
+through ``Handoff`` (a step's events in one ``loop.call_soon_threadsafe``) into one asyncio queue per request."""
 from __future__ import annotations
 
 import asyncio
@@ -405,11 +405,52 @@ def _within(seconds: float, fn, *args) -> bool:
     return not t.is_alive()
 
 
+class Handoff:
+    """Events from the engine thread to one event loop's queues: put appends to a list, and a burst of them (a step's
+    token for every stream) reaches the loop in one callback, so the loop wakes once per step rather than once per
+    stream (each call_soon_threadsafe writes to the loop's wake-up pipe). Each queue gets its events in order."""
+
+    _of: dict = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: list = []
+        self.lock = threading.Lock()
+        self.due = False                # a delivery is scheduled and has not yet taken the list
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "Handoff":
+        h = cls._of.get(loop)
+        if h is None:
+            cls._of = {lp: x for lp, x in cls._of.items() if not lp.is_closed()}     # a test's loops come and go
+            h = cls._of[loop] = cls(loop)
+        return h
+
+    def put(self, q: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((q, item))
+            if self.due:
+                return
+            self.due = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:            # the loop is closed: nobody waits for these events
+            with self.lock:
+                self.items, self.due = [], False
+            raise
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.due = self.items, [], False
+        for q, item in items:
+            q.put_nowait(item)
+
+
 def submit(server: Server, req: Request) -> asyncio.Queue:
     """Hand the request to the engine; its events arrive on the returned queue, in this event loop."""
-    loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-    req.emit = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+    h = Handoff.of(asyncio.get_running_loop())
+    req.emit = lambda ev: h.put(q, ev)
     try:
         server.engine.submit(req)
     except ShuttingDown as e:

@@ -168,11 +168,12 @@ def add_completion_routes(app, server) -> None:
 
 def submit_all(server, reqs: list) -> asyncio.Queue:
     """Hand every request to the engine; their events arrive on one queue as (index, event)."""
+    from .app import Handoff
     from .slots import ShuttingDown
-    loop = asyncio.get_running_loop()
+    h = Handoff.of(asyncio.get_running_loop())
     q: asyncio.Queue = asyncio.Queue()
     for k, r in enumerate(reqs):
-        r.emit = (lambda k: lambda ev: loop.call_soon_threadsafe(q.put_nowait, (k, ev)))(k)
+        r.emit = (lambda k: lambda ev: h.put(q, (k, ev)))(k)
         try:
             server.engine.submit(r)
         except (ShuttingDown, ValueError) as e:
