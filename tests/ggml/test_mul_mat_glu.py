@@ -1,6 +1,7 @@
 """MUL_MAT_GLU's fused kernels (dot_q32._mv_rows16_glu: gate and up tiles and the gated unit in registers; for a few
-activation rows dot_q32._mv_rest_glu, on any CPU) give the bits of the three ops they replace, run as the cpu
-backend runs them unfused."""
+activation rows dot_q32._mv_rest_glu, on any CPU; for the rows llama.cpp repacks, a model's IQ4_NL / MXFP4 weights,
+dot_blocks._mv_r8_glu when decoding) give the bits of the three ops they replace, run as the cpu backend runs
+them unfused."""
 import numpy as np
 import pytest
 
@@ -43,7 +44,8 @@ _PROMPT = pytest.mark.skipif(not ROWS16, reason="the prompt's fused kernel needs
                                          pytest.param(T.Q4_1, "swiglu", 37, marks=_PROMPT),
                                          pytest.param(T.Q8_0, "swiglu", 16, marks=_PROMPT),
                                          pytest.param(T.Q8_0, "swiglu", 37, marks=_PROMPT),
-                                         (T.Q8_0, "swiglu", 1), (T.Q8_0, "geglu", 3)])
+                                         (T.Q8_0, "swiglu", 1), (T.Q8_0, "geglu", 3),
+                                         (T.IQ4_NL, "swiglu", 1), (T.IQ4_NL, "geglu", 3)])
 def test_fused_kernel_is_bit_identical_to_the_three_ops(wtype, glu, n):
     rng = np.random.default_rng(n)
     be = CPUBackend()

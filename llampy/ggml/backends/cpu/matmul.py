@@ -177,11 +177,12 @@ def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndar
     at least ``ROWS16_MIN_N`` activation rows, weight rows a multiple of 16, float32 rows contiguous. Up to
     ``dot_q32.GLU_DECODE_MAX_N`` rows (decoding) on any CPU, Q8_0 weights: ``dot_q32._mv_rest_glu``. ``unfused()``
     runs the node as its three ops, for batches past ``limit_fn()``'s integer-path limit (as ``bind_mul_mat``).
-    Not for the rows llama.cpp repacks (``dot_blocks.repacked_rows``: Q4_0 weights), whose chain is not vec_dot's."""
+    The rows llama.cpp repacks (``dot_blocks.repacked_rows``), whose chain is not vec_dot's, take
+    ``dot_blocks._mv_r8_glu`` (``_bind_glu_r8``) when decoding, else the unfused ops."""
     wtype = GGMLType(wtype)
     n, k = x.shape
     if dot_blocks.repacked_rows(wtype, wg.shape[0], repacked):
-        return None
+        return _bind_glu_r8(wg, wu, wtype, x, out, glu, limit_fn, unfused)
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     if n <= dot_q32.GLU_DECODE_MAX_N:       # decoding: the decode products and the unit in one region, any CPU
         kernel = dot_q32.GLU_DECODE_KERNELS.get(wtype.name.lower())
@@ -207,6 +208,31 @@ def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndar
             return unfused()
         quantize(x, xq, xd, xs, with_s)
         kernel(wg, wu, xq, xd, xs, out, code, table)
+    return run
+
+
+def _bind_glu_r8(wg, wu, wtype, x, out, glu, limit_fn, unfused):
+    """``bind_mul_mat_glu`` for the rows llama.cpp repacks, decoding (fewer than eight activation rows, weight rows
+    a multiple of 16, x and out C-contiguous float32): ``dot_blocks._mv_r8_glu``, both products on the repacked
+    chain and the gated unit in one call that also rounds x; else None."""
+    n, k = x.shape
+    kernel = dot_blocks.R8_GLU.get(wtype)
+    if kernel is None or not 0 < n < 8 or wg.shape[0] % 16 or wg.shape != wu.shape:
+        return None
+    if not (x.dtype == np.float32 and x.flags.c_contiguous and out.dtype == np.float32 and out.flags.c_contiguous
+            and out.shape == (n, wg.shape[0]) and wg.strides[-1] == 1 and wu.strides[-1] == 1):
+        return None
+    from .act import gelu_table
+    s = act_scratch(n, k, wtype)
+    code = dot_q32.GLU_SWIGLU if glu == "swiglu" else dot_q32.GLU_GEGLU
+    table = gelu_table() if code == dot_q32.GLU_GEGLU else np.zeros(1, np.float32)
+    xq, xd, xs = s.xq, s.xd, s.xs
+
+    def run():
+        limit = limit_fn()
+        if n > (DECODE_MAX_ROWS if limit is None else limit):
+            return unfused()
+        kernel(wg, wu, x, xq, xd, xs, out, True, code, table)
     return run
 
 
