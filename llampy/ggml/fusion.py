@@ -14,6 +14,7 @@ through each backend's ``graph_optimize`` (ggml's graph_optimize): a backend fus
       a recurrent layer's convolution over its rolling rows in the memory r (mamba's and lfm2's conv_input): one
       kernel reads each sequence's row, convolves, and writes the row back, where five nodes gathered the rows,
       concatenated, convolved, copied the last columns out and stored them (the set_rows leaves the node list).
+  silu(SSM_CONV_STATE(..) + b), silu(SSM_CONV_STATE(..)) -> SSM_CONV_STATE(.., b, silu)   (b: F32 [d_inner])
   permute(mul_mat(vᵀ, soft_max_ext(kq, mask, s)), 0, 2, 1, 3), kq = mul_mat(k, q)
                                                    -> FLASH_ATTN_EXT(q, k, v, mask, s)
       the attention of llama.cpp without flash attention, with the shapes of ops.py:
@@ -102,7 +103,21 @@ def _match(n: Tensor, users):
         return _match_attention(n, users)
     if n.op is Op.SSM_CONV:
         return _match_conv_state(n, users)
+    if n.op is Op.SILU:
+        return _match_conv_state_silu(n, users)
     return None
+
+
+def _match_conv_state_silu(n: Tensor, users):
+    t, b, gone = n.src[0], None, []
+    if t.op is Op.ADD and _private(t, users, n):
+        a, b = t.src
+        gone, t = [t], a
+    if t.op is not Op.SSM_CONV_STATE or t.op_params.get("silu") or not _private(t, users, gone[0] if gone else n):
+        return None
+    if b is not None and (b is t or b.type != t.type or b.ne != (t.ne[0], 1, 1, 1) or not b.is_contiguous()):
+        return None
+    return ops.ssm_conv_state(*t.src[:5], bias=b, silu=True), gone + [t]
 
 
 def _only_reader(t: Tensor, users, reader: Tensor) -> bool:

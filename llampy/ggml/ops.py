@@ -291,7 +291,9 @@ def ssm_conv(sx: Tensor, c: Tensor) -> Tensor:
 # = ssm_conv(concat(reshape(get_rows(r, src), d_conv - 1, d_inner, n_s), transpose(x), 0), c), and row dst[j] of r
 # then holds sequence j's last d_conv - 1 inputs (every src row is read before any dst row is written): a recurrent
 # layer's convolution with its rolling rows (llama.cpp's build_rs and ssm_conv). Produced by the fusion pass.
-def ssm_conv_state(x: Tensor, c: Tensor, r: Tensor, src: Tensor, dst: Tensor) -> Tensor:
+# bias (F32 [d_inner]) and silu: the output is silu(conv + bias) (mamba's conv then add then silu), silu(conv) without one.
+def ssm_conv_state(x: Tensor, c: Tensor, r: Tensor, src: Tensor, dst: Tensor, bias: Tensor | None = None,
+                   silu: bool = False) -> Tensor:
     d_conv, d_inner = c.ne[0], c.ne[1]
     _check(x.type == F32 and c.type == F32 and r.type == F32, "ssm_conv_state: F32 only")
     _check(x.ne[0] == d_inner and x.ne[3] == 1 and x.nb[0] == 4, f"ssm_conv_state: x {x.shape_str()} for a kernel "
@@ -300,7 +302,10 @@ def ssm_conv_state(x: Tensor, c: Tensor, r: Tensor, src: Tensor, dst: Tensor) ->
            f"ssm_conv_state: rows {r.shape_str()} for a kernel {c.shape_str()}")
     _check(src.type == I32 and dst.type == I32 and src.ne == dst.ne == (x.ne[2], 1, 1, 1),
            "ssm_conv_state: src and dst must be I32 [n_s]")
-    return _node(Op.SSM_CONV_STATE, F32, (d_inner, x.ne[1], x.ne[2]), [x, c, r, src, dst])
+    _check(bias is None or (silu and bias.type == F32 and bias.ne == (d_inner, 1, 1, 1) and bias.is_contiguous()),
+           "ssm_conv_state: a bias is F32 [d_inner], and comes with silu")
+    srcs = [x, c, r, src, dst] + ([bias] if bias is not None else [])
+    return _node(Op.SSM_CONV_STATE, F32, (d_inner, x.ne[1], x.ne[2]), srcs, {"silu": bool(silu)})
 
 
 # s: [d_state, head_dim, n_head, n_rs]  x: [head_dim, n_head, n_seq_tokens, n_seqs]  dt: [n_head, n_seq_tokens, n_seqs]

@@ -174,9 +174,9 @@ def test_scan_writing_the_memory_rows_equals_scan_then_copy(dst, fused):
         assert np.array_equal(out_s.view(np.uint32), s_want.view(np.uint32))
 
 
-def _conv_layer(dev, d_conv, d_inner, n_t, n_s, n_rows, rng, extra_reader=False):
-    """mamba's conv_input then ssm_conv over a memory of n_rows rolling rows (the graph models/mamba.py builds):
-    (graph, x, src, dst, memory, conv output)."""
+def _conv_layer(dev, d_conv, d_inner, n_t, n_s, n_rows, rng, extra_reader=False, tail=""):
+    """mamba's conv_input then ssm_conv over a memory of n_rows rolling rows (the graph models/mamba.py builds),
+    then (tail) silu of the output plus a bias, or silu alone: (graph, x, src, dst, memory, output)."""
     from llampy.ggml.backend import BufferUsage, tensor_alloc, tensor_set
     from llampy.ggml.tensor import Tensor
     from llampy.ggml.types import GGMLType as T
@@ -198,21 +198,28 @@ def _conv_layer(dev, d_conv, d_inner, n_t, n_s, n_rows, rng, extra_reader=False)
     y = ops.ssm_conv(cx, c)
     if extra_reader:                     # the concat read by another node: nothing fuses
         g.expand(ops.scale(cx, 0.5).set_output())
+    if tail == "bias":
+        y = ops.silu(ops.add(y, weight(dev, (d_inner,), rng)))
+    elif tail == "silu":
+        y = ops.silu(y)
     g.expand(y.set_output())
     return g, x, src, dst, r, y
 
 
-@pytest.mark.parametrize("d_conv,d_inner,n_t,n_s,src,dst", [
-    (4, 48, 1, 1, [2], [2]),                 # a decoded token, the row kept (in place)
-    (3, 40, 1, 2, [0, 1], [1, 0]),           # two sequences swapping rows (copy on write within the batch)
-    (4, 48, 5, 2, [1, 3], [0, 3]),           # a prompt of 5 tokens each (the parallel kernel)
-    (2, 16, 2, 3, [3, 3, 1], [0, 2, 1]),     # d_conv 2; two sequences from one row
+@pytest.mark.parametrize("d_conv,d_inner,n_t,n_s,src,dst,tail", [
+    (4, 48, 1, 1, [2], [2], ""),                 # a decoded token, the row kept (in place)
+    (3, 40, 1, 2, [0, 1], [1, 0], ""),           # two sequences swapping rows (copy on write within the batch)
+    (4, 48, 5, 2, [1, 3], [0, 3], ""),           # a prompt of 5 tokens each (the parallel kernel)
+    (2, 16, 2, 3, [3, 3, 1], [0, 2, 1], ""),     # d_conv 2; two sequences from one row
+    (4, 200, 1, 1, [1], [1], "bias"),            # mamba's bias and silu: 16-lane steps, an 8-lane one, scalars
+    (4, 200, 3, 1, [0], [2], "bias"),            # the same over blocks of CONV_BLOCK channels
+    (4, 72, 1, 2, [0, 2], [0, 2], "silu"),
 ])
-def test_conv_with_its_rolling_rows_fuses_to_the_same_bits(d_conv, d_inner, n_t, n_s, src, dst):
+def test_conv_with_its_rolling_rows_fuses_to_the_same_bits(d_conv, d_inner, n_t, n_s, src, dst, tail):
     """The fusion pass turns mamba's / lfm2's convolution over the memory's rolling rows (get_rows, concat with the
-    new inputs, ssm_conv, the last columns copied out and set_rows) into one SSM_CONV_STATE node on the CPU: the
-    same output bits and the same rows written (the others untouched) as the five nodes run apart; the reference
-    backend's kernel of the fused node agrees within float rounding."""
+    new inputs, ssm_conv, the last columns copied out and set_rows), and mamba's bias and silu after it, into one
+    SSM_CONV_STATE node on the CPU: the same output bits and the same rows written (the others untouched) as the
+    nodes run apart; the reference backend's kernel of the fused node agrees within float rounding."""
     from llampy.ggml.backend import tensor_data
     from llampy.ggml.backends.cpu.backend import CPUBackend
     from llampy.ggml.backends.reference import ReferenceBackend
@@ -225,7 +232,7 @@ def test_conv_with_its_rolling_rows_fuses_to_the_same_bits(d_conv, d_inner, n_t,
 
     def run(dev):
         rng = np.random.default_rng(d_conv * 100 + n_t)
-        g, x, s, d, r, y = _conv_layer(dev, d_conv, d_inner, n_t, n_s, 4, rng)
+        g, x, s, d, r, y = _conv_layer(dev, d_conv, d_inner, n_t, n_s, 4, rng, tail=tail)
         sched = Scheduler([dev])
         sched.alloc_graph(g)
         tensor_data(x)[...] = rng.standard_normal(tensor_data(x).shape).astype(np.float32)
@@ -236,7 +243,8 @@ def test_conv_with_its_rolling_rows_fuses_to_the_same_bits(d_conv, d_inner, n_t,
 
     ops_f, y_f, r_f = run(CPUBackend())
     ops_u, y_u, r_u = run(Unfused())
-    assert Op.SSM_CONV_STATE in ops_f and not ops_f & {Op.SSM_CONV, Op.CONCAT, Op.GET_ROWS, Op.SET_ROWS, Op.CONT}
+    assert Op.SSM_CONV_STATE in ops_f and not ops_f & {Op.SSM_CONV, Op.CONCAT, Op.GET_ROWS, Op.SET_ROWS, Op.CONT,
+                                                       Op.ADD, Op.SILU}
     assert Op.SSM_CONV_STATE not in ops_u
     assert np.array_equal(y_f.view(np.uint32), y_u.view(np.uint32))
     assert np.array_equal(r_f.view(np.uint32), r_u.view(np.uint32))

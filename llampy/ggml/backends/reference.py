@@ -460,7 +460,8 @@ def k_ssm_conv(node, dst, srcs):
 
 def k_ssm_conv_state(node, dst, srcs):
     """ssm_conv over each sequence's row src[j] of r (channel-major, d_conv - 1 a channel) followed by its new
-    inputs x; then row dst[j] of r holds the last d_conv - 1 of them (all src rows read first)."""
+    inputs x; then row dst[j] of r holds the last d_conv - 1 of them (all src rows read first). Then the bias and
+    silu where the node has them."""
     x = values(srcs[0], node.src[0].type)[0]                      # (n_s, n_t, d_inner)
     c = values(srcs[1], node.src[1].type)[0, 0]                   # (d_inner, d_conv)
     r = srcs[2][0, 0]                                             # (n_rows, (d_conv - 1) d_inner), F32
@@ -472,6 +473,10 @@ def k_ssm_conv_state(node, dst, srcs):
     for k in range(d_conv):
         out += sx[:, :, k:k + n_t].transpose(0, 2, 1) * c[:, k]
     r[dst_ids] = sx[:, :, n_t:].reshape(n_s, -1)
+    if len(srcs) > 5:
+        out = out + values(srcs[5], node.src[5].type).reshape(-1)
+    if node.op_params.get("silu"):
+        out = out / (1.0 + np.exp(-out))
     store(dst, node.type, out.reshape(dst.shape))
 
 

@@ -17,6 +17,7 @@ from numba import njit, prange
 from ...tensor import Op
 from ...types import GGMLType as T
 
+from .act import _silu_row
 from .rows import _in_range, check_index
 from .simd import (F16_VEC_LANES, fma32, v16_add, v16_fma, v16_load, v16_reduce, v16_reduce_x8, v16_scale, v16_store,
                    v16_zero)
@@ -178,11 +179,22 @@ CONV_BLOCK = 64     # channels per task of the prompt form of SSM_CONV_STATE
 
 
 @njit(inline="always")
-def _conv_state_block(x, st, cT, o, row, i0, i1, dc1):
+def _bias_silu(o, bias, silu):
+    """o += bias (where it has values), then silu in place: the ADD's and SILU's kernels (act._silu_row) on o."""
+    if bias.shape[0]:
+        for i in range(o.shape[0]):
+            o[i] += bias[i]
+    if silu:
+        _silu_row(o, o)
+
+
+@njit(inline="always")
+def _conv_state_block(x, st, cT, o, row, i0, i1, dc1, bias, silu):
     """Channels i0..i1 of one sequence over its n_t new inputs x (n_t, d_inner): the window of channel i is the
     row's d_conv - 1 inputs st[i dc1 ..] (channel-major), then x[:, i]; each output sums window[t + k] * c[i, k]
     in k order (``_conv_row``'s sums, the channels side by side: cT is c transposed, (d_conv, d_inner)); then the
-    window's last d_conv - 1 go to ``row`` (which may be ``st`` itself: these channels' values were all read)."""
+    window's last d_conv - 1 go to ``row`` (which may be ``st`` itself: these channels' values were all read).
+    bias (d_inner,) or empty, silu: the outputs' bias and silu (``_bias_silu``)."""
     n_t = x.shape[0]
     nb = i1 - i0
     for t in range(n_t):
@@ -199,6 +211,8 @@ def _conv_state_block(x, st, cT, o, row, i0, i1, dc1):
                 xr = x[u - dc1, i0:i1]
                 for i in range(nb):
                     ot[i] += xr[i] * ck[i]
+        # blocks start at multiples of CONV_BLOCK (of 16): silu's vector steps fall where the row's own do
+        _bias_silu(ot, bias[i0:i1] if bias.shape[0] else bias, silu)
     for m in range(dc1):
         u = n_t + m
         if u < dc1:
@@ -211,7 +225,7 @@ def _conv_state_block(x, st, cT, o, row, i0, i1, dc1):
 
 
 @njit(inline="always")
-def _conv_state_token(xs, st, c, o, row, dc1):
+def _conv_state_token(xs, st, c, o, row, dc1, bias, silu):
     """A decoded token of one sequence (``_conv_state_block`` with n_t = 1), the channels innermost: o (d_inner,)
     accumulates each tap over all channels (the same sums in k order, independent chains side by side), then the
     rows shift by one input."""
@@ -223,6 +237,7 @@ def _conv_state_token(xs, st, c, o, row, dc1):
             o[i] += st[i * dc1 + k] * c[i, k]
     for i in range(d_inner):
         o[i] += xs[i] * c[i, dc1]
+    _bias_silu(o, bias, silu)
     # the row moves down one value (a channel's last slot takes the next channel's first, then x overwrites it)
     for p in range(d_inner * dc1 - 1):
         row[p] = st[p + 1]
@@ -251,11 +266,12 @@ def _start_rows(r, src, dst, tmp):
 
 
 @njit(parallel=True, cache=True)
-def ssm_conv_state_f32(x, c, r, src, dst, out, tmp):
+def ssm_conv_state_f32(x, c, r, src, dst, out, tmp, bias, silu):
     """SSM_CONV_STATE: x (n_s, n_t, d_inner) the new inputs, c (d_inner, d_conv), r (n_rows, (d_conv - 1) d_inner)
     the rolling rows, src / dst (n_s,) each sequence's row to start from and to write, out (n_s, n_t, d_inner), tmp
-    (n_s, (d_conv - 1) d_inner) scratch. The threads split sequences and blocks of CONV_BLOCK channels. -1, or the
-    position of a row index outside r (src first, then n_s + the dst's)."""
+    (n_s, (d_conv - 1) d_inner) scratch, bias (d_inner,) or empty and silu (``_bias_silu``). The threads split
+    sequences and blocks of CONV_BLOCK channels. -1, or the position of a row index outside r (src first, then
+    n_s + the dst's)."""
     how = _start_rows(r, src, dst, tmp)
     if how >= 0:
         return how
@@ -267,12 +283,12 @@ def ssm_conv_state_f32(x, c, r, src, dst, out, tmp):
         j = q // nblk
         i0 = (q % nblk) * CONV_BLOCK
         st = tmp[j] if how == -2 else r[src[j]]
-        _conv_state_block(x[j], st, cT, out[j], r[dst[j]], i0, min(d_inner, i0 + CONV_BLOCK), dc1)
+        _conv_state_block(x[j], st, cT, out[j], r[dst[j]], i0, min(d_inner, i0 + CONV_BLOCK), dc1, bias, silu)
     return -1
 
 
 @njit(cache=True)
-def ssm_conv_state_f32_one(x, c, r, src, dst, out, tmp):
+def ssm_conv_state_f32_one(x, c, r, src, dst, out, tmp, bias, silu):
     """``ssm_conv_state_f32`` on one thread, for decoded tokens (a parallel region costs more than the work)."""
     how = _start_rows(r, src, dst, tmp)
     if how >= 0:
@@ -282,9 +298,9 @@ def ssm_conv_state_f32_one(x, c, r, src, dst, out, tmp):
     for j in range(n_s):
         st = tmp[j] if how == -2 else r[src[j]]
         if n_t == 1:
-            _conv_state_token(x[j, 0], st, c, out[j, 0], r[dst[j]], dc1)
+            _conv_state_token(x[j, 0], st, c, out[j, 0], r[dst[j]], dc1, bias, silu)
         else:
-            _conv_state_block(x[j], st, np.ascontiguousarray(c.T), out[j], r[dst[j]], 0, d_inner, dc1)
+            _conv_state_block(x[j], st, np.ascontiguousarray(c.T), out[j], r[dst[j]], 0, d_inner, dc1, bias, silu)
     return -1
 
 
@@ -295,10 +311,12 @@ def bind_ssm_conv_state(node, dst, srcs):
     src, dst_ids = srcs[3].reshape(-1), srcs[4].reshape(-1)
     out = dst[0]
     tmp = np.empty((x.shape[0], r.shape[1]), np.float32)
+    bias = srcs[5].reshape(-1) if len(srcs) > 5 else np.zeros(0, np.float32)
+    silu = bool(node.op_params.get("silu"))
     fn = ssm_conv_state_f32_one if out.shape[1] == 1 and out.shape[0] <= 2 else ssm_conv_state_f32
 
     def run():
-        bad = fn(x, c, r, src, dst_ids, out, tmp)
+        bad = fn(x, c, r, src, dst_ids, out, tmp, bias, silu)
         if bad >= 0:
             which, ids = ("src", src) if bad < len(src) else ("dst", dst_ids)
             raise IndexError(f"ssm_conv_state: {which} rows {ids.tolist()} outside 0..{r.shape[0] - 1}")
