@@ -21,8 +21,10 @@ def add_offload_args(p, default="auto") -> None:
                    help="layers on the GPU: N, 'all', or 'auto' (as many as fit; the default). Without a GPU the "
                         "CPU runs them and a request for layers says so")
     p.add_argument("-sm", "--split-mode", choices=["none", "layer", "row"], default="layer",
-                   help="across several GPUs: 'layer' (default) or 'none' (the main GPU only)")
-    p.add_argument("-ts", "--tensor-split", default=None, help="share of layers per GPU, e.g. 3,1")
+                   help="across several GPUs: 'layer' (default), 'row' (each layer matrix's rows split across "
+                        "them, the main GPU gathering) or 'none' (the main GPU only)")
+    p.add_argument("-ts", "--tensor-split", default=None, help="share of layers (of rows with -sm row) per GPU, "
+                   "e.g. 3,1")
     p.add_argument("-mg", "--main-gpu", type=int, default=0)
     p.add_argument("-ot", "--override-tensor", action="append", default=None,
                    help="REGEX=BUFTYPE: weights whose name matches go to CPU, CUDA0, ... (e.g. 'exps=CPU')")

@@ -106,6 +106,9 @@ class Buffer:
         raise NotImplementedError
 
     # ------------------------------------------------------------ tensors (ggml_backend_buffer_i)
+    def init_tensor(self, t: Tensor) -> None:
+        """Called as t is placed here (ggml's init_tensor): a buffer that keeps per-tensor state sets it up."""
+
     def _range(self, t: Tensor, offset: int, size: int | None) -> tuple[int, int]:
         if t.storage.buffer is not self:
             raise ValueError(f"{t!r} is not in {self!r}")
@@ -177,6 +180,9 @@ def tensor_alloc(buffer: Buffer, t: Tensor, offs: int) -> None:
         raise ValueError(f"{t!r} ({t.nbytes} bytes) does not fit in {buffer!r} at {offs}")
     t.buffer = buffer
     t.offs = offs
+    init = getattr(buffer, "init_tensor", None)        # optional (buffers of other shapes need not have it)
+    if init is not None:
+        init(t)
 
 
 def tensor_buffer(t: Tensor) -> Buffer | None:

@@ -7,6 +7,7 @@ Backends come in priority order: the first is preferred, the last is usually the
 rewritten graph still says what it computes, and a later plan can undo the rewrite. Copies are refreshed before
 their split on every run. ``LLAMPY_SCHED_DEBUG=1`` prints each split, each node's backend and the cause of the
 choice (ggml's GGML_SCHED_DEBUG); causes:
+  0.rows           the gathering of a product's rows from the devices that hold a row-split weight (pass 0)
   1.dst / 1.vsrc   the node's own memory (a KV-cache write, a view of a weight) lives in the backend's buffer
   1.wgt<j>         source j is a weight in the backend's buffer          1.off   offloaded from the CPU (offload_op)
   2.<up|down>      expanded from a neighbour (2.gpu-*: from a non-last backend, first)
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from .alloc import GraphAllocator, collect, has_own_storage, owner
 from .backend import Backend, BufferUsage, tensor_copy
+from . import ops
 from .graph import Graph
 from .tensor import Flags, Op, Tensor, VIEW_OPS
 
@@ -111,15 +113,17 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------------ assignment (passes 1-3)
-    def _assign(self, g: Graph):
+    def _assign(self, g: Graph, pre: dict | None = None):
         nb = len(self.backends)
         last = nb - 1
-        assign: dict[int, int] = {}
-        cause: dict[int, str] = {}
+        assign: dict[int, int] = dict(pre or {})
+        cause: dict[int, str] = {i: "0.rows" for i in assign}
         compute = [n for n in g.nodes if n.op not in VIEW_OPS]
 
         # 1. pre-assign nodes whose own memory or whose weights live in a backend's buffer (if it runs the op)
         for n in compute:
+            if n.id in assign:
+                continue
             if has_own_storage(n):
                 b = self._backend_of_buffer(owner(n).buffer, n)
                 if b is None:
@@ -209,9 +213,59 @@ class Scheduler:
             return o.buffer.buft
         return self.bufts[assign[o.id]]
 
+    def _expand_row_splits(self, g: Graph) -> dict:
+        """0. A product over a weight split by rows across devices (split.py, split_mode 'row') becomes one
+        product per device over its rows, each where its rows live (pass 1's weight rule), and their
+        concatenation on the split's main backend: the node itself becomes the last concatenation, so its readers
+        and flags stay as they were. Returns the concatenations' backends."""
+        pre: dict = {}
+        nodes = []
+        changed = False
+        for n in g.nodes:
+            split = [s for s in n.src if s is not None and hasattr(owner(s).buffer, "parts_of")]
+            if not split:
+                nodes.append(n)
+                continue
+            w = n.src[0]
+            if n.op is not Op.MUL_MAT or split != [w] or w.view_src is not None:
+                raise RuntimeError(f"{n!r} reads a weight split by rows ({_name(split[0])}): only a matrix "
+                                   f"product over the whole matrix can (split_mode 'row')")
+            buf = w.buffer
+            main = next((b for b in range(len(self.backends)) if self.backends[b] is buf.buft.main), None)
+            if main is None:
+                raise RuntimeError(f"{_name(w)} is split across devices whose main backend is not scheduled here")
+            changed = True
+            parts = buf.parts_of(w)
+            if len(parts) == 1:    # one device holds every row
+                n.src[0] = parts[0][1]
+                nodes.append(n)
+                continue
+            ys = [ops.mul_mat(p, n.src[1]) for _, p, _, _ in parts]
+            for y, (b, _, r0, r1) in zip(ys, parts):
+                y.name = f"{_name(n)}[{r0}:{r1}]@{b.device}"
+            nodes.extend(ys)
+            acc = ys[0]
+            for y in ys[1:-1]:
+                acc = ops.concat(acc, y, 0)
+                acc.name = f"{_name(n)}#gather"
+                nodes.append(acc)
+                pre[acc.id] = main
+            n.op, n.src, n.op_params = Op.CONCAT, [acc, ys[-1]], {"dim": 0}
+            nodes.append(n)
+            pre[n.id] = main
+        if changed:
+            g.nodes = nodes
+            g._seen.update(t.id for t in nodes)
+            # the split weights leave the leafs (nothing reads them now), their slices join them
+            split = [t for t in g.leafs if hasattr(t.buffer, "parts_of")]
+            g.leafs = [t for t in g.leafs if not hasattr(t.buffer, "parts_of")]
+            g.leafs += [p for t in split for _, p, _, _ in t.buffer.parts_of(t)]
+            g._seen.update(t.id for t in g.leafs)
+        return pre
+
     def _split_graph(self, g: Graph) -> SchedPlan:
         self._undo_rewrites(g)
-        assign, cause = self._assign(g)
+        assign, cause = self._assign(g, self._expand_row_splits(g))
 
         # 4. cut into splits (maximal runs of non-view nodes on one backend; views ride along)
         splits: list[Split] = []

@@ -7,6 +7,7 @@ output head when ``n_gpu_layers > n_layer``) go to the accelerator devices, spli
 """
 from __future__ import annotations
 
+import re
 import warnings
 
 from pathlib import Path
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..ggml.backend import Backend, BufferUsage, backend_init, tensor_alloc, tensor_set_bytes
+from ..ggml.split import SplitBufferType
 from ..ggml.tensor import Flags, Tensor
 from ..ggml.types import GGMLType
 from ..gguf.split import open_gguf
@@ -29,6 +31,10 @@ class ModelLoadError(ValueError):
 
 
 # tensor types no weight can have (ggml multiplies and scales by float and block-quantized weights only)
+# the layers' matrices that split_mode 'row' splits by rows: those of the matrix products (llama.cpp puts a layer's
+# MUL_MAT weights in the split buffer type, its other tensors in the main device's)
+_ROW_SPLIT = re.compile(r"blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down)(_shexp)?)\.weight$")
+
 NOT_WEIGHTS = frozenset({GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64, GGMLType.F64})
 
 
@@ -114,9 +120,6 @@ class Model:
         self.use_mmap = use_mmap
         if split_mode not in ("layer", "none", "row"):
             raise ValueError(f"split_mode must be 'none', 'layer' or 'row', got {split_mode!r}")
-        if split_mode == "row":
-            raise NotImplementedError("split_mode 'row' (one matrix split across GPUs) is not implemented: "
-                                      "use 'layer' or 'none'")
         self.split_mode = split_mode
         self.override_tensor = parse_override_tensor(override_tensor)
         ngl = parse_n_gpu_layers(n_gpu_layers)
@@ -142,6 +145,17 @@ class Model:
         elif ngl < 0:
             ngl = n_layer + 1
         self.n_gpu_layers = ngl if self.devices else 0
+        # split_mode 'row': the offloaded layers run on the main device, their matrices' rows split across all of
+        # them in tensor_split's shares (llama.cpp's split buffer type; ggml/split.py)
+        self.row_split = None
+        if split_mode == "row" and len(self.devices) > 1 and self.n_gpu_layers:
+            if not 0 <= main_gpu < len(self.devices):
+                raise OffloadError(f"main_gpu {main_gpu} is not among the {len(self.devices)} devices")
+            try:
+                self.row_split = SplitBufferType(self.devices, tensor_split, self.devices[main_gpu])
+            except ValueError as e:
+                raise OffloadError(str(e)) from None
+            tensor_split = [1.0 if i == main_gpu else 0.0 for i in range(len(self.devices))]
         self.layer_backend = self._assign_layers(tensor_split)
         self.tensors: dict[str, Tensor] = {}
         self.layers = [SimpleNamespace() for _ in range(self.hparams.n_layer)]
@@ -207,6 +221,13 @@ class Model:
             if pat.search(name):
                 backend = self._backend_named(where)
                 break
+        else:
+            if self.row_split is not None and backend is self.row_split.main and _ROW_SPLIT.match(name):
+                info = self.reader.tensors[name]
+                if all(getattr(d, "supports_weight", lambda ty: True)(GGMLType(info.type)) for d in self.devices):
+                    t = self._place_rows(name)
+                    self.tensors[name] = t
+                    return t
         info = self.reader.tensors[name]
         if backend is not self.cpu and not getattr(backend, "supports_weight", lambda ty: True)(GGMLType(info.type)):
             backend = self.cpu                       # a type the device has no kernels for stays on the host
@@ -228,6 +249,14 @@ class Model:
         else:
             tensor_alloc(buft.alloc_buffer(info.nbytes, BufferUsage.WEIGHTS), t, 0)
             tensor_set_bytes(t, info.data)
+        return t
+
+    def _place_rows(self, name: str) -> Tensor:
+        """A weight matrix whose rows are split across the devices (split_mode 'row')."""
+        info = self.reader.tensors[name]
+        t = Tensor(GGMLType(info.type), info.ne, name=name)
+        t.flags |= Flags.WEIGHT
+        tensor_alloc(self.row_split.buffer_from_host(info.data, BufferUsage.WEIGHTS), t, 0)
         return t
 
     def _backend_named(self, where: str) -> Backend:

@@ -104,6 +104,29 @@ def test_device_memory_state_save_load_and_k_shift(use_mmap):
     assert np.array_equal(got[1], want[1]) and np.array_equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("memory", ["host", "device"])
+def test_split_mode_row_splits_each_matrix_across_the_devices(memory):
+    """llama.cpp's split_mode 'row': the offloaded layers run on main_gpu, which holds their norms and KV cache,
+    and each matrix of a layer's products is split by rows in tensor_split's shares (ggml/split.py): every device
+    computes its rows (in device memory, only it can read them) and the main device gathers them. The logits
+    equal a single-device run bit for bit."""
+    ref, _ = logits(Model(TINY_LLAMA))
+    devs = stand_ins(memory)
+    m = Model(TINY_LLAMA, n_gpu_layers=-1, devices=devs, split_mode="row", tensor_split=[1, 3], main_gpu=1)
+    assert all(b is devs[1] for b in m.layer_backend)
+    w = m.tensors["blk.0.ffn_up.weight"]
+    assert [(b.device, r0, r1) for b, _, r0, r1 in w.buffer.parts_of(w)] == [("dev0", 0, 64), ("dev1", 64, 256)]
+    assert m.tensors["blk.0.attn_norm.weight"].buffer.buft.device == "dev1"
+    got, ctx = logits(m)
+    assert np.array_equal(got, ref)
+    assert all(k.buffer.buft.device == "dev1" for k in ctx.kv.k)
+    p = ctx.sched._last
+    on = {n.name: sp.backend.device for sp in p.splits for n in sp.nodes}
+    slices = [k for k in on if "]@dev" in k]
+    assert len(slices) == 2 * 7 * m.hparams.n_layer          # q k v output gate up down, on both devices
+    assert all(on[k] == k.rsplit("@", 1)[1] for k in slices)
+
+
 def test_split_mode_none_uses_the_first_device():
     devs = [CPUBackend("dev0"), CPUBackend("dev1")]
     m = Model(TINY_LLAMA, n_gpu_layers=99, devices=devs, split_mode="none")
