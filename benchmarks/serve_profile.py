@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     wrap(eng.ctx, "decode", "decode")
     wrap(eng.ctx.sched, "graph_compute", "graph")
     wrap(eng, "_step", "sample")
+    from llampy.server import slots
+    wrap(slots, "top_positions", "sample")     # the step's top-k of every row, before _step samples each
     wrap(eng, "_step_all", "step")
     tok = srv.model.vocab.tokenize
 
