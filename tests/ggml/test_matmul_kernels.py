@@ -280,11 +280,12 @@ def test_q4_0_repacked_rows_take_the_repacked_chain():
         assert np.array_equal(out, vec_dot_avx2(wq, T.Q4_0, x)), n
 
 
-@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_bound_decode_products_equal_mul_mat(wtype):
-    """A plan's bound product of a decoded token (``bind_mul_mat``: Q4_0's repacked decode kernel rounding x itself,
-    the k-quants' decode kernel called directly) gives ``mul_mat``'s bits, also where it reuses the rounding of x that
-    the plan's previous product of the same x left in the shared buffers (``reuse``)."""
+    """A plan's bound product of a decoded token (``bind_mul_mat``: Q4_0's repacked decode kernel and the 32-value
+    formats' decode form rounding x themselves, the k-quants' decode kernel called directly) gives ``mul_mat``'s bits,
+    also where it reuses the rounding of x that the plan's previous product of the same x left in the shared buffers
+    (``reuse``)."""
     rng = np.random.default_rng(15)
     k, rows = 512, (32 if wtype == T.Q4_0 else 37)     # Q4_0: the rows llama.cpp repacks
     wa, wb = (quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype) for _ in range(2))

@@ -20,6 +20,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .act_quant import q8_0_split
 from .simd import (ROWS16, UNSIGNED_OFFSET, f32x8_add, f32x8_hsum8, wsum_neg128, xdot, f16_at, f32x8_fma_s, f32x8_store,
                    f32x8_lane, f32x8_load, f32x8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f32x8_fma, f32x8_hsum, f32x8_zero,
                    fma32, i32_transpose16x8, i32x8_flip, i32x8_store, i32x8_to_f32x8, rows16_pairs2, v16_add, v16_fma, v16_geglu,
@@ -646,12 +647,12 @@ def _mv_legacy(tiles, rows16, rest, w, xq, xd, xs, out, tab):
         r16 = rows - rows % 16
         rows16(w, xq, xd, xs, out, tab)
         if r16 < rows:            # the last rows % 16 weight rows: all their activation rows in the decode form
-            rest(w[r16:], xq, xd, xs, out[:, r16:], tab, 0)
+            rest(w[r16:], xd, xq, xd, xs, out[:, r16:], tab, 0, False)
             w, out = w[:r16], out[:, :r16]
     elif n8:
         tiles(w, xq, xd, xs, out, tab)
     if n8 < n:
-        rest(w, xq, xd, xs, out, tab, n8)
+        rest(w, xd, xq, xd, xs, out, tab, n8, False)
 
 
 # ggml's Q8_0/Q4_0/Q5_0 have no min: their summs stays 0 and ``hsum + 0`` is the hsum itself
@@ -666,7 +667,9 @@ def _rows16_q8_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _rest_q8_0(w, xq, xd, xs, out, tab, n8):
+def _rest_q8_0(w, x, xq, xd, xs, out, tab, n8, quant):
+    if quant:
+        q8_0_split(x, xq, xd, xs, False)
     _mv_rest(w, xq, xd, xs, out, tab, K_Q8_0, n8)
 
 
@@ -685,7 +688,9 @@ def _rows16_q4_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _rest_q4_0(w, xq, xd, xs, out, tab, n8):
+def _rest_q4_0(w, x, xq, xd, xs, out, tab, n8, quant):
+    if quant:
+        q8_0_split(x, xq, xd, xs, False)
     _mv_rest(w, xq, xd, xs, out, tab, K_Q4_0, n8)
 
 
@@ -704,7 +709,9 @@ def _rows16_q4_1(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _rest_q4_1(w, xq, xd, xs, out, tab, n8):
+def _rest_q4_1(w, x, xq, xd, xs, out, tab, n8, quant):
+    if quant:
+        q8_0_split(x, xq, xd, xs, True)
     _mv_rest(w, xq, xd, xs, out, tab, K_Q4_1, n8)
 
 
@@ -723,7 +730,9 @@ def _rows16_q5_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _rest_q5_0(w, xq, xd, xs, out, tab, n8):
+def _rest_q5_0(w, x, xq, xd, xs, out, tab, n8, quant):
+    if quant:
+        q8_0_split(x, xq, xd, xs, False)
     _mv_rest(w, xq, xd, xs, out, tab, K_Q5_0, n8)
 
 
@@ -742,7 +751,9 @@ def _rows16_q5_1(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _rest_q5_1(w, xq, xd, xs, out, tab, n8):
+def _rest_q5_1(w, x, xq, xd, xs, out, tab, n8, quant):
+    if quant:
+        q8_0_split(x, xq, xd, xs, True)
     _mv_rest(w, xq, xd, xs, out, tab, K_Q5_1, n8)
 
 
@@ -776,6 +787,10 @@ def _glu_q5_1(wg, wu, xq, xd, xs, out, glu, table):
     _mv_rows16_glu(wg, wu, xq, xd, xs, out, K_Q5_1, glu, table)
 
 
+# the decode form alone (``_mv_legacy`` with fewer than eight activation rows), for a plan's bound product
+# (matmul.bind_mul_mat): ``rest(w, x, xq, xd, xs, out, tab, 0, True)`` rounds x into the buffers first (Q8_0, or Q8_1
+# for Q4_1 / Q5_1: act_split's quantizer, the same bytes), one call for the token's product
+REST_KERNELS = {"q8_0": _rest_q8_0, "q4_0": _rest_q4_0, "q4_1": _rest_q4_1, "q5_0": _rest_q5_0, "q5_1": _rest_q5_1}
 GLU_KERNELS = {"q8_0": _glu_q8_0, "q4_0": _glu_q4_0, "q4_1": _glu_q4_1, "q5_0": _glu_q5_0, "q5_1": _glu_q5_1}
 
 

@@ -136,6 +136,16 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
         from .act_quant import q8_0_quantizer
         xq, xd, xs, with_s, tab = scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1, F16_TABLE
         quantize = q8_0_quantizer(n)
+        rest = dot_q32.REST_KERNELS.get(wtype.name.lower()) if n < 8 and x.flags.c_contiguous else None
+        if rest is not None:        # decoding: _mv_legacy's decode form rounding x itself, one call
+            quant = not reuse
+
+            def run_rest():
+                limit = limit_fn()
+                if n > (DECODE_MAX_ROWS if limit is None else limit):
+                    return fallback(limit)
+                rest(w, x, xq, xd, xs, out, tab, 0, quant)
+            return run_rest
 
         def run():
             limit = limit_fn()
