@@ -12,7 +12,7 @@ from llampy.ggml.blocks import BLOCKS
 from llampy.ggml.graph import Graph
 from llampy.ggml.quants import dequantize, quantize
 from llampy.ggml.sched import Scheduler
-from llampy.ggml.tensor import Tensor
+from llampy.ggml.tensor import Op, Tensor
 from llampy.ggml.types import GGMLType as T, TYPE_TRAITS
 
 from tests.ggml.helpers import random_blocks, run as run_host
@@ -186,6 +186,44 @@ def test_two_backend_graph_copies_across_the_boundary():
     s.graph_compute(g)
     assert s.get_backend(g.nodes[0], g) is CUDA
     np.testing.assert_allclose(tensor_get(y).reshape(2, 16), 0.5 * xv @ wv.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [T.Q4_K, T.F16], ids=lambda t: t.name)
+def test_row_split_over_two_gpus_equals_one(t):
+    """split_mode 'row' over two CUDA backends (two GPUs, or both in the interpreter): a matrix's rows split 1:2
+    (ggml/split.py), each backend's decode and prompt products over its own rows, gathered on the first: one
+    backend's product bit for bit."""
+    import torch
+    from llampy.ggml.backend import BufferUsage
+    from llampy.ggml.split import SplitBufferType
+    from llampy.ggml.tensor import Flags
+    if CUDA.dev.type == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("one GPU here")
+    other = backend_init("cuda", device="cuda:1" if CUDA.device == "cuda:0" else "cuda:0")
+    cpu = backend_init("cpu")
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((96, 256)).astype(np.float32)
+    data = np.ascontiguousarray(rows.astype(np.float16).view(np.uint8) if t == T.F16 else quantize(rows, t))
+    for n in (1, 5):
+        x = rng.standard_normal((n, 256)).astype(np.float32)
+        res = []
+        for buft, backends in ((CUDA.get_default_buffer_type(), [CUDA, cpu]),
+                               (SplitBufferType([CUDA, other], [1, 2], main=CUDA), [CUDA, other, cpu])):
+            w = Tensor(t, (256, 96), name="w")
+            w.flags |= Flags.WEIGHT
+            tensor_alloc(buft.buffer_from_host(data.reshape(-1), BufferUsage.WEIGHTS), w, 0)
+            xt = Tensor(T.F32, (256, n), name="x")
+            xt.flags |= Flags.INPUT
+            y = ops.mul_mat(w, xt).set_output()
+            g = Graph.build(y)
+            sched = Scheduler(backends)
+            sched.alloc_graph(g)
+            tensor_set(xt, x)
+            sched.graph_compute(g)
+            res.append(tensor_get(y))
+        ran = [(nd.op, sp.backend) for sp in sched._last.splits for nd in sp.nodes if nd.op in (Op.MUL_MAT, Op.CONCAT)]
+        assert ran == [(Op.MUL_MAT, CUDA), (Op.MUL_MAT, other), (Op.CONCAT, CUDA)]
+        np.testing.assert_array_equal(res[1], res[0])
 
 
 @pytest.mark.skipif(not CUDA.cuda_graphs, reason="CUDA graphs need a GPU")
@@ -378,6 +416,38 @@ def test_quantized_kv_cache_stores_the_cpu_backends_bytes(t):
     np.testing.assert_array_equal(out["cuda"][0], out["cpu"][0])
     np.testing.assert_array_equal(out["cuda"][1], out["cpu"][1])
     assert not np.array_equal(out["cpu"][0], out["cpu"][1])      # the write-back changed the cache
+
+
+def test_bf16_kv_cache_follows_the_cpu_backend():
+    """A BF16 cache (-ctk/-ctv bf16): the store rounds to nearest even as ggml_cpu_fp32_to_bf16 (the CPU backend's
+    bytes, the K shift's write-back too; Triton's interpreter would truncate), and attention over it rounds q to
+    BF16 (K's dot type) in the decode kernel and the prompt path: the CPU backend's values (ggml's one_chunk
+    kernel, tests/ggml/test_attention_bf16_ggml.py) up to float32 summation order."""
+    from tests.ggml.helpers import leaf
+    cpu = backend_init("cpu")
+    out = {}
+    for be, place in ((CUDA, device_leaf), (cpu, leaf)):
+        stored, back = _store_graph(be, T.BF16, place)
+        Scheduler([be]).graph_compute(Graph.build(stored.set_output()))
+        first = tensor_get_bytes(stored).copy()
+        Scheduler([be]).graph_compute(Graph.build(back.set_output()))
+        out[be.name] = first, tensor_get_bytes(stored).copy()
+    np.testing.assert_array_equal(out["cuda"][0], out["cpu"][0])
+    np.testing.assert_array_equal(out["cuda"][1], out["cpu"][1])
+
+    def case(nq):
+        def build(B):
+            q = ops.permute(B(T.F32, (nq, 4, 64)), 0, 2, 1, 3)
+            m = np.zeros((nq, 70))
+            m[:, 65:] = -np.inf
+            return ops.flash_attn_ext(q, B(T.BF16, (2, 70, 64)), B(T.BF16, (2, 70, 64)), B(T.F16, (nq, 70), m), 0.125)
+        return build
+    for nq in (1, 5):           # the decode kernel, the prompt path
+        g, o = _run(CUDA, case(nq))
+        assert all(CUDA.supports_op(n) for n in g.nodes)
+        Scheduler([CUDA]).graph_compute(g)
+        want = run_host(cpu, _run(cpu, case(nq))[1])[0]
+        np.testing.assert_allclose(tensor_get(o), want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from llampy.ggml.types import GGMLType
 from llampy.llama.batch import Batch
 from llampy.llama.context import Context
 from llampy.llama.devices import fit_layers
@@ -227,3 +228,31 @@ def test_norms_quantize_for_their_decode_products(monkeypatch):
     np.testing.assert_array_equal(out[True][0], out[False][0])
     # per layer the attention norm (q, k, v) and the FFN norm (gate, up), then the output norm: 5 fewer
     assert out[False][1] - out[True][1] == 2 * 2 + 1
+
+
+def test_rope_writes_k_into_the_cache(monkeypatch):
+    """K's rope rotates each new row straight into the KV cache (one launch for the rope and the store of K, not
+    two; here a BF16 K, rounded as set_rows rounds), for a prompt and a decode step: the logits and the cache's
+    bytes are the unfused graph's, bit for bit, and each layer's K store launch is gone. (The output head stays on
+    the CPU: the interpreter's time.)"""
+    from llampy.ggml.backend import tensor_get_bytes
+    from llampy.ggml.backends.cuda import backend as CB
+    from llampy.ggml.backends.cuda import kernels as K
+    from .helpers import count_launches
+    stores = count_launches(monkeypatch, K, "set_rows")
+    out = {}
+    m = Model(TINY / "qwen2-Q8_0.gguf", n_gpu_layers=-1, override_tensor="token_embd|output=CPU")
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(CB, "_rope_stores", lambda nodes: {})
+        ctx = Context(m, n_ctx=64, type_k=GGMLType.BF16)
+        ctx.decode(Batch.from_tokens([5, 6]))
+        stores.clear()
+        ctx.decode(Batch.from_tokens([8], pos0=2))
+        out[fused] = (ctx.get_logits_ith(-1).copy(), len(stores),
+                      [tensor_get_bytes(k).copy() for k in ctx.kv.k])
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    for a, b in zip(out[True][2], out[False][2]):
+        np.testing.assert_array_equal(a, b)
+    n_layer = len(out[True][2])
+    assert out[False][1] == 2 * n_layer and out[True][1] == n_layer      # K and V stores; V's alone

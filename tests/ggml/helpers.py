@@ -28,6 +28,9 @@ def leaf(backend, type, shape_np, value=None, rng=None) -> Tensor:
     d = tensor_data(t)
     if type == GGMLType.F16:
         d[...] = np.asarray(value, np.float32).astype(np.float16)
+    elif type == GGMLType.BF16:         # the values' BF16 bits (rounded to nearest even), not an integer cast
+        from llampy.ggml.backends.cpu.act_quant import f32_to_bf16_bits
+        d[...] = f32_to_bf16_bits(np.asarray(value, np.float32)).reshape(d.shape)
     elif d.dtype == np.uint8:
         from llampy.ggml.quants import QUANTIZE_TYPES, quantize
         if type in QUANTIZE_TYPES:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 
 from ...backend import Backend, register_backend
-from ...tensor import Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
+from ...tensor import Flags, Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
 from ...quants_tables import kvalues_iq4nl
 from . import kernels as K
@@ -212,8 +212,13 @@ class CUDABackend(Backend):
     def graph_plan_create(self, nodes: list[Tensor]) -> Plan:
         self._q8_shared = {}
         self._norm_quant = self._norm_quant_plan(nodes)
+        stores = _rope_stores(nodes)
         try:
-            calls = [self._bind(n) for n in nodes if n.op not in VIEW_OPS and n.op != Op.NONE]
+            calls = []
+            for n in nodes:
+                if n.op in VIEW_OPS or n.op == Op.NONE or stores.get(n.id, n) is None:
+                    continue
+                calls.append(b_rope(self, n, stores[n.id]) if n.id in stores else self._bind(n))
         finally:
             self._q8_shared = None
         capturable = not any(n.op == Op.MUL_MAT_ID for n in nodes)
@@ -567,9 +572,59 @@ def _bind_rope_vision(be, node):
     return run
 
 
-def b_rope(be, node):
+def _rope_stores(nodes: list[Tensor]) -> dict:
+    """The ropes whose result only a SET_ROWS into the KV cache reads (K of the new tokens, through a permuted
+    view): rope id -> that SET_ROWS, and the SET_ROWS id -> None. b_rope then rotates each row straight into the
+    cache (one launch, not two) and the SET_ROWS is not bound. Only where nothing between the two reads the
+    cache, and the store is set_rows' one-kernel case over a cache of plain cells."""
+    readers: dict[int, list] = {}
+    for n in nodes:
+        for s in n.src:
+            if s is not None:
+                readers.setdefault(s.id, []).append(n)
+    pos = {n.id: i for i, n in enumerate(nodes)}
+    out = {}
+    for n in nodes:
+        if n.op != Op.ROPE or n.op_params.get("sections") or n.flags & Flags.OUTPUT or n.type != T.F32:
+            continue
+        chain, cur = [], n            # the views of the result down to the store
+        while len(readers.get(cur.id, ())) == 1 and readers[cur.id][0].op in VIEW_OPS:
+            cur = readers[cur.id][0]
+            if cur.flags & Flags.OUTPUT:
+                break
+            chain.append(cur)
+        st = readers.get(cur.id, [])
+        if len(st) != 1 or st[0].op != Op.SET_ROWS or st[0].src[0] is not cur or st[0].type not in PLAIN:
+            continue
+        st = st[0]
+        cache = st.view_src if st.view_src is not None else st
+        between = nodes[pos[n.id] + 1:pos[st.id]]
+        if any(s is not None and (s is cache or s.view_src is cache) for b in between for s in b.src):
+            continue
+        out[n.id], out[st.id] = st, None
+    return out
+
+
+def _rope_store_views(be, node, st):
+    """For b_rope's fused store: (cache rows view (heads, cells, ne0), row ids) where the SET_ROWS ``st`` takes
+    row (token t, head h) of the rope's result ``node`` to cache row ids[t] of head h; None where its views do
+    not map the rows so (or set_rows' one-kernel case does not hold)."""
+    src, idx = st.src[0], st.src[1]
+    d, s, iv, r = view(st), view(src), view(idx), view(node)
+    if not (src.ne[3] == 1 and st.ne[3] == 1 and st.ne[2] == src.ne[2] and d.stride(-1) == 1
+            and idx.ne[1] == idx.ne[2] == idx.ne[3] == 1 and iv.stride(-1) == 1 and r.shape[0] == 1):
+        return None
+    s3 = s[0]                         # (heads, tokens, ne0): must be the rope's (tokens, heads, ne0) transposed
+    if not (s3.data_ptr() == r.data_ptr() and s3.shape == (r.shape[2], r.shape[1], r.shape[3])
+            and s3.stride(0) == r.stride(2) and s3.stride(1) == r.stride(1) and s3.stride(2) == 1):
+        return None
+    return d[0], iv.reshape(-1)
+
+
+def b_rope(be, node, store=None):
     """ggml-cuda's rope: theta = pos * theta_scale^i (float32 power), / freq factor, YaRN ramp; NORM rotates
-    adjacent pairs, NEOX the halves; dims past n_dims are copied."""
+    adjacent pairs, NEOX the halves; dims past n_dims are copied. ``store``: the SET_ROWS that alone reads the
+    result (``_rope_stores``): the rows go into the cache in the same launch, and that node computes nothing."""
     p = node.op_params
     if p.get("sections"):
         return _bind_rope_vision(be, node)
@@ -601,11 +656,22 @@ def b_rope(be, node):
         ffv = ff if ff is not None else powers
         mixv = mix if mix is not None else powers
 
+        fused = _rope_store_views(be, node, store) if store is not None else None
+        if fused is not None:
+            cache, rows = fused
+
+            def run_store():
+                K.rope[(n_tok, n_head)](x, posv, powers, ffv, mixv, cache, n_head, x.stride(1), x.stride(2),
+                                        cache.stride(1), cache.stride(0), ne0, freq_scale, mscale, N_DIMS=n_dims,
+                                        NEOX=neox, HAS_FF=ff is not None, HAS_MIX=mix is not None, HALF=half_p2,
+                                        TAIL=tail, rows=rows, STORE=True)
+            return run_store
+
         def run_fast():
             K.rope[(n_tok, n_head)](x, posv, powers, ffv, mixv, d, n_head, x.stride(1), x.stride(2), d.stride(1),
                                     d.stride(2), ne0, freq_scale, mscale, N_DIMS=n_dims, NEOX=neox,
                                     HAS_FF=ff is not None, HAS_MIX=mix is not None, HALF=half_p2, TAIL=tail)
-        return run_fast
+        return _with_store(run_fast, be, store)
 
     def run():
         th = pos.reshape(-1).to(F32)[:, None] * powers[None, :]                  # [n_tokens, half]
@@ -626,7 +692,19 @@ def b_rope(be, node):
         if n_dims < ne0:
             r = torch.cat([r, xf[..., n_dims:]], dim=-1)
         d.copy_(r)
-    return run
+    return _with_store(run, be, store)
+
+
+def _with_store(run, be, store):
+    """A rope call followed by its store's own call, where the two could not become one launch."""
+    if store is None:
+        return run
+    put = b_set_rows(be, store)
+
+    def both():
+        run()
+        put()
+    return both
 
 
 def b_mul_mat(be, node):
@@ -944,7 +1022,8 @@ def b_flash_attn(be, node):
     scale = _param(node, "scale")
     cap = _param(node, "softcap")
     slopes = _alibi(H, _param(node, "max_bias"), be.dev)
-    dt = torch.float16 if be.dev.type == "cuda" else F32
+    # SDPA's type on the GPU: F16, or BF16 over a BF16 cache (whose values may lie outside F16's range)
+    dt = (torch.bfloat16 if k.type == v.type == T.BF16 else torch.float16) if be.dev.type == "cuda" else F32
     sinks = view(node.src[-1]) if p.get("has_sinks") else None       # (H,): a logit per head with no value
     manual = cap != 0.0 or slopes is not None or (mv is not None and mv.shape[1] > 1) or sinks is not None
 
@@ -1020,12 +1099,17 @@ def _dense_kv(be, t: Tensor):
     return dense
 
 
+def _q_as_k(qv, kv):
+    """q rounded to an F16 or BF16 K's type (ggml's dot type for it: to nearest even), else as it is."""
+    return qv.to(kv.dtype) if kv.dtype in (torch.float16, torch.bfloat16) else qv
+
+
 def _flash_attn_dense(be, d, mv, sinks, ne3, H, n_q, Hkv, rk, scale, cap, slopes, dt, manual, expand_kv):
     """b_flash_attn's paths over dense K and V (the cache's views, or dense copies of a block-format cache): a
     function of (Q, K, V)."""
     if manual:
         def run(qv, kv, vv):
-            qq = _f(qv.to(torch.float16)) if kv.dtype == torch.float16 else _f(qv)
+            qq = _f(_q_as_k(qv, kv))
             kk = _f(expand_kv(kv)).repeat_interleave(rk, dim=1)
             vvv = _f(expand_kv(vv)).repeat_interleave(rk, dim=1)
             s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
@@ -1044,7 +1128,7 @@ def _flash_attn_dense(be, d, mv, sinks, ne3, H, n_q, Hkv, rk, scale, cap, slopes
         return run
 
     def run(qv, kv, vv):
-        qq = (qv.to(torch.float16).to(dt) if kv.dtype == torch.float16 else qv.to(dt)).reshape(
+        qq = _q_as_k(qv, kv).to(dt).reshape(
             ne3, Hkv, rk * n_q, qv.shape[-1])
         kk, vvv = expand_kv(kv).to(dt), expand_kv(vv).to(dt)
         m = None

@@ -301,9 +301,8 @@ def matvec_half(w, x, y, N, K, sw, sx, sy, NC: tl.constexpr, BN: tl.constexpr, B
             km = (ks + zr) < K
             wv = tl.load(p + ks, mask=km, other=0.0).to(tl.float32)
             xv = tl.load(x + c * sx + ks + zr, mask=km, other=0.0)
-            if w.dtype.element_ty == tl.bfloat16:   # round to nearest even in bits (ggml_compute_fp32_to_bf16;
-                u = xv.to(tl.int32, bitcast=True)     # Triton's interpreter truncates in .to(bfloat16))
-                xv = ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            if w.dtype.element_ty == tl.bfloat16:
+                xv = _round_bf16(xv)
             else:
                 xv = xv.to(tl.float16).to(tl.float32)
             acc += wv * xv
@@ -446,9 +445,11 @@ def _quantize_act_blocks(v, nb, xq, xd, xs, G: tl.constexpr):
 @triton.jit
 def rope(x, pos, powers, ff, mix, out, n_head, sx_t, sx_h, so_t, so_h, ne0, freq_scale, mscale,
          N_DIMS: tl.constexpr, NEOX: tl.constexpr, HAS_FF: tl.constexpr, HAS_MIX: tl.constexpr,
-         HALF: tl.constexpr, TAIL: tl.constexpr):
+         HALF: tl.constexpr, TAIL: tl.constexpr, rows=None, STORE: tl.constexpr = False):
     """Rotate the first N_DIMS values of row (token t, head h) by theta_i = pos[t] * powers[i] (/ ff[i]), YaRN's
-    mix where given; NEOX pairs (i, i + N_DIMS/2), else (2i, 2i + 1); values past N_DIMS copied. ggml-cuda's form."""
+    mix where given; NEOX pairs (i, i + N_DIMS/2), else (2i, 2i + 1); values past N_DIMS copied. ggml-cuda's form.
+    STORE: the rotated row goes straight into the KV cache, at cache row rows[t] of head h, converted to the
+    cache's type as set_rows converts (the rope and the store of K in one launch)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, HALF)
@@ -464,7 +465,10 @@ def rope(x, pos, powers, ff, mix, out, n_head, sx_t, sx_h, so_t, so_h, ne0, freq
     c = tl.cos(theta) * mscale
     s = tl.sin(theta) * mscale
     xr = x + t * sx_t + h * sx_h
-    orow = out + t * so_t + h * so_h
+    if STORE:
+        orow = out + tl.load(rows + t).to(tl.int64) * so_t + h * so_h
+    else:
+        orow = out + t * so_t + h * so_h
     if NEOX:
         i0 = i
         i1 = i + N_DIMS // 2
@@ -473,12 +477,36 @@ def rope(x, pos, powers, ff, mix, out, n_head, sx_t, sx_h, so_t, so_h, ne0, freq
         i1 = 2 * i + 1
     x0 = tl.load(xr + i0, mask=m, other=0.0)
     x1 = tl.load(xr + i1, mask=m, other=0.0)
-    tl.store(orow + i0, x0 * c - x1 * s, mask=m)
-    tl.store(orow + i1, x0 * s + x1 * c, mask=m)
+    _store_as(orow + i0, x0 * c - x1 * s, m)
+    _store_as(orow + i1, x0 * s + x1 * c, m)
     if TAIL > 0:
         j = N_DIMS + tl.arange(0, TAIL)
         mj = j < ne0
-        tl.store(orow + j, tl.load(xr + j, mask=mj, other=0.0), mask=mj)
+        _store_as(orow + j, tl.load(xr + j, mask=mj, other=0.0), mj)
+
+
+@triton.jit
+def _store_as(p, v, m):
+    """float32 values stored at p in p's type: F32 as they are, F16 to nearest, BF16 to nearest even (``_bf16_rne``:
+    ggml_cpu_fp32_to_bf16; Triton's interpreter would truncate)."""
+    if p.dtype.element_ty == tl.bfloat16:
+        tl.store(p.to(tl.pointer_type(tl.int16)), (_bf16_rne(v) >> 16).to(tl.int16), mask=m)
+    else:
+        tl.store(p, v.to(p.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """float32 values' bits rounded to nearest even on the top 16 (ggml_compute_fp32_to_bf16; the GPU's cvt.rn does
+    the same, Triton's interpreter truncates in .to(bfloat16)): int32, the BF16 bits in the top half."""
+    u = x.to(tl.int32, bitcast=True)
+    return (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 values rounded to BF16 (``_bf16_rne``), as float32."""
+    return _bf16_rne(x).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -491,7 +519,7 @@ def set_rows(src, idx, dst, ne0, ss, sd, ss2, sd2, BLOCK: tl.constexpr):
     m = i < ne0
     to = tl.load(idx + r).to(tl.int64)
     v = tl.load(src + i2 * ss2 + r * ss + i, mask=m, other=0.0)
-    tl.store(dst + i2 * sd2 + to * sd + i, v.to(dst.dtype.element_ty), mask=m)
+    _store_as(dst + i2 * sd2 + to * sd + i, v, m)
 
 
 # ------------------------------------------------------------------------------------------------ quantized rows
@@ -636,7 +664,8 @@ def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n
                 KT: tl.constexpr = 1, VT: tl.constexpr = 1, HAS_CAP: tl.constexpr = False,
                 HAS_SINK: tl.constexpr = False):
     """One query row per head (decode) over the F16 cache: softmax(scale q k^T + mask) v for head h = program 0,
-    its KV head h // rk; q rounded to F16 as ggml-cuda's kernels read it; online softmax over tiles of BN keys.
+    its KV head h // rk; q rounded to F16 as ggml-cuda's kernels read it (to BF16 over a BF16 K, ggml-cpu's dot
+    type); online softmax over tiles of BN keys.
     Program 1 takes keys [s * chunk, (s + 1) * chunk) (flash-decoding: a short cache gives H programs, too few for
     the device): with SPLIT, it writes its unnormalised sum to out[h, s] and (max, sum of weights) to pml[h, s] for
     attn_combine; without, the normalised row to out[h]. Rows with every key masked give zeros (as the other
@@ -649,10 +678,18 @@ def attn_decode(q, k, v, mask, out, pml, n_kv, chunk, rk, sq_h, sk_n, sk_h, sv_n
     kh = h // rk
     di = tl.arange(0, BD)
     dv = tl.arange(0, BDV)
-    if QUANT and KT != F16 and KT != F32 and KT != BF16:    # q rounded to K's dot type, Q8_0 blocks
-        qv = _round_act(tl.load(q + h * sq_h + di, mask=di < D, other=0.0), BD, ACT_Q8)
+    qv = tl.load(q + h * sq_h + di, mask=di < D, other=0.0)
+    if QUANT:
+        if KT == BF16:                                      # q rounded to K's dot type: BF16 (as ggml-cpu)
+            qv = _round_bf16(qv)
+        elif KT != F16 and KT != F32:                       # Q8_0 blocks
+            qv = _round_act(qv, BD, ACT_Q8)
+        else:
+            qv = qv.to(tl.float16).to(tl.float32)
+    elif k.dtype.element_ty == tl.bfloat16:
+        qv = _round_bf16(qv)
     else:
-        qv = tl.load(q + h * sq_h + di, mask=di < D, other=0.0).to(tl.float16).to(tl.float32)
+        qv = qv.to(tl.float16).to(tl.float32)
     m_i = tl.full([], -float("inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     if HAS_SINK:
