@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core.extending import intrinsic
 
 from .types import GGMLType, TYPE_TRAITS
 
@@ -30,21 +32,51 @@ def round_f16(v: np.ndarray) -> np.ndarray:
     return np.asarray(v, F32).astype(np.float16).astype(F32)
 
 
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The bit pattern of a float32 as a uint32 (a register move; Numba scalars have no view)."""
+    if not isinstance(v, types.Float) or v.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, u):
+    """The float32 whose bit pattern is the low 32 bits of an integer."""
+    if not isinstance(u, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = args[0]
+        if u.bitwidth > 32:
+            x = builder.trunc(x, ir.IntType(32))
+        elif u.bitwidth < 32:
+            x = builder.zext(x, ir.IntType(32))
+        return builder.bitcast(x, ir.FloatType())
+    return types.float32(u), codegen
+
+
 @njit(cache=True, nogil=True)
 def fp16_bits(v):
-    """GGML_FP32_TO_FP16 inside Numba kernels: float32 -> its fp16 bit pattern, nearest even (as F16C and NumPy).
-    Arithmetic on the float64 value (exact for a float32) instead of bit casts, which Numba scalars lack."""
-    s = 0x8000 if math.copysign(1.0, v) < 0 else 0
-    a = abs(float(v))
-    if a != a:
-        return s | 0x7E00
-    if a >= 65520.0:                                     # rounds past 65504: infinity
-        return s | 0x7C00
-    if a < 6.103515625e-05:                              # below 2^-14: subnormal steps of 2^-24 (1024 = 2^-14)
-        return s | int(np.rint(a * 16777216.0))
-    m, e = math.frexp(a)                                 # a = m 2^e, 0.5 <= m < 1
-    q = int(np.rint(m * 2048.0))                         # 11 significant bits; q = 2048 carries into the exponent
-    return s | (((e + 14) << 10) + q - 1024)
+    """GGML_FP32_TO_FP16 inside Numba kernels: float32 -> its fp16 bit pattern, nearest even (as F16C and NumPy),
+    from the float's bits (a NaN gives the quiet NaN 0x7E00 with its sign)."""
+    f = _f32_bits(F32(v))
+    s = (f >> np.uint32(16)) & np.uint32(0x8000)
+    a = f & np.uint32(0x7FFFFFFF)
+    if a > np.uint32(0x7F800000):
+        return np.int64(s | np.uint32(0x7E00))
+    if a >= np.uint32(0x477FF000):                          # 65520 and up round past 65504: infinity
+        return np.int64(s | np.uint32(0x7C00))
+    if a < np.uint32(0x38800000):                           # below 2^-14: subnormal steps of 2^-24, nearest even
+        y = _bits_f32(a) * F32(16777216.0)                  # exact (a power of two); y < 1024
+        return np.int64(s) | np.int64((y + F32(8388608.0)) - F32(8388608.0))
+    # rebias the exponent (127 -> 15) and round the mantissa's low 13 bits to nearest even (a carry moves into
+    # the exponent, as it should)
+    r = a - np.uint32(0x38000000) + np.uint32(0x0FFF) + ((a >> np.uint32(13)) & np.uint32(1))
+    return np.int64(s | (r >> np.uint32(13)))
 
 
 @njit(cache=True, nogil=True)
@@ -52,8 +84,10 @@ def fp16_value(h):
     """GGML_FP16_TO_FP32 of a bit pattern from fp16_bits (finite)."""
     e = (h >> 10) & 31
     m = h & 1023
-    v = math.ldexp(float(m), -24) if e == 0 else math.ldexp(float(1024 + m), e - 25)
-    return F32(-v if h & 0x8000 else v)
+    if e == 0:
+        v = F32(m) * F32(5.9604644775390625e-08)            # m 2^-24, exact
+        return -v if h & 0x8000 else v
+    return _bits_f32(np.uint32(((h & 0x8000) << 16) | ((e + 112) << 23) | (m << 13)))
 
 
 def as_bytes(data: np.ndarray) -> np.ndarray:

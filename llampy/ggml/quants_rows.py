@@ -39,37 +39,39 @@ def _q8_0(b, o):
 @njit(cache=True, nogil=True)
 def _qx_0(b, o, nlev):
     """Q4_0 (nlev 8: {d, qs[16]}) / Q5_0 (nlev 16: {d, qh[4], qs[16]}): d = max / -nlev,
-    L = min(2*nlev - 1, (int8)(x * id + nlev + 0.5)); qs[j] = L[j] low nibble | L[j+16] low nibble << 4."""
+    L = min(2*nlev - 1, (int8)(x * id + nlev + 0.5)); qs[j] = L[j] low nibble | L[j+16] low nibble << 4. The
+    signed maximum by selects, the levels into an int32 row, then the nibbles and high bits: loops LLVM vectorizes
+    (int64 levels and the bit packing in one loop kept them scalar)."""
     off = F32(nlev) + F32(0.5)
     q = 2 if nlev == 8 else 6
+    top = np.int32(2 * nlev - 1)
+    lv = np.empty(32, np.int32)
     for i in range(b.shape[0]):
         amax = F32(0.0)
         mx = F32(0.0)
         for j in range(32):
             v = b[i, j]
-            if amax < abs(v):
-                amax = abs(v)
-                mx = v
+            a = abs(v)
+            gt = amax < a
+            amax = a if gt else amax
+            mx = v if gt else mx
         di = mx / F32(-nlev)
         inv = F32(1.0) / di if di != 0 else F32(0.0)
         _put_f16(o[i], 0, di)
-        qh = 0
+        for j in range(32):
+            lv[j] = min(top, np.int32(b[i, j] * inv + off))
         for j in range(16):
-            l0 = min(2 * nlev - 1, int(b[i, j] * inv + off))
-            l1 = min(2 * nlev - 1, int(b[i, 16 + j] * inv + off))
-            o[i, q + j] = (l0 & 0xF) | ((l1 & 0xF) << 4)
-            qh |= ((l0 >> 4) & 1) << j
-            qh |= ((l1 >> 4) & 1) << (j + 16)
+            o[i, q + j] = np.uint8((lv[j] & 0xF) | ((lv[16 + j] & 0xF) << 4))
         if nlev == 16:
-            for k in range(4):
-                o[i, 2 + k] = (qh >> (8 * k)) & 0xFF
+            _put_qh(lv, o[i], 2)
 
 
 @njit(cache=True, nogil=True)
 def _qx_1(b, o, nmax):
     """Q4_1 (nmax 15: {d, m, qs[16]}) / Q5_1 (nmax 31, no clamp in ggml: {d, m, qh[4], qs[16]}):
-    d = (max - min) / nmax, L = (x - min) * id + 0.5."""
+    d = (max - min) / nmax, L = (x - min) * id + 0.5 (vectorized as _qx_0)."""
     q = 4 if nmax == 15 else 8
+    lv = np.empty(32, np.int32)
     for i in range(b.shape[0]):
         mn = b[i, 0]
         mx = b[i, 0]
@@ -80,19 +82,23 @@ def _qx_1(b, o, nmax):
         inv = F32(1.0) / di if di != 0 else F32(0.0)
         _put_f16(o[i], 0, di)
         _put_f16(o[i], 2, mn)
-        qh = 0
+        for j in range(32):
+            l = np.int32((b[i, j] - mn) * inv + F32(0.5))
+            lv[j] = min(np.int32(15), l) if nmax == 15 else l
         for j in range(16):
-            l0 = int((b[i, j] - mn) * inv + F32(0.5))
-            l1 = int((b[i, 16 + j] - mn) * inv + F32(0.5))
-            if nmax == 15:
-                l0 = min(15, l0)
-                l1 = min(15, l1)
-            o[i, q + j] = (l0 & 0xF) | ((l1 & 0xF) << 4)
-            qh |= ((l0 >> 4) & 1) << j
-            qh |= ((l1 >> 4) & 1) << (j + 16)
+            o[i, q + j] = np.uint8((lv[j] & 0xF) | ((lv[16 + j] & 0xF) << 4))
         if nmax == 31:
-            for k in range(4):
-                o[i, 4 + k] = (qh >> (8 * k)) & 0xFF
+            _put_qh(lv, o[i], 4)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_qh(lv, o, at):
+    """qh[4] at o[at]: bit j = bit 4 of level j"""
+    qh = np.uint32(0)
+    for j in range(32):
+        qh |= np.uint32((lv[j] >> 4) & 1) << np.uint32(j)
+    for k in range(4):
+        o[at + k] = (qh >> np.uint32(8 * k)) & np.uint32(0xFF)
 
 
 _KERNELS = {T.Q8_0: (_q8_0, 34, ()), T.Q4_0: (_qx_0, 18, (8,)), T.Q5_0: (_qx_0, 22, (16,)),
