@@ -5,8 +5,6 @@ results are bit-identical to ggml's (C ``float`` arithmetic without fused multip
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
