@@ -124,6 +124,8 @@ def cmd_quantize(args) -> int:
         return 2
     if params.nthread <= 0:
         params.nthread = os.cpu_count() or 1
+    from . import tuning
+    tuning.keep_freed_arrays()          # the command's own process: its chunks' temporaries stay mapped
     bar = _bar(args.progress)
     verbose = not bar.on
     print(f"llampy quantize: {'sizing' if params.dry_run else 'quantizing'} '{fin}'"
