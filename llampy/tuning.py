@@ -20,6 +20,9 @@ Importing llampy changes nothing process-wide. The entry points — the ``llampy
   graph is moved into the collector's permanent generation (``gc.freeze``, through ``after_graph_built``).
 
 ``installed()`` says whether it ran. Nothing here can be undone; a process that does not want it never calls it.
+
+Apart from ``install()``: ``keep_freed_arrays()`` raises glibc's malloc thresholds for ``llampy quantize``'s own
+process (see its doc).
 """
 from __future__ import annotations
 
