@@ -77,11 +77,19 @@ def bind_get_rows(node, dst, srcs):
         kernel = lambda: fn(a16, idx, F16_TABLE, dst)
     else:
         from ...quants import dequantize
+        from .matmul import _weights_tile   # the prompt products' tile decoders: ggml's dequantize_row_* values
 
-        def run_q():   # block types: dequantize only the selected rows
+        k = node.src[0].ne[0]
+        blocks = t != T.BF16 and dst.dtype == np.float32 and dst.flags.c_contiguous
+
+        def run_q():   # block types: decode only the selected rows (a token's embedding row, at decode)
             rows.check_index(idx, n_rows, "get_rows")
             sel = a[np.arange(idx.shape[0])[:, None, None], np.arange(idx.shape[1])[None, :, None], idx]
-            dst[...] = dequantize(sel, t).reshape(dst.shape)
+            if blocks:
+                sel = sel.reshape(-1, sel.shape[-1])
+                _weights_tile(sel, t, 0, sel.shape[0], k, dst.reshape(-1, k))
+            else:
+                dst[...] = dequantize(sel, t).reshape(dst.shape)
         return run_q
 
     def run():
