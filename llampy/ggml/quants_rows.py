@@ -101,19 +101,60 @@ def _put_qh(lv, o, at):
         o[at + k] = (qh >> np.uint32(8 * k)) & np.uint32(0xFF)
 
 
-_KERNELS = {T.Q8_0: (_q8_0, 34, ()), T.Q4_0: (_qx_0, 18, (8,)), T.Q5_0: (_qx_0, 22, (16,)),
-            T.Q4_1: (_qx_1, 20, (15,)), T.Q5_1: (_qx_1, 24, (31,))}
+@njit(cache=True, nogil=True)
+def _q2_0(b, o):
+    """quantize_row_q2_0_ref, blocks of 64 {d, qs[16]}: d = amax, q = clamp(roundf(x / d) + 1, 0, 3) (x * (d ? 1/d
+    : 0), as quants.quantize_q2_0), four consecutive values a byte from the low bits."""
+    lv = np.empty(64, np.int32)
+    for i in range(b.shape[0]):
+        amax = F32(0.0)
+        for j in range(64):
+            a = abs(b[i, j])
+            amax = a if amax < a else amax
+        inv = F32(1.0) / amax if amax != 0 else F32(0.0)
+        _put_f16(o[i], 0, amax)
+        for j in range(64):
+            r = _roundf(b[i, j] * inv) + F32(1.0)
+            lv[j] = np.int32(min(max(r, F32(0.0)), F32(3.0)))
+        for j in range(16):
+            o[i, 2 + j] = np.uint8(lv[4 * j] | (lv[4 * j + 1] << 2) | (lv[4 * j + 2] << 4) | (lv[4 * j + 3] << 6))
+
+
+@njit(cache=True, nogil=True)
+def _tq2_0(b, o):
+    """quantize_row_tq2_0_ref, blocks of 256 {qs[64], d}: d = amax, q = (lroundf(x / d) + 1) & 3 (x * (d ? 1/d : 0)),
+    qs[32 h + l] = q[128 h + 32 k + l] << 2 k for k 0..3."""
+    lv = np.empty(256, np.int32)
+    for i in range(b.shape[0]):
+        amax = F32(0.0)
+        for j in range(256):
+            a = abs(b[i, j])
+            amax = a if amax < a else amax
+        inv = F32(1.0) / amax if amax != 0 else F32(0.0)
+        for j in range(256):
+            lv[j] = (np.int32(_roundf(b[i, j] * inv)) + 1) & 3
+        for h in range(2):
+            for l in range(32):
+                j = 128 * h + l
+                o[i, 32 * h + l] = np.uint8(lv[j] | (lv[j + 32] << 2) | (lv[j + 64] << 4) | (lv[j + 96] << 6))
+        _put_f16(o[i], 64, amax)
+
+
+# type -> (kernel, values a block, bytes a block, its arguments)
+_KERNELS = {T.Q8_0: (_q8_0, 32, 34, ()), T.Q4_0: (_qx_0, 32, 18, (8,)), T.Q5_0: (_qx_0, 32, 22, (16,)),
+            T.Q4_1: (_qx_1, 32, 20, (15,)), T.Q5_1: (_qx_1, 32, 24, (31,)), T.Q2_0: (_q2_0, 64, 18, ()),
+            T.TQ2_0: (_tq2_0, 256, 66, ())}
 
 
 def quantize_rows_ref(x: np.ndarray, t: GGMLType, out: np.ndarray | None = None) -> np.ndarray | None:
-    """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 (into ``out``, C-contiguous,
-    when given); None for other types."""
+    """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_0 and TQ2_0 (into
+    ``out``, C-contiguous, when given); None for other types."""
     k = _KERNELS.get(GGMLType(t))
     if k is None:
         return None
-    kernel, size, args = k
+    kernel, blck, size, args = k
     x = np.ascontiguousarray(x, F32)
-    b = x.reshape(-1, 32)
+    b = x.reshape(-1, blck)
     if out is None:
         out = np.empty((x.shape[0], b.shape[0] // x.shape[0] * size), np.uint8)
     kernel(b, out.reshape(len(b), size), *args)
