@@ -140,14 +140,47 @@ def _tq2_0(b, o):
         _put_f16(o[i], 64, amax)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _trits(lv, at, step, npow, m):
+    """5 (or fewer, then zero) trits lv[at + step k + m] into one byte: q = q 3 + t (mod 256), ceil(q 256 / 243)"""
+    q = np.int32(0)
+    for k in range(5):
+        t = lv[at + step * k + m] if k < npow else np.int32(0)
+        q = (q * 3 + t) & 0xFF
+    return np.uint8((q * 256 + 242) // 243)
+
+
+@njit(cache=True, nogil=True)
+def _tq1_0(b, o):
+    """quantize_row_tq1_0_ref, blocks of 256 {qs[48], qh[4], d}: trits lroundf(x / d) + 1 (x * (d ? 1/d : 0), d =
+    amax), five a byte over values m, m + 32, ... (qs[0:32]; then m, m + 16, ... from 160 for qs[32:48]), four a
+    byte (and a zero trit) from 240 for qh."""
+    lv = np.empty(256, np.int32)
+    for i in range(b.shape[0]):
+        amax = F32(0.0)
+        for j in range(256):
+            a = abs(b[i, j])
+            amax = a if amax < a else amax
+        inv = F32(1.0) / amax if amax != 0 else F32(0.0)
+        for j in range(256):
+            lv[j] = np.int32(_roundf(b[i, j] * inv)) + 1
+        for m in range(32):
+            o[i, m] = _trits(lv, 0, 32, 5, m)
+        for m in range(16):
+            o[i, 32 + m] = _trits(lv, 160, 16, 5, m)
+        for m in range(4):
+            o[i, 48 + m] = _trits(lv, 240, 4, 4, m)
+        _put_f16(o[i], 52, amax)
+
+
 # type -> (kernel, values a block, bytes a block, its arguments)
 _KERNELS = {T.Q8_0: (_q8_0, 32, 34, ()), T.Q4_0: (_qx_0, 32, 18, (8,)), T.Q5_0: (_qx_0, 32, 22, (16,)),
             T.Q4_1: (_qx_1, 32, 20, (15,)), T.Q5_1: (_qx_1, 32, 24, (31,)), T.Q2_0: (_q2_0, 64, 18, ()),
-            T.TQ2_0: (_tq2_0, 256, 66, ())}
+            T.TQ1_0: (_tq1_0, 256, 54, ()), T.TQ2_0: (_tq2_0, 256, 66, ())}
 
 
 def quantize_rows_ref(x: np.ndarray, t: GGMLType, out: np.ndarray | None = None) -> np.ndarray | None:
-    """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_0 and TQ2_0 (into
+    """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_0, TQ1_0 and TQ2_0 (into
     ``out``, C-contiguous, when given); None for other types."""
     k = _KERNELS.get(GGMLType(t))
     if k is None:

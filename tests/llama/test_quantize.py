@@ -187,7 +187,7 @@ def test_imatrix_roundtrip_and_normalisation(tmp_path):
     assert w.tolist() == [0, 0.25, 0.5, 0.75, 1, 1, 1, 1]   # an expert that saw no token weighs 1
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q2_0, T.TQ2_0])
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q2_0, T.TQ1_0, T.TQ2_0])
 def test_row_quantizers_match_reference(t):
     """quants_rows (the Numba loops quantize runs) against quants.quantize, ties and zero blocks included."""
     from llampy.ggml.quants import quantize
