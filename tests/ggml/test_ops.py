@@ -204,6 +204,14 @@ CASES = {
     "softplus": (lambda B: ops.softplus(B(F32, (3, 40), np.linspace(-30, 30, 120).reshape(3, 40))), 1e-6),
     "ssm_conv_one_token": (lambda B: ops.ssm_conv(B(F32, (2, 10, 4)), B(F32, (10, 4))), 1e-6),
     "ssm_conv_many": (lambda B: ops.ssm_conv(B(F32, (3, 24, 3 + 7)), B(F32, (24, 4))), 1e-6),
+    # the rolling rows' convolution in one node: decode of two sequences (one moving to another row, bias + silu),
+    # and a prompt of 5 tokens with the sequence starting from another row than it writes
+    "ssm_conv_state_decode": (lambda B: ops.ssm_conv_state(
+        B(F32, (2, 1, 24)), B(F32, (24, 4)), B(F32, (3, 3 * 24)), B(I32, (2,), np.array([0, 2])),
+        B(I32, (2,), np.array([1, 2])), B(F32, (24,)), silu=True), 1e-6),
+    "ssm_conv_state_prompt": (lambda B: ops.ssm_conv_state(
+        B(F32, (1, 5, 16)), B(F32, (16, 3)), B(F32, (2, 2 * 16)), B(I32, (1,), np.array([1])),
+        B(I32, (1,), np.array([0]))), 1e-6),
     "ssm_scan_mamba1_one_token": (lambda B: _scan(B, d_state=16, head_dim=1, n_head=12, n_group=1, n_tok=1,
                                                   ids=[2, 0], a_per_elem=True), 1e-5),
     "ssm_scan_mamba1_many": (lambda B: _scan(B, d_state=16, head_dim=1, n_head=20, n_group=1, n_tok=5,
