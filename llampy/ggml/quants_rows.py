@@ -120,19 +120,27 @@ def _q2_0(b, o):
             o[i, 2 + j] = np.uint8(lv[4 * j] | (lv[4 * j + 1] << 2) | (lv[4 * j + 2] << 4) | (lv[4 * j + 3] << 6))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _ternary_levels(x, lv):
+    """The ternary types' levels of one block of 256: lv = (lroundf(x / d) + 1) & 3 (x * (d ? 1/d : 0), 0..2 for
+    finite x) with d = amax, returned."""
+    amax = F32(0.0)
+    for j in range(256):
+        a = abs(x[j])
+        amax = a if amax < a else amax
+    inv = F32(1.0) / amax if amax != 0 else F32(0.0)
+    for j in range(256):
+        lv[j] = (np.int32(_roundf(x[j] * inv)) + 1) & 3
+    return amax
+
+
 @njit(cache=True, nogil=True)
 def _tq2_0(b, o):
     """quantize_row_tq2_0_ref, blocks of 256 {qs[64], d}: d = amax, q = (lroundf(x / d) + 1) & 3 (x * (d ? 1/d : 0)),
     qs[32 h + l] = q[128 h + 32 k + l] << 2 k for k 0..3."""
     lv = np.empty(256, np.int32)
     for i in range(b.shape[0]):
-        amax = F32(0.0)
-        for j in range(256):
-            a = abs(b[i, j])
-            amax = a if amax < a else amax
-        inv = F32(1.0) / amax if amax != 0 else F32(0.0)
-        for j in range(256):
-            lv[j] = (np.int32(_roundf(b[i, j] * inv)) + 1) & 3
+        amax = _ternary_levels(b[i], lv)
         for h in range(2):
             for l in range(32):
                 j = 128 * h + l
@@ -157,13 +165,7 @@ def _tq1_0(b, o):
     byte (and a zero trit) from 240 for qh."""
     lv = np.empty(256, np.int32)
     for i in range(b.shape[0]):
-        amax = F32(0.0)
-        for j in range(256):
-            a = abs(b[i, j])
-            amax = a if amax < a else amax
-        inv = F32(1.0) / amax if amax != 0 else F32(0.0)
-        for j in range(256):
-            lv[j] = np.int32(_roundf(b[i, j] * inv)) + 1
+        amax = _ternary_levels(b[i], lv)
         for m in range(32):
             o[i, m] = _trits(lv, 0, 32, 5, m)
         for m in range(16):
