@@ -49,6 +49,26 @@ def libggml_cpu(mode: int = ctypes.DEFAULT_MODE) -> tuple[ctypes.CDLL, ctypes.CD
     return ctypes.CDLL(base, mode=mode), ctypes.CDLL(cpu, mode=mode)
 
 
+def libggml_graph() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """``libggml_cpu()`` with the signatures a one-node flash-attention graph needs (ggml_init, 4-D tensors, their
+    data, ggml_flash_attn_ext and its sinks, a forward graph computed on the CPU) declared for ctypes."""
+    b, c = libggml_cpu()
+    P = ctypes.c_void_p
+    b.ggml_init.restype, b.ggml_init.argtypes = P, [GGMLInitParams]
+    b.ggml_new_tensor_4d.restype = P
+    b.ggml_new_tensor_4d.argtypes = [P, ctypes.c_int] + [ctypes.c_int64] * 4
+    b.ggml_get_data.restype, b.ggml_get_data.argtypes = P, [P]
+    b.ggml_flash_attn_ext.restype = P
+    b.ggml_flash_attn_ext.argtypes = [P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+    b.ggml_flash_attn_ext_add_sinks.argtypes = [P, P]
+    b.ggml_new_graph.restype, b.ggml_new_graph.argtypes = P, [P]
+    b.ggml_build_forward_expand.argtypes = [P, P]
+    b.ggml_free.argtypes = [P]
+    c.ggml_cpu_init()
+    c.ggml_graph_compute_with_ctx.argtypes = [P, P, ctypes.c_int]
+    return b, c
+
+
 def python() -> str | None:
     """A Python that imports llama_cpp."""
     cands = [os.environ.get("LLAMPY_LLAMACPP_PYTHON", "")] + [os.path.join(d, "bin", "python") for d in _venvs()]

@@ -24,19 +24,8 @@ F32, F16 = 0, 1
 
 @pytest.fixture(scope="module")
 def ggml():
-    b, c = llamacpp.libggml_cpu()
+    b, c = llamacpp.libggml_graph()
     P = ctypes.c_void_p
-    b.ggml_init.restype, b.ggml_init.argtypes = P, [llamacpp.GGMLInitParams]
-    b.ggml_new_tensor_4d.restype = P
-    b.ggml_new_tensor_4d.argtypes = [P, ctypes.c_int] + [ctypes.c_int64] * 4
-    b.ggml_get_data.restype, b.ggml_get_data.argtypes = P, [P]
-    b.ggml_flash_attn_ext.restype = P
-    b.ggml_flash_attn_ext.argtypes = [P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_float]
-    b.ggml_new_graph.restype, b.ggml_new_graph.argtypes = P, [P]
-    b.ggml_build_forward_expand.argtypes = [P, P]
-    b.ggml_free.argtypes = [P]
-    c.ggml_cpu_init()
-    c.ggml_graph_compute_with_ctx.argtypes = [P, P, ctypes.c_int]
     c.ggml_vec_dot_f16.argtypes = [ctypes.c_int, P, ctypes.c_size_t, P, ctypes.c_size_t, P, ctypes.c_size_t,
                                    ctypes.c_int]
     c.ggml_vec_dot_f32.argtypes = c.ggml_vec_dot_f16.argtypes

@@ -23,21 +23,7 @@ F32, F16 = 0, 1
 
 @pytest.fixture(scope="module")
 def ggml():
-    b, c = llamacpp.libggml_cpu()
-    P = ctypes.c_void_p
-    b.ggml_init.restype, b.ggml_init.argtypes = P, [llamacpp.GGMLInitParams]
-    b.ggml_new_tensor_4d.restype = P
-    b.ggml_new_tensor_4d.argtypes = [P, ctypes.c_int] + [ctypes.c_int64] * 4
-    b.ggml_get_data.restype, b.ggml_get_data.argtypes = P, [P]
-    b.ggml_flash_attn_ext.restype = P
-    b.ggml_flash_attn_ext.argtypes = [P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_float]
-    b.ggml_flash_attn_ext_add_sinks.argtypes = [P, P]
-    b.ggml_new_graph.restype, b.ggml_new_graph.argtypes = P, [P]
-    b.ggml_build_forward_expand.argtypes = [P, P]
-    b.ggml_free.argtypes = [P]
-    c.ggml_cpu_init()
-    c.ggml_graph_compute_with_ctx.argtypes = [P, P, ctypes.c_int]
-    return b, c
+    return llamacpp.libggml_graph()
 
 
 def _ggml_flash_attn(lib, q, k, v, mask, kv_type, scale, max_bias, softcap, sinks=None):
