@@ -24,7 +24,7 @@ CUDA = backend_init("cuda")
 from llampy.ggml.backends.cuda import kernels as K  # noqa: E402  (imported by the backend)
 
 # what the backend leaves to the CPU (the scheduler places it there)
-NOT_ON_CUDA: set[str] = set()
+NOT_ON_CUDA = {"get_rows_iq2_xxs"}    # a type without CUDA kernels: its rows stay with the CPU
 # the reference rounds activations to the weight's dot type (Q8_0/Q8_1/Q8_K) and uses ggml-cpu's F16 GELU table;
 # the GPU keeps activations in float32 (F16 inside tensor-core tiles), as ggml-cuda's dequantize paths do
 LOOSE = 1e-2

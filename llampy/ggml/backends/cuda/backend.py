@@ -848,15 +848,16 @@ def b_get_rows(be, node):
     d = view(node)
     iv = view(idx)
     if a.type in BLOCK_TYPES:
-        if a.ne[2] != 1 or a.ne[3] != 1:
-            raise NotImplementedError("get_rows of a block-format tensor with ne2/ne3 > 1 on cuda")
-        w = rows(a)[0, 0]
-        n = idx.nelements
-        d2 = d.reshape(n, a.ne[0])
+        # ggml_get_rows: index row (i11, i12) picks rows of a's matrix (i02 = i11, i03 = i12)
+        w = rows(a)
+        n, n2, n3 = idx.ne[0], idx.ne[1], idx.ne[2]
+        ii = iv.reshape(n3, n2, n)
+        d3 = d.reshape(n3, n2, n, a.ne[0])
 
         def run():
-            out = be._dequant(a, w, F32, iv.reshape(-1).to(torch.int32).contiguous())
-            d2.copy_(out)
+            for i3 in range(n3):
+                for i2 in range(n2):
+                    d3[i3, i2].copy_(be._dequant(a, w[i3, i2], F32, ii[i3, i2].to(torch.int32).contiguous()))
         return run
     av = view(a)
 
