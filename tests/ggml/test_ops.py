@@ -532,3 +532,40 @@ def test_products_share_a_quantized_input_until_it_is_written():
     for w, x_val, res in ((w1, xv, got[0]), (w2, xv, got[1]), (w3, written, got[3])):
         (want,) = run(CPU, ops.mul_mat(w, leaf(CPU, F32, (2, 64), x_val)))
         np.testing.assert_array_equal(res, want)
+
+
+def test_attention_layers_sharing_a_mask_list_its_cells_once_per_run(monkeypatch):
+    """Decode attention in two layers reading one mask input: the cells it leaves visible are listed once per run
+    (the plan's memo), and listed again in the next run, after the mask changed, as the reference backend says."""
+    from llampy.ggml.backends.cpu import attention
+    from llampy.ggml.sched import Scheduler
+    listed = []
+    real = attention.visible_cells
+    monkeypatch.setattr(attention, "visible_cells", lambda *a: listed.append(1) or real(*a))
+    rng = np.random.default_rng(5)
+    vals = {name: rng.standard_normal(shape) for name, shape in
+            (("q1", (1, 4, 64)), ("q2", (1, 4, 64)), ("k1", (2, 9, 64)), ("v1", (2, 9, 64)), ("k2", (2, 9, 64)),
+             ("v2", (2, 9, 64)))}
+    masks = [np.where(np.arange(9) < 5, 0.0, -np.inf)[None], np.where(np.arange(9) % 3 == 1, 0.0, -np.inf)[None]]
+
+    def build(be):
+        mask = leaf(be, F16, (1, 9), masks[0])
+        outs = [ops.flash_attn_ext(ops.permute(leaf(be, F32, (1, 4, 64), vals["q" + i]), 0, 2, 1, 3),
+                                   leaf(be, F16, (2, 9, 64), vals["k" + i]), leaf(be, F16, (2, 9, 64), vals["v" + i]),
+                                   mask, 0.125) for i in "12"]
+        for o in outs:
+            o.set_output()
+        return mask, outs, Graph.build(*outs)
+
+    mask, outs, g = build(CPU)
+    sched = Scheduler([CPU])
+    for m in masks:
+        tensor_data(mask)[...] = np.asarray(m, np.float32).astype(np.float16)
+        listed.clear()
+        sched.graph_compute(g)
+        assert len(listed) == 1
+        rmask, routs, rg = build(REF)
+        tensor_data(rmask)[...] = np.asarray(m, np.float32).astype(np.float16)
+        Scheduler([REF]).graph_compute(rg)
+        for o, r in zip(outs, routs):
+            np.testing.assert_allclose(tensor_data(o), tensor_data(r), rtol=0, atol=2e-3)

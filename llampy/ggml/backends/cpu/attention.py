@@ -162,24 +162,27 @@ def _visible_in(mask, n_q, tab, lo, hi):
     return idx, val, cnt
 
 
-def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes, sinks=None, k_bf16=False, v_bf16=False):
+def visible_cells(mask, n_q, n_kv):
+    """What ``_fa_vec16_kernel`` reads of a mask: (idx, val, cnt, m3, m2, n_qm), ``_visible``'s lists of the first
+    n_q rows (every one of n_kv cells where the mask is empty). Layers that share a mask can share these."""
+    if mask.shape[3] == 0:
+        return _all_visible(n_kv) + (1, 1, 1)
+    return _visible(mask, n_q, F16_TABLE) + (mask.shape[0], mask.shape[1], n_q)
+
+
+def _fa_vec16(q, k, v, mask, out, scale, softcap, slopes, sinks=None, k_bf16=False, v_bf16=False, visible=None):
     """ggml's one_chunk flash attention over F16 or BF16 K and V (see ``_fa_vec16_kernel``). q (ne3, n_head, n_q, d)
     f32; k (ke3, n_head_kv, n_kv, d), v (ve3, n_head_kv, n_kv, dv) F16 bits (uint16), or BF16 bits where k_bf16 /
     v_bf16; out (ne3, n_q, n_head, dv) f32. mask: float32, or F16 bits as uint16, (m3, m2, >= n_q, n_kv); an empty
-    last axis for none. sinks: float32 (n_head,) or None."""
+    last axis for none. sinks: float32 (n_head,) or None. visible: ``visible_cells`` of this mask, if known."""
     sinks = _NO_SINKS if sinks is None else sinks
     if k_bf16:      # ggml's q_to_vec_dot for a BF16 K: each value rounded to BF16 (ggml_cpu_fp32_to_bf16)
         from .act_quant import round_half
         from ...types import GGMLType
         q = round_half(q, GGMLType.BF16)
-    n_q = q.shape[2]
-    if mask.shape[3] == 0:
-        idx, val, cnt = _all_visible(k.shape[2])
-        m3 = m2 = 1
-        n_qm = 1
-    else:
-        idx, val, cnt = _visible(mask, n_q, F16_TABLE)
-        m3, m2, n_qm = mask.shape[0], mask.shape[1], n_q
+    if visible is None:
+        visible = visible_cells(mask, q.shape[2], k.shape[2])
+    idx, val, cnt, m3, m2, n_qm = visible
     if k_bf16 or v_bf16:
         _fa_vec_bf16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, k_bf16, v_bf16)
     else:

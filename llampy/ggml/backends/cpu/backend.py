@@ -37,11 +37,14 @@ _TABLE.update({Op.IM2COL: conv.k_im2col, Op.POOL_2D: conv.k_pool_2d, Op.GELU_QUI
 
 
 class Plan:
-    __slots__ = ("calls", "nodes")
+    """A graph's bound calls. ``memo``: what calls of one run share (the cells a mask leaves visible, for every
+    attention layer reading that mask), emptied at the start of each run."""
+    __slots__ = ("calls", "nodes", "memo")
 
-    def __init__(self, calls, nodes):
+    def __init__(self, calls, nodes, memo=None):
         self.calls = calls
         self.nodes = nodes
+        self.memo = {} if memo is None else memo
 
 
 class CPUBackend(Backend):
@@ -55,6 +58,7 @@ class CPUBackend(Backend):
         super().__init__(device)
         self.n_threads = n_threads
         self._quantized: dict = {}
+        self._memo: dict | None = None      # the plan being bound's (graph_plan_create)
         # batches larger than this go to BLAS instead of the bit-exact integer kernels (None: matmul's default)
         self.exact_max_rows = None
         if n_threads:
@@ -237,7 +241,8 @@ class CPUBackend(Backend):
                 return K.to_float(arr, t, np.float32), False, False
             return arr, False, False
 
-        fast = _fa_fast_path(node, qa, ka, va, srcs[3] if p["has_mask"] else None, dst, tiled, sinks)
+        fast = _fa_fast_path(node, qa, ka, va, srcs[3] if p["has_mask"] else None, dst, tiled, sinks,
+                             self._memo)
         if fast is not None:
             return fast
 
@@ -268,6 +273,7 @@ class CPUBackend(Backend):
         # activation buffers (by id) -> (tensor id, memory owner id) of the x last quantized into them, in plan
         # order: a product reading the same x next reuses the quantization (see matmul.bind_mul_mat)
         self._quantized: dict = {}
+        self._memo: dict = {}
         calls = []
         for n in nodes:
             if n.op in VIEW_OPS:
@@ -279,9 +285,11 @@ class CPUBackend(Backend):
                 o = id(self._owner(n))
                 self._quantized = {k: v for k, v in self._quantized.items() if v[1] != o}
         self._quantized = {}
-        return Plan(calls, nodes)
+        memo, self._memo = self._memo, None
+        return Plan(calls, nodes, memo)
 
     def graph_plan_compute(self, plan: Plan) -> None:
+        plan.memo.clear()
         for c in reversed(plan.calls) if self.reverse_calls else plan.calls:
             c()
 
@@ -303,10 +311,11 @@ def _rows_contiguous(a, itemsize) -> bool:
     return a.strides[-1] == itemsize and (a.shape[-2] <= 1 or a.strides[-2] == itemsize * a.shape[-1])
 
 
-def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None):
+def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None):
     """Decode-sized flash attention over F16 or BF16 K/V views of the cache, bound once: the kernel reads the cache
-    views and writes the destination in place (no copies of K, V or the result per call)."""
-    from .attention import _fa_vec16
+    views and writes the destination in place (no copies of K, V or the result per call). ``memo``: the plan's, where
+    the layers reading one input mask share the cells it leaves visible (listed by the first of them in each run)."""
+    from .attention import _fa_vec16, visible_cells
     q, k, v = node.src[:3]
     p = node.op_params
     half = (T.F16, T.BF16)
@@ -326,10 +335,21 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None):
     if p["has_mask"]:
         mtype = node.src[3].type
         if mtype == T.F16:
-            m16 = ma.view(np.uint16)                      # read as bits; rows past the queries' are padding
-            return lambda: _fa_vec16(qa, kk, vv, m16, dst, sc, cap, slopes, sinks, kb, vb)
-        if mtype == T.F32:
-            return lambda: _fa_vec16(qa, kk, vv, ma, dst, sc, cap, slopes, sinks, kb, vb)
-        return None
+            m = ma.view(np.uint16)                        # read as bits; rows past the queries' are padding
+        elif mtype == T.F32:
+            m = ma
+        else:
+            return None
+        src = node.src[3].view_src if node.src[3].view_src is not None else node.src[3]
+        if memo is None or src.op != Op.NONE:     # a mask computed in the graph: its buffer may be reused
+            return lambda: _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb)
+        key = ("visible", m.ctypes.data, m.shape, m.strides, qa.shape[2], kk.shape[2])
+
+        def run():
+            vis = memo.get(key)
+            if vis is None:
+                vis = memo[key] = visible_cells(m, qa.shape[2], kk.shape[2])
+            _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb, vis)
+        return run
     nomask = np.zeros((1, 1, 1, 0), np.float32)
     return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes, sinks, kb, vb)
