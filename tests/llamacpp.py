@@ -11,6 +11,7 @@ import glob
 import os
 import subprocess
 
+import numpy as np
 import pytest
 
 from tests.paths import ROOT
@@ -67,6 +68,35 @@ def libggml_graph() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     c.ggml_cpu_init()
     c.ggml_graph_compute_with_ctx.argtypes = [P, P, ctypes.c_int]
     return b, c
+
+
+def ggml_flash_attn(lib, q, k, v, mask, scale, max_bias=0.0, softcap=0.0, sinks=None, k_type=1, v_type=None):
+    """ggml_flash_attn_ext as one-node graph on llama.cpp's CPU (``lib``: ``libggml_graph()``), 2 threads: q (1,
+    n_head, n_q, d) float32; k / v (1, n_head_kv, n_kv, d|dv) in ggml types k_type / v_type (default: k's; F16 = 1,
+    BF16 = 30 as raw bits, F32 = 0); mask F16 bits (1, 1, n_q, n_kv) or None; sinks float32 (n_head,) or None.
+    The result (1, n_q, n_head, dv) float32."""
+    b, c = lib
+    ctx = b.ggml_init(GGMLInitParams(256 << 20, None, False))
+
+    def tensor(typ, arr):
+        t = b.ggml_new_tensor_4d(ctx, typ, *reversed(arr.shape))
+        ctypes.memmove(b.ggml_get_data(t), np.ascontiguousarray(arr).ctypes.data, arr.nbytes)
+        return t
+
+    try:
+        vt = k_type if v_type is None else v_type
+        out = b.ggml_flash_attn_ext(ctx, tensor(0, q), tensor(k_type, k), tensor(vt, v),
+                                    None if mask is None else tensor(1, mask), scale, max_bias, softcap)
+        if sinks is not None:
+            b.ggml_flash_attn_ext_add_sinks(out, tensor(0, sinks.reshape(1, 1, 1, -1)))
+        gf = b.ggml_new_graph(ctx)
+        b.ggml_build_forward_expand(gf, out)
+        assert c.ggml_graph_compute_with_ctx(ctx, gf, 2) == 0
+        res = np.empty((1, q.shape[2], q.shape[1], v.shape[3]), np.float32)
+        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
+        return res
+    finally:
+        b.ggml_free(ctx)
 
 
 def python() -> str | None:

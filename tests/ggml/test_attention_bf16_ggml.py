@@ -7,8 +7,6 @@ other lanes (AVX512F) or pairs (AVX512-BF16's vdpbf16ps), so the bits are compar
 AVX2 one. An F16 K also needs llampy's F16 order to be the host's (tests/ggml/helpers.py HOST_ORDER_ONLY)."""
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
@@ -25,30 +23,6 @@ pytestmark = pytest.mark.skipif(simd.HOST_VEC_LANES != 8, reason="llama.cpp's bu
 @pytest.fixture(scope="module")
 def ggml():
     return llamacpp.libggml_graph()
-
-
-def _ggml_flash_attn(lib, q, k, kt, v, vt, mask, scale, max_bias, softcap, sinks):
-    b, c = lib
-    ctx = b.ggml_init(llamacpp.GGMLInitParams(64 << 20, None, False))
-
-    def tensor(typ, arr):
-        t = b.ggml_new_tensor_4d(ctx, typ, *reversed(arr.shape))
-        ctypes.memmove(b.ggml_get_data(t), np.ascontiguousarray(arr).ctypes.data, arr.nbytes)
-        return t
-
-    try:
-        out = b.ggml_flash_attn_ext(ctx, tensor(F32, q), tensor(kt, k), tensor(vt, v), tensor(F16, mask), scale,
-                                    max_bias, softcap)
-        if sinks is not None:
-            b.ggml_flash_attn_ext_add_sinks(out, tensor(F32, sinks.reshape(1, 1, 1, -1)))
-        gf = b.ggml_new_graph(ctx)
-        b.ggml_build_forward_expand(gf, out)
-        assert c.ggml_graph_compute_with_ctx(ctx, gf, 2) == 0
-        res = np.empty((1, q.shape[2], q.shape[1], v.shape[3]), np.float32)
-        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
-        return res
-    finally:
-        b.ggml_free(ctx)
 
 
 def _bits(x, t):
@@ -80,7 +54,7 @@ def test_bf16_cache_attention_gives_ggml_bits(ggml, kt, vt, n_q, d, softcap, max
     m16 = m.astype(np.float16).view(np.uint16)[None, None]
     s = (rng.standard_normal(n_head) * 3).astype(np.float32) if sinks else None
     scale = float(np.float32(1.0 / np.sqrt(d)))
-    want = _ggml_flash_attn(ggml, q, k, kt, v, vt, m16, scale, max_bias, softcap, s)
+    want = llamacpp.ggml_flash_attn(ggml, q, k, v, m16, scale, max_bias, softcap, s, kt, vt)
     got = np.empty_like(want)
     attention.flash_attn(q, k, v, m[None, None], got, scale, max_bias, softcap, kt == F16, vt == F16, sinks=s,
                          k_bf16=kt == BF16, v_bf16=vt == BF16)

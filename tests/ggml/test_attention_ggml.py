@@ -32,30 +32,6 @@ def ggml():
     return b, c
 
 
-def _tensor(b, ctx, typ, arr):
-    t = b.ggml_new_tensor_4d(ctx, typ, *reversed(arr.shape))
-    ctypes.memmove(b.ggml_get_data(t), arr.ctypes.data, arr.nbytes)
-    return t
-
-
-def ggml_flash_attn(lib, q, k, v, mask, scale, softcap):
-    """ggml_flash_attn_ext on the CPU: q (1, n_head, n_q, d) f32, k / v (1, n_head_kv, n_kv, d|dv) F16 bits,
-    mask (1, 1, n_q, n_kv) F16 bits; the result (1, n_q, n_head, dv) f32."""
-    b, c = lib
-    ctx = b.ggml_init(llamacpp.GGMLInitParams(64 << 20, None, False))
-    try:
-        out = b.ggml_flash_attn_ext(ctx, _tensor(b, ctx, F32, q), _tensor(b, ctx, F16, k), _tensor(b, ctx, F16, v),
-                                    _tensor(b, ctx, F16, mask), scale, 0.0, softcap)
-        gf = b.ggml_new_graph(ctx)
-        b.ggml_build_forward_expand(gf, out)
-        assert c.ggml_graph_compute_with_ctx(ctx, gf, 2) == 0
-        res = np.empty((1, q.shape[2], q.shape[1], v.shape[3]), np.float32)
-        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
-        return res
-    finally:
-        b.ggml_free(ctx)
-
-
 @pytest.mark.parametrize("d", [32, 40, 64, 72])
 def test_decode_flash_attention_gives_ggml_bits_at_the_hosts_width(ggml, d):
     rng = np.random.default_rng(d)
@@ -70,7 +46,7 @@ def test_decode_flash_attention_gives_ggml_bits_at_the_hosts_width(ggml, d):
     m16 = m.astype(np.float16).view(np.uint16)[None, None]
     scale = float(np.float32(1.0 / np.sqrt(d)))          # an op parameter: float32
     for softcap in (0.0, 20.0):
-        want = ggml_flash_attn(ggml, q, k, v, m16, scale, softcap)
+        want = llamacpp.ggml_flash_attn(ggml, q, k, v, m16, scale, softcap=softcap)
         got = np.empty_like(want)
         attention.flash_attn(q, k, v, m[None, None], got, scale, 0.0, softcap, True, True)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (d, softcap, F16_VEC_LANES,

@@ -6,8 +6,6 @@ the register width. That build is native to the machine running the test, as lla
 (the softmax sum's reduction order) is."""
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
@@ -24,30 +22,6 @@ F32, F16 = 0, 1
 @pytest.fixture(scope="module")
 def ggml():
     return llamacpp.libggml_graph()
-
-
-def _ggml_flash_attn(lib, q, k, v, mask, kv_type, scale, max_bias, softcap, sinks=None):
-    b, c = lib
-    ctx = b.ggml_init(llamacpp.GGMLInitParams(256 << 20, None, False))
-
-    def tensor(typ, arr):
-        t = b.ggml_new_tensor_4d(ctx, typ, *reversed(arr.shape))
-        ctypes.memmove(b.ggml_get_data(t), np.ascontiguousarray(arr).ctypes.data, arr.nbytes)
-        return t
-
-    try:
-        out = b.ggml_flash_attn_ext(ctx, tensor(F32, q), tensor(kv_type, k), tensor(kv_type, v),
-                                    None if mask is None else tensor(F16, mask), scale, max_bias, softcap)
-        if sinks is not None:
-            b.ggml_flash_attn_ext_add_sinks(out, tensor(F32, sinks.reshape(1, 1, 1, -1)))
-        gf = b.ggml_new_graph(ctx)
-        b.ggml_build_forward_expand(gf, out)
-        assert c.ggml_graph_compute_with_ctx(ctx, gf, 2) == 0
-        res = np.empty((1, q.shape[2], q.shape[1], v.shape[3]), np.float32)
-        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
-        return res
-    finally:
-        b.ggml_free(ctx)
 
 
 @pytest.mark.parametrize("n_head,n_head_kv,n_q,n_kv,d,f16,softcap,max_bias,masked,sinks", [
@@ -76,7 +50,7 @@ def test_tiled_flash_attention_gives_ggml_bits(ggml, n_head, n_head_kv, n_q, n_k
         mask, m16 = m[None, None], m.astype(np.float16).view(np.uint16)[None, None]
     scale = float(np.float32(1.0 / np.sqrt(d)))
     sk = (rng.standard_normal(n_head) * 3).astype(np.float32) if sinks else None
-    want = _ggml_flash_attn(ggml, q, k, v, m16, F16 if f16 else F32, scale, max_bias, softcap, sk)
+    want = llamacpp.ggml_flash_attn(ggml, q, k, v, m16, scale, max_bias, softcap, sk, F16 if f16 else F32)
     got = np.full_like(want, np.nan)
     kv_type = GGMLType.F16 if f16 else GGMLType.F32
     assert attention.use_tiled(kv_type, kv_type, n_q, d)          # the path ggml takes for these shapes
