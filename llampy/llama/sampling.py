@@ -191,6 +191,12 @@ def _f32_key(x):
 
 
 @njit(cache=True, inline="always")
+def _composite(key, i):
+    """The full sort's composite key of order key ``key`` at position i: the key's complement above, i below."""
+    return (np.uint64(0x7FFFFFFF - np.int64(key)) << np.uint64(32)) | np.uint64(i)
+
+
+@njit(cache=True, inline="always")
 def _keep_smallest(heap, m, k, c):
     """Offer composite key c to a max-heap holding the k smallest keys offered so far (m of them now): the new m."""
     if m < k:                           # sift up
@@ -248,12 +254,10 @@ def _select_desc(u, k):
                 for i in range(ch * _SELECT_CHUNK, min(ch * _SELECT_CHUNK + _SELECT_CHUNK, n)):
                     key = _f32_key(s[i])
                     if key >= bound:
-                        c = (np.uint64(0x7FFFFFFF - np.int64(key)) << np.uint64(32)) | np.uint64(i)
-                        m = _keep_smallest(heap, m, k, c)
+                        m = _keep_smallest(heap, m, k, _composite(key, i))
     else:
         for i in range(n):
-            c = (np.uint64(0x7FFFFFFF - np.int64(_f32_key(s[i]))) << np.uint64(32)) | np.uint64(i)
-            m = _keep_smallest(heap, m, k, c)
+            m = _keep_smallest(heap, m, k, _composite(_f32_key(s[i]), i))
     heap = np.sort(heap)
     out = np.empty(k, np.intp)
     for j in range(k):
@@ -762,7 +766,6 @@ class Chain(Sampler):
     def __repr__(self) -> str:
         return f"Chain({self.samplers!r})"
 
-
     @classmethod
     def from_params(cls, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                     repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, mirostat=0, mirostat_tau=5.0,
@@ -832,7 +835,6 @@ class Chain(Sampler):
             last = changers[-1] if changers else -1
             return cls(head + [s for k, (n, s) in enumerate(before) if k < last or n not in FILTERS] + [Greedy()])
         return cls(head + [s for s in map(make, order) if s is not None] + [Dist(seed)])
-
 
 
 def top_positions(chains: list, logits: np.ndarray, rows: list) -> list:
