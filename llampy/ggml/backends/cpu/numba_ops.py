@@ -81,13 +81,14 @@ def bind_get_rows(node, dst, srcs):
 
         k = node.src[0].ne[0]
         blocks = t != T.BF16 and dst.dtype == np.float32 and dst.flags.c_contiguous
+        out = dst.reshape(-1, k) if blocks else None     # a view: dst is contiguous
 
         def run_q():   # block types: decode only the selected rows (a token's embedding row, at decode)
             rows.check_index(idx, n_rows, "get_rows")
             sel = a[np.arange(idx.shape[0])[:, None, None], np.arange(idx.shape[1])[None, :, None], idx]
             if blocks:
                 sel = sel.reshape(-1, sel.shape[-1])
-                _weights_tile(sel, t, 0, sel.shape[0], k, dst.reshape(-1, k))
+                _weights_tile(sel, t, 0, sel.shape[0], k, out)
             else:
                 dst[...] = dequantize(sel, t).reshape(dst.shape)
         return run_q
