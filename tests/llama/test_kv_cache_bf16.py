@@ -36,3 +36,41 @@ def test_bf16_cache_gives_llamacpps_logits():
     # a BF16 K beside an F16 V: the F16 accumulator with the BF16 dot
     mixed = llamacpp_logits(path, toks, n_ctx=64, type_k=T.BF16.value, type_v=T.F16.value, n_ubatch=8)
     assert np.abs(_logits(model, toks, T.BF16, T.F16) - mixed).max() <= err[T.F16] + 1e-6
+
+
+def _bf16_as_f32(raw):
+    return (np.asarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def test_bf16_cache_k_shift():
+    """seq_add over a BF16 cache re-rotates its K (the shift graph widens the rows to F32, ropes them and stores them
+    back rounded). llama.cpp cannot be the reference here (its CPU rope has no BF16 and aborts), so: the layer-0 K
+    rows of the shifted cells equal a fresh BF16 cache's at the new positions to two BF16 steps (they are rounded
+    twice), and the next token's logits are within 0.35 of an F32 cache's after the same shift (0.12 here; an F16
+    cache is 0.014 off; the shift skipped puts them 13 off, a shift by 2 instead of 3 puts them 5 off)."""
+    from llampy.ggml.backend import tensor_data
+    model = Model(TINY / "llama-F32.gguf")
+    toks = [1, 5, 9, 13, 2, 7, 11, 3]
+    n = len(toks)
+    logits, k0 = {}, {}
+    for t in (T.F32, T.BF16):
+        ctx = Context(model, n_ctx=64, type_k=t, type_v=t)
+        ctx.decode(Batch.from_tokens(toks))
+        before = np.array(tensor_data(ctx.kv.k[0]))[..., :n, :]       # the last one kept: the BF16 cache's
+        ctx.seq_add(0, 2, -1, 3)
+        assert list(ctx.kv.pos[:n]) == [0, 1] + list(range(5, n + 3))
+        k0[t] = np.array(tensor_data(ctx.kv.k[0]))[..., :n, :]
+        ctx.decode(Batch.from_tokens([4], pos0=n + 3))
+        logits[t] = ctx.get_logits_ith(-1).copy()
+    fresh = Context(model, n_ctx=64, type_k=T.BF16, type_v=T.BF16)
+    b = Batch.empty()
+    for i, tok in enumerate(toks):
+        b.add(tok, i if i < 2 else i + 3, [0], i == n - 1)
+    fresh.decode(b)
+    want = _bf16_as_f32(np.array(tensor_data(fresh.kv.k[0]))[..., :n, :])
+    got = _bf16_as_f32(k0[T.BF16])
+    tol = 2 * 2.0 ** -8 * np.abs(want).max()
+    assert np.abs(_bf16_as_f32(before)[..., 2:, :] - want[..., 2:, :]).max() > 20 * tol   # the shift moves them
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    np.testing.assert_array_equal(got[..., :2, :], want[..., :2, :])     # the cells before p0 stay as they were
+    assert np.abs(logits[T.BF16] - logits[T.F32]).max() <= 0.35
