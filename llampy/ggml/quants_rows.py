@@ -40,12 +40,17 @@ def _q8_0(b, o):
 def _qx_0(b, o, nlev):
     """Q4_0 (nlev 8: {d, qs[16]}) / Q5_0 (nlev 16: {d, qh[4], qs[16]}): d = max / -nlev,
     L = min(2*nlev - 1, (int8)(x * id + nlev + 0.5)); qs[j] = L[j] low nibble | L[j+16] low nibble << 4. The
-    signed maximum by selects, the levels into an int32 row, then the nibbles and high bits: loops LLVM vectorizes
-    (int64 levels and the bit packing in one loop kept them scalar)."""
+    signed maximum by selects, the levels into an int32 row, then the nibbles and high bits.
+
+    The level and nibble loops run to the block's width read from ``b`` (32), not to a constant: LLVM unrolls a
+    constant 32-trip loop whole before its loop vectorizer runs, and Numba leaves the SLP vectorizer off, so the
+    unrolled code stayed scalar (Q4_0: 10.3 -> 7.1 ms for 8 M values, AVX2)."""
     off = F32(nlev) + F32(0.5)
     q = 2 if nlev == 8 else 6
     top = np.int32(2 * nlev - 1)
-    lv = np.empty(32, np.int32)
+    n = b.shape[1]
+    h = n // 2
+    lv = np.empty(n, np.int32)
     for i in range(b.shape[0]):
         amax = F32(0.0)
         mx = F32(0.0)
@@ -58,10 +63,10 @@ def _qx_0(b, o, nlev):
         di = mx / F32(-nlev)
         inv = F32(1.0) / di if di != 0 else F32(0.0)
         _put_f16(o[i], 0, di)
-        for j in range(32):
+        for j in range(n):
             lv[j] = min(top, np.int32(b[i, j] * inv + off))
-        for j in range(16):
-            o[i, q + j] = np.uint8((lv[j] & 0xF) | ((lv[16 + j] & 0xF) << 4))
+        for j in range(h):
+            o[i, q + j] = np.uint8((lv[j] & 0xF) | ((lv[h + j] & 0xF) << 4))
         if nlev == 16:
             _put_qh(lv, o[i], 2)
 
@@ -69,9 +74,11 @@ def _qx_0(b, o, nlev):
 @njit(cache=True, nogil=True)
 def _qx_1(b, o, nmax):
     """Q4_1 (nmax 15: {d, m, qs[16]}) / Q5_1 (nmax 31, no clamp in ggml: {d, m, qh[4], qs[16]}):
-    d = (max - min) / nmax, L = (x - min) * id + 0.5 (vectorized as _qx_0)."""
+    d = (max - min) / nmax, L = (x - min) * id + 0.5 (loops to the block's width as in _qx_0)."""
     q = 4 if nmax == 15 else 8
-    lv = np.empty(32, np.int32)
+    n = b.shape[1]
+    h = n // 2
+    lv = np.empty(n, np.int32)
     for i in range(b.shape[0]):
         mn = b[i, 0]
         mx = b[i, 0]
@@ -82,20 +89,20 @@ def _qx_1(b, o, nmax):
         inv = F32(1.0) / di if di != 0 else F32(0.0)
         _put_f16(o[i], 0, di)
         _put_f16(o[i], 2, mn)
-        for j in range(32):
+        for j in range(n):
             l = np.int32((b[i, j] - mn) * inv + F32(0.5))
             lv[j] = min(np.int32(15), l) if nmax == 15 else l
-        for j in range(16):
-            o[i, q + j] = np.uint8((lv[j] & 0xF) | ((lv[16 + j] & 0xF) << 4))
+        for j in range(h):
+            o[i, q + j] = np.uint8((lv[j] & 0xF) | ((lv[h + j] & 0xF) << 4))
         if nmax == 31:
             _put_qh(lv, o[i], 4)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _put_qh(lv, o, at):
-    """qh[4] at o[at]: bit j = bit 4 of level j"""
+    """qh[4] at o[at]: bit j = bit 4 of level j (j to lv's width, 32: a loop LLVM vectorizes, as in _qx_0)"""
     qh = np.uint32(0)
-    for j in range(32):
+    for j in range(lv.shape[0]):
         qh |= np.uint32((lv[j] >> 4) & 1) << np.uint32(j)
     for k in range(4):
         o[at + k] = (qh >> np.uint32(8 * k)) & np.uint32(0xFF)
