@@ -7,7 +7,8 @@ Backends come in priority order: the first is preferred, the last is usually the
 rewritten graph still says what it computes, and a later plan can undo the rewrite. Copies are refreshed before
 their split on every run. ``LLAMPY_SCHED_DEBUG=1`` prints each split, each node's backend and the cause of the
 choice (ggml's GGML_SCHED_DEBUG); causes:
-  0.rows           the gathering of a product's rows from the devices that hold a row-split weight (pass 0)
+  0.rows           the gathering of a product's rows from the devices that hold a row-split weight (pass 0): no
+                   kernel, the scheduler copies each device's rows into their slice of the node (a split of its own)
   1.dst / 1.vsrc   the node's own memory (a KV-cache write, a view of a weight) lives in the backend's buffer
   1.wgt<j>         source j is a weight in the backend's buffer          1.off   offloaded from the CPU (offload_op)
   2.<up|down>      expanded from a neighbour (2.gpu-*: from a non-last backend, first)
@@ -40,6 +41,12 @@ def is_sched_copy(t: Tensor) -> bool:
     return t.op is Op.DUP and bool(t.op_params.get("sched_copy"))
 
 
+def is_row_gather(t: Tensor) -> bool:
+    """A product's rows gathered from the devices of a row-split weight (pass 0): a CONCAT along dim 0 of its
+    sources that no backend runs; the scheduler copies each source into its rows of the node."""
+    return t.op is Op.CONCAT and "sched_gather" in t.op_params
+
+
 @dataclass
 class Split:
     backend: Backend
@@ -49,6 +56,7 @@ class Split:
     copies: list = field(default_factory=list)    # (src, copy) pairs of the current copy set
     step0: int = 0                                # index of the split's first step in the allocation order
     plan: object = None                           # graph_plan_create's result (or the node list)
+    gathers: list = field(default_factory=list)   # a row gathering's split: (device's rows, their view of the node)
 
 
 @dataclass
@@ -216,12 +224,16 @@ class Scheduler:
     def _expand_row_splits(self, g: Graph) -> dict:
         """0. A product over a weight split by rows across devices (split.py, split_mode 'row') becomes one
         product per device over its rows, each where its rows live (pass 1's weight rule), and their
-        concatenation on the split's main backend: the node itself becomes the last concatenation, so its readers
-        and flags stay as they were. Returns the concatenations' backends."""
+        gathering on the split's main backend: the node itself becomes the gathering (``is_row_gather``), so its
+        readers and flags stay as they were. Returns the gatherings' backends."""
         pre: dict = {}
         nodes = []
         changed = False
         for n in g.nodes:
+            if is_row_gather(n):            # expanded by an earlier plan
+                pre[n.id] = self.backends.index(n.op_params["sched_main"])
+                nodes.append(n)
+                continue
             split = [s for s in n.src if s is not None and hasattr(owner(s).buffer, "parts_of")]
             if not split:
                 nodes.append(n)
@@ -244,13 +256,9 @@ class Scheduler:
             for y, (b, _, r0, r1) in zip(ys, parts):
                 y.name = f"{_name(n)}[{r0}:{r1}]@{b.device}"
             nodes.extend(ys)
-            acc = ys[0]
-            for y in ys[1:-1]:
-                acc = ops.concat(acc, y, 0)
-                acc.name = f"{_name(n)}#gather"
-                nodes.append(acc)
-                pre[acc.id] = main
-            n.op, n.src, n.op_params = Op.CONCAT, [acc, ys[-1]], {"dim": 0}
+            n.op, n.src = Op.CONCAT, ys
+            n.op_params = {"dim": 0, "sched_gather": [(r0, r1) for _, _, r0, r1 in parts],
+                           "sched_main": buf.buft.main}
             nodes.append(n)
             pre[n.id] = main
         if changed:
@@ -275,8 +283,12 @@ class Scheduler:
                 (splits[-1].nodes if splits else pending_views).append(n)
                 continue
             b = assign[n.id]
-            if not splits or splits[-1].backend_id != b:
+            gather = is_row_gather(n)
+            if not splits or splits[-1].backend_id != b or gather or splits[-1].gathers:
                 splits.append(Split(self.backends[b], b))
+            if gather:      # a split of its own: the scheduler's copies into the node's rows, no kernel
+                splits[-1].gathers = [(y, ops.view(n, (r1 - r0,) + n.ne[1:], n.nb[1:], r0 * n.nb[0]))
+                                      for y, (r0, r1) in zip(n.src, n.op_params["sched_gather"])]
             if pending_views:
                 splits[-1].nodes.extend(pending_views)
                 pending_views = []
@@ -293,7 +305,7 @@ class Scheduler:
         for sp in splits:
             b = sp.backend_id
             for n in sp.nodes:
-                if n.op in VIEW_OPS:
+                if n.op in VIEW_OPS or sp.gathers:     # a gathering reads the devices' rows where they are
                     continue
                 for j, s in enumerate(n.src):
                     if s is None:
@@ -348,7 +360,7 @@ class Scheduler:
         memory they view."""
         for sp in splits:
             opt = getattr(sp.backend, "graph_optimize", None)
-            if opt is None:
+            if opt is None or sp.gathers:
                 continue
             ops_before = {n.id: n.op for n in sp.nodes}
             new = opt(g.nodes, sp.nodes)
@@ -382,7 +394,7 @@ class Scheduler:
         plans = []
         for sp in p.splits:
             create = getattr(sp.backend, "graph_plan_create", None)
-            plans.append(create(sp.nodes) if create else sp.nodes)
+            plans.append(create(sp.nodes) if create and not sp.gathers else sp.nodes)
         p.split_plans[self.cur_copy] = plans
         for sp, pl in zip(p.splits, plans):
             sp.plan = pl
@@ -425,6 +437,9 @@ class Scheduler:
             if debug_alloc:
                 self._run_poisoning(sp, p)
                 continue
+            if sp.gathers:
+                self._gather(sp)
+                continue
             if self.cb_eval is not None:
                 self._run_observed(sp)
                 continue
@@ -455,6 +470,18 @@ class Scheduler:
         if cpy is None or not cpy(src, dst):
             tensor_copy(src, dst)
 
+    def _gather(self, sp: Split) -> None:
+        """A row gathering: each device's rows copied straight into their slice of the node on the main device
+        (ggml's per-device cudaMemcpy2DPeerAsync into dst), then shown to an eval callback that wants it."""
+        for y, rows in sp.gathers:
+            self._copy(sp.backend, y, rows)
+        cb = self.cb_eval
+        if cb is not None:
+            n = next(n for n in sp.nodes if n.op not in VIEW_OPS)
+            if cb(n, True):
+                getattr(sp.backend, "synchronize", lambda: None)()
+                cb(n, False)
+
     def _run_observed(self, sp: Split) -> None:
         """With an eval callback: run up to each node it wants, then show it the node (ggml's sched compute with
         callback_eval, which also splits the graph at the nodes the callback asks for)."""
@@ -478,7 +505,7 @@ class Scheduler:
                 al.poison_after(i, ap)
         for i, n in enumerate(sp.nodes, start=sp.step0 + len(sp.copies)):
             if n.op not in VIEW_OPS:
-                sp.backend.graph_compute([n])
+                self._gather(sp) if sp.gathers else sp.backend.graph_compute([n])
             for al, ap in zip(p.allocators, p.alloc_plans):
                 al.poison_after(i, ap)
 

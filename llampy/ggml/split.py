@@ -6,10 +6,16 @@ whole matrix like any other (set and get scatter and gather the rows), so loadin
 The scheduler (sched.py, pass 0) turns each product over such a weight into one product per device over its rows,
 each running where its rows live, and their concatenation on the main device, where the rest of the layer runs:
 
-    y = mul_mat(w, x)   ->   y = concat(mul_mat(w_0, x), mul_mat(w_1, x), ...)   (rows of w_i: r0_i .. r1_i)
+    y = mul_mat(w, x)   ->   y_i = mul_mat(w_i, x) on device i;  y[r0_i:r1_i] = y_i  (rows of w_i: r0_i .. r1_i)
 
 so that every device reads only its share of the weights, as ggml-cuda's ggml_cuda_op_mul_mat does over a split
-tensor; the scheduler's copies carry x to the devices and the slices back.
+tensor: the scheduler's copies carry x to the devices, and the gathering node on the main device is no kernel but
+the scheduler copying each device's rows straight into their slice of y (ggml's cudaMemcpy2DPeerAsync of dst_dd_i
+into dst), one copy per device and no intermediate concatenations.
+
+Each device's share starts and ends on a multiple of the row rounding (ggml's get_row_rounding/get_row_split): the
+largest ``row_tile`` (rows per program of its tiled product kernels; 1 if it has none) of the devices that get rows,
+so that no device's kernels run a partial tile except the last device's at the matrix's end.
 """
 from __future__ import annotations
 
@@ -30,13 +36,23 @@ class SplitBufferType(BufferType):
         w = np.asarray(tensor_split if tensor_split else [1.0] * len(self.backends), np.float64)
         if len(w) != len(self.backends) or (w < 0).any() or w.sum() <= 0:
             raise ValueError(f"tensor_split {list(w)} does not share rows over {len(self.backends)} devices")
-        self.cum = np.concatenate([[0.0], np.cumsum(w) / w.sum()])
+        # the cumulative shares in float32, summed and divided in order as ggml_backend_cuda_split_buffer_type does
+        cum, total = [], np.float32(0)
+        for x in w.astype(np.float32):
+            cum.append(total)
+            total = np.float32(total + x)
+        self.cum = [np.float32(c / total) for c in cum]
         self.main = main if main is not None else self.backends[0]
+        # ggml's get_row_rounding: the largest tile of the devices whose share is not empty
+        ends = self.cum[1:] + [np.float32(1)]
+        self.rounding = max([int(getattr(b, "row_tile", 1)) for b, lo, hi in zip(self.backends, self.cum, ends)
+                             if lo < hi] or [1])
 
     def row_ranges(self, n_rows: int) -> list[tuple[int, int]]:
-        """[r0, r1) of each backend's rows (llama.cpp's get_row_split: n_rows times the cumulative shares)."""
-        bounds = [int(n_rows * c) for c in self.cum]
-        bounds[-1] = n_rows
+        """[r0, r1) of each backend's rows (ggml's get_row_split: n_rows times the cumulative share, in float32,
+        rounded down to the row rounding; the last device ends at n_rows)."""
+        r = self.rounding
+        bounds = [0] + [int(np.float32(n_rows) * c) // r * r for c in self.cum[1:]] + [n_rows]
         return list(zip(bounds[:-1], bounds[1:]))
 
     def alloc_buffer(self, size: int, usage: str = BufferUsage.ANY) -> "SplitBuffer":

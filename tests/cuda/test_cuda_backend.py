@@ -190,9 +190,10 @@ def test_two_backend_graph_copies_across_the_boundary():
 
 @pytest.mark.parametrize("t", [T.Q4_K, T.F16], ids=lambda t: t.name)
 def test_row_split_over_two_gpus_equals_one(t):
-    """split_mode 'row' over two CUDA backends (two GPUs, or both in the interpreter): a matrix's rows split 1:2
-    (ggml/split.py), each backend's decode and prompt products over its own rows, gathered on the first: one
-    backend's product bit for bit."""
+    """split_mode 'row' over two CUDA backends (two GPUs, or both in the interpreter): a matrix's rows split 1:1.5
+    (ggml/split.py; 38.4 rows rounded down to the backends' 16-row tiles: 32), each backend's decode and prompt
+    products over its own rows, copied by the scheduler into their rows of the first's product (a peer copy of
+    the other device's rows, strided for several columns): one backend's product bit for bit."""
     import torch
     from llampy.ggml.backend import BufferUsage
     from llampy.ggml.split import SplitBufferType
@@ -208,7 +209,7 @@ def test_row_split_over_two_gpus_equals_one(t):
         x = rng.standard_normal((n, 256)).astype(np.float32)
         res = []
         for buft, backends in ((CUDA.get_default_buffer_type(), [CUDA, cpu]),
-                               (SplitBufferType([CUDA, other], [1, 2], main=CUDA), [CUDA, other, cpu])):
+                               (SplitBufferType([CUDA, other], [1, 1.5], main=CUDA), [CUDA, other, cpu])):
             w = Tensor(t, (256, 96), name="w")
             w.flags |= Flags.WEIGHT
             tensor_alloc(buft.buffer_from_host(data.reshape(-1), BufferUsage.WEIGHTS), w, 0)
@@ -221,8 +222,10 @@ def test_row_split_over_two_gpus_equals_one(t):
             tensor_set(xt, x)
             sched.graph_compute(g)
             res.append(tensor_get(y))
+        assert [(r0, r1) for _, _, r0, r1 in w.buffer.parts_of(w)] == [(0, 32), (32, 96)]
         ran = [(nd.op, sp.backend) for sp in sched._last.splits for nd in sp.nodes if nd.op in (Op.MUL_MAT, Op.CONCAT)]
         assert ran == [(Op.MUL_MAT, CUDA), (Op.MUL_MAT, other), (Op.CONCAT, CUDA)]
+        assert sched._last.splits[-1].inputs == [] and len(sched._last.splits[-1].gathers) == 2
         np.testing.assert_array_equal(res[1], res[0])
 
 

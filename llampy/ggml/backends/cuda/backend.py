@@ -126,6 +126,10 @@ class Plan:
 
 class CUDABackend(Backend):
     name = "cuda"
+    # rows per program of the tiled products on a GPU (the several-column matvec's and the prompt dequantizer's
+    # tensor-core tiles; the decode kernels' 1-16 rows divide it): a row split's shares are rounded to it
+    # (split.py, ggml's get_row_rounding of mmq_y)
+    row_tile = 16
 
     def __init__(self, device: str | int | None = None, n_threads: int | None = None, cuda_graphs: bool = True):
         index = int(str(device).rsplit(":", 1)[-1]) if device not in (None, "cuda") else 0

@@ -1,7 +1,7 @@
 """Device memory of the CUDA backend: a buffer is one torch uint8 tensor on the device.
 
 The buffer interface (``ggml/backend.py``) moves bytes: ``write``/``read``/``memset`` copy between host arrays and
-the device tensor, ``cpy_tensor`` copies device to device (same device) or host to device directly. Tensors are
+the device tensor, ``cpy_tensor`` copies device to device (this device or a peer) or host to device directly. Tensors are
 read by the backend's kernels through ``view`` (a typed torch view with the tensor's shape and strides) and
 ``rows`` (the uint8 rows of a block-format tensor). Under ``TRITON_INTERPRET=1`` without a GPU the "device" is
 torch's CPU memory, still not host memory to the rest of llampy: the boundary is tested there.
@@ -64,18 +64,26 @@ class CUDABuffer(Buffer):
         self.data[offset:offset + size].fill_(int(value))
 
     def cpy_tensor(self, src: Tensor, dst: Tensor) -> bool:
+        """src (contiguous) into dst from this device, another device (a peer copy) or host memory; dst contiguous
+        or rows of one (a row gathering's slice of a product: ggml's cudaMemcpy2DPeerAsync)."""
         sb = src.storage.buffer
-        if not src.is_contiguous() or not dst.is_contiguous():
+        if not src.is_contiguous():
             return False
-        n = dst.nbytes
-        if isinstance(sb, CUDABuffer) and sb.data.device == self.data.device:
-            self.data[dst.data_offs:dst.data_offs + n].copy_(sb.data[src.data_offs:src.data_offs + n])
+        if isinstance(sb, CUDABuffer):
+            data = sb.data[src.data_offs:src.data_offs + src.nbytes]
+        elif sb.is_host and hasattr(sb, "data"):
+            data = _from_numpy(sb.data[src.data_offs:src.data_offs + src.nbytes])
+        else:
+            return False
+        if dst.is_contiguous():
+            self.data[dst.data_offs:dst.data_offs + dst.nbytes].copy_(data)
             return True
-        if sb.is_host and hasattr(sb, "data"):
-            host = _from_numpy(sb.data[src.data_offs:src.data_offs + n])
-            self.data[dst.data_offs:dst.data_offs + n].copy_(host)
-            return True
-        return False
+        row = dst.ne[0] * dst.nb[0]
+        if dst.nb[0] != TYPE_TRAITS[dst.type].type_size or TYPE_TRAITS[dst.type].blck_size != 1:
+            return False
+        shape, strides = (dst.ne[3], dst.ne[2], dst.ne[1], row), (dst.nb[3], dst.nb[2], dst.nb[1], 1)
+        self.data.as_strided(shape, strides, self.data.storage_offset() + dst.data_offs).copy_(data.view(shape))
+        return True
 
     def clear(self, value=0):
         self.data.fill_(int(value))
