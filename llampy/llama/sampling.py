@@ -673,6 +673,28 @@ class LogitBias(Sampler):
             c.logits[pos] = c.logits[pos] + self._vals[which]
             c.sorted = False
 
+    @property
+    def lowers_only(self) -> bool:
+        """No bias above 0 (bans, ignore_eos): a biased row's k largest are then among the row's k + len(bias)."""
+        return not (self._vals > 0).any()
+
+    def row(self, x: np.ndarray) -> np.ndarray:
+        """A copy of a whole float32 row with the biases added (apply's values on a fresh array)."""
+        y = x.copy()
+        ok = (self._toks >= 0) & (self._toks < y.size)
+        y[self._toks[ok]] = y[self._toks[ok]] + self._vals[ok]
+        return y
+
+    def at(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """The biased values of a whole row x at positions (token ids) pos: row(x)[pos] without the copy."""
+        v = x[pos]
+        order = np.argsort(self._toks)
+        toks = self._toks[order]
+        j = np.minimum(np.searchsorted(toks, pos), max(len(toks) - 1, 0))
+        hit = np.flatnonzero(toks[j] == pos) if len(toks) else np.empty(0, np.intp)
+        v[hit] = v[hit] + self._vals[order[j[hit]]]
+        return v
+
 
 class Mirostat(Sampler):
     """Mirostat 1.0 (arXiv 2007.14966): estimate the Zipf exponent s_hat from the top m, choose k from it and mu,
@@ -739,13 +761,18 @@ class Chain(Sampler):
         the token, are the ones the samplers pick one by one."""
         x = np.asarray(logits, dtype=_F32).reshape(-1)
         rest = self.samplers
-        first = rest[0] if rest else None
-        if type(first) is Greedy and len(rest) == 1 and x.size:
-            return int(np.argmax(x))
+        bias = rest[0] if len(rest) > 1 and type(rest[0]) is LogitBias and rest[0].bias else None
+        first = rest[1 if bias else 0] if rest else None
+        if type(first) is Greedy and len(rest) == 1 + (bias is not None) and x.size:
+            return int(np.argmax(x if bias is None else bias.row(x)))
         if type(first) is TopK and 0 < first.k < x.size:
-            pos = _order_desc(x, first.k) if top is None else top
-            c = Candidates(x[pos], ids=pos, sorted=True)
-            rest = rest[1:]
+            if bias is None:
+                pos = _order_desc(x, first.k) if top is None else top
+                c = Candidates(x[pos], ids=pos, sorted=True)
+            else:       # a leading logit bias (ignore_eos's bans, a request's logit_bias), then the TopK
+                pos = _order_desc(bias.row(x), first.k) if top is None else top
+                c = Candidates(bias.at(x, pos), ids=pos, sorted=True)
+            rest = rest[2 if bias else 1:]
         else:
             c = Candidates(x)
         for s in rest:
@@ -843,16 +870,36 @@ def top_positions(chains: list, logits: np.ndarray, rows: list) -> list:
     samples a row per generating stream every step)."""
     out: list = [None] * len(chains)
     by_k: dict = {}
+    biased: dict = {}                   # chain index -> (its leading LogitBias, k) where one comes first
+    n = logits.shape[1]
     for i, ch in enumerate(chains):
-        first = ch.samplers[0] if isinstance(ch, Chain) and ch.samplers else None
-        if type(first) is TopK and 0 < first.k < logits.shape[1]:
+        ss = ch.samplers if isinstance(ch, Chain) else []
+        bias = ss[0] if len(ss) > 1 and type(ss[0]) is LogitBias and ss[0].bias else None
+        first = ss[1 if bias else 0] if ss else None
+        if type(first) is not TopK or not 0 < first.k < n:
+            continue
+        if bias is None:
             by_k.setdefault(int(first.k), []).append(i)
+            continue
+        biased[i] = (bias, int(first.k))
+        # biases of at most 0 move nothing up: the biased row's k largest are among the row's k + len(bias)
+        wide = int(first.k) + len(bias.bias)
+        if bias.lowers_only and wide < n:
+            by_k.setdefault(wide, []).append(i)
+    x = np.ascontiguousarray(logits, dtype=_F32)
     if by_k:
-        u = np.ascontiguousarray(logits, dtype=_F32).view(np.uint32)
+        u = x.view(np.uint32)
         for k, idx in by_k.items():
             pos = _select_desc_rows(u, np.array([rows[i] for i in idx], np.intp), k)
             for j, i in enumerate(idx):
                 out[i] = pos[j]
+    for i, (bias, k) in biased.items():
+        row = x[rows[i]]
+        if out[i] is None:              # a bias above 0 (or as wide as the row): the biased row's own top-k
+            out[i] = _order_desc(bias.row(row), k)
+            continue
+        wide = np.sort(out[i])          # by token id: _order_desc's ties by position are then ties by id
+        out[i] = wide[_order_desc(bias.at(row, wide), k)]
     return out
 
 

@@ -170,11 +170,15 @@ class Server:
         keys = ("typical_p", "min_keep", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
                 "dynatemp_exponent", "repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier",
                 "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "samplers")
+        bias = resolve_logit_bias(p["logit_bias"], self.model.vocab)
+        if p.get("ignore_eos"):         # llama-server bans every end-of-generation token (its logit_bias_eog)
+            for t in sorted(self.model.vocab.eog):
+                bias[t] = bias.get(t, 0.0) - np.inf
         try:
             return Chain.from_params(temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
                                      min_p=p["min_p"], repeat_penalty=p["repeat_penalty"],
                                      frequency_penalty=p["frequency_penalty"], presence_penalty=p["presence_penalty"],
-                                     logit_bias=resolve_logit_bias(p["logit_bias"], self.model.vocab),
+                                     logit_bias=bias,
                                      seed=p["seed"], n_vocab=self.n_vocab, grammar=grammar, vocab=self.model.vocab,
                                      **{k: p[k] for k in keys if k in p})
         except ValueError as e:

@@ -262,14 +262,20 @@ def test_partial_selection_is_the_full_sorts_prefix():
 
 def test_chain_shortcuts_pick_the_samplers_tokens():
     """Chain.sample's shortcuts (a leading TopK's candidates taken straight from the row, or from top_positions for
-    many rows at once; a lone Greedy's argmax) pick, step after step, the token that the samplers applied one by one
-    to the whole row pick, with the same seeds."""
+    many rows at once, also after a logit bias; a lone Greedy's argmax) pick, step after step, the token that the
+    samplers applied one by one to the whole row pick, with the same seeds."""
     from llampy.llama.sampling import top_positions
     rng = np.random.default_rng(11)
     n_vocab = 3000
+    bans = {t: -np.inf for t in range(0, 400, 2)}           # ignore_eos's kind: a few always among the top 40
+    lower = {**bans, **{t: -2.5 for t in range(1, 200, 2)}}
+    raise_ = {**bans, **{t: 4.0 for t in range(500, 510)}}  # pulls tokens from anywhere into the top
     params = [dict(temperature=0.8), dict(temperature=0), dict(temperature=1.1, top_k=1), dict(temperature=0.9, top_k=0),
               dict(temperature=0.7, top_k=300, top_p=0.5), dict(temperature=0.6, top_k=n_vocab + 1),
-              dict(temperature=0.8, repeat_penalty=1.3), dict(temperature=1.0, top_k=40, dynatemp_range=0.5)]
+              dict(temperature=0.8, repeat_penalty=1.3), dict(temperature=1.0, top_k=40, dynatemp_range=0.5),
+              dict(temperature=0.8, logit_bias=bans), dict(temperature=0.8, logit_bias=lower),
+              dict(temperature=0.9, top_k=5, logit_bias=raise_), dict(temperature=0, logit_bias=lower),
+              dict(temperature=0.8, top_k=n_vocab - 250, logit_bias=bans)]
     fast = [Chain.from_params(seed=7 + i, n_vocab=n_vocab, **p) for i, p in enumerate(params)]
     slow = [Chain.from_params(seed=7 + i, n_vocab=n_vocab, **p) for i, p in enumerate(params)]
     for step in range(12):

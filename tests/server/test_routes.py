@@ -261,6 +261,19 @@ def test_sampling_fields_are_honoured(server_url, llama_server):
         assert a == b, kw
 
 
+def test_ignore_eos_bans_end_of_generation_tokens(server_url, llama_server):
+    """ignore_eos bans every end-of-generation token (llama-server's logit_bias_eog, -inf added to the request's
+    biases): with a bias that makes the end tokens the likeliest, the reply is ordinary tokens to the limit, not end
+    tokens sampled and then ignored."""
+    eog = sorted(llama_server.model.vocab.eog)
+    bias = [[t, 100.0] for t in eog]
+    ends = _complete(server_url, temperature=0, logit_bias=bias)
+    assert ends["stop_type"] == "eos" and ends["tokens_predicted"] == 0
+    for temp in (0, 0.8):
+        got = _complete(server_url, temperature=temp, seed=3, logit_bias=bias, ignore_eos=True, return_tokens=True)
+        assert got["stop_type"] == "limit" and len(got["tokens"]) == 6 and not set(got["tokens"]) & set(eog), got
+
+
 @pytest.mark.slow
 def test_dry_breaks_a_loop(server_url):
     prompt = "one two three one two three one two three one two three"
