@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .quants_base import F32
+from .quants_base import F32, _bits_f32, _f32_bits
 from .quants_k import _put_f16
 from .types import GGMLType
 
@@ -127,6 +127,22 @@ def _q2_0(b, o):
             o[i, 2 + j] = np.uint8(lv[4 * j] | (lv[4 * j + 1] << 2) | (lv[4 * j + 2] << 4) | (lv[4 * j + 3] << 6))
 
 
+@njit(cache=True, nogil=True)
+def _q1_0(b, o):
+    """quantize_row_q1_0_ref, blocks of 128 {d, qs[16]}: d = mean |x| (summed in order, as the C loop), bit j of the
+    block (byte j / 8, from the low bit) set for x >= 0."""
+    for i in range(b.shape[0]):
+        s = F32(0.0)
+        for j in range(128):
+            s += abs(b[i, j])
+        _put_f16(o[i], 0, s / F32(128.0))
+        for j in range(16):
+            v = np.uint8(0)
+            for l in range(8):
+                v |= np.uint8(b[i, 8 * j + l] >= 0) << np.uint8(l)
+            o[i, 2 + j] = v
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _ternary_levels(x, lv):
     """The ternary types' levels of one block of 256: lv = (lroundf(x / d) + 1) & 3 (x * (d ? 1/d : 0), 0..2 for
@@ -184,12 +200,13 @@ def _tq1_0(b, o):
 
 # type -> (kernel, values a block, bytes a block, its arguments)
 _KERNELS = {T.Q8_0: (_q8_0, 32, 34, ()), T.Q4_0: (_qx_0, 32, 18, (8,)), T.Q5_0: (_qx_0, 32, 22, (16,)),
-            T.Q4_1: (_qx_1, 32, 20, (15,)), T.Q5_1: (_qx_1, 32, 24, (31,)), T.Q2_0: (_q2_0, 64, 18, ()),
+            T.Q4_1: (_qx_1, 32, 20, (15,)), T.Q5_1: (_qx_1, 32, 24, (31,)),
+            T.Q1_0: (_q1_0, 128, 18, ()), T.Q2_0: (_q2_0, 64, 18, ()),
             T.TQ1_0: (_tq1_0, 256, 54, ()), T.TQ2_0: (_tq2_0, 256, 66, ())}
 
 
 def quantize_rows_ref(x: np.ndarray, t: GGMLType, out: np.ndarray | None = None) -> np.ndarray | None:
-    """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_0, TQ1_0 and TQ2_0 (into
+    """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q1_0, Q2_0, TQ1_0 and TQ2_0 (into
     ``out``, C-contiguous, when given); None for other types."""
     k = _KERNELS.get(GGMLType(t))
     if k is None:
@@ -203,19 +220,15 @@ def quantize_rows_ref(x: np.ndarray, t: GGMLType, out: np.ndarray | None = None)
     return out
 
 
-_F16_TABLE = None
-
-
 @njit(cache=True, nogil=True)
-def _lookup(h, table, out):
+def f16_to_f32(h, out):
+    """fp16 bit patterns (uint16) -> float32 into ``out``, exact (GGML_FP16_TO_FP32; NumPy's float16 cast, NaN
+    payloads included): the exponent and mantissa moved to a float's places and scaled by 2^112 (which normalizes
+    subnormals too), infinities and NaNs given the top exponent, then the sign. Lanes LLVM vectorizes: ~0.2 ns a
+    value, half the time of a 65536-entry table's lookups."""
     for i in range(h.shape[0]):
-        out[i] = table[h[i]]
-
-
-def f16_to_f32(h: np.ndarray, out: np.ndarray) -> None:
-    """fp16 bit patterns (uint16) -> float32 into ``out``, exact (GGML_FP16_TO_FP32), through a 65536-entry table:
-    ~25x faster than np.take (which first widens the indices) and ~4x faster than NumPy's float16 cast."""
-    global _F16_TABLE
-    if _F16_TABLE is None:
-        _F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
-    _lookup(h, _F16_TABLE, out)
+        x = np.uint32(h[i])
+        v = _bits_f32((x & np.uint32(0x7FFF)) << np.uint32(13)) * F32(5.192296858534828e+33)
+        u = _f32_bits(v)
+        u = u | np.uint32(0x7F800000) if v >= F32(65536.0) else u
+        out[i] = _bits_f32(u | ((x & np.uint32(0x8000)) << np.uint32(16)))

@@ -187,7 +187,7 @@ def test_imatrix_roundtrip_and_normalisation(tmp_path):
     assert w.tolist() == [0, 0.25, 0.5, 0.75, 1, 1, 1, 1]   # an expert that saw no token weighs 1
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q2_0, T.TQ1_0, T.TQ2_0])
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q1_0, T.Q2_0, T.TQ1_0, T.TQ2_0])
 def test_row_quantizers_match_reference(t):
     """quants_rows (the Numba loops quantize runs) against quants.quantize, ties and zero blocks included."""
     from llampy.ggml.quants import quantize
@@ -199,6 +199,16 @@ def test_row_quantizers_match_reference(t):
     x[3, 32:64] = np.float32(0.5)
     x[4, :32] = np.linspace(-1, 1, 32, dtype=np.float32)
     assert (quantize_rows_ref(x, t) == quantize(x, t)).all()
+
+
+def test_f16_rows_to_f32_every_bit_pattern():
+    """quantize's fp16 -> float32 kernel on all 65536 patterns: NumPy's cast bit for bit (subnormals, infinities,
+    NaN payloads)."""
+    from llampy.ggml.quants_rows import f16_to_f32
+    h = np.arange(65536, dtype=np.uint16)
+    out = np.empty(65536, np.float32)
+    f16_to_f32(h, out)
+    assert np.array_equal(out.view(np.uint32), h.view(np.float16).astype(np.float32).view(np.uint32))
 
 
 def test_q2_k_s_needs_an_imatrix(rand_model, tmp_path, capsys):
