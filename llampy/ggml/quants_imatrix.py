@@ -12,12 +12,12 @@ the weighted quantize_row_iq4_nl_impl; IQ1/IQ2/IQ3 their grid searches (quants_i
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from . import quants_iq as iq
 from .quants import quantize
 from .quants_iq_search import SEARCH_TYPES as _IQ_SEARCH, quantize_iq
-from .quants_base import F32, to_f16_bytes
+from .quants_base import F32, njit, to_f16_bytes
 from .quants_k import CHUNK, QKX_LANES, QX_STEPS, make_qkx, make_qx, q2_k_pack, q3_k_pack, q45_k_pack, q6_k_pack
 from .types import GGMLType, QK_K
 

@@ -7,10 +7,10 @@ Multiplications keep ggml's order (``db * grid[j] * sign``), so results are bit-
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from . import quants_tables as tab
-from .quants_base import F32, f16, nibbles, pack, roundf, safe_inv, to_blocks, to_f16_bytes
+from .quants_base import F32, njit, f16, nibbles, pack, roundf, safe_inv, to_blocks, to_f16_bytes
 from .types import GGMLType, QK_K
 
 T = GGMLType

@@ -16,10 +16,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import njit
 
 from . import quants_tables as tab
-from .quants_base import F32, to_f16_bytes
+from .quants_base import F32, njit, to_f16_bytes
 from .types import GGMLType, QK_K, TYPE_TRAITS
 
 T = GGMLType

@@ -8,9 +8,9 @@ functions are the shared ends of ggml's _ref and importance-weighted _impl quant
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from .quants_base import F32, f16, fp16_bits, fp16_value, to_blocks
+from .quants_base import F32, njit, f16, fp16_bits, fp16_value, to_blocks
 from .types import GGMLType, QK_K
 
 T = GGMLType

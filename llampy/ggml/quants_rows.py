@@ -4,9 +4,8 @@ vectorised NumPy versions stay the readable reference; each kernel writes the bl
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-from .quants_base import F32, _bits_f32, _f32_bits
+from .quants_base import F32, njit, _bits_f32, _f32_bits
 from .quants_k import _put_f16
 from .types import GGMLType
 
