@@ -70,7 +70,7 @@ def wait_prepared(url: str, timeout: float = 300) -> float:
     raise RuntimeError("llampy did not finish building its graphs")
 
 
-def one_stream(url: str, i: int, n_tokens: int, model: str) -> tuple[float, float, int]:
+def one_stream(client: httpx.Client, url: str, i: int, n_tokens: int, model: str) -> tuple[float, float, int]:
     """Returns (time to first token, total time, tokens)."""
     t0 = time.perf_counter()
     ttft, n = None, 0
@@ -78,7 +78,7 @@ def one_stream(url: str, i: int, n_tokens: int, model: str) -> tuple[float, floa
             "temperature": 0.8, "seed": i, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     used = None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -94,20 +94,29 @@ def one_stream(url: str, i: int, n_tokens: int, model: str) -> tuple[float, floa
     return ttft or 0.0, time.perf_counter() - t0, used if used is not None else n
 
 
-def safe_stream(url: str, i: int, n_tokens: int, model: str):
+def safe_stream(client: httpx.Client, url: str, i: int, n_tokens: int, model: str):
     """one_stream, or None when the server drops or refuses the request (counted as failed)."""
     try:
-        return one_stream(url, i, n_tokens, model)
+        return one_stream(client, url, i, n_tokens, model)
     except httpx.HTTPError:
         return None
 
 
 def run_load(url: str, streams: int, requests: int, n_tokens: int, models: list) -> dict:
-    """``requests`` streamed completions, ``streams`` at a time; request i asks for models[i % len(models)]."""
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(streams) as ex:
-        res = list(ex.map(lambda i: safe_stream(url, i, n_tokens, models[i % len(models)]), range(requests)))
-    wall = time.perf_counter() - t0
+    """``requests`` streamed completions, ``streams`` at a time; request i asks for models[i % len(models)].
+    Each request has its own client (its own connection), made before the clock starts: an httpx client builds
+    an SSL context (~15-30 ms of this process's CPU, under its GIL), which 32 requests made at once would wait for
+    one after another (a few hundred ms of every time to first token, and CPU taken from the server)."""
+    clients = [httpx.Client(timeout=600) for _ in range(requests)]
+    try:
+        with cf.ThreadPoolExecutor(streams) as ex:
+            t0 = time.perf_counter()
+            res = list(ex.map(lambda i: safe_stream(clients[i], url, i, n_tokens, models[i % len(models)]),
+                              range(requests)))
+        wall = time.perf_counter() - t0
+    finally:
+        for c in clients:
+            c.close()
     failed = sum(r is None for r in res)
     res = [r for r in res if r is not None] or [(0.0, 0.0, 0)]
     ttfts = sorted(r[0] for r in res)
