@@ -685,13 +685,14 @@ def _kernel_support(t: GGMLType) -> tuple[bool, bool]:
     return t in SEARCH_TYPES, t in REQUIRES_IMATRIX
 
 
-# Numba's import, its first cached kernel and the file's further kernels cost ~0.6 s of CPU before the first tensor;
-# NumPy's conversions cost more per value than the kernels (per value and thread, ~1.5 ns more from fp16 rows,
-# ~4.5 ns for Q8_0, Q4_0 and Q5_0, ~6 ns for Q4_1 and Q5_1: one "unit" below each ~1.5 ns), so NumPy alone converts
-# a file while it has at most this many units of work per thread (SmolLM2-135M's F16 to Q4_0 on 2 threads: 270 M
-# units, as much CPU time either way, a quarter less wall time without Numba)
-_NUMPY_UNITS_PER_THREAD = 400_000_000
-_NUMPY_UNITS = {T.Q8_0: 3, T.Q4_0: 3, T.Q5_0: 3, T.Q4_1: 4, T.Q5_1: 4}
+# Numba's import, its first cached kernel and the file's further kernels cost ~0.4 s of CPU before the first tensor;
+# NumPy's conversions cost more per value than the kernels (per value and thread, from fp16 rows: ~1.8 ns more to
+# F32 or F16, ~3 ns to BF16, ~5.5 ns to Q8_0, Q4_0 and Q5_0, ~10 ns to Q4_1 and Q5_1; one "unit" below each ~1.5
+# ns), so NumPy alone converts a file while it has at most this many units of work per thread (SmolLM2-135M's F16
+# on 2 threads: to BF16 135 M units a thread, NumPy's 0.99-1.08 s of CPU against the kernels' 1.34-1.57; to Q8_0
+# 270 M, 1.43-1.46 s against 1.20-1.26)
+_NUMPY_UNITS_PER_THREAD = 250_000_000
+_NUMPY_UNITS = {T.BF16: 2, T.Q8_0: 4, T.Q4_0: 4, T.Q5_0: 4, T.Q4_1: 7, T.Q5_1: 7}
 
 
 def _needs_kernels(jobs, nthread: int) -> bool:
