@@ -569,3 +569,48 @@ def test_attention_layers_sharing_a_mask_list_its_cells_once_per_run(monkeypatch
         Scheduler([REF]).graph_compute(rg)
         for o, r in zip(outs, routs):
             np.testing.assert_allclose(tensor_data(o), tensor_data(r), rtol=0, atol=2e-3)
+
+
+def test_decode_pairs_bind_as_one_call(monkeypatch):
+    """A decoded token's residual ADD and the RMS_NORM_MUL reading it, and a ROPE and its SET_ROWS into an F16
+    cache (through a view), each bind as one call (numba_ops.PAIR_BINDERS); every tensor gets the bits of the calls
+    bound one by one, over two runs with new inputs (NEOX rope at new positions), and a row index out of range
+    still raises."""
+    from llampy.ggml.backend import tensor_alloc
+    from llampy.ggml.backends.cpu import numba_ops
+    rng = np.random.default_rng(9)
+    x, r, w = (leaf(CPU, F32, (1, 64), rng.standard_normal((1, 64))) for _ in range(3))
+    pos = leaf(CPU, I32, (1,), np.array([3]))
+    idx = leaf(CPU, T.I64, (1,), np.array([2]))
+    cache = leaf(CPU, F16, (6, 64), np.zeros((6, 64)))
+    s = ops.add(x, r)
+    h = ops.rms_norm_mul(s, w, 1e-5)
+    k = ops.rope_ext(ops.reshape(h, 16, 4, 1), pos, None, 16, 2, 4096, 1e4, 1.0, 0.0, 1.0, 32.0, 1.0)
+    st = ops.set_rows(cache, ops.reshape(k, 64, 1), idx)
+    outs = (s, h, k, st)
+    nodes = Graph.build(*outs).nodes
+    for n in nodes:
+        if n.view_src is None and n.op is not Op.NONE:
+            tensor_alloc(CPU.alloc_buffer(n.nbytes), n, 0)
+    fused = CPU.graph_plan_create(nodes)
+    with monkeypatch.context() as mp:
+        mp.setattr(numba_ops, "PAIR_BINDERS", {})
+        mp.setattr("llampy.ggml.backends.cpu.backend.PAIR_BINDERS", {})
+        apart = CPU.graph_plan_create(nodes)
+    assert len(apart.calls) == 4 and len(fused.calls) == 2
+    for p, i in ((3, 2), (41, 5)):
+        tensor_data(pos)[...] = p
+        tensor_data(idx)[...] = i
+        tensor_data(x)[...] = rng.standard_normal((1, 64))
+        got = []
+        for plan in (fused, apart):
+            tensor_data(cache)[...] = 0
+            CPU.graph_plan_compute(plan)
+            got.append([np.array(tensor_data(t)) for t in outs])
+        for a, b in zip(*got):
+            np.testing.assert_array_equal(a, b)
+        assert np.any(got[0][3].reshape(-1, 64)[i] != 0)
+    tensor_data(idx)[...] = 6
+    for plan in (fused, apart):
+        with pytest.raises(IndexError, match="set_rows"):
+            CPU.graph_plan_compute(plan)

@@ -13,7 +13,7 @@ from ...tensor import Flags, Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
 from . import conv, dot_f32_short
 from . import numpy_ops as K
-from .numba_ops import BINDERS
+from .numba_ops import BINDERS, PAIR_BINDERS
 from .ssm import bind_ssm_conv, bind_ssm_conv_state, bind_ssm_scan
 from .delta import bind_gated_delta_net
 from .wkv import bind_gated_linear_attn, bind_rwkv_wkv6, bind_rwkv_wkv7
@@ -275,18 +275,32 @@ class CPUBackend(Backend):
         self._quantized: dict = {}
         self._memo: dict = {}
         calls = []
-        for n in nodes:
-            if n.op in VIEW_OPS:
-                continue
-            calls.append(self._bind(n))
-            if self._quantized:
-                # a node writing into the memory of a quantized x (SET_ROWS or CPY into a view of it, an op in
-                # place) makes that quantization stale
-                o = id(self._owner(n))
-                self._quantized = {k: v for k, v in self._quantized.items() if v[1] != o}
+        run = [n for n in nodes if n.op not in VIEW_OPS]
+        i = 0
+        while i < len(run):
+            call = self._bind_pair(run[i], run[i + 1]) if i + 1 < len(run) else None
+            bound = run[i:i + 2] if call is not None else run[i:i + 1]
+            calls.append(call if call is not None else self._bind(run[i]))
+            i += len(bound)
+            for n in bound:
+                if self._quantized:
+                    # a node writing into the memory of a quantized x (SET_ROWS or CPY into a view of it, an op in
+                    # place) makes that quantization stale
+                    o = id(self._owner(n))
+                    self._quantized = {k: v for k, v in self._quantized.items() if v[1] != o}
         self._quantized = {}
         memo, self._memo = self._memo, None
         return Plan(calls, nodes, memo)
+
+    def _bind_pair(self, n: Tensor, m: Tensor):
+        """One call for two consecutive nodes where a kernel does both (``numba_ops.PAIR_BINDERS``: a residual add
+        and the norm reading it, a rotation and its store into the cache), or None. Small one-thread ops of a decoded
+        token, whose Python call and kernel entry cost more than their work: fewer calls, the same bits."""
+        binder = PAIR_BINDERS.get((n.op, m.op))
+        if binder is None:
+            return None
+        return binder(n, m, [[self._view(s) if s is not None else None for s in n.src], self._view(n),
+                             [self._view(s) for s in m.src], self._view(m)])
 
     def graph_plan_compute(self, plan: Plan) -> None:
         plan.memo.clear()
@@ -343,13 +357,23 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None):
         src = node.src[3].view_src if node.src[3].view_src is not None else node.src[3]
         if memo is None or src.op != Op.NONE:     # a mask computed in the graph: its buffer may be reused
             return lambda: _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb)
-        key = ("visible", m.ctypes.data, m.shape, m.strides, qa.shape[2], kk.shape[2])
+        # a str: its hash is kept, so the per-run lookup does not rehash a nested tuple
+        key = repr(("visible", m.ctypes.data, m.shape, m.strides, qa.shape[2], kk.shape[2]))
+        if kb or vb:
+            def run():
+                vis = memo.get(key)
+                if vis is None:
+                    vis = memo[key] = visible_cells(m, qa.shape[2], kk.shape[2])
+                _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb, vis)
+            return run
+        from .attention import _NO_SINKS, _fa_vec16_kernel
+        sk = _NO_SINKS if sinks is None else sinks
 
-        def run():
+        def run16():    # F16 K and V: _fa_vec16's kernel called directly (30 calls a token in SmolLM2)
             vis = memo.get(key)
             if vis is None:
                 vis = memo[key] = visible_cells(m, qa.shape[2], kk.shape[2])
-            _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb, vis)
-        return run
+            _fa_vec16_kernel(qa, kk, vv, *vis, dst, sc, cap, slopes, sk)
+        return run16
     nomask = np.zeros((1, 1, 1, 0), np.float32)
     return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes, sinks, kb, vb)

@@ -136,6 +136,18 @@ def rms_norm_mul_rows(x, w, eps, out, add):
         _rms_mul_row(x, w, eps, out, r, add)
 
 
+@njit(cache=True)
+def add_rms_norm_mul_rows(a, b, s, w, eps, out):
+    """s = a + b, then out = rms_norm(s) * w: a residual ADD and the RMS_NORM_MUL that reads it, one call for a
+    decoded token (s is still written: the next residual add reads it). The same float32 sums, then
+    ``rms_norm_mul_rows``'s arithmetic: the two ops' bits."""
+    for r in range(a.shape[0]):
+        ar, br, sr = a[r], b[r], s[r]
+        for i in range(a.shape[1]):
+            sr[i] = ar[i] + br[i]
+    rms_norm_mul_rows(s, w, eps, out, np.zeros((1, 0), np.float32))
+
+
 @njit(parallel=True, cache=True)
 def rms_norm_mul_rows_par(x, w, eps, out, add):
     rows = x.shape[0]

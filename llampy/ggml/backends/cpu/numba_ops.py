@@ -246,6 +246,51 @@ def bind_rope(node, dst, srcs):
     return rope.bind(srcs[0], srcs[1].reshape(-1), p, ff, dst)
 
 
+def bind_add_rms_norm_mul(add, norm, views):
+    """A residual ADD and the RMS_NORM_MUL that reads it next, as one call (``norm.add_rms_norm_mul_rows``) where
+    both would run on one thread (a decoded token's rows): a pre-norm model's layers join this way twice each.
+    ``views``: [add's sources], add, [norm's sources], norm (NumPy views); None where it does not apply."""
+    if not (add.op is Op.ADD and norm.op is Op.RMS_NORM_MUL and len(norm.src) == 2 and norm.src[0] is add):
+        return None
+    if not (add.type == add.src[0].type == add.src[1].type == norm.type == norm.src[1].type == T.F32):
+        return None
+    w = norm.src[1]
+    if add.src[0].ne != add.ne or add.src[1].ne != add.ne or add.nelements >= PAR_MIN_ELEMENTS or \
+            w.ne[0] != norm.ne[0] or w.nelements != w.ne[0]:
+        return None
+    (a, b), s, (_, wr), out = views
+    a, b, s, wr, out = (_rows2d(v) for v in (a, b, s, wr, out))
+    if a is None or b is None or s is None or wr is None or out is None:
+        return None
+    from .norm import add_rms_norm_mul_rows
+    eps = np.float32(norm.op_params["eps"])
+    return lambda: add_rms_norm_mul_rows(a, b, s, wr, eps, out)
+
+
+def bind_rope_set_rows(rope_node, store, views):
+    """A ROPE whose result the next node stores into an F16 cache (a decoded token's K: SET_ROWS of a view of the
+    rotation) as one call (``rope.rope_store_f16``); the rotation is still written. ``views``: [the rope's
+    sources], the rope, [the store's sources], the store (NumPy views); None where it does not apply."""
+    if not (rope_node.op is Op.ROPE and store.op is Op.SET_ROWS and store.type == T.F16):
+        return None
+    s0 = store.src[0]
+    if not (s0 is rope_node or (s0.view_src is rope_node and s0.type == T.F32)) or store.src[1].type not in \
+            (T.I32, T.I64) or s0.nelements // s0.ne[0] > 1 and s0.nelements >= PAR_MIN_ELEMENTS:
+        return None
+    if rope_node.type != T.F32 or rope_node.src[0].type != T.F32 or rope_node.op_params.get("sections"):
+        return None
+    (x, pos, *ff), dst, (src, idx), cache = views
+    if dst.strides[-1] != 4 or not dst.flags.c_contiguous or src.strides[-1] != 4 or not _apart(src, cache):
+        return None
+    from . import rope
+    p = rope_node.op_params
+    fa = ff[0].reshape(-1) if p.get("has_freq_factors") else None
+    return rope.bind(x, pos.reshape(-1), p, fa, dst,
+                     store=(src.view(np.uint32), idx[0], store.ne[1], cache.view(np.uint16)))
+
+
+PAIR_BINDERS = {(Op.ADD, Op.RMS_NORM_MUL): bind_add_rms_norm_mul, (Op.ROPE, Op.SET_ROWS): bind_rope_set_rows}
+
 BINDERS = {Op.SCALE: bind_scale, Op.SOFT_MAX: bind_soft_max, Op.GET_ROWS: bind_get_rows, Op.SET_ROWS: bind_set_rows,
            Op.SWIGLU: bind_glu, Op.GEGLU: bind_glu, Op.RMS_NORM_MUL: bind_rms_norm_mul, Op.ROPE: bind_rope,
            Op.GELU: bind_gelu, Op.SILU: bind_silu, Op.CONT: bind_cont, Op.CPY: bind_cont, Op.DUP: bind_cont,

@@ -8,6 +8,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .rows import set_rows_f16
 from .simd import v16_fma, v16_load, v16_mul, v16_scale, v16_store
 
 
@@ -126,6 +127,22 @@ def rope_apply_1(x, out, cos, sin, n_dims, neox):
         _rope_token(x, out, cos, sin, n_dims, neox, t)
 
 
+@njit(cache=True)
+def rope_store_f16(x, out, cos, sin, n_dims, neox, src, idx, n_rows, dst):
+    """``rope_apply_1``, then the rotated rows stored as F16 into the cache rows idx (``rows.set_rows_f16`` of src,
+    a view of out): a decoded token's K rotated and written to its cell in one call. False, with nothing stored,
+    where an index is outside 0..n_rows - 1 (the caller raises, as SET_ROWS does)."""
+    for t in range(x.shape[1]):
+        _rope_token(x, out, cos, sin, n_dims, neox, t)
+    for i3 in range(idx.shape[0]):
+        for i2 in range(idx.shape[1]):
+            for v in idx[i3, i2]:
+                if v < 0 or v >= n_rows:
+                    return False
+    set_rows_f16(src, idx, dst)
+    return True
+
+
 def _corr_dim(n_dims, n_ctx_orig, n_rot, base):
     return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
@@ -158,10 +175,12 @@ def _trig_buffers(nt: int, half: int, consts: tuple) -> _Trig:
     return tr
 
 
-def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray):
+def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray, store=None):
     """The rotation of x by positions pos into out (float32, x's shape, contiguous), set up once: the constants
     and the cos/sin tables are made here, and the returned call refills the tables only when the positions (or the
-    frequency factors) differ from what they hold, then rotates."""
+    frequency factors) differ from what they hold, then rotates. ``store``: (src, idx, n_rows, dst) of a SET_ROWS
+    into an F16 cache that reads out (``rope_store_f16``: one call for both), or None (the rotation alone; also
+    what a store that does not fit returns: the caller binds the two nodes apart)."""
     n_dims = p["n_dims"]
     f32 = np.float32
     # powf(freq_base, -2.0f/n_dims): the exponent rounded to float first (it is not exact for n_dims 24, 40, ...)
@@ -175,6 +194,8 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     has_ff = ff is not None
     freq_scale, ext, attn = f32(p["freq_scale"]), f32(p["ext_factor"]), f32(p["attn_factor"])
     if p.get("sections"):
+        if store is not None:
+            return None
         return _bind_multi(x, pos, p, ffa, has_ff, out, theta_scale, freq_scale, ext, attn, corr0, corr1)
     tr = _trig_buffers(nt, n_dims // 2, (n_dims, float(theta_scale), float(freq_scale), float(ext), float(attn),
                                          float(corr0), float(corr1), has_ff))
@@ -182,6 +203,8 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     neox = p["mode"] == 2
     apply = rope_apply if x.size >= (1 << 15) else rope_apply_1
     direct = x.dtype == f32 and x.flags.c_contiguous
+    if store is not None and (apply is not rope_apply_1 or not direct):
+        return None
 
     def run():
         pi = pos if pos.dtype == np.int32 and pos.flags.c_contiguous else np.ascontiguousarray(pos, dtype=np.int32)
@@ -191,7 +214,10 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
             tr.pos = None                   # invalid while being filled
             rope_cache(pi, n_dims, theta_scale, freq_scale, fa, has_ff, ext, attn, corr0, corr1, cos, sin)
             tr.pos, tr.ff = key, (fa.copy() if has_ff else None)
-        apply(x if direct else np.ascontiguousarray(x, dtype=f32), out, cos, sin, n_dims, neox)
+        if store is None:
+            apply(x if direct else np.ascontiguousarray(x, dtype=f32), out, cos, sin, n_dims, neox)
+        elif not rope_store_f16(x, out, cos, sin, n_dims, neox, *store):
+            raise IndexError(f"set_rows: row index out of range 0..{store[2] - 1}")
     return run
 
 
