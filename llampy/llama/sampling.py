@@ -290,8 +290,12 @@ class MT19937:
     outputs are therefore the C++ stream."""
 
     def __init__(self, seed: int):
-        self.bitgen = np.random.MT19937()
-        self.bitgen.state = np.random.RandomState(seed & 0xFFFFFFFF).get_state(legacy=False)
+        # seeded here, not from the OS's entropy (MT19937() gathers some: ~0.3 ms a request's chain paid twice)
+        self.bitgen = np.random.MT19937(0)
+        try:
+            self.bitgen._legacy_seeding(seed & 0xFFFFFFFF)      # RandomState(seed)'s own seeding
+        except AttributeError:          # a NumPy without it: the state of a RandomState so seeded
+            self.bitgen.state = np.random.RandomState(seed & 0xFFFFFFFF).get_state(legacy=False)
 
     def uniform(self) -> float:
         """generate_canonical<double, 53>: (a + b * 2^32) / 2^64 from two draws, kept below 1."""
@@ -591,7 +595,11 @@ class XTC(Sampler):
 
     @property
     def disabled(self) -> bool:
-        return self.probability <= 0 or self.threshold > 0.5
+        return self.off(self.probability, self.threshold)
+
+    @staticmethod
+    def off(probability: float, threshold: float) -> bool:
+        return probability <= 0 or threshold > 0.5
 
     def reset(self):
         self.seed_cur = _rng_seed(self.seed)
@@ -847,6 +855,8 @@ class Chain(Sampler):
             elif name == "min_p":
                 return MinP(min_p, min_keep)
             elif name == "xtc":
+                if XTC.off(xtc_probability, xtc_threshold):     # left out before seeding its generator
+                    return None
                 s = XTC(xtc_probability, xtc_threshold, min_keep, seed)
             else:
                 return TempExt(temperature, dynatemp_range, dynatemp_exponent)
