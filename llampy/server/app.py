@@ -471,10 +471,14 @@ async def events(req: Request, q: asyncio.Queue, http: HTTPRequest):
     check_at = time.monotonic() + DISCONNECT_CHECK
     try:
         while True:
-            try:
-                ev = await asyncio.wait_for(q.get(), timeout=DISCONNECT_CHECK)
-            except asyncio.TimeoutError:
-                ev = None
+            if q.empty():
+                try:            # asyncio.timeout: no task per event, as wait_for makes
+                    async with asyncio.timeout(DISCONNECT_CHECK):
+                        ev = await q.get()
+                except TimeoutError:
+                    ev = None
+            else:
+                ev = q.get_nowait()
             # also while events flow: a client waiting for a whole (non-streamed) reply is only seen to leave here
             if ev is None or time.monotonic() >= check_at:
                 check_at = time.monotonic() + DISCONNECT_CHECK

@@ -191,12 +191,16 @@ async def merged(reqs: list, q: asyncio.Queue, http: HTTPRequest):
     lasts = [None] * len(reqs)
     try:
         while any(ev is None for ev in lasts):
-            try:
-                k, ev = await asyncio.wait_for(q.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return
-                continue
+            if q.empty():
+                try:            # asyncio.timeout: no task per event, as wait_for makes
+                    async with asyncio.timeout(0.5):
+                        k, ev = await q.get()
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    continue
+            else:
+                k, ev = q.get_nowait()
             if ev.finish_reason is not None:
                 lasts[k] = ev
             yield k, ev
