@@ -66,12 +66,27 @@ class TensorInfo:
         return n
 
 
+@dataclass(frozen=True)
+class UndecodedStrings:
+    """The value of an array of strings read with ``decode_string_arrays=False``: its element count; its bytes are
+    ``GGUFReader.value_bytes``."""
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
 class GGUFReader:
     """Opens, maps and validates a GGUF file. Metadata values are Python scalars and strings, NumPy views for
-    arrays of numbers and bools, lists of str for arrays of strings, and lists for arrays of arrays."""
+    arrays of numbers and bools, lists of str for arrays of strings, and lists for arrays of arrays.
 
-    def __init__(self, path):
+    ``decode_string_arrays=False`` (a tool that copies the metadata, as ``llampy quantize``): arrays of strings are
+    walked, every length checked against the file, but not decoded (nor checked as UTF-8); their values are
+    ``UndecodedStrings``. SmolLM2's vocabulary and merges: 50 -> 15 ms."""
+
+    def __init__(self, path, decode_string_arrays: bool = True):
         self.path = os.fspath(path)
+        self._decode_strings = decode_string_arrays
         self._file = self._mm = self._buf = None
         self.metadata: dict[str, object] = {}
         self.value_types: dict[str, tuple] = {}
@@ -170,6 +185,8 @@ class GGUFReader:
         if et == VT.STRING:
             if n > remain // 8:
                 raise GGUFError(f"{what}: array of {n} strings runs past the end of the file", at)
+            if not self._decode_strings:
+                return self._skip_strings(n, what), (vt, et)
             return self._string_array(n, what), (vt, et)
         if n > remain // _MIN_ARRAY_BYTES:
             raise GGUFError(f"{what}: array of {n} arrays runs past the end of the file", at)
@@ -219,6 +236,23 @@ class GGUFReader:
             raise GGUFError(f"{what}: string {len(out)} length runs past the end of the file", pos) from None
         self._pos = pos
         return out
+
+    def _skip_strings(self, n: int, what: str) -> UndecodedStrings:
+        """_string_array's walk without the decoding."""
+        mm, pos, end = self._mm, self._pos, self.file_size
+        unpack = _U64.unpack_from
+        i = 0
+        try:
+            for i in range(n):
+                (ln,) = unpack(mm, pos)
+                pos += 8
+                if ln > end - pos:
+                    raise GGUFError(f"{what}: string {i} length {ln} runs past the end of the file", pos - 8)
+                pos += ln
+        except struct.error:
+            raise GGUFError(f"{what}: string {i} length runs past the end of the file", pos) from None
+        self._pos = pos
+        return UndecodedStrings(n)
 
     # ------------------------------------------------------------------ structure
     def _parse(self) -> None:

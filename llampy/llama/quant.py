@@ -545,7 +545,7 @@ def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) ->
     gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor."""
     from ..gguf.reader import GGUFReader
     t0 = time.perf_counter()
-    r = GGUFReader(inp)
+    r = GGUFReader(inp, decode_string_arrays=False)     # the vocabulary is copied as bytes
     try:
         return _quantize(r, out, params, log or (lambda s: None), progress, t0)
     finally:

@@ -204,6 +204,35 @@ def test_zero_size_tensors_and_empty_arrays(tmp_path):
         assert r.tensor_array("y").shape == (8,)
 
 
+def test_undecoded_string_arrays(tmp_path):
+    """decode_string_arrays=False (llampy quantize's reader): the keys, types, value bytes and tensors of a full
+    read, arrays of strings (nested ones too) as their counts; invalid UTF-8 in them passes, a length past the end
+    of the file does not."""
+    from llampy.gguf.reader import UndecodedStrings
+    p = tmp_path / "rich.gguf"
+    p.write_bytes(_rich_file())
+    with GGUFReader(p) as full, GGUFReader(p, decode_string_arrays=False) as lazy:
+        assert list(lazy.metadata) == list(full.metadata) and lazy.value_types == full.value_types
+        assert all(lazy.value_bytes(k) == full.value_bytes(k) for k in full.metadata)
+        assert lazy.metadata["a.strings"] == UndecodedStrings(4) and len(lazy.metadata["a.strings"]) == 4
+        assert lazy.metadata["a.mixed"][1] == UndecodedStrings(1)
+        assert lazy.metadata["s.string"] == "héllo"
+        assert [a.tolist() for a in lazy.metadata["a.nested"]] == [[1, 2], [3]]
+        assert ({n: (t.type, t.ne, t.offset) for n, t in lazy.tensors.items()}
+                == {n: (t.type, t.ne, t.offset) for n, t in full.tensors.items()})
+    p.write_bytes(_rich_file().replace("ü".encode() * 3, b"\xff" * 6))
+    with pytest.raises(GGUFError, match="invalid UTF-8"):
+        GGUFReader(p)
+    with GGUFReader(p, decode_string_arrays=False) as lazy:
+        assert b"\xff" * 6 in lazy.value_bytes("a.strings")
+    p.write_bytes(header(n_kv=1) + kv(b"k", VT.ARRAY, arr(VT.STRING, 3, gstr(b"a") + gstr(b"b") + b"\0" * 6)))
+    with pytest.raises(GGUFError, match="string 2 length runs past the end of the file"):
+        GGUFReader(p, decode_string_arrays=False)
+    p.write_bytes(header(n_kv=1) + kv(b"k", VT.ARRAY, arr(VT.STRING, 2, gstr(b"a") + u64(99) + b"b")))
+    with pytest.raises(GGUFError, match="string 1 length 99 runs past the end of the file"):
+        GGUFReader(p, decode_string_arrays=False)
+
+
 # ------------------------------------------------------------------------------ fuzzing
 def _rich_file() -> bytes:
     """A small file with every value type, nested and mixed arrays and several tensor types: mutations of it hit
