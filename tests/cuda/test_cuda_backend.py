@@ -95,8 +95,24 @@ def test_value_rules_match_dequantize(t):
         assert fields[name] == off, (t.name, name)
 
 
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("ncols", [1, 3, 8, 9])
+def test_mxfp4_values_at_every_exponent():
+    """MXFP4's scale byte e is GGML_E8M0_TO_FP32_HALF: 2^(e - 128), float32 subnormals for e < 2 and inf past the
+    float range for the largest nibbles: every exponent decodes as quants.dequantize does."""
+    import torch
+    from llampy.ggml.backends.cuda.buffer import rows
+    raw = np.random.default_rng(3).integers(0, 256, (256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    w = Tensor(T.MXFP4, (32 * 8, 32))
+    tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
+    tensor_set(w, raw.reshape(32, -1))
+    want = dequantize(raw.reshape(32, -1), T.MXFP4)
+    assert np.isinf(want).any() and (want[0, :32][want[0, :32] != 0] != 0).all()
+    np.testing.assert_array_equal(CUDA._dequant(w, rows(w), torch.float32).cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("t,ncols", [(t, c) for t in (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0) for c in (1, 3, 8, 9)]
+                         + [(t, c) for t in (T.TQ2_0, T.MXFP4) for c in (1, 9)],
+                         ids=lambda v: v.name if isinstance(v, T) else str(v))
 def test_matvec_and_tiles_past_one_block(t, ncols):
     """Decode products (matvec, 1..8 columns) and the dequantize+matmul path (9 columns) over several K tiles and
     a row count that is not a multiple of the kernel's rows per program."""

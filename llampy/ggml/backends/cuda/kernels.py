@@ -35,13 +35,15 @@ Q5_K: tl.constexpr = tl.constexpr(int(T.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(T.Q6_K))
 IQ4_NL: tl.constexpr = tl.constexpr(int(T.IQ4_NL))
 IQ4_XS: tl.constexpr = tl.constexpr(int(T.IQ4_XS))
+TQ2_0: tl.constexpr = tl.constexpr(int(T.TQ2_0))
+MXFP4: tl.constexpr = tl.constexpr(int(T.MXFP4))
 F16: tl.constexpr = tl.constexpr(int(T.F16))
 BF16: tl.constexpr = tl.constexpr(int(T.BF16))
 F32: tl.constexpr = tl.constexpr(int(T.F32))
 
 # the formats the kernels decode
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-         T.F16, T.BF16, T.F32)
+         T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
 
 # the byte offsets each rule reads, per format: the tests hold them to the table's fields (blocks.BLOCKS)
 FIELD_OFFSETS = {
@@ -53,6 +55,7 @@ FIELD_OFFSETS = {
     T.Q5_K: {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48},
     T.Q6_K: {"ql": 0, "qh": 128, "scales": 192, "d": 208},
     T.IQ4_NL: {"d": 0, "qs": 2}, T.IQ4_XS: {"d": 0, "scales_h": 2, "scales_l": 4, "qs": 8},
+    T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
 }
 
 
@@ -162,6 +165,20 @@ def _value(p, k, lut, TYPE: tl.constexpr):
         j = k % 32
         q = (_u8(p, o + 2 + (j % 16)) >> (4 * (j // 16))) & 15
         v = _f16(p, o) * tl.load(lut + q).to(tl.float32)
+    elif TYPE == TQ2_0:     # qs[64] (2 bits per value, laid out as Q2_K's), d: (q - 1) * d, q in 0..2
+        o = (k // 256) * 66
+        j = k % 256
+        q = (_u8(p, o + 32 * (j // 128) + j % 32) >> (2 * ((j % 128) // 32))) & 3
+        v = (q - 1).to(tl.float32) * _f16(p, o + 64)
+    elif TYPE == MXFP4:     # e (E8M0), qs[16] (E2M1 nibbles laid out as IQ4_NL's): kvalues_mxfp4[q] * 2^(e - 128)
+        o = (k // 32) * 17
+        j = k % 32
+        q = (_u8(p, o + 1 + (j % 16)) >> (4 * (j // 16))) & 15
+        m = q & 7           # twice the E2M1 magnitude: 0 1 2 3 4 6 8 12
+        a = tl.where(m < 4, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+        e = _u8(p, o)       # GGML_E8M0_TO_FP32_HALF's bits: (e - 1) << 23, a subnormal for e < 2
+        s = tl.where(e < 2, 2097152 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        v = tl.where(q >= 8, -a, a).to(tl.float32) * s
     else:                   # IQ4_XS: d, scales_h (u16, 2 bits per 32), scales_l[4] (a nibble per 32), qs[128]
         tl.static_assert(TYPE == IQ4_XS, "no value rule for this type")
         o = (k // 256) * 136
