@@ -111,7 +111,7 @@ def test_mxfp4_values_at_every_exponent():
 
 
 @pytest.mark.parametrize("t,ncols", [(t, c) for t in (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0) for c in (1, 3, 8, 9)]
-                         + [(t, c) for t in (T.TQ2_0, T.MXFP4) for c in (1, 9)],
+                         + [(t, c) for t in (T.TQ1_0, T.TQ2_0, T.MXFP4) for c in (1, 9)],
                          ids=lambda v: v.name if isinstance(v, T) else str(v))
 def test_matvec_and_tiles_past_one_block(t, ncols):
     """Decode products (matvec, 1..8 columns) and the dequantize+matmul path (9 columns) over several K tiles and

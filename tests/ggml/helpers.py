@@ -52,7 +52,8 @@ def run(backend, *outs):
 
 # byte offsets of the F16 scale fields per block, so that random blocks hold sane scales
 _SCALE_FIELDS = {GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q2_K: (80, 82), GGMLType.Q6_K: (208,),
-                 GGMLType.Q3_K: (108,), GGMLType.IQ4_XS: (0,), GGMLType.TQ2_0: (64,)}
+                 GGMLType.Q3_K: (108,), GGMLType.IQ4_XS: (0,), GGMLType.TQ2_0: (64,),
+                 GGMLType.TQ1_0: (52,)}
 
 
 def random_blocks(type, shape, rng) -> np.ndarray:

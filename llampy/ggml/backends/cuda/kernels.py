@@ -35,6 +35,7 @@ Q5_K: tl.constexpr = tl.constexpr(int(T.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(T.Q6_K))
 IQ4_NL: tl.constexpr = tl.constexpr(int(T.IQ4_NL))
 IQ4_XS: tl.constexpr = tl.constexpr(int(T.IQ4_XS))
+TQ1_0: tl.constexpr = tl.constexpr(int(T.TQ1_0))
 TQ2_0: tl.constexpr = tl.constexpr(int(T.TQ2_0))
 MXFP4: tl.constexpr = tl.constexpr(int(T.MXFP4))
 F16: tl.constexpr = tl.constexpr(int(T.F16))
@@ -43,7 +44,7 @@ F32: tl.constexpr = tl.constexpr(int(T.F32))
 
 # the formats the kernels decode
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-         T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
+         T.TQ1_0, T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
 
 # the byte offsets each rule reads, per format: the tests hold them to the table's fields (blocks.BLOCKS)
 FIELD_OFFSETS = {
@@ -55,7 +56,7 @@ FIELD_OFFSETS = {
     T.Q5_K: {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48},
     T.Q6_K: {"ql": 0, "qh": 128, "scales": 192, "d": 208},
     T.IQ4_NL: {"d": 0, "qs": 2}, T.IQ4_XS: {"d": 0, "scales_h": 2, "scales_l": 4, "qs": 8},
-    T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
+    T.TQ1_0: {"qs": 0, "qh": 48, "d": 52}, T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
 }
 
 
@@ -165,6 +166,14 @@ def _value(p, k, lut, TYPE: tl.constexpr):
         j = k % 32
         q = (_u8(p, o + 2 + (j % 16)) >> (4 * (j // 16))) & 15
         v = _f16(p, o) * tl.load(lut + q).to(tl.float32)
+    elif TYPE == TQ1_0:     # qs[48] (five base-3 digits a byte), qh[4] (four), d: (digit - 1) * d
+        o = (k // 256) * 54
+        j = k % 256         # values 0..159: byte j % 32, digit j // 32; 160..239: 32 + .. % 16; then 48 + .. % 4
+        b = tl.where(j < 160, j % 32, tl.where(j < 240, 32 + (j - 160) % 16, 48 + (j - 240) % 4))
+        n = tl.where(j < 160, j // 32, tl.where(j < 240, (j - 160) // 16, (j - 240) // 4))
+        p3 = tl.where(n == 0, 1, tl.where(n == 1, 3, tl.where(n == 2, 9, tl.where(n == 3, 27, 81))))
+        q = (((_u8(p, o + b) * p3) & 255) * 3) >> 8     # the byte holds the digits as a fraction of 243
+        v = (q - 1).to(tl.float32) * _f16(p, o + 52)
     elif TYPE == TQ2_0:     # qs[64] (2 bits per value, laid out as Q2_K's), d: (q - 1) * d, q in 0..2
         o = (k // 256) * 66
         j = k % 256
