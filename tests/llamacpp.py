@@ -51,8 +51,9 @@ def libggml_cpu(mode: int = ctypes.DEFAULT_MODE) -> tuple[ctypes.CDLL, ctypes.CD
 
 
 def libggml_graph() -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    """``libggml_cpu()`` with the signatures a one-node flash-attention graph needs (ggml_init, 4-D tensors, their
-    data, ggml_flash_attn_ext and its sinks, a forward graph computed on the CPU) declared for ctypes."""
+    """``libggml_cpu()`` with the signatures a one-node flash-attention or matrix-product graph needs (ggml_init,
+    2-D and 4-D tensors, their data, ggml_flash_attn_ext and its sinks, ggml_mul_mat, a forward graph computed on the
+    CPU) declared for ctypes."""
     b, c = libggml_cpu()
     P = ctypes.c_void_p
     b.ggml_init.restype, b.ggml_init.argtypes = P, [GGMLInitParams]
@@ -62,6 +63,9 @@ def libggml_graph() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     b.ggml_flash_attn_ext.restype = P
     b.ggml_flash_attn_ext.argtypes = [P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_float]
     b.ggml_flash_attn_ext_add_sinks.argtypes = [P, P]
+    b.ggml_new_tensor_2d.restype = P
+    b.ggml_new_tensor_2d.argtypes = [P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    b.ggml_mul_mat.restype, b.ggml_mul_mat.argtypes = P, [P, P, P]
     b.ggml_new_graph.restype, b.ggml_new_graph.argtypes = P, [P]
     b.ggml_build_forward_expand.argtypes = [P, P]
     b.ggml_free.argtypes = [P]
@@ -93,6 +97,29 @@ def ggml_flash_attn(lib, q, k, v, mask, scale, max_bias=0.0, softcap=0.0, sinks=
         b.ggml_build_forward_expand(gf, out)
         assert c.ggml_graph_compute_with_ctx(ctx, gf, 2) == 0
         res = np.empty((1, q.shape[2], q.shape[1], v.shape[3]), np.float32)
+        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
+        return res
+    finally:
+        b.ggml_free(ctx)
+
+
+def ggml_mul_mat(lib, w, wtype, k, x, n_threads=2):
+    """ggml_mul_mat as a one-node graph on llama.cpp's CPU (``lib``: ``libggml_graph()``): w the weight's GGUF rows
+    (uint8 [rows, row_bytes] of ggml type ``wtype``, k values each, in a plain context: not repacked), x float32
+    [n, k]. The result float32 [n, rows] (ggml rounds x to the weight's dot type itself)."""
+    b, c = lib
+    n, rows = x.shape[0], w.shape[0]
+    ctx = b.ggml_init(GGMLInitParams((16 << 20) + w.nbytes + 4 * x.nbytes + 4 * n * rows, None, False))
+    try:
+        tw = b.ggml_new_tensor_2d(ctx, int(wtype), k, rows)
+        ctypes.memmove(b.ggml_get_data(tw), np.ascontiguousarray(w).ctypes.data, w.nbytes)
+        tx = b.ggml_new_tensor_2d(ctx, 0, k, n)
+        ctypes.memmove(b.ggml_get_data(tx), np.ascontiguousarray(x, np.float32).ctypes.data, 4 * n * k)
+        out = b.ggml_mul_mat(ctx, tw, tx)
+        gf = b.ggml_new_graph(ctx)
+        b.ggml_build_forward_expand(gf, out)
+        assert c.ggml_graph_compute_with_ctx(ctx, gf, n_threads) == 0
+        res = np.empty((n, rows), np.float32)
         ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
         return res
     finally:

@@ -1,6 +1,7 @@
 """llama.cpp's tiled k-quant product (cpu/dot_kquant_tiled.py) against an independent NumPy statement of its arithmetic, and
 ``mul_mat``'s choice between it and vec_dot as llama.cpp's CPU backend makes it (tiled from 8 activation rows,
-except Q4_K whose rows llama.cpp repacks). Bit-equality with llama.cpp itself is checked end to end by
+except Q4_K whose rows llama.cpp repacks). Bit-equality with llama.cpp itself: ggml's own mul_mat through ctypes
+for every format of its tiled path that llampy runs there (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), and end to end
 tests/llama/test_fidelity_real.py (Gemma 3's Q6_K ffn_down)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from llampy.ggml.backends.cpu.dot_q32 import F16_TABLE
 from llampy.ggml.quants import dequantize
 from llampy.ggml.quants_k import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from llampy.ggml.types import GGMLType as T
+from tests import llamacpp
 
 QUANT = {T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k, T.Q6_K: quantize_q6_k}
 BLOCK = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
@@ -72,7 +74,11 @@ def test_tiled_equals_reference(wtype, rows, k, n):
     s = act_split(x, T.Q8_K)
     got = np.full((n, rows), np.nan, np.float32)
     dot_kquant_tiled.mm_k_tiled(w, dot_kquant_tiled.KINDS[wtype.name], s.xq, s.xd, s.xs, got, F16_TABLE)
-    assert np.array_equal(got, reference(w, wtype, x))
+    want = reference(w, wtype, x)
+    assert np.array_equal(got, want)
+    got[...] = np.nan       # and the eight-activation-rows form
+    dot_kquant_tiled.mul_mat_tiles(w, wtype.name, s.xq, s.xd, s.xs, got)
+    assert np.array_equal(got, want)
 
 
 def test_tiled_differs_from_vec_dot():
@@ -130,3 +136,23 @@ def test_target_neutral_path(tmp_path):
     env = dict(os.environ, LLAMPY_SIMD="generic", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                     "-k", "equals_reference and (Q6_K or Q4_K) and 13-512"], env=env, check=True, timeout=900)
+
+
+@pytest.mark.parametrize("wtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
+def test_prompt_products_give_ggml_bits(wtype):
+    """A prompt's product (8 and 21 activation rows, 44 weight rows: not repacked by llama.cpp, a ragged last
+    group) through ``mul_mat`` against ggml's own mul_mat on the host's llama.cpp build (its tiled path)."""
+    from llampy.ggml.quants import quantize
+    lib = llamacpp.libggml_graph()
+    rng = np.random.default_rng(int(wtype))
+    rows, k = 44, 512
+    w32 = rng.standard_normal((rows, k)).astype(np.float32)
+    w32[0, :32] *= 50
+    w = quantize(w32, wtype).reshape(rows, -1)
+    for n in (8, 21):
+        x = (rng.standard_normal((n, k)) * 3).astype(np.float32)
+        x[0, :5] = [40, -40, 0, 1e-3, 7]
+        x[-1, 256:512] = 0
+        got = np.full((n, rows), np.nan, np.float32)
+        matmul.mul_mat(w, wtype, x, got)
+        assert np.array_equal(got, llamacpp.ggml_mul_mat(lib, w, wtype, k, x)), n

@@ -1,6 +1,7 @@
 """llama.cpp's tiled k-quant matrix product (ggml-cpu/tiled/), bit for bit: the path its CPU backend takes for
-Q4_K, Q5_K and Q6_K weights that are not repacked (on x86: all Q5_K and Q6_K, Q4_K with rows % 8 != 0) when the
-batch has at least ``TILED_MIN_ROWS`` activation rows. Below that, and for one-token decode, llama.cpp runs
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS weights that are not repacked (on x86: all but Q4_K with rows % 8 == 0)
+when the batch has at least ``TILED_MIN_ROWS`` activation rows (``mm_k_tiles``; on AVX-512 VNNI Q6_K's sixteen-row
+form ``mm_q6_k_rows16``; ``mm_k_tiled``, the first form, for Q4_K / Q5_K / Q6_K: the same bits). Below that, and for one-token decode, llama.cpp runs
 ``ggml_vec_dot_*_q8_K`` per row (``dot_kquant_scalar``/``dot_kquant``).
 
 The float order differs from vec_dot's, so the two give different last bits; Gemma 3's Q6_K ``ffn_down`` in a
@@ -27,12 +28,17 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ... import blocks as B
+from .claims import claim, workers
 from .dot_q32 import OUT_AHEAD, _f16, prefetch_write, rows16_transpose
+from .dot_blocks import _abs8, _sign_of, f32x8_fmav, i32x8_sub
 from .dot_kquant_scalar import _scale_min
-from .dot_kquant import hsum8x_ir, i32x8_lane
-from .simd import (AVX2, VNNI, _call, _load, _ptr, f16_at, fma32, i32x8, q6k_decode_store, q6k_rows16_sb, v16_load,
+from .dot_kquant import _madd, _maddubs, hsum8x_ir, i32x8_lane
+from .simd import (AVX2, VNNI, _call, _elem_ptr, _load, _ptr, f16_at, f32x8_fma, f32x8_load, f32x8_scale,
+                   f32x8_store, f32x8_zero, fma32, i32x8, i32x8_to_f32x8, q6k_decode_store, q6k_rows16_sb, v16_load,
                    v16_store, v16_zero)
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
@@ -43,6 +49,7 @@ _R = 8   # weight rows decoded together (one prange item)
 _I32 = ir.IntType(32)
 _H16 = ir.VectorType(ir.IntType(16), 16)
 _L8 = ir.VectorType(_I32, 8)
+KV_IQ4NL = B.KVALUES_IQ4NL.astype(np.int8).view(np.uint8)     # IQ4_XS's signed values as bytes
 
 
 def _madd16(builder, acc, a, b):
@@ -254,3 +261,236 @@ def mm_q6_k_rows16(w, xq, xd, bsums, out, n2):
             else:
                 for r in range(nr):
                     out[i, r0 + r] = part[i, r]
+
+
+# ------------------------------------------------------------- eight activation rows as lanes (any x86 width)
+# ``mm_k_tiles``: the tiled kernel's float order for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS, ggml's AVX2 microkernel
+# (tiled_run_microtile_avx2) laid out for Numba. A group of eight weight rows is decoded once per call into byte
+# codes (the values, or the values plus a bias for Q3_K / Q6_K) and sixteen int16 scales per super-block; then for
+# eight activation rows at a time and each super-block, one pass over the 32-byte pieces: the weight piece loaded
+# once, for each activation row ``madd(maddubs(w, x), scales)`` into its own accumulator (IQ4_XS: ggml's sign trick,
+# its signed values), the eight accumulators reduced together so that lane c is activation row c's s1. The bias
+# (Q3_K: 4, Q6_K: 32) comes off s1 as sum(scale * bias * the activations' 16-value sums), the mins term s2 (Q2_K,
+# Q4_K, Q5_K) likewise from the block sums: integers, exact in any order. The float steps per super-block are the
+# tiled kernel's, eight activation rows a vector: r = f32(s1) * d_w; r = fma(-dmin_w, f32(s2), r); out = fma(r, d_x,
+# out) from 0 in k order.
+TILES = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 7}
+TILES_ROWS = 8      # weight rows per work item (their codes, 8 x k bytes, stay in L1 beside eight activation rows)
+_V32 = ir.VectorType(ir.IntType(8), 32)
+_V2H = ir.VectorType(ir.IntType(16), 2)
+
+
+def _tile8(signed):
+    """An intrinsic: lane c = the int32 sum over one super-block of the codes at byte ``co`` of ``codes`` (256
+    bytes) times activation row min(j + c, last) of xq from byte xo, each 16-value half of a 32-byte piece times
+    its int16 scale (sc16[so + 2p], sc16[so + 2p + 1] for piece p). The codes are unsigned bytes (``maddubs(w,
+    x)``), or, ``signed``, signed values through ggml's sign trick ``maddubs(|w|, sign(x, w))`` (exact: Q8_K's
+    codes lie in -127..127, and |w| <= 127)."""
+    @intrinsic
+    def tile8(typingctx, codes, co, sc16, so, xq, j, last, xo):
+        def codegen(context, builder, sig, args):
+            ity = context.get_value_type(types.intp)
+            co_, so_, j_, last_, xo_ = (context.cast(builder, args[i], sig.args[i], types.intp)
+                                        for i in (1, 3, 5, 6, 7))
+            xa = context.make_array(sig.args[4])(context, builder, args[4])
+            s0 = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+            xb = builder.bitcast(xa.data, ir.IntType(8).as_pointer())
+            xp = []
+            for c in range(8):
+                jc = builder.add(j_, ir.Constant(ity, c))
+                jc = builder.select(builder.icmp_signed(">", jc, last_), last_, jc)
+                xp.append(builder.gep(xb, [builder.add(builder.mul(jc, s0), xo_)]))
+            accs = [None] * 8
+            for p in range(8):
+                wv = _load(builder, _ptr(context, builder, sig.args[0], args[0],
+                                         builder.add(co_, ir.Constant(ity, 32 * p)), _V32))
+                s2 = _load(builder, _ptr(context, builder, sig.args[2], args[2],
+                                         builder.mul(builder.add(so_, ir.Constant(ity, 2 * p)), ir.Constant(ity, 2)),
+                                         _V2H))
+                scv = builder.shuffle_vector(s2, s2, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+                aw = _abs8(builder, wv) if signed else wv     # |w| once for the eight activation rows
+                for c in range(8):
+                    xv = _load(builder, builder.bitcast(builder.gep(xp[c], [ir.Constant(ity, 32 * p)]),
+                                                        _V32.as_pointer()))
+                    if signed:
+                        xv = _sign_of(builder, xv, wv)
+                    v = _madd(builder, _maddubs(builder, aw, xv), scv)
+                    accs[c] = v if accs[c] is None else builder.add(accs[c], v)
+            return hsum8x_ir(builder, accs)
+        return i32x8(codes, types.intp, sc16, types.intp, xq, types.intp, types.intp, types.intp), codegen
+    return tile8
+
+
+tile8_u = _tile8(False)
+tile8_s = _tile8(True)
+
+
+@intrinsic
+def tile8_m(typingctx, mt, mo, bs, j, last, bo):
+    """Lane c = sum over s < 16 of mt[mo + s] * bs[min(j + c, last), bo + s] (int16 terms, int32 sum: the mins or
+    the bias times the scales against the activations' 16-value sums)."""
+    def codegen(context, builder, sig, args):
+        ity = context.get_value_type(types.intp)
+        mo_, j_, last_, bo_ = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (1, 3, 4, 5))
+        m = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], mo_, _H16))
+        ba = context.make_array(sig.args[2])(context, builder, args[2])
+        s0 = cgutils.unpack_tuple(builder, ba.strides, 2)[0]
+        bb = builder.bitcast(ba.data, ir.IntType(8).as_pointer())
+        accs = []
+        for c in range(8):
+            jc = builder.add(j_, ir.Constant(ity, c))
+            jc = builder.select(builder.icmp_signed(">", jc, last_), last_, jc)
+            p = builder.gep(bb, [builder.add(builder.mul(jc, s0), builder.mul(bo_, ir.Constant(ity, 2)))])
+            accs.append(_madd(builder, m, _load(builder, builder.bitcast(p, _H16.as_pointer()))))
+        return hsum8x_ir(builder, accs)
+    return i32x8(mt, types.intp, bs, types.intp, types.intp, types.intp), codegen
+
+
+@njit(cache=True, inline="always")
+def _tiles_decode(kind, row, b, codes, co, sc16, mt16, so, dd, dm, di):
+    """Super-block b of a weight row into the tiles' layout: 256 codes at codes[co:], sixteen scales (one per 16
+    values) at sc16[so:], the mins or bias terms at mt16[so:], d and dmin at dd[di], dm[di]."""
+    if kind == 2:                               # Q2_K: 84 bytes, scales/mins[16], qs[64], d, dmin
+        o = b * 84
+        for p in range(8):
+            q = o + 16 + 32 * (p >> 2)
+            sh = 2 * (p & 3)
+            for l in range(32):
+                codes[co + 32 * p + l] = (row[q + l] >> sh) & 3
+        for s in range(16):
+            v = np.int16(row[o + s])
+            sc16[so + s] = v & 15
+            mt16[so + s] = v >> 4
+        dd[di] = f16_at(row, o + 80)
+        dm[di] = f16_at(row, o + 82)
+    elif kind == 3:                             # Q3_K: 110 bytes, hmask[32], qs[64], scales[12], d; codes q + 4
+        o = b * 110
+        for p in range(8):
+            q = o + 32 + 32 * (p >> 2)
+            sh = 2 * (p & 3)
+            hs = 4 * (p >> 2) + (p & 3)
+            for l in range(32):
+                codes[co + 32 * p + l] = ((row[q + l] >> sh) & 3) | (((row[o + l] >> hs) & 1) << 2)
+        for s in range(16):
+            lo = (np.int16(row[o + 96 + (s & 7)]) >> (4 * (s >> 3))) & 15
+            hi = (np.int16(row[o + 104 + (s & 3)]) >> (2 * (s >> 2))) & 3
+            sc = (lo | (hi << 4)) - 32
+            sc16[so + s] = sc
+            mt16[so + s] = 4 * sc
+        dd[di] = f16_at(row, o + 108)
+    elif kind == 4 or kind == 5:                # Q4_K: 144 bytes, Q5_K: 176 (qh[32] before qs)
+        five = kind == 5
+        o = b * (176 if five else 144)
+        qs = o + (48 if five else 16)
+        for jj in range(4):
+            for l in range(32):
+                v = row[qs + 32 * jj + l]
+                lo = v & 15
+                hi = v >> 4
+                if five:
+                    hb = row[o + 16 + l]
+                    lo |= ((hb >> (2 * jj)) & 1) << 4
+                    hi |= ((hb >> (2 * jj + 1)) & 1) << 4
+                codes[co + 64 * jj + l] = lo
+                codes[co + 64 * jj + 32 + l] = hi
+        for s in range(8):
+            sc, m = _scale_min(row, o + 4, s)
+            sc16[so + 2 * s] = sc
+            sc16[so + 2 * s + 1] = sc
+            mt16[so + 2 * s] = m
+            mt16[so + 2 * s + 1] = m
+        dd[di] = f16_at(row, o)
+        dm[di] = f16_at(row, o + 2)
+    elif kind == 6:                             # Q6_K: 210 bytes, ql[128], qh[64], scales[16] (int8), d; codes q + 32
+        o = b * 210
+        for h in range(2):
+            ql = o + h * 64
+            qh = o + 128 + h * 32
+            e0 = co + h * 128
+            for l in range(32):
+                hb = row[qh + l]
+                lo = row[ql + l]
+                hi = row[ql + 32 + l]
+                codes[e0 + l] = (lo & 15) | ((hb & 3) << 4)
+                codes[e0 + 32 + l] = (hi & 15) | (((hb >> 2) & 3) << 4)
+                codes[e0 + 64 + l] = (lo >> 4) | (((hb >> 4) & 3) << 4)
+                codes[e0 + 96 + l] = (hi >> 4) | (((hb >> 6) & 3) << 4)
+        for s in range(16):
+            sc = np.int16(np.int8(row[o + 192 + s]))
+            sc16[so + s] = sc
+            mt16[so + s] = 32 * sc
+        dd[di] = f16_at(row, o + 208)
+    else:                                       # IQ4_XS: 136 bytes, d, scales_h, scales_l[4], qs[128]; signed values
+        o = b * 136
+        for g in range(8):
+            q = o + 8 + 16 * g
+            for l in range(16):
+                v = row[q + l]
+                codes[co + 32 * g + l] = KV_IQ4NL[v & 15]
+                codes[co + 32 * g + 16 + l] = KV_IQ4NL[v >> 4]
+            lo = (np.int16(row[o + 4 + (g >> 1)]) >> (4 * (g & 1))) & 15
+            hi = ((np.int16(row[o + 2]) | (np.int16(row[o + 3]) << 8)) >> (2 * g)) & 3
+            sc = (lo | (hi << 4)) - 32
+            sc16[so + 2 * g] = sc
+            sc16[so + 2 * g + 1] = sc
+        dd[di] = f16_at(row, o)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mm_k_tiles(w, kind, xq, xd, bsums, out, xdt, counter, n_workers):
+    """out[i, r] for every activation row i (xq int8 [n, k], xd [n, k/256], bsums int16 [n, k/16]: Q8_K) and
+    weight row r, in the tiled kernel's order (see above); ``xdt`` = xd transposed, [k/256, n rounded up to 8]
+    (its padding anything finite). Work items: groups of TILES_ROWS weight rows, claimed from ``counter`` (int64,
+    zeroed) by ``n_workers`` workers (``claims``)."""
+    rows = w.shape[0]
+    n, k = xq.shape
+    nb = k // 256
+    ng = (rows + TILES_ROWS - 1) // TILES_ROWS
+    last = n - 1
+    for _ in prange(n_workers):
+        codes = np.empty(TILES_ROWS * k, np.uint8)
+        sc16 = np.zeros(TILES_ROWS * nb * 16, np.int16)
+        mt16 = np.zeros(TILES_ROWS * nb * 16, np.int16)
+        dd = np.zeros(TILES_ROWS * nb, np.float32)
+        dm = np.zeros(TILES_ROWS * nb, np.float32)
+        res = np.empty(8, np.float32)
+        while True:
+            g = claim(counter)
+            if g >= ng:
+                break
+            r0 = g * TILES_ROWS
+            nr = min(TILES_ROWS, rows - r0)
+            for t in range(nr):
+                row = w[r0 + t]
+                for b in range(nb):
+                    _tiles_decode(kind, row, b, codes, t * k + 256 * b, sc16, mt16,
+                                  (t * nb + b) * 16, dd, dm, t * nb + b)
+            for j in range(0, n, 8):
+                nc = min(8, n - j)
+                for t in range(nr):
+                    acc = f32x8_zero()
+                    for b in range(nb):
+                        so = (t * nb + b) * 16
+                        if kind == 7:
+                            s1 = tile8_s(codes, t * k + 256 * b, sc16, so, xq, j, last, 256 * b)
+                        else:
+                            s1 = tile8_u(codes, t * k + 256 * b, sc16, so, xq, j, last, 256 * b)
+                        if kind == 3 or kind == 6:
+                            s1 = i32x8_sub(s1, tile8_m(mt16, so, bsums, j, last, 16 * b))
+                        r = f32x8_scale(i32x8_to_f32x8(s1), dd[t * nb + b])
+                        if kind == 2 or kind == 4 or kind == 5:
+                            r = f32x8_fma(-dm[t * nb + b], i32x8_to_f32x8(tile8_m(mt16, so, bsums, j, last, 16 * b)), r)
+                        acc = f32x8_fmav(r, f32x8_load(xdt[b], j), acc)
+                    f32x8_store(res, 0, acc)
+                    for c in range(nc):
+                        out[j + c, r0 + t] = res[c]
+
+
+def mul_mat_tiles(w, name, xq, xd, bsums, out):
+    """``mm_k_tiles`` for a weight of format ``name`` (a key of TILES) against Q8_K activations (act_split's
+    buffers), out float32 [n, rows] with contiguous rows."""
+    n = xq.shape[0]
+    xdt = np.zeros((xd.shape[1], -(-n // 8) * 8), np.float32)
+    xdt[:, :n] = xd.T
+    mm_k_tiles(w, TILES[name], xq, xd, bsums, out, xdt, np.zeros(1, np.int64),
+               workers(-(-w.shape[0] // TILES_ROWS)))

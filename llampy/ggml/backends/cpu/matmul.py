@@ -9,9 +9,10 @@ Two paths:
 - integer (``dot_q32``, ``dot_kquant_scalar``): x quantized once per call (``act_quant``, buffers cached by shape), then Numba
   integer dot products straight on the GGUF blocks in llama.cpp's float order: bit-identical to llama.cpp.
 - the block table's formats (F16, BF16, Q2_K, Q3_K, IQ4_NL, IQ4_XS: ``dot_blocks``): their own kernels in ggml's
-  float order for batches below ``dot_blocks.SMALL_N`` rows, else BLAS with tiles dequantized by the table's decode
-  rules; and the weights llama.cpp repacks on x86 (IQ4_NL, MXFP4, Q4_0 with rows % 8 == 0, not the KV cache's
-  views: ``dot_blocks.repacked_rows``) on its repacked gemv / gemm chain at every batch size.
+  float order for batches below ``dot_blocks.SMALL_N`` rows; from there Q2_K, Q3_K and IQ4_XS take llama.cpp's
+  tiled order (``dot_kquant_tiled.mm_k_tiles``, as Q4_K / Q5_K / Q6_K do), the others BLAS with tiles dequantized
+  by the table's decode rules; and the weights llama.cpp repacks on x86 (IQ4_NL, MXFP4, Q4_0 with rows % 8 == 0,
+  not the KV cache's views: ``dot_blocks.repacked_rows``) on its repacked gemv / gemm chain at every batch size.
 - BLAS: x rounded through its dot type and back to float32 (exact values), tiles of w dequantized to float32 in
   Numba (``TILE_BYTES`` at a time), ``np.matmul`` per tile. The same numbers up to float32 summation order
   (relative ~1e-7 of |w|·|x|); the Q8_1 formats' min term is corrected to ggml's ``m_w * F16(s_x)`` (see
@@ -99,6 +100,10 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
         return
     if n <= limit and (wtype in _KERNELS or wtype == T.Q4_K):
         _mul_mat_int(_as_2d_rows(w), wtype, x, out, scratch)
+        return
+    if n <= limit and wtype.name in dot_kquant_tiled.TILES and n >= dot_kquant_tiled.TILED_MIN_ROWS \
+            and _rows_ok(w, x, out):
+        _mul_mat_tiles(w, wtype, x, out, scratch)     # Q2_K, Q3_K, IQ4_XS prompts: llama.cpp's tiled order
         return
     if wtype in SUPPORTED_DIRECT:
         _mul_mat_blas(w, wtype, x, out)
@@ -314,6 +319,13 @@ def _k_decode_kernel(w, wtype, n):
     return {T.Q4_K: dot_kquant._q4_k, T.Q5_K: dot_kquant._q5_k, T.Q6_K: dot_kquant._q6_k}[wtype]
 
 
+def _mul_mat_tiles(w, wtype, x, out, scratch):
+    """A prompt's product of a format llama.cpp runs through its tiled kernel (``dot_kquant_tiled.TILES``): x
+    rounded to Q8_K, then ``mm_k_tiles``."""
+    s = act_split(x, T.Q8_K, scratch)
+    dot_kquant_tiled.mul_mat_tiles(w, wtype.name, s.xq, s.xd, s.xs, out)
+
+
 def _mul_mat_int(w, wtype, x, out, scratch, quantized: bool = False):
     vdt = TYPE_TRAITS[wtype].vec_dot_type
     s = scratch if quantized else act_split(x, vdt, scratch)
@@ -326,8 +338,8 @@ def _mul_mat_int(w, wtype, x, out, scratch, quantized: bool = False):
             dot_kquant_tiled.mm_q6_k_rows16(w, s.xq, s.xd, s.xs, res, n - n % 2)
             if n % 2:
                 dot_kquant_tiled.mm_k_tiled(w, 6, s.xq[n - 1:], s.xd[n - 1:], s.xs[n - 1:], res[n - 1:], F16_TABLE)
-        else:
-            dot_kquant_tiled.mm_k_tiled(w, dot_kquant_tiled.KINDS[wtype.name], s.xq, s.xd, s.xs, res, F16_TABLE)
+        else:       # the tiled order, eight activation rows as lanes (dot_kquant_tiled.mm_k_tiles)
+            dot_kquant_tiled.mul_mat_tiles(w, wtype.name, s.xq, s.xd, s.xs, res)
     elif wtype == T.Q4_K:
         n = x.shape[0]
         if w.shape[0] % 8 == 0:   # llama.cpp repacks these rows (8x8) and runs its gemv/gemm forms
