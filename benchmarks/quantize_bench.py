@@ -18,9 +18,9 @@ llama-quantize quantizes only with one) left out unless ``--imatrix``; ``--types
 ``--imatrix``: both tools get the same random importance matrix.
 
 llama-quantize is found as the tests find it (LLAMPY_LLAMA_QUANTIZE, or bin/llama-quantize of LLAMPY_LLAMACPP:
-``bash scripts/llamacpp.sh`` builds it). Before timing, llampy quantizes a small random model once to every listed
-type (untimed), so that no timed run compiles a kernel; then each tool runs once per type, the input already in the
-page cache. Wall time is the whole command's (start-up included); CPU is its user + system time, which a loaded
+``bash scripts/llamacpp.sh`` builds it). Before timing, llampy quantizes a small random model (its weights F16
+when the input's are, else F32) once to every listed type (untimed), so that no timed run compiles a kernel; then
+each tool runs once per type, the input already in the page cache. Wall time is the whole command's (start-up included); CPU is its user + system time, which a loaded
 machine disturbs less than wall time.
 """
 from __future__ import annotations
@@ -81,6 +81,7 @@ def main() -> int:
     ap.add_argument("--imatrix", action="store_true", help="a random importance matrix for both tools")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "llampy-quant-bench"))
     a = ap.parse_args()
+    import numpy as np
     from tests import llamacpp
     from tests.llama.test_quantize import write_random_imatrix, write_random_llama
     from llampy.llama.quant import FTYPES
@@ -98,9 +99,15 @@ def main() -> int:
     d.mkdir(parents=True, exist_ok=True)
     py = [sys.executable, "-m", "llampy", "quantize", "--progress", "off"]
     src, what = _source(a, d, py)
-    small, small_im = d / "small.gguf", d / "small-imatrix.gguf"
+    # the warm-up file holds its weights in the input's type: Numba compiles a kernel per argument type, and
+    # F32 weights reach some kernels as read-only views of the mapping where F16 ones arrive converted
+    from llampy.gguf import GGUFReader
+    with GGUFReader(src, decode_string_arrays=False) as r:
+        f16 = max(r.tensors.values(), key=lambda ti: ti.nbytes).type.name == "F16"
+    small = d / ("small-f16.gguf" if f16 else "small.gguf")
+    small_im = small.with_name(small.stem + "-imatrix.gguf")
     if not small.exists():
-        write_random_llama(small, n_layer=1)
+        write_random_llama(small, n_layer=1, dtype=np.float16 if f16 else np.float32)
         write_random_imatrix(small, small_im)
     for t in types:         # every kernel compiled (Numba's cache) before anything is timed
         subprocess.run(py + (["--imatrix", str(small_im)] if a.imatrix else []) + [str(small), str(d / "warm.gguf"),
