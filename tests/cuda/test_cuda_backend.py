@@ -23,8 +23,6 @@ from .helpers import REF, count_launches, device_leaf
 CUDA = backend_init("cuda")
 from llampy.ggml.backends.cuda import kernels as K  # noqa: E402  (imported by the backend)
 
-# what the backend leaves to the CPU (the scheduler places it there)
-NOT_ON_CUDA = {"get_rows_iq2_xxs"}    # a type without CUDA kernels: its rows stay with the CPU
 # the reference rounds activations to the weight's dot type (Q8_0/Q8_1/Q8_K) and uses ggml-cpu's F16 GELU table;
 # the GPU keeps activations in float32 (F16 inside tensor-core tiles), as ggml-cuda's dequantize paths do
 LOOSE = 1e-2
@@ -45,9 +43,6 @@ def _run(be, build):
 def test_cuda_matches_reference(name):
     build, tol = CASES[name]
     g, out = _run(CUDA, build)
-    if name in NOT_ON_CUDA:
-        assert not all(CUDA.supports_op(n) for n in g.nodes)
-        return
     from llampy.ggml.backends.cuda.backend import _TABLE
     from llampy.ggml.tensor import VIEW_OPS
     foreign = [n for n in g.nodes if n.op not in _TABLE and n.op not in VIEW_OPS]
@@ -95,6 +90,15 @@ def test_value_rules_match_dequantize(t):
         assert fields[name] == off, (t.name, name)
 
 
+def test_formats_without_kernels_are_refused():
+    """A block format with no value rule here (IQ1_S) is refused for products and get_rows, so the scheduler runs
+    them on the CPU; IQ2_XXS, which has one, is taken."""
+    x, idx = Tensor(T.F32, (256, 2)), Tensor(T.I32, (2,))
+    for t, ok in ((T.IQ1_S, False), (T.IQ2_XXS, True)):
+        w = Tensor(t, (256, 4))
+        assert bool(CUDA.supports_op(ops.mul_mat(w, x))) is ok and bool(CUDA.supports_op(ops.get_rows(w, idx))) is ok
+
+
 def test_mxfp4_values_at_every_exponent():
     """MXFP4's scale byte e is GGML_E8M0_TO_FP32_HALF: 2^(e - 128), float32 subnormals for e < 2 and inf past the
     float range for the largest nibbles: every exponent decodes as quants.dequantize does."""
@@ -111,7 +115,7 @@ def test_mxfp4_values_at_every_exponent():
 
 
 @pytest.mark.parametrize("t,ncols", [(t, c) for t in (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0) for c in (1, 3, 8, 9)]
-                         + [(t, c) for t in (T.TQ1_0, T.TQ2_0, T.MXFP4) for c in (1, 9)],
+                         + [(t, c) for t in (T.IQ2_XXS, T.TQ1_0, T.TQ2_0, T.MXFP4) for c in (1, 9)],
                          ids=lambda v: v.name if isinstance(v, T) else str(v))
 def test_matvec_and_tiles_past_one_block(t, ncols):
     """Decode products (matvec, 1..8 columns) and the dequantize+matmul path (9 columns) over several K tiles and
@@ -120,7 +124,8 @@ def test_matvec_and_tiles_past_one_block(t, ncols):
     n, k = 37, 768
     wv = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((ncols, k)).astype(np.float32)
-    q = quantize(wv, t)
+    # IQ2_XXS's quantizer needs an importance matrix: random blocks with small scales instead
+    q = random_blocks(t, (n, k // 256 * 66), rng) if t == T.IQ2_XXS else quantize(wv, t)
     w = Tensor(t, (k, n))
     tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
     tensor_set(w, q)

@@ -29,7 +29,6 @@ import triton
 from ...backend import Backend, register_backend
 from ...tensor import Flags, Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
-from ...quants_tables import kvalues_iq4nl
 from . import kernels as K
 from . import mmvq as MMVQ
 from .buffer import CUDABufferType, TORCH_DTYPE, rows, view
@@ -137,7 +136,7 @@ class CUDABackend(Backend):
         super().__init__(f"cuda:{index}")
         self._buft = CUDABufferType(self.dev, self.device)
         self.cuda_graphs = cuda_graphs and self.dev.type == "cuda"
-        self._lut = torch.tensor(kvalues_iq4nl.astype(np.int8), device=self.dev)
+        self._lut = torch.tensor(K.LUT, device=self.dev)
         self._dummy = torch.zeros(1, dtype=torch.int32, device=self.dev)
         # streaming multiprocessors (launch shapes fill them); the interpreter: a few, so that its tests take the
         # split paths too

@@ -17,9 +17,11 @@ the CPU over torch CPU tensors (CI has no GPU).
 """
 from __future__ import annotations
 
+import numpy as np
 import triton
 import triton.language as tl
 
+from ...quants_tables import IQ2XXS_GRID_BYTES, ksigns_iq2xs, kvalues_iq4nl
 from ...types import GGMLType as T
 
 # the constexpr id of each format: its GGMLType value
@@ -35,6 +37,7 @@ Q5_K: tl.constexpr = tl.constexpr(int(T.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(T.Q6_K))
 IQ4_NL: tl.constexpr = tl.constexpr(int(T.IQ4_NL))
 IQ4_XS: tl.constexpr = tl.constexpr(int(T.IQ4_XS))
+IQ2_XXS: tl.constexpr = tl.constexpr(int(T.IQ2_XXS))
 TQ1_0: tl.constexpr = tl.constexpr(int(T.TQ1_0))
 TQ2_0: tl.constexpr = tl.constexpr(int(T.TQ2_0))
 MXFP4: tl.constexpr = tl.constexpr(int(T.MXFP4))
@@ -44,7 +47,14 @@ F32: tl.constexpr = tl.constexpr(int(T.F32))
 
 # the formats the kernels decode
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-         T.TQ1_0, T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
+         T.IQ2_XXS, T.TQ1_0, T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
+
+# the kernels' one table argument ``lut`` (int8 on the device): IQ4_NL's values, ksigns_iq2xs (the sign bytes of
+# the IQ2/IQ3 formats, read & 255), iq2xxs_grid's entries as 8 bytes each; the offsets of each part
+LUT = np.concatenate([kvalues_iq4nl.astype(np.int8), ksigns_iq2xs.astype(np.uint8).view(np.int8),
+                      IQ2XXS_GRID_BYTES.reshape(-1).view(np.int8)])
+LUT_KSIGNS: tl.constexpr = tl.constexpr(16)
+LUT_IQ2XXS: tl.constexpr = tl.constexpr(16 + 128)
 
 # the byte offsets each rule reads, per format: the tests hold them to the table's fields (blocks.BLOCKS)
 FIELD_OFFSETS = {
@@ -56,7 +66,7 @@ FIELD_OFFSETS = {
     T.Q5_K: {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48},
     T.Q6_K: {"ql": 0, "qh": 128, "scales": 192, "d": 208},
     T.IQ4_NL: {"d": 0, "qs": 2}, T.IQ4_XS: {"d": 0, "scales_h": 2, "scales_l": 4, "qs": 8},
-    T.TQ1_0: {"qs": 0, "qh": 48, "d": 52}, T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
+    T.IQ2_XXS: {"d": 0, "qs": 2}, T.TQ1_0: {"qs": 0, "qh": 48, "d": 52}, T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
 }
 
 
@@ -166,6 +176,17 @@ def _value(p, k, lut, TYPE: tl.constexpr):
         j = k % 32
         q = (_u8(p, o + 2 + (j % 16)) >> (4 * (j // 16))) & 15
         v = _f16(p, o) * tl.load(lut + q).to(tl.float32)
+    elif TYPE == IQ2_XXS:   # d, then per 32 values 4 grid indices and a u32 of four 7-bit sign indices + 4-bit ls
+        o = (k // 256) * 66
+        j = k % 256
+        gb = o + 2 + 8 * (j // 32)
+        aux = _u8(p, gb + 4) | (_u8(p, gb + 5) << 8) | (_u8(p, gb + 6) << 16) | (_u8(p, gb + 7) << 24)
+        c = (j % 32) // 8
+        db = (_f16(p, o) * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.25
+        g = tl.load(lut + LUT_IQ2XXS + 8 * _u8(p, gb + c) + j % 8).to(tl.float32)
+        sg = tl.load(lut + LUT_KSIGNS + ((aux >> (7 * c)) & 127)).to(tl.int32) & 255
+        v = db * g
+        v = tl.where(((sg >> (j % 8)) & 1) != 0, -v, v)
     elif TYPE == TQ1_0:     # qs[48] (five base-3 digits a byte), qh[4] (four), d: (digit - 1) * d
         o = (k // 256) * 54
         j = k % 256         # values 0..159: byte j % 32, digit j // 32; 160..239: 32 + .. % 16; then 48 + .. % 4
