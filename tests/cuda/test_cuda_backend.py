@@ -115,7 +115,7 @@ def test_mxfp4_values_at_every_exponent():
 
 
 @pytest.mark.parametrize("t,ncols", [(t, c) for t in (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0) for c in (1, 3, 8, 9)]
-                         + [(t, c) for t in (T.IQ2_XXS, T.TQ1_0, T.TQ2_0, T.MXFP4) for c in (1, 9)],
+                         + [(t, c) for t in (T.IQ2_XXS, T.IQ3_S, T.TQ1_0, T.TQ2_0, T.MXFP4) for c in (1, 9)],
                          ids=lambda v: v.name if isinstance(v, T) else str(v))
 def test_matvec_and_tiles_past_one_block(t, ncols):
     """Decode products (matvec, 1..8 columns) and the dequantize+matmul path (9 columns) over several K tiles and
@@ -124,8 +124,10 @@ def test_matvec_and_tiles_past_one_block(t, ncols):
     n, k = 37, 768
     wv = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((ncols, k)).astype(np.float32)
-    # IQ2_XXS's quantizer needs an importance matrix: random blocks with small scales instead
-    q = random_blocks(t, (n, k // 256 * 66), rng) if t == T.IQ2_XXS else quantize(wv, t)
+    # the grid formats' quantizers search (and IQ2_XXS's needs an importance matrix): random blocks with small
+    # scales instead
+    grid = t in (T.IQ2_XXS, T.IQ3_S)
+    q = random_blocks(t, (n, k // 256 * TYPE_TRAITS[t].type_size), rng) if grid else quantize(wv, t)
     w = Tensor(t, (k, n))
     tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
     tensor_set(w, q)

@@ -21,7 +21,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ...quants_tables import IQ2XXS_GRID_BYTES, ksigns_iq2xs, kvalues_iq4nl
+from ...quants_tables import (IQ2S_GRID_BYTES, IQ2XS_GRID_BYTES, IQ2XXS_GRID_BYTES, IQ3S_GRID_BYTES, IQ3XXS_GRID_BYTES,
+                              ksigns_iq2xs, kvalues_iq4nl)
 from ...types import GGMLType as T
 
 # the constexpr id of each format: its GGMLType value
@@ -38,6 +39,10 @@ Q6_K: tl.constexpr = tl.constexpr(int(T.Q6_K))
 IQ4_NL: tl.constexpr = tl.constexpr(int(T.IQ4_NL))
 IQ4_XS: tl.constexpr = tl.constexpr(int(T.IQ4_XS))
 IQ2_XXS: tl.constexpr = tl.constexpr(int(T.IQ2_XXS))
+IQ2_XS: tl.constexpr = tl.constexpr(int(T.IQ2_XS))
+IQ2_S: tl.constexpr = tl.constexpr(int(T.IQ2_S))
+IQ3_XXS: tl.constexpr = tl.constexpr(int(T.IQ3_XXS))
+IQ3_S: tl.constexpr = tl.constexpr(int(T.IQ3_S))
 TQ1_0: tl.constexpr = tl.constexpr(int(T.TQ1_0))
 TQ2_0: tl.constexpr = tl.constexpr(int(T.TQ2_0))
 MXFP4: tl.constexpr = tl.constexpr(int(T.MXFP4))
@@ -47,14 +52,22 @@ F32: tl.constexpr = tl.constexpr(int(T.F32))
 
 # the formats the kernels decode
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-         T.IQ2_XXS, T.TQ1_0, T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
+         T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.TQ1_0, T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
 
 # the kernels' one table argument ``lut`` (int8 on the device): IQ4_NL's values, ksigns_iq2xs (the sign bytes of
-# the IQ2/IQ3 formats, read & 255), iq2xxs_grid's entries as 8 bytes each; the offsets of each part
-LUT = np.concatenate([kvalues_iq4nl.astype(np.int8), ksigns_iq2xs.astype(np.uint8).view(np.int8),
-                      IQ2XXS_GRID_BYTES.reshape(-1).view(np.int8)])
-LUT_KSIGNS: tl.constexpr = tl.constexpr(16)
-LUT_IQ2XXS: tl.constexpr = tl.constexpr(16 + 128)
+# the IQ2/IQ3 formats, read & 255), then the grids' entries as bytes (8 a entry for IQ2, 4 for IQ3; all < 128);
+# the offsets of each part
+_LUT_PARTS = [kvalues_iq4nl.astype(np.int8), ksigns_iq2xs.astype(np.uint8).view(np.int8)] + [
+    g.reshape(-1).view(np.int8) for g in (IQ2XXS_GRID_BYTES, IQ2XS_GRID_BYTES, IQ2S_GRID_BYTES, IQ3XXS_GRID_BYTES,
+                                          IQ3S_GRID_BYTES)]
+LUT = np.concatenate(_LUT_PARTS)
+_OFFS = np.cumsum([0] + [len(a) for a in _LUT_PARTS]).tolist()
+LUT_KSIGNS: tl.constexpr = tl.constexpr(_OFFS[1])
+LUT_IQ2XXS: tl.constexpr = tl.constexpr(_OFFS[2])
+LUT_IQ2XS: tl.constexpr = tl.constexpr(_OFFS[3])
+LUT_IQ2S: tl.constexpr = tl.constexpr(_OFFS[4])
+LUT_IQ3XXS: tl.constexpr = tl.constexpr(_OFFS[5])
+LUT_IQ3S: tl.constexpr = tl.constexpr(_OFFS[6])
 
 # the byte offsets each rule reads, per format: the tests hold them to the table's fields (blocks.BLOCKS)
 FIELD_OFFSETS = {
@@ -66,7 +79,9 @@ FIELD_OFFSETS = {
     T.Q5_K: {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48},
     T.Q6_K: {"ql": 0, "qh": 128, "scales": 192, "d": 208},
     T.IQ4_NL: {"d": 0, "qs": 2}, T.IQ4_XS: {"d": 0, "scales_h": 2, "scales_l": 4, "qs": 8},
-    T.IQ2_XXS: {"d": 0, "qs": 2}, T.TQ1_0: {"qs": 0, "qh": 48, "d": 52}, T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
+    T.IQ2_XXS: {"d": 0, "qs": 2}, T.IQ2_XS: {"d": 0, "qs": 2, "scales": 66},
+    T.IQ2_S: {"d": 0, "qs": 2, "signs": 34, "qh": 66, "scales": 74}, T.IQ3_XXS: {"d": 0, "qs": 2, "sas": 66},
+    T.IQ3_S: {"d": 0, "qs": 2, "qh": 66, "signs": 74, "scales": 106}, T.TQ1_0: {"qs": 0, "qh": 48, "d": 52}, T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
 }
 
 
@@ -187,6 +202,46 @@ def _value(p, k, lut, TYPE: tl.constexpr):
         sg = tl.load(lut + LUT_KSIGNS + ((aux >> (7 * c)) & 127)).to(tl.int32) & 255
         v = db * g
         v = tl.where(((sg >> (j % 8)) & 1) != 0, -v, v)
+    elif TYPE == IQ2_XS:    # d, qs[32] u16 (9-bit index into iq2xs_grid, 7-bit sign index), scales[8] (a nibble per 16)
+        o = (k // 256) * 74
+        j = k % 256
+        g = j // 32
+        c = (j % 32) // 8
+        q16 = _u8(p, o + 2 + 8 * g + 2 * c) | (_u8(p, o + 3 + 8 * g + 2 * c) << 8)
+        ls = (_u8(p, o + 66 + g) >> (4 * (c // 2))) & 15
+        db = (_f16(p, o) * (0.5 + ls.to(tl.float32))) * 0.25
+        v = db * tl.load(lut + LUT_IQ2XS + 8 * (q16 & 511) + j % 8).to(tl.float32)
+        sg = tl.load(lut + LUT_KSIGNS + (q16 >> 9)).to(tl.int32) & 255
+        v = tl.where(((sg >> (j % 8)) & 1) != 0, -v, v)
+    elif TYPE == IQ2_S:     # d, qs[32] (index bits 0..7), signs[32] (a bit a value), qh[8] (bits 8, 9), scales[8]
+        o = (k // 256) * 82
+        j = k % 256
+        g = j // 32
+        c = (j % 32) // 8
+        idx = _u8(p, o + 2 + 4 * g + c) | ((_u8(p, o + 66 + g) << (8 - 2 * c)) & 0x300)
+        ls = (_u8(p, o + 74 + g) >> (4 * (c // 2))) & 15
+        db = (_f16(p, o) * (0.5 + ls.to(tl.float32))) * 0.25
+        v = db * tl.load(lut + LUT_IQ2S + 8 * idx + j % 8).to(tl.float32)
+        v = tl.where(((_u8(p, o + 34 + 4 * g + c) >> (j % 8)) & 1) != 0, -v, v)
+    elif TYPE == IQ3_XXS:   # d, qs[64] (indices into iq3xxs_grid, 4 values each), per 32 a u32: 4 sign indices + ls
+        o = (k // 256) * 98
+        j = k % 256
+        g = j // 32
+        sa = o + 66 + 4 * g
+        aux = _u8(p, sa) | (_u8(p, sa + 1) << 8) | (_u8(p, sa + 2) << 16) | (_u8(p, sa + 3) << 24)
+        db = (_f16(p, o) * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.5
+        v = db * tl.load(lut + LUT_IQ3XXS + 4 * _u8(p, o + 2 + 8 * g + (j % 32) // 4) + j % 4).to(tl.float32)
+        sg = tl.load(lut + LUT_KSIGNS + ((aux >> (7 * ((j % 32) // 8))) & 127)).to(tl.int32) & 255
+        v = tl.where(((sg >> (j % 8)) & 1) != 0, -v, v)
+    elif TYPE == IQ3_S:     # d, qs[64] (index bits 0..7), qh[8] (bit 8), signs[32], scales[4] (a nibble per 32)
+        o = (k // 256) * 110
+        j = k % 256
+        g = j // 32
+        c = (j % 32) // 4
+        idx = _u8(p, o + 2 + 8 * g + c) | (((_u8(p, o + 66 + g) >> c) & 1) << 8)
+        ls = (_u8(p, o + 106 + g // 2) >> (4 * (g % 2))) & 15
+        v = (_f16(p, o) * (1 + 2 * ls).to(tl.float32)) * tl.load(lut + LUT_IQ3S + 4 * idx + j % 4).to(tl.float32)
+        v = tl.where(((_u8(p, o + 74 + 4 * g + (j % 32) // 8) >> (j % 8)) & 1) != 0, -v, v)
     elif TYPE == TQ1_0:     # qs[48] (five base-3 digits a byte), qh[4] (four), d: (digit - 1) * d
         o = (k // 256) * 54
         j = k % 256         # values 0..159: byte j % 32, digit j // 32; 160..239: 32 + .. % 16; then 48 + .. % 4
