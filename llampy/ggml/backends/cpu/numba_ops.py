@@ -114,6 +114,11 @@ def bind_set_rows(node, dst, srcs):
     size = src.size if src.size // src.shape[-1] > 1 else 0
     if t == T.F16:
         fn, d, src = _pick(rows, "set_rows_f16", size), dst.view(np.uint16), src.view(np.uint32)
+        if fn is rows.set_rows_f16:         # the index test in the same call
+            def run_one():
+                if not rows.set_rows_f16_checked(src, idx, n_rows, d):
+                    raise IndexError(f"set_rows: row index out of range 0..{n_rows - 1}")
+            return run_one
     else:
         fn, d = _pick(rows, "set_rows_same", size), dst
 

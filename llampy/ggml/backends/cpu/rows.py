@@ -126,6 +126,19 @@ set_rows_f16_par = parallel_build(_set_rows_f16)
 set_rows_f16 = njit(cache=True)(_set_rows_f16)
 
 
+@njit(cache=True)
+def set_rows_f16_checked(src, idx, n_rows, dst):
+    """``check_index``'s test, then ``set_rows_f16``, in one call (a decoded token's V row into an F16 cache): False,
+    with nothing stored, where an index is outside 0..n_rows - 1."""
+    for i3 in range(idx.shape[0]):
+        for i2 in range(idx.shape[1]):
+            for v in idx[i3, i2]:
+                if v < 0 or v >= n_rows:
+                    return False
+    set_rows_f16(src, idx, dst)
+    return True
+
+
 set_rows_same_par = parallel_build(_set_rows_same)
 set_rows_same = njit(cache=True)(_set_rows_same)
 
