@@ -40,6 +40,9 @@ KV_CACHE_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGML
 PAD_BELOW = 64
 PAD_STEP = 8
 _ROW_EXACT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
+# IQ4_NL and MXFP4 where llama.cpp repacks the rows (a multiple of 8, dot_blocks.repacked_rows): their gemv's chain
+# at every batch size; their other rows (vec_dot's) are not padded
+_ROW_EXACT_REPACKED = frozenset({GGMLType.IQ4_NL, GGMLType.MXFP4})
 _ROW_OPS = frozenset({"NONE", "ADD", "MUL", "SCALE", "RMS_NORM", "NORM", "ROPE", "SET_ROWS", "GET_ROWS", "CPY",
                       "CONT", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "SWIGLU", "GEGLU", "SILU", "GELU",
                       "FLASH_ATTN_EXT", "MUL_MAT"})
@@ -52,7 +55,10 @@ def _rows_apart(graph: Graph) -> bool:
             return False
         if node.op.name == "MUL_MAT":
             w = node.src[0]
-            if w.op.name != "NONE" or w.view_src is not None or GGMLType(w.type) not in _ROW_EXACT_TYPES:
+            t = GGMLType(w.type)
+            if w.op.name != "NONE" or w.view_src is not None:
+                return False
+            if t not in _ROW_EXACT_TYPES and not (t in _ROW_EXACT_REPACKED and w.ne[1] % 8 == 0):
                 return False
     return True
 
