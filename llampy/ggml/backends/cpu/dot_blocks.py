@@ -119,13 +119,9 @@ def _lut_nibbles(builder, q, kv):
 
 def _signed_madd(builder, a, b, s16):
     """madd(mul_add_epi8(a, b), s16): ggml's sign trick (maddubs(|a|, b with a's sign); exact, |a| <= 127) on two
-    <32 x i8>, the pair sums times the <16 x i16> s16."""
-    zero = _splat(_V32, 0)
-    neg = builder.icmp_signed("<", a, zero)
-    absa = builder.select(neg, builder.sub(zero, a), a)
-    sb = builder.select(neg, builder.sub(zero, b), b)
-    sb = builder.select(builder.icmp_signed("==", a, zero), zero, sb)
-    return _madd(builder, _maddubs(builder, absa, sb), s16)
+    <32 x i8>, the pair sums times the <16 x i16> s16. b's sign change is one vpsignb on AVX2 (``_sign_of``; the
+    compares and selects that state it were not folded into one)."""
+    return _madd(builder, _maddubs(builder, _abs8(builder, a), _sign_of(builder, b, a)), s16)
 
 
 nib_lut32 = _nib_lut32(B.KVALUES_IQ4NL)      # IQ4_NL, IQ4_XS
@@ -208,7 +204,28 @@ nl_rows8, nl_acts8 = _q4_rows8(B.KVALUES_IQ4NL), _q4_acts8(B.KVALUES_IQ4NL)
 mx_rows8, mx_acts8 = _q4_rows8(B.KVALUES_FP4), _q4_acts8(B.KVALUES_FP4)
 # Q4_0's rule q - 8 as a table (llama.cpp's repack XORs the nibbles with 0x88 so that its table gives q - 8)
 Q4_0_VALUES = tuple(range(-8, 8))
-q40_acts8 = _q4_acts8(Q4_0_VALUES)
+
+
+@intrinsic
+def q40_acts8(typingctx, wr, o, x, i, xo, neg, no):
+    """``_q4_acts8`` with Q4_0's values q - 8, in the offset form: the block's unsigned nibbles (decoded once) times
+    each of the eight activation rows (``_udot``: pair sums <= 2 * 15 * 127, exact), the eight sums reduced together,
+    plus lanes no .. no + 7 of the int32 array ``neg``, -8 times each row's block sum (made once per call for every
+    weight row, ``_tiles_r8``): the same integers as the table and the sign trick, without a lookup, an |w| and a
+    sign per activation row (Q4_0 tiles at n = 512, 1536 x 576, one thread: 13.5 -> 11.6 ms CPU)."""
+    def codegen(context, builder, sig, args):
+        q = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16))
+        a = _nibbles32(builder, q)
+        p, s0 = _row_ptr(context, builder, sig.args[2], args[2], args[3], args[4])
+        lanes = []
+        for j in range(8):
+            xb = _load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, j), s0)]),
+                                                _V32.as_pointer()))
+            lanes.append(_udot(builder, a, xb))
+        no = context.cast(builder, args[6], sig.args[6], types.intp)
+        return builder.add(hsum8x_ir(builder, lanes),
+                           _load(builder, _elem_ptr(context, builder, sig.args[5], args[5], no, _V_I32x8)))
+    return i32x8(wr, types.intp, x, types.intp, types.intp, neg, types.intp), codegen
 
 
 @intrinsic
@@ -1134,10 +1151,11 @@ def _r8_wscales(kind, w, r, o):
 
 
 @njit(cache=True, inline="always")
-def _r8_acts(kind, wr, o, xq, i, xo):
-    """Lane a: the block sum of weight row wr (its block at byte o) with the activations at byte xo of row i + a."""
+def _r8_acts(kind, wr, o, xq, i, xo, neg, no):
+    """Lane a: the block sum of weight row wr (its block at byte o) with the activations at byte xo of row i + a
+    (Q4_0: ``neg`` from element no, -8 times the activation rows' block sums, see ``_tiles_r8``)."""
     if kind == K_Q4_0_R8:
-        return q40_acts8(wr, o + Q40_QS, xq, i, xo)
+        return q40_acts8(wr, o + Q40_QS, xq, i, xo, neg, no)
     if kind == K_MXFP4_R8:
         return mx_acts8(wr, o + MX_QS, xq, i, xo)
     return nl_acts8(wr, o + N4_QS, xq, i, xo)
@@ -1200,6 +1218,14 @@ def _tiles_r8(w, xq, xd, out, kind):
     n8 = n - n % 8
     n16 = n8 - n8 % 16
     xdT = np.ascontiguousarray(xd.T)      # (nb, n): eight activation rows' scales of a block side by side
+    neg = np.zeros(nb * n if kind == K_Q4_0_R8 else 1, np.int32)   # Q4_0: -8 * sum of block b of row i at b * n + i
+    if kind == K_Q4_0_R8:
+        for i in prange(n8):
+            for b in range(nb):
+                t = np.int32(0)
+                for e in range(32 * b, 32 * b + 32):
+                    t += np.int32(xq[i, e])
+                neg[b * n + i] = -8 * t
     for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r1 = min(rows, (c + 1) * ROW_CHUNK)
         bb = _r8_bytes(kind)
@@ -1212,9 +1238,9 @@ def _tiles_r8(w, xq, xd, out, kind):
                 for b in range(nb):
                     o = b * bb
                     dw = _r8_wscale(kind, wr, o)
-                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b)),
+                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b, neg, b * n + i)),
                                     f32x8_scale(f32x8_load(xdT[b], i), dw), a0)
-                    a1 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i + 8, 32 * b)),
+                    a1 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i + 8, 32 * b, neg, b * n + i + 8)),
                                     f32x8_scale(f32x8_load(xdT[b], i + 8), dw), a1)
                 _store8(out, i, r, a0)
                 _store8(out, i + 8, r, a1)
@@ -1224,7 +1250,7 @@ def _tiles_r8(w, xq, xd, out, kind):
                 a0 = f32x8_zero()
                 for b in range(nb):
                     o = b * bb
-                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b)),
+                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b, neg, b * n + i)),
                                     f32x8_scale(f32x8_load(xdT[b], i), _r8_wscale(kind, wr, o)), a0)
                 _store8(out, i, r, a0)
 
