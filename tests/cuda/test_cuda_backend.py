@@ -91,10 +91,10 @@ def test_value_rules_match_dequantize(t):
 
 
 def test_formats_without_kernels_are_refused():
-    """A block format with no value rule here (IQ1_S) is refused for products and get_rows, so the scheduler runs
-    them on the CPU; IQ2_XXS, which has one, is taken."""
+    """A block format with no value rule here (NVFP4) is refused for products and get_rows, so the scheduler runs
+    them on the CPU; IQ1_S, which has one, is taken."""
     x, idx = Tensor(T.F32, (256, 2)), Tensor(T.I32, (2,))
-    for t, ok in ((T.IQ1_S, False), (T.IQ2_XXS, True)):
+    for t, ok in ((T.NVFP4, False), (T.IQ1_S, True)):
         w = Tensor(t, (256, 4))
         assert bool(CUDA.supports_op(ops.mul_mat(w, x))) is ok and bool(CUDA.supports_op(ops.get_rows(w, idx))) is ok
 
@@ -115,7 +115,7 @@ def test_mxfp4_values_at_every_exponent():
 
 
 @pytest.mark.parametrize("t,ncols", [(t, c) for t in (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0) for c in (1, 3, 8, 9)]
-                         + [(t, c) for t in (T.IQ2_XXS, T.IQ3_S, T.TQ1_0, T.TQ2_0, T.MXFP4) for c in (1, 9)],
+                         + [(t, c) for t in (T.IQ2_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0, T.MXFP4) for c in (1, 9)],
                          ids=lambda v: v.name if isinstance(v, T) else str(v))
 def test_matvec_and_tiles_past_one_block(t, ncols):
     """Decode products (matvec, 1..8 columns) and the dequantize+matmul path (9 columns) over several K tiles and
@@ -126,7 +126,7 @@ def test_matvec_and_tiles_past_one_block(t, ncols):
     x = rng.standard_normal((ncols, k)).astype(np.float32)
     # the grid formats' quantizers search (and IQ2_XXS's needs an importance matrix): random blocks with small
     # scales instead
-    grid = t in (T.IQ2_XXS, T.IQ3_S)
+    grid = t in (T.IQ2_XXS, T.IQ3_S, T.IQ1_S)
     q = random_blocks(t, (n, k // 256 * TYPE_TRAITS[t].type_size), rng) if grid else quantize(wv, t)
     w = Tensor(t, (k, n))
     tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)

@@ -21,8 +21,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ...quants_tables import (IQ2S_GRID_BYTES, IQ2XS_GRID_BYTES, IQ2XXS_GRID_BYTES, IQ3S_GRID_BYTES, IQ3XXS_GRID_BYTES,
-                              ksigns_iq2xs, kvalues_iq4nl)
+from ...quants_tables import (IQ1S_GRID_BYTES, IQ2S_GRID_BYTES, IQ2XS_GRID_BYTES, IQ2XXS_GRID_BYTES, IQ3S_GRID_BYTES,
+                              IQ3XXS_GRID_BYTES, ksigns_iq2xs, kvalues_iq4nl)
 from ...types import GGMLType as T
 
 # the constexpr id of each format: its GGMLType value
@@ -43,6 +43,8 @@ IQ2_XS: tl.constexpr = tl.constexpr(int(T.IQ2_XS))
 IQ2_S: tl.constexpr = tl.constexpr(int(T.IQ2_S))
 IQ3_XXS: tl.constexpr = tl.constexpr(int(T.IQ3_XXS))
 IQ3_S: tl.constexpr = tl.constexpr(int(T.IQ3_S))
+IQ1_S: tl.constexpr = tl.constexpr(int(T.IQ1_S))
+IQ1_M: tl.constexpr = tl.constexpr(int(T.IQ1_M))
 TQ1_0: tl.constexpr = tl.constexpr(int(T.TQ1_0))
 TQ2_0: tl.constexpr = tl.constexpr(int(T.TQ2_0))
 MXFP4: tl.constexpr = tl.constexpr(int(T.MXFP4))
@@ -52,14 +54,15 @@ F32: tl.constexpr = tl.constexpr(int(T.F32))
 
 # the formats the kernels decode
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-         T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.TQ1_0, T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
+         T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
 
 # the kernels' one table argument ``lut`` (int8 on the device): IQ4_NL's values, ksigns_iq2xs (the sign bytes of
-# the IQ2/IQ3 formats, read & 255), then the grids' entries as bytes (8 a entry for IQ2, 4 for IQ3; all < 128);
+# the IQ2/IQ3 formats, read & 255), then the grids' entries as bytes (8 a entry for IQ2 and IQ1, 4 for IQ3; all
+# < 128; IQ1's are -1, 0, 1);
 # the offsets of each part
 _LUT_PARTS = [kvalues_iq4nl.astype(np.int8), ksigns_iq2xs.astype(np.uint8).view(np.int8)] + [
     g.reshape(-1).view(np.int8) for g in (IQ2XXS_GRID_BYTES, IQ2XS_GRID_BYTES, IQ2S_GRID_BYTES, IQ3XXS_GRID_BYTES,
-                                          IQ3S_GRID_BYTES)]
+                                          IQ3S_GRID_BYTES, IQ1S_GRID_BYTES)]
 LUT = np.concatenate(_LUT_PARTS)
 _OFFS = np.cumsum([0] + [len(a) for a in _LUT_PARTS]).tolist()
 LUT_KSIGNS: tl.constexpr = tl.constexpr(_OFFS[1])
@@ -68,6 +71,7 @@ LUT_IQ2XS: tl.constexpr = tl.constexpr(_OFFS[3])
 LUT_IQ2S: tl.constexpr = tl.constexpr(_OFFS[4])
 LUT_IQ3XXS: tl.constexpr = tl.constexpr(_OFFS[5])
 LUT_IQ3S: tl.constexpr = tl.constexpr(_OFFS[6])
+LUT_IQ1S: tl.constexpr = tl.constexpr(_OFFS[7])
 
 # the byte offsets each rule reads, per format: the tests hold them to the table's fields (blocks.BLOCKS)
 FIELD_OFFSETS = {
@@ -81,7 +85,8 @@ FIELD_OFFSETS = {
     T.IQ4_NL: {"d": 0, "qs": 2}, T.IQ4_XS: {"d": 0, "scales_h": 2, "scales_l": 4, "qs": 8},
     T.IQ2_XXS: {"d": 0, "qs": 2}, T.IQ2_XS: {"d": 0, "qs": 2, "scales": 66},
     T.IQ2_S: {"d": 0, "qs": 2, "signs": 34, "qh": 66, "scales": 74}, T.IQ3_XXS: {"d": 0, "qs": 2, "sas": 66},
-    T.IQ3_S: {"d": 0, "qs": 2, "qh": 66, "signs": 74, "scales": 106}, T.TQ1_0: {"qs": 0, "qh": 48, "d": 52}, T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
+    T.IQ3_S: {"d": 0, "qs": 2, "qh": 66, "signs": 74, "scales": 106}, T.IQ1_S: {"d": 0, "qs": 2, "qh": 34},
+    T.IQ1_M: {"qs": 0, "qh": 32, "scales": 48}, T.TQ1_0: {"qs": 0, "qh": 48, "d": 52}, T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
 }
 
 
@@ -242,6 +247,29 @@ def _value(p, k, lut, TYPE: tl.constexpr):
         ls = (_u8(p, o + 106 + g // 2) >> (4 * (g % 2))) & 15
         v = (_f16(p, o) * (1 + 2 * ls).to(tl.float32)) * tl.load(lut + LUT_IQ3S + 4 * idx + j % 4).to(tl.float32)
         v = tl.where(((_u8(p, o + 74 + 4 * g + (j % 32) // 8) >> (j % 8)) & 1) != 0, -v, v)
+    elif TYPE == IQ1_S:     # d, qs[32] (index bits 0..7), qh[8] u16: 3 index bits a chunk, ls (12..14), delta sign (15)
+        o = (k // 256) * 50
+        j = k % 256
+        g = j // 32
+        c = (j % 32) // 8
+        qh = _u8(p, o + 34 + 2 * g) | (_u8(p, o + 35 + 2 * g) << 8)
+        idx = _u8(p, o + 2 + 4 * g + c) | (((qh >> (3 * c)) & 7) << 8)
+        dl = _f16(p, o) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+        delta = tl.where((qh & 0x8000) != 0, -0.125, 0.125)
+        v = dl * (tl.load(lut + LUT_IQ1S + 8 * idx + j % 8).to(tl.float32) + delta)
+    elif TYPE == IQ1_M:     # qs[32], qh[16] (a nibble a chunk: 3 index bits, the delta's sign), scales[8] (4 u16:
+        o = (k // 256) * 56  # 3-bit ls per 16 values; d's F16 bits in their top nibbles)
+        j = k % 256
+        g = j // 32
+        c = (j % 32) // 8
+        hn = (_u8(p, o + 32 + 2 * g + c // 2) >> (4 * (c % 2))) & 15
+        idx = _u8(p, o + 4 * g + c) | ((hn & 7) << 8)
+        sc = _u8(p, o + 48 + 2 * (g // 2)) | (_u8(p, o + 49 + 2 * (g // 2)) << 8)
+        db = (_u8(p, o + 49) >> 4) | (_u8(p, o + 51) & 0xF0) | ((_u8(p, o + 53) >> 4) << 8) | ((_u8(p, o + 55) >> 4) << 12)
+        d = db.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dl = d * (2 * ((sc >> (6 * (g % 2) + 3 * (c // 2))) & 7) + 1).to(tl.float32)
+        delta = tl.where((hn & 8) != 0, -0.125, 0.125)
+        v = dl * (tl.load(lut + LUT_IQ1S + 8 * idx + j % 8).to(tl.float32) + delta)
     elif TYPE == TQ1_0:     # qs[48] (five base-3 digits a byte), qh[4] (four), d: (digit - 1) * d
         o = (k // 256) * 54
         j = k % 256         # values 0..159: byte j % 32, digit j // 32; 160..239: 32 + .. % 16; then 48 + .. % 4
