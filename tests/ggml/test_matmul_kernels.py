@@ -247,6 +247,21 @@ def test_integer_path_is_bit_identical_to_ggml_lane_order(wtype):
         assert np.array_equal(out, vec_dot_avx2(wq, wtype, x))
 
 
+@pytest.mark.parametrize("wtype", [T.Q8_0, T.Q4_1], ids=lambda t: t.name)
+def test_prompt_tiles_over_long_rows(wtype):
+    """Rows longer than the eight-row tiles' span (dot_q32.KSPAN blocks, the accumulators and the min term left in a
+    buffer between spans), activation rows 16..23 (the second half of a group of sixteen) and a last chunk of weight
+    rows short of ROW_CHUNK: still ggml's lane order, bit for bit."""
+    from llampy.ggml.backends.cpu import dot_q32
+    rng = np.random.default_rng(14)
+    k, rows, n = 32 * (2 * dot_q32.KSPAN + 2), dot_q32.ROW_CHUNK + 5, 24
+    wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype)
+    x = act_data(rng, n, k)
+    out = np.empty((n, rows), np.float32)
+    mm.mul_mat(wq, wtype, x, out, 1 << 30)
+    assert np.array_equal(out, vec_dot_avx2(wq, wtype, x))
+
+
 def repacked_chain_q4_0(wq, x):
     """ggml_gemv/gemm_q4_0_8x8_q8_0 (the x86 build's kernels for the Q4_0 rows it repacks) in NumPy: per pair and
     block the exact integer sum, ``acc = fma(f32(isum), d_w * d_x, acc)`` in block order (float64 product + sum,
@@ -429,7 +444,7 @@ def test_rows16_tiles_equal_one_row_tiles(wtype):
     new = np.full((n, rows), np.nan, np.float32)
     old = np.full((n, rows), np.nan, np.float32)
     getattr(dot_q32, "_rows16_" + name)(wq, s.xq, s.xd, s.xs, new, dot_q32.F16_TABLE)
-    getattr(dot_q32, "_tiles_" + name)(wq, s.xq, s.xd, s.xs, old, dot_q32.F16_TABLE)
+    getattr(dot_q32, "_tiles_" + name)(wq, s.xq, s.xd, s.xs, old, dot_q32.F16_TABLE, np.zeros(1, np.int64), 2)
     assert not np.isnan(new).any()
     assert np.array_equal(new, old)
 

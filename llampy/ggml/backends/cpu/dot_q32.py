@@ -21,7 +21,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .act_quant import q8_0_split
-from .simd import (ROWS16, UNSIGNED_OFFSET, f32x8_add, f32x8_hsum8, wsum_neg128, xdot, f16_at, f32x8_fma_s, f32x8_store,
+from .claims import claim, workers
+from .simd import (HOST_VEC_LANES, ROWS16, UNSIGNED_OFFSET, f32x8_add, f32x8_hsum8, wsum_neg128, xdot, f16_at, f32x8_fma_s, f32x8_store,
                    f32x8_lane, f32x8_load, f32x8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f32x8_fma, f32x8_hsum, f32x8_zero,
                    fma32, i32_transpose16x8, i32x8_flip, i32x8_store, i32x8_to_f32x8, rows16_pairs2, v16_add, v16_fma, v16_geglu,
                    v16_load, v16_mul, v16_scale, v16_silu, v16_store, v16_tree8, v16_zero)
@@ -34,6 +35,15 @@ ROW_CHUNK = 16
 # (``_mv_rows16``): they transpose the weights once per call, which at 8 rows (eight parallel decodes) made them
 # 13-27% slower than the one-row tiles for Q4_1 and Q8_0; at 16 even, at 32 0.63-0.78 (entry 51).
 ROWS16_MIN_N = 16
+# Q8_0's prompt tiles of sixteen activation rows (``_tile16``) where the CPU has 32 vector registers (AVX-512); with
+# AVX2's sixteen, their sixteen accumulators and a block's operands spilled to the stack on every block, and the
+# tiles of eight activation rows (``_tile8``) are faster: Q8_0 3072 x 1024 at n = 512, one thread, 51.4 -> 49.3 ms CPU.
+# (Q5_0's five-bit decode, made once per weight block for all the tile's pairs, pays for the spills: 16 rows stay.)
+TILE16 = HOST_VEC_LANES == 16
+# Blocks of the weight rows the eight-row tiles take at a time, every row of a chunk against the same eight activation
+# rows: a span of the rows (16 x 1088 bytes) and of the activations (8 KiB) stay in the 32 KiB first-level cache
+# across the chunk's rows; whole rows at k = 4608 did not (Q8_0 1024 x 4608, n = 512, one thread: 88.5 -> 79.2 ms CPU).
+KSPAN = 32
 PREFETCH_ROWS = 4   # rows ahead to prefetch: a kernel this slow leaves the hardware prefetchers idle otherwise
 
 
@@ -300,22 +310,41 @@ def _row8(kind, wr, b, xb, j0, dvr, xsb, a0, a1, a2, a3, a4, a5, a6, a7, sv):
 
 
 @njit(cache=True, inline="always")
-def _tile8(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
-    """Weight row r against activation rows i..i+7 (xg: their group, ``_group_activations``, rows 0..7 of it). The
-    eight scales d_w * d_x of every block are computed first into dvb (nb, 8), so that each pair's scale is then a
-    broadcast load, folded into its fma, instead of a lane shuffle per pair and block."""
+def _tile8(kind, wr, r, xg, xdT, xsT, i, b0, b1, nb, out, dvb, ab):
+    """Weight row r against activation rows i..i+7 (xg: their group, ``_group_activations``, rows i % 16 .. of it),
+    blocks b0 .. b1 of the row's nb: the pairs' accumulators (eight, and the min term's) start from ab (9, 8) where
+    b0 > 0 and are left there where b1 < nb (``KSPAN``); at b1 == nb the dot products go to out. The eight scales
+    d_w * d_x of every block are computed first into dvb (nb, 8), so that each pair's scale is then a broadcast load,
+    folded into its fma, instead of a lane shuffle per pair and block."""
+    j0 = i % 16
     bb = _block_bytes(kind)
-    for b in range(nb):
+    for b in range(b0, b1):
         f32x8_store(dvb[b], 0, f32x8_scale(f32x8_load(xdT[b], i), f16_at(wr, b * bb)))
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32x8_zero()
-    sv = f32x8_zero()
-    for b in range(nb):
+    if b0 == 0:
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32x8_zero()
+        sv = f32x8_zero()
+    else:
+        a0, a1, a2, a3 = f32x8_load(ab[0], 0), f32x8_load(ab[1], 0), f32x8_load(ab[2], 0), f32x8_load(ab[3], 0)
+        a4, a5, a6, a7 = f32x8_load(ab[4], 0), f32x8_load(ab[5], 0), f32x8_load(ab[6], 0), f32x8_load(ab[7], 0)
+        sv = f32x8_load(ab[8], 0)
+    for b in range(b0, b1):
         if _act_offset(kind):
-            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xg[b], 0, dvb[b], a0, a1, a2, a3, a4, a5, a6, a7)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _row8_off(kind, wr, b, xg[b], j0, dvb[b], a0, a1, a2, a3, a4, a5, a6, a7)
         else:
-            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xg[b], 0, dvb[b], f32x8_load(xsT[b], i),
+            a0, a1, a2, a3, a4, a5, a6, a7, sv = _row8(kind, wr, b, xg[b], j0, dvb[b], f32x8_load(xsT[b], i),
                                                        a0, a1, a2, a3, a4, a5, a6, a7, sv)
-    _store8(out, i, r, f32x8_add(f32x8_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), sv))
+    if b1 == nb:
+        _store8(out, i, r, f32x8_add(f32x8_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), sv))
+    else:
+        f32x8_store(ab[0], 0, a0)
+        f32x8_store(ab[1], 0, a1)
+        f32x8_store(ab[2], 0, a2)
+        f32x8_store(ab[3], 0, a3)
+        f32x8_store(ab[4], 0, a4)
+        f32x8_store(ab[5], 0, a5)
+        f32x8_store(ab[6], 0, a6)
+        f32x8_store(ab[7], 0, a7)
+        f32x8_store(ab[8], 0, sv)
 
 
 @njit(cache=True, inline="always")
@@ -362,8 +391,11 @@ def _tile16(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
 
 
 @njit(cache=True, inline="always")
-def _mv_tiles(w, xq, xd, xs, out, tab, kind):
-    """The activation rows 0 .. n - n % 8 of ``_mv_legacy``: sixteen at a time, then eight."""
+def _mv_tiles(w, xq, xd, xs, out, tab, kind, counter, n_workers):
+    """The activation rows 0 .. n - n % 8 of ``_mv_legacy``: sixteen at a time, then eight (Q8_0 eight at a time where
+    the CPU has sixteen vector registers: ``TILE16``). Work items: chunks of ROW_CHUNK weight rows, claimed from
+    ``counter`` (int64, zeroed) by ``n_workers`` workers (``claims``), so that a thread that loses its core for a
+    while holds back its current chunk only, not a share fixed in advance."""
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
@@ -371,20 +403,28 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind):
     xdT = np.ascontiguousarray(xd.T)      # (nb, n): the eight activations' scales of a block side by side
     xsT = np.ascontiguousarray(xs.T)
     xg = _group_activations(kind, xq, n8)
-    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        r1 = min(rows, (c + 1) * ROW_CHUNK)
-        r = c * ROW_CHUNK
+    n_chunks = (rows + ROW_CHUNK - 1) // ROW_CHUNK
+    n16 = n8 - n8 % 16 if TILE16 or kind != K_Q8_0 else 0
+    for _ in prange(n_workers):
         dvb = np.empty((nb, 8), np.float32)
         dv2 = np.empty((nb, 2, 8), np.float32)
-        for rr in range(r, r1):
-            prefetch_row(w, rr)
-        n16 = n8 - n8 % 16
-        for i in range(0, n16, 16):
+        accb = np.empty((ROW_CHUNK, 9, 8), np.float32)
+        while True:
+            c = claim(counter)
+            if c >= n_chunks:
+                break
+            r1 = min(rows, (c + 1) * ROW_CHUNK)
+            r = c * ROW_CHUNK
             for rr in range(r, r1):
-                _tile16(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, nb, out, dv2)
-        for i in range(n16, n8, 8):
-            for rr in range(r, r1):
-                _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, nb, out, dvb)
+                prefetch_row(w, rr)
+            for i in range(0, n16, 16):
+                for rr in range(r, r1):
+                    _tile16(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, nb, out, dv2)
+            for i in range(n16, n8, 8):
+                for b0 in range(0, nb, KSPAN):
+                    for rr in range(r, r1):
+                        _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, b0, min(nb, b0 + KSPAN), nb, out, dvb,
+                               accb[rr - r])
 
 
 # ------------------------------------------------------------------- prompt tiles, weight rows as lanes (AVX-512)
@@ -650,15 +690,15 @@ def _mv_legacy(tiles, rows16, rest, w, xq, xd, xs, out, tab):
             rest(w[r16:], xd, xq, xd, xs, out[:, r16:], tab, 0, False)
             w, out = w[:r16], out[:, :r16]
     elif n8:
-        tiles(w, xq, xd, xs, out, tab)
+        tiles(w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-rows // ROW_CHUNK)))
     if n8 < n:
         rest(w, xd, xq, xd, xs, out, tab, n8, False)
 
 
 # ggml's Q8_0/Q4_0/Q5_0 have no min: their summs stays 0 and ``hsum + 0`` is the hsum itself
 @njit(parallel=True, cache=True, nogil=True)
-def _tiles_q8_0(w, xq, xd, xs, out, tab):
-    _mv_tiles(w, xq, xd, xs, out, tab, K_Q8_0)
+def _tiles_q8_0(w, xq, xd, xs, out, tab, counter, n_workers):
+    _mv_tiles(w, xq, xd, xs, out, tab, K_Q8_0, counter, n_workers)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -678,8 +718,8 @@ def mv_q8_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _tiles_q4_0(w, xq, xd, xs, out, tab):
-    _mv_tiles(w, xq, xd, xs, out, tab, K_Q4_0)
+def _tiles_q4_0(w, xq, xd, xs, out, tab, counter, n_workers):
+    _mv_tiles(w, xq, xd, xs, out, tab, K_Q4_0, counter, n_workers)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -699,8 +739,8 @@ def mv_q4_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _tiles_q4_1(w, xq, xd, xs, out, tab):
-    _mv_tiles(w, xq, xd, xs, out, tab, K_Q4_1)
+def _tiles_q4_1(w, xq, xd, xs, out, tab, counter, n_workers):
+    _mv_tiles(w, xq, xd, xs, out, tab, K_Q4_1, counter, n_workers)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -720,8 +760,8 @@ def mv_q4_1(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _tiles_q5_0(w, xq, xd, xs, out, tab):
-    _mv_tiles(w, xq, xd, xs, out, tab, K_Q5_0)
+def _tiles_q5_0(w, xq, xd, xs, out, tab, counter, n_workers):
+    _mv_tiles(w, xq, xd, xs, out, tab, K_Q5_0, counter, n_workers)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -741,8 +781,8 @@ def mv_q5_0(w, xq, xd, xs, out, tab):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _tiles_q5_1(w, xq, xd, xs, out, tab):
-    _mv_tiles(w, xq, xd, xs, out, tab, K_Q5_1)
+def _tiles_q5_1(w, xq, xd, xs, out, tab, counter, n_workers):
+    _mv_tiles(w, xq, xd, xs, out, tab, K_Q5_1, counter, n_workers)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -117,11 +117,15 @@ def _udot(builder, a, b, acc=None):
 
 
 def _sdot(builder, a, b):
-    """As ``_udot`` with signed a: ggml's sign trick, |a| times b with a's sign (exact for b > -128)."""
+    """As ``_udot`` with signed a: ggml's sign trick, |a| times b with a's sign (exact for b > -128). On AVX2 b takes
+    a's sign with vpsignb, as ggml's ``_mm256_sign_epi8``: LLVM does not see the select form below as one and emitted
+    three instructions (xor, sub, andn) per pair instead, a third of the AVX2 Q8_0 prompt tiles' work per pair."""
     v32 = ir.VectorType(_I8, 32)
     zero = ir.Constant(v32, [0] * 32)
     neg = builder.icmp_signed("<", a, zero)
     absa = builder.select(neg, builder.sub(zero, a), a)
+    if AVX2:
+        return _udot(builder, absa, _call(builder, "llvm.x86.avx2.psign.b", v32, [b, a]))
     sb = builder.select(neg, builder.sub(zero, b), b)
     sb = builder.select(builder.icmp_signed("==", a, zero), zero, sb)
     return _udot(builder, absa, sb)
