@@ -38,6 +38,20 @@ def _binary_f32(a, b, out, op):
             else:
                 for i in range(ne0):
                     o[i] = ar[i] / br[i]
+        elif b0 == 1:          # one value per row (Mamba-2's D, a scale per head): hoisted, so that the loop vectorises
+            bv = br[0]
+            if op == OP_ADD:
+                for i in range(ne0):
+                    o[i] = ar[i] + bv
+            elif op == OP_MUL:
+                for i in range(ne0):
+                    o[i] = ar[i] * bv
+            elif op == OP_SUB:
+                for i in range(ne0):
+                    o[i] = ar[i] - bv
+            else:
+                for i in range(ne0):
+                    o[i] = ar[i] / bv
         else:
             for i in range(ne0):
                 bv = br[i % b0]
