@@ -614,38 +614,3 @@ def test_decode_pairs_bind_as_one_call(monkeypatch):
     for plan in (fused, apart):
         with pytest.raises(IndexError, match="set_rows"):
             CPU.graph_plan_compute(plan)
-
-
-def test_decode_attention_rotates_its_queries_in_one_call(monkeypatch):
-    """A decoded token's query ROPE and the flash attention reading it (F16 K/V, an input mask) bind as one call
-    (the kernel rotates each query row as it takes it): the rotation and the attention have the bits of the two
-    calls bound apart, over two runs with new positions and queries."""
-    from llampy.ggml.backend import tensor_alloc
-    from llampy.ggml.backends.cpu.backend import CPUBackend
-    rng = np.random.default_rng(4)
-    x = leaf(CPU, F32, (1, 4, 64), rng.standard_normal((1, 4, 64)))
-    pos = leaf(CPU, I32, (1,), np.array([5]))
-    k, v = (leaf(CPU, F16, (2, 9, 64), rng.standard_normal((2, 9, 64))) for _ in range(2))
-    mask = leaf(CPU, F16, (1, 9), np.where(np.arange(9) < 6, 0.0, -np.inf)[None])
-    q = ops.rope_ext(x, pos, None, 64, 2, 4096, 1e4, 1.0, 0.0, 1.0, 32.0, 1.0)
-    att = ops.flash_attn_ext(ops.permute(q, 0, 2, 1, 3), k, v, mask, 0.125)
-    nodes = Graph.build(q, att).nodes
-    for n in nodes:
-        if n.view_src is None and n.op is not Op.NONE:
-            tensor_alloc(CPU.alloc_buffer(n.nbytes), n, 0)
-    fused = CPU.graph_plan_create(nodes)
-    with monkeypatch.context() as mp:
-        mp.setattr(CPUBackend, "_bind_rope_attention", lambda *a: None)
-        apart = CPU.graph_plan_create(nodes)
-    assert len(fused.calls) == 1 and len(apart.calls) == 2
-    for p in (5, 130):
-        tensor_data(pos)[...] = p
-        tensor_data(x)[...] = rng.standard_normal((1, 4, 64))
-        got = []
-        for plan in (fused, apart):
-            tensor_data(q)[...] = 0
-            CPU.graph_plan_compute(plan)
-            got.append([np.array(tensor_data(t)) for t in (q, att)])
-        for a, b in zip(*got):
-            np.testing.assert_array_equal(a, b)
-        assert np.any(got[0][0] != 0)

@@ -20,7 +20,6 @@ from numba.extending import overload
 from .numpy_ops import alibi_slopes
 from .dot_q32 import F16_TABLE
 from .blas import sgemm
-from .rope import _rope_row
 from .softmax import expf
 from .simd import (F16_VEC_LANES, fma32, round_f16, v16_add, v16_exp_shifted, v16_fma, v16_hmax, v16_find_ne, v16_load,
                    v16_max, v16_reduce, v16_reduce_x8, v16_round_f16, v16_scale, v16_splat, v16_store, v16_zero)
@@ -202,19 +201,6 @@ def _all_visible(n_kv):
 def _fa_vec16_kernel(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks):
     """``_fa_row`` for every query row, F16 K and V (the types constant: the per-cell branches compiled away)."""
     for it in prange(q.shape[0] * q.shape[1] * q.shape[2]):
-        _fa_row(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, False, False, it)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _fa_vec16_rope_kernel(x, qo, cos, sin, n_dims, neox, q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap,
-                          slopes, sinks):
-    """``_fa_vec16_kernel`` whose queries are rotated first, each by the task that reads it: q's row (i3, h, i1) is
-    qo's row (i3, i1, h) (q a permuted view of qo), rope._rope_row of x's row by token i1's cos/sin (a decoded
-    token's ROPE and the attention reading it, one call; qo still holds the rotation after)."""
-    for it in prange(q.shape[0] * q.shape[1] * q.shape[2]):
-        n_head, n_q = q.shape[1], q.shape[2]
-        i3, h, i1 = it // (n_head * n_q), (it // n_q) % n_head, it % n_q
-        _rope_row(x[i3, i1, h], qo[i3, i1, h], cos[i1], sin[i1], n_dims, neox)
         _fa_row(q, k, v, idx, val, cnt, m3, m2, n_qm, out, scale, softcap, slopes, sinks, False, False, it)
 
 

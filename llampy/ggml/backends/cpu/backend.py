@@ -223,9 +223,7 @@ class CPUBackend(Backend):
                 dst[0, t_idx, u_idx] = o
         return run
 
-    def _bind_flash_attn(self, node, dst, srcs, rotate=None):
-        """``rotate``: the queries' ROPE bound with a kernel of its own (``_bind_rope_attention``); then the fused
-        fast path or None."""
+    def _bind_flash_attn(self, node, dst, srcs):
         from .attention import _f16_to_f32, flash_attn, use_tiled
         q, k, v = node.src[:3]
         tiled = use_tiled(k.type, v.type, q.ne[1], v.ne[0])
@@ -244,8 +242,8 @@ class CPUBackend(Backend):
             return arr, False, False
 
         fast = _fa_fast_path(node, qa, ka, va, srcs[3] if p["has_mask"] else None, dst, tiled, sinks,
-                             self._memo, rotate)
-        if fast is not None or rotate is not None:
+                             self._memo)
+        if fast is not None:
             return fast
 
         def run():
@@ -298,33 +296,11 @@ class CPUBackend(Backend):
         """One call for two consecutive nodes where a kernel does both (``numba_ops.PAIR_BINDERS``: a residual add
         and the norm reading it, a rotation and its store into the cache), or None. Small one-thread ops of a decoded
         token, whose Python call and kernel entry cost more than their work: fewer calls, the same bits."""
-        if n.op == Op.ROPE and m.op == Op.FLASH_ATTN_EXT:
-            return self._bind_rope_attention(n, m)
         binder = PAIR_BINDERS.get((n.op, m.op))
         if binder is None:
             return None
         return binder(n, m, [[self._view(s) if s is not None else None for s in n.src], self._view(n),
                              [self._view(s) for s in m.src], self._view(m)])
-
-    def _bind_rope_attention(self, rn: Tensor, fa: Tensor):
-        """A decoded token's query ROPE and the flash attention reading it (through a permute of its rows) as one
-        call: the attention kernel rotates each query row as it takes it (``attention._fa_vec16_rope_kernel``;
-        the rotation is still written). None where either is not of that form (F16 K/V, one-thread sizes)."""
-        q = fa.src[0]
-        if not (q.op == Op.PERMUTE and q.view_src is rn and q.op_params.get("axes") == (0, 2, 1, 3)):
-            return None
-        if rn.type != T.F32 or rn.src[0].type != T.F32 or rn.op_params.get("sections"):
-            return None
-        qo, qa = self._view(rn), self._view(q)
-        if not (qo.flags.c_contiguous and qo.ctypes.data == qa.ctypes.data and qa.shape == tuple(qo.shape[i] for i in
-                (0, 2, 1, 3)) and qa.strides == tuple(qo.strides[i] for i in (0, 2, 1, 3))):
-            return None
-        from . import rope
-        x, pos = self._view(rn.src[0]), self._view(rn.src[1])
-        p = rn.op_params
-        ff = self._view(rn.src[2]).reshape(-1) if p.get("has_freq_factors") else None
-        return self._bind_flash_attn(fa, self._view(fa), [self._view(s) if s is not None else None for s in fa.src],
-                                     rotate=lambda attend: rope.bind(x, pos.reshape(-1), p, ff, qo, apply=attend))
 
     def graph_plan_compute(self, plan: Plan) -> None:
         plan.memo.clear()
@@ -349,12 +325,10 @@ def _rows_contiguous(a, itemsize) -> bool:
     return a.strides[-1] == itemsize and (a.shape[-2] <= 1 or a.strides[-2] == itemsize * a.shape[-1])
 
 
-def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None, rotate=None):
+def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None):
     """Decode-sized flash attention over F16 or BF16 K/V views of the cache, bound once: the kernel reads the cache
     views and writes the destination in place (no copies of K, V or the result per call). ``memo``: the plan's, where
-    the layers reading one input mask share the cells it leaves visible (listed by the first of them in each run).
-    ``rotate(attend)``: the queries' ROPE bound to call attend(x, qo, cos, sin, n_dims, neox) in place of its own
-    kernel, or None; with it, only F16 K and V over an input mask have a fast path here."""
+    the layers reading one input mask share the cells it leaves visible (listed by the first of them in each run)."""
     from .attention import _fa_vec16, visible_cells
     q, k, v = node.src[:3]
     p = node.op_params
@@ -382,13 +356,9 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None, rotat
             return None
         src = node.src[3].view_src if node.src[3].view_src is not None else node.src[3]
         if memo is None or src.op != Op.NONE:     # a mask computed in the graph: its buffer may be reused
-            if rotate is not None:
-                return None
             return lambda: _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb)
         # a str: its hash is kept, so the per-run lookup does not rehash a nested tuple
         key = repr(("visible", m.ctypes.data, m.shape, m.strides, qa.shape[2], kk.shape[2]))
-        if (kb or vb) and rotate is not None:
-            return None
         if kb or vb:
             def run():
                 vis = memo.get(key)
@@ -396,15 +366,8 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None, rotat
                     vis = memo[key] = visible_cells(m, qa.shape[2], kk.shape[2])
                 _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb, vis)
             return run
-        from .attention import _NO_SINKS, _fa_vec16_kernel, _fa_vec16_rope_kernel
+        from .attention import _NO_SINKS, _fa_vec16_kernel
         sk = _NO_SINKS if sinks is None else sinks
-        if rotate is not None:
-            def attend(x, qo, cos, sin, n_dims, neox):
-                vis = memo.get(key)
-                if vis is None:
-                    vis = memo[key] = visible_cells(m, qa.shape[2], kk.shape[2])
-                _fa_vec16_rope_kernel(x, qo, cos, sin, n_dims, neox, qa, kk, vv, *vis, dst, sc, cap, slopes, sk)
-            return rotate(attend)
 
         def run16():    # F16 K and V: _fa_vec16's kernel called directly (30 calls a token in SmolLM2)
             vis = memo.get(key)
@@ -412,7 +375,5 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None, rotat
                 vis = memo[key] = visible_cells(m, qa.shape[2], kk.shape[2])
             _fa_vec16_kernel(qa, kk, vv, *vis, dst, sc, cap, slopes, sk)
         return run16
-    if rotate is not None:
-        return None
     nomask = np.zeros((1, 1, 1, 0), np.float32)
     return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes, sinks, kb, vb)

@@ -84,37 +84,33 @@ def mrope_cache(rows, s0, s1, s2, s3, indep, theta_scale, freq_scale, ff, has_ff
 
 
 @njit(cache=True, inline="always")
-def _rope_row(xr, orow, c_t, s_t, n_dims, neox):
-    """One head's row xr rotated into orow by one token's cos/sin rows."""
+def _rope_token(x, out, cos, sin, n_dims, neox, t):
+    ne3, nt, nh, hd = x.shape
     half = n_dims // 2
     # NEOX pairs (j, j + half) lie in two runs: sixteen pairs per step, the same fused multiply-adds
     h16 = half - half % 16 if neox else 0
-    for j in range(0, h16, 16):
-        c, s = v16_load(c_t, j), v16_load(s_t, j)
-        x0, x1 = v16_load(xr, j), v16_load(xr, j + half)
-        v16_store(orow, j, v16_fma(x0, c, v16_scale(v16_mul(x1, s), np.float32(-1.0))))
-        v16_store(orow, j + half, v16_fma(x0, s, v16_mul(x1, c)))
-    for j in range(h16, half):
-        if neox:
-            i0, i1 = j, j + half
-        else:
-            i0, i1 = 2 * j, 2 * j + 1
-        c = c_t[j]
-        s = s_t[j]
-        x0 = xr[i0]
-        x1 = xr[i1]
-        orow[i0] = np.float32(np.float64(x0) * np.float64(c) - np.float64(np.float32(x1 * s)))
-        orow[i1] = np.float32(np.float64(x0) * np.float64(s) + np.float64(np.float32(x1 * c)))
-    for i in range(n_dims, xr.shape[0]):
-        orow[i] = xr[i]
-
-
-@njit(cache=True, inline="always")
-def _rope_token(x, out, cos, sin, n_dims, neox, t):
-    ne3, nt, nh, hd = x.shape
-    for a in range(ne3):
-        for h in range(nh):
-            _rope_row(x[a, t, h], out[a, t, h], cos[t], sin[t], n_dims, neox)
+    if True:
+        for a in range(ne3):
+            for h in range(nh):
+                xr, orow = x[a, t, h], out[a, t, h]
+                for j in range(0, h16, 16):
+                    c, s = v16_load(cos[t], j), v16_load(sin[t], j)
+                    x0, x1 = v16_load(xr, j), v16_load(xr, j + half)
+                    v16_store(orow, j, v16_fma(x0, c, v16_scale(v16_mul(x1, s), np.float32(-1.0))))
+                    v16_store(orow, j + half, v16_fma(x0, s, v16_mul(x1, c)))
+                for j in range(h16, half):
+                    if neox:
+                        i0, i1 = j, j + half
+                    else:
+                        i0, i1 = 2 * j, 2 * j + 1
+                    c = cos[t, j]
+                    s = sin[t, j]
+                    x0 = x[a, t, h, i0]
+                    x1 = x[a, t, h, i1]
+                    out[a, t, h, i0] = np.float32(np.float64(x0) * np.float64(c) - np.float64(np.float32(x1 * s)))
+                    out[a, t, h, i1] = np.float32(np.float64(x0) * np.float64(s) + np.float64(np.float32(x1 * c)))
+                for i in range(n_dims, hd):
+                    out[a, t, h, i] = x[a, t, h, i]
 
 
 @njit(parallel=True, cache=True)
@@ -173,14 +169,12 @@ def _trig_buffers(nt: int, half: int, consts: tuple) -> _Trig:
     return tr
 
 
-def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray, store=None, apply=None):
+def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray, store=None):
     """The rotation of x by positions pos into out (float32, x's shape, contiguous), set up once: the constants
     and the cos/sin tables are made here, and the returned call refills the tables only when the positions (or the
     frequency factors) differ from what they hold, then rotates. ``store``: (src, idx, n_rows, dst) of a SET_ROWS
     into an F16 cache that reads out (``rope_store_f16``: one call for both), or None (the rotation alone; also
-    what a store that does not fit returns: the caller binds the two nodes apart). ``apply``: a call
-    apply(x, out, cos, sin, n_dims, neox) made in place of the rotation, for a kernel that rotates the rows itself
-    as it reads them (decode attention's queries); one-thread sizes only, else None."""
+    what a store that does not fit returns: the caller binds the two nodes apart)."""
     n_dims = p["n_dims"]
     f32 = np.float32
     # powf(freq_base, -2.0f/n_dims): the exponent rounded to float first (it is not exact for n_dims 24, 40, ...)
@@ -194,18 +188,17 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     has_ff = ff is not None
     freq_scale, ext, attn = f32(p["freq_scale"]), f32(p["ext_factor"]), f32(p["attn_factor"])
     if p.get("sections"):
-        if store is not None or apply is not None:
+        if store is not None:
             return None
         return _bind_multi(x, pos, p, ffa, has_ff, out, theta_scale, freq_scale, ext, attn, corr0, corr1)
     tr = _trig_buffers(nt, n_dims // 2, (n_dims, float(theta_scale), float(freq_scale), float(ext), float(attn),
                                          float(corr0), float(corr1), has_ff))
     cos, sin = tr.cos, tr.sin
     neox = p["mode"] == 2
-    fused = store is not None or apply is not None
-    if fused and (x.size >= (1 << 15) or x.dtype != f32 or not x.flags.c_contiguous):
-        return None
-    apply = apply or (rope_apply if x.size >= (1 << 15) else rope_apply_1)
+    apply = rope_apply if x.size >= (1 << 15) else rope_apply_1
     direct = x.dtype == f32 and x.flags.c_contiguous
+    if store is not None and (apply is not rope_apply_1 or not direct):
+        return None
 
     def run():
         pi = pos if pos.dtype == np.int32 and pos.flags.c_contiguous else np.ascontiguousarray(pos, dtype=np.int32)
