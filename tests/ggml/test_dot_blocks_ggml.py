@@ -17,7 +17,7 @@ import pytest
 
 from llampy.ggml import blocks as B
 from llampy.ggml import quants as lq
-from llampy.ggml.backends.cpu import dot_blocks as db
+from llampy.ggml.backends.cpu import dot_blocks as db, matmul as mm
 from llampy.ggml.backends.cpu.act_quant import act_split
 from llampy.ggml.types import GGMLType as T, TYPE_TRAITS
 from tests import llamacpp
@@ -230,3 +230,18 @@ def test_kernels_give_ggml_x86_bits(ggml_cpu, t, k, rows):
     bound = 1e-5 * (np.abs(xr) @ np.abs(wf).T) + 1e-30
     assert np.all(np.abs(out - exact) <= bound)
     assert TYPE_TRAITS[t].vec_dot_type == vdt
+
+
+@pytest.mark.parametrize("t", [T.TQ2_0, T.TQ1_0], ids=lambda t: t.name)
+def test_ternary_prompts_give_ggml_vec_dot_bits(ggml_cpu, t):
+    """A prompt's batch (12 activation rows, past SMALL_N) of a ternary format: llama.cpp runs vec_dot at every
+    batch size for these (they are not in its tiled path), and so does ``mul_mat`` (``dot_blocks.EVERY_N``)."""
+    rng = np.random.default_rng(int(t) + 12)
+    k, rows, n = 512, 9, 12
+    wq = weights(rng, rows, k, t)
+    x = (rng.standard_normal((n, k)) * rng.choice([1e-2, 1.0, 30.0], size=(n, 1))).astype(np.float32)
+    s, xb = ggml_act_blocks(x, T.Q8_K)
+    out = np.full((n, rows), np.nan, np.float32)
+    mm.mul_mat(wq, t, x, out)
+    ref = ggml_vec_dot(ggml_cpu, t, wq, xb, k)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), np.max(np.abs(out - ref))

@@ -1627,10 +1627,15 @@ def use_kernel(wtype: GGMLType, n: int, rows: int, repacked: bool = True) -> boo
     SMALL_N rows they run ggml's own order and read each weight once. From there llama.cpp runs other kernels
     (tinyBLAS for F16/BF16, its tiled k-quant kernel for Q2_K/Q3_K/IQ4_XS), except for the rows it repacks
     (``repacked_rows``), whose gemm keeps the gemv's chain: those take ``_tiles_r8`` at every size, exact.
-    The ternary and IQ1-IQ3 formats have no other kernel in llama.cpp (its vec_dot at every batch size, so these
-    kernels would be exact there too); their prompts take the BLAS path for its speed, exact to float32 summation
-    order."""
-    return n < SMALL_N or repacked_rows(wtype, rows, repacked)
+    The ternary formats have no other kernel in llama.cpp (its vec_dot at every batch size): they take these
+    kernels at every size too (``EVERY_N``), exact and faster than the BLAS path. The IQ1-IQ3 formats' prompts
+    (llama.cpp's tiled path) take the BLAS path, exact to float32 summation order."""
+    return n < SMALL_N or wtype in EVERY_N or repacked_rows(wtype, rows, repacked)
+
+
+# TQ2_0 576 x 1536 (SmolLM2's ffn_down), n = 512, one thread, CPU time: these kernels 10.2 ms, the BLAS path's
+# dequantized tiles 15.7 ms (TQ1_0 9.3 vs 18.3; at n = 16, 0.36 vs 3.4 ms)
+EVERY_N = frozenset({T.TQ2_0, T.TQ1_0})
 
 
 SMALL_N = 8
