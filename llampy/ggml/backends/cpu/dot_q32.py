@@ -41,9 +41,11 @@ ROWS16_MIN_N = 16
 # (Q5_0's five-bit decode, made once per weight block for all the tile's pairs, pays for the spills: 16 rows stay.)
 TILE16 = HOST_VEC_LANES == 16
 # Blocks of the weight rows the eight-row tiles take at a time, every row of a chunk against the same eight activation
-# rows: a span of the rows (16 x 1088 bytes) and of the activations (8 KiB) stay in the 32 KiB first-level cache
-# across the chunk's rows; whole rows at k = 4608 did not (Q8_0 1024 x 4608, n = 512, one thread: 88.5 -> 79.2 ms CPU).
-KSPAN = 32
+# rows: a span of the rows (16 x 544 bytes) and of the activations (4 KiB) stay in the 32 KiB first-level cache
+# across the chunk's rows; whole rows at k = 4608 did not (Q8_0 1024 x 4608, n = 512, one thread: 88.5 -> 79.2 ms CPU
+# with spans of 32). Spans of 16 / 32 / 64 blocks, one thread, CPU ms: 1024 x 2048 33.1 / 34.7 / 35.8, 2048 x 8192
+# 274.3 / 279.6 / 293.6, 4608 x 1024 74.5 / 74.6 / 75.1.
+KSPAN = 16
 PREFETCH_ROWS = 4   # rows ahead to prefetch: a kernel this slow leaves the hardware prefetchers idle otherwise
 
 
