@@ -8,6 +8,7 @@ from llampy.llama.batch import Batch
 from llampy.llama.context import CacheFull, Context, ContextError
 from llampy.llama.model import Model, ModelLoadError
 
+from tests.llama.padded_steps import PADDED_SHAPES, assert_same_bits, run_steps
 from tests.paths import TINY
 
 
@@ -237,29 +238,7 @@ def test_padded_prompt_pieces_of_repacked_formats_keep_their_bits(tmp_path, ftyp
     path = tmp_path / f"tiny-{ftype}.gguf"
     quantize_model(TINY / "llama-F32.gguf", path, QuantizeParams(ftype=parse_ftype(ftype)[0], pure=True))
     m = Model(path)
-    rng = np.random.default_rng(0)
-    p = [rng.integers(100, 40000, n).tolist() for n in (11, 5, 20, 13, 30, 9)]
-    steps = [[(0, p[0], 0), (1, p[1], 0), (2, p[2], 0)], [(0, [5], 11), (1, [6], 5), (2, [7], 20), (3, p[3], 0)],
-             [(0, [8], 12), (1, [9], 6), (3, [10], 13), (2, p[4], 21)], [(1, p[5], 7), (0, [11], 13)],
-             [(0, [12], 14), (1, [13], 16), (2, [14], 51), (3, [15], 14)]]
-
-    def run(pad):
-        ctx = Context(m, n_ctx=256, n_batch=128, n_ubatch=96, n_seq_max=4, kv_pad_decode=256, kv_unified=False,
-                      pad_ubatch=pad, max_graphs=16)
-        ctx.reserve(4, 4)
-        outs = []
-        for step in steps:
-            toks, pos, seq, want = [], [], [], []
-            for s, ts, p0 in step:
-                toks += ts
-                pos += range(p0, p0 + len(ts))
-                seq += [(s,)] * len(ts)
-                want += [False] * (len(ts) - 1) + [True]
-            ctx.decode(Batch(np.array(toks, np.int32), np.array(pos, np.int32), seq, np.array(want)))
-            outs.append(ctx.get_logits().copy())
-        return outs, ctx
-    plain, _ = run(False)
-    padded, c1 = run(True)
-    assert {k[:2] for k in c1._graphs} == {(4, 4), (40, 4), (16, 4), (16, 2)}     # the padded shapes ran
-    for a, b in zip(plain, padded):
-        assert a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    plain, _ = run_steps(m, False, 256)
+    padded, c1 = run_steps(m, True, 256)
+    assert {k[:2] for k in c1._graphs} == PADDED_SHAPES     # the padded shapes ran
+    assert_same_bits(plain, padded)

@@ -134,37 +134,11 @@ def test_padded_prompt_pieces_keep_their_bits(llama_server):
     a few sizes, so that new arrivals reuse graphs instead of building their own (Context's pad_ubatch): every
     step's logits are bit for bit the unpadded decode's, also those read through the cells the padding wrote
     again, and fewer graphs are built."""
-    import numpy as np
-    from llampy.llama.batch import Batch
-    from llampy.llama.context import Context
-    rng = np.random.default_rng(0)
-    p = [rng.integers(100, 40000, n).tolist() for n in (11, 5, 20, 13, 30, 9)]
-    steps = [[(0, p[0], 0), (1, p[1], 0), (2, p[2], 0)],                    # 36 tokens, 3 outputs: 40 and 4
-             [(0, [5], 11), (1, [6], 5), (2, [7], 20), (3, p[3], 0)],         # 16 and 4
-             [(0, [8], 12), (1, [9], 6), (3, [10], 13), (2, p[4], 21)],       # 33 tokens, 4 outputs: 40 and 4
-             [(1, p[5], 7), (0, [11], 13)],                                   # 10 tokens, 2 outputs: 16 and 2
-             [(0, [12], 14), (1, [13], 16), (2, [14], 51), (3, [15], 14)]]    # a decode step, as it was
-
-    def run(pad):
-        ctx = Context(llama_server.model, n_ctx=512, n_batch=256, n_ubatch=96, n_seq_max=4, kv_pad_decode=512,
-                      kv_unified=False, pad_ubatch=pad, max_graphs=16)
-        ctx.reserve(4, 4)           # a first graph (it shows whether rows are computed apart)
-        outs = []
-        for step in steps:
-            toks, pos, seq, want = [], [], [], []
-            for s, ts, p0 in step:
-                toks += ts
-                pos += range(p0, p0 + len(ts))
-                seq += [(s,)] * len(ts)
-                want += [False] * (len(ts) - 1) + [True]
-            ctx.decode(Batch(np.array(toks, np.int32), np.array(pos, np.int32), seq, np.array(want)))
-            outs.append(ctx.get_logits().copy())
-        return outs, ctx
-    plain, c0 = run(False)
-    padded, c1 = run(True)
-    for a, b in zip(plain, padded):
-        assert a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
-    assert {k[:2] for k in c1._graphs} == {(4, 4), (40, 4), (16, 4), (16, 2)}
+    from tests.llama.padded_steps import PADDED_SHAPES, assert_same_bits, run_steps
+    plain, c0 = run_steps(llama_server.model, False, 512)
+    padded, c1 = run_steps(llama_server.model, True, 512)
+    assert_same_bits(plain, padded)
+    assert {k[:2] for k in c1._graphs} == PADDED_SHAPES
     assert (c0.n_graph_builds, c1.n_graph_builds) == (5, 4)
     # what a server of 4 slots would build while idle: every padded shape up to 4 outputs, these among them
     shapes = c1.pad_shapes(4)

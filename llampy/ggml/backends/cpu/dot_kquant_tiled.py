@@ -280,6 +280,21 @@ _V32 = ir.VectorType(ir.IntType(8), 32)
 _V2H = ir.VectorType(ir.IntType(16), 2)
 
 
+def _rows8(context, builder, aty, a, j, last, off):
+    """Byte pointers to ``off`` in rows min(j + c, last), c < 8, of the 2-D array ``a`` (the tiles' eight
+    activation rows; the last row repeated past the end)."""
+    ity = context.get_value_type(types.intp)
+    arr = context.make_array(aty)(context, builder, a)
+    s0 = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+    base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+    out = []
+    for c in range(8):
+        jc = builder.add(j, ir.Constant(ity, c))
+        jc = builder.select(builder.icmp_signed(">", jc, last), last, jc)
+        out.append(builder.gep(base, [builder.add(builder.mul(jc, s0), off)]))
+    return out
+
+
 def _tile8(signed):
     """An intrinsic: lane c = the int32 sum over one super-block of the codes at byte ``co`` of ``codes`` (256
     bytes) times activation row min(j + c, last) of xq from byte xo, each 16-value half of a 32-byte piece times
@@ -292,14 +307,7 @@ def _tile8(signed):
             ity = context.get_value_type(types.intp)
             co_, so_, j_, last_, xo_ = (context.cast(builder, args[i], sig.args[i], types.intp)
                                         for i in (1, 3, 5, 6, 7))
-            xa = context.make_array(sig.args[4])(context, builder, args[4])
-            s0 = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
-            xb = builder.bitcast(xa.data, ir.IntType(8).as_pointer())
-            xp = []
-            for c in range(8):
-                jc = builder.add(j_, ir.Constant(ity, c))
-                jc = builder.select(builder.icmp_signed(">", jc, last_), last_, jc)
-                xp.append(builder.gep(xb, [builder.add(builder.mul(jc, s0), xo_)]))
+            xp = _rows8(context, builder, sig.args[4], args[4], j_, last_, xo_)
             accs = [None] * 8
             for p in range(8):
                 wv = _load(builder, _ptr(context, builder, sig.args[0], args[0],
@@ -333,15 +341,8 @@ def tile8_m(typingctx, mt, mo, bs, j, last, bo):
         ity = context.get_value_type(types.intp)
         mo_, j_, last_, bo_ = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (1, 3, 4, 5))
         m = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], mo_, _H16))
-        ba = context.make_array(sig.args[2])(context, builder, args[2])
-        s0 = cgutils.unpack_tuple(builder, ba.strides, 2)[0]
-        bb = builder.bitcast(ba.data, ir.IntType(8).as_pointer())
-        accs = []
-        for c in range(8):
-            jc = builder.add(j_, ir.Constant(ity, c))
-            jc = builder.select(builder.icmp_signed(">", jc, last_), last_, jc)
-            p = builder.gep(bb, [builder.add(builder.mul(jc, s0), builder.mul(bo_, ir.Constant(ity, 2)))])
-            accs.append(_madd(builder, m, _load(builder, builder.bitcast(p, _H16.as_pointer()))))
+        rows = _rows8(context, builder, sig.args[2], args[2], j_, last_, builder.mul(bo_, ir.Constant(ity, 2)))
+        accs = [_madd(builder, m, _load(builder, builder.bitcast(p, _H16.as_pointer()))) for p in rows]
         return hsum8x_ir(builder, accs)
     return i32x8(mt, types.intp, bs, types.intp, types.intp, types.intp), codegen
 
