@@ -277,9 +277,11 @@ def main(argv=None) -> int:
         theirs = {"pp": [], "tg": []}
         rss_ours = rss_theirs = 0.0
         # an untimed run first fills the kernel cache if a source change left it stale: a process that compiles
-        # holds ~70 MiB more at its peak, which is the cold start's cost (its own column below), not a run's
+        # holds ~70 MiB more at its peak, which is the cold start's cost (its own column below), not a run's. It
+        # generates as many tokens as the timed runs: kernels that only a longer cache reaches compile in the first
+        # timed rep otherwise (the first row of a run read tg 90 then 129 tok/s in its two reps)
         bench = [sys.executable, "-m", "llampy.cli", "bench", path, "-p", str(args.n_prompt), "-t", str(args.threads)]
-        popen_rss(bench + ["-n", "1", "-r", "1"], env)
+        popen_rss(bench + ["-n", str(args.n_gen), "-r", "1"], env)
         for _ in range(args.rounds):
             out, _, rss = popen_rss(bench + ["-n", str(args.n_gen), "-r", str(args.reps), "--json"], env)
             for r in json.loads(out):
