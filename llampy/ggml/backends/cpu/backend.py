@@ -359,21 +359,17 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None):
             return lambda: _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb)
         # a str: its hash is kept, so the per-run lookup does not rehash a nested tuple
         key = repr(("visible", m.ctypes.data, m.shape, m.strides, qa.shape[2], kk.shape[2]))
-        if kb or vb:
-            def run():
-                vis = memo.get(key)
-                if vis is None:
-                    vis = memo[key] = visible_cells(m, qa.shape[2], kk.shape[2])
-                _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb, vis)
-            return run
-        from .attention import _NO_SINKS, _fa_vec16_kernel
-        sk = _NO_SINKS if sinks is None else sinks
 
-        def run16():    # F16 K and V: _fa_vec16's kernel called directly (30 calls a token in SmolLM2)
+        def visible():  # the first layer of a run lists the cells; the others reading this mask reuse the list
             vis = memo.get(key)
             if vis is None:
                 vis = memo[key] = visible_cells(m, qa.shape[2], kk.shape[2])
-            _fa_vec16_kernel(qa, kk, vv, *vis, dst, sc, cap, slopes, sk)
-        return run16
+            return vis
+        if kb or vb:
+            return lambda: _fa_vec16(qa, kk, vv, m, dst, sc, cap, slopes, sinks, kb, vb, visible())
+        from .attention import _NO_SINKS, _fa_vec16_kernel
+        sk = _NO_SINKS if sinks is None else sinks
+        # F16 K and V: _fa_vec16's kernel called directly (30 calls a token in SmolLM2)
+        return lambda: _fa_vec16_kernel(qa, kk, vv, *visible(), dst, sc, cap, slopes, sk)
     nomask = np.zeros((1, 1, 1, 0), np.float32)
     return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes, sinks, kb, vb)

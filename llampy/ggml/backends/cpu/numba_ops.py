@@ -117,7 +117,7 @@ def bind_set_rows(node, dst, srcs):
         if fn is rows.set_rows_f16:         # the index test in the same call
             def run_one():
                 if not rows.set_rows_f16_checked(src, idx, n_rows, d):
-                    raise IndexError(f"set_rows: row index out of range 0..{n_rows - 1}")
+                    raise rows.index_error("set_rows", n_rows)
             return run_one
     else:
         fn, d = _pick(rows, "set_rows_same", size), dst

@@ -8,7 +8,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .rows import set_rows_f16_checked
+from .rows import index_error, set_rows_f16_checked
 from .simd import v16_fma, v16_load, v16_mul, v16_scale, v16_store
 
 
@@ -211,7 +211,7 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
         if store is None:
             apply(x if direct else np.ascontiguousarray(x, dtype=f32), out, cos, sin, n_dims, neox)
         elif not rope_store_f16(x, out, cos, sin, n_dims, neox, *store):
-            raise IndexError(f"set_rows: row index out of range 0..{store[2] - 1}")
+            raise index_error("set_rows", store[2])
     return run
 
 

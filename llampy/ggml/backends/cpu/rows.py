@@ -111,7 +111,12 @@ def check_index(idx: np.ndarray, n_rows: int, what: str) -> None:
     in Numba: two NumPy reductions cost ~8 us per call, 60 calls per decode step."""
     flat = idx.reshape(-1)
     if flat.size and not _in_range(flat, n_rows):
-        raise IndexError(f"{what}: row index out of range 0..{n_rows - 1}")
+        raise index_error(what, n_rows)
+
+
+def index_error(what: str, n_rows: int) -> IndexError:
+    """The error of a row index outside 0..n_rows - 1 (``check_index``'s, and the checked kernels' callers')."""
+    return IndexError(f"{what}: row index out of range 0..{n_rows - 1}")
 
 
 get_rows_plain_par = parallel_build(_get_rows_plain)
