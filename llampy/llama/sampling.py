@@ -760,6 +760,13 @@ class Chain(Sampler):
         for s in self.samplers:
             s.apply(c)
 
+    def lead(self) -> tuple:
+        """(a leading LogitBias that holds biases, or None; the sampler after it, or the first, or None): what
+        ``sample``'s and ``top_positions``' shortcuts start from."""
+        ss = self.samplers
+        bias = ss[0] if len(ss) > 1 and type(ss[0]) is LogitBias and ss[0].bias else None
+        return bias, (ss[1 if bias else 0] if ss else None)
+
     def sample(self, logits: np.ndarray, top: np.ndarray | None = None) -> int:
         """The token this chain picks from a row of logits (over the whole vocabulary). Does not accept it.
 
@@ -769,8 +776,7 @@ class Chain(Sampler):
         the token, are the ones the samplers pick one by one."""
         x = np.asarray(logits, dtype=_F32).reshape(-1)
         rest = self.samplers
-        bias = rest[0] if len(rest) > 1 and type(rest[0]) is LogitBias and rest[0].bias else None
-        first = rest[1 if bias else 0] if rest else None
+        bias, first = self.lead()
         if type(first) is Greedy and len(rest) == 1 + (bias is not None) and x.size:
             return int(np.argmax(x if bias is None else bias.row(x)))
         if type(first) is TopK and 0 < first.k < x.size:
@@ -883,9 +889,7 @@ def top_positions(chains: list, logits: np.ndarray, rows: list) -> list:
     biased: dict = {}                   # chain index -> (its leading LogitBias, k) where one comes first
     n = logits.shape[1]
     for i, ch in enumerate(chains):
-        ss = ch.samplers if isinstance(ch, Chain) else []
-        bias = ss[0] if len(ss) > 1 and type(ss[0]) is LogitBias and ss[0].bias else None
-        first = ss[1 if bias else 0] if ss else None
+        bias, first = ch.lead() if isinstance(ch, Chain) else (None, None)
         if type(first) is not TopK or not 0 < first.k < n:
             continue
         if bias is None:
