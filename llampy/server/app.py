@@ -28,7 +28,7 @@ from . import limits, media, oai
 from .oai import (APIError, check_fields, check_messages, include_usage, new_id, now, openapi_body, sampling_params,
                   usage)
 from .fields import request_options
-from .ops import Cors, Draining, llamacpp_metrics, log_request
+from .ops import Cors, Draining, llamacpp_metrics, log_request, next_event
 from .render import RenderBudgetError, TemplateRenderer
 from .slots import Engine, Event, Request, ShuttingDown
 from .completions import MAX_CHOICES
@@ -471,14 +471,7 @@ async def events(req: Request, q: asyncio.Queue, http: HTTPRequest):
     check_at = time.monotonic() + DISCONNECT_CHECK
     try:
         while True:
-            if q.empty():
-                try:            # asyncio.timeout: no task per event, as wait_for makes
-                    async with asyncio.timeout(DISCONNECT_CHECK):
-                        ev = await q.get()
-                except TimeoutError:
-                    ev = None
-            else:
-                ev = q.get_nowait()
+            ev = await next_event(q, DISCONNECT_CHECK)
             # also while events flow: a client waiting for a whole (non-streamed) reply is only seen to leave here
             if ev is None or time.monotonic() >= check_at:
                 check_at = time.monotonic() + DISCONNECT_CHECK

@@ -13,7 +13,7 @@ from . import limits, oai
 from .fields import request_options
 from .native import format_infill, infill_batch
 from .oai import APIError, check_fields, include_usage, new_id, now, openapi_body, sampling_params, usage
-from .ops import log_request
+from .ops import log_request, next_event
 
 MAX_CHOICES = 64           # prompts x n of one request
 
@@ -191,16 +191,12 @@ async def merged(reqs: list, q: asyncio.Queue, http: HTTPRequest):
     lasts = [None] * len(reqs)
     try:
         while any(ev is None for ev in lasts):
-            if q.empty():
-                try:            # asyncio.timeout: no task per event, as wait_for makes
-                    async with asyncio.timeout(0.5):
-                        k, ev = await q.get()
-                except TimeoutError:
-                    if await http.is_disconnected():
-                        return
-                    continue
-            else:
-                k, ev = q.get_nowait()
+            item = await next_event(q, 0.5)
+            if item is None:
+                if await http.is_disconnected():
+                    return
+                continue
+            k, ev = item
             if ev.finish_reason is not None:
                 lasts[k] = ev
             yield k, ev

@@ -2,6 +2,7 @@
 graceful shutdown that lets requests in flight finish (or ends them cleanly) before the process exits."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -10,6 +11,18 @@ import time
 from urllib.parse import urlsplit
 
 log = logging.getLogger("llampy.server")
+
+
+async def next_event(q: asyncio.Queue, timeout: float):
+    """The next item of a request's event queue, or None after ``timeout`` seconds without one: taken at once when
+    one waits, else awaited under asyncio.timeout (asyncio.wait_for made a task per event, a stream's every token)."""
+    if not q.empty():
+        return q.get_nowait()
+    try:
+        async with asyncio.timeout(timeout):
+            return await q.get()
+    except TimeoutError:
+        return None
 
 DEFAULT_CORS_METHODS = "GET, POST, OPTIONS"
 DEFAULT_CORS_HEADERS = "*"
