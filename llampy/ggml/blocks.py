@@ -279,6 +279,56 @@ def decode_mxfp4(w, o, out, oo):
         out[oo + j] = np.float32(np.float32(mxfp4_quant(w, o, j)) * d)
 
 
+# NVFP4 (36 bytes, 64 values): d[4] (UE4M3 scales, one per 16 values), qs[32] (E2M1 nibbles; sub-block s: bytes
+# 8s..8s+7, values 16s+i low nibble, 16s+8+i high); value: kvalues_fp4[nibble] * ggml_ue4m3_to_fp32(d[s]) (half
+# the UE4M3 value, 0 for the bytes 0x00 and 0x7F; bit 7 is not read).
+UE4M3_HALF = np.array([0.0 if b in (0, 0x7F) else
+                       math.ldexp((b & 7), -10) if (b >> 3) & 15 == 0 else math.ldexp(8 + (b & 7), ((b >> 3) & 15) - 11)
+                       for b in range(256)], dtype=np.float32)
+
+
+@njit(cache=True, inline="always")
+def nvfp4_quant(w, o, j):
+    s = j >> 4
+    return KVALUES_FP4[(np.int32(w[o + 4 + 8 * s + (j & 7)]) >> (4 * ((j >> 3) & 1))) & 15]
+
+
+@njit(cache=True)
+def decode_nvfp4(w, o, out, oo):
+    for s in range(4):
+        d = UE4M3_HALF[np.int32(w[o + s])]
+        for j in range(16 * s, 16 * s + 16):
+            out[oo + j] = np.float32(np.float32(nvfp4_quant(w, o, j)) * d)
+
+
+# Q1_0 (18 bytes, 128 values): d (F16), qs[16] (a sign bit per value, value j: bit j % 8 of byte j // 8); value
+# d where the bit is set, else -d.
+@njit(cache=True, inline="always")
+def q1_0_quant(w, o, j):
+    return 2 * ((np.int32(w[o + 2 + (j >> 3)]) >> (j & 7)) & 1) - 1
+
+
+@njit(cache=True)
+def decode_q1_0(w, o, out, oo):
+    d = f16_at(w, o)
+    for j in range(128):
+        out[oo + j] = d if q1_0_quant(w, o, j) > 0 else -d
+
+
+# Q2_0 (18 bytes, 64 values): d (F16), qs[16] (2 bits per value, value j: bits 2 (j % 4) of byte j // 4); value
+# (q - 1) * d, q in 0..3.
+@njit(cache=True, inline="always")
+def q2_0_quant(w, o, j):
+    return (np.int32(w[o + 2 + (j >> 2)]) >> (2 * (j & 3))) & 3
+
+
+@njit(cache=True)
+def decode_q2_0(w, o, out, oo):
+    d = f16_at(w, o)
+    for j in range(64):
+        out[oo + j] = np.float32(np.float32(q2_0_quant(w, o, j) - 1) * d)
+
+
 # ------------------------------------------------------------------------------------------------ IQ grid formats
 # IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: each group of 32 values is 4 (8-value) or 8 (4-value) entries of a grid
 # of unsigned magnitudes (``grid``: the table's entries as bytes), a sign bit per value and an integer scale per 16
@@ -572,6 +622,10 @@ BLOCKS: dict[GGMLType, BlockFormat] = {b.type: b for b in [
                 (_f("qs", 0, "u8", 48, 0), _f("qh", 48, "u8", 4, 0), _f("d", 52, "f16")), decode=decode_tq1_0),
     BlockFormat(T.MXFP4, 32, 17, T.Q8_0, (_f("e", 0, "u8"), _f("qs", 1, "u8", 16, 4)),
                 lut=tuple(int(v) for v in kvalues_fp4), decode=decode_mxfp4),
+    BlockFormat(T.NVFP4, 64, 36, T.Q8_0, (_f("d", 0, "u8", 4), _f("qs", 4, "u8", 32, 4)), group=16,
+                lut=tuple(int(v) for v in kvalues_fp4), decode=decode_nvfp4),
+    BlockFormat(T.Q1_0, 128, 18, T.Q8_0, (_f("d", 0, "f16"), _f("qs", 2, "u8", 16, 1)), decode=decode_q1_0),
+    BlockFormat(T.Q2_0, 64, 18, T.Q8_0, (_f("d", 0, "f16"), _f("qs", 2, "u8", 16, 2)), decode=decode_q2_0),
     BlockFormat(T.IQ2_XXS, QK_K, 66, T.Q8_K, (_f("d", 0, "f16"), _f("qs", 2, "u16", 32)),
                 group=32, lut=(tab.iq2xxs_grid, 0.125), decode=decode_iq2_xxs),
     BlockFormat(T.IQ2_XS, QK_K, 74, T.Q8_K, (_f("d", 0, "f16"), _f("qs", 2, "u16", 32), _f("scales", 66, "u8", 8, 4)),

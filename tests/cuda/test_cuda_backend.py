@@ -91,31 +91,41 @@ def test_value_rules_match_dequantize(t):
 
 
 def test_formats_without_kernels_are_refused():
-    """A block format with no value rule here (NVFP4) is refused for products and get_rows, so the scheduler runs
-    them on the CPU; IQ1_S, which has one, is taken."""
+    """A block format with no value rule here (Q8_K, an activation format) is refused for products and get_rows, so
+    the scheduler runs them on the CPU; IQ1_S and NVFP4, which have one, are taken."""
     x, idx = Tensor(T.F32, (256, 2)), Tensor(T.I32, (2,))
-    for t, ok in ((T.NVFP4, False), (T.IQ1_S, True)):
+    for t, ok in ((T.Q8_K, False), (T.IQ1_S, True), (T.NVFP4, True)):
         w = Tensor(t, (256, 4))
         assert bool(CUDA.supports_op(ops.mul_mat(w, x))) is ok and bool(CUDA.supports_op(ops.get_rows(w, idx))) is ok
 
 
-def test_mxfp4_values_at_every_exponent():
+@pytest.mark.parametrize("t", [T.MXFP4, T.NVFP4], ids=lambda t: t.name)
+def test_fp4_values_at_every_scale_byte(t):
     """MXFP4's scale byte e is GGML_E8M0_TO_FP32_HALF: 2^(e - 128), float32 subnormals for e < 2 and inf past the
-    float range for the largest nibbles: every exponent decodes as quants.dequantize does."""
+    float range for the largest nibbles; NVFP4's four are ggml_ue4m3_to_fp32 (half of E4M3 without its sign bit,
+    subnormal for exponent 0, 0x7F read as 0): every scale byte decodes as quants.dequantize does."""
     import torch
     from llampy.ggml.backends.cuda.buffer import rows
-    raw = np.random.default_rng(3).integers(0, 256, (256, 17), dtype=np.uint8)
-    raw[:, 0] = np.arange(256)
-    w = Tensor(T.MXFP4, (32 * 8, 32))
+    ts, bs = TYPE_TRAITS[t].type_size, TYPE_TRAITS[t].blck_size
+    raw = np.random.default_rng(3).integers(0, 256, (256, ts), dtype=np.uint8)
+    if t == T.MXFP4:
+        raw[:, 0] = np.arange(256)
+    else:
+        raw[:, :4] = np.arange(256)[:, None]
+    w = Tensor(t, (bs * 8, 256 // 8))
     tensor_alloc(CUDA.alloc_buffer(w.nbytes), w, 0)
     tensor_set(w, raw.reshape(32, -1))
-    want = dequantize(raw.reshape(32, -1), T.MXFP4)
-    assert np.isinf(want).any() and (want[0, :32][want[0, :32] != 0] != 0).all()
+    want = dequantize(raw.reshape(32, -1), t)
+    if t == T.MXFP4:
+        assert np.isinf(want).any() and (want[0, :32][want[0, :32] != 0] != 0).all()
+    else:
+        assert (want.reshape(256, 64)[[0, 0x7F, 0x80, 0xFF]] == 0).all(axis=1).tolist() == [True, True, True, False]
     np.testing.assert_array_equal(CUDA._dequant(w, rows(w), torch.float32).cpu().numpy(), want)
 
 
 @pytest.mark.parametrize("t,ncols", [(t, c) for t in (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0) for c in (1, 3, 8, 9)]
-                         + [(t, c) for t in (T.IQ2_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0, T.MXFP4) for c in (1, 9)],
+                         + [(t, c) for t in (T.IQ2_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0, T.MXFP4, T.NVFP4, T.Q1_0,
+                                             T.Q2_0) for c in (1, 9)],
                          ids=lambda v: v.name if isinstance(v, T) else str(v))
 def test_matvec_and_tiles_past_one_block(t, ncols):
     """Decode products (matvec, 1..8 columns) and the dequantize+matmul path (9 columns) over several K tiles and

@@ -73,6 +73,28 @@ def test_decode_rule_gives_the_reference_dequantizer_bits(t):
     assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
 
 
+@pytest.mark.parametrize("t", [T.NVFP4, T.Q1_0, T.Q2_0], ids=lambda t: t.name)
+def test_decode_rules_of_nvfp4_q1_0_q2_0_give_the_dequantizer_bits(t):
+    """The table's rules for the formats the CPU multiplies through quants.dequantize (the CUDA backend's value
+    rules follow them): random bits in every field, every UE4M3 scale byte (NVFP4), F16 scales of mixed magnitudes
+    (Q1_0, Q2_0)."""
+    rng = np.random.default_rng(int(t))
+    fmt = B.BLOCKS[t]
+    nb = 256
+    wq = rng.integers(0, 256, (nb, fmt.type_size), dtype=np.uint8)
+    if t == T.NVFP4:
+        wq[:, :4] = (np.arange(4 * nb) % 256).reshape(nb, 4)
+    else:
+        d = rng.uniform(0.5, 2.0, nb) * rng.choice([1e-3, 1.0, 40.0], nb)
+        wq[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    out = np.full(nb * fmt.blck_size, np.nan, np.float32)
+    row = wq.reshape(-1)
+    for b in range(nb):
+        fmt.decode(row, b * fmt.type_size, out, b * fmt.blck_size)
+    ref = lq.dequantize(wq, t).reshape(-1).astype(np.float32)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
 def test_table_agrees_with_type_traits():
     for t, f in B.BLOCKS.items():
         tt = TYPE_TRAITS[t]

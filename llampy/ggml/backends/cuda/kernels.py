@@ -48,13 +48,17 @@ IQ1_M: tl.constexpr = tl.constexpr(int(T.IQ1_M))
 TQ1_0: tl.constexpr = tl.constexpr(int(T.TQ1_0))
 TQ2_0: tl.constexpr = tl.constexpr(int(T.TQ2_0))
 MXFP4: tl.constexpr = tl.constexpr(int(T.MXFP4))
+NVFP4: tl.constexpr = tl.constexpr(int(T.NVFP4))
+Q1_0: tl.constexpr = tl.constexpr(int(T.Q1_0))
+Q2_0: tl.constexpr = tl.constexpr(int(T.Q2_0))
 F16: tl.constexpr = tl.constexpr(int(T.F16))
 BF16: tl.constexpr = tl.constexpr(int(T.BF16))
 F32: tl.constexpr = tl.constexpr(int(T.F32))
 
 # the formats the kernels decode
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-         T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0, T.MXFP4, T.F16, T.BF16, T.F32)
+         T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0, T.MXFP4, T.NVFP4, T.Q1_0,
+         T.Q2_0, T.F16, T.BF16, T.F32)
 
 # the kernels' one table argument ``lut`` (int8 on the device): IQ4_NL's values, ksigns_iq2xs (the sign bytes of
 # the IQ2/IQ3 formats, read & 255), then the grids' entries as bytes (8 a entry for IQ2 and IQ1, 4 for IQ3; all
@@ -87,6 +91,7 @@ FIELD_OFFSETS = {
     T.IQ2_S: {"d": 0, "qs": 2, "signs": 34, "qh": 66, "scales": 74}, T.IQ3_XXS: {"d": 0, "qs": 2, "sas": 66},
     T.IQ3_S: {"d": 0, "qs": 2, "qh": 66, "signs": 74, "scales": 106}, T.IQ1_S: {"d": 0, "qs": 2, "qh": 34},
     T.IQ1_M: {"qs": 0, "qh": 32, "scales": 48}, T.TQ1_0: {"qs": 0, "qh": 48, "d": 52}, T.TQ2_0: {"qs": 0, "d": 64}, T.MXFP4: {"e": 0, "qs": 1},
+    T.NVFP4: {"d": 0, "qs": 4}, T.Q1_0: {"d": 0, "qs": 2}, T.Q2_0: {"d": 0, "qs": 2},
 }
 
 
@@ -292,6 +297,28 @@ def _value(p, k, lut, TYPE: tl.constexpr):
         e = _u8(p, o)       # GGML_E8M0_TO_FP32_HALF's bits: (e - 1) << 23, a subnormal for e < 2
         s = tl.where(e < 2, 2097152 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
         v = tl.where(q >= 8, -a, a).to(tl.float32) * s
+    elif TYPE == NVFP4:     # d[4] (UE4M3 per 16 values), qs[32] (sub-block s: bytes 8s..8s+7, low nibbles then high)
+        o = (k // 64) * 36
+        j = k % 64
+        q = (_u8(p, o + 4 + 8 * (j // 16) + j % 8) >> (4 * ((j // 8) % 2))) & 15
+        m = q & 7           # twice the E2M1 magnitude, as MXFP4's
+        a = tl.where(m < 4, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+        u = _u8(p, o + j // 16)     # ggml_ue4m3_to_fp32: half of 1.m * 2^(e - 7), m * 2^-9 for e = 0; 0x7F is 0
+        e = (u >> 3) & 15
+        s = tl.where(e == 0, (u & 7).to(tl.float32) * 0.0009765625,
+                     (((e + 119) << 23) | ((u & 7) << 20)).to(tl.float32, bitcast=True))
+        s = tl.where(u == 127, 0.0, s)
+        v = tl.where(q >= 8, -a, a).to(tl.float32) * s
+    elif TYPE == Q1_0:      # d, qs[16]: value j is d where bit j % 8 of byte j // 8 is set, else -d
+        o = (k // 128) * 18
+        j = k % 128
+        d = _f16(p, o)
+        v = tl.where(((_u8(p, o + 2 + j // 8) >> (j % 8)) & 1) != 0, d, -d)
+    elif TYPE == Q2_0:      # d, qs[16] (2 bits a value, four a byte from the low bits): (q - 1) * d
+        o = (k // 64) * 18
+        j = k % 64
+        q = (_u8(p, o + 2 + j // 4) >> (2 * (j % 4))) & 3
+        v = (q - 1).to(tl.float32) * _f16(p, o)
     else:                   # IQ4_XS: d, scales_h (u16, 2 bits per 32), scales_l[4] (a nibble per 32), qs[128]
         tl.static_assert(TYPE == IQ4_XS, "no value rule for this type")
         o = (k // 256) * 136
