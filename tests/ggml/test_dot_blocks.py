@@ -250,9 +250,9 @@ def test_mul_mat_dispatch_takes_the_kernels(t):
         x = rng.standard_normal((n, k)).astype(np.float32)
         out, ref = np.empty((n, rows), np.float32), np.empty((n, rows), np.float32)
         db.mul_mat(wq, t, x, ref)
-        if t == T.F16 and n >= 2:       # ggml-cpu takes llamafile's tinyBLAS there (test_dot_f16_tiny.py)
+        if t in (T.F16, T.BF16) and n >= 2:   # ggml-cpu takes llamafile's tinyBLAS there (test_dot_f16_tiny.py)
             from tests.ggml.test_dot_f16_tiny import tinyblas_order
-            ref = tinyblas_order(wq, x)
+            ref = tinyblas_order(wq.view(np.uint16) if t == T.BF16 else wq, x, bf16=t == T.BF16)
         mm.mul_mat(wq, t, x, out)
         assert np.array_equal(out, ref)
         out[...] = np.nan

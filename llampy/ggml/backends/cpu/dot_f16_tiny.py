@@ -9,6 +9,12 @@ The activations are rounded to F16 bits first, as ggml does (half the bytes of f
 keeps over all the weight rows stays nearer the core), and widened as they are loaded.
 
     mul_mat_f16(w_bits uint16 [rows, k], x float32 [n, k], out float32 [n, rows])
+
+BF16 weights take the same class on AVX2 (``tinyBLAS<8, __m256, __m256, ggml_bf16_t, ggml_bf16_t, float>``, x rounded to
+BF16 by ggml's from_float: round to nearest even, a NaN kept quiet): the same tiles and chain (``mul_mat_bf16``), the
+weights' BF16 halves widened by a 16-bit shift as they are loaded; x stays float32 after its rounding (one widening per
+weight load only: 1536 x 576, n = 512, one thread, 17.6 -> 14.4 ms CPU; ggml's 17.5; the BLAS path's dequantized
+tiles took ~40).
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from .claims import claim, workers
+from ...types import GGMLType
+from .act_quant import round_half
 from .dot_blocks import f32x8_fmav, f32x8_ld
 from .simd import f16_bits, f32x8_hsum, f32x8_zero, v16_f16_copy
 
@@ -24,6 +32,7 @@ CB = 3          # activation rows per tile
 # activation rows a thread takes at once (its x rows are read again for every 4 weight rows; the weights, once per
 # block): up to 144 (at 4096 x 1152 x 4304 on Zen 3, 10-15% less CPU time than 48; 192 and 288 no better)
 N_BLOCK = 144
+K_F16, K_BF16 = 0, 1     # the half type of w and of the rounded x
 
 
 def applies(rows: int, k: int, n: int) -> bool:
@@ -32,35 +41,43 @@ def applies(rows: int, k: int, n: int) -> bool:
 
 
 @njit(cache=True, inline="always")
-def _dot1(w, r, x, i, k):
+def _ld(a, l, kind):
+    """Eight halves of a (uint16 bits of ``kind``'s type) from l, widened to float32."""
+    if kind == K_BF16:
+        return f32x8_ld(a, l, True)
+    return f32x8_ld(a, l, False)
+
+
+@njit(cache=True, inline="always")
+def _dot1(w, r, x, i, k, kind):
     acc = f32x8_zero()
     for l in range(0, k, 8):
-        acc = f32x8_fmav(f32x8_ld(w[r], l, False), f32x8_ld(x[i], l, False), acc)
+        acc = f32x8_fmav(_ld(w[r], l, kind), _ld(x[i], l, kind), acc)
     return f32x8_hsum(acc)
 
 
 @njit(cache=True, inline="always")
-def _tile(w, r, x, i, k, out):
+def _tile(w, r, x, i, k, out, kind):
     a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = a30 = a31 = a32 = f32x8_zero()
     w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
     x0, x1, x2 = x[i], x[i + 1], x[i + 2]
     for l in range(0, k, 8):
-        v0 = f32x8_ld(x0, l, False)
-        v1 = f32x8_ld(x1, l, False)
-        v2 = f32x8_ld(x2, l, False)
-        u = f32x8_ld(w0, l, False)
+        v0 = _ld(x0, l, kind)
+        v1 = _ld(x1, l, kind)
+        v2 = _ld(x2, l, kind)
+        u = _ld(w0, l, kind)
         a00 = f32x8_fmav(u, v0, a00)
         a01 = f32x8_fmav(u, v1, a01)
         a02 = f32x8_fmav(u, v2, a02)
-        u = f32x8_ld(w1, l, False)
+        u = _ld(w1, l, kind)
         a10 = f32x8_fmav(u, v0, a10)
         a11 = f32x8_fmav(u, v1, a11)
         a12 = f32x8_fmav(u, v2, a12)
-        u = f32x8_ld(w2, l, False)
+        u = _ld(w2, l, kind)
         a20 = f32x8_fmav(u, v0, a20)
         a21 = f32x8_fmav(u, v1, a21)
         a22 = f32x8_fmav(u, v2, a22)
-        u = f32x8_ld(w3, l, False)
+        u = _ld(w3, l, kind)
         a30 = f32x8_fmav(u, v0, a30)
         a31 = f32x8_fmav(u, v1, a31)
         a32 = f32x8_fmav(u, v2, a32)
@@ -85,6 +102,16 @@ def _to_f16(xu, xf, out):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _mm(w, x, out, nb, n_workers):
+    _mm_kind(w, x, out, nb, n_workers, K_F16)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mm_bf16(w, x, out, nb, n_workers):
+    _mm_kind(w, x, out, nb, n_workers, K_BF16)
+
+
+@njit(cache=True, inline="always")
+def _mm_kind(w, x, out, nb, n_workers, kind):
     rows, k = w.shape
     n = x.shape[0]
     n_blocks = (n + nb - 1) // nb
@@ -99,13 +126,13 @@ def _mm(w, x, out, nb, n_workers):
             i_full = i0 + (i1 - i0) // CB * CB
             for r in range(0, rows - rows % RB, RB):
                 for i in range(i0, i_full, CB):
-                    _tile(w, r, x, i, k, out)
+                    _tile(w, r, x, i, k, out, kind)
                 for i in range(i_full, i1):
                     for rr in range(r, r + RB):
-                        out[i, rr] = _dot1(w, rr, x, i, k)
+                        out[i, rr] = _dot1(w, rr, x, i, k, kind)
             for rr in range(rows - rows % RB, rows):
                 for i in range(i0, i1):
-                    out[i, rr] = _dot1(w, rr, x, i, k)
+                    out[i, rr] = _dot1(w, rr, x, i, k, kind)
 
 
 def block_rows(n: int, n_threads: int) -> int:
@@ -123,3 +150,10 @@ def mul_mat_f16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     _to_f16(x.view(np.uint32), x, xh)
     nb = block_rows(x.shape[0], get_num_threads())
     _mm(w.view(np.uint16), xh, out, nb, workers(-(-x.shape[0] // nb)))
+
+
+def mul_mat_bf16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out [n, rows] = x [n, k] (float32, rows contiguous; rounded to BF16 here) times w (BF16 bits)^T."""
+    xr = round_half(x, GGMLType.BF16)
+    nb = block_rows(x.shape[0], get_num_threads())
+    _mm_bf16(w.view(np.uint16), xr, out, nb, workers(-(-x.shape[0] // nb)))

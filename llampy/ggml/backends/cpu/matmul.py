@@ -88,11 +88,11 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
     if wtype == T.F32 and k <= dot_f32_short.MAX_K and n <= limit:
         dot_f32_short.mul_mat_f32_short(_as_2d_rows(w), _as_2d_rows(x), out)    # ggml_vec_dot_f32's scalar loop
         return
-    if wtype == T.F16 and n <= limit and _rows_ok(w, x, out):
+    if wtype in (T.F16, T.BF16) and n <= limit and _rows_ok(w, x, out):
         if dot_f16_tiny.applies(rows, k, n):
-            _mul_mat_f16_tiny(w, x, out)                 # ggml's tinyBLAS order (dot_f16_tiny)
+            _mul_mat_f16_tiny(w, wtype, x, out)          # ggml's tinyBLAS order (dot_f16_tiny)
         else:
-            dot_blocks.mul_mat(w, wtype, x, out, scratch)    # where tinyBLAS refuses, ggml_vec_dot_f16 at any n
+            dot_blocks.mul_mat(w, wtype, x, out, scratch)    # where tinyBLAS refuses, ggml_vec_dot_f16/_bf16 at any n
         return
     if wtype in dot_blocks.TYPES and n <= limit and dot_blocks.use_kernel(wtype, n, rows, repacked) \
             and _rows_ok(w, x, out):
@@ -261,15 +261,16 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse, repacked=True):
     """``bind_mul_mat`` for the formats of the block table (``dot_blocks``) and the rows llama.cpp repacks: their
     kernel where it applies, else None (``mul_mat``'s BLAS path for prompts)."""
     n, k = x.shape
-    if wtype == T.F16 and dot_f16_tiny.applies(w.shape[0], k, n) and _rows_ok(w, x, out) \
+    if wtype in (T.F16, T.BF16) and dot_f16_tiny.applies(w.shape[0], k, n) and _rows_ok(w, x, out) \
             and out.shape == (n, w.shape[0]):
         def run_tiny():
             limit = limit_fn()
             if n > (DECODE_MAX_ROWS if limit is None else limit):
                 return mul_mat(w, wtype, x, out, limit, repacked=repacked)
-            _mul_mat_f16_tiny(w, x, out)
+            _mul_mat_f16_tiny(w, wtype, x, out)
         return run_tiny
-    small = dot_blocks.use_kernel(wtype, n, w.shape[0], repacked) or wtype == T.F16   # F16: ggml's vec_dot at any n
+    # F16 / BF16 where tinyBLAS refuses: ggml's vec_dot at any n
+    small = dot_blocks.use_kernel(wtype, n, w.shape[0], repacked) or wtype in (T.F16, T.BF16)
     if n == 0 or w.shape[0] == 0 or not small or not _rows_ok(w, x, out):
         return None
     if out.shape != (n, w.shape[0]):
@@ -293,10 +294,13 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse, repacked=True):
     return run
 
 
-def _mul_mat_f16_tiny(w, x, out) -> None:
-    """F16 weights against 2 or more activation rows (rows % 4 == 0, k % 8 == 0): x rounded to F16, then
-    llamafile's tinyBLAS order, as ggml-cpu computes them (dot_f16_tiny rounds x to F16 bits itself)."""
-    dot_f16_tiny.mul_mat_f16(w, x, out)
+def _mul_mat_f16_tiny(w, wtype, x, out) -> None:
+    """F16 or BF16 weights against 2 or more activation rows (rows % 4 == 0, k % 8 == 0): x rounded to the weight's
+    half type, then llamafile's tinyBLAS order, as ggml-cpu computes them (dot_f16_tiny rounds x itself)."""
+    if wtype == T.BF16:
+        dot_f16_tiny.mul_mat_bf16(w, x, out)
+    else:
+        dot_f16_tiny.mul_mat_f16(w, x, out)
 
 
 def act_scratch(n: int, k: int, wtype: GGMLType):
