@@ -7,7 +7,8 @@ weight bytes a token reads), OUT_DIR/lb_<type>.json (llama-bench -o json on the 
 (tg with half the layers offloaded, then none) and OUT_DIR/pytest_*.log; writes OUT_DIR/targets.json.
 Targets (7B shape, Q4_K_M): decode >= 1.2x llama.cpp's CUDA build on the same device and >= 60% of the copy
 bandwidth limit, prompt >= 1.0x llama.cpp; half the layers on the GPU beats CPU-only; the real models' greedy
-tokens equal the CPU backend's (tests/cuda/test_cuda_model.py's test, log-probs within 0.05).
+tokens equal the CPU backend's and their log-probs are within 0.05, each model on its own lines (the lines
+tests/cuda/test_cuda_model.py's test prints, run with -s by gpu_check.sh).
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import sys
 from pathlib import Path
 
 DECODE_RATIO, ROOFLINE, PROMPT_RATIO = 1.2, 0.60, 1.0
+REAL_MODELS, REAL_LOGPROB = ("smollm2", "gemma3"), 0.05
+_REAL_LINE = re.compile(r"^real-model (\w+): (\d+) of (\d+) greedy tokens equal \(first difference: (\w+)\), "
+                        r"max \|dlogprob\| (\S+)")
 
 
 def _json(path: Path):
@@ -43,6 +47,27 @@ def _pytest_summary(log: Path) -> str | None:
         return None
     skips = [ln.split(": ", 1)[-1] for ln in log.read_text().splitlines() if ln.startswith("SKIPPED")]
     return lines[-1].strip("= ") + (f" ({skips[0]})" if skips else "")
+
+
+def real_model_line(model: str, same: list[bool], max_dlogprob: float) -> str:
+    """The line test_cuda_model.py's real-model test prints (the parser below reads it back)."""
+    first = same.index(False) if False in same else None
+    return (f"real-model {model}: {sum(same)} of {len(same)} greedy tokens equal (first difference: {first}), "
+            f"max |dlogprob| {max_dlogprob:.4g}")
+
+
+def _real_model_lines(log: Path) -> dict:
+    """{model: (tokens equal, tokens, first difference, max |dlogprob|)} from test_cuda_model.py's lines (pytest -s)."""
+    try:
+        text = log.read_text()
+    except OSError:
+        return {}
+    out = {}
+    for ln in text.splitlines():
+        m = _REAL_LINE.match(ln)
+        if m:
+            out[m[1]] = (int(m[2]), int(m[3]), m[4], float(m[5]))
+    return out
 
 
 def targets(out: Path) -> list[dict]:
@@ -84,12 +109,18 @@ def targets(out: Path) -> list[dict]:
     else:
         add("half the layers beats CPU-only", None, "not measured")
     real = _pytest_summary(out / "pytest_real.log")
-    if real is None:
-        add("real models' greedy tokens as the CPU backend's", None, "not run")
-    else:
-        add("real models' greedy tokens as the CPU backend's",
-            True if "passed" in real and "failed" not in real and "skipped" not in real
-            else False if "failed" in real or "error" in real else None, real)
+    lines = _real_model_lines(out / "pytest_real.log")
+    for m in REAL_MODELS:
+        if m not in lines:
+            why = "not run" if real is None else real
+            add(f"real model {m}: greedy tokens as the CPU backend's", None, why)
+            add(f"real model {m}: log-probs within {REAL_LOGPROB}", None, why)
+            continue
+        same, n, first, dlp = lines[m]
+        add(f"real model {m}: greedy tokens as the CPU backend's", same == n,
+            f"{same} of {n} equal" + ("" if first == "None" else f", first difference at step {first}"))
+        add(f"real model {m}: log-probs within {REAL_LOGPROB}", dlp <= REAL_LOGPROB,
+            f"max |dlogprob| {dlp:.4g} over the greedy steps")
     return res
 
 

@@ -134,15 +134,29 @@ def test_auto_fit_counts_layers_from_the_top():
     assert auto.n_gpu_layers == n_layer + 1           # the interpreter's "device" (or a GPU) holds a tiny model
 
 
+def real_model_path(which: str):
+    """The real model's file: from LLAMPY_REAL_MODELS (the folder benchmarks/gpu_carry.py assembles the files in on a
+    GPU machine: smollm2.gguf, gemma3.gguf) where set, else from its package."""
+    import os
+    from pathlib import Path
+    from llampy.models import ModelNotFound, resolve_model
+    carried = os.environ.get("LLAMPY_REAL_MODELS")
+    if carried:
+        path = Path(carried) / f"{which}.gguf"
+        if not path.is_file():
+            pytest.skip(f"{path} was not carried (benchmarks/gpu_carry.py)")
+        return path
+    try:
+        return resolve_model(which)
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="real models in the Triton interpreter "
                     "would take hours: run on a GPU (make test-cuda there)")
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_real_models_greedy_tokens_equal_the_cpu_backends(which):
-    from llampy.models import ModelNotFound, resolve_model
-    try:
-        path = resolve_model(which)
-    except ModelNotFound as e:
-        pytest.skip(str(e))
+    path = real_model_path(which)
     prompt = "The capital of France is"
 
     def greedy(model, n=24):
@@ -160,6 +174,9 @@ def test_real_models_greedy_tokens_equal_the_cpu_backends(which):
 
     cpu_toks, cpu_lp = greedy(Model(path))
     gpu_toks, gpu_lp = greedy(Model(path, n_gpu_layers=-1))
+    from benchmarks.gpu_targets import real_model_line
+    # the line benchmarks/gpu_targets.py reads (gpu_check.sh runs this with -s)
+    print("\n" + real_model_line(which, [a == b for a, b in zip(gpu_toks, cpu_toks)], np.abs(gpu_lp - cpu_lp).max()))
     assert gpu_toks == cpu_toks
     assert np.abs(gpu_lp - cpu_lp).max() <= 0.05
 
