@@ -187,11 +187,12 @@ def test_repacked_rows_give_ggml_gemv_bits_at_every_batch_size(ggml_cpu, t):
     """rows % 8 == 0, which llama.cpp repacks: its gemm keeps the gemv's chain per pair, so every batch size gives the
     gemv's bits (and the gemm's, which llama.cpp runs for a prompt's rows 0 .. n - n % 4), here through the decode
     kernel (eight weight rows as lanes: n = 3, and the last 3 rows of n = 27) and the prompt tiles (sixteen, then
-    eight activation rows as lanes: rows 0..23 of n = 27)."""
+    eight activation rows as lanes: rows 0..23 of n = 27; 40 weight rows, two chunks and a short one, n = 40: two
+    steps of sixteen)."""
     rng = np.random.default_rng(int(t))
-    k, rows = 160, 16                   # an odd block count
-    wq = weights(rng, rows, k, t)
-    for n in (3, 27):
+    k = 160                             # an odd block count
+    for rows, n in ((16, 3), (16, 27), (40, 40)):
+        wq = weights(rng, rows, k, t)
         x = (rng.standard_normal((n, k)) * rng.choice([1e-2, 1.0, 30.0], size=(n, 1))).astype(np.float32)
         x[0, :32] = 0                   # an all-zero block (d = 0)
         s, xb = ggml_act_blocks(x, T.Q8_0)

@@ -1298,6 +1298,133 @@ def _glu16(orow, r0, gb, ub, glu, table):
         v16_store(orow, r0, v16_geglu(v16_load(gb, r0), v16_load(ub, r0), table))
 
 
+# The prompt tiles of IQ4_NL and MXFP4 in a broadcast form (``_tiles_r8_bc``): per weight row and block, four
+# values at a time broadcast to every lane against eight activation rows' four values at the same place, the
+# activations interleaved once per call so that those 32 bytes are one load (``_interleave8``: for eight rows and a
+# block, four values of row 0, of row 1, ..., then the next four). The eight lanes' sums are each row's block sum
+# with no reduction across lanes (``_q4_acts8``'s transposed reduction cost a fifth of its time), the weight row's
+# blocks decoded once per call into values and |values| (``r8_dec_store``). The same integers, the same chain.
+
+def _r8_dec(kv):
+    """An intrinsic: the 32 values of the 16 nibble bytes at byte ``o`` of wr (kv at the nibbles, ``_lut_nibbles``)
+    stored at byte ``do`` of dst, their absolute values at ``do + 32``."""
+    kv = [int(v) for v in kv]
+
+    @intrinsic
+    def dec_store(typingctx, wr, o, dst, do):
+        def codegen(context, builder, sig, args):
+            a = _lut_nibbles(builder, _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V16)), kv)
+            for off, v in ((0, a), (32, _abs8(builder, a))):
+                at = builder.add(args[3], ir.Constant(args[3].type, off))
+                st = builder.store(v, _ptr(context, builder, sig.args[2], args[2], at, _V32))
+                st.align = 1
+            return context.get_dummy_value()
+        return types.none(wr, types.intp, dst, types.intp), codegen
+    return dec_store
+
+
+nl_dec_store, mx_dec_store = _r8_dec(B.KVALUES_IQ4NL), _r8_dec(B.KVALUES_FP4)
+
+
+def _bcast4(context, builder, sig, args, ia, off):
+    """The four bytes at byte args[ia + 1] + off of array args[ia], in every 32-bit lane of a <32 x i8>."""
+    at = builder.add(args[ia + 1], ir.Constant(args[ia + 1].type, off))
+    s = _load(builder, _ptr(context, builder, sig.args[ia], args[ia], at, _I32))
+    v = builder.insert_element(ir.Constant(_V_I32x8, None), s, ir.Constant(_I32, 0))
+    return builder.bitcast(builder.shuffle_vector(v, v, ir.Constant(_V_I32x8, [0] * 8)), _V32)
+
+
+@intrinsic
+def acts16_bc(typingctx, wd, wo, xi, xo0, xo1):
+    """Two <8 x i32>: lane a of the first, the exact block sum of the decoded weight block at byte wo of wd (values,
+    then |values|: ``r8_dec_store``) with activation row a of the interleaved block at byte xo0 of xi
+    (``_interleave8``); the second, with the one at xo1. Per four values: the weights' four broadcast, ggml's sign
+    trick (|w| times x given w's sign), the pair sums widened and added (``_udot``)."""
+    def codegen(context, builder, sig, args):
+        acc0 = acc1 = None
+        for g in range(8):
+            wv = _bcast4(context, builder, sig, args, 0, 4 * g)
+            av = _bcast4(context, builder, sig, args, 0, 32 + 4 * g)
+            x0 = _load(builder, _ptr(context, builder, sig.args[2], args[2],
+                                     builder.add(args[3], ir.Constant(args[3].type, 32 * g)), _V32))
+            acc0 = _udot(builder, av, _sign_of(builder, x0, wv), acc0)
+            x1 = _load(builder, _ptr(context, builder, sig.args[2], args[2],
+                                     builder.add(args[4], ir.Constant(args[4].type, 32 * g)), _V32))
+            acc1 = _udot(builder, av, _sign_of(builder, x1, wv), acc1)
+        return context.make_tuple(builder, sig.return_type, [acc0, acc1])
+    return types.UniTuple(i32x8, 2)(wd, types.intp, xi, types.intp, types.intp), codegen
+
+
+@njit(cache=True, inline="always")
+def _interleave8(xq, n16, xi):
+    """xi[((i // 8) * nb + b) * 256 + 32 g + 4 a + e] = xq[8 (i // 8) + a, 32 b + 4 g + e]: for each eight activation
+    rows and block, the rows' values 4g .. 4g + 3 side by side (rows below n16)."""
+    k = xq.shape[1]
+    nb = k // 32
+    for ig in prange(n16 // 8):
+        for b in range(nb):
+            base = (ig * nb + b) * 256
+            for g in range(8):
+                for a in range(8):
+                    for e in range(4):
+                        xi[base + 32 * g + 4 * a + e] = xq[8 * ig + a, 32 * b + 4 * g + e]
+
+
+@njit(cache=True, inline="always")
+def _r8_dec_store(kind, wr, o, wd, do):
+    if kind == K_MXFP4_R8:
+        mx_dec_store(wr, o + MX_QS, wd, do)
+    else:
+        nl_dec_store(wr, o + N4_QS, wd, do)
+
+
+@njit(cache=True, inline="always")
+def _tiles_r8_bc(w, xq, xd, out, kind):
+    """``_tiles_r8`` for IQ4_NL and MXFP4 with the sixteen-row steps in the broadcast form (above): per chunk of
+    ROW_CHUNK weight rows their blocks decoded once into a scratch of the task's own, then per sixteen activation
+    rows and weight row the same pairs' chains as ``_tiles_r8`` (two accumulators, eight rows as lanes, the block's
+    scale d_w * d_x one lane of a vector product); the rows n16 .. n8 in ``_tiles_r8``'s form. 1536 x 576, n = 512,
+    one thread, CPU: 13.2 -> 9.5 ms (same bits)."""
+    rows = w.shape[0]
+    n, k = xq.shape
+    nb = k // 32
+    n8 = n - n % 8
+    n16 = n8 - n8 % 16
+    xdT = np.ascontiguousarray(xd.T)
+    xi = np.empty(n16 * k, np.int8)
+    _interleave8(xq, n16, xi)
+    neg = np.zeros(1, np.int32)
+    bb = _r8_bytes(kind)
+    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(rows, r0 + ROW_CHUNK)
+        wd = np.empty(ROW_CHUNK * nb * 64, np.int8)
+        for r in range(r0, r1):
+            for b in range(nb):
+                _r8_dec_store(kind, w[r], b * bb, wd, ((r - r0) * nb + b) * 64)
+        for i in range(0, n16, 16):
+            ig = i // 8
+            for r in range(r0, r1):
+                wr = w[r]
+                a0 = a1 = f32x8_zero()
+                for b in range(nb):
+                    dw = _r8_wscale(kind, wr, b * bb)
+                    s0, s1 = acts16_bc(wd, ((r - r0) * nb + b) * 64, xi, (ig * nb + b) * 256, ((ig + 1) * nb + b) * 256)
+                    a0 = f32x8_fmav(i32x8_to_f32x8(s0), f32x8_scale(f32x8_load(xdT[b], i), dw), a0)
+                    a1 = f32x8_fmav(i32x8_to_f32x8(s1), f32x8_scale(f32x8_load(xdT[b], i + 8), dw), a1)
+                _store8(out, i, r, a0)
+                _store8(out, i + 8, r, a1)
+        for i in range(n16, n8, 8):
+            for r in range(r0, r1):
+                wr = w[r]
+                a0 = f32x8_zero()
+                for b in range(nb):
+                    o = b * bb
+                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b, neg, 0)),
+                                    f32x8_scale(f32x8_load(xdT[b], i), _r8_wscale(kind, wr, o)), a0)
+                _store8(out, i, r, a0)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_nl_r8(w, x, xq, xd, bsums, out, quant):
     _quant_0(x, xq, xd, bsums, quant)
@@ -1306,7 +1433,7 @@ def _iq4_nl_r8(w, x, xq, xd, bsums, out, quant):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_nl_r8_tiles(w, xq, xd, out):
-    _tiles_r8(w, xq, xd, out, K_IQ4_NL_R8)
+    _tiles_r8_bc(w, xq, xd, out, K_IQ4_NL_R8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1317,7 +1444,7 @@ def _mxfp4_r8(w, x, xq, xd, bsums, out, quant):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _mxfp4_r8_tiles(w, xq, xd, out):
-    _tiles_r8(w, xq, xd, out, K_MXFP4_R8)
+    _tiles_r8_bc(w, xq, xd, out, K_MXFP4_R8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
