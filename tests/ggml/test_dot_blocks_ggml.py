@@ -188,10 +188,10 @@ def test_repacked_rows_give_ggml_gemv_bits_at_every_batch_size(ggml_cpu, t):
     gemv's bits (and the gemm's, which llama.cpp runs for a prompt's rows 0 .. n - n % 4), here through the decode
     kernel (eight weight rows as lanes: n = 3, and the last 3 rows of n = 27) and the prompt tiles (sixteen, then
     eight activation rows as lanes: rows 0..23 of n = 27; 40 weight rows, two chunks and a short one, n = 40: two
-    steps of sixteen)."""
+    steps of sixteen; k = 4096, n = 24: activation rows 4 KiB apart, whose blocks fall in one set of the first-level
+    cache, a sixteen-row step and an eight-row one)."""
     rng = np.random.default_rng(int(t))
-    k = 160                             # an odd block count
-    for rows, n in ((16, 3), (16, 27), (40, 40)):
+    for rows, n, k in ((16, 3, 160), (16, 27, 160), (40, 40, 160), (8, 24, 4096)):   # 160: an odd block count
         wq = weights(rng, rows, k, t)
         x = (rng.standard_normal((n, k)) * rng.choice([1e-2, 1.0, 30.0], size=(n, 1))).astype(np.float32)
         x[0, :32] = 0                   # an all-zero block (d = 0)
