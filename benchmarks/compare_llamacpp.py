@@ -13,7 +13,12 @@ as that mix gives a dense model's matrices Q8_0; the IQ1-IQ3 types with an impor
 written by llampy's own writer and quantizer (benchmarks/gpu_bench.py's ``write_model``) in each of
 ``--shape-mixes`` (Q4_K_M Q4_0 Q8_0), cached in ~/.cache/llampy/shapes; the recurrent and hybrid shapes
 (mamba2-370m, lfm2-350m, lfm2-1.2b, granite-4.0-h-350m) come from benchmarks/recurrent_shapes.py the same way.
-``--no-start``: pp and tg only.
+``--no-start``: pp and tg only. ``--bandwidth`` (the default with ``--shape``): the machine's DRAM read bandwidth
+measured in the run (benchmarks/stream_read.py, same thread count, before the first row and after the last; the
+better of the two, as STREAM reports its best) and a second table: per model the weight bytes one decode step
+reads (``stream_read.decode_bytes``: every matrix once, one row of the token embedding) and each side's tg as GB/s
+(bytes per token / time per token) and as a fraction of that bandwidth. The KV cache's reads (under 1% of a 1B
+model's at tg128) are not counted.
 
 For each model, llampy's bench and llama.cpp's (through llama-cpp-python's low-level llama_decode, the same pp/tg
 tests) run interleaved, and the table gives pp and tg tok/s with the ratio llampy/llama.cpp, time from process
@@ -242,6 +247,9 @@ def main(argv=None) -> int:
                     help="also random models of these shapes (llampy's writer)")
     ap.add_argument("--shape-mixes", nargs="+", default=["Q4_K_M", "Q4_0", "Q8_0"], metavar="MIX")
     ap.add_argument("--no-start", action="store_true", help="skip the start-to-first-token and RSS columns")
+    ap.add_argument("--bandwidth", action=argparse.BooleanOptionalAction, default=None,
+                    help="measure the DRAM read bandwidth and give decode's bytes per token against it "
+                         "(default: with --shape)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
@@ -271,6 +279,8 @@ def main(argv=None) -> int:
     for p in paths:
         if not Path(p).is_file():
             die(f"{p}: no such model file")
+    bandwidth = args.bandwidth if args.bandwidth is not None else bool(args.shape)
+    read_gbps = [read_bandwidth(args.threads, env)] if bandwidth else []
     rows = []
     for path in map(str, paths):
         ours = {"pp": [], "tg": []}
@@ -310,6 +320,13 @@ def main(argv=None) -> int:
             _, warm, _ = popen_rss(first_cmd, dict(env, NUMBA_CACHE_DIR=cache))
         _, lc_first, _ = popen_rss([lc_py, "-c", LLAMACPP_FIRST, path, str(args.threads)], env)
         row.update(first_cold_s=cold, first_warm_s=warm, first_llamacpp_s=lc_first)
+    if bandwidth:
+        read_gbps.append(read_bandwidth(args.threads, env))
+        sys.path.insert(0, str(HERE))
+        from stream_read import decode_bytes
+        for r, path in zip(rows, map(str, paths)):
+            r["decode_bytes"] = decode_bytes(path)
+            r["read_gbps"] = max(read_gbps)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -326,7 +343,23 @@ def main(argv=None) -> int:
                      f"| {r['rss_llampy_mib']:.0f} / {r['rss_llamacpp_mib']:.0f} "
                      f"({r['rss_llampy_mib'] / r['rss_llamacpp_mib']:.2f}) |")
         print(line)
+    if bandwidth:
+        bw = max(read_gbps)
+        print(f"\nDRAM read bandwidth (stream_read.py, {args.threads} threads, before / after the rows): "
+              + " / ".join(f"{g:.2f}" for g in read_gbps) + f" GB/s; decode against the best, {bw:.2f} GB/s:\n")
+        print("| model | MB read per token | tg llampy GB/s | of the bandwidth | tg llama.cpp GB/s | of the bandwidth |")
+        print("| --- " * 6 + "|")
+        for r in rows:
+            mb = r["decode_bytes"] / 1e6
+            ours, theirs = mb * r["tg_llampy"] / 1e3, mb * r["tg_llamacpp"] / 1e3
+            print(f"| {r['model']} | {mb:.1f} | {ours:.2f} | {ours / bw:.0%} | {theirs:.2f} | {theirs / bw:.0%} |")
     return 0
+
+
+def read_bandwidth(threads: int, env) -> float:
+    """The machine's DRAM read bandwidth in GB/s now (benchmarks/stream_read.py in its own process)."""
+    out, _, _ = popen_rss([sys.executable, str(HERE / "stream_read.py"), "-t", str(threads), "--json"], env)
+    return json.loads(out)["read_gbps"]
 
 
 if __name__ == "__main__":

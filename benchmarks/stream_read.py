@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
 """DRAM read bandwidth, STREAM-like, and what a decode step of a model must read against it.
 
-    python benchmarks/stream_read.py [-t 2] [--mib 1024] [--model PATH [--tg TOK_PER_S]]
+    python benchmarks/stream_read.py [-t 2] [--mib 1024] [--model PATH [--tg TOK_PER_S]] [--json]
 
 The read kernel sums an int64 array far larger than the caches (``--mib``, default 1 GiB) with ``-t`` threads
 (Numba, each thread a contiguous range, eight independent sums per thread so that the loads, not the adds, bound
 it); the best of ``-r`` passes is the bandwidth in GB/s (10^9 bytes), as STREAM reports its best. ``--model``: the
 bytes one decode step reads (every matrix once, one row of the token embedding; what ``gpu_bench.decode_bytes``
 counts), the time per token that bandwidth allows, and, with ``--tg`` (a measured decode speed, tok/s, e.g. from
-compare_llamacpp.py --shape 1b), the fraction of the bandwidth that decode reached.
+compare_llamacpp.py --shape 1b), the fraction of the bandwidth that decode reached. ``--json``: the bandwidth
+alone, as {"threads", "mib", "read_gbps"} (compare_llamacpp.py measures it so in its run).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -92,10 +94,14 @@ def main(argv=None) -> int:
     ap.add_argument("-r", "--reps", type=int, default=5)
     ap.add_argument("--model")
     ap.add_argument("--tg", type=float, help="measured decode tok/s of --model")
+    ap.add_argument("--json", action="store_true", help="print the bandwidth only, as JSON")
     a = ap.parse_args(argv)
     if a.tg is not None and not a.model:
         ap.error("--tg needs --model")
     bw = read_bandwidth(a.threads, a.mib, a.reps)
+    if a.json:
+        print(json.dumps({"threads": a.threads, "mib": a.mib, "read_gbps": bw}))
+        return 0
     print(f"read bandwidth, {a.threads} threads, {a.mib} MiB: {bw:.2f} GB/s")
     if a.model:
         nb = decode_bytes(a.model)
