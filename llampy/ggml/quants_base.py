@@ -5,64 +5,17 @@ results are bit-identical to ggml's (C ``float`` arithmetic without fused multip
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
 
 import numpy as np
-import numba
 from llvmlite import ir
 from numba import types
-from numba.core.caching import FunctionCache
 from numba.core.extending import intrinsic
 
+from .kernel_cache import cached_njit
 from .types import GGMLType, TYPE_TRAITS
 
 F32 = np.float32
-
-
-@functools.lru_cache(maxsize=None)
-def _digest(paths: tuple) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        try:
-            with open(p, "rb") as f:
-                h.update(f.read())
-        except OSError:                 # no source beside the bytecode: the path alone
-            h.update(p.encode())
-    return h.hexdigest()
-
-
-class _SourcesCache(FunctionCache):
-    """Numba's on-disk cache of one function, its index key extended by a digest of the given source files."""
-
-    def __init__(self, py_func, paths: tuple):
-        self._paths = paths
-        super().__init__(py_func)
-
-    def _index_key(self, sig, codegen):
-        return super()._index_key(sig, codegen) + (_digest(self._paths),)
-
-
-def cached_njit(paths):
-    """``numba.njit`` whose ``cache=True`` entries are keyed on the contents of ``paths`` too. Numba keys a cached
-    function on its own file's time stamp and its own bytecode only, while a kernel compiles in the helpers it calls
-    and the globals it reads (tables, constants) from other modules: after a change there, a cache kept from
-    before would run the old code. Only the dispatchers made here are affected (nothing process-wide)."""
-    paths = tuple(os.fspath(p) for p in paths)
-
-    def njit(*args, **kw):
-        def wrap(fn):
-            opts = dict(kw)
-            cache = opts.pop("cache", False)
-            d = numba.njit(**opts)(fn)
-            if cache:                   # what Dispatcher.enable_caching does, with the wider key
-                d._cache = _SourcesCache(d.py_func, paths)
-            return d
-        if args and callable(args[0]):
-            return wrap(args[0])
-        return wrap
-    return njit
 
 
 # every module whose code or globals the quantize kernels compile in

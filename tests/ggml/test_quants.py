@@ -393,22 +393,26 @@ def test_numba_fp16_rounding_equals_numpy():
 def test_kernel_cache_is_keyed_on_helper_sources(tmp_path):
     """quants_base.cached_njit: a kernel cached before a helper in another module changed is compiled again (Numba's
     own key, the kernel's file stamp and bytecode, would load the old code), and one keyed on unchanged files loads
-    from the cache. Subprocesses with their own NUMBA_CACHE_DIR (Numba reads it once per process)."""
+    from the cache; the second process's first kernel (z, which allocates through Numba's runtime) loads before
+    anything compiles, so without the registries that only a compilation installs. Subprocesses with their own
+    NUMBA_CACHE_DIR (Numba reads it once per process)."""
     import os
     import subprocess
     import sys
     (tmp_path / "helper.py").write_text("from numba import njit\n\n@njit\ndef h(x):\n    return x + 1\n")
     (tmp_path / "kern.py").write_text(
-        "import helper\nfrom llampy.ggml.quants_base import cached_njit\n\n"
+        "import helper\nimport numpy as np\nfrom llampy.ggml.quants_base import cached_njit\n\n"
         "@cached_njit([helper.__file__, __file__])(cache=True, nogil=True)\ndef f(x):\n    return helper.h(x)\n\n"
         "@cached_njit([__file__])(cache=True)\ndef g(x):\n    return x * 10\n\n"
-        "print(f(1), sum(f.stats.cache_hits.values()), g(1), sum(g.stats.cache_hits.values()))\n")
+        "@cached_njit([__file__])(cache=True)\ndef z(n):\n    return np.ones(n, np.float32)[1:].sum()\n\n"
+        "print(z(6), sum(z.stats.cache_hits.values()), f(1), sum(f.stats.cache_hits.values()), g(1), "
+        "sum(g.stats.cache_hits.values()))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]),
                NUMBA_CACHE_DIR=str(tmp_path / "nc"))
 
     def run():
         return subprocess.run([sys.executable, str(tmp_path / "kern.py")], env=env, capture_output=True, text=True,
                               check=True).stdout.split()
-    assert run() == ["2", "0", "10", "0"]          # compiled and saved
+    assert run() == ["5.0", "0", "2", "0", "10", "0"]          # compiled and saved
     (tmp_path / "helper.py").write_text("from numba import njit\n\n@njit\ndef h(x):\n    return x + 2\n")
-    assert run() == ["3", "0", "10", "1"]          # f compiled again with the new helper; g loaded
+    assert run() == ["5.0", "1", "3", "0", "10", "1"]          # z and g loaded; f compiled again (new helper)
