@@ -247,6 +247,9 @@ def main(argv=None) -> int:
                     help="also random models of these shapes (llampy's writer)")
     ap.add_argument("--shape-mixes", nargs="+", default=["Q4_K_M", "Q4_0", "Q8_0"], metavar="MIX")
     ap.add_argument("--no-start", action="store_true", help="skip the start-to-first-token and RSS columns")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip llampy's untimed run per model (its kernel cache already filled, e.g. by a run before): "
+                         "each bench still warms up per test; the RSS column may then include compiling")
     ap.add_argument("--bandwidth", action=argparse.BooleanOptionalAction, default=None,
                     help="measure the DRAM read bandwidth and give decode's bytes per token against it "
                          "(default: with --shape)")
@@ -291,7 +294,8 @@ def main(argv=None) -> int:
         # generates as many tokens as the timed runs: kernels that only a longer cache reaches compile in the first
         # timed rep otherwise (the first row of a run read tg 90 then 129 tok/s in its two reps)
         bench = [sys.executable, "-m", "llampy.cli", "bench", path, "-p", str(args.n_prompt), "-t", str(args.threads)]
-        popen_rss(bench + ["-n", str(args.n_gen), "-r", "1"], env)
+        if not args.no_warmup:
+            popen_rss(bench + ["-n", str(args.n_gen), "-r", "1"], env)
         for _ in range(args.rounds):
             out, _, rss = popen_rss(bench + ["-n", str(args.n_gen), "-r", str(args.reps), "--json"], env)
             for r in json.loads(out):
