@@ -1207,55 +1207,6 @@ def _mv_r8(w, xq, xd, out, kind):
 
 
 @njit(cache=True, inline="always")
-def _tiles_r8(w, xq, xd, out, kind):
-    """The activation rows 0 .. n - n % 8 of ``_mv_r8``'s product: each weight row against sixteen (then eight)
-    activation rows, its block decoded once for all of them, the pairs' chains the lanes of two (one) accumulators
-    and each pair's scale d_w * d_x one lane of a vector product. Rows in chunks of ROW_CHUNK per task, whose blocks
-    stay in cache for all the activation rows."""
-    rows = w.shape[0]
-    n, k = xq.shape
-    nb = k // 32
-    n8 = n - n % 8
-    n16 = n8 - n8 % 16
-    xdT = np.ascontiguousarray(xd.T)      # (nb, n): eight activation rows' scales of a block side by side
-    neg = np.zeros(nb * n if kind == K_Q4_0_R8 else 1, np.int32)   # Q4_0: -8 * sum of block b of row i at b * n + i
-    if kind == K_Q4_0_R8:
-        for i in prange(n8):
-            for b in range(nb):
-                t = np.int32(0)
-                for e in range(32 * b, 32 * b + 32):
-                    t += np.int32(xq[i, e])
-                neg[b * n + i] = -8 * t
-    for c in prange((rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        r1 = min(rows, (c + 1) * ROW_CHUNK)
-        bb = _r8_bytes(kind)
-        for r in range(c * ROW_CHUNK, r1):
-            prefetch_row(w, r)
-        for i in range(0, n16, 16):
-            for r in range(c * ROW_CHUNK, r1):
-                wr = w[r]
-                a0 = a1 = f32x8_zero()
-                for b in range(nb):
-                    o = b * bb
-                    dw = _r8_wscale(kind, wr, o)
-                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b, neg, b * n + i)),
-                                    f32x8_scale(f32x8_load(xdT[b], i), dw), a0)
-                    a1 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i + 8, 32 * b, neg, b * n + i + 8)),
-                                    f32x8_scale(f32x8_load(xdT[b], i + 8), dw), a1)
-                _store8(out, i, r, a0)
-                _store8(out, i + 8, r, a1)
-        for i in range(n16, n8, 8):
-            for r in range(c * ROW_CHUNK, r1):
-                wr = w[r]
-                a0 = f32x8_zero()
-                for b in range(nb):
-                    o = b * bb
-                    a0 = f32x8_fmav(i32x8_to_f32x8(_r8_acts(kind, wr, o, xq, i, 32 * b, neg, b * n + i)),
-                                    f32x8_scale(f32x8_load(xdT[b], i), _r8_wscale(kind, wr, o)), a0)
-                _store8(out, i, r, a0)
-
-
-@njit(cache=True, inline="always")
 def _mv_r8_glu(wg, wu, xq, xd, out, kind, glu, table):
     """MUL_MAT_GLU of a few activation rows (decoding) over repacked rows, rows % 16 == 0: per sixteen weight rows
     the gate's and the up matrix's products, each pair's chain ``_mv_r8``'s (eight rows as lanes, one accumulator
@@ -1298,7 +1249,7 @@ def _glu16(orow, r0, gb, ub, glu, table):
         v16_store(orow, r0, v16_geglu(v16_load(gb, r0), v16_load(ub, r0), table))
 
 
-# The prompt tiles of IQ4_NL, MXFP4 and Q4_0 in a broadcast form (``_tiles_r8_bc``): per weight row and block, four
+# The prompt tiles of IQ4_NL, MXFP4 and Q4_0 in a broadcast form (``_tiles_r8``): per weight row and block, four
 # values at a time broadcast to every lane against eight activation rows' four values at the same place, the
 # activations interleaved once per call so that those 32 bytes are one load (``_interleave8``: for eight rows and a
 # block, four values of row 0, of row 1, ..., then the next four). The eight lanes' sums are each row's block sum
@@ -1413,14 +1364,16 @@ def _r8_dec_store(kind, wr, o, wd, do):
 
 
 @njit(cache=True, inline="always")
-def _tiles_r8_bc(w, xq, xd, out, kind):
-    """``_tiles_r8`` with the sixteen-row steps in the broadcast form (above; Q4_0 in the offset form, its unsigned
-    nibbles broadcast with no sign step, -8 times the rows' block sums added as in ``_tiles_r8``): per chunk of
-    ROW_CHUNK weight rows their blocks decoded once into a scratch of the task's own, then per sixteen activation
-    rows and weight row the same pairs' chains as ``_tiles_r8`` (two accumulators, eight rows as lanes, the block's
-    scale d_w * d_x one lane of a vector product); the rows n16 .. n8 in ``_tiles_r8``'s form. 1536 x 576, n = 512,
-    one thread, CPU: IQ4_NL 13.2 -> 9.5 ms, Q4_0 11.0 -> 8.1 (2048 x 8192: 239 -> 171; no aliasing of the
-    activation rows at k % 4096 == 0 here: one block of eight rows is 256 contiguous bytes). Same bits."""
+def _tiles_r8(w, xq, xd, out, kind):
+    """The activation rows 0 .. n - n % 8 of ``_mv_r8``'s product: each weight row against sixteen (then eight)
+    activation rows, the pairs' chains the lanes of two (one) accumulators and each pair's scale d_w * d_x one lane
+    of a vector product. Rows in chunks of ROW_CHUNK per task, their blocks decoded once into a scratch of the
+    task's own (``r8_dec_store``) that stays in cache for all the activation rows; the sixteen-row steps in the
+    broadcast form (above; Q4_0 in the offset form, its unsigned nibbles broadcast with no sign step, -8 times the
+    rows' block sums in ``neg`` added), the last eight rows by ``_r8_acts`` (one transposed reduction per block).
+    1536 x 576, n = 512, one thread, CPU: IQ4_NL 13.2 -> 9.5 ms, Q4_0 11.0 -> 8.1 (2048 x 8192: 239 -> 171; no
+    aliasing of the activation rows at k % 4096 == 0: one block of eight rows is 256 contiguous bytes) against the
+    form with that reduction for every step. Same bits."""
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
@@ -1429,7 +1382,7 @@ def _tiles_r8_bc(w, xq, xd, out, kind):
     xdT = np.ascontiguousarray(xd.T)
     xi = np.empty(n16 * k, np.int8)
     _interleave8(xq, n16, xi)
-    neg = np.zeros(nb * n if kind == K_Q4_0_R8 else 1, np.int32)   # Q4_0: as _tiles_r8's
+    neg = np.zeros(nb * n if kind == K_Q4_0_R8 else 1, np.int32)   # Q4_0: -8 * sum of block b of row i at b * n + i
     if kind == K_Q4_0_R8:
         for i in prange(n8):
             for b in range(nb):
@@ -1481,7 +1434,7 @@ def _iq4_nl_r8(w, x, xq, xd, bsums, out, quant):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _iq4_nl_r8_tiles(w, xq, xd, out):
-    _tiles_r8_bc(w, xq, xd, out, K_IQ4_NL_R8)
+    _tiles_r8(w, xq, xd, out, K_IQ4_NL_R8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1492,7 +1445,7 @@ def _mxfp4_r8(w, x, xq, xd, bsums, out, quant):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _mxfp4_r8_tiles(w, xq, xd, out):
-    _tiles_r8_bc(w, xq, xd, out, K_MXFP4_R8)
+    _tiles_r8(w, xq, xd, out, K_MXFP4_R8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1503,7 +1456,7 @@ def _q4_0_r8(w, x, xq, xd, bsums, out, quant):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _q4_0_r8_tiles(w, xq, xd, out):
-    _tiles_r8_bc(w, xq, xd, out, K_Q4_0_R8)
+    _tiles_r8(w, xq, xd, out, K_Q4_0_R8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
