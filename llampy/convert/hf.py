@@ -68,6 +68,10 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
                  "PhiForCausalLM": "phi2", "CohereForCausalLM": "command-r",
                  "Cohere2ForCausalLM": "cohere2"}
+# head_dim as transformers' configuration classes fill it in when config.json leaves it out (convert_hf_to_gguf.py
+# reads the configuration through them, AutoConfig, and writes attention.key_length from it): 0 for
+# hidden_size / num_attention_heads (LlamaConfig, Cohere2Config)
+HEAD_DIM_DEFAULT = {"LlamaForCausalLM": 0, "Cohere2ForCausalLM": 0, "Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256}
 PERMUTED = ("llama", "granite", "smollm3")   # LlamaModel and its subclasses undo HF's Q/K permutation
 
 
@@ -313,6 +317,9 @@ def convert_hf(src, dst, outtype: str = "f16", name: str | None = None, log=None
     if arch is None:
         raise ConvertError(f"{d}: architecture {hf_arch!r} is not converted by llampy "
                            f"(supported: {', '.join(ARCHITECTURES)})")
+    if cfg.get("head_dim") is None and hf_arch in HEAD_DIM_DEFAULT:
+        cfg = {**cfg, "head_dim": HEAD_DIM_DEFAULT[hf_arch]
+               or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])}
     if arch == "granite":
         cfg = {k: v for k, v in cfg.items() if k != "head_dim"}     # GraniteModel ignores it
     if arch == "command-r":      # trained on model_max_length, whatever max_position_embeddings says

@@ -77,9 +77,7 @@ def vocab_metadata(d: Path, vocab_size: int | None) -> list[tuple[str, object, t
           ("tokenizer.ggml.tokens", tokens, (VT.ARRAY, VT.STRING)),
           ("tokenizer.ggml.token_type", np.array(types, np.int32), (VT.ARRAY, VT.INT32)),
           ("tokenizer.ggml.merges", list(merges), (VT.ARRAY, VT.STRING))]
-    ids, add = _special_tokens(d, tj, cfg, added)
-    kv += [(f"tokenizer.ggml.{typ}_token_id", i, (VT.UINT32,)) for typ, i in ids.items()]
-    kv += [(f"tokenizer.ggml.add_{typ}_token", v, (VT.BOOL,)) for typ, v in add.items()]
+    kv += _special_kv(*_special_tokens(d, tj, cfg, added))
     kv += _chat_template(d, cfg)
     return kv
 
@@ -166,12 +164,10 @@ def spm_vocab_metadata(d: Path, vocab_size: int | None, arch: str) -> list[tuple
           ("tokenizer.ggml.tokens", tokens, (VT.ARRAY, VT.STRING)),
           ("tokenizer.ggml.scores", np.array(scores, np.float32), (VT.ARRAY, VT.FLOAT32)),
           ("tokenizer.ggml.token_type", np.array(types, np.int32), (VT.ARRAY, VT.INT32))]
+    # SpecialVocab matches tokenizer_config.json's special tokens against tokenizer.json's added tokens only: with
+    # a tokenizer.model alone, the ids come from config.json (<unk> named in tokenizer_config.json gets none)
     tj = _load_json(d / "tokenizer.json") or {}
-    added = {t: {"id": i} for i, t in enumerate(tokens) if types[i] in (2, 3, 4)}
-    added.update({a["content"]: a for a in tj.get("added_tokens", [])})
-    ids, add = _special_tokens(d, tj, cfg, added)
-    kv += [(f"tokenizer.ggml.{typ}_token_id", i, (VT.UINT32,)) for typ, i in ids.items()]
-    kv += [(f"tokenizer.ggml.add_{typ}_token", v, (VT.BOOL,)) for typ, v in add.items()]
+    kv += _special_kv(*_special_tokens(d, tj, cfg, {a["content"]: a for a in tj.get("added_tokens", [])}))
     kv += _chat_template(d, cfg)
     if arch in ("gemma2", "gemma3"):
         kv.append(("tokenizer.ggml.add_space_prefix", False, (VT.BOOL,)))
@@ -197,6 +193,18 @@ def _chat_template(d: Path, cfg: dict) -> list[tuple[str, object, tuple]]:
     if isinstance(tmpl, str):
         kv.append(("tokenizer.chat_template", tmpl, (VT.STRING,)))
     return kv
+
+
+# SpecialVocab.add_to_gguf writes a token type's id through GGUFWriter.add_<type>_token_id, under these keys (sic:
+# "seperator"); cls has no such method and is left out. Only bos, eos and sep have add_add_<type>_token.
+_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "sep": "seperator_token_id",
+            "pad": "padding_token_id", "mask": "mask_token_id"}
+_ADD_KEYS = ("bos", "eos", "sep")
+
+
+def _special_kv(ids: dict, add: dict) -> list:
+    return ([(f"tokenizer.ggml.{_ID_KEYS[typ]}", i, (VT.UINT32,)) for typ, i in ids.items() if typ in _ID_KEYS]
+            + [(f"tokenizer.ggml.add_{typ}_token", v, (VT.BOOL,)) for typ, v in add.items() if typ in _ADD_KEYS])
 
 
 def _special_tokens(d: Path, tj: dict, cfg: dict, added: dict):

@@ -71,6 +71,17 @@ MOE = ("qwen3moe", "mixtral")
 N_EXPERT, N_USED, N_FF_EXP = 4, 2, 32
 
 
+def _gguf_py_keys() -> set:
+    """Every metadata key gguf-py's constants name ({arch}. for the architecture's prefix): what llama.cpp's
+    converter writes and its loader looks up."""
+    from gguf.constants import Keys
+    return {v for grp in vars(Keys).values() if isinstance(grp, type)
+            for k, v in vars(grp).items() if isinstance(v, str) and not k.startswith("_")}
+
+
+GGUF_PY_KEYS = _gguf_py_keys()
+
+
 def n_layers(arch: str) -> int:
     # gemma3: five sliding-window layers, then a global one; smollm3: every fourth layer without RoPE
     return {"gemma3": 6, "smollm3": 4, "cohere2": 4}.get(arch, N_LAYER)
@@ -356,6 +367,9 @@ def test_converted_model_matches_transformers_math(tmp_path, arch, tied, dtype, 
         assert md["general.architecture"] == GGUF_ARCH.get(arch, arch) and md["tokenizer.ggml.model"] == "gpt2"
         assert md["tokenizer.ggml.pre"] == "gpt-2" and md["tokenizer.chat_template"] == CHATML
         assert md["tokenizer.ggml.eos_token_id"] == tok.token_to_id("<|im_end|>")
+        assert md["tokenizer.ggml.padding_token_id"] == md["tokenizer.ggml.unknown_token_id"] == 0
+        a = md["general.architecture"]
+        assert {k.replace(a + ".", "{arch}.", 1) for k in md} <= GGUF_PY_KEYS, "a key gguf-py does not name"
         assert md["tokenizer.ggml.add_bos_token"] is False
         assert ("output.weight" in r.tensors) == (not tied)
         first_norm = "blk.0.post_attention_norm.weight" if arch == "olmo2" else "blk.0.attn_norm.weight"
