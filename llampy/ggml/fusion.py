@@ -15,6 +15,10 @@ through each backend's ``graph_optimize`` (ggml's graph_optimize): a backend fus
       kernel reads each sequence's row, convolves, and writes the row back, where five nodes gathered the rows,
       concatenated, convolved, copied the last columns out and stored them (the set_rows leaves the node list).
   silu(SSM_CONV_STATE(..) + b), silu(SSM_CONV_STATE(..)) -> SSM_CONV_STATE(.., b, silu)   (b: F32 [d_inner])
+  swiglu(cont(z) or z, y + x · d)                 -> SSM_GATE(z, y, x, d)      (d: one value per head, [1, n_head]:
+                                                                                 Mamba-2's skip and gate after the
+                                                                                 scan, four passes over the tokens'
+                                                                                 rows made one)
   permute(mul_mat(vᵀ, soft_max_ext(kq, mask, s)), 0, 2, 1, 3), kq = mul_mat(k, q)
                                                    -> FLASH_ATTN_EXT(q, k, v, mask, s)
       the attention of llama.cpp without flash attention, with the shapes of ops.py:
@@ -87,6 +91,8 @@ def _match(n: Tensor, users):
                 and _private(g, users, n) and _private(u, users, n)):
             glu = "swiglu" if n.op is Op.SWIGLU else "geglu"
             return ops.mul_mat_glu(g.src[0], u.src[0], g.src[1], glu), [g, u]
+        if n.op is Op.SWIGLU:
+            return _match_ssm_gate(n, users)
     if n.op is Op.ADD:
         a, b = n.src
         for p, r in ((a, b), (b, a)):
@@ -119,6 +125,23 @@ def _match_conv_state_silu(n: Tensor, users):
         return None
     return ops.ssm_conv_state(*t.src[:5], bias=b, silu=True), gone + [t]
 
+
+def _match_ssm_gate(n: Tensor, users):
+    g, u = n.src
+    if u.op is not Op.ADD or u is g or not _private(u, users, n):
+        return None
+    for y, m in (u.src, u.src[::-1]):
+        if m.op is Op.MUL and m is not y and _private(m, users, u):
+            break
+    else:
+        return None
+    x, d = m.src
+    gone = [u, m]
+    if g.op is Op.CONT and _private(g, users, n):
+        g, gone = g.src[0], gone + [g]
+    ok = (all(t.type == n.type and t.ne == n.ne and t.nb[0] == 4 for t in (g, y, x)) and d.type == n.type
+          and d.ne == (1, n.ne[1], 1, 1) and d.is_contiguous())
+    return (ops.ssm_gate(g, y, x, d), gone) if ok else None
 
 def _only_reader(t: Tensor, users, reader: Tensor) -> bool:
     """t (a node, or a view node) is read by ``reader`` alone and is not pinned."""

@@ -308,6 +308,17 @@ def ssm_conv_state(x: Tensor, c: Tensor, r: Tensor, src: Tensor, dst: Tensor, bi
     return _node(Op.SSM_CONV_STATE, F32, (d_inner, x.ne[1], x.ne[2]), srcs, {"silu": bool(silu)})
 
 
+# z, y, x: F32 of one shape [head_dim, n_head, n_t, n_s], rows contiguous  d: F32 [1, n_head]  ->  silu(z) * (y + x d)
+# = swiglu(z, add(y, mul(x, d))): Mamba-2's output after the scan, its skip x·D (one value per head) and the gate z.
+# Produced by the fusion pass.
+def ssm_gate(z: Tensor, y: Tensor, x: Tensor, d: Tensor) -> Tensor:
+    _check(all(t.type == F32 for t in (z, y, x, d)), "ssm_gate: F32 only")
+    _check(z.ne == y.ne == x.ne and all(t.nb[0] == 4 for t in (z, y, x)),
+           f"ssm_gate: z {z.shape_str()}, y {y.shape_str()} and x {x.shape_str()} must be one shape, rows contiguous")
+    _check(d.ne == (1, x.ne[1], 1, 1) and d.is_contiguous(), f"ssm_gate: d {d.shape_str()} is not one value per head")
+    return _node(Op.SSM_GATE, F32, x.ne, [z, y, x, d])
+
+
 # s: [d_state, head_dim, n_head, n_rs]  x: [head_dim, n_head, n_seq_tokens, n_seqs]  dt: [n_head, n_seq_tokens, n_seqs]
 # A: [d_state, n_head] (Mamba-1: a decay per element) or [1, n_head] (Mamba-2: one per head)
 # B, C: [d_state, n_group, n_seq_tokens, n_seqs] (head h reads group h / (n_head / n_group))  ids: I32 [n_seqs]

@@ -81,6 +81,7 @@ class Op(Enum):
     SOFTCAP = "softcap"
     MUL_MAT_GLU = "mul_mat_glu"
     SSM_CONV_STATE = "ssm_conv_state"
+    SSM_GATE = "ssm_gate"
 
 
 VIEW_OPS = frozenset({Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})

@@ -174,6 +174,35 @@ def test_scan_writing_the_memory_rows_equals_scan_then_copy(dst, fused):
         assert np.array_equal(out_s.view(np.uint32), s_want.view(np.uint32))
 
 
+def test_scan_of_a_prompt_reads_packed_b_and_c():
+    """A prompt's B and C are views into the convolution's rows (x, B, C side by side per token): the bound scan
+    copies them packed before each run (PACK_MIN_TOKENS and more) and gives the bits of the scan on contiguous
+    inputs, run after run with new values in the views."""
+    from llampy.ggml.backends.cpu.ssm import PACK_MIN_TOKENS, _Scan
+    n_s, n_t, n_head, head_dim, d_state, n_group = 2, PACK_MIN_TOKENS + 3, 4, 8, 48, 2
+    xbc = np.zeros((n_s, n_t, n_head * head_dim + 2 * n_group * d_state), np.float32)
+    xv = xbc[..., :n_head * head_dim].reshape(n_s, n_t, n_head, head_dim)
+    bv = xbc[..., n_head * head_dim:-n_group * d_state].reshape(n_s, n_t, n_group, d_state)
+    cv = xbc[..., -n_group * d_state:].reshape(n_s, n_t, n_group, d_state)
+    mem = np.zeros((n_s + 1, n_head, head_dim, d_state), np.float32)
+    y = np.zeros((n_s, n_t, n_head, head_dim), np.float32)
+    out_s = np.zeros((n_s, n_head, head_dim, d_state), np.float32)
+    ins = _inputs(n_s, n_t, n_head, head_dim, d_state, n_group)
+    scan = _Scan(mem, xv, ins[2], ins[3], bv, cv, ins[6], y, out_s)
+    assert len(scan.packs) == 2
+    for run in range(2):
+        ins = _inputs(n_s, n_t + run, n_head, head_dim, d_state, n_group)
+        ins[1], ins[4], ins[5] = ins[1][:, :n_t], ins[4][:, :n_t], ins[5][:, :n_t]
+        mem[...], xv[...], bv[...], cv[...] = ins[0], ins[1], ins[4], ins[5]
+        scan.args[2][...], scan.args[3][...], scan.args[6][...] = ins[2][:, :n_t], ins[3], ins[6]
+        y_want = np.zeros_like(y)
+        s_want = np.zeros_like(out_s)
+        ssm_scan_f32(*[np.ascontiguousarray(a) for a in ins[:2]], np.ascontiguousarray(ins[2][:, :n_t]), ins[3],
+                     *[np.ascontiguousarray(a) for a in ins[4:]], y_want, s_want, np.arange(n_s, dtype=np.int32))
+        scan()
+        assert np.array_equal(y.view(np.uint32), y_want.view(np.uint32))
+        assert np.array_equal(out_s.view(np.uint32), s_want.view(np.uint32))
+
 def _conv_layer(dev, d_conv, d_inner, n_t, n_s, n_rows, rng, extra_reader=False, tail=""):
     """mamba's conv_input then ssm_conv over a memory of n_rows rolling rows (the graph models/mamba.py builds),
     then (tail) silu of the output plus a bias, or silu alone: (graph, x, src, dst, memory, output)."""
@@ -212,7 +241,9 @@ def _conv_layer(dev, d_conv, d_inner, n_t, n_s, n_rows, rng, extra_reader=False,
     (4, 48, 5, 2, [1, 3], [0, 3], ""),           # a prompt of 5 tokens each (the parallel kernel)
     (2, 16, 2, 3, [3, 3, 1], [0, 2, 1], ""),     # d_conv 2; two sequences from one row
     (4, 200, 1, 1, [1], [1], "bias"),            # mamba's bias and silu: 16-lane steps, an 8-lane one, scalars
-    (4, 200, 3, 1, [0], [2], "bias"),            # the same over blocks of CONV_BLOCK channels
+    (4, 200, 3, 1, [0], [2], "bias"),            # the same over a prompt's tokens
+    (4, 200, 19, 2, [0, 1], [1, 0], "bias"),     # a prompt past the stored inputs, runs of CONV_TOKENS, swapped rows
+    (4, 72, 12, 1, [1], [1], "silu"),            # the same in place
     (4, 72, 1, 2, [0, 2], [0, 2], "silu"),
 ])
 def test_conv_with_its_rolling_rows_fuses_to_the_same_bits(d_conv, d_inner, n_t, n_s, src, dst, tail):
@@ -260,3 +291,77 @@ def test_conv_rows_not_fused_when_the_concat_has_another_reader():
     g, *_ = _conv_layer(CPUBackend(), 4, 16, 1, 1, 2, np.random.default_rng(0), extra_reader=True)
     g2, n = fuse(g, CPUBackend())
     assert Op.SSM_CONV_STATE not in {t.op for t in g2.nodes} and Op.SSM_CONV in {t.op for t in g2.nodes}
+
+
+def _gate_graph(dev, head_dim, n_head, n_t, n_s, rng, extra_reader=False):
+    """Mamba-2's tail after the scan (models/mamba2.py): z a view of the in-projection's rows, x a view of the
+    convolution's, y = y + x * D, then swiglu(cont(z), y): (graph, the inputs, output)."""
+    from llampy.ggml import ops
+    from llampy.ggml.graph import Graph
+    from llampy.ggml.tensor import Tensor
+    from llampy.ggml.types import GGMLType as T
+    from tests.ggml.fakes import weight
+    d_inner = head_dim * n_head
+    zx = Tensor(T.F32, (3 * d_inner + 5, n_t, n_s), name="zx").set_input()       # z, then x further in each row
+    y = Tensor(T.F32, (head_dim, n_head, n_t, n_s), name="y").set_input()
+    d = weight(dev, (1, n_head), rng)
+    z = ops.view_4d(zx, head_dim, n_head, n_t, n_s, head_dim * 4, zx.nb[1], zx.nb[2], 0)
+    x = ops.view_4d(zx, head_dim, n_head, n_t, n_s, head_dim * 4, zx.nb[1], zx.nb[2], (d_inner + 3) * 4)
+    skip = ops.add(y, ops.mul(x, d))
+    g = Graph()
+    if extra_reader:                     # the skip read by another node: nothing fuses
+        g.expand(ops.scale(skip, 0.5).set_output())
+    out = ops.swiglu(ops.cont(z), skip)
+    g.expand(out.set_output())
+    return g, (zx, y), out
+
+
+@pytest.mark.parametrize("head_dim,n_head,n_t,n_s", [(64, 4, 3, 2), (40, 3, 1, 1), (72, 2, 2, 1), (64, 32, 32, 1)])
+def test_mamba2_gate_fuses_to_the_same_bits(head_dim, n_head, n_t, n_s):
+    """swiglu(cont(z), y + x * D) after Mamba-2's scan becomes one SSM_GATE node on the CPU with the nodes' own bits
+    (head_dim 64: 16-lane steps only; 40: an 8-lane step on AVX2 and scalars; 72: scalars after the vectors), one
+    thread and several (64 x 32 x 32: the parallel build); the reference backend's kernel of the fused node agrees
+    within float rounding."""
+    import numba
+    from llampy.ggml.backend import tensor_data
+    from llampy.ggml.backends.cpu.backend import CPUBackend
+    from llampy.ggml.backends.reference import ReferenceBackend
+    from llampy.ggml.sched import Scheduler
+    from llampy.ggml.tensor import Op
+
+    class Unfused(CPUBackend):
+        def graph_optimize(self, graph_nodes, nodes):
+            return nodes
+
+    def run(dev):
+        rng = np.random.default_rng(head_dim + n_t)
+        g, ins, out = _gate_graph(dev, head_dim, n_head, n_t, n_s, rng)
+        sched = Scheduler([dev])
+        sched.alloc_graph(g)
+        for t in ins:
+            tensor_data(t)[...] = (rng.standard_normal(tensor_data(t).shape) * 4).astype(np.float32)
+        sched.graph_compute(g)
+        return {n.op for n in g.nodes}, np.array(tensor_data(out))
+
+    ops_u, o_u = run(Unfused())
+    assert Op.SSM_GATE not in ops_u
+    was = numba.get_num_threads()
+    try:
+        for th in (1, 2):
+            numba.set_num_threads(min(th, numba.config.NUMBA_NUM_THREADS))
+            ops_f, o_f = run(CPUBackend())
+            assert Op.SSM_GATE in ops_f and not ops_f & {Op.ADD, Op.MUL, Op.CONT, Op.SWIGLU}
+            assert np.array_equal(o_f.view(np.uint32), o_u.view(np.uint32))
+    finally:
+        numba.set_num_threads(was)
+    _, o_r = run(ReferenceBackend())
+    np.testing.assert_allclose(o_f, o_r, rtol=1e-5, atol=1e-5)
+
+
+def test_mamba2_gate_not_fused_when_the_skip_has_another_reader():
+    from llampy.ggml.backends.cpu.backend import CPUBackend
+    from llampy.ggml.fusion import fuse
+    from llampy.ggml.tensor import Op
+    g, *_ = _gate_graph(CPUBackend(), 16, 2, 1, 1, np.random.default_rng(0), extra_reader=True)
+    g2, n = fuse(g, CPUBackend())
+    assert Op.SSM_GATE not in {t.op for t in g2.nodes} and Op.SWIGLU in {t.op for t in g2.nodes}

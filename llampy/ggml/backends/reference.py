@@ -458,6 +458,14 @@ def k_ssm_conv(node, dst, srcs):
     store(dst, node.type, out.reshape(dst.shape))
 
 
+def k_ssm_gate(node, dst, srcs):
+    """silu(z) * (y + x * d), d one value per head (swiglu after mamba-2's skip: the float32 product and sum first,
+    as the unfused nodes store them)."""
+    z, y, x = (values(srcs[i], node.src[i].type) for i in range(3))
+    skip = (y + x * values(srcs[3], node.src[3].type)).astype(np.float32).astype(F64)
+    store(dst, node.type, silu(z) * skip)
+
+
 def k_ssm_conv_state(node, dst, srcs):
     """ssm_conv over each sequence's row src[j] of r (channel-major, d_conv - 1 a channel) followed by its new
     inputs x; then row dst[j] of r holds the last d_conv - 1 of them (all src rows read first). Then the bias and
@@ -750,7 +758,7 @@ def k_top_k(node, dst, srcs):
 _TABLE = {
     Op.MUL_MAT: k_mul_mat, Op.MUL_MAT_GLU: k_mul_mat_glu, Op.MUL_MAT_ID: k_mul_mat_id, Op.ROPE: k_rope,
     Op.FLASH_ATTN_EXT: k_flash_attn, Op.SSM_CONV: k_ssm_conv, Op.SSM_SCAN: k_ssm_scan,
-    Op.SSM_CONV_STATE: k_ssm_conv_state,
+    Op.SSM_CONV_STATE: k_ssm_conv_state, Op.SSM_GATE: k_ssm_gate,
     Op.IM2COL: k_im2col, Op.POOL_2D: k_pool_2d,
     Op.RWKV_WKV6: k_rwkv_wkv6, Op.RWKV_WKV7: k_rwkv_wkv7, Op.GATED_DELTA_NET: k_gated_delta_net,
     Op.GATED_LINEAR_ATTN: k_gated_linear_attn,

@@ -14,7 +14,7 @@ from ...types import GGMLType, TYPE_TRAITS
 from . import conv, dot_f32_short
 from . import numpy_ops as K
 from .numba_ops import BINDERS, PAIR_BINDERS
-from .ssm import bind_ssm_conv, bind_ssm_conv_state, bind_ssm_scan
+from .ssm import bind_ssm_conv, bind_ssm_conv_state, bind_ssm_gate, bind_ssm_scan
 from .delta import bind_gated_delta_net
 from .wkv import bind_gated_linear_attn, bind_rwkv_wkv6, bind_rwkv_wkv7
 
@@ -74,7 +74,7 @@ class CPUBackend(Backend):
     def supports_op(self, node: Tensor) -> bool:
         if node.op in VIEW_OPS or node.op in _TABLE or node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.MUL_MAT_GLU,
                                                                      Op.FLASH_ATTN_EXT, Op.SSM_CONV, Op.SSM_SCAN,
-                                                                     Op.SSM_CONV_STATE,
+                                                                     Op.SSM_CONV_STATE, Op.SSM_GATE,
                                                                      Op.RWKV_WKV6, Op.RWKV_WKV7,
                                                                      Op.GATED_DELTA_NET, Op.GATED_LINEAR_ATTN):
             if node.op == Op.FLASH_ATTN_EXT:
@@ -109,6 +109,8 @@ class CPUBackend(Backend):
             return bind_ssm_scan(node, dst, srcs)
         if op == Op.SSM_CONV_STATE:
             return bind_ssm_conv_state(node, dst, srcs)
+        if op == Op.SSM_GATE:
+            return bind_ssm_gate(node, dst, srcs)
         if op == Op.RWKV_WKV6:
             return bind_rwkv_wkv6(node, dst, srcs)
         if op == Op.RWKV_WKV7:
