@@ -250,11 +250,12 @@ def test_integer_path_is_bit_identical_to_ggml_lane_order(wtype):
 @pytest.mark.parametrize("wtype", [T.Q8_0, T.Q4_1], ids=lambda t: t.name)
 def test_prompt_tiles_over_long_rows(wtype):
     """Rows longer than the eight-row tiles' span (dot_q32.KSPAN blocks, the accumulators and the min term left in a
-    buffer between spans), activation rows 16..23 (the second half of a group of sixteen) and a last chunk of weight
-    rows short of ROW_CHUNK: still ggml's lane order, bit for bit."""
+    buffer between spans; more activation rows than a decode step's whole-row tiles take, WHOLE_ROWS_MAX_N), eight
+    activation rows after the sixteen-row tiles and a last chunk of weight rows short of ROW_CHUNK: still ggml's
+    lane order, bit for bit."""
     from llampy.ggml.backends.cpu import dot_q32
     rng = np.random.default_rng(14)
-    k, rows, n = 32 * (2 * dot_q32.KSPAN + 2), dot_q32.ROW_CHUNK + 5, 24
+    k, rows, n = 32 * (2 * dot_q32.KSPAN + 2), dot_q32.ROW_CHUNK + 5, dot_q32.WHOLE_ROWS_MAX_N + 8
     wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype)
     x = act_data(rng, n, k)
     out = np.empty((n, rows), np.float32)

@@ -46,6 +46,16 @@ TILE16 = HOST_VEC_LANES == 16
 # with spans of 32). Spans of 16 / 32 / 64 blocks, one thread, CPU ms: 1024 x 2048 33.1 / 34.7 / 35.8, 2048 x 8192
 # 274.3 / 279.6 / 293.6, 4608 x 1024 74.5 / 74.6 / 75.1.
 KSPAN = 16
+# Up to this many activation rows (a server's decode steps: one row per stream) the eight-row tiles take whole weight
+# rows (``_whole_rows``), where the CPU has sixteen vector registers: the span form's accumulators kept in a buffer
+# between spans, and its last short span (k = 576: 16 + 2 blocks), made Q4_1's eight-row tiles 1.7x their whole-row
+# time. One thread, us per activation row, spans or sixteen-row tiles -> whole rows: Q4_1 1536 x 576 n = 8 37.4 ->
+# 22.0, n = 32 25.2 -> 20.9; 2048 x 2048 n = 8 206 -> 105, n = 32 120 -> 114; Q8_0 1536 x 576 n = 8 28.2 -> 24.6,
+# 49152 x 576 n = 32 907 -> 796; Q4_0 576 x 1536 n = 8 36.0 -> 26.3. Not for Q5_0 / Q5_1 (their sixteen-row tiles
+# stay ahead: 576 x 1536 n = 32 31.3 vs 38.3), nor past 64 blocks a row with more than one group (1024 x 4608 n = 32:
+# Q8_0 145 -> 158, the group's activations no longer stay in the first-level cache), nor for prompts (n = 512 the
+# spans keep their lead: 1024 x 2048 Q8_0 66 vs 73).
+WHOLE_ROWS_MAX_N = 32
 PREFETCH_ROWS = 4   # rows ahead to prefetch: a kernel this slow leaves the hardware prefetchers idle otherwise
 
 
@@ -393,11 +403,20 @@ def _tile16(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
 
 
 @njit(cache=True, inline="always")
+def _whole_rows(kind, n8, nb):
+    """Whether ``_mv_tiles`` runs n8 activation rows of nb blocks as eight-row tiles over whole weight rows
+    (``WHOLE_ROWS_MAX_N``)."""
+    return (not TILE16 and (kind == K_Q4_0 or kind == K_Q4_1 or kind == K_Q8_0) and n8 <= WHOLE_ROWS_MAX_N
+            and (n8 <= 8 or nb <= 64))
+
+
+@njit(cache=True, inline="always")
 def _mv_tiles(w, xq, xd, xs, out, tab, kind, counter, n_workers):
     """The activation rows 0 .. n - n % 8 of ``_mv_legacy``: sixteen at a time, then eight (Q8_0 eight at a time where
-    the CPU has sixteen vector registers: ``TILE16``). Work items: chunks of ROW_CHUNK weight rows, claimed from
-    ``counter`` (int64, zeroed) by ``n_workers`` workers (``claims``), so that a thread that loses its core for a
-    while holds back its current chunk only, not a share fixed in advance."""
+    the CPU has sixteen vector registers: ``TILE16``; a decode step's few rows too, over whole weight rows:
+    ``_whole_rows``). Work items: chunks of ROW_CHUNK weight rows, claimed from ``counter`` (int64, zeroed) by
+    ``n_workers`` workers (``claims``), so that a thread that loses its core for a while holds back its current chunk
+    only, not a share fixed in advance."""
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
@@ -406,7 +425,8 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind, counter, n_workers):
     xsT = np.ascontiguousarray(xs.T)
     xg = _group_activations(kind, xq, n8)
     n_chunks = (rows + ROW_CHUNK - 1) // ROW_CHUNK
-    n16 = n8 - n8 % 16 if TILE16 or kind != K_Q8_0 else 0
+    whole = _whole_rows(kind, n8, nb)
+    n16 = n8 - n8 % 16 if (TILE16 or kind != K_Q8_0) and not whole else 0
     for _ in prange(n_workers):
         dvb = np.empty((nb, 8), np.float32)
         dv2 = np.empty((nb, 2, 8), np.float32)
@@ -423,6 +443,10 @@ def _mv_tiles(w, xq, xd, xs, out, tab, kind, counter, n_workers):
                 for rr in range(r, r1):
                     _tile16(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, nb, out, dv2)
             for i in range(n16, n8, 8):
+                if whole:         # 0 and nb as constants: the span form's branches fold away
+                    for rr in range(r, r1):
+                        _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, 0, nb, nb, out, dvb, accb[0])
+                    continue
                 for b0 in range(0, nb, KSPAN):
                     for rr in range(r, r1):
                         _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, b0, min(nb, b0 + KSPAN), nb, out, dvb,
