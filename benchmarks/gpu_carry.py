@@ -4,7 +4,7 @@ machine over successive calls, reassembled and checked there, with benchmarks/gp
 A device call takes the working tree plus at most 64 MiB in all; ignored files it leaves on the warm machine stay
 there between calls (benchmarks/README.md, "The GPU checks in one device session"). So:
 
-    python benchmarks/gpu_carry.py plan [--models smollm2,gemma3] [--fixtures] [--total 600]     (here)
+    python benchmarks/gpu_carry.py plan [--models smollm2,gemma3] [--fixtures] [--total 540]     (here)
 
 cuts the files into the calls' folders .gpu-carry/cNN (each piece with its sha256, each folder with the whole
 manifest) so that each call's tree plus what it carries stays under the limit (the tree's size is measured: git's
@@ -39,6 +39,9 @@ CARRY = ".gpu-carry"
 LIMIT = 64 << 20                 # a device call's working tree and carried paths together
 MARGIN = 3 << 20                 # for the tree growing between the plan and the calls
 MAX_CARRY = 8                    # paths per call
+# the calls' timeouts: the first 60 s, the others 30 s, the last (pieces, then the check's end) WAIT_S: with a
+# machine's start (~120 s) 60 + 7 * 30 + 500 + 120 = 890 s, within a session's 15 minutes of device time
+WAIT_S = 500
 STORE = Path(os.environ.get("LLAMPY_CARRY_STORE", "/tmp/llampy-carry"))
 RUN = Path(os.environ.get("LLAMPY_CARRY_RUN", "/tmp/llampy-run"))   # the repository copy the check runs in,
 CHECK_OUT = Path(os.environ.get("LLAMPY_CARRY_OUT", "/tmp/gpu_check"))   # untouched by later calls' trees
@@ -143,7 +146,7 @@ def calls_text(dirs: list[Path], first: list[str], total: int, fixtures: bool, e
     """The device calls in order, as the tool takes them: carry, timeout_s, command. The first starts the check, the
     last takes its pieces and waits for the check's end."""
     start = f" --start {total}" + (" --fixtures" if fixtures else "") + "".join(f" --env {e}" for e in env)
-    wait = "python3 benchmarks/gpu_carry.py wait $OUT --limit 570"
+    wait = f"python3 benchmarks/gpu_carry.py wait $OUT --limit {WAIT_S - 10}"
     lines = []
     for i, d in enumerate(dirs):
         rel = f"{CARRY}/{d.name}"
@@ -151,7 +154,7 @@ def calls_text(dirs: list[Path], first: list[str], total: int, fixtures: bool, e
         cmd = f"python3 benchmarks/gpu_carry.py take {rel}" + (start if i == 0 else "")
         last = i == len(dirs) - 1
         cmd += f"; {wait}" if last else ""
-        lines.append(f"{i + 1}. carry {json.dumps(carry)}, timeout_s {600 if last else 120 if i == 0 else 60}: `{cmd}`")
+        lines.append(f"{i + 1}. carry {json.dumps(carry)}, timeout_s {WAIT_S if last else 60 if i == 0 else 30}: `{cmd}`")
     lines.append("then give_back.")
     return "\n".join(lines) + "\n"
 
@@ -310,7 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="smollm2,gemma3", help="real models, comma-separated ('' for none)")
     p.add_argument("--fixtures", action="store_true", help="the tiny fixtures test_cuda_model.py reads, first")
     p.add_argument("--first", nargs="*", default=[".llamacpp-src"], help="paths the first call carries too")
-    p.add_argument("--total", type=int, default=600, help="gpu_check.sh's seconds, started by the first call")
+    p.add_argument("--total", type=int, default=540, help="gpu_check.sh's seconds, started by the first call")
     p.add_argument("--env", action="append", help="KEY=VALUE for gpu_check.sh (default TYPES=Q4_K_M: the targets' "
                    "type alone)")
     p = sub.add_parser("take", help="a call's pieces into the store (there)")

@@ -83,7 +83,7 @@ def test_the_calls_carry_the_first_paths_once_start_the_check_first_and_wait_las
     assert lines[0].startswith('1. carry [".llamacpp-src", ".gpu-carry/c01"]')
     assert lines[0].endswith("take .gpu-carry/c01 --start 560 --env TYPES=Q4_K_M`")
     assert '2. carry [".gpu-carry/c02"]' in lines[1] and "--start" not in lines[1] and "wait" not in lines[1]
-    assert lines[2].startswith('3. carry [".gpu-carry/c03"], timeout_s 600') and "c03; python3" in lines[2]
+    assert lines[2].startswith(f'3. carry [".gpu-carry/c03"], timeout_s {gc.WAIT_S}') and "c03; python3" in lines[2]
     assert "wait $OUT" in lines[2] and lines[3] == "then give_back."
 
 
