@@ -154,7 +154,8 @@ def calls_text(dirs: list[Path], first: list[str], total: int, fixtures: bool, e
         cmd = f"python3 benchmarks/gpu_carry.py take {rel}" + (start if i == 0 else "")
         last = i == len(dirs) - 1
         cmd += f"; {wait}" if last else ""
-        lines.append(f"{i + 1}. carry {json.dumps(carry)}, timeout_s {WAIT_S if last else 60 if i == 0 else 30}: `{cmd}`")
+        timeout = WAIT_S if last else 60 if i == 0 else 30
+        lines.append(f"{i + 1}. carry {json.dumps(carry)}, timeout_s {timeout}: `{cmd}`")
     lines.append("then give_back.")
     return "\n".join(lines) + "\n"
 
