@@ -138,17 +138,26 @@ def test_target_neutral_path(tmp_path):
                     "-k", "equals_reference and (Q6_K or Q4_K) and 13-512"], env=env, check=True, timeout=900)
 
 
-@pytest.mark.parametrize("wtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
+GRID_TILES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
+
+
+@pytest.mark.parametrize("wtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS] + GRID_TILES,
+                         ids=lambda t: t.name)
 def test_prompt_products_give_ggml_bits(wtype):
     """A prompt's product (8 and 21 activation rows, 44 weight rows: not repacked by llama.cpp, a ragged last
-    group) through ``mul_mat`` against ggml's own mul_mat on the host's llama.cpp build (its tiled path)."""
+    group) through ``mul_mat`` against ggml's own mul_mat on the host's llama.cpp build (its tiled path). The grid
+    formats (no quantizer in llampy): random blocks, d of mixed magnitudes (test_dot_blocks_ggml.weights)."""
     from llampy.ggml.quants import quantize
     lib = llamacpp.libggml_graph()
     rng = np.random.default_rng(int(wtype))
     rows, k = 44, 512
-    w32 = rng.standard_normal((rows, k)).astype(np.float32)
-    w32[0, :32] *= 50
-    w = quantize(w32, wtype).reshape(rows, -1)
+    if wtype in GRID_TILES:
+        from tests.ggml.test_dot_blocks_ggml import weights
+        w = weights(rng, rows, k, wtype)
+    else:
+        w32 = rng.standard_normal((rows, k)).astype(np.float32)
+        w32[0, :32] *= 50
+        w = quantize(w32, wtype).reshape(rows, -1)
     for n in (8, 21):
         x = (rng.standard_normal((n, k)) * 3).astype(np.float32)
         x[0, :5] = [40, -40, 0, 1e-3, 7]

@@ -1757,7 +1757,7 @@ def use_kernel(wtype: GGMLType, n: int, rows: int, repacked: bool = True) -> boo
     (``repacked_rows``), whose gemm keeps the gemv's chain: those take ``_tiles_r8`` at every size, exact.
     The ternary formats have no other kernel in llama.cpp (its vec_dot at every batch size): they take these
     kernels at every size too (``EVERY_N``), exact and faster than the BLAS path. The IQ1-IQ3 formats' prompts
-    (llama.cpp's tiled path) take the BLAS path, exact to float32 summation order."""
+    take llama.cpp's tiled path (``dot_kquant_tiled.mm_k_tiles``, from matmul)."""
     return n < SMALL_N or wtype in EVERY_N or repacked_rows(wtype, rows, repacked)
 
 

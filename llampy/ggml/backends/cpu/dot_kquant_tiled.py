@@ -1,5 +1,7 @@
 """llama.cpp's tiled k-quant matrix product (ggml-cpu/tiled/), bit for bit: the path its CPU backend takes for
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS weights that are not repacked (on x86: all but Q4_K with rows % 8 == 0)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS and the grid formats (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M:
+signed codes, 2 ls + 1 per 32 or 16 values, d times 1/8, 1/4 or 1, no min) weights that are not repacked (on
+x86: all but Q4_K with rows % 8 == 0)
 when the batch has at least ``TILED_MIN_ROWS`` activation rows (``mm_k_tiles``; on AVX-512 VNNI Q6_K's sixteen-row
 form ``mm_q6_k_rows16``; ``mm_k_tiled``, the first form, for Q4_K / Q5_K / Q6_K: the same bits). Below that, and for one-token decode, llama.cpp runs
 ``ggml_vec_dot_*_q8_K`` per row (``dot_kquant_scalar``/``dot_kquant``).
@@ -274,7 +276,10 @@ def mm_q6_k_rows16(w, xq, xd, bsums, out, n2):
 # Q4_K, Q5_K) likewise from the block sums: integers, exact in any order. The float steps per super-block are the
 # tiled kernel's, eight activation rows a vector: r = f32(s1) * d_w; r = fma(-dmin_w, f32(s2), r); out = fma(r, d_x,
 # out) from 0 in k order.
-TILES = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 7}
+TILES = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 7,
+         "IQ2_XXS": 8, "IQ2_XS": 9, "IQ2_S": 10, "IQ3_XXS": 11, "IQ3_S": 12, "IQ1_S": 13, "IQ1_M": 14}
+# the grid formats' block bytes (blocks.BLOCKS), by kind
+_GRID_BYTES = (66, 74, 82, 98, 110, 50, 56)
 TILES_ROWS = 8      # weight rows per work item (their codes, 8 x k bytes, stay in L1 beside eight activation rows)
 _V32 = ir.VectorType(ir.IntType(8), 32)
 _V2H = ir.VectorType(ir.IntType(16), 2)
@@ -421,6 +426,8 @@ def _tiles_decode(kind, row, b, codes, co, sc16, mt16, so, dd, dm, di):
             sc16[so + s] = sc
             mt16[so + s] = 32 * sc
         dd[di] = f16_at(row, o + 208)
+    elif kind >= 8:                             # the grid formats: signed values, one scale per 16, no min
+        _grid_decode(kind, row, b * _GRID_BYTES[kind - 8], codes, co, sc16, so, dd, di)
     else:                                       # IQ4_XS: 136 bytes, d, scales_h, scales_l[4], qs[128]; signed values
         o = b * 136
         for g in range(8):
@@ -435,6 +442,67 @@ def _tiles_decode(kind, row, b, codes, co, sc16, mt16, so, dd, dm, di):
             sc16[so + 2 * g] = sc
             sc16[so + 2 * g + 1] = sc
         dd[di] = f16_at(row, o)
+
+
+@njit(cache=True, inline="always")
+def _put8(codes, co, grid, gi, n, signs, v0):
+    """n signed values of grid entry gi at codes[co..] (value v0 + j negated where its sign bit is set)."""
+    for j in range(n):
+        v = np.int32(grid[gi, j])
+        codes[co + j] = np.uint8((-v if (signs >> (v0 + j)) & 1 else v) & 255)
+
+
+@njit(cache=True, inline="always")
+def _grid_decode(kind, row, o, codes, co, sc16, so, dd, di):
+    """A grid format's super-block at byte o of the row, as llama.cpp's tiled unpack makes it
+    (ggml-cpu/tiled/tiled.cpp): the values (grid entry times its signs; IQ1_S / IQ1_M: 8 * grid + delta, delta
+    -/+1) as signed codes, 2 ls + 1 per 32 or 16 values (sc16: one per 16), d = F16 d times 1/8 (IQ3_XXS: 1/4,
+    IQ3_S: 1; exact products)."""
+    if kind == 13 or kind == 14:                # IQ1_S, IQ1_M
+        for g in range(8):
+            for c in range(4):
+                if kind == 13:
+                    gi = B.iq1_s_grid_idx(row, o, g, c)
+                    neg = B.iq1_s_neg(row, o, g)
+                else:
+                    gi = B.iq1_m_grid_idx(row, o, g, c)
+                    neg = B.iq1_m_neg(row, o, g, c)
+                delta = -1 if neg else 1
+                for j in range(8):
+                    codes[co + 32 * g + 8 * c + j] = np.uint8((8 * np.int32(B.IQ1S_GRID[gi, j]) + delta) & 255)
+            for h in range(2):
+                ls = B.iq1_s_ls(row, o, g) if kind == 13 else B.iq1_m_ls(row, o, g, h)
+                sc16[so + 2 * g + h] = 2 * ls + 1
+        dd[di] = np.float32((B.f16_at(row, o) if kind == 13 else B.iq1_m_d(row, o)) * np.float32(0.125))
+        return
+    for g in range(8):
+        if kind == 8:                           # IQ2_XXS: 8 values per grid entry, a scale per 32
+            sg = B.iq2_xxs_signs(row, o, g)
+            for c in range(4):
+                _put8(codes, co + 32 * g + 8 * c, B.IQ2XXS_GRID, B.iq2_xxs_grid_idx(row, o, g, c), 8, sg, 8 * c)
+            sc16[so + 2 * g] = sc16[so + 2 * g + 1] = 2 * B.iq2_xxs_ls(row, o, g, 0) + 1
+        elif kind == 9 or kind == 10:           # IQ2_XS, IQ2_S: a scale per 16
+            sg = B.iq2_xs_signs(row, o, g) if kind == 9 else B.iq2_s_signs(row, o, g)
+            for c in range(4):
+                if kind == 9:
+                    _put8(codes, co + 32 * g + 8 * c, B.IQ2XS_GRID, B.iq2_xs_grid_idx(row, o, g, c), 8, sg, 8 * c)
+                else:
+                    _put8(codes, co + 32 * g + 8 * c, B.IQ2S_GRID, B.iq2_s_grid_idx(row, o, g, c), 8, sg, 8 * c)
+            for h in range(2):
+                ls = B.iq2_xs_ls(row, o, g, h) if kind == 9 else B.iq2_s_ls(row, o, g, h)
+                sc16[so + 2 * g + h] = 2 * ls + 1
+        elif kind == 11:                        # IQ3_XXS: 4 values per grid entry, a scale per 32
+            sg = B.iq3_xxs_signs(row, o, g)
+            for c in range(8):
+                _put8(codes, co + 32 * g + 4 * c, B.IQ3XXS_GRID, B.iq3_xxs_grid_idx(row, o, g, c), 4, sg, 4 * c)
+            sc16[so + 2 * g] = sc16[so + 2 * g + 1] = 2 * B.iq3_xxs_ls(row, o, g, 0) + 1
+        else:                                   # IQ3_S
+            sg = B.iq3_s_signs(row, o, g)
+            for c in range(8):
+                _put8(codes, co + 32 * g + 4 * c, B.IQ3S_GRID, B.iq3_s_grid_idx(row, o, g, c), 4, sg, 4 * c)
+            sc16[so + 2 * g] = sc16[so + 2 * g + 1] = 2 * B.iq3_s_ls(row, o, g, 0) + 1
+    f = np.float32(0.25) if kind == 11 else (np.float32(1.0) if kind == 12 else np.float32(0.125))
+    dd[di] = np.float32(B.f16_at(row, o) * f)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -472,7 +540,7 @@ def mm_k_tiles(w, kind, xq, xd, bsums, out, xdt, counter, n_workers):
                     acc = f32x8_zero()
                     for b in range(nb):
                         so = (t * nb + b) * 16
-                        if kind == 7:
+                        if kind >= 7:
                             s1 = tile8_s(codes, t * k + 256 * b, sc16, so, xq, j, last, 256 * b)
                         else:
                             s1 = tile8_u(codes, t * k + 256 * b, sc16, so, xq, j, last, 256 * b)

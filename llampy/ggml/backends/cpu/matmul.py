@@ -103,7 +103,7 @@ def mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, exac
         return
     if n <= limit and wtype.name in dot_kquant_tiled.TILES and n >= dot_kquant_tiled.TILED_MIN_ROWS \
             and _rows_ok(w, x, out):
-        _mul_mat_tiles(w, wtype, x, out, scratch)     # Q2_K, Q3_K, IQ4_XS prompts: llama.cpp's tiled order
+        _mul_mat_tiles(w, wtype, x, out, scratch)     # Q2_K, Q3_K, IQ4_XS, IQ1-IQ3 prompts: llama.cpp's tiled order
         return
     if wtype in SUPPORTED_DIRECT:
         _mul_mat_blas(w, wtype, x, out)
