@@ -104,3 +104,36 @@ def test_perplexity(tiny):
     assert len(res.chunks) == (n or len(pp["chunks"]))
     want = np.log(pp["chunks"][n - 1] if n else pp["ppl"])
     assert abs(res.nll - want) <= 0.005, f"{name}: ln PPL {res.nll:.5f} vs {want:.5f}"
+
+
+# a file of each architecture the issue names, and a hybrid by layer (jamba), through the commands a user runs
+CLI = ["mamba-s16-F32", "mamba2-s128-g1-F32", "jamba-hybrid-Q8_0", "rwkv6-h16-F32", "rwkv7-h32-Q8_0", "lfm2-c4-Q8_0",
+       "granitehybrid-s64-Q8_0", "falcon-h1-s32-Q8_0", "nemotron_h-s64-Q8_0", "qwen3next-s32-Q8_0"]
+
+
+@pytest.mark.parametrize("name", CLI)
+def test_llampy_run_and_perplexity_give_llama_cpps_outputs(name, tmp_path_factory, capsys):
+    """`llampy run` (greedy, --json with the top log-probs) gives llama.cpp's prompt tokens, greedy tokens and top
+    log-probs on the first prompt, up to its first near tie; `llampy perplexity` its first chunk's perplexity."""
+    from llampy.cli import main
+    from tests.llama.tiny_recurrent import gguf
+    ref = json.loads((HERE / f"{name}.json").read_text())
+    path = str(gguf(name, tmp_path_factory))
+    p = ref["prompts"][0]
+    ties = [k for k, s in enumerate(p["steps"]) if s["top"][0][1] - s["top"][1][1] <= MARGIN]
+    n = ties[0] + 1 if ties else len(p["steps"])
+    assert main(["run", path, "-p", p["prompt"], "-n", str(n), "--temp", "0", "--json", "--n-probs", "10",
+                 "-c", str(ref["context"]["n_ctx"])]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["prompt_tokens"] == p["prompt_ids"]
+    assert got["tokens"][:n - 1] == p["ids"][:n - 1], name
+    for k, (step, probs) in enumerate(zip(p["steps"][:n], got["probs"])):
+        top = {e["id"]: e["logprob"] for e in probs}
+        for tid, lp in step["top"][:5]:
+            assert abs(top[tid] - lp) <= TOL, f"{name} step {k} token {tid}"
+    pp = ref["perplexity"]
+    assert main(["perplexity", path, "-f", str(TINY / pp["text_file"]), "-c", str(pp["n_ctx"]), "-b",
+                 str(pp["n_batch"]), "--chunks", "1"]) == 0
+    out = capsys.readouterr().out
+    ppl = float(out.split("Final estimate: PPL = ")[1].split()[0])
+    assert abs(np.log(ppl) - np.log(pp["chunks"][0])) <= 0.005, f"{name}: PPL {ppl} vs {pp['chunks'][0]}"
