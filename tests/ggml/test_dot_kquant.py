@@ -60,6 +60,19 @@ def test_q4_k_x8_equals_scalar(rows, k):
         assert np.array_equal(got, want), x.shape[0]
 
 
+def test_q4_k_x8_prepared_scales_equal_scalar():
+    """From ``X8_PREP_MIN`` gemm rows the eight rows' scales, mins and factors are unpacked once per row group
+    (``_x8_prep``): the same bits as the scalar form, gemm rows 0..35 and a gemv row, 24 weight rows (three groups,
+    two tasks)."""
+    w, _ = random_case(T.Q4_K, 24, 512, 5)
+    n = dot_kquant.X8_PREP_MIN + 5
+    x = (np.random.default_rng(6).standard_normal((n, 512)) * 3).astype(np.float32)
+    x[3, 256:512] = 0
+    got, want = run_both(w, T.Q4_K, x, True)
+    assert n_gemm(n) >= dot_kquant.X8_PREP_MIN
+    assert np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("rows,k,n", [(40, 1024, 20), (16, 256, 8), (8, 512, 4)])
 def test_q4_k_rows16_equals_x8_gemm(rows, k, n):
     """Q4_K's gemm form with sixteen weight rows as lanes (AVX-512) against the eight-row repacked kernel's: the
