@@ -215,6 +215,8 @@ CASES = {
     "ssm_conv_state_prompt": (lambda B: ops.ssm_conv_state(
         B(F32, (1, 5, 16)), B(F32, (16, 3)), B(F32, (2, 2 * 16)), B(I32, (1,), np.array([1])),
         B(I32, (1,), np.array([0]))), 1e-6),
+    # Mamba-2's gate after the scan: z and x views into one row per token, y + x * D per head, then swiglu
+    "ssm_gate": (lambda B: _gate(B), 1e-5),
     "ssm_scan_mamba1_one_token": (lambda B: _scan(B, d_state=16, head_dim=1, n_head=12, n_group=1, n_tok=1,
                                                   ids=[2, 0], a_per_elem=True), 1e-5),
     "ssm_scan_mamba1_many": (lambda B: _scan(B, d_state=16, head_dim=1, n_head=20, n_group=1, n_tok=5,
@@ -313,6 +315,12 @@ def _perm_ids(n_tok, n_used, n_expert):
     rng = np.random.default_rng(11)
     return np.stack([rng.permutation(n_expert)[:n_used] for _ in range(n_tok)]).astype(np.int32)
 
+
+def _gate(B):
+    zx = B(F32, (2, 3, 2 * 120 + 9))                    # n_s 2, n_t 3, a row holding z (3 heads of 40), then x
+    z = ops.view_4d(zx, 40, 3, 3, 2, 160, zx.nb[1], zx.nb[2], 0)
+    x = ops.view_4d(zx, 40, 3, 3, 2, 160, zx.nb[1], zx.nb[2], 129 * 4)
+    return ops.ssm_gate(z, B(F32, (2, 3, 3, 40)), x, B(F32, (3, 1)))
 
 def test_every_op_has_a_case():
     covered = set()
