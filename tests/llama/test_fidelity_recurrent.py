@@ -137,3 +137,24 @@ def test_llampy_run_and_perplexity_give_llama_cpps_outputs(name, tmp_path_factor
     out = capsys.readouterr().out
     ppl = float(out.split("Final estimate: PPL = ")[1].split()[0])
     assert abs(np.log(ppl) - np.log(pp["chunks"][0])) <= 0.005, f"{name}: PPL {ppl} vs {pp['chunks'][0]}"
+
+
+@pytest.mark.parametrize("name", ["mamba2-s128-g1-F32", "granitehybrid-s64-Q8_0"])
+def test_python_api_and_chat_on_a_recurrent_model(name, tmp_path_factory, capsys, monkeypatch):
+    """The Python API's greedy completion gives llama.cpp's tokens, again on the same prompt and on a shorter one
+    (the state cannot drop the last run's suffix: the prompt is decoded anew), and `llampy chat` holds two turns."""
+    import io
+    import llampy
+    from llampy.cli import main
+    from tests.llama.tiny_recurrent import gguf
+    ref = json.loads((HERE / f"{name}.json").read_text())
+    path = str(gguf(name, tmp_path_factory))
+    llm = llampy.Llama(path, n_ctx=ref["context"]["n_ctx"])
+    for p in (ref["prompts"][0], ref["prompts"][0], ref["prompts"][1]):
+        ties = [k for k, s in enumerate(p["steps"]) if s["top"][0][1] - s["top"][1][1] <= MARGIN]
+        n = ties[0] if ties else len(p["steps"])
+        res = llm.create_completion(p["prompt"], max_tokens=n, temperature=0)
+        assert res["choices"][0]["text"] == llm.detokenize(p["ids"][:n]).decode(errors="replace"), name
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nand then?\n"))
+    assert main(["chat", path, "-n", "4", "--temp", "0"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
