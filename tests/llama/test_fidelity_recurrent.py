@@ -141,8 +141,9 @@ def test_llampy_run_and_perplexity_give_llama_cpps_outputs(name, tmp_path_factor
 
 @pytest.mark.parametrize("name", ["mamba2-s128-g1-F32", "granitehybrid-s64-Q8_0"])
 def test_python_api_and_chat_on_a_recurrent_model(name, tmp_path_factory, capsys, monkeypatch):
-    """The Python API's greedy completion gives llama.cpp's tokens, again on the same prompt and on a shorter one
-    (the state cannot drop the last run's suffix: the prompt is decoded anew), and `llampy chat` holds two turns."""
+    """The Python API's greedy completion gives llama.cpp's tokens, again on the same prompt (the state cannot drop
+    the last run's generated tokens: the prompt is decoded anew) and on another, and `llampy chat` holds two
+    turns."""
     import io
     import llampy
     from llampy.cli import main
