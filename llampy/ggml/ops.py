@@ -63,6 +63,7 @@ def relu(a): return _unary(Op.RELU, a)
 def sigmoid(a): return _unary(Op.SIGMOID, a)
 def softplus(a): return _unary(Op.SOFTPLUS, a)    # log(1 + exp(x)), x itself above 20 (ggml_softplus)
 def gelu_quick(a): return _unary(Op.GELU_QUICK, a)  # x * sigmoid(1.702 x) (ggml_gelu_quick)
+def neg(a): return _unary(Op.NEG, a)              # -x (ggml_neg)
 
 
 # a * s + b

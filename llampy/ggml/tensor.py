@@ -71,6 +71,7 @@ class Op(Enum):
     RELU = "relu"
     SIGMOID = "sigmoid"
     SOFTPLUS = "softplus"
+    NEG = "neg"
     GELU_QUICK = "gelu_quick"
     # gated linear units (GGML_OP_GLU): out = act(gate) * up
     SWIGLU = "swiglu"
@@ -86,7 +87,7 @@ class Op(Enum):
 
 VIEW_OPS = frozenset({Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})
 UNARY_OPS = frozenset({Op.SQR, Op.SQRT, Op.EXP, Op.TANH, Op.SILU, Op.GELU, Op.GELU_ERF, Op.RELU, Op.SIGMOID,
-                       Op.SOFTPLUS, Op.GELU_QUICK})
+                       Op.SOFTPLUS, Op.GELU_QUICK, Op.NEG})
 BINARY_OPS = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV})
 
 

@@ -204,6 +204,7 @@ CASES = {
     "top_k_large": (lambda B: ops.top_k(B(F32, (2, 100)), 17), 0),
     "argmax_long": (lambda B: ops.argmax(B(F32, (3, 300))), 0),
     # ---- state-space models (Mamba): one token and many, several sequences, states below and above 64 lanes
+    "neg": (lambda B: ops.neg(B(F32, (3, 40))), 0),
     "softplus": (lambda B: ops.softplus(B(F32, (3, 40), np.linspace(-30, 30, 120).reshape(3, 40))), 1e-6),
     "ssm_conv_one_token": (lambda B: ops.ssm_conv(B(F32, (2, 10, 4)), B(F32, (10, 4))), 1e-6),
     "ssm_conv_many": (lambda B: ops.ssm_conv(B(F32, (3, 24, 3 + 7)), B(F32, (24, 4))), 1e-6),

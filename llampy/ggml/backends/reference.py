@@ -398,7 +398,7 @@ def k_binary(node, dst, srcs):
 _UNARY = {
     Op.SQR: lambda x: x * x, Op.SQRT: np.sqrt, Op.EXP: np.exp, Op.TANH: np.tanh, Op.SILU: silu, Op.GELU: gelu,
     Op.GELU_ERF: gelu_erf, Op.RELU: lambda x: np.maximum(x, 0.0), Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus,
-    Op.GELU_QUICK: gelu_quick,
+    Op.GELU_QUICK: gelu_quick, Op.NEG: np.negative,
 }
 
 

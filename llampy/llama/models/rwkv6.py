@@ -150,7 +150,7 @@ def time_mix(g, layer, cur: Tensor, x_prev: Tensor, il: int) -> Tensor:
     k, v = ops.reshape(k, S, n_head, n_tokens), ops.reshape(v, S, n_head, n_tokens)
     w = ops.mul_mat(layer.time_mix_decay_w2, ops.tanh(ops.mul_mat(layer.time_mix_decay_w1, xw)))
     w = ops.add(w, layer.time_mix_decay)
-    w = ops.exp(ops.scale(ops.exp(w), -1.0))                            # exp(-exp(w)), the decay in (0, 1)
+    w = ops.exp(ops.neg(ops.exp(w)))                                   # exp(-exp(w)), the decay in (0, 1)
     w = ops.reshape(w, S, n_head, n_tokens)
     if qrwkv:
         k = ops.sub(k, ops.mul(k, w))

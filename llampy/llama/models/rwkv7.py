@@ -78,7 +78,7 @@ def time_mix(g, layer, cur, x_prev, il: int, carry: dict):
     ka = ops.mul(k, layer.time_mix_k_a)
     k = ops.add(k, ops.sub(ops.mul(a, ka), ka))
     r, w, k, v, a = (ops.reshape(t, S, H, n_tokens) for t in (r, w, k, v, a))
-    out = ops.rwkv_wkv7(r, w, k, v, ops.scale(kk, -1.0), ops.mul(kk, a), wkv_state(g, il))
+    out = ops.rwkv_wkv7(r, w, k, v, ops.neg(kk), ops.mul(kk, a), wkv_state(g, il))
     cur = wkv_split(g, il, out)
     if layer.time_mix_ln is not None and layer.time_mix_ln_b is not None:
         cur = group_norm(g, cur, layer.time_mix_ln, layer.time_mix_ln_b)

@@ -87,6 +87,8 @@ def k_unary(node, dst, srcs, acc):
             r = x * x
         elif op is Op.SQRT:
             r = np.sqrt(x)
+        elif op is Op.NEG:
+            r = -x
         elif op in (Op.EXP, Op.TANH, Op.SIGMOID, Op.SOFTPLUS) and acc == np.float32:
             from .act import libm_unary
             x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)

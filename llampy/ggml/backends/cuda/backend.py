@@ -104,7 +104,7 @@ def _gelu_quick(x):
 
 
 _UNARY = {
-    Op.GELU_QUICK: _gelu_quick,
+    Op.GELU_QUICK: _gelu_quick, Op.NEG: torch.neg,
     Op.SQR: lambda x: x * x, Op.SQRT: torch.sqrt, Op.EXP: torch.exp, Op.TANH: torch.tanh, Op.SILU: F.silu,
     Op.GELU: _gelu, Op.GELU_ERF: F.gelu, Op.RELU: torch.relu, Op.SIGMOID: torch.sigmoid,
     Op.SOFTPLUS: lambda x: torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(torch.clamp(x, max=20.0)))),
