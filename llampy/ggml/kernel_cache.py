@@ -10,10 +10,10 @@ Two things differ from ``numba.njit(cache=True)``, both per dispatcher (its ``_c
 - Loading a cached kernel starts Numba's runtime (NRT) only. Numba's ``FunctionCache.load_overload`` first calls
   ``target_context.refresh()``, which imports and installs every typing and lowering registry a compilation could
   need (NumPy's random generators, datetime, typed containers, cffi's parser...): the first kernel's load took
-  0.25-0.35 s of CPU in a fresh process, now 0.06-0.11 s (SmolLM2 to Q4_0, whole command: 1.29 -> 1.03 s). A loaded kernel is machine code linked against
-  the runtime's symbols and the C helpers Numba registers when it is imported; it uses no registry. When a kernel
-  is not in the cache, Numba's compiler refreshes the contexts itself before compiling (``CompilerBase``), so a
-  compilation still sees everything.
+  0.25-0.35 s of CPU in a fresh process, now 0.06-0.11 s (SmolLM2 to Q4_0, whole command: 1.29 -> 1.03 s). A
+  loaded kernel is machine code linked against the runtime's symbols and the C helpers Numba registers when it is
+  imported; it uses no registry. When a kernel is not in the cache, Numba's compiler refreshes the contexts itself
+  before compiling (``CompilerBase``), so a compilation still sees everything.
 """
 from __future__ import annotations
 
