@@ -97,7 +97,8 @@ FILE_KEYS = ("general.name", "general.basename", "general.size_label", "general.
 def _sentencepiece(hf: Path, cfg: dict, T) -> list[int]:
     """The checkpoint's tokenizer.json replaced by a SentencePiece tokenizer.model (the tests' write_spm_model, plus
     the trainer spec the sentencepiece library needs to accept byte pieces: BPE, byte_fallback), the embeddings
-    and output rows resized to its vocabulary as tests/convert's SentencePiece test does; returns a prompt (BOS, then pieces)."""
+    and output rows resized to its vocabulary as tests/convert's SentencePiece test does; returns a prompt (BOS,
+    then pieces)."""
     import numpy as np
     from llampy.convert.files import read_safetensors
     (hf / "tokenizer.json").unlink()
