@@ -487,15 +487,17 @@ def lanes_sg(typingctx, q, bits, x, xo, s0, s1):
         return None
 
     def codegen(context, builder, sig, args):
-        w32 = ir.VectorType(_I32, 32)
+        # byte lanes throughout: lane v takes byte v // 8 of the bits and tests bit v % 8 there, giving a 0 / -1
+        # byte mask m, and x with the sign applied is (x ^ m) - m. (The same test on 32 int32 lanes, one per bit,
+        # was four vectors of compares packed down to bytes: 3.2 -> 1.85 ns a group with the grid's gather.)
+        v8 = ir.VectorType(_I32, 8)
         b = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I32)
-        bv = builder.shuffle_vector(builder.insert_element(ir.Constant(w32, None), b, ir.Constant(_I32, 0)),
-                                    ir.Constant(w32, None), ir.Constant(w32, [0] * 32))
-        bit = ir.Constant(w32, [(1 << v) - (1 << 32 if v == 31 else 0) for v in range(32)])
-        neg = builder.icmp_unsigned("!=", builder.and_(bv, bit),
-                                    _splat(w32, 0))
+        bv = builder.bitcast(builder.insert_element(ir.Constant(v8, None), b, ir.Constant(_I32, 0)), _V32)
+        bit = ir.Constant(_V32, [1 << (v % 8) for v in range(32)])
+        m = builder.sext(builder.icmp_unsigned("!=", builder.and_(_shuf(builder, bv, bv, [v // 8 for v in range(32)]),
+                                                                 bit), _splat(_V32, 0)), _V32)
         xv = _x32(context, builder, sig, args, 2, 3)
-        xs = builder.select(neg, builder.sub(_splat(_V32, 0), xv), xv)
+        xs = builder.sub(builder.xor(xv, m), m)
         p16 = _maddubs(builder, builder.bitcast(args[0], _V32), xs)
         return _madd(builder, _scale_pair(context, builder, sig, args, 4, 5), p16)
     return i32x8(i32x8, bits, x, types.intp, s0, s1), codegen
@@ -511,12 +513,9 @@ def lanes_s2(typingctx, q, x, xo, s0, s1):
     def codegen(context, builder, sig, args):
         a = builder.bitcast(args[0], _V32)
         b = _x32(context, builder, sig, args, 1, 2)
-        zero = _splat(_V32, 0)
-        neg = builder.icmp_signed("<", a, zero)
-        absa = builder.select(neg, builder.sub(zero, a), a)
-        sb = builder.select(neg, builder.sub(zero, b), b)
-        sb = builder.select(builder.icmp_signed("==", a, zero), zero, sb)
-        return _madd(builder, _scale_pair(context, builder, sig, args, 3, 4), _maddubs(builder, absa, sb))
+        # |a| and b with a's sign: vpabsb and vpsignb on AVX2 (the selects that state them were not folded)
+        return _madd(builder, _scale_pair(context, builder, sig, args, 3, 4),
+                     _maddubs(builder, _abs8(builder, a), _sign_of(builder, b, a)))
     return i32x8(i32x8, x, types.intp, s0, s1), codegen
 
 
