@@ -27,8 +27,8 @@ from numba.extending import intrinsic
 from .dot_q32 import OUT_AHEAD, ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step, prefetch_write, rows16_transpose
 from .dot_kquant_scalar import _scale_min
 from .simd import (AVX2, VNNI, _V_F32x8, _V_I32x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f32x8, f32x8_fma, f32x8_hsum, f32x8_lane,
-                   f32x8_load, f32x8_store, f32x8_zero, f16_at, fma32, i32x8, i32x8_add, i32x8_store, i32x8_to_f32x8,
-                   nib_split_store, q4k_rows16_pair, v16_load, v16_scale, v16_store, v16_sub, v16_zero)
+                   f32x8_load, f32x8_store, f32x8_zero, f16_at, fma32, i32x8, i32x8_add, i32x8_at, i32x8_store,
+                   i32x8_to_f32x8, nib_split_store, q4k_rows16_pair, v16_load, v16_scale, v16_store, v16_sub, v16_zero)
 
 _V32 = ir.VectorType(_I8, 32)
 _W16 = ir.VectorType(_I16, 16)
@@ -527,16 +527,6 @@ def _x8_gemm4(w, r, xq, xd, bp, out, i, nb):
 # CPU, n = 512: 8192 x 2048 217.6 -> 195.1 ms, 2048 x 2048 53.1 -> 49.0; n = 32 13.8 -> 12.4; at n = 4 and 16 the
 # stores cost more than they save (2.5 -> 2.8 ms, 8.6 -> 9.2). Same integers and float steps, same bits.
 X8_PREP_MIN = 32
-
-
-@intrinsic
-def i32x8_at(typingctx, arr, off):
-    """The 32 bytes at byte ``off`` of arr's data (a uint8 array) as an i32x8 (``i32x8_store``'s load)."""
-    def codegen(context, builder, sig, args):
-        ld = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], _V_I32x8))
-        ld.align = 1
-        return ld
-    return i32x8(arr, types.intp), codegen
 
 
 @njit(cache=True, inline="always")

@@ -971,6 +971,16 @@ def i32x8_store(typingctx, arr, off, v):
 
 
 @intrinsic
+def i32x8_at(typingctx, arr, off):
+    """The 32 bytes at byte ``off`` of arr's data (a uint8 array) as an i32x8 (``i32x8_store``'s load)."""
+    def codegen(context, builder, sig, args):
+        ld = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], _V_I32x8))
+        ld.align = 1
+        return ld
+    return i32x8(arr, types.intp), codegen
+
+
+@intrinsic
 def i32x8_flip(typingctx, v):
     """Each byte of v xor 0x80: int8 q as the unsigned byte q + 128."""
     if v != i32x8:
