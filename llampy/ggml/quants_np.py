@@ -24,9 +24,31 @@ NUMPY_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T
 _HALF_DOWN = F32(0.49999997)
 
 
+_TABLES: dict = {}
+
+
+def _f16_table(kind: str) -> np.ndarray:
+    """Every fp16 bit pattern's float32 (``"f32"``: GGML_FP16_TO_FP32, NumPy's exact cast, NaN payloads kept) or
+    bfloat16 bits (``"bf16"``: that float32 through quantize_bf16), indexed by the pattern; made once."""
+    tab = _TABLES.get(kind)
+    if tab is None:
+        f = np.arange(65536, dtype=np.uint16).view(np.float16).astype(F32)
+        tab = _TABLES[kind] = f if kind == "f32" else quantize_bf16(f).view(np.uint16)
+    return tab
+
+
 def f16_to_f32(h: np.ndarray, out: np.ndarray) -> None:
-    """fp16 bit patterns (uint16) -> float32 into ``out`` (GGML_FP16_TO_FP32: exact, NaN payloads kept)."""
-    np.copyto(out, h.view(np.float16), casting="unsafe")
+    """fp16 bit patterns (uint16) -> float32 into ``out`` (GGML_FP16_TO_FP32: exact, NaN payloads kept): a lookup
+    in the 65536-entry table (0.8 ns a value, AVX2 Zen 3; NumPy's float16 cast 1.9). ``mode="wrap"``: a uint16
+    index is always in range, and ``take`` then writes ``out`` without an intermediate buffer."""
+    np.take(_f16_table("f32"), h, out=out, mode="wrap")
+
+
+def f16_to_bf16(h: np.ndarray, out: np.ndarray) -> None:
+    """fp16 bit patterns (uint16) -> bfloat16 bit patterns (uint16) into ``out``, in one pass: what llama-quantize
+    writes for an F16 tensor going to BF16 (ggml_fp16_to_fp32_row, then ggml_compute_fp32_to_bf16's rounding to
+    nearest even and quiet NaNs) looked up per pattern, 0.8 ns a value where the float32 round trip took 2.7."""
+    np.take(_f16_table("bf16"), h, out=out, mode="wrap")
 
 
 def quantize_f16(x):

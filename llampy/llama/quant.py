@@ -508,7 +508,24 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
         if t not in NUMPY_TYPES:
             raise ValueError(f"{T(t).name} needs the Numba kernels")
 
+    # F16 rows to F32 or BF16: converted straight into the output's bytes, one pass (no float32 chunk between)
+    direct = x.dtype == np.uint16 and t in (T.F32, T.BF16)
+    if direct:
+        from ..ggml.quants_np import f16_to_bf16
+        if kernels:
+            from ..ggml.quants_rows import f16_to_f32
+        else:
+            from ..ggml.quants_np import f16_to_f32
+
     def run(a, b):
+        if direct:
+            o = out[a:b].reshape(-1)
+            h = np.ascontiguousarray(x[a:b]).reshape(-1)
+            if t == T.BF16:
+                f16_to_bf16(h, o.view(np.uint16))
+            else:
+                f16_to_f32(h, o.view(np.float32))
+            return
         if not kernels:
             quantize_rows_np(_f32_rows(x[a:b], kernels=False), t, out[a:b])
             return
@@ -686,13 +703,13 @@ def _kernel_support(t: GGMLType) -> tuple[bool, bool]:
 
 
 # Numba's import, its first cached kernel and the file's further kernels cost ~0.4 s of CPU before the first tensor;
-# NumPy's conversions cost more per value than the kernels (per value and thread, from fp16 rows: ~1.8 ns more to
-# F32 or F16, ~3 ns to BF16, ~5.5 ns to Q8_0, Q4_0 and Q5_0, ~10 ns to Q4_1 and Q5_1; one "unit" below each ~1.5
-# ns), so NumPy alone converts a file while it has at most this many units of work per thread (SmolLM2-135M's F16
-# on 2 threads: to BF16 135 M units a thread, NumPy's 0.99-1.08 s of CPU against the kernels' 1.34-1.57; to Q8_0
-# 270 M, 1.43-1.46 s against 1.20-1.26)
+# NumPy's conversions cost more per value than the kernels (per value and thread, from fp16 rows: ~0.6 ns more to
+# F32 (the table lookup against Numba's arithmetic), ~5 ns to Q8_0, Q4_0 and Q5_0, ~9 ns to Q4_1 and Q5_1; one
+# "unit" below each ~1.5 ns; BF16 is the same table lookup either way), so NumPy alone converts a file while it has
+# at most this many units of work per thread (SmolLM2-135M's F16 on 2 threads, CPU seconds, NumPy against the
+# kernels: to F32 0.76 / 1.15, BF16 0.65 / 1.01, Q8_0 1.26 / 1.06, Q4_0 1.35 / 1.11)
 _NUMPY_UNITS_PER_THREAD = 250_000_000
-_NUMPY_UNITS = {T.BF16: 2, T.Q8_0: 4, T.Q4_0: 4, T.Q5_0: 4, T.Q4_1: 7, T.Q5_1: 7}
+_NUMPY_UNITS = {T.BF16: 0, T.Q8_0: 4, T.Q4_0: 4, T.Q5_0: 4, T.Q4_1: 7, T.Q5_1: 7}
 
 
 def _needs_kernels(jobs, nthread: int) -> bool:

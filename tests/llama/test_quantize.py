@@ -129,11 +129,17 @@ def test_same_bytes_tiny_fixture_fallbacks(tool, tmp_path):
     assert ours.read_bytes() == ref.read_bytes()
 
 
-def test_same_bytes_from_f16_and_tied(tool, tmp_path):
+@pytest.mark.parametrize("ftype,kernels", [("Q5_K_M", None), ("BF16", None), ("F32", False), ("F32", True)])
+def test_same_bytes_from_f16_and_tied(tool, tmp_path, monkeypatch, ftype, kernels):
+    """An F16 model: F16 rows go to F32 and BF16 straight into the output (by NumPy's table lookups, or Numba's
+    conversion when the kernels run the file: ``kernels`` forces either)."""
+    if kernels is not None:
+        from llampy.llama import quant
+        monkeypatch.setattr(quant, "_NUMPY_UNITS_PER_THREAD", 0 if kernels else 10**15)
     src, ref, ours = tmp_path / "f16.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
     write_random_llama(src, n_layer=2, dtype=np.float16, tied=True, seed=3)
-    _reference(tool, [str(src), str(ref), "Q5_K_M", "2"])
-    _ours([str(src), str(ours), "Q5_K_M", "2"])
+    _reference(tool, [str(src), str(ref), ftype, "2"])
+    _ours([str(src), str(ours), ftype, "2"])
     assert ours.read_bytes() == ref.read_bytes()
 
 
@@ -208,7 +214,19 @@ def test_f16_rows_to_f32_every_bit_pattern():
     h = np.arange(65536, dtype=np.uint16)
     out = np.empty(65536, np.float32)
     f16_to_f32(h, out)
-    assert np.array_equal(out.view(np.uint32), h.view(np.float16).astype(np.float32).view(np.uint32))
+    cast = h.view(np.float16).astype(np.float32)
+    assert np.array_equal(out.view(np.uint32), cast.view(np.uint32))
+    # NumPy's lookups (quantize without Numba; BF16 either way): the same float32 bits, and to BF16 what gguf-py's
+    # statement of ggml_compute_fp32_to_bf16 gives for the float32 (llama-quantize's route)
+    import gguf
+    from llampy.ggml import quants_np
+    out[:] = 0
+    quants_np.f16_to_f32(h, out)
+    assert np.array_equal(out.view(np.uint32), cast.view(np.uint32))
+    bf = np.empty(65536, np.uint16)
+    quants_np.f16_to_bf16(h, bf)
+    np.testing.assert_array_equal(bf, np.asarray(gguf.quants.quantize(cast, gguf.GGMLQuantizationType.BF16))
+                                  .view(np.uint16))
 
 
 def test_q2_k_s_needs_an_imatrix(rand_model, tmp_path, capsys):
