@@ -60,16 +60,18 @@ def test_q4_k_x8_equals_scalar(rows, k):
         assert np.array_equal(got, want), x.shape[0]
 
 
-def test_q4_k_x8_prepared_scales_equal_scalar():
-    """From ``X8_PREP_MIN`` gemm rows the eight rows' scales, mins and factors are unpacked once per row group
-    (``_x8_prep``): the same bits as the scalar form, gemm rows 0..35 and a gemv row, 24 weight rows (three groups,
-    two tasks)."""
-    w, _ = random_case(T.Q4_K, 24, 512, 5)
-    n = dot_kquant.X8_PREP_MIN + 5
+@pytest.mark.parametrize("rows", [24, 13])
+def test_q4_k_x8_broadcast_tiles_equal_scalar(rows):
+    """From ``BC_MIN`` gemm rows the sixteen-row steps run in the broadcast form (``_bc_tiles``: activation rows as
+    lanes): the same bits as the scalar form for gemm rows 0..31 there, 32..35 in the eight-row gemm form and a
+    gemv row; 24 weight rows (a task of sixteen and one of eight) and 13 (eight, then five beyond the eights)."""
+    w, _ = random_case(T.Q4_K, rows, 512, 5 + rows)
+    n = 37
     x = (np.random.default_rng(6).standard_normal((n, 512)) * 3).astype(np.float32)
     x[3, 256:512] = 0
+    x[20, :32] = 127                                            # the 16-bit pair sums near their largest
     got, want = run_both(w, T.Q4_K, x, True)
-    assert n_gemm(n) >= dot_kquant.X8_PREP_MIN
+    assert n_gemm(n) - n_gemm(n) % 16 >= dot_kquant.BC_MIN
     assert np.array_equal(got, want)
 
 

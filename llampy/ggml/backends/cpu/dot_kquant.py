@@ -27,8 +27,9 @@ from numba.extending import intrinsic
 from .dot_q32 import OUT_AHEAD, ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step, prefetch_write, rows16_transpose
 from .dot_kquant_scalar import _scale_min
 from .simd import (AVX2, VNNI, _V_F32x8, _V_I32x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f32x8, f32x8_fma, f32x8_hsum, f32x8_lane,
-                   f32x8_load, f32x8_store, f32x8_zero, f16_at, fma32, i32x8, i32x8_add, i32x8_at, i32x8_store,
-                   i32x8_to_f32x8, nib_split_store, q4k_rows16_pair, v16_load, v16_scale, v16_store, v16_sub, v16_zero)
+                   f32x8_load, f32x8_scale, f32x8_sub, f32x8_zero, f16_at, fma32, i32x8, i32x8_add,
+                   i32x8_load, i32x8_to_f32x8, nib_split_store, q4k_rows16_pair, v16_load, v16_scale, v16_store,
+                   v16_sub, v16_zero)
 
 _V32 = ir.VectorType(_I8, 32)
 _W16 = ir.VectorType(_I16, 16)
@@ -522,74 +523,164 @@ def _x8_gemm4(w, r, xq, xd, bp, out, i, nb):
     f32x8_store_diff(out[i + 3], r, a3, c3)
 
 
-# From this many gemm rows, ``mv_q4_k_x8`` unpacks the eight weight rows' scales, mins and F16 factors of every
-# super-block once per row group (``_x8_prep``) instead of once per four activation rows (``_x8_gemm4``): one thread,
-# CPU, n = 512: 8192 x 2048 217.6 -> 195.1 ms, 2048 x 2048 53.1 -> 49.0; n = 32 13.8 -> 12.4; at n = 4 and 16 the
-# stores cost more than they save (2.5 -> 2.8 ms, 8.6 -> 9.2). Same integers and float steps, same bits.
-X8_PREP_MIN = 32
+# The gemm rows in a broadcast form (``_bc_tiles``, from BC_MIN activation rows): eight activation rows as the
+# lanes, interleaved once per call (``_bc_interleave``: for eight rows and a sub-block, values 4g .. 4g + 3 of row 0,
+# of row 1, ..., side by side), each weight row decoded once per call into unsigned values, its scales and mins
+# unpacked (``_bc_decode``); per four values the weight row's four broadcast to every lane, maddubs against the
+# interleaved activations, the 16-bit pair sums of a sub-block added (|sum| <= 8 * 2 * 15 * 127 < 2^15, as ggml's
+# own gemm adds them), one madd with the sub-block's scale (``q4k_bc_pair2``). The lanes are the rows' pair sums
+# directly: no reduction across lanes (``q4k_pair8x4``'s hadd trees), the same integers and the same two fma chains
+# per (weight row, activation row) as the gemm form. One thread, CPU, n = 512, 2048 x 2048: 71 -> 28 ms (30 -> 78
+# GMAC/s; a loaded host). Same bits.
+BC_MIN = 16
+BC_CHUNK = 16      # weight rows decoded per task
+
+
+@intrinsic
+def q4k_bc_pair2(typingctx, wd, wo0, wo1, xi, xo0, xo1, c00, c01, c10, c11):
+    """Pair p of sub-blocks of two decoded weight rows (unsigned values at bytes wo0 and wo1 of wd, 64 each: sub-block
+    2p then 2p + 1) against two blocks of eight interleaved activation rows (the pair's 512 bytes from xo0 and xo1 of
+    xi, ``_bc_interleave``); c00 .. c11: the rows' sub-block scales packed as two int16 (row, sub-block). Four i32x8:
+    (row 0, rows at xo0), (row 0, xo1), (row 1, xo0), (row 1, xo1), lane a = the pair's exact isum for that
+    activation row."""
+    def codegen(context, builder, sig, args):
+        wty, wa, xty, xa = sig.args[0], args[0], sig.args[3], args[3]
+        wos, xos = (args[1], args[2]), (args[4], args[5])
+        tot = [[None, None], [None, None]]
+        for h in range(2):
+            s16 = [[None, None], [None, None]]
+            for g in range(8):
+                xv = [_load(builder, _ptr(context, builder, xty, xa, builder.add(xo, ir.Constant(xo.type, 256 * h + 32 * g)),
+                                          _V32)) for xo in xos]
+                for r in range(2):
+                    at = builder.add(wos[r], ir.Constant(wos[r].type, 32 * h + 4 * g))
+                    q = _load(builder, _ptr(context, builder, wty, wa, at, _I32))
+                    v = builder.insert_element(ir.Constant(_V_I32x8, None), q, ir.Constant(_I32, 0))
+                    wv = builder.bitcast(_shuf(builder, v, v, [0] * 8), _V32)
+                    for a in range(2):
+                        m = _maddubs(builder, wv, xv[a])
+                        s16[r][a] = m if s16[r][a] is None else builder.add(s16[r][a], m)
+            for r in range(2):
+                c = context.cast(builder, args[6 + 2 * r + h], sig.args[6 + 2 * r + h], types.int32)
+                cv = builder.insert_element(ir.Constant(_V_I32x8, None), c, ir.Constant(_I32, 0))
+                cv = builder.bitcast(_shuf(builder, cv, cv, [0] * 8), _W16)
+                for a in range(2):
+                    t = _madd(builder, s16[r][a], cv)
+                    tot[r][a] = t if tot[r][a] is None else builder.add(tot[r][a], t)
+        return context.make_tuple(builder, sig.return_type, [tot[0][0], tot[0][1], tot[1][0], tot[1][1]])
+    sig = types.UniTuple(i32x8, 4)(wd, types.intp, types.intp, xi, types.intp, types.intp, c00, c01, c10, c11)
+    return sig, codegen
 
 
 @njit(cache=True, inline="always")
-def _x8_prep(w, r, nb, sb, fb):
-    """Rows r..r+7's ``k_scales`` (eight i32x8 at byte 384 b of sb) and ``k_mins_t`` (four, at 384 b + 256) of each
-    super-block b, and their d and dmin (f32x8 at 16 b and 16 b + 8 of fb): what ``_x8_gemm4`` unpacks per block."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = w[r], w[r + 1], w[r + 2], w[r + 3], w[r + 4], w[r + 5], w[r + 6], w[r + 7]
-    for b in range(nb):
-        o = b * 144
-        q = b * 384
-        s0, s1, s2, s3 = k_scales(w0, o), k_scales(w1, o), k_scales(w2, o), k_scales(w3, o)
-        s4, s5, s6, s7 = k_scales(w4, o), k_scales(w5, o), k_scales(w6, o), k_scales(w7, o)
-        m0, m1, m2, m3 = k_mins_t(s0, s1, s2, s3, s4, s5, s6, s7)
-        i32x8_store(sb, q, s0)
-        i32x8_store(sb, q + 32, s1)
-        i32x8_store(sb, q + 64, s2)
-        i32x8_store(sb, q + 96, s3)
-        i32x8_store(sb, q + 128, s4)
-        i32x8_store(sb, q + 160, s5)
-        i32x8_store(sb, q + 192, s6)
-        i32x8_store(sb, q + 224, s7)
-        i32x8_store(sb, q + 256, m0)
-        i32x8_store(sb, q + 288, m1)
-        i32x8_store(sb, q + 320, m2)
-        i32x8_store(sb, q + 352, m3)
-        dr, er = f16_rows8x2(w, r, o)
-        f32x8_store(fb, 16 * b, dr)
-        f32x8_store(fb, 16 * b + 8, er)
+def _bc_interleave(xq, n16, xi):
+    """xi[((i // 8) * k / 32 + s) * 256 + 32 g + 4 a + e] = xq[8 (i // 8) + a, 32 s + 4 g + e] for the rows below n16."""
+    k = xq.shape[1]
+    ns = k // 32
+    for ig in prange(n16 // 8):
+        for sb in range(ns):
+            base = (ig * ns + sb) * 256
+            for g in range(8):
+                for a in range(8):
+                    for e in range(4):
+                        xi[base + 32 * g + 4 * a + e] = xq[8 * ig + a, 32 * sb + 4 * g + e]
 
 
 @njit(cache=True, inline="always")
-def _x8_gemm4_pre(w, r, xq, xd, bp, out, i, nb, sb, fb):
-    """``_x8_gemm4`` with the rows' scales, mins and F16 factors read from ``_x8_prep``'s buffers."""
-    a0 = a1 = a2 = a3 = f32x8_zero()
-    c0 = c1 = c2 = c3 = f32x8_zero()
+def _bc_decode(w, r0, r1, nb, wd, wsc, wmn, wdd):
+    """Rows r0 .. r1 - 1 for ``q4k_bc_pair2``: row rr = r - r0's values of super-block b (unsigned nibbles, in order)
+    at byte (rr nb + b) 256 of wd; wsc[rr, 8b + j] = sc_j | sc_j << 16; wmn[rr, 4b + p] = m_2p | m_2p+1 << 16 (for
+    ``k_mins_dot``); wdd[rr, 2b], wdd[rr, 2b + 1] = d, dmin."""
+    for r in range(r0, r1):
+        wr = w[r]
+        rr = r - r0
+        for b in range(nb):
+            o = b * 144
+            for p in range(4):
+                nib_split_store(wr, o + 16 + 32 * p, wd, (rr * nb + b) * 256 + 64 * p)
+                sa, ma = _scale_min(wr, o + 4, 2 * p)
+                sc, mb = _scale_min(wr, o + 4, 2 * p + 1)
+                wsc[rr, 8 * b + 2 * p] = np.int32(sa) | (np.int32(sa) << 16)
+                wsc[rr, 8 * b + 2 * p + 1] = np.int32(sc) | (np.int32(sc) << 16)
+                wmn[rr, 4 * b + p] = np.int32(ma) | (np.int32(mb) << 16)
+            wdd[rr, 2 * b] = f16_at(wr, o)
+            wdd[rr, 2 * b + 1] = f16_at(wr, o + 2)
+
+
+@njit(cache=True, inline="always")
+def _bc_store(out, i, r, v):
+    """out[i + a, r] = lane a of v."""
+    out[i, r] = f32x8_lane(v, 0)
+    out[i + 1, r] = f32x8_lane(v, 1)
+    out[i + 2, r] = f32x8_lane(v, 2)
+    out[i + 3, r] = f32x8_lane(v, 3)
+    out[i + 4, r] = f32x8_lane(v, 4)
+    out[i + 5, r] = f32x8_lane(v, 5)
+    out[i + 6, r] = f32x8_lane(v, 6)
+    out[i + 7, r] = f32x8_lane(v, 7)
+
+
+@njit(cache=True, inline="always")
+def _bc_mins(wmn, wdd, rr, bpT, xdT, i, nb):
+    """The mins chain of weight row rr against activation rows i .. i + 15 (two f32x8): per pair of sub-blocks
+    mins = fma(imin, dmin_w * d_x, mins), as ``_gemm4_step``."""
+    m0 = m1 = f32x8_zero()
     for b in range(nb):
-        o = b * 144
-        xo = b * 256
-        t = 4 * b
-        q = b * 384
-        s0, s1, s2, s3 = i32x8_at(sb, q), i32x8_at(sb, q + 32), i32x8_at(sb, q + 64), i32x8_at(sb, q + 96)
-        s4, s5, s6, s7 = i32x8_at(sb, q + 128), i32x8_at(sb, q + 160), i32x8_at(sb, q + 192), i32x8_at(sb, q + 224)
-        dr, er = f32x8_load(fb, 16 * b), f32x8_load(fb, 16 * b + 8)
-        d0, d1, d2, d3 = f32x8_mul_s(dr, xd[i, b]), f32x8_mul_s(dr, xd[i + 1, b]), f32x8_mul_s(dr, xd[i + 2, b]), \
-            f32x8_mul_s(dr, xd[i + 3, b])
-        e0, e1, e2, e3 = f32x8_mul_s(er, xd[i, b]), f32x8_mul_s(er, xd[i + 1, b]), f32x8_mul_s(er, xd[i + 2, b]), \
-            f32x8_mul_s(er, xd[i + 3, b])
-        v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 16, xq, i, xo, s0, s1, s2, s3, s4, s5, s6, s7, 0)
-        a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, i32x8_at(sb, q + 256), bp, i, t, d0, d1, d2, d3,
-                                                     e0, e1, e2, e3, a0, a1, a2, a3, c0, c1, c2, c3)
-        v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 48, xq, i, xo + 64, s0, s1, s2, s3, s4, s5, s6, s7, 1)
-        a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, i32x8_at(sb, q + 288), bp, i, t + 1, d0, d1, d2,
-                                                     d3, e0, e1, e2, e3, a0, a1, a2, a3, c0, c1, c2, c3)
-        v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 80, xq, i, xo + 128, s0, s1, s2, s3, s4, s5, s6, s7, 2)
-        a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, i32x8_at(sb, q + 320), bp, i, t + 2, d0, d1, d2,
-                                                     d3, e0, e1, e2, e3, a0, a1, a2, a3, c0, c1, c2, c3)
-        v0, v1, v2, v3 = q4k_pair8x4(w, r, o + 112, xq, i, xo + 192, s0, s1, s2, s3, s4, s5, s6, s7, 3)
-        a0, a1, a2, a3, c0, c1, c2, c3 = _gemm4_step(v0, v1, v2, v3, i32x8_at(sb, q + 352), bp, i, t + 3, d0, d1, d2,
-                                                     d3, e0, e1, e2, e3, a0, a1, a2, a3, c0, c1, c2, c3)
-    f32x8_store_diff(out[i], r, a0, c0)
-    f32x8_store_diff(out[i + 1], r, a1, c1)
-    f32x8_store_diff(out[i + 2], r, a2, c2)
-    f32x8_store_diff(out[i + 3], r, a3, c3)
+        dm = wdd[rr, 2 * b + 1]
+        e0, e1 = f32x8_scale(f32x8_load(xdT[b], i), dm), f32x8_scale(f32x8_load(xdT[b], i + 8), dm)
+        for p in range(4):
+            mp = wmn[rr, 4 * b + p]
+            m0 = f32x8_fmav(i32x8_to_f32x8(k_mins_dot(i32x8_load(bpT[4 * b + p], i), mp)), e0, m0)
+            m1 = f32x8_fmav(i32x8_to_f32x8(k_mins_dot(i32x8_load(bpT[4 * b + p], i + 8), mp)), e1, m1)
+    return m0, m1
+
+
+@njit(cache=True, inline="always")
+def _bc_tiles(w, r8, xq, xd, bp, out, n16, nb):
+    """Weight rows 0 .. r8 - 1 (r8 % 8 == 0) against activation rows 0 .. n16 - 1 (n16 % 16 == 0) in the broadcast
+    form: tiles of two weight rows by sixteen activation rows, acc = fma(isum, d_w * d_x, acc) per pair of
+    sub-blocks, then the mins chain (``_bc_mins``), out = acc - mins."""
+    k = xq.shape[1]
+    xdT = np.ascontiguousarray(xd[:n16].T)
+    bpT = np.ascontiguousarray(bp[:n16].T)
+    xi = np.empty(n16 * k, np.int8)
+    _bc_interleave(xq, n16, xi)
+    ns = k // 32
+    for c in prange((r8 + BC_CHUNK - 1) // BC_CHUNK):
+        r0 = c * BC_CHUNK
+        r1 = min(r8, r0 + BC_CHUNK)
+        wd = np.empty(BC_CHUNK * nb * 256, np.uint8)
+        wsc = np.empty((BC_CHUNK, nb * 8), np.int32)
+        wmn = np.empty((BC_CHUNK, nb * 4), np.int32)
+        wdd = np.empty((BC_CHUNK, nb * 2), np.float32)
+        _bc_decode(w, r0, r1, nb, wd, wsc, wmn, wdd)
+        for i in range(0, n16, 16):
+            x0 = (i // 8) * ns * 256
+            x1 = x0 + ns * 256
+            for r in range(r0, r1, 2):
+                rr = r - r0
+                a00 = a01 = a10 = a11 = f32x8_zero()
+                for b in range(nb):
+                    d0, d1 = wdd[rr, 2 * b], wdd[rr + 1, 2 * b]
+                    xv0, xv1 = f32x8_load(xdT[b], i), f32x8_load(xdT[b], i + 8)
+                    d00, d01 = f32x8_scale(xv0, d0), f32x8_scale(xv1, d0)
+                    d10, d11 = f32x8_scale(xv0, d1), f32x8_scale(xv1, d1)
+                    for p in range(4):
+                        wo = (rr * nb + b) * 256 + 64 * p
+                        xo = (8 * b + 2 * p) * 256
+                        j = 8 * b + 2 * p
+                        v00, v01, v10, v11 = q4k_bc_pair2(wd, wo, wo + nb * 256, xi, x0 + xo, x1 + xo, wsc[rr, j],
+                                                          wsc[rr, j + 1], wsc[rr + 1, j], wsc[rr + 1, j + 1])
+                        a00 = f32x8_fmav(i32x8_to_f32x8(v00), d00, a00)
+                        a01 = f32x8_fmav(i32x8_to_f32x8(v01), d01, a01)
+                        a10 = f32x8_fmav(i32x8_to_f32x8(v10), d10, a10)
+                        a11 = f32x8_fmav(i32x8_to_f32x8(v11), d11, a11)
+                m0, m1 = _bc_mins(wmn, wdd, rr, bpT, xdT, i, nb)
+                _bc_store(out, i, r, f32x8_sub(a00, m0))
+                _bc_store(out, i + 8, r, f32x8_sub(a01, m1))
+                m0, m1 = _bc_mins(wmn, wdd, rr + 1, bpT, xdT, i, nb)
+                _bc_store(out, i, r + 1, f32x8_sub(a10, m0))
+                _bc_store(out, i + 8, r + 1, f32x8_sub(a11, m1))
 
 
 @njit(cache=True, inline="always")
@@ -644,21 +735,16 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
     bp = np.empty((n, nb * 4), np.int32)
     _bs_pairs(bsums, bp)
     r8 = rows - rows % 8
+    n16 = n_gemm - n_gemm % 16 if n_gemm >= BC_MIN else 0
+    if n16:
+        _bc_tiles(w, r8, xq, xd, bp, out, n16, nb)
     for c in prange((r8 // 8 + 1) // 2):
-        pre = n_gemm >= X8_PREP_MIN
-        sb = np.empty(nb * 384 if pre else 0, np.uint8)     # ``_x8_prep``'s buffers, the task's own
-        fb = np.empty(nb * 16 if pre else 0, np.float32)
         for r in range(16 * c, min(r8, 16 * c + 16), 8):
             if n_gemm:         # the gemv rows prefetch as they go (``_x8_tile``)
                 for p in range(8):
                     prefetch_row(w, r + p)
-            if pre:
-                _x8_prep(w, r, nb, sb, fb)
-                for i in range(0, n_gemm, 4):
-                    _x8_gemm4_pre(w, r, xq, xd, bp, out, i, nb, sb, fb)
-            else:
-                for i in range(0, n_gemm, 4):
-                    _x8_gemm4(w, r, xq, xd, bp, out, i, nb)
+            for i in range(n16, n_gemm, 4):
+                _x8_gemm4(w, r, xq, xd, bp, out, i, nb)
             _x8_tile(w, r, xq, xd, bp, out, n_gemm, n, n_gemm, nb)
     for r in range(r8, rows):          # rows beyond the eights (not a repacked shape; kept for completeness)
         row = w[r]

@@ -235,6 +235,28 @@ def i32x8_add(typingctx, a, b):
     return i32x8(i32x8, i32x8), codegen
 
 
+@intrinsic
+def f32x8_sub(typingctx, a, b):
+    """a - b per lane."""
+    if a != f32x8 or b != f32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+    return f32x8(f32x8, f32x8), codegen
+
+
+@intrinsic
+def i32x8_load(typingctx, arr, i):
+    """arr[i:i+8] of an int32 array as eight lanes."""
+    if not isinstance(arr, types.Array) or arr.dtype != types.int32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _load(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1], _V_I32x8))
+    return i32x8(arr, types.intp), codegen
+
+
 def _signed_lanes(context, builder, sig, args, au, b, off, il, iso):
     """Eight int32 lanes of signed weights times int8 activations b, from ``au``: the weights plus ``off`` as
     unsigned bytes. Where the offset form is exact (``offset_exact(off)``, below): the products of au and b
