@@ -253,9 +253,9 @@ def test_prompt_tiles_over_long_rows(wtype):
     buffer between spans; more activation rows than a decode step's whole-row tiles take, WHOLE_ROWS_MAX_N), eight
     activation rows after the sixteen-row tiles and a last chunk of weight rows short of ROW_CHUNK: still ggml's
     lane order, bit for bit."""
-    from llampy.ggml.backends.cpu import dot_q32
+    from llampy.ggml.backends.cpu import dot_q32, dot_whole
     rng = np.random.default_rng(14)
-    k, rows, n = 32 * (2 * dot_q32.KSPAN + 2), dot_q32.ROW_CHUNK + 5, dot_q32.WHOLE_ROWS_MAX_N + 8
+    k, rows, n = 32 * (2 * dot_q32.KSPAN + 2), dot_q32.ROW_CHUNK + 5, dot_whole.WHOLE_ROWS_MAX_N + 8
     wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype)
     x = act_data(rng, n, k)
     out = np.empty((n, rows), np.float32)

@@ -46,16 +46,6 @@ TILE16 = HOST_VEC_LANES == 16
 # with spans of 32). Spans of 16 / 32 / 64 blocks, one thread, CPU ms: 1024 x 2048 33.1 / 34.7 / 35.8, 2048 x 8192
 # 274.3 / 279.6 / 293.6, 4608 x 1024 74.5 / 74.6 / 75.1.
 KSPAN = 16
-# Up to this many activation rows (a server's decode steps: one row per stream) the eight-row tiles take whole weight
-# rows (``whole_rows``, ``_mv_whole``) where the CPU has sixteen vector registers: the span form's accumulators kept
-# in a buffer between spans, and its last short span (k = 576: 16 + 2 blocks), made Q4_1's eight-row tiles 1.7x
-# their whole-row time. One thread, us per activation row, spans or sixteen-row tiles -> whole rows: Q4_1
-# 1536 x 576 n = 8 37.4 -> 22.0, n = 32 25.2 -> 20.9; 2048 x 2048 n = 8 206 -> 105, n = 32 120 -> 114; Q8_0
-# 1536 x 576 n = 8 28.2 -> 24.6, 49152 x 576 n = 32 907 -> 796; Q4_0 576 x 1536 n = 8 36.0 -> 26.3. Not for Q5_0 /
-# Q5_1 (their sixteen-row tiles stay ahead: 576 x 1536 n = 32 31.3 vs 38.3), nor past 64 blocks a row with more than
-# one group (1024 x 4608 n = 32: Q8_0 145 -> 158, the group's activations no longer stay in the first-level cache),
-# nor for prompts (n = 512 the spans keep their lead: 1024 x 2048 Q8_0 66 vs 73).
-WHOLE_ROWS_MAX_N = 32
 PREFETCH_ROWS = 4   # rows ahead to prefetch: a kernel this slow leaves the hardware prefetchers idle otherwise
 
 
@@ -402,45 +392,10 @@ def _tile16(kind, wr, r, xg, xdT, xsT, i, nb, out, dvb):
     _store8(out, i + 8, r, f32x8_add(f32x8_hsum8(c0, c1, c2, c3, c4, c5, c6, c7), sc))
 
 
-def whole_rows(n8, nb):
-    """Whether the eight-row tiles of n8 activation rows of nb blocks run over whole weight rows (``_mv_whole``, for
-    the formats that have it: ``WHOLE_KERNELS``)."""
-    return not TILE16 and n8 <= WHOLE_ROWS_MAX_N and (n8 <= 8 or nb <= 64)
-
-
-@njit(cache=True, inline="always")
-def _mv_whole(w, xq, xd, xs, out, tab, kind, counter, n_workers):
-    """``_mv_tiles``' eight-row tiles over whole weight rows, for a decode step's few activation rows
-    (``WHOLE_ROWS_MAX_N``): a kernel of its own, where the tiles' span bounds are the constants 0 and nb (inside
-    ``_mv_tiles`` as a branch beside the span loop, the same loop ran 1.4x slower at 8 rows, one thread)."""
-    rows = w.shape[0]
-    n, k = xq.shape
-    nb = k // 32
-    n8 = n - n % 8
-    xdT = np.ascontiguousarray(xd.T)
-    xsT = np.ascontiguousarray(xs.T)
-    xg = _group_activations(kind, xq, n8)
-    n_chunks = (rows + ROW_CHUNK - 1) // ROW_CHUNK
-    for _ in prange(n_workers):
-        dvb = np.empty((nb, 8), np.float32)
-        accb = np.empty((9, 8), np.float32)
-        while True:
-            c = claim(counter)
-            if c >= n_chunks:
-                break
-            r1 = min(rows, (c + 1) * ROW_CHUNK)
-            r = c * ROW_CHUNK
-            for rr in range(r, r1):
-                prefetch_row(w, rr)
-            for i in range(0, n8, 8):
-                for rr in range(r, r1):
-                    _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, 0, nb, nb, out, dvb, accb)
-
-
 @njit(cache=True, inline="always")
 def _mv_tiles(w, xq, xd, xs, out, tab, kind, counter, n_workers):
     """The activation rows 0 .. n - n % 8 of ``_mv_legacy``: sixteen at a time, then eight (Q8_0 eight at a time where
-    the CPU has sixteen vector registers: ``TILE16``; a decode step's few rows: ``_mv_whole``). Work items: chunks
+    the CPU has sixteen vector registers: ``TILE16``; a decode step's few rows: ``dot_whole``). Work items: chunks
     of ROW_CHUNK weight rows, claimed from ``counter`` (int64, zeroed) by ``n_workers`` workers (``claims``), so that
     a thread that loses its core for a while holds back its current chunk only, not a share fixed in advance."""
     rows = w.shape[0]
@@ -737,28 +692,15 @@ def _mv_legacy(tiles, rows16, rest, w, xq, xd, xs, out, tab):
             rest(w[r16:], xd, xq, xd, xs, out[:, r16:], tab, 0, False)
             w, out = w[:r16], out[:, :r16]
     elif n8:
-        whole = WHOLE_KERNELS.get(tiles) if whole_rows(n8, xq.shape[1] // 32) else None
-        (whole or tiles)(w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-rows // ROW_CHUNK)))
+        done = dot_whole.mv_whole(tiles, w, xq, xd, xs, out, tab)     # a decode step's rows (0 where it has no kernel)
+        if not done:
+            tiles(w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-rows // ROW_CHUNK)))
+        n8 = max(n8, done)
     if n8 < n:
         rest(w, xd, xq, xd, xs, out, tab, n8, False)
 
 
 # ggml's Q8_0/Q4_0/Q5_0 have no min: their summs stays 0 and ``hsum + 0`` is the hsum itself
-@njit(parallel=True, cache=True, nogil=True)
-def _whole_q8_0(w, xq, xd, xs, out, tab, counter, n_workers):
-    _mv_whole(w, xq, xd, xs, out, tab, K_Q8_0, counter, n_workers)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _whole_q4_0(w, xq, xd, xs, out, tab, counter, n_workers):
-    _mv_whole(w, xq, xd, xs, out, tab, K_Q4_0, counter, n_workers)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _whole_q4_1(w, xq, xd, xs, out, tab, counter, n_workers):
-    _mv_whole(w, xq, xd, xs, out, tab, K_Q4_1, counter, n_workers)
-
-
 @njit(parallel=True, cache=True, nogil=True)
 def _tiles_q8_0(w, xq, xd, xs, out, tab, counter, n_workers):
     _mv_tiles(w, xq, xd, xs, out, tab, K_Q8_0, counter, n_workers)
@@ -890,9 +832,6 @@ def _glu_q5_1(wg, wu, xq, xd, xs, out, glu, table):
     _mv_rows16_glu(wg, wu, xq, xd, xs, out, K_Q5_1, glu, table)
 
 
-# the whole-row tiles by the span tiles they replace (``whole_rows``); Q5_0 and Q5_1 keep their sixteen-row tiles
-WHOLE_KERNELS = {_tiles_q8_0: _whole_q8_0, _tiles_q4_0: _whole_q4_0, _tiles_q4_1: _whole_q4_1}
-
 # the decode form alone (``_mv_legacy`` with fewer than eight activation rows), for a plan's bound product
 # (matmul.bind_mul_mat): ``rest(w, x, xq, xd, xs, out, tab, 0, True)`` rounds x into the buffers first (Q8_0, or Q8_1
 # for Q4_1 / Q5_1: act_split's quantizer, the same bytes), one call for the token's product
@@ -962,3 +901,7 @@ def dq_legacy(w, kind, out, tab):
                         q = np.int32(wr[q0 + e])
                         out[r, xo + e] = np.float32((q & 15) | ((qh >> e) & 1) << 4) * d + m
                         out[r, xo + 16 + e] = np.float32((q >> 4) | ((qh >> (16 + e)) & 1) << 4) * d + m
+
+
+# a decode step's tiles over whole weight rows (``_mv_legacy``); last, as that module builds on this one's tiles
+from . import dot_whole  # noqa: E402
