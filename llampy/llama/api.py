@@ -190,7 +190,7 @@ class Llama:
         """Draft tokens in ``generate`` (and the completions built on it) and check them in one batch:
         ``spec`` a speculative.SpecParams (None: off), ``model_draft`` the draft model (a GGUF path or a Model) for
         the type draft-simple. The output is the same as without drafting, greedy or seeded."""
-        from .speculative import Drafters
+        from .speculative import DraftPlanner, DraftRate, Drafters
         if spec is None or not spec.enabled():
             self._drafters = None
             return
@@ -198,15 +198,39 @@ class Llama:
             model_draft = Model(resolve_model(model_draft), n_ctx_hint=self.n_ctx)
         self._drafters = Drafters(spec, self.vocab, self.n_ctx, 1, model_draft)
         self.spec_stats = {"drafted": 0, "accepted": 0}
+        # drafts cut to what is worth checking (as the server's engine does): step costs and the acceptance rate
+        self._planner = DraftPlanner() if spec.plan else None
+        self._draft_rate = DraftRate()
+        self._checking = 0              # the length of the draft being checked
+
+    def _draft_checked(self, n_accepted: int) -> None:
+        if getattr(self, "_planner", None) is not None and self._checking:
+            self._draft_rate.observe(self._checking, n_accepted)
+        self._checking = 0
 
     def _eval_drafted(self, token: int, room: int):
         """Decode ``token`` and, when a drafter offers one, a draft after it, in one batch: (the logits after
         ``token``, the draft, the logits after each drafted token)."""
         d = getattr(self, "_drafters", None)
+        plan = getattr(self, "_planner", None) if d else None
+        if plan is not None:
+            self._draft_rate.score_shadow(self._cached + [int(token)])
         draft = d.draft({0: (self._cached, token, room, None, None)}).get(0, []) if d and room >= 1 else []
+        if plan is not None and draft:
+            keep = plan.plan(1, {0: draft}, {0: self._draft_rate.rate()})[0]
+            if keep == 0 and self._draft_rate.shadow is None:
+                self._draft_rate.shadow = (len(self._cached) + 1, draft)
+            draft = draft[:keep]
+        t0 = time.perf_counter()
         if not draft:
-            return self.eval_token(token), [], []
+            out = self.eval_token(token)
+            if plan is not None:
+                plan.observe_step(1, time.perf_counter() - t0)
+            return out, [], []
         self.ctx.decode(Batch.from_tokens([token] + draft, pos0=self._pos(), logits_all=True))
+        if plan is not None:
+            plan.observe_step(1 + len(draft), time.perf_counter() - t0)
+        self._checking = len(draft)
         self.spec_stats["drafted"] += len(draft)
         self._cached.append(int(token))
         rows = [np.array(self.ctx.get_logits_ith(j)) for j in range(len(draft) + 1)]
@@ -295,6 +319,8 @@ class Llama:
         if max_tokens is None or max_tokens < 0:
             max_tokens = self.n_ctx - len(prompt_tokens)
         logits = self.eval_prompt(prompt_tokens)
+        if getattr(self, "_planner", None) is not None:     # a new text: its drafts' rate starts over
+            self._draft_rate, self._checking = type(self._draft_rate)(), 0
         dec = StreamDecoder(self.vocab, special=False, keep=frozenset(keep_tokens))
         stop = [s for s in (stop or []) if s]
         draft, rows = [], []            # a draft not yet checked, and the logits after each of its tokens
@@ -346,8 +372,11 @@ class Llama:
                 self.spec_stats["accepted"] += 1
                 draft.pop(0)
                 logits = rows.pop(0)
+                if not draft:
+                    self._draft_checked(self._checking)
                 continue
             if draft:
+                self._draft_checked(self._checking - len(draft))
                 self.ctx.seq_rm(0, self._pos(), -1)
                 draft.clear()
                 rows.clear()

@@ -61,6 +61,9 @@ class SpecParams:
     p_min: float = 0.0
     ngram_size_n: int = 12
     ngram_size_m: int = 48
+    # llampy's: drafts are cut to the length whose verification is expected to pay (DraftPlanner); off: every draft
+    # is checked whole, as llama.cpp checks it
+    plan: bool = True
 
     def __post_init__(self):
         self.types = tuple(self.types)
@@ -113,6 +116,107 @@ class NgramSimple:
         return []
 
 
+class DraftPlanner:
+    """How much of each slot's draft a decode step checks. Checking drafted tokens costs rows of the target's batch;
+    what they cost depends on the backend's kernels (on a 2-core AVX2 host SmolLM2's products cost nearly a whole
+    step per row below eight rows and half that per row from eight on), and what they bring depends on how often
+    the slot's drafts are right. The planner measures both as the server runs:
+
+    - the seconds of a step of n rows of generating slots (``observe_step``: drafting, decode and sampling, in a
+      moving average per n; the first step of each n is left out, as it may build that batch's graph), with an
+      estimate for the n not yet seen (between two seen: interpolated; past the largest: its cost per row, each
+      further row at PRIOR_ROW of it, the optimism that makes the planner try a longer batch at least once);
+    - each slot's chance that a drafted token is accepted when the ones before it were (``observe``, a decaying
+      count of accepted tokens against drafts cut short; the drafts a step does not check are scored against the
+      tokens generated after them, for free).
+
+    ``plan`` takes the drafted tokens in order of their chance of being accepted (a^i for the i-th token of a slot
+    whose rate is a) and keeps the count that maximises the expected tokens per second of the step. Greedy output
+    is unchanged: the tokens kept are checked exactly as before; only fewer of them are."""
+    PRIOR_ROW = 0.5     # an unseen longer batch: each row past the longest seen costs this share of its row cost
+    DECAY = 0.7         # weight of a slot's earlier draft outcomes at each new one
+    EMA = 0.3           # weight of a new step time in its batch size's average
+
+    def __init__(self):
+        self.cost: dict[int, float] = {}
+        self.seen: set = set()
+
+    def observe_step(self, n_rows: int, seconds: float) -> None:
+        if n_rows not in self.seen:
+            self.seen.add(n_rows)
+            return
+        old = self.cost.get(n_rows)
+        self.cost[n_rows] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+
+    def estimate(self, n: int) -> float | None:
+        """Seconds of a step of n rows: measured, or estimated from the sizes measured (None: none yet)."""
+        c = self.cost
+        if n in c:
+            return c[n]
+        if not c:
+            return None
+        lo = max((k for k in c if k < n), default=None)
+        hi = min((k for k in c if k > n), default=None)
+        if lo is not None and hi is not None:
+            return c[lo] + (c[hi] - c[lo]) * (n - lo) / (hi - lo)
+        if lo is None:
+            return c[hi] * n / hi
+        return c[lo] * (1 + self.PRIOR_ROW * (n - lo) / lo)
+
+    def plan(self, n_base: int, drafts: dict, rates: dict) -> dict:
+        """{slot: tokens of its draft to check}: ``n_base`` rows are in the step anyway (one per generating slot,
+        and prompt pieces), ``drafts`` {slot: draft}, ``rates`` {slot: chance that a drafted token is accepted}."""
+        keep = {sid: 0 for sid in drafts}
+        base = self.estimate(n_base)
+        if base is None or base <= 0:
+            return keep
+        marg = sorted(((rates[sid] ** (i + 1), sid) for sid, d in drafts.items() for i in range(len(d))),
+                      key=lambda t: -t[0])
+        # a row of the step's own counts as one token (a prompt row as one too: steps with prompt pieces draft less)
+        best, best_j, tokens = n_base / base, 0, float(n_base)
+        for j, (p, _sid) in enumerate(marg, 1):
+            tokens += p
+            cost = self.estimate(n_base + j)
+            if cost and tokens / cost > best * (1 + 1e-9):
+                best, best_j = tokens / cost, j
+        for _p, sid in marg[:best_j]:
+            keep[sid] += 1
+        return keep
+
+
+class DraftRate:
+    """A slot's running chance that a drafted token is accepted when the ones before it were (DraftPlanner)."""
+    __slots__ = ("acc", "cut", "shadow")
+
+    def __init__(self):
+        self.acc, self.cut = 1.0, 1.0       # prior: one accepted, one cut short
+        self.shadow = None                  # (position of its first token, draft) not checked by the target
+
+    def rate(self) -> float:
+        return self.acc / (self.acc + self.cut)
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        d = DraftPlanner.DECAY
+        self.acc = d * self.acc + n_accepted
+        self.cut = d * self.cut + (1.0 if n_accepted < n_drafted else 0.0)
+
+    def score_shadow(self, tokens: list) -> None:
+        """Score the unchecked draft against the tokens generated since (``tokens``: the sequence so far, the
+        last sampled token included), once they tell how much of it would have been accepted."""
+        if self.shadow is None:
+            return
+        p0, d = self.shadow
+        known = tokens[p0:p0 + len(d)]
+        for i, t in enumerate(known):
+            if t != d[i]:
+                self.observe(len(d), i)
+                self.shadow = None
+                return
+        if len(known) == len(d):
+            self.observe(len(d), len(d))
+            self.shadow = None
+
+
 class Drafters:
     """The drafters of a SpecParams over one target: n-gram lookup first, then the draft model for the sequences it
     left without a draft."""
@@ -137,7 +241,7 @@ class Drafters:
         for sid, (history, last, room, n_min, p_min) in wants.items():
             if self.ngram is not None:
                 d = self.ngram.draft(history, last, room)
-                if d:
+                if len(d) >= max(1, sp.n_min if n_min is None else n_min):   # llama-server drops a shorter one
                     out[sid] = d
                     continue
             if self.model is not None:

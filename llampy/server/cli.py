@@ -78,6 +78,9 @@ def add_spec_args(p) -> None:
                    metavar="N", help="a shorter draft of the draft model is dropped (default 0)")
     g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=0.0, metavar="P",
                    help="the draft model stops where its top token's probability falls below P (default 0)")
+    g.add_argument("--draft-whole", action="store_true",
+                   help="check every draft whole, as llama.cpp does (default: each step checks the part of the "
+                        "drafts expected to pay, from the measured step times and acceptance rates)")
     g.add_argument("--spec-ngram-simple-size-n", dest="ngram_n", type=int, default=12, metavar="N",
                    help="ngram-simple: tokens looked up in the history (default 12)")
     g.add_argument("--spec-ngram-simple-size-m", dest="ngram_m", type=int, default=48, metavar="M",
@@ -94,7 +97,7 @@ def spec_params(args):
     if "draft-simple" in types and not args.model_draft:
         raise SpeculativeError("--spec-type draft-simple needs a draft model (--model-draft FILE)")
     sp = SpecParams(types=types, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min,
-                    ngram_size_n=args.ngram_n, ngram_size_m=args.ngram_m)
+                    ngram_size_n=args.ngram_n, ngram_size_m=args.ngram_m, plan=not args.draft_whole)
     return sp if sp.enabled() else None
 
 

@@ -19,9 +19,9 @@ from typing import Callable
 import numpy as np
 
 from ..llama.batch import Batch
-from ..llama.context import Context
+from ..llama.context import PAD_BELOW, Context
 from ..llama.sampling import Chain, top_logprobs, top_positions
-from ..llama.speculative import Drafters, SpeculativeError
+from ..llama.speculative import DraftPlanner, DraftRate, Drafters, SpeculativeError
 from ..llama.vocab import StreamDecoder
 
 # A prompt is decoded in chunks of this many tokens, one per step, so that the slots already generating get a token
@@ -124,6 +124,7 @@ class Slot:
         self.prompt_lps: list = []      # the prompt tokens' log-probs so far (Request.prompt_logprobs)
         self.n_draft = 0                # drafted tokens checked for this request, and those accepted
         self.n_draft_acc = 0
+        self.draft_rate = DraftRate()   # how often this request's drafts are right (DraftPlanner)
         self.lora: tuple = ()           # the LoRA scales its cached K/V were computed with
         self.alora_from = 0             # an aLoRA request: its first tokens up to this one decode without adapters
         self.checkpoints: list[Checkpoint] = []     # oldest first; each one's tokens prefix ``cached``
@@ -175,7 +176,7 @@ class Engine:
         # one KV stream per slot (llama-server's default, kv_unified off): a request's result does not depend on
         # where earlier requests left cells in the cache
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_parallel,
-                           max_graphs=2 * n_parallel + 64, kv_pad_decode=n_ctx, kv_unified=False, pad_ubatch=True,
+                           max_graphs=2 * n_parallel + 64 + (PAD_BELOW if spec_cap else 0), kv_pad_decode=n_ctx, kv_unified=False, pad_ubatch=True,
                            **{k: v for k, v in (("type_k", type_k), ("type_v", type_v)) if v is not None},
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
@@ -187,14 +188,23 @@ class Engine:
         self.lora_paths: list = []
         self.lora_scales: list = []
         self._lora_turn = 0
+        self.planner = None
         if self.spec is not None:
             self.drafters = Drafters(self.spec, model.vocab, n_ctx, n_parallel, draft_model)
+            if self.spec.plan:
+                self.planner = DraftPlanner()
         # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
         # would otherwise move them), then a decode step of every number of generating slots; then, for a server
         # of PROMPT_SLOTS_PER_STEP slots or more, the padded shapes of short prompt pieces beside generating slots
         # (Context.pad_shapes: ~40 graphs at 32 slots, a few seconds of CPU while idle, so that requests arriving
         # together do not wait for them; a smaller server sees few of them and builds them as they come)
         self._to_reserve = [(n_batch, n_parallel)] + [(k, k) for k in range(n_parallel, 0, -1)]
+        if self.spec is not None:
+            # and the steps that check drafts: every generating slot's token and its draft, all rows outputs (up to
+            # the micro-batches Context pads and keeps on the decode step's path), so that the planner's first try
+            # of a size does not wait for its graph
+            top = min(n_parallel * (1 + spec_cap), n_ubatch, PAD_BELOW - 1)
+            self._to_reserve += [(k, k) for k in range(n_parallel + 1, top + 1)]
         self._pad_shapes_due = n_parallel >= PROMPT_SLOTS_PER_STEP
         self.inbox: "queue.Queue" = queue.Queue()   # Requests, and jobs (callables) to run on this thread
         self.waiting: list[Request] = []
@@ -510,6 +520,7 @@ class Engine:
         slot.pending = list(r.tokens[n_common:])
         slot.req, slot.n_gen, slot.n_reused, slot.text, slot.emitted = r, 0, n_common, "", 0
         slot.n_draft = slot.n_draft_acc = 0
+        slot.draft_rate = DraftRate()
         slot.dec = StreamDecoder(self.vocab, special=False, keep=r.keep_tokens)
         self.metrics["prompt_tokens_total"] += len(slot.pending)
         self.metrics["prompt_tokens_cached"] += n_common
@@ -552,6 +563,7 @@ class Engine:
                 self.metrics["requests_cancelled"] += 1
 
     def _step_all(self) -> None:
+        t_step = time.perf_counter()
         active = [s for s in self.slots if s.req is not None]
         if self.lora_adapters and active:
             # one set of adapter scales per decode (the graph applies them to every row): slots of other sets
@@ -615,7 +627,7 @@ class Engine:
         if not active:
             return
         # then one token for each generating slot, followed by its draft when speculating
-        drafts = self._drafts([s for s in active if not s.pending]) if self.spec is not None else {}
+        drafts = self._drafts([s for s in active if not s.pending], len(toks)) if self.spec is not None else {}
         for s in active:
             if not s.pending:
                 p0 = self._pos(s)
@@ -673,16 +685,23 @@ class Engine:
                 except Exception as e:  # a sampler or detokenizer failure ends this request only
                     self._fail(s, f"sampling failed: {type(e).__name__}: {e}")
         now = time.perf_counter()
+        if self.planner is not None and not took:      # the whole step: drafting, decode, sampling
+            self.planner.observe_step(len(batch), now - t_step)
         self._recent.append((now, m["generated_tokens_total"] - g0))     # with drafts, several per slot
         if now - self._recent[0][0] > 30:
             self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
 
-    def _drafts(self, gen: list) -> dict:
+    def _drafts(self, gen: list, n_prompt: int = 0) -> dict:
         """{slot id: draft} for the generating slots: n-gram lookup first, then the draft model for the slots it left
         without one, all in one batch per draft step. A slot drafts at most what its context and its request's
-        max_tokens leave after the next token (llama-server's get_n_draft_max)."""
+        max_tokens leave after the next token (llama-server's get_n_draft_max). With the planner, each draft is cut
+        to what is worth checking in this step (``n_prompt``: the step's prompt rows); a draft not checked at all
+        is kept aside and scored against the tokens that follow."""
         want = {}
         t0 = time.perf_counter()
+        if self.planner is not None:
+            for s in gen:
+                s.draft_rate.score_shadow(s.cached + [s.next_token])
         for s in gen:
             r = s.req
             room = min(s.n_ctx - len(s.cached) - 2, r.max_tokens - s.n_gen - 1)
@@ -691,6 +710,17 @@ class Engine:
             if room >= 1 and _text_only(s.cached):
                 want[s.id] = (s.cached, s.next_token, room, r.spec_n_min, r.spec_p_min)
         out = self.drafters.draft(want) if want else {}
+        if self.planner is not None and out:
+            keep = self.planner.plan(n_prompt + len(gen), out,
+                                     {sid: self.slots[sid].draft_rate.rate() for sid in out})
+            for sid, d in list(out.items()):
+                rate = self.slots[sid].draft_rate
+                if keep[sid] == 0:
+                    if rate.shadow is None:
+                        rate.shadow = (len(self.slots[sid].cached) + 1, d)
+                    del out[sid]
+                else:
+                    out[sid] = d[:keep[sid]]
         self.metrics["draft_seconds_total"] += time.perf_counter() - t0
         return out
 
@@ -701,6 +731,7 @@ class Engine:
         s.n_draft += len(draft)         # counted first: the request may end (and report them) within the loop
         self.metrics["draft_tokens_total"] += len(draft)
         self.metrics["draft_steps_total"] += 1
+        n_acc = s.n_draft_acc
         try:
             for i in range(len(draft) + 1):
                 tok = self._step(s, self.ctx.get_logits_ith(row + i))
@@ -712,6 +743,7 @@ class Engine:
                 self.metrics["draft_tokens_accepted"] += 1
         finally:
             self.ctx.seq_rm(s.id, self._pos(s), -1)
+            s.draft_rate.observe(len(draft), s.n_draft_acc - n_acc)
 
     def _decode_image(self, s: Slot) -> None:
         """The image at the head of the slot's pending prompt, decoded as an embeddings batch of its own (non-causal

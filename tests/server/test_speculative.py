@@ -26,8 +26,9 @@ def spec_server():
     from llampy.llama.speculative import SpecParams
     from llampy.models import smollm2_path
     from llampy.server.app import Server, create_app
-    # small n-gram sizes so that these short prompts find matches; the draft model drafts where they do not
-    sp = SpecParams(types=("ngram-simple", "draft-simple"), n_max=4, ngram_size_n=3, ngram_size_m=6)
+    # small n-gram sizes so that these short prompts find matches; the draft model drafts where they do not; every
+    # draft checked whole (test_planned_drafts_... cuts them)
+    sp = SpecParams(types=("ngram-simple", "draft-simple"), n_max=4, ngram_size_n=3, ngram_size_m=6, plan=False)
     server = Server(smollm2_path(), n_parallel=2, n_ctx=1024, spec=sp, model_draft=DRAFT)
     url, uv, t = serve_in_thread(create_app(server))
     yield url, server
@@ -140,8 +141,8 @@ def test_api_generate_with_drafts_matches_plain():
     greedy, seeded = run(temperature=0), run(temperature=0.9, seed=5, top_k=0, top_p=1.0, min_p=0.0)
     target = SHARED / "fixtures" / "tiny" / "qwen3-Q8_0.gguf"
     stats = []
-    for sp, draft in ((SpecParams(types=("draft-simple",), n_max=5), DRAFT),
-                      (SpecParams(types=("draft-simple",), n_max=5), target),      # drafts it agrees with
+    for sp, draft in ((SpecParams(types=("draft-simple",), n_max=5, plan=False), DRAFT),
+                      (SpecParams(types=("draft-simple",), n_max=5, plan=False), target),  # drafts it agrees with
                       (SpecParams(types=("ngram-simple",), ngram_size_n=2, ngram_size_m=8), None)):
         llm.set_speculative(sp, draft)
         assert run(temperature=0) == greedy, sp.types
@@ -169,7 +170,7 @@ def test_cli_run_with_drafts_prints_the_plain_run(capsys):
         return json.loads(out)["tokens"], err
     plain, err = run()
     assert "speculative" not in err
-    for extra in (["--model-draft", str(DRAFT), "--draft-max", "5"],
+    for extra in (["--model-draft", str(DRAFT), "--draft-max", "5", "--draft-whole"],
                   ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
                    "--spec-ngram-simple-size-m", "8"]):
         toks, err = run(*extra)
@@ -178,3 +179,62 @@ def test_cli_run_with_drafts_prints_the_plain_run(capsys):
         assert m and int(m.group(2)) <= int(m.group(1)), err
         # the draft model drafts at every step (this random target's output never repeats the prompt's 2-grams)
         assert int(m.group(1)) > 0 or extra[0] == "--spec-type", err
+
+
+class FixedCosts:
+    """A DraftPlanner whose step costs are given (not measured): one to three rows cost the same, more cost one per
+    row, so a one-slot step checks two drafted tokens at most, and a draft whose rate is low is not checked."""
+
+    def __new__(cls):
+        from llampy.llama.speculative import DraftPlanner
+        p = DraftPlanner()
+        p.cost = {1: 1.0, 2: 1.0, 3: 1.0, 4: 4.0, 5: 5.0, 6: 6.0}
+        p.observe_step = lambda n, s: None
+        return p
+
+
+def test_planned_drafts_are_cut_and_replies_unchanged(spec_server, plain):
+    """With the planner, the drafts a step checks are cut to what its (here fixed) step costs make worth it; the
+    greedy replies stay those without drafting."""
+    url, server = spec_server
+    e = server.engine
+    m0 = dict(e.metrics)
+    e.planner = FixedCosts()
+    try:
+        for p in PROMPTS:
+            assert complete(url, p)["content"] == plain[(p, "greedy")]["content"], p
+    finally:
+        e.planner = None
+    drafted = e.metrics["draft_tokens_total"] - m0["draft_tokens_total"]
+    steps = e.metrics["draft_steps_total"] - m0["draft_steps_total"]
+    assert 0 < drafted <= 2 * steps
+
+
+def test_draft_planner_costs_and_choices():
+    from llampy.llama.speculative import DraftPlanner, DraftRate
+    p = DraftPlanner()
+    assert p.plan(1, {0: [5, 6]}, {0: 0.9}) == {0: 0}         # no step measured yet: nothing checked
+    p.observe_step(1, 9.0)                                      # the first step of a size builds its graph: left out
+    assert p.estimate(1) is None
+    p.observe_step(1, 1.0)
+    p.observe_step(8, 7.0)
+    p.observe_step(8, 4.0)
+    assert p.estimate(8) == 4.0 and p.estimate(1) == 1.0
+    assert p.estimate(4) == 1.0 + 3.0 * 3 / 7                   # between two sizes: interpolated
+    assert p.estimate(10) == 4.0 * (1 + DraftPlanner.PRIOR_ROW * 2 / 8)    # past them: optimistic per row
+    # one slot, rows 2-7 dearer per token than 1 or 8 (as SmolLM2's products on a 2-core AVX2 host): all seven
+    # checked when they are likely right, none when not
+    p.cost = {**{n: float(n) for n in range(1, 8)}, 8: 4.0}
+    assert p.plan(1, {0: list(range(7))}, {0: 0.95}) == {0: 7}
+    assert p.plan(1, {0: list(range(7))}, {0: 0.3}) == {0: 0}
+    assert p.plan(1, {0: list(range(12))}, {0: 0.99}) == {0: 12}   # past 8 rows: tried on the optimistic estimate
+    # two slots: the likelier drafts first
+    p.cost = {2: 2.0, 3: 2.0, 4: 2.0, 5: 5.0}
+    assert p.plan(2, {0: [1, 2, 3], 1: [4, 5]}, {0: 0.2, 1: 0.9}) == {0: 0, 1: 2}
+    r = DraftRate()
+    assert r.rate() == 0.5
+    r.shadow = (3, [7, 8, 9])                   # an unchecked draft of the tokens at 3, 4, 5
+    r.score_shadow([0, 1, 2, 7])
+    assert r.shadow is not None                 # one right so far
+    r.score_shadow([0, 1, 2, 7, 8, 4])
+    assert r.shadow is None and r.acc == 0.7 + 2 and r.cut == 0.7 + 1
