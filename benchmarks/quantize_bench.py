@@ -2,7 +2,7 @@
 the two outputs are byte-identical.
 
     python benchmarks/quantize_bench.py [--threads 2] [--types Q4_0,Q8_0,Q4_K_M,Q6_K] [--layers 4] [--vocab 32000]
-                                        [--src smollm2|FILE] [--imatrix] [--dir DIR]
+                                        [--src smollm2|1b|FILE] [--imatrix] [--dir DIR]
 
 The input: by default a random-weight F16 llama of TinyLlama's layer shapes (n_embd 2048, n_ff 5632, 16 heads, 4 KV
 heads) with ``--layers`` layers and a ``--vocab``-token vocabulary, written once with llampy's writer (``--layers 4
@@ -10,7 +10,9 @@ heads) with ``--layers`` layers and a ``--vocab``-token vocabulary, written once
 start-up of a process counts as much). ``--src smollm2``: the default model, SmolLM2-135M (its bundled Q4_1 file
 turned into F16 once by ``llampy quantize --allow-requantize ... F16``: what a user of the default model would
 quantize; its 576-wide rows are no whole k-quant blocks, so llama-quantize's fallbacks pick most tensors' types);
-``--src FILE``: any F32/F16/BF16 GGUF.
+``--src 1b``: Llama 3.2 1B's shape in F16 (2048 wide, 16 layers, n_ff 8192, a 128256-token vocabulary and an
+untied output matrix: 1.50 G parameters, 3.0 GB; compare_llamacpp.py's ``--shape 1b`` file, cached in
+~/.cache/llampy/shapes), the size users quantize; ``--src FILE``: any F32/F16/BF16 GGUF.
 
 ``--types all``: every file type llama-quantize offers (COPY included), those that need an importance matrix
 (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ2_M, IQ3_XXS, IQ3_XS, Q2_K_S: some tensor of theirs gets a type that
@@ -20,8 +22,10 @@ llama-quantize quantizes only with one) left out unless ``--imatrix``; ``--types
 llama-quantize is found as the tests find it (LLAMPY_LLAMA_QUANTIZE, or bin/llama-quantize of LLAMPY_LLAMACPP:
 ``bash scripts/llamacpp.sh`` builds it). Before timing, llampy quantizes a small random model (its weights F16
 when the input's are, else F32) once to every listed type (untimed), so that no timed run compiles a kernel; then
-each tool runs once per type, the input already in the page cache. Wall time is the whole command's (start-up included); CPU is its user + system time, which a loaded
-machine disturbs less than wall time.
+each tool runs once per type, the input already in the page cache. llampy's .pyc files are brought up to date
+first (``compileall``, as installing the package does; with PYTHONDONTWRITEBYTECODE set, a module edited since its
+last .pyc would compile from source at every start: ~0.25 s for llama/quant.py). Wall time is the whole command's
+(start-up included); CPU is its user + system time, which a loaded machine disturbs less than wall time.
 """
 from __future__ import annotations
 
@@ -61,6 +65,11 @@ def _source(a, d: Path, py: list) -> tuple[Path, str]:
             subprocess.run(py + ["--allow-requantize", str(smollm2_path()), str(src), "F16"], capture_output=True,
                            check=True)
         return src, "SmolLM2-135M (the bundled Q4_1 as F16)"
+    if a.src == "1b":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from compare_llamacpp import shaped
+        return shaped("1b", "F16"), ("Llama 3.2 1B's shape (compare_llamacpp.py --shape 1b: 64 random rows a matrix, "
+                                     "repeated; output not tied), F16, 1498 M parameters")
     if a.src:
         return Path(a.src), a.src
     src = d / (f"rand-2048-L{a.layers}-f16.gguf" if a.vocab == 32000 else f"rand-2048-L{a.layers}-V{a.vocab}-f16.gguf")
@@ -77,7 +86,8 @@ def main() -> int:
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K_M,Q5_K_M,Q6_K,IQ4_XS")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size (token_embd and output rows)")
-    ap.add_argument("--src", default=None, help="'smollm2' or an F32/F16/BF16 GGUF instead of the random llama")
+    ap.add_argument("--src", default=None,
+                    help="'smollm2', '1b' or an F32/F16/BF16 GGUF instead of the random llama")
     ap.add_argument("--imatrix", action="store_true", help="a random importance matrix for both tools")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "llampy-quant-bench"))
     a = ap.parse_args()
@@ -109,7 +119,10 @@ def main() -> int:
     if not small.exists():
         write_random_llama(small, n_layer=1, dtype=np.float16 if f16 else np.float32)
         write_random_imatrix(small, small_im)
-    for t in types:         # every kernel compiled (Numba's cache) before anything is timed
+    # every module's bytecode cached and every kernel compiled (Numba's cache) before anything is timed
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "llampy")], capture_output=True, check=True,
+                   env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
+    for t in types:
         subprocess.run(py + (["--imatrix", str(small_im)] if a.imatrix else []) + [str(small), str(d / "warm.gguf"),
                        t, str(a.threads)], capture_output=True, check=True)
     opts = []

@@ -426,6 +426,27 @@ def tensor_get_type(qs: QuantizeState, name: str, cur_type, ne, default_type) ->
     return T(new_type)
 
 
+# llama_model_loader's guess of a file's type when general.file_type is missing (what a COPY writes then): the
+# tensor type that is the most frequent first, in weights_map's order, to this LLAMA_FTYPE_*, or'ed with GUESSED
+_GUESS = {T.F32: F.F32, T.F16: F.F16, T.BF16: F.BF16, T.Q4_0: F.Q4_0, T.Q4_1: F.Q4_1, T.Q5_0: F.Q5_0,
+          T.Q5_1: F.Q5_1, T.Q8_0: F.Q8_0, T.Q2_K: F.Q2_K, T.Q3_K: F.Q3_K_M, T.Q4_K: F.Q4_K_M, T.Q5_K: F.Q5_K_M,
+          T.Q6_K: F.Q6_K, T.TQ1_0: F.TQ1_0, T.TQ2_0: F.TQ2_0, T.IQ2_XXS: F.IQ2_XXS, T.IQ2_XS: F.IQ2_XS,
+          T.IQ2_S: F.IQ2_S, T.IQ3_XXS: F.IQ3_XXS, T.IQ1_S: F.IQ1_S, T.IQ1_M: F.IQ1_M, T.IQ4_NL: F.IQ4_NL,
+          T.IQ4_XS: F.IQ4_XS, T.IQ3_S: F.IQ3_S, T.NVFP4: F.NVFP4, T.Q1_0: F.Q1_0, T.Q2_0: F.Q2_0}
+LLAMA_FTYPE_GUESSED = 1024
+
+
+def _guessed_ftype(tensors: dict) -> int:
+    count: dict = {}
+    n_max, t_max = 0, T.F32
+    for name in weights_order(list(tensors)):
+        t = T(tensors[name].type)
+        count[t] = count.get(t, 0) + 1
+        if n_max < count[t]:
+            n_max, t_max = count[t], t
+    return _GUESS.get(t_max, F.F32) | LLAMA_FTYPE_GUESSED
+
+
 def tensor_requires_imatrix(name: str, t, ftype: int) -> bool:
     if name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
         return False
@@ -577,7 +598,7 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
         raise QuantizeError(f"invalid output file type {ftype}")
     default_type = FTYPE_DEFAULT[ftype]
     if params.only_copy:
-        ftype = int(r.get("general.file_type", F.F32))
+        ftype = int(r.get("general.file_type", _guessed_ftype(r.tensors)))
     if params.imatrix:
         for k, v in params.imatrix.items():
             if not np.isfinite(v).all():

@@ -22,12 +22,13 @@ TINY = ROOT.parent / "shared" / "fixtures" / "tiny" / "llama-F32.gguf"
 
 
 def write_random_llama(path, n_embd=256, n_ff=512, n_layer=4, n_head=4, n_head_kv=1, n_vocab=512, seed=0,
-                       dtype=np.float32, tied=False):
+                       dtype=np.float32, tied=False, file_type=0):
     rng = np.random.default_rng(seed)
     w = GGUFWriter(path)
     w.add("general.architecture", "llama")
     w.add("general.name", "random")
-    w.add("general.file_type", 0, VT.UINT32)
+    if file_type is not None:
+        w.add("general.file_type", file_type, VT.UINT32)
     for k, v in (("block_count", n_layer), ("context_length", 256), ("embedding_length", n_embd),
                  ("feed_forward_length", n_ff), ("attention.head_count", n_head),
                  ("attention.head_count_kv", n_head_kv), ("vocab_size", n_vocab)):
@@ -129,15 +130,17 @@ def test_same_bytes_tiny_fixture_fallbacks(tool, tmp_path):
     assert ours.read_bytes() == ref.read_bytes()
 
 
-@pytest.mark.parametrize("ftype,kernels", [("Q5_K_M", None), ("BF16", None), ("F32", False), ("F32", True)])
+@pytest.mark.parametrize("ftype,kernels", [("Q5_K_M", None), ("BF16", None), ("F32", False), ("F32", True),
+                                          ("COPY", None)])
 def test_same_bytes_from_f16_and_tied(tool, tmp_path, monkeypatch, ftype, kernels):
-    """An F16 model: F16 rows go to F32 and BF16 straight into the output (by NumPy's table lookups, or Numba's
-    conversion when the kernels run the file: ``kernels`` forces either)."""
+    """An F16 model without general.file_type (a COPY writes llama_model_loader's guess, MOSTLY_F16 | GUESSED): F16
+    rows go to F32 and BF16 straight into the output (by NumPy's table lookups, or Numba's conversion when the
+    kernels run the file: ``kernels`` forces either)."""
     if kernels is not None:
         from llampy.llama import quant
         monkeypatch.setattr(quant, "_NUMPY_UNITS_PER_THREAD", 0 if kernels else 10**15)
     src, ref, ours = tmp_path / "f16.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
-    write_random_llama(src, n_layer=2, dtype=np.float16, tied=True, seed=3)
+    write_random_llama(src, n_layer=2, dtype=np.float16, tied=True, seed=3, file_type=None)
     _reference(tool, [str(src), str(ref), ftype, "2"])
     _ours([str(src), str(ours), ftype, "2"])
     assert ours.read_bytes() == ref.read_bytes()
