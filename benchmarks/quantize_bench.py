@@ -22,14 +22,16 @@ llama-quantize quantizes only with one) left out unless ``--imatrix``; ``--types
 llama-quantize is found as the tests find it (LLAMPY_LLAMA_QUANTIZE, or bin/llama-quantize of LLAMPY_LLAMACPP:
 ``bash scripts/llamacpp.sh`` builds it). Before timing, llampy quantizes a small random model (its weights F16
 when the input's are, else F32) once to every listed type (untimed), so that no timed run compiles a kernel; then
-each tool runs once per type, the input already in the page cache. llampy's .pyc files are brought up to date
-first (``compileall``, as installing the package does; with PYTHONDONTWRITEBYTECODE set, a module edited since its
-last .pyc would compile from source at every start: ~0.25 s for llama/quant.py). Wall time is the whole command's
-(start-up included); CPU is its user + system time, which a loaded machine disturbs less than wall time.
+each tool runs once per type, the input already in the page cache and the dirty pages written back (sync) before
+each run. llampy's .pyc files are brought up to date first (``compileall``, as installing the package does; with
+PYTHONDONTWRITEBYTECODE set, a module edited since its last .pyc would compile from source at every start: ~0.25 s
+for llama/quant.py). Wall time is the whole command's (start-up included); CPU is its user + system time, which a
+loaded machine disturbs less than wall time.
 """
 from __future__ import annotations
 
 import argparse
+import filecmp
 import os
 import resource
 import subprocess
@@ -131,20 +133,27 @@ def main() -> int:
         if not im.exists():
             write_random_imatrix(src, im)
         opts = ["--imatrix", str(im)]
+    with open(src, "rb") as f:          # the input in the page cache before the first timed run
+        while f.read(1 << 24):
+            pass
     print(f"{what}, {a.threads} threads{', random imatrix' if a.imatrix else ''}\n")
     print("| type | llama-quantize wall (s) | llampy wall (s) | wall ratio | llama-quantize CPU (s) | llampy CPU (s) "
           "| CPU ratio | identical |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for t in types:
         ref, ours = d / f"ref-{t}.gguf", d / f"ours-{t}.gguf"
+        # the page cache's dirty pages written back before each run: a file of gigabytes (the 1B shape) is still
+        # being written out when the next command starts, and would slow whichever tool runs second
+        os.sync()
         r1, w1, c1 = _timed([tool, *opts, str(src), str(ref), t, str(a.threads)])
+        os.sync()
         r2, w2, c2 = _timed(py + [*opts, str(src), str(ours), t, str(a.threads)])
         if r1.returncode or r2.returncode:
             why = (r1.stderr if r1.returncode else r2.stderr).strip().splitlines()[-1:]
             print(f"| {t} | {'failed' if r1.returncode else f'{w1:.2f}'} | "
                   f"{'failed' if r2.returncode else f'{w2:.2f}'} | | | | | {why[0] if why else ''} |", flush=True)
         else:
-            same = ref.read_bytes() == ours.read_bytes()
+            same = filecmp.cmp(ref, ours, shallow=False)        # block by block: the files can be gigabytes
             print(f"| {t} | {w1:.2f} | {w2:.2f} | {w2 / w1:.2f} | {c1:.2f} | {c2:.2f} | {c2 / max(c1, 1e-3):.2f} "
                   f"| {'yes' if same else 'NO'} |", flush=True)
         ref.unlink(missing_ok=True)
