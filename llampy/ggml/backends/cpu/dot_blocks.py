@@ -8,7 +8,10 @@ IQ4_NL, MXFP4 and the repacked rows of Q4_0 (against Q8_0), in llama.cpp's x86 f
 The block facts (field offsets, block bytes) and the scalar parts of each decode rule (a sub-block's scale:
 ``blocks.q2_k_scale``, ``q3_k_scale``, ``iq4_xs_scale``) come from the table; the quant bytes of a 32-value group are
 decoded sixteen or thirty-two lanes at a time by the intrinsics below, one per packing the table names (2-bit
-planes, a high-bit plane, nibbles through the IQ4 value table).
+planes, a high-bit plane, nibbles through the IQ4 value table). TQ1_0 and the grid formats (IQ1_S ... IQ3_S) decode
+a whole super-block per intrinsic (``tq1_lanes``, ``iq2xs_lanes`` ...): its grid indices, sign bytes and scales as
+vectors at the table's field offsets, the grid entries gathered by index, where one scalar per index, sign and scale
+through bounds-wrapping array reads took 1.2-2.3x ggml's time for a decoded token.
 
 Float order, per (weight row, activation row) pair (ggml-cpu/arch/x86/quants.c and vec.cpp, AVX2 forms):
 - Q2_K, Q3_K, IQ4_XS (``ggml_vec_dot_*_q8_K``): per super-block eight exact int32 lanes (lane l: the scaled
@@ -261,6 +264,19 @@ def f16_rows8(typingctx, w, r, o):
 
 
 @intrinsic
+def f16_bits(typingctx, u):
+    """The F16 value of the bits in the low 16 bits of the integer u, as float32 (one vcvtph2ps; exact):
+    ``blocks.f16_from_bits`` without its branches and libm's ldexp."""
+    if not isinstance(u, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = builder.trunc(args[0], _I16)
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), ir.FloatType())
+    return types.float32(u), codegen
+
+
+@intrinsic
 def f32x8_set(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
     """Eight float32 scalars as lanes 0..7."""
     def codegen(context, builder, sig, args):
@@ -272,33 +288,62 @@ def f32x8_set(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
     return f32x8(a0, a1, a2, a3, a4, a5, a6, a7), codegen
 
 
-def _trits32(g):
-    """An intrinsic: TQ1_0's digits of values 32g..32g+31 of the block at byte ``off`` of w, as unsigned bytes:
-    the block bytes the table names for them (``blocks.tq1_0_byte_digit``), times 3^digit mod 256, then
-    ``(b * 3) >> 8`` (ggml's AVX2 form, a saturating subtract and two averages, gives the same digit for every
-    byte)."""
+def _tq1_digit_vec(builder, a, c16, d4, g):
+    """<32 x i8>: TQ1_0's values 32g..32g+31 as their block bytes times 3^digit mod 256 (``blocks.tq1_0_byte_digit``),
+    from ``a`` (bytes 0..31), ``c16`` (32..47) and ``d4`` (48..51, widened to 16 lanes)."""
     src, pw = zip(*(B.tq1_0_byte_digit.py_func(32 * g + v) for v in range(32)))
-    # two 32-byte loads cover the 54-byte block: bytes 0..31 and 20..51
-    idx = [b if b < 32 else 32 + b - 20 for b in src]
-    pows = [int(B.POW3[n]) for n in pw]
-
-    @intrinsic
-    def trits(typingctx, w, off):
-        def codegen(context, builder, sig, args):
-            a = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _V32))
-            o2 = builder.add(context.cast(builder, args[1], sig.args[1], types.intp),
-                             ir.Constant(context.get_value_type(types.intp), 20))
-            b = _load(builder, _ptr(context, builder, sig.args[0], args[0], o2, _V32))
-            q = builder.mul(_shuf(builder, a, b, idx), ir.Constant(_V32, [p & 255 for p in pows]))
-            w16 = ir.VectorType(_I16, 32)
-            d = builder.lshr(builder.mul(builder.zext(q, w16), _splat(w16, 3)), _splat(w16, 8))
-            return builder.bitcast(builder.trunc(d, _V32), _V_I32x8)
-        return i32x8(w, types.intp), codegen
-    return trits
+    pows = [int(B.POW3[n]) & 255 for n in pw]
+    if max(src) < 32:
+        q = _shuf(builder, a, a, src) if list(src) != list(range(32)) else a
+    else:
+        q = _shuf(builder, c16, d4, [b - 32 if b < 48 else 16 + b - 48 for b in src])
+    if pows != [1] * 32:
+        q = builder.mul(q, ir.Constant(_V32, pows))
+    return q
 
 
-TQ1_DIGITS = tuple(_trits32(g) for g in range(8))
-tq1_d0, tq1_d1, tq1_d2, tq1_d3, tq1_d4, tq1_d5, tq1_d6, tq1_d7 = TQ1_DIGITS
+def _tq1_digits(builder, q):
+    """The digit (q * 3) >> 8 of each byte q, as ggml's AVX2 kernel takes it: a saturating - 1, two rounding averages,
+    the top two bits (the same digit for every byte; vpsubusb, vpavgb, vpsrlw, vpand)."""
+    ext = ir.VectorType(_I16, 32)
+
+    def avg(u, v):
+        if AVX2:      # the call itself: LLVM saw through the generic form and widened the bytes to int16
+            return _call(builder, "llvm.x86.avx2.pavg.b", _V32, [u, v])
+        t = builder.add(builder.add(builder.zext(u, ext), builder.zext(v, ext)), _splat(ext, 1))
+        return builder.trunc(builder.lshr(t, _splat(ext, 1)), _V32)
+    q1 = _call(builder, "llvm.usub.sat.v32i8", _V32, [q, _splat(_V32, 1)])
+    return builder.lshr(avg(q1, avg(q1, _splat(_V32, 0))), _splat(_V32, 6))
+
+
+@intrinsic
+def tq1_lanes(typingctx, w, o, x, xo):
+    """TQ1_0's eight int32 lanes of one super-block before its block sums are taken off (the block at byte o of w,
+    the 256 int8 activations at byte xo of x): per 32-value group the digits 0..2 times x (maddubs), the sixteen
+    pair sums of the eight groups added as int16 (<= 8 * 2 * 2 * 128, exact), then summed in pairs (madd by 1):
+    lane l the products of elements 4l..4l+3 of every group, as ``lanes_u`` per group gave them. The digits of a
+    byte taken as ggml's AVX2 kernel does (``_tq1_digits``), the 3^n multiples of the 32 shared bytes one byte
+    multiply each."""
+    def codegen(context, builder, sig, args):
+        wty, xty = sig.args[0], sig.args[2]
+        ity = context.get_value_type(types.intp)
+        o = context.cast(builder, args[1], sig.args[1], types.intp)
+        xo = context.cast(builder, args[3], sig.args[3], types.intp)
+
+        def at(off, vty):
+            return _load(builder, _ptr(context, builder, wty, args[0], builder.add(o, ir.Constant(ity, off)), vty))
+        a = at(0, _V32)
+        c16 = at(32, _V16)
+        d4 = at(48, ir.VectorType(_I8, 4))
+        d4 = _shuf(builder, d4, d4, [j & 3 for j in range(16)])
+        acc = None
+        for g in range(8):
+            q = _tq1_digits(builder, _tq1_digit_vec(builder, a, c16, d4, g))
+            xv = _load(builder, _ptr(context, builder, xty, args[2], builder.add(xo, ir.Constant(ity, 32 * g)), _V32))
+            p16 = _maddubs(builder, q, xv)
+            acc = p16 if acc is None else builder.add(acc, p16)
+        return _madd(builder, acc, _splat(_W16, 1))
+    return i32x8(w, types.intp, x, types.intp), codegen
 
 
 def _x32(context, builder, sig, args, ia, io):
@@ -452,84 +497,269 @@ def i32x8_sub(typingctx, a, b):
 
 
 @intrinsic
-def gather4_u64(typingctx, tab, i0, i1, i2, i3):
-    """32 bytes: the uint64 entries i0..i3 of tab, one after another (an 8-value grid's four chunks)."""
+def iq1m_lanes(typingctx, tab, w, o, x, xo):
+    """IQ1_M's two sets of eight int32 lanes of one super-block (the block at byte o of w, the 256 int8 activations
+    at byte xo of x), ggml_vec_dot_iq1_m_q8_K's sumi1 and sumi2: per 32-value group the four grid entries (``tab``:
+    iq1s_grid, eight values each) times x by the sign trick, and the deltas (+-1 per eight values, the sign bit of
+    each index nibble) times x, each pair sum times its sixteen values' scale 2 ls + 1. The 32 grid indices, the
+    sixteen scales and the deltas' byte masks are decoded as vectors for the whole block (one scalar each, with
+    bounds-wrapping array reads, cost 2.3x ggml's time)."""
     def codegen(context, builder, sig, args):
+        tty, wty, xty = sig.args[0], sig.args[1], sig.args[3]
+        ity = context.get_value_type(types.intp)
+        o = context.cast(builder, args[2], sig.args[2], types.intp)
+        xo = context.cast(builder, args[4], sig.args[4], types.intp)
+
+        def at(off, vty):
+            return _load(builder, _ptr(context, builder, wty, args[1], builder.add(o, ir.Constant(ity, off)), vty))
+        qs = at(_fo(T.IQ1_M, "qs"), _V32)
+        qh = at(_fo(T.IQ1_M, "qh"), _V16)
+        sc = at(_fo(T.IQ1_M, "scales"), ir.VectorType(_I16, 4))
+        w32 = ir.VectorType(_I16, 32)
+        # index 4g + c: qs[4g + c] | ((qh[2g + c // 2] >> 4 (c % 2)) & 7) << 8
+        qhx = builder.zext(_shuf(builder, qh, qh, [j >> 1 for j in range(32)]), w32)
+        idx = builder.or_(builder.zext(qs, w32),
+                          builder.mul(builder.and_(qhx, ir.Constant(w32, [7, 0x70] * 16)),
+                                      ir.Constant(w32, [256, 16] * 16)))
+        # scale 2g + h: 2 ((sc[g // 2] >> (6 (g % 2) + 3 h)) & 7) + 1
+        v16 = ir.VectorType(_I32, 16)
+        s32 = builder.zext(_shuf(builder, sc, sc, [g >> 1 for g in range(8) for h in range(2)]), v16)
+        sh = [6 * (g & 1) + 3 * h for g in range(8) for h in range(2)]
+        s32 = builder.and_(builder.lshr(s32, ir.Constant(v16, sh)), _splat(v16, 7))
+        s16 = builder.trunc(builder.add(builder.shl(s32, _splat(v16, 1)), _splat(v16, 1)), _W16)
         i64 = ir.IntType(64)
-        v = ir.Constant(ir.VectorType(i64, 4), None)
-        for j in range(4):
-            e = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0],
-                                         context.cast(builder, args[1 + j], sig.args[1 + j], types.intp), i64))
-            v = builder.insert_element(v, e, ir.Constant(_I32, j))
-        return builder.bitcast(v, _V_I32x8)
-    return i32x8(tab, i0, i1, i2, i3), codegen
+        tp = builder.bitcast(context.make_array(tty)(context, builder, args[0]).data, i64.as_pointer())
+        ones = _splat(_V32, 1)
+        dbit = ir.Constant(_V32, ([8] * 8 + [128] * 8) * 2)
+        acc1 = acc2 = None
+        for g in range(8):
+            q = ir.Constant(ir.VectorType(i64, 4), None)
+            for c in range(4):
+                i = builder.zext(builder.extract_element(idx, ir.Constant(_I32, 4 * g + c)), ity)
+                q = builder.insert_element(q, _load(builder, builder.gep(tp, [i])), ir.Constant(_I32, c))
+            q = builder.bitcast(q, _V32)
+            xv = _load(builder, _ptr(context, builder, xty, args[3], builder.add(xo, ir.Constant(ity, 32 * g)), _V32))
+            sp = _shuf(builder, s16, s16, [2 * g] * 8 + [2 * g + 1] * 8)
+            v1 = _madd(builder, sp, _maddubs(builder, _abs8(builder, q), _sign_of(builder, xv, q)))
+            # the deltas' signs: chunk c negative where bit 3 + 4 (c % 2) of qh[2g + c // 2] is set; x ^ m - m is
+            # ggml's sign_epi8(x, +-1) (-(-128) stays -128)
+            hb = _shuf(builder, qh, qh, [2 * g + (v >> 4) for v in range(32)])
+            m = builder.sext(builder.icmp_unsigned("!=", builder.and_(hb, dbit), _splat(_V32, 0)), _V32)
+            v2 = _madd(builder, sp, _maddubs(builder, ones, builder.sub(builder.xor(xv, m), m)))
+            acc1 = v1 if acc1 is None else builder.add(acc1, v1)
+            acc2 = v2 if acc2 is None else builder.add(acc2, v2)
+        return context.make_tuple(builder, sig.return_type, [acc1, acc2])
+    return types.UniTuple(i32x8, 2)(tab, w, types.intp, x, types.intp), codegen
+
+
+def _ksigns_ir(builder, s):
+    """ksigns_iq2xs[s] of each lane of an integer vector s (7-bit sign indices): s with its parity as bit 7 (the
+    table's rule: the eighth sign makes the count of minus signs even)."""
+    t = s.type
+
+    def sh(v, n):
+        return builder.lshr(v, _splat(t, n))
+    p = builder.xor(s, sh(s, 4))
+    p = builder.xor(p, sh(p, 2))
+    p = builder.xor(p, sh(p, 1))
+    return builder.or_(s, builder.shl(builder.and_(p, _splat(t, 1)), _splat(t, 7)))
+
+
+def _grid_groups(context, builder, sig, args, idx, ks8, sp, per=4):
+    """The eight groups' lanes of a grid format's super-block, summed: group g's ``per`` table entries (args[0]:
+    four uint64 of 8 values, or eight uint32 of 4) at lanes per * g .. of the index vector ``idx``, times the
+    activations (args[3] from byte args[4] + 32 g) with the sign bits of bytes 4g .. 4g + 3 of ``ks8`` applied
+    (bit v % 8 of byte 4g + v // 8 for value v, tested in byte lanes: a 0 / -1 mask m, x ^ m - m, ggml's xor-sub:
+    -(-128) stays -128), the pair sums times ``sp(g)`` (a <16 x i16>)."""
+    ity = context.get_value_type(types.intp)
+    xo = context.cast(builder, args[4], sig.args[4], types.intp)
+    et = ir.IntType(256 // per)          # four uint64 entries a group (8 values each) or eight uint32 (4 values)
+    tp = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, et.as_pointer())
+    bit = ir.Constant(_V32, [1 << (v % 8) for v in range(32)])
+    acc = None
+    for g in range(8):
+        q = ir.Constant(ir.VectorType(et, per), None)
+        for c in range(per):
+            i = builder.zext(builder.extract_element(idx, ir.Constant(_I32, per * g + c)), ity)
+            q = builder.insert_element(q, _load(builder, builder.gep(tp, [i])), ir.Constant(_I32, c))
+        xv = _load(builder, _ptr(context, builder, sig.args[3], args[3], builder.add(xo, ir.Constant(ity, 32 * g)),
+                                 _V32))
+        hb = _shuf(builder, ks8, ks8, [4 * g + v // 8 for v in range(32)])
+        m = builder.sext(builder.icmp_unsigned("!=", builder.and_(hb, bit), _splat(_V32, 0)), _V32)
+        v = _madd(builder, sp(g), _maddubs(builder, builder.bitcast(q, _V32), builder.sub(builder.xor(xv, m), m)))
+        acc = v if acc is None else builder.add(acc, v)
+    return acc
+
+
+def _fo(t, name):
+    """The byte offset of field ``name`` in a block of format t (the table's layout)."""
+    return B.BLOCKS[t].field(name).offset
+
+
+def _block_at(context, builder, sig, args, off, vty):
+    """The ``vty`` at byte ``off`` of the block at byte args[2] of the row args[1]."""
+    ity = context.get_value_type(types.intp)
+    o = context.cast(builder, args[2], sig.args[2], types.intp)
+    return _load(builder, _ptr(context, builder, sig.args[1], args[1], builder.add(o, ir.Constant(ity, off)), vty))
+
+
+def _to_bytes(builder, v):
+    """The low byte of each lane of an integer vector, as a byte vector of as many lanes."""
+    return builder.trunc(v, ir.VectorType(_I8, v.type.count))
 
 
 @intrinsic
-def gather8_u32(typingctx, tab, i0, i1, i2, i3, i4, i5, i6, i7):
-    """32 bytes: the uint32 entries i0..i7 of tab, one after another (a 4-value grid's eight chunks)."""
+def iq2xs_lanes(typingctx, tab, w, o, x, xo):
+    """IQ2_XS's eight int32 lanes of one super-block (the block at byte o of w, the 256 int8 activations at byte xo
+    of x), ggml's sumi: per group the four iq2xs_grid entries (``tab``) times x with the signs applied, each pair sum
+    times 2 ls + 1 of its sixteen values. The block's 32 u16 (9-bit index, 7-bit sign index), its sign bytes
+    (``_ksigns_ir``: the table's rule, no lookup) and its sixteen scales decoded as vectors at once (scalars through
+    bounds-wrapping array reads and ksigns lookups were 1.5x ggml's time)."""
     def codegen(context, builder, sig, args):
-        v = ir.Constant(_V_I32x8, None)
-        for j in range(8):
-            e = _load(builder, _elem_ptr(context, builder, sig.args[0], args[0],
-                                         context.cast(builder, args[1 + j], sig.args[1 + j], types.intp), _I32))
-            v = builder.insert_element(v, e, ir.Constant(_I32, j))
-        return v
-    return i32x8(tab, i0, i1, i2, i3, i4, i5, i6, i7), codegen
+        w32 = ir.VectorType(_I16, 32)
+        qs = _block_at(context, builder, sig, args, _fo(T.IQ2_XS, "qs"), w32)
+        idx = builder.and_(qs, _splat(w32, 511))
+        ks8 = _to_bytes(builder, _ksigns_ir(builder, builder.lshr(qs, _splat(w32, 9))))
+        sc = _block_at(context, builder, sig, args, _fo(T.IQ2_XS, "scales"), ir.VectorType(_I8, 8))
+        s16 = builder.zext(_shuf(builder, sc, sc, [g for g in range(8) for h in range(2)]), _W16)
+        s16 = builder.and_(builder.lshr(s16, ir.Constant(_W16, [0, 4] * 8)), _splat(_W16, 15))
+        s16 = builder.add(builder.shl(s16, _splat(_W16, 1)), _splat(_W16, 1))
+        return _grid_groups(context, builder, sig, args, idx, ks8,
+                            lambda g: _shuf(builder, s16, s16, [2 * g] * 8 + [2 * g + 1] * 8))
+    return i32x8(tab, w, types.intp, x, types.intp), codegen
 
 
 @intrinsic
-def lanes_sg(typingctx, q, bits, x, xo, s0, s1):
-    """Eight int32 lanes: ``madd(scales, maddubs(q, x with sign bits applied))``: the unsigned grid bytes in q, the
-    32 int8 activations at byte xo of x negated where bit v of ``bits`` is set (ggml's sign_epi8 / xor-sub: -(-128)
-    stays -128), scale s0 over elements 0..15 and s1 over 16..31."""
-    if q != i32x8:
-        return None
-
+def iq2xxs_lanes(typingctx, tab, w, o, x, xo):
+    """IQ2_XXS's eight int32 lanes of one super-block, as ``iq2xs_lanes``: per group eight bytes, four grid indices
+    (iq2xxs_grid) and a u32 of four 7-bit sign indices and the group's scale in its top four bits, decoded as
+    vectors for the whole block."""
     def codegen(context, builder, sig, args):
-        # byte lanes throughout: lane v takes byte v // 8 of the bits and tests bit v % 8 there, giving a 0 / -1
-        # byte mask m, and x with the sign applied is (x ^ m) - m. (The same test on 32 int32 lanes, one per bit,
-        # was four vectors of compares packed down to bytes: 3.2 -> 1.85 ns a group with the grid's gather.)
+        v16 = ir.VectorType(_I32, 16)
+        v32 = ir.VectorType(_I32, 32)
+        # lane 2g: the group's four index bytes, lane 2g + 1: its aux u32
+        raw = _block_at(context, builder, sig, args, _fo(T.IQ2_XXS, "qs"), v16)
+        idx = builder.bitcast(raw, ir.VectorType(_I8, 64))
+        idx = _shuf(builder, idx, idx, [8 * (j // 4) + j % 4 for j in range(32)])
+        aux = _shuf(builder, raw, raw, [2 * (j // 4) + 1 for j in range(32)])
+        s = builder.and_(builder.lshr(aux, ir.Constant(v32, [7 * (j % 4) for j in range(32)])), _splat(v32, 127))
+        ks8 = _to_bytes(builder, _ksigns_ir(builder, s))
+        ls = builder.trunc(builder.lshr(_shuf(builder, raw, raw, [2 * g + 1 for g in range(8)]),
+                                        _splat(ir.VectorType(_I32, 8), 28)), ir.VectorType(_I16, 8))
+        ls = builder.add(builder.shl(ls, _splat(ir.VectorType(_I16, 8), 1)), _splat(ir.VectorType(_I16, 8), 1))
+        return _grid_groups(context, builder, sig, args, idx, ks8, lambda g: _shuf(builder, ls, ls, [g] * 16))
+    return i32x8(tab, w, types.intp, x, types.intp), codegen
+
+
+@intrinsic
+def iq3s_lanes(typingctx, tab, w, o, x, xo):
+    """IQ3_S's eight int32 lanes of one super-block, as ``iq2xs_lanes``: per group eight iq3s_grid entries (four
+    values each; index: a byte of qs and bit c of the group's qh byte as its ninth), the group's four sign bytes
+    as they are stored, its scale 2 ls + 1 (a nibble per group) over all 32 values; decoded as vectors for the
+    whole block."""
+    def codegen(context, builder, sig, args):
+        w64 = ir.VectorType(_I16, 64)
+        qs = builder.zext(_block_at(context, builder, sig, args, _fo(T.IQ3_S, "qs"), ir.VectorType(_I8, 64)), w64)
+        qh = _block_at(context, builder, sig, args, _fo(T.IQ3_S, "qh"), ir.VectorType(_I8, 8))
+        qhx = _shuf(builder, qh, qh, [j // 8 for j in range(64)])
+        b64 = ir.VectorType(_I8, 64)
+        b8 = builder.icmp_unsigned("!=", builder.and_(qhx, ir.Constant(b64, [1 << (j % 8) for j in range(64)])),
+                                   ir.Constant(b64, [0] * 64))
+        idx = builder.or_(qs, builder.and_(builder.sext(b8, w64), _splat(w64, 256)))
+        ks8 = _block_at(context, builder, sig, args, _fo(T.IQ3_S, "signs"), _V32)
+        sc = _block_at(context, builder, sig, args, _fo(T.IQ3_S, "scales"), ir.VectorType(_I8, 4))
+        v8 = ir.VectorType(_I16, 8)
+        ls = builder.zext(_shuf(builder, sc, sc, [g >> 1 for g in range(8)]), v8)
+        ls = builder.and_(builder.lshr(ls, ir.Constant(v8, [4 * (g & 1) for g in range(8)])), _splat(v8, 15))
+        ls = builder.add(builder.shl(ls, _splat(v8, 1)), _splat(v8, 1))
+        return _grid_groups(context, builder, sig, args, idx, ks8, lambda g: _shuf(builder, ls, ls, [g] * 16), 8)
+    return i32x8(tab, w, types.intp, x, types.intp), codegen
+
+
+@intrinsic
+def iq1s_lanes(typingctx, tab, w, o, x, xo, bs, bo):
+    """IQ1_S's grid lanes of one super-block and its deltas' integer, ggml_vec_dot_iq1_s_q8_K's sumi and sumi1
+    before their conversion: per group the four iq1s_grid entries (index: a byte of qs and three bits of the
+    group's qh u16) times x by the sign trick, the pair sums times 2 ls + 1; the deltas' term the activations'
+    block sums 2g, 2g + 1 (int16, from element bo of bs) times +-(2 ls + 1) (bit 15 of qh: minus), summed. Decoded
+    as vectors for the whole block. Returns (lanes, the deltas' sum as an int32 lane vector's total)."""
+    def codegen(context, builder, sig, args):
+        w32 = ir.VectorType(_I16, 32)
+        v8 = ir.VectorType(_I16, 8)
+        qs = builder.zext(_block_at(context, builder, sig, args, _fo(T.IQ1_S, "qs"), _V32), w32)
+        qh = _block_at(context, builder, sig, args, _fo(T.IQ1_S, "qh"), v8)
+        qhx = _shuf(builder, qh, qh, [j // 4 for j in range(32)])
+        hi = builder.shl(builder.and_(builder.lshr(qhx, ir.Constant(w32, [3 * (j % 4) for j in range(32)])),
+                                      _splat(w32, 7)), _splat(w32, 8))
+        idx = builder.or_(qs, hi)
+        ls = builder.add(builder.shl(builder.and_(builder.lshr(qh, _splat(v8, 12)), _splat(v8, 7)), _splat(v8, 1)),
+                         _splat(v8, 1))
+        ity = context.get_value_type(types.intp)
+        xo = context.cast(builder, args[4], sig.args[4], types.intp)
+        i64 = ir.IntType(64)
+        tp = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, i64.as_pointer())
+        acc = None
+        for g in range(8):
+            q = ir.Constant(ir.VectorType(i64, 4), None)
+            for c in range(4):
+                i = builder.zext(builder.extract_element(idx, ir.Constant(_I32, 4 * g + c)), ity)
+                q = builder.insert_element(q, _load(builder, builder.gep(tp, [i])), ir.Constant(_I32, c))
+            q = builder.bitcast(q, _V32)
+            xv = _load(builder, _ptr(context, builder, sig.args[3], args[3], builder.add(xo, ir.Constant(ity, 32 * g)),
+                                     _V32))
+            v = _madd(builder, _shuf(builder, ls, ls, [g] * 16),
+                      _maddubs(builder, _abs8(builder, q), _sign_of(builder, xv, q)))
+            acc = v if acc is None else builder.add(acc, v)
+        # deltas: pair g of the sixteen block sums times ls_g, negated where bit 15 of qh[g] is set
+        sl = builder.select(builder.icmp_signed("<", qh, _splat(v8, 0)), builder.sub(_splat(v8, 0), ls), ls)
+        sl16 = _shuf(builder, sl, sl, [j // 2 for j in range(16)])
+        bsv = _load(builder, _elem_ptr(context, builder, sig.args[5], args[5],
+                                       context.cast(builder, args[6], sig.args[6], types.intp), _W16))
+        return context.make_tuple(builder, sig.return_type, [acc, _madd(builder, bsv, sl16)])
+    return types.UniTuple(i32x8, 2)(tab, w, types.intp, x, types.intp, bs, types.intp), codegen
+
+
+@intrinsic
+def iq2s_lanes(typingctx, tab, w, o, x, xo):
+    """IQ2_S's eight int32 lanes of one super-block, as ``iq2xs_lanes``: per group four iq2s_grid entries (index: a
+    byte of qs and two bits of the group's qh byte above it), the group's four sign bytes as stored, the scales
+    2 ls + 1 of its two halves (a nibble each); decoded as vectors for the whole block."""
+    def codegen(context, builder, sig, args):
+        w32 = ir.VectorType(_I16, 32)
+        qs = builder.zext(_block_at(context, builder, sig, args, _fo(T.IQ2_S, "qs"), _V32), w32)
+        qh = _block_at(context, builder, sig, args, _fo(T.IQ2_S, "qh"), ir.VectorType(_I8, 8))
+        qhx = builder.zext(_shuf(builder, qh, qh, [j // 4 for j in range(32)]), w32)
+        hi = builder.and_(builder.shl(qhx, ir.Constant(w32, [8 - 2 * (j % 4) for j in range(32)])),
+                          _splat(w32, 0x300))
+        idx = builder.or_(qs, hi)
+        ks8 = _block_at(context, builder, sig, args, _fo(T.IQ2_S, "signs"), _V32)
+        sc = _block_at(context, builder, sig, args, _fo(T.IQ2_S, "scales"), ir.VectorType(_I8, 8))
+        s16 = builder.zext(_shuf(builder, sc, sc, [g for g in range(8) for h in range(2)]), _W16)
+        s16 = builder.and_(builder.lshr(s16, ir.Constant(_W16, [0, 4] * 8)), _splat(_W16, 15))
+        s16 = builder.add(builder.shl(s16, _splat(_W16, 1)), _splat(_W16, 1))
+        return _grid_groups(context, builder, sig, args, idx, ks8,
+                            lambda g: _shuf(builder, s16, s16, [2 * g] * 8 + [2 * g + 1] * 8))
+    return i32x8(tab, w, types.intp, x, types.intp), codegen
+
+
+@intrinsic
+def iq3xxs_lanes(typingctx, tab, w, o, x, xo):
+    """IQ3_XXS's eight int32 lanes of one super-block, as ``iq2xxs_lanes``: per group eight iq3xxs_grid entries
+    (four values each, a byte of qs each) and, from the u32 after the 64 index bytes, four 7-bit sign indices and
+    the group's scale in the top four bits; decoded as vectors for the whole block."""
+    def codegen(context, builder, sig, args):
         v8 = ir.VectorType(_I32, 8)
-        b = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I32)
-        bv = builder.bitcast(builder.insert_element(ir.Constant(v8, None), b, ir.Constant(_I32, 0)), _V32)
-        bit = ir.Constant(_V32, [1 << (v % 8) for v in range(32)])
-        m = builder.sext(builder.icmp_unsigned("!=", builder.and_(_shuf(builder, bv, bv, [v // 8 for v in range(32)]),
-                                                                 bit), _splat(_V32, 0)), _V32)
-        xv = _x32(context, builder, sig, args, 2, 3)
-        xs = builder.sub(builder.xor(xv, m), m)
-        p16 = _maddubs(builder, builder.bitcast(args[0], _V32), xs)
-        return _madd(builder, _scale_pair(context, builder, sig, args, 4, 5), p16)
-    return i32x8(i32x8, bits, x, types.intp, s0, s1), codegen
-
-
-@intrinsic
-def lanes_s2(typingctx, q, x, xo, s0, s1):
-    """As ``lanes_s`` (signed bytes q times the activations, ggml's mul_add_epi8) with scale s0 over elements 0..15
-    and s1 over 16..31."""
-    if q != i32x8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = builder.bitcast(args[0], _V32)
-        b = _x32(context, builder, sig, args, 1, 2)
-        # |a| and b with a's sign: vpabsb and vpsignb on AVX2 (the selects that state them were not folded)
-        return _madd(builder, _scale_pair(context, builder, sig, args, 3, 4),
-                     _maddubs(builder, _abs8(builder, a), _sign_of(builder, b, a)))
-    return i32x8(i32x8, x, types.intp, s0, s1), codegen
-
-
-@intrinsic
-def i64x4(typingctx, a, b, c, d):
-    """32 bytes: the four int64 values a..d, one after another."""
-    def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        v = ir.Constant(ir.VectorType(i64, 4), None)
-        for j in range(4):
-            e = context.cast(builder, args[j], sig.args[j], types.int64)
-            v = builder.insert_element(v, e, ir.Constant(_I32, j))
-        return builder.bitcast(v, _V_I32x8)
-    return i32x8(a, b, c, d), codegen
+        v32 = ir.VectorType(_I32, 32)
+        idx = _block_at(context, builder, sig, args, _fo(T.IQ3_XXS, "qs"), ir.VectorType(_I8, 64))
+        aux8 = _block_at(context, builder, sig, args, _fo(T.IQ3_XXS, "sas"), v8)
+        aux = _shuf(builder, aux8, aux8, [j // 4 for j in range(32)])
+        s = builder.and_(builder.lshr(aux, ir.Constant(v32, [7 * (j % 4) for j in range(32)])), _splat(v32, 127))
+        ks8 = _to_bytes(builder, _ksigns_ir(builder, s))
+        w8 = ir.VectorType(_I16, 8)
+        ls = builder.trunc(builder.lshr(aux8, _splat(v8, 28)), w8)
+        ls = builder.add(builder.shl(ls, _splat(w8, 1)), _splat(w8, 1))
+        return _grid_groups(context, builder, sig, args, idx, ks8, lambda g: _shuf(builder, ls, ls, [g] * 16), 8)
+    return i32x8(tab, w, types.intp, x, types.intp), codegen
 
 
 @intrinsic
@@ -599,7 +829,7 @@ K_Q4_0_R8 = 16
 G_IQ1 = B.tab.iq1s_grid
 IQ1S_BYTES = B.BLOCKS[T.IQ1_S].type_size
 IQ1M_BYTES = B.BLOCKS[T.IQ1_M].type_size
-ONES8, NEG8 = 0x0101010101010101, -1      # a chunk's delta bytes: +1 or -1 (0xff..)
+IQ1M_SC = B.BLOCKS[T.IQ1_M].field("scales").offset
 # the grid formats' tables as ggml's kernels index them (uint64: 8 values per entry, uint32: 4)
 G_IQ2_XXS = B.tab.iq2xxs_grid
 G_IQ2_XS = B.tab.iq2xs_grid
@@ -758,15 +988,7 @@ def _st_tq2_0(kind, wr, b, xr, xdr, bsr, a1, a2, s):
 @njit(cache=True, inline="always")
 def _st_tq1_0(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     o = b * T1_BYTES
-    xo = b * 256
-    lanes = i32x8_sub(lanes_u(tq1_d0(wr, o), xr, xo, 1, 1), bsum_lanes(bsr, b * 16))
-    lanes = i32x8_add(lanes, lanes_u(tq1_d1(wr, o), xr, xo + 32, 1, 1))
-    lanes = i32x8_add(lanes, lanes_u(tq1_d2(wr, o), xr, xo + 64, 1, 1))
-    lanes = i32x8_add(lanes, lanes_u(tq1_d3(wr, o), xr, xo + 96, 1, 1))
-    lanes = i32x8_add(lanes, lanes_u(tq1_d4(wr, o), xr, xo + 128, 1, 1))
-    lanes = i32x8_add(lanes, lanes_u(tq1_d5(wr, o), xr, xo + 160, 1, 1))
-    lanes = i32x8_add(lanes, lanes_u(tq1_d6(wr, o), xr, xo + 192, 1, 1))
-    lanes = i32x8_add(lanes, lanes_u(tq1_d7(wr, o), xr, xo + 224, 1, 1))
+    lanes = i32x8_sub(tq1_lanes(wr, o, xr, b * 256), bsum_lanes(bsr, b * 16))
     a1 = f32x8_fma(np.float32(xdr[b] * f16_at(wr, o + T1_D)), i32x8_to_f32x8(lanes), a1)
     return a1, a2, s
 
@@ -785,20 +1007,20 @@ def _st_iq1_s(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     # ggml_vec_dot_iq1_s_q8_K: exact lanes of the grid (signed) times x and a scalar integer for the deltas'
     # block-sum term; acc = fma(d, lanes, acc), s += d * isum (contracted: one fma)
     o = b * IQ1S_BYTES
-    xo = b * 256
-    lanes = i32x8_zero()
-    isum = 0
-    for g in range(8):
-        q = gather4_u64(G_IQ1, B.iq1_s_grid_idx(wr, o, g, 0), B.iq1_s_grid_idx(wr, o, g, 1),
-                        B.iq1_s_grid_idx(wr, o, g, 2), B.iq1_s_grid_idx(wr, o, g, 3))
-        ls = 2 * B.iq1_s_ls(wr, o, g) + 1
-        lanes = i32x8_add(lanes, lanes_s(q, xr, xo + 32 * g, ls))
-        bsg = np.int64(bsr[b * 16 + 2 * g]) + np.int64(bsr[b * 16 + 2 * g + 1])
-        isum += -bsg * ls if B.iq1_s_neg(wr, o, g) else bsg * ls
+    lanes, dv = iq1s_lanes(G_IQ1, wr, o, xr, b * 256, bsr, b * 16)
     d = np.float32(xdr[b] * f16_at(wr, o))
     a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
-    s = fma32(d, np.float32(isum), s)
+    s = fma32(d, np.float32(i32x8_sum(dv)), s)
     return a1, a2, s
+
+
+@njit(cache=True, inline="always")
+def _iq1_m_d(wr, o):
+    """IQ1_M's super-block scale: ``blocks.iq1_m_d``'s F16 bits (the top nibbles of the four scale words), converted
+    by one instruction (``blocks.f16_from_bits`` took libm's ldexp)."""
+    o += IQ1M_SC
+    return f16_bits((B.u16_at(wr, o) >> 12) | ((B.u16_at(wr, o + 2) >> 8) & 0x00F0)
+                    | ((B.u16_at(wr, o + 4) >> 4) & 0x0F00) | (B.u16_at(wr, o + 6) & 0xF000))
 
 
 @njit(cache=True, inline="always")
@@ -806,89 +1028,51 @@ def _st_iq1_m(kind, wr, b, xr, xdr, bsr, a1, a2, s):
     # ggml_vec_dot_iq1_m_q8_K: the grid lanes and the deltas' lanes (+-x summed per chunk), both scaled per
     # 16 values, in two accumulators
     o = b * IQ1M_BYTES
-    xo = b * 256
-    lanes = i32x8_zero()
-    dl = i32x8_zero()
-    for g in range(8):
-        q = gather4_u64(G_IQ1, B.iq1_m_grid_idx(wr, o, g, 0), B.iq1_m_grid_idx(wr, o, g, 1),
-                        B.iq1_m_grid_idx(wr, o, g, 2), B.iq1_m_grid_idx(wr, o, g, 3))
-        s0 = 2 * B.iq1_m_ls(wr, o, g, 0) + 1
-        s1 = 2 * B.iq1_m_ls(wr, o, g, 1) + 1
-        lanes = i32x8_add(lanes, lanes_s2(q, xr, xo + 32 * g, s0, s1))
-        dv = i64x4(NEG8 if B.iq1_m_neg(wr, o, g, 0) else ONES8, NEG8 if B.iq1_m_neg(wr, o, g, 1) else ONES8,
-                   NEG8 if B.iq1_m_neg(wr, o, g, 2) else ONES8, NEG8 if B.iq1_m_neg(wr, o, g, 3) else ONES8)
-        dl = i32x8_add(dl, lanes_s2(dv, xr, xo + 32 * g, s0, s1))
-    d = np.float32(xdr[b] * B.iq1_m_d(wr, o))
+    lanes, dl = iq1m_lanes(G_IQ1, wr, o, xr, b * 256)
+    d = np.float32(xdr[b] * _iq1_m_d(wr, o))
     a1 = f32x8_fma(d, i32x8_to_f32x8(lanes), a1)
     a2 = f32x8_fma(d, i32x8_to_f32x8(dl), a2)
     return a1, a2, s
 
 
-@njit(cache=True, inline="always")
-def _gl_iq2_xxs(wr, o, g, xr, xo):
-    q = gather4_u64(G_IQ2_XXS, B.iq2_xxs_grid_idx(wr, o, g, 0), B.iq2_xxs_grid_idx(wr, o, g, 1),
-                    B.iq2_xxs_grid_idx(wr, o, g, 2), B.iq2_xxs_grid_idx(wr, o, g, 3))
-    ls = 2 * B.iq2_xxs_ls(wr, o, g, 0) + 1
-    return lanes_sg(q, B.iq2_xxs_signs(wr, o, g), xr, xo, ls, ls)
 
 
 @njit(cache=True, inline="always")
-def _gl_iq2_xs(wr, o, g, xr, xo):
-    q = gather4_u64(G_IQ2_XS, B.iq2_xs_grid_idx(wr, o, g, 0), B.iq2_xs_grid_idx(wr, o, g, 1),
-                    B.iq2_xs_grid_idx(wr, o, g, 2), B.iq2_xs_grid_idx(wr, o, g, 3))
-    return lanes_sg(q, B.iq2_xs_signs(wr, o, g), xr, xo, 2 * B.iq2_xs_ls(wr, o, g, 0) + 1,
-                    2 * B.iq2_xs_ls(wr, o, g, 1) + 1)
+def _st_iq2_xxs(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    # ggml_vec_dot_iq2_xxs_q8_K: the block's lanes (``iq2xxs_lanes``), one fma
+    o = b * IQ2XXS_BYTES
+    a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(iq2xxs_lanes(G_IQ2_XXS, wr, o, xr, b * 256)),
+                   a1)
+    return a1, a2, s
 
 
 @njit(cache=True, inline="always")
-def _gl_iq2_s(wr, o, g, xr, xo):
-    q = gather4_u64(G_IQ2_S, B.iq2_s_grid_idx(wr, o, g, 0), B.iq2_s_grid_idx(wr, o, g, 1),
-                    B.iq2_s_grid_idx(wr, o, g, 2), B.iq2_s_grid_idx(wr, o, g, 3))
-    return lanes_sg(q, B.iq2_s_signs(wr, o, g), xr, xo, 2 * B.iq2_s_ls(wr, o, g, 0) + 1,
-                    2 * B.iq2_s_ls(wr, o, g, 1) + 1)
+def _st_iq2_xs(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * IQ2XS_BYTES
+    a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(iq2xs_lanes(G_IQ2_XS, wr, o, xr, b * 256)), a1)
+    return a1, a2, s
 
 
 @njit(cache=True, inline="always")
-def _gl_iq3_xxs(wr, o, g, xr, xo):
-    q = gather8_u32(G_IQ3_XXS, B.iq3_xxs_grid_idx(wr, o, g, 0), B.iq3_xxs_grid_idx(wr, o, g, 1),
-                    B.iq3_xxs_grid_idx(wr, o, g, 2), B.iq3_xxs_grid_idx(wr, o, g, 3),
-                    B.iq3_xxs_grid_idx(wr, o, g, 4), B.iq3_xxs_grid_idx(wr, o, g, 5),
-                    B.iq3_xxs_grid_idx(wr, o, g, 6), B.iq3_xxs_grid_idx(wr, o, g, 7))
-    ls = 2 * B.iq3_xxs_ls(wr, o, g, 0) + 1
-    return lanes_sg(q, B.iq3_xxs_signs(wr, o, g), xr, xo, ls, ls)
+def _st_iq2_s(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * IQ2S_BYTES
+    a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(iq2s_lanes(G_IQ2_S, wr, o, xr, b * 256)), a1)
+    return a1, a2, s
 
 
 @njit(cache=True, inline="always")
-def _gl_iq3_s(wr, o, g, xr, xo):
-    q = gather8_u32(G_IQ3_S, B.iq3_s_grid_idx(wr, o, g, 0), B.iq3_s_grid_idx(wr, o, g, 1),
-                    B.iq3_s_grid_idx(wr, o, g, 2), B.iq3_s_grid_idx(wr, o, g, 3),
-                    B.iq3_s_grid_idx(wr, o, g, 4), B.iq3_s_grid_idx(wr, o, g, 5),
-                    B.iq3_s_grid_idx(wr, o, g, 6), B.iq3_s_grid_idx(wr, o, g, 7))
-    ls = 2 * B.iq3_s_ls(wr, o, g, 0) + 1
-    return lanes_sg(q, B.iq3_s_signs(wr, o, g), xr, xo, ls, ls)
+def _st_iq3_xxs(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * IQ3XXS_BYTES
+    a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(iq3xxs_lanes(G_IQ3_XXS, wr, o, xr, b * 256)),
+                   a1)
+    return a1, a2, s
 
 
-
-def _grid_step(lanes, nbytes):
-    """The step of a grid format (ggml_vec_dot_iq2_xxs_q8_K ...): exact lanes over the eight groups (``lanes``: the
-    format's ``_gl_*``), one fma per block."""
-    @njit(inline="always")
-    def step(kind, wr, b, xr, xdr, bsr, a1, a2, s):
-        o = b * nbytes
-        xo = b * 256
-        acc = i32x8_zero()
-        for g in range(8):
-            acc = i32x8_add(acc, lanes(wr, o, g, xr, xo + 32 * g))
-        a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(acc), a1)
-        return a1, a2, s
-    return step
-
-
-_st_iq2_xxs = _grid_step(_gl_iq2_xxs, IQ2XXS_BYTES)
-_st_iq2_xs = _grid_step(_gl_iq2_xs, IQ2XS_BYTES)
-_st_iq2_s = _grid_step(_gl_iq2_s, IQ2S_BYTES)
-_st_iq3_xxs = _grid_step(_gl_iq3_xxs, IQ3XXS_BYTES)
-_st_iq3_s = _grid_step(_gl_iq3_s, IQ3S_BYTES)
+@njit(cache=True, inline="always")
+def _st_iq3_s(kind, wr, b, xr, xdr, bsr, a1, a2, s):
+    o = b * IQ3S_BYTES
+    a1 = f32x8_fma(np.float32(f16_at(wr, o) * xdr[b]), i32x8_to_f32x8(iq3s_lanes(G_IQ3_S, wr, o, xr, b * 256)), a1)
+    return a1, a2, s
 
 
 @njit(cache=True, inline="always")
