@@ -65,7 +65,6 @@ def _parse_override(s: str):
 
 def cmd_quantize(args) -> int:
     from .gguf.constants import GGUFValueType as VT
-    from .llama.imatrix import quantize_weights, read_imatrix
     from .llama.quant import QuantizeError, QuantizeParams, parse_ftype, parse_ggml_type, quantize_model
     pos = list(args.args)
     try:
@@ -105,6 +104,7 @@ def cmd_quantize(args) -> int:
         if rest:
             params.nthread = int(rest[0])
         if args.imatrix:
+            from .llama.imatrix import quantize_weights, read_imatrix
             im = read_imatrix(args.imatrix)
             if not im.is_legacy and not im.has_metadata:
                 raise QuantizeError(f"missing imatrix metadata in file {args.imatrix}")
@@ -124,8 +124,9 @@ def cmd_quantize(args) -> int:
         return 2
     if params.nthread <= 0:
         params.nthread = os.cpu_count() or 1
-    from . import tuning
-    tuning.keep_freed_arrays()          # the command's own process: its chunks' temporaries stay mapped
+    if not params.only_copy:            # (a COPY makes no arrays: ctypes is not imported for it)
+        from . import tuning
+        tuning.keep_freed_arrays()      # the command's own process: its chunks' temporaries stay mapped
     bar = _bar(args.progress)
     verbose = not bar.on
     print(f"llampy quantize: {'sizing' if params.dry_run else 'quantizing'} '{fin}'"

@@ -13,7 +13,6 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -679,7 +678,11 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
             # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
             import numba
             numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
-        pool = ThreadPoolExecutor(nthread) if nthread > 1 else None
+        pool = None
+        if nthread > 1 and any(j[3] != j[1].type for j in jobs):
+            # imported here: concurrent.futures (logging, queue...) is ~8 ms of a COPY or F16 run's ~0.3 s
+            from concurrent.futures import ThreadPoolExecutor
+            pool = ThreadPoolExecutor(nthread)
         # each tensor is quantized when the writer reaches it, into one buffer reused for all of them (written out
         # before the next is made): memory holds one output tensor, not the file, as llama-quantize
         sizes = [j[4] for j in jobs if j[3] != j[1].type]
