@@ -88,7 +88,7 @@ TASKS = {
 
 def one_round(server, toks, n_tokens, n_streams):
     """Every task once, n_streams at a time, greedy: (tokens/s, tokens, seconds, drafted, accepted, replies by task,
-    (drafted, accepted) by task, CPU seconds of the process)."""
+    (drafted, accepted, seconds from submission to the end) by task, CPU seconds of the process)."""
     from llampy.llama.sampling import Chain
     from llampy.server.slots import Request
     e = server.engine
@@ -104,6 +104,7 @@ def one_round(server, toks, n_tokens, n_streams):
                 nxt[0] += 1
             if i >= len(names):
                 return
+            t1 = time.perf_counter()
             r = e.submit(Request(tokens=list(toks[names[i]]), max_tokens=n_tokens, cache_prompt=False,
                                  sampler=Chain.from_params(temperature=0)))
             got = []
@@ -113,7 +114,7 @@ def one_round(server, toks, n_tokens, n_streams):
                     got.append(ev.token)
                 if ev.finish_reason:
                     t = ev.timings or {}
-                    per[names[i]] = (t.get("draft_n", 0), t.get("draft_n_accepted", 0))
+                    per[names[i]] = (t.get("draft_n", 0), t.get("draft_n_accepted", 0), time.perf_counter() - t1)
                     break
             out[names[i]] = got
     t0, c0 = time.perf_counter(), time.process_time()
@@ -211,17 +212,20 @@ def main() -> int:
             base = best[(args.configs[0], ns)][0]
             print(f"| {cfg} | {ns} | {tps:.1f} | {n_gen} | {dt:.1f} | {cpu:.1f} | {drafted} | {acc} | {rate} | "
                   f"{tps / base:.2f}x | {'yes' if replies[cfg] == ref else 'NO'} |", flush=True)
-    # per task (the best round of the first stream count): tokens generated, drafted / accepted per configuration
+    # per task (the best round of the first stream count): tokens generated, the first configuration's tok/s, and
+    # per other configuration drafted / accepted (rate) and the speed-up of that request (its own seconds from
+    # submission to its end: exact at one stream, where the requests run one after another)
     ns = args.streams[0]
-    print(f"\n| task ({ns} stream{'s' if ns > 1 else ''}) | tokens | "
-          + " | ".join(f"{c} drafted/accepted" for c in args.configs[1:]) + " |")
-    print("| --- | --- |" + " --- |" * (len(args.configs) - 1))
+    print(f"\n| task ({ns} stream{'s' if ns > 1 else ''}) | tokens | {args.configs[0]} tok/s | "
+          + " | ".join(f"{c}: drafted/accepted, speed-up" for c in args.configs[1:]) + " |")
+    print("| --- | --- | --- |" + " --- |" * (len(args.configs) - 1))
     for t in args.tasks:
+        t_base = best[(args.configs[0], ns)][6][t][2]
         cells = []
         for c in args.configs[1:]:
-            d, a = best[(c, ns)][6].get(t, (0, 0))
-            cells.append(f"{d}/{a}" + (f" ({a / d:.2f})" if d else ""))
-        print(f"| {t} | {len(ref[t])} | " + " | ".join(cells) + " |")
+            d, a, secs = best[(c, ns)][6].get(t, (0, 0, 0.0))
+            cells.append(f"{d}/{a}" + (f" ({a / d:.2f})" if d else "") + f", {t_base / secs:.2f}x")
+        print(f"| {t} | {len(ref[t])} | {len(ref[t]) / t_base:.1f} | " + " | ".join(cells) + " |")
     return 0
 
 
