@@ -190,7 +190,7 @@ class Llama:
         """Draft tokens in ``generate`` (and the completions built on it) and check them in one batch:
         ``spec`` a speculative.SpecParams (None: off), ``model_draft`` the draft model (a GGUF path or a Model) for
         the type draft-simple. The output is the same as without drafting, greedy or seeded."""
-        from .speculative import DraftPlanner, DraftRate, Drafters
+        from .speculative import DraftPlanner, DraftRate, Drafters, exact_rows
         if spec is None or not spec.enabled():
             self._drafters = None
             return
@@ -202,6 +202,10 @@ class Llama:
         self._planner = DraftPlanner() if spec.plan else None
         self._draft_rate = DraftRate()
         self._checking = 0              # the length of the draft being checked
+        # where a batch's rows do not get a single step's bits, drafts short enough that the greedy run stays the
+        # plain one (speculative.exact_rows; it leaves the cache empty)
+        self._exact_rows = exact_rows(self.ctx, 0)
+        self._cached = []
 
     def _draft_checked(self, n_accepted: int) -> None:
         if getattr(self, "_planner", None) is not None and self._checking:
@@ -216,6 +220,8 @@ class Llama:
         if plan is not None:
             self._draft_rate.score_shadow(self._cached + [int(token)])
         draft = d.draft({0: (self._cached, token, room, None, None)}).get(0, []) if d and room >= 1 else []
+        if draft and getattr(self, "_exact_rows", None) is not None:
+            draft = draft[:self._exact_rows - 1]
         if plan is not None and draft:
             keep = plan.plan(1, {0: draft}, {0: self._draft_rate.rate()})[0]
             if keep == 0 and self._draft_rate.shadow is None:

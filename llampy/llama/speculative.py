@@ -116,6 +116,53 @@ class NgramSimple:
         return []
 
 
+EXACT_PROBE_ROWS = 8      # exact_rows tries batches of up to this many rows
+
+
+def exact_rows(ctx, seq: int = 0, n_max: int = EXACT_PROBE_ROWS) -> int | None:
+    """The most rows a decode step of this context may hold while every row still gets the logits of a step of its
+    token alone, bit for bit (a verification batch then samples exactly what plain decoding would); None when every
+    size does (the context computes rows apart: Context._rows_apart, the 32-value formats). Found by trying, on
+    sequence ``seq`` of an empty cache (left empty): n_max tokens decoded one by one, then as batches of 2..n_max
+    rows; the answer is the largest m whose batches of 2..m rows all gave the single steps' bits (1: none did).
+    Q4_K's repacked rows, for one, take ggml's gemm order from 4 rows."""
+    n_vocab = ctx.n_vocab
+    toks = [(97 * i + 13) % n_vocab for i in range(n_max)]
+    ctx.seq_rm(seq, -1, -1)
+    ref = []
+    try:
+        for i, t in enumerate(toks):
+            b = Batch.empty()
+            b.add(t, i, [seq], True)
+            ctx.decode(b)
+            ref.append(np.array(ctx.get_logits_ith(0)))
+            if ctx._rows_apart:
+                return None
+        best = 1
+        for m in range(2, n_max + 1):
+            ctx.seq_rm(seq, -1, -1)
+            b = Batch.empty()
+            for i in range(m):
+                b.add(toks[i], i, [seq], True)
+            ctx.decode(b)
+            if not all(np.array_equal(ctx.get_logits_ith(i), ref[i]) for i in range(m)):
+                break
+            best = m
+        return best
+    finally:
+        ctx.seq_rm(seq, -1, -1)
+
+
+def cap_rows(drafts: dict, n_base: int, max_rows: int) -> dict:
+    """``drafts`` cut (longest first) so that a step of ``n_base`` rows and them holds at most max_rows rows."""
+    room = max(0, max_rows - n_base)
+    out = {sid: list(d) for sid, d in drafts.items()}
+    while sum(len(d) for d in out.values()) > room:
+        longest = max(out, key=lambda sid: len(out[sid]))
+        out[longest].pop()
+    return {sid: d for sid, d in out.items() if d}
+
+
 class DraftPlanner:
     """How much of each slot's draft a decode step checks. Checking drafted tokens costs rows of the target's batch;
     what they cost depends on the backend's kernels (on a 2-core AVX2 host SmolLM2's products cost nearly a whole

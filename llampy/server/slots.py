@@ -21,7 +21,7 @@ import numpy as np
 from ..llama.batch import Batch
 from ..llama.context import PAD_BELOW, Context
 from ..llama.sampling import Chain, top_logprobs, top_positions
-from ..llama.speculative import DraftPlanner, DraftRate, Drafters, SpeculativeError
+from ..llama.speculative import DraftPlanner, DraftRate, Drafters, SpeculativeError, cap_rows, exact_rows
 from ..llama.vocab import StreamDecoder
 
 # A prompt is decoded in chunks of this many tokens, one per step, so that the slots already generating get a token
@@ -189,10 +189,15 @@ class Engine:
         self.lora_scales: list = []
         self._lora_turn = 0
         self.planner = None
+        self.exact_rows = None          # a step that checks drafts holds at most this many rows (None: any number)
         if self.spec is not None:
             self.drafters = Drafters(self.spec, model.vocab, n_ctx, n_parallel, draft_model)
             if self.spec.plan:
                 self.planner = DraftPlanner()
+            # where a batch's rows do not get a single step's bits (K-quant products from 4 rows), a step that would
+            # have held no more rows than that without drafts holds no more with them: a lone request's greedy reply
+            # stays the one it gets without drafting (several requests at once already share such batches)
+            self.exact_rows = exact_rows(self.ctx, 0)
         # graphs built while idle: the largest batch first (its buffers then hold every smaller graph's, which
         # would otherwise move them), then a decode step of every number of generating slots; then, for a server
         # of PROMPT_SLOTS_PER_STEP slots or more, the padded shapes of short prompt pieces beside generating slots
@@ -710,6 +715,8 @@ class Engine:
             if room >= 1 and _text_only(s.cached):
                 want[s.id] = (s.cached, s.next_token, room, r.spec_n_min, r.spec_p_min)
         out = self.drafters.draft(want) if want else {}
+        if self.exact_rows is not None and out and n_prompt + len(gen) <= self.exact_rows:
+            out = cap_rows(out, n_prompt + len(gen), self.exact_rows)
         if self.planner is not None and out:
             keep = self.planner.plan(n_prompt + len(gen), out,
                                      {sid: self.slots[sid].draft_rate.rate() for sid in out})

@@ -238,3 +238,25 @@ def test_draft_planner_costs_and_choices():
     assert r.shadow is not None                 # one right so far
     r.score_shadow([0, 1, 2, 7, 8, 4])
     assert r.shadow is None and r.acc == 0.7 + 2 and r.cut == 0.7 + 1
+
+
+def test_drafts_stay_within_the_rows_that_keep_single_step_bits():
+    """A model whose batches do not give each row a single step's bits (the tiny F32 llama: from 8 rows on) checks
+    drafts only in batches that do (speculative.exact_rows, found by trying), so greedy runs keep their tokens; a
+    model of the 32-value formats needs no limit."""
+    from llampy.llama.api import Llama
+    from llampy.llama.speculative import EXACT_PROBE_ROWS, SpecParams, exact_rows
+    q8 = Llama(str(SHARED / "fixtures" / "tiny" / "qwen3-Q8_0.gguf"), n_ctx=256)
+    assert exact_rows(q8.ctx, 0) is None
+    llm = Llama(str(SHARED / "fixtures" / "tiny" / "llama-F32.gguf"), n_ctx=256)
+    m = exact_rows(llm.ctx, 0)
+    assert m is not None and 1 <= m < EXACT_PROBE_ROWS
+    prompt = llm.vocab.tokenize(STORY, add_special=True, parse_special=True)
+    greedy = [s.token for s in llm.generate(prompt, 32, llm.make_sampler(temperature=0))]
+    llm.set_speculative(SpecParams(types=("ngram-simple",), ngram_size_n=1, ngram_size_m=16, plan=False))
+    assert llm._exact_rows == m
+    seen = []
+    real = llm.ctx.decode
+    llm.ctx.decode = lambda b: (seen.append(len(b)), real(b))[1]
+    assert [s.token for s in llm.generate(prompt, 32, llm.make_sampler(temperature=0))] == greedy
+    assert max(seen[1:]) <= m and llm.spec_stats["drafted"] > 0     # seen[0]: the prompt
