@@ -8,6 +8,8 @@ repacked gemv / gemm chain llama.cpp runs on them instead.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,7 @@ from gguf import GGMLQuantizationType as G
 from llampy.ggml import quants as lq
 from llampy.ggml.backends.cpu import matmul as mm
 from llampy.ggml.backends.cpu.act_quant import act_split, quantize_act
+from llampy.ggml.backends.cpu.direct import resolve_calls
 from llampy.ggml.types import GGMLType as T, TYPE_TRAITS
 
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -301,7 +304,8 @@ def test_bound_decode_products_equal_mul_mat(wtype):
     """A plan's bound product of a decoded token (``bind_mul_mat``: Q4_0's repacked decode kernel and the 32-value
     formats' decode form rounding x themselves, the k-quants' decode kernel called directly) gives ``mul_mat``'s bits,
     also where it reuses the rounding of x that the plan's previous product of the same x left in the shared buffers
-    (``reuse``)."""
+    (``reuse``), and so do the calls a plan makes in its place once the kernels are compiled (``direct``: the
+    kernels' entry points with the arguments bound), which a limit below the batch's rows leaves out."""
     rng = np.random.default_rng(15)
     k, rows = 512, (32 if wtype == T.Q4_0 else 37)     # Q4_0: the rows llama.cpp repacks
     wa, wb = (quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype) for _ in range(2))
@@ -312,9 +316,22 @@ def test_bound_decode_products_equal_mul_mat(wtype):
         mm.mul_mat(wb, wtype, x, ref_b)
         out_a, out_b = np.full((n, rows), np.nan, np.float32), np.full((n, rows), np.nan, np.float32)
         mm.act_scratch(n, k, wtype).xq[...] = 0      # nothing left from the references' rounding
-        mm.bind_mul_mat(wa, wtype, x, out_a, lambda: None)()
-        mm.bind_mul_mat(wb, wtype, x, out_b, lambda: None, reuse=True)()
+        run_a = mm.bind_mul_mat(wa, wtype, x, out_a, lambda: None)
+        run_b = mm.bind_mul_mat(wb, wtype, x, out_b, lambda: None, reuse=True)
+        run_a()
+        run_b()
         assert np.array_equal(out_a, ref_a) and np.array_equal(out_b, ref_b), n
+        # what the plan runs instead once the kernels are compiled: the same calls on their entry points
+        fast = resolve_calls([run_a, run_b])
+        # (Q4_0's repacked rows: dot_blocks' bound decode call, as it is)
+        assert wtype == T.Q4_0 or all(isinstance(c, functools.partial) for c in fast), fast
+        out_a[...] = out_b[...] = np.nan
+        mm.act_scratch(n, k, wtype).xq[...] = 0
+        for c in fast:
+            c()
+        assert np.array_equal(out_a, ref_a) and np.array_equal(out_b, ref_b), n
+        # bound under a row limit below n: the checked call alone
+        assert getattr(mm.bind_mul_mat(wa, wtype, x, out_a, lambda: n - 1), "direct", None) is None
 
 
 def test_mul_mat_float_types():

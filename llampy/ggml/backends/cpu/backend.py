@@ -12,6 +12,7 @@ from ...backend import Backend, tensor_data
 from ...tensor import Flags, Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
 from . import conv, dot_f32_short
+from .direct import resolve_calls
 from . import numpy_ops as K
 from .numba_ops import BINDERS, PAIR_BINDERS
 from .ssm import bind_ssm_conv, bind_ssm_conv_state, bind_ssm_gate, bind_ssm_scan
@@ -38,13 +39,18 @@ _TABLE.update({Op.IM2COL: conv.k_im2col, Op.POOL_2D: conv.k_pool_2d, Op.GELU_QUI
 
 class Plan:
     """A graph's bound calls. ``memo``: what calls of one run share (the cells a mask leaves visible, for every
-    attention layer reading that mask), emptied at the start of each run."""
-    __slots__ = ("calls", "nodes", "memo")
+    attention layer reading that mask), emptied at the start of each run. ``fast``: from the second run (a plan kept
+    for reuse: a decode step's), the calls with each that says what it runs (``direct.resolve_calls``) bound to its
+    kernels' entry points (False after the first run); used while the backend's ``exact_max_rows`` is ``limit``,
+    the one the products were bound under."""
+    __slots__ = ("calls", "nodes", "memo", "fast", "limit")
 
-    def __init__(self, calls, nodes, memo=None):
+    def __init__(self, calls, nodes, memo=None, limit=None):
         self.calls = calls
         self.nodes = nodes
         self.memo = {} if memo is None else memo
+        self.fast = None
+        self.limit = limit
 
 
 class CPUBackend(Backend):
@@ -202,6 +208,8 @@ class CPUBackend(Backend):
         def run():
             for c in calls:
                 c()
+        if all(getattr(c, "direct", None) is not None for c in calls):
+            run.direct = tuple(x for c in calls for x in c.direct)
         return run
 
     def _bind_mul_mat_id(self, node, dst, srcs):
@@ -292,7 +300,7 @@ class CPUBackend(Backend):
                     self._quantized = {k: v for k, v in self._quantized.items() if v[1] != o}
         self._quantized = {}
         memo, self._memo = self._memo, None
-        return Plan(calls, nodes, memo)
+        return Plan(calls, nodes, memo, self.exact_max_rows)
 
     def _bind_pair(self, n: Tensor, m: Tensor):
         """One call for two consecutive nodes where a kernel does both (``numba_ops.PAIR_BINDERS``: a residual add
@@ -306,8 +314,22 @@ class CPUBackend(Backend):
 
     def graph_plan_compute(self, plan: Plan) -> None:
         plan.memo.clear()
-        for c in reversed(plan.calls) if self.reverse_calls else plan.calls:
+        if self.reverse_calls:
+            for c in reversed(plan.calls):
+                c()
+            return
+        same = plan.limit == self.exact_max_rows
+        fast = plan.fast
+        if fast is not None and same:
+            if fast is False:       # a second run: the plan is kept and its kernels are compiled
+                fast = plan.fast = resolve_calls(plan.calls)
+            for c in fast:
+                c()
+            return
+        for c in plan.calls:
             c()
+        if same:
+            plan.fast = False
 
     def graph_compute(self, nodes: list[Tensor]) -> None:
         self.graph_plan_compute(self.graph_plan_create(nodes))

@@ -40,6 +40,7 @@ import numpy as np
 from ...types import GGMLType, TYPE_TRAITS
 from . import dot_blocks, dot_f16_tiny, dot_f32_short, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
 from .act_quant import act_split, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
+from .direct import Direct
 from .dot_q32 import F16_TABLE, ROWS16_MIN_N
 from .simd import ROWS16
 
@@ -150,7 +151,7 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
                 if n > (DECODE_MAX_ROWS if limit is None else limit):
                     return fallback(limit)
                 rest(w, x, xq, xd, xs, out, tab, 0, quant)
-            return run_rest
+            return _direct(run_rest, n, limit_fn, Direct(rest, w, x, xq, xd, xs, out, tab, 0, quant))
 
         def run():
             limit = limit_fn()
@@ -166,6 +167,7 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
         # the k-quants' decode (below their tiles' and 4-row kernels' batch sizes): _mul_mat_int's choice, made here
         from .act_quant import q8_k_quantizer
         xq, xd, xs, quantize = scratch.xq, scratch.xd, scratch.xs, q8_k_quantizer(n)
+        kernel, extra = kq
 
         def run_k():
             limit = limit_fn()
@@ -173,8 +175,9 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
                 return fallback(limit)
             if not reuse:
                 quantize(x, xq, xd, xs)
-            kq(w, xq, xd, xs, out)
-        return run_k
+            kernel(w, xq, xd, xs, out, *extra)
+        calls = () if reuse else (Direct(quantize, x, xq, xd, xs),)
+        return _direct(run_k, n, limit_fn, *calls, Direct(kernel, w, xq, xd, xs, out, *extra))
 
     def run():
         limit = limit_fn()
@@ -223,7 +226,8 @@ def bind_mul_mat_glu(wg: np.ndarray, wu: np.ndarray, wtype: GGMLType, x: np.ndar
             return unfused()
         quantize(x, xq, xd, xs, with_s)
         kernel(wg, wu, xq, xd, xs, out, code, table)
-    return run
+    return _direct(run, n, limit_fn, Direct(quantize, x, xq, xd, xs, with_s),
+                   Direct(kernel, wg, wu, xq, xd, xs, out, code, table))
 
 
 def _bind_glu_r8(wg, wu, wtype, x, out, glu, limit_fn, unfused):
@@ -248,6 +252,16 @@ def _bind_glu_r8(wg, wu, wtype, x, out, glu, limit_fn, unfused):
         if n > (DECODE_MAX_ROWS if limit is None else limit):
             return unfused()
         kernel(wg, wu, x, xq, xd, xs, out, True, code, table)
+    return _direct(run, n, limit_fn, Direct(kernel, wg, wu, x, xq, xd, xs, out, True, code, table))
+
+
+def _direct(run, n, limit_fn, *calls):
+    """``run``, a bound product checking its n activation rows against ``limit_fn()`` each time, told what it runs
+    when the check passes (``direct``: these calls), where it passes under the limit it is bound at: the plan runs
+    them instead while that limit holds (``backend.Plan``)."""
+    limit = limit_fn()
+    if n <= (DECODE_MAX_ROWS if limit is None else limit):
+        run.direct = calls
     return run
 
 
@@ -268,7 +282,8 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse, repacked=True):
             if n > (DECODE_MAX_ROWS if limit is None else limit):
                 return mul_mat(w, wtype, x, out, limit, repacked=repacked)
             _mul_mat_f16_tiny(w, wtype, x, out)
-        return run_tiny
+        return _direct(run_tiny, n, limit_fn,
+                       Direct(dot_f16_tiny.mul_mat_bf16 if wtype == T.BF16 else dot_f16_tiny.mul_mat_f16, w, x, out))
     # F16 / BF16 where tinyBLAS refuses: ggml's vec_dot at any n
     small = dot_blocks.use_kernel(wtype, n, w.shape[0], repacked) or wtype in (T.F16, T.BF16)
     if n == 0 or w.shape[0] == 0 or not small or not _rows_ok(w, x, out):
@@ -284,7 +299,7 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse, repacked=True):
             if n > (DECODE_MAX_ROWS if limit is None else limit):
                 return mul_mat(w, wtype, x, out, limit, repacked=repacked)
             decode()
-        return run_decode
+        return _direct(run_decode, n, limit_fn, decode)
 
     def run():
         limit = limit_fn()
@@ -312,15 +327,15 @@ def act_scratch(n: int, k: int, wtype: GGMLType):
 
 def _k_decode_kernel(w, wtype, n):
     """The kernel ``_mul_mat_int`` runs for n activation rows of a Q4_K / Q5_K / Q6_K weight when that is one call
-    of (w, xq, xd, bsums, out) (a decoded token: below the tiled kernels' and the 4-row kernels' batch sizes), as a
-    function of those five; else None."""
+    of (w, xq, xd, bsums, out, *extra) (a decoded token: below the tiled kernels' and the 4-row kernels' batch
+    sizes), as (kernel, extra); else None."""
     if wtype not in (T.Q4_K, T.Q5_K, T.Q6_K) or n >= min(dot_kquant.SMALL_N, dot_kquant_tiled.TILED_MIN_ROWS):
         return None
     if wtype == T.Q4_K and w.shape[0] % 8 == 0:
         if n >= 4:          # n_gemm rows of the gemm form first
             return None
-        return lambda w, xq, xd, xs, out: dot_kquant.mv_q4_k_x8(w, xq, xd, xs, out, F16_TABLE, 0)
-    return {T.Q4_K: dot_kquant._q4_k, T.Q5_K: dot_kquant._q5_k, T.Q6_K: dot_kquant._q6_k}[wtype]
+        return dot_kquant.mv_q4_k_x8, (F16_TABLE, 0)
+    return {T.Q4_K: dot_kquant._q4_k, T.Q5_K: dot_kquant._q5_k, T.Q6_K: dot_kquant._q6_k}[wtype], ()
 
 
 def _mul_mat_tiles(w, wtype, x, out, scratch):

@@ -11,6 +11,7 @@ from . import elementwise, rows
 from .numpy_ops import alibi_slopes
 from .dot_q32 import F16_TABLE
 from . import softmax
+from .direct import Direct
 
 T = GGMLType
 _BIN = {Op.ADD: elementwise.OP_ADD, Op.SUB: elementwise.OP_SUB, Op.MUL: elementwise.OP_MUL, Op.DIV: elementwise.OP_DIV}
@@ -28,7 +29,7 @@ def bind_binary(node, dst, srcs):
     a, b = srcs
     code = _BIN[node.op]
     fn = _pick(elementwise, "binary_f32", node.nelements)
-    return lambda: fn(a, b, dst, code)
+    return Direct(fn, a, b, dst, code)
 
 
 def bind_scale(node, dst, srcs):
@@ -41,7 +42,7 @@ def bind_scale(node, dst, srcs):
     if x.flags.c_contiguous and dst.flags.c_contiguous:      # a Numba loop: a third of the ufunc call's time at
         from .elementwise import scale_f32                    # a token's 768 values (Granite: 65 per token)
         xf, of = x.reshape(-1), dst.reshape(-1)
-        return lambda: scale_f32(xf, sv, of)
+        return Direct(scale_f32, xf, sv, of)
     return lambda: np.multiply(x, sv, out=dst)
 
 
@@ -54,10 +55,10 @@ def bind_soft_max(node, dst, srcs):
     scale = np.float32(p["scale"])
     soft_max_rows = _pick(softmax, "soft_max_rows", node.nelements)
     if not p["has_mask"]:
-        return lambda: soft_max_rows(x, _NO_MASK, slopes, scale, dst)
+        return Direct(soft_max_rows, x, _NO_MASK, slopes, scale, dst)
     m, mtype = srcs[1], node.src[1].type
     if mtype == T.F32:
-        return lambda: soft_max_rows(x, m, slopes, scale, dst)
+        return Direct(soft_max_rows, x, m, slopes, scale, dst)
     return lambda: soft_max_rows(x, F16_TABLE[m.view(np.uint16)], slopes, scale, dst)
 
 
@@ -153,9 +154,9 @@ def bind_glu(node, dst, srcs):
     if node.op is Op.GEGLU:
         table = gelu_table()
         fn = geglu_rows_par if par else geglu_rows
-        return lambda: fn(g, u, table, d)
+        return Direct(fn, g, u, table, d)
     fn = swiglu_rows_par if par else swiglu_rows
-    return lambda: fn(g, u, d)
+    return Direct(fn, g, u, d)
 
 
 def _apart(*arrays):
@@ -174,7 +175,7 @@ def bind_cont(node, dst, srcs):
             return None
         out = dst.view(np.uint16).reshape(src.shape)
         fn, bits = _pick(rows, "cont_f32_f16", node.nelements), src.view(np.uint32)
-        return lambda: fn(bits, out)
+        return Direct(fn, bits, out)
     out = dst.view()
     try:
         out.shape = src.shape           # raises instead of copying
@@ -183,7 +184,7 @@ def bind_cont(node, dst, srcs):
     if not _apart(src, out):
         return None
     fn = _pick(rows, "cont_f32", node.nelements)
-    return lambda: fn(src, out)
+    return Direct(fn, src, out)
 
 
 def bind_concat(node, dst, srcs):
@@ -193,7 +194,7 @@ def bind_concat(node, dst, srcs):
             a.ndim != 4 or b.ndim != 4 or dst.ndim != 4 or not (_apart(a, dst) and _apart(b, dst)):
         return None
     fn = _pick(rows, "concat0_f32", node.nelements)
-    return lambda: fn(a, b, dst)
+    return Direct(fn, a, b, dst)
 
 
 def bind_silu(node, dst, srcs):
@@ -206,7 +207,7 @@ def bind_silu(node, dst, srcs):
         return None
     from . import act
     fn = act.silu_rows_par if x.shape[0] > 1 and node.nelements >= PAR_MIN_ELEMENTS else act.silu_rows
-    return lambda: fn(x, d)
+    return Direct(fn, x, d)
 
 
 def bind_gelu(node, dst, srcs):
@@ -218,7 +219,7 @@ def bind_gelu(node, dst, srcs):
         return None
     from .act import gelu_rows_par, gelu_table
     table = gelu_table()
-    return lambda: gelu_rows_par(x, table, d)
+    return Direct(gelu_rows_par, x, table, d)
 
 
 def bind_rms_norm_mul(node, dst, srcs):
@@ -239,7 +240,7 @@ def bind_rms_norm_mul(node, dst, srcs):
     from . import norm
     fn = norm.rms_norm_mul_rows_par if node.nelements >= PAR_MIN_ELEMENTS else norm.rms_norm_mul_rows
     eps = np.float32(node.op_params["eps"])
-    return lambda: fn(x, wr, eps, d, add)
+    return Direct(fn, x, wr, eps, d, add)
 
 
 def bind_rope(node, dst, srcs):
@@ -269,7 +270,7 @@ def bind_add_rms_norm_mul(add, norm, views):
         return None
     from .norm import add_rms_norm_mul_rows
     eps = np.float32(norm.op_params["eps"])
-    return lambda: add_rms_norm_mul_rows(a, b, s, wr, eps, out)
+    return Direct(add_rms_norm_mul_rows, a, b, s, wr, eps, out)
 
 
 def bind_rope_set_rows(rope_node, store, views):
