@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import get_num_threads, types
+from numba.np.ufunc import parallel as _parallel
 from numba.extending import intrinsic
 
 
@@ -36,5 +37,11 @@ def claim(typingctx, counter):
 
 def workers(n_items: int) -> int:
     """As many workers as threads, at most one per item (a kernel's argument: a call to Numba's thread count
-    inside a kernel would keep it out of the cache)."""
-    return max(1, min(get_num_threads(), n_items))
+    inside a kernel would keep it out of the cache). Once Numba's pool runs, its thread count is read directly
+    (``_get_num_threads``, 0.16 us) rather than through ``get_num_threads``, which checks the pool first (1.8 us, on
+    every product of a decode step)."""
+    try:
+        n = _parallel._get_num_threads()
+    except AttributeError:          # the pool is not started yet
+        n = get_num_threads()
+    return max(1, min(n, n_items))
