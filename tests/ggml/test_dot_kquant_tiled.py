@@ -68,8 +68,11 @@ def reference(w, wtype, x):
 
 
 @pytest.mark.parametrize("wtype", [T.Q6_K, T.Q5_K, T.Q4_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("rows,k,n", [(13, 512, 8), (40, 1024, 9), (24, 768, 17), (7, 256, 12)])
+@pytest.mark.parametrize("rows,k,n", [(13, 512, 8), (40, 1024, 9), (24, 768, 17), (7, 256, 12), (13, 1536, 33)])
 def test_tiled_equals_reference(wtype, rows, k, n):
+    """Q6_K from 16 activation rows: the broadcast form (``mm_q6_k_bc``) for whole steps of sixteen, the eight-row
+    tiles for the rest and for an odd last weight row; (13, 1536, 33): two steps, a span of four super-blocks and
+    one of two, 12 rows in the broadcast form (a task of 12), row 12 and activation row 32 in the tiles."""
     w, x = case(wtype, rows, k, n, rows * k + n)
     s = act_split(x, T.Q8_K)
     got = np.full((n, rows), np.nan, np.float32)

@@ -36,12 +36,12 @@ from numba.extending import intrinsic
 from ... import blocks as B
 from .claims import claim, workers
 from .dot_q32 import OUT_AHEAD, _f16, prefetch_write, rows16_transpose
-from .dot_blocks import _abs8, _sign_of, f32x8_fmav, i32x8_sub
+from .dot_blocks import _abs8, _sign_of, f32x8_fmav, i32x8_sub, i32x8_zero
 from .dot_kquant_scalar import _scale_min
-from .dot_kquant import _madd, _maddubs, hsum8x_ir, i32x8_lane
-from .simd import (AVX2, VNNI, _call, _elem_ptr, _load, _ptr, f16_at, f32x8_fma, f32x8_load, f32x8_scale,
-                   f32x8_store, f32x8_zero, fma32, i32x8, i32x8_to_f32x8, q6k_decode_store, q6k_rows16_sb, v16_load,
-                   v16_store, v16_zero)
+from .dot_kquant import _bc_interleave, _bc_store, _madd, _maddubs, hsum8x_ir, i32x8_lane, k_mins_dot
+from .simd import (AVX2, VNNI, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8_fma, f32x8_load, f32x8_scale,
+                   f32x8_store, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_load, i32x8_to_f32x8, q6k_decode_store, q6k_rows16_sb,
+                   v16_load, v16_store, v16_zero)
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
 TILED_MIN_ROWS = 8
@@ -555,11 +555,184 @@ def mm_k_tiles(w, kind, xq, xd, bsums, out, xdt, counter, n_workers):
                         out[j + c, r0 + t] = res[c]
 
 
-def mul_mat_tiles(w, name, xq, xd, bsums, out):
-    """``mm_k_tiles`` for a weight of format ``name`` (a key of TILES) against Q8_K activations (act_split's
-    buffers), out float32 [n, rows] with contiguous rows."""
+# ------------------------------------------------------------- Q6_K, eight activation rows as lanes (broadcast)
+# ``mm_q6_k_bc``: Q6_K's tiled order (above) from BC6_MIN activation rows, in the broadcast form of
+# ``dot_kquant._bc_tiles``: eight activation rows as the lanes (interleaved once per call), each weight row's codes
+# (the values plus 32) decoded once per call, per four values the row's four broadcast against the interleaved
+# activations (maddubs; two of a 16-value group's four pair sums added in 16 bits, |sum| <= 2 * 2 * 63 * 127 <
+# 2^15), one madd with the group's scale; the bias 32 * scale off s1 through the 16-value block sums (madd), as
+# ``tile8_m``. The lanes are the activation rows' s1 directly (no ``hsum8x`` per super-block), the same float steps
+# per super-block: r = f32(s1) * d_w, out = fma(r, d_x, out). Super-blocks in spans of BC6_SPAN (the span's
+# activations and weights stay in L1; the running sums kept between spans).
+BC6_MIN = 16
+BC6_CHUNK = 16
+BC6_SPAN = 4
+
+
+@intrinsic
+def q6k_bc_blk2(typingctx, wd, wo0, wo1, xi, xo0, xo1, sc, so0, so1, acc4):
+    """One 32-value block of two decoded Q6_K weight rows (32 codes at bytes wo0, wo1 of wd) against two blocks of
+    eight interleaved activation rows (the block's 256 bytes from xo0 and xo1 of xi); the rows' two scales of the
+    block packed as two int16 at elements so0, so1 of the int32 ``sc``. ``acc4`` plus four i32x8: (row 0, rows at
+    xo0), (row 0, xo1), (row 1, xo0), (row 1, xo1), lane a = the exact sum of scale * code * x. (A whole
+    super-block per call compiled to a block LLVM scheduled with hundreds of spills: 1.5x slower.)"""
+    def codegen(context, builder, sig, args):
+        wty, wa, xty, xa, sty, sa = sig.args[0], args[0], sig.args[3], args[3], sig.args[6], args[6]
+        wos, xos, sos = (args[1], args[2]), (args[4], args[5]), (args[7], args[8])
+        _W16 = ir.VectorType(ir.IntType(16), 16)
+        a4 = cgutils.unpack_tuple(builder, args[9], 4)
+        acc = [[a4[0], a4[1]], [a4[2], a4[3]]]
+        for m in range(2):              # the block's two 16-value scale groups, four-value groups 4 m .. 4 m + 3
+            scv = []
+            for r in range(2):
+                q = _load(builder, _elem_ptr(context, builder, sty, sa,
+                                             builder.add(sos[r], ir.Constant(sos[r].type, m)), _I32))
+                v = builder.insert_element(ir.Constant(_V_I32x8, None), q, ir.Constant(_I32, 0))
+                scv.append(builder.bitcast(builder.shuffle_vector(v, v, ir.Constant(_V_I32x8, [0] * 8)), _W16))
+            for half in range(2):
+                s16 = [[None, None], [None, None]]
+                for t in range(2):
+                    g = 4 * m + 2 * half + t
+                    xoff = 32 * g
+                    xv = [_load(builder, _ptr(context, builder, xty, xa, builder.add(xo, ir.Constant(xo.type, xoff)),
+                                              _V32)) for xo in xos]
+                    for r in range(2):
+                        at = builder.add(wos[r], ir.Constant(wos[r].type, 16 * m + 8 * half + 4 * t))
+                        q = _load(builder, _ptr(context, builder, wty, wa, at, _I32))
+                        v = builder.insert_element(ir.Constant(_V_I32x8, None), q, ir.Constant(_I32, 0))
+                        wv = builder.bitcast(builder.shuffle_vector(v, v, ir.Constant(_V_I32x8, [0] * 8)), _V32)
+                        for a in range(2):
+                            p = _maddubs(builder, wv, xv[a])
+                            s16[r][a] = p if s16[r][a] is None else builder.add(s16[r][a], p)
+                for r in range(2):
+                    for a in range(2):
+                        acc[r][a] = builder.add(acc[r][a], _madd(builder, s16[r][a], scv[r]))
+        return context.make_tuple(builder, sig.return_type, [acc[0][0], acc[0][1], acc[1][0], acc[1][1]])
+    sig = types.UniTuple(i32x8, 4)(wd, types.intp, types.intp, xi, types.intp, types.intp, sc, types.intp,
+                                   types.intp, types.UniTuple(i32x8, 4))
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _bc6_decode(w, r0, r1, nb, wd, wsc, wmt, wdd):
+    """Rows r0 .. r1 - 1 for ``q6k_bc_sb2``: codes of row rr = r - r0, super-block b at byte (rr nb + b) 256 of wd;
+    wsc[rr, 16 b + m] = scale m as two int16; wmt[rr, 8 b + q] = 32 sc_2q | 32 sc_2q+1 << 16 (the bias, for
+    ``k_mins_dot``); wdd[rr, b] = d."""
+    for r in range(r0, r1):
+        wr = w[r]
+        rr = r - r0
+        for b in range(nb):
+            o = b * 210
+            q6k_decode_store(wr, o, wd, (rr * nb + b) * 256)
+            for m in range(16):
+                sc = np.int32(np.int8(wr[o + 192 + m]))
+                wsc[rr, 16 * b + m] = (sc & 0xFFFF) | (sc << 16)
+            for q in range(8):
+                lo = 32 * np.int32(np.int8(wr[o + 192 + 2 * q]))
+                hi = 32 * np.int32(np.int8(wr[o + 193 + 2 * q]))
+                wmt[rr, 8 * b + q] = (lo & 0xFFFF) | (hi << 16)
+            wdd[rr, b] = f16_at(wr, o + 208)
+
+
+@njit(cache=True, inline="always")
+def _bc6_bias(wmt, rr, b, bpT, i):
+    """Lanes a = sum over the sixteen 16-value groups of super-block b of 32 * scale * (activation row i + a's sum
+    of the group), for rows i .. i + 7 (bpT: the sums packed in pairs, transposed)."""
+    t = k_mins_dot(i32x8_load(bpT[8 * b], i), wmt[rr, 8 * b])
+    for q in range(1, 8):
+        t = i32x8_add(t, k_mins_dot(i32x8_load(bpT[8 * b + q], i), wmt[rr, 8 * b + q]))
+    return t
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mm_q6_k_bc(w, xq, xd, bsums, out, n16):
+    """Activation rows 0 .. n16 - 1 (n16 % 16 == 0) of ``mm_k_tiles`` for Q6_K, in the broadcast form (above):
+    tiles of two weight rows by sixteen activation rows. Same bits."""
+    rows = w.shape[0]
+    k = xq.shape[1]
+    nb = k // 256
+    xdT = np.ascontiguousarray(xd[:n16].T)
+    bp = np.empty((n16, nb * 8), np.int32)
+    for i in prange(n16):
+        for t in range(nb * 8):
+            bp[i, t] = (np.int32(bsums[i, 2 * t]) & 0xFFFF) | (np.int32(bsums[i, 2 * t + 1]) << 16)
+    bpT = np.ascontiguousarray(bp.T)
+    xi = np.empty(n16 * k, np.int8)
+    _bc_interleave(xq, n16, xi)
+    ns = k // 32
+    r2 = rows - rows % 2
+    for c in prange((r2 + BC6_CHUNK - 1) // BC6_CHUNK):
+        r0 = c * BC6_CHUNK
+        r1 = min(r2, r0 + BC6_CHUNK)
+        wd = np.empty(BC6_CHUNK * nb * 256, np.uint8)
+        wsc = np.empty((BC6_CHUNK, nb * 16), np.int32)
+        wmt = np.empty((BC6_CHUNK, nb * 8), np.int32)
+        wdd = np.empty((BC6_CHUNK, nb), np.float32)
+        part = np.empty((BC6_CHUNK, 16), np.float32)
+        wscf = wsc.reshape(-1)
+        _bc6_decode(w, r0, r1, nb, wd, wsc, wmt, wdd)
+        for i in range(0, n16, 16):
+            x0 = (i // 8) * ns * 256
+            x1 = x0 + ns * 256
+            for b0 in range(0, nb, BC6_SPAN):
+                b1 = min(nb, b0 + BC6_SPAN)
+                for r in range(r0, r1, 2):
+                    rr = r - r0
+                    if b0 == 0:
+                        a00 = a01 = a10 = a11 = f32x8_zero()
+                    else:
+                        a00, a01 = f32x8_load(part[rr], 0), f32x8_load(part[rr], 8)
+                        a10, a11 = f32x8_load(part[rr + 1], 0), f32x8_load(part[rr + 1], 8)
+                    for b in range(b0, b1):
+                        wo = (rr * nb + b) * 256
+                        so = (rr * nb + b) * 16
+                        z = i32x8_zero()
+                        v = (z, z, z, z)
+                        for j in range(8):
+                            v = q6k_bc_blk2(wd, wo + 32 * j, wo + nb * 256 + 32 * j, xi, x0 + 2048 * b + 256 * j,
+                                            x1 + 2048 * b + 256 * j, wscf, so + 2 * j, so + nb * 16 + 2 * j, v)
+                        v00, v01, v10, v11 = v
+                        xv0, xv1 = f32x8_load(xdT[b], i), f32x8_load(xdT[b], i + 8)
+                        a00 = f32x8_fmav(f32x8_scale(i32x8_to_f32x8(i32x8_sub(v00, _bc6_bias(wmt, rr, b, bpT, i))),
+                                                     wdd[rr, b]), xv0, a00)
+                        a01 = f32x8_fmav(f32x8_scale(i32x8_to_f32x8(i32x8_sub(v01, _bc6_bias(wmt, rr, b, bpT, i + 8))),
+                                                     wdd[rr, b]), xv1, a01)
+                        a10 = f32x8_fmav(f32x8_scale(i32x8_to_f32x8(i32x8_sub(v10, _bc6_bias(wmt, rr + 1, b, bpT, i))),
+                                                     wdd[rr + 1, b]), xv0, a10)
+                        a11 = f32x8_fmav(f32x8_scale(i32x8_to_f32x8(i32x8_sub(v11, _bc6_bias(wmt, rr + 1, b, bpT,
+                                                                                              i + 8))),
+                                                     wdd[rr + 1, b]), xv1, a11)
+                    if b1 < nb:
+                        f32x8_store(part[rr], 0, a00)
+                        f32x8_store(part[rr], 8, a01)
+                        f32x8_store(part[rr + 1], 0, a10)
+                        f32x8_store(part[rr + 1], 8, a11)
+                    else:
+                        _bc_store(out, i, r, a00)
+                        _bc_store(out, i + 8, r, a01)
+                        _bc_store(out, i, r + 1, a10)
+                        _bc_store(out, i + 8, r + 1, a11)
+
+
+def _mm_tiles(w, kind, xq, xd, bsums, out):
     n = xq.shape[0]
     xdt = np.zeros((xd.shape[1], -(-n // 8) * 8), np.float32)
     xdt[:, :n] = xd.T
-    mm_k_tiles(w, TILES[name], xq, xd, bsums, out, xdt, np.zeros(1, np.int64),
-               workers(-(-w.shape[0] // TILES_ROWS)))
+    mm_k_tiles(w, kind, xq, xd, bsums, out, xdt, np.zeros(1, np.int64), workers(-(-w.shape[0] // TILES_ROWS)))
+
+
+def mul_mat_tiles(w, name, xq, xd, bsums, out):
+    """``mm_k_tiles`` for a weight of format ``name`` (a key of TILES) against Q8_K activations (act_split's
+    buffers), out float32 [n, rows] with contiguous rows; Q6_K from BC6_MIN rows in the broadcast form
+    (``mm_q6_k_bc``) for whole steps of sixteen activation rows and pairs of weight rows."""
+    n = xq.shape[0]
+    if name == "Q6_K" and n >= BC6_MIN:
+        n16 = n - n % 16
+        mm_q6_k_bc(w, xq, xd, bsums, out, n16)
+        r2 = w.shape[0] - w.shape[0] % 2
+        if r2 < w.shape[0]:
+            _mm_tiles(w[r2:], TILES[name], xq[:n16], xd[:n16], bsums[:n16], out[:n16, r2:])
+        if n16 < n:
+            _mm_tiles(w, TILES[name], xq[n16:], xd[n16:], bsums[n16:], out[n16:])
+        return
+    _mm_tiles(w, TILES[name], xq, xd, bsums, out)
