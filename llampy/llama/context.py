@@ -339,7 +339,10 @@ class Context:
         out = gc.t_embd if self.embeddings else gc.t_logits
         res = tensor_get(out).reshape(-1, out.ne[0])
         # with out_ids the rows asked for come first; without, every row (a padded batch's real outputs among them)
-        return res[:n_outputs] if "out_ids" in inp else res[out_idx]
+        if "out_ids" in inp:
+            return res[:n_outputs]
+        # out_idx is sorted: every row asked for (a decode step's one token) is res itself, not a copy
+        return res if n_outputs == len(res) else res[out_idx]
 
     def _pool(self, ub: Batch, embd: np.ndarray) -> None:
         seqs = np.array([s[0] for s in ub.seq_id])
