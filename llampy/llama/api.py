@@ -202,6 +202,7 @@ class Llama:
         self._planner = DraftPlanner() if spec.plan else None
         self._draft_rate = DraftRate()
         self._checking = 0              # the length of the draft being checked
+        self._step_start = None         # (rows, start) of the step under way, timed up to the next one's start
         # where a batch's rows do not get a single step's bits, drafts short enough that the greedy run stays the
         # plain one (speculative.exact_rows; it leaves the cache empty)
         self._exact_rows = exact_rows(self.ctx, 0)
@@ -217,7 +218,12 @@ class Llama:
         ``token``, the draft, the logits after each drafted token)."""
         d = getattr(self, "_drafters", None)
         plan = getattr(self, "_planner", None) if d else None
+        t0 = time.perf_counter()
         if plan is not None:
+            # a step's cost: from its start to the next one's (drafting, decode, and sampling and handing out its
+            # tokens), as the server's engine times a step
+            if self._step_start is not None:
+                plan.observe_step(self._step_start[0], t0 - self._step_start[1])
             self._draft_rate.score_shadow(self._cached + [int(token)])
         draft = d.draft({0: (self._cached, token, room, None, None)}).get(0, []) if d and room >= 1 else []
         if draft and getattr(self, "_exact_rows", None) is not None:
@@ -227,15 +233,11 @@ class Llama:
             if keep == 0 and self._draft_rate.shadow is None:
                 self._draft_rate.shadow = (len(self._cached) + 1, draft)
             draft = draft[:keep]
-        t0 = time.perf_counter()
-        if not draft:
-            out = self.eval_token(token)
-            if plan is not None:
-                plan.observe_step(1, time.perf_counter() - t0)
-            return out, [], []
-        self.ctx.decode(Batch.from_tokens([token] + draft, pos0=self._pos(), logits_all=True))
         if plan is not None:
-            plan.observe_step(1 + len(draft), time.perf_counter() - t0)
+            self._step_start = (1 + len(draft), t0)
+        if not draft:
+            return self.eval_token(token), [], []
+        self.ctx.decode(Batch.from_tokens([token] + draft, pos0=self._pos(), logits_all=True))
         self._checking = len(draft)
         self.spec_stats["drafted"] += len(draft)
         self._cached.append(int(token))
@@ -326,7 +328,7 @@ class Llama:
             max_tokens = self.n_ctx - len(prompt_tokens)
         logits = self.eval_prompt(prompt_tokens)
         if getattr(self, "_planner", None) is not None:     # a new text: its drafts' rate starts over
-            self._draft_rate, self._checking = type(self._draft_rate)(), 0
+            self._draft_rate, self._checking, self._step_start = type(self._draft_rate)(), 0, None
         dec = StreamDecoder(self.vocab, special=False, keep=frozenset(keep_tokens))
         stop = [s for s in (stop or []) if s]
         draft, rows = [], []            # a draft not yet checked, and the logits after each of its tokens

@@ -151,6 +151,7 @@ def test_api_generate_with_drafts_matches_plain():
         # the cache holds exactly the tokens the Llama says it holds: a follow-up reuses the prefix correctly
         assert llm.ctx.seq_pos_max(0) == len(llm._cached) - 1
     assert all(st["drafted"] > 0 for st in stats[:2])
+    assert llm._planner.cost            # the n-gram run's planner timed its steps (the token loop's, per row count)
     # the target drafting for itself, greedy: every draft is what the target picks
     assert stats[1]["accepted"] == stats[1]["drafted"], stats
     llm.set_speculative(None)
