@@ -178,8 +178,8 @@ def main() -> int:
     chat = "tokenizer.chat_template" in first.model.metadata
     toks = {t: first.chat_tokens([{"role": "user", "content": TASKS[t][0]}]) if chat
             else first.chat_tokens(None, None, TASKS[t][1]) for t in args.tasks}
-    print(f"model {path.name} ({'chat' if chat else 'text'} prompts), draft {draft.name}, {args.tokens} tokens at most, "
-          f"tasks {' '.join(args.tasks)}, best of {args.rounds} rounds", flush=True)
+    print(f"model {path.name} ({'chat' if chat else 'text'} prompts), draft {draft.name}, {args.tokens} tokens at "
+          f"most, tasks {' '.join(args.tasks)}, best of {args.rounds} rounds", flush=True)
     # every engine builds its decode graphs while idle: wait for all of them, so that none builds while another is
     # timed; then a short untimed round each (kernels loaded, the draft context's graphs built)
     while any(server.engine._to_reserve for server in servers.values()):
@@ -201,7 +201,8 @@ def main() -> int:
         server.engine.stop()
     # CPU seconds: what a shared machine's load barely moves (with one thread, NUMBA_NUM_THREADS=1, they are the
     # work done); tok/s and the speed-up are wall-clock
-    print("| config | streams | tok/s | tokens | s | CPU s | drafted | accepted | acceptance | speed-up | same replies |")
+    print("| config | streams | tok/s | tokens | s | CPU s | drafted | accepted | acceptance | speed-up "
+          "| same replies |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ref = replies[args.configs[0]]
     for ns in args.streams:

@@ -176,7 +176,8 @@ class Engine:
         # one KV stream per slot (llama-server's default, kv_unified off): a request's result does not depend on
         # where earlier requests left cells in the cache
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_parallel,
-                           max_graphs=2 * n_parallel + 64 + (PAD_BELOW if spec_cap else 0), kv_pad_decode=n_ctx, kv_unified=False, pad_ubatch=True,
+                           max_graphs=2 * n_parallel + 64 + (PAD_BELOW if spec_cap else 0), kv_pad_decode=n_ctx,
+                           kv_unified=False, pad_ubatch=True,
                            **{k: v for k, v in (("type_k", type_k), ("type_v", type_v)) if v is not None},
                            embeddings=not getattr(model.arch, "USES_KV_CACHE", True))   # an encoder: no LM head
         self.slots = [Slot(i, n_ctx // n_parallel) for i in range(n_parallel)]
