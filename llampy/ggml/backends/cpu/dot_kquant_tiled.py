@@ -730,8 +730,10 @@ def mul_mat_tiles(w, name, xq, xd, bsums, out):
         n16 = n - n % 16
         mm_q6_k_bc(w, xq, xd, bsums, out, n16)
         r2 = w.shape[0] - w.shape[0] % 2
-        if r2 < w.shape[0]:
-            _mm_tiles(w[r2:], TILES[name], xq[:n16], xd[:n16], bsums[:n16], out[:n16, r2:])
+        if r2 < w.shape[0]:       # the odd last weight row (into a contiguous buffer: mm_k_tiles' one signature)
+            last = np.empty((n16, w.shape[0] - r2), np.float32)
+            _mm_tiles(w[r2:], TILES[name], xq[:n16], xd[:n16], bsums[:n16], last)
+            out[:n16, r2:] = last
         if n16 < n:
             _mm_tiles(w, TILES[name], xq[n16:], xd[n16:], bsums[n16:], out[n16:])
         return
