@@ -550,8 +550,8 @@ def q4k_bc_pair2(typingctx, wd, wo0, wo1, xi, xo0, xo1, c00, c01, c10, c11):
         for h in range(2):
             s16 = [[None, None], [None, None]]
             for g in range(8):
-                xv = [_load(builder, _ptr(context, builder, xty, xa, builder.add(xo, ir.Constant(xo.type, 256 * h + 32 * g)),
-                                          _V32)) for xo in xos]
+                xv = [_load(builder, _ptr(context, builder, xty, xa,
+                                          builder.add(xo, ir.Constant(xo.type, 256 * h + 32 * g)), _V32)) for xo in xos]
                 for r in range(2):
                     at = builder.add(wos[r], ir.Constant(wos[r].type, 32 * h + 4 * g))
                     q = _load(builder, _ptr(context, builder, wty, wa, at, _I32))
@@ -574,7 +574,8 @@ def q4k_bc_pair2(typingctx, wd, wo0, wo1, xi, xo0, xo1, c00, c01, c10, c11):
 
 @njit(cache=True, inline="always")
 def _bc_interleave(xq, n16, xi):
-    """xi[((i // 8) * k / 32 + s) * 256 + 32 g + 4 a + e] = xq[8 (i // 8) + a, 32 s + 4 g + e] for the rows below n16."""
+    """xi[((i // 8) * k / 32 + s) * 256 + 32 g + 4 a + e] = xq[8 (i // 8) + a, 32 s + 4 g + e] for the rows below
+    n16."""
     k = xq.shape[1]
     ns = k // 32
     for ig in prange(n16 // 8):

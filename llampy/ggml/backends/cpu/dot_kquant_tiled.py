@@ -39,9 +39,9 @@ from .dot_q32 import OUT_AHEAD, _f16, prefetch_write, rows16_transpose
 from .dot_blocks import _abs8, _sign_of, f32x8_fmav, i32x8_sub, i32x8_zero
 from .dot_kquant_scalar import _scale_min
 from .dot_kquant import _bc_interleave, _bc_store, _madd, _maddubs, hsum8x_ir, i32x8_lane, k_mins_dot
-from .simd import (AVX2, VNNI, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8_fma, f32x8_load, f32x8_scale,
-                   f32x8_store, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_load, i32x8_to_f32x8, q6k_decode_store, q6k_rows16_sb,
-                   v16_load, v16_store, v16_zero)
+from .simd import (AVX2, VNNI, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8_fma, f32x8_load,
+                   f32x8_scale, f32x8_store, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_load, i32x8_to_f32x8,
+                   q6k_decode_store, q6k_rows16_sb, v16_load, v16_store, v16_zero)
 
 # ggml_tiled_min_batch: llama.cpp takes the tiled path from this many src1 rows (ggml-cpu/tiled/tiled.cpp)
 TILED_MIN_ROWS = 8
