@@ -55,7 +55,7 @@ from ... import blocks as B
 from ...types import GGMLType
 from .act_quant import (PAR_ROWS, _round_bf16, _round_f16, act_split, q8_0_split, q8_k_split, round_half,
                         scratch_for)
-from .dot_kquant import _madd, _maddubs, hsum8x_ir, i32x8_sum
+from .dot_kquant import _bc_interleave, _madd, _maddubs, hsum8x_ir, i32x8_sum
 from .dot_q32 import (GLU_SWIGLU, ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step)
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_geglu, v16_load, v16_mul, v16_reduce, v16_silu, v16_store,
                    v16_zero)
@@ -1434,10 +1434,10 @@ def _glu16(orow, r0, gb, ub, glu, table):
 
 # The prompt tiles of IQ4_NL, MXFP4 and Q4_0 in a broadcast form (``_tiles_r8``): per weight row and block, four
 # values at a time broadcast to every lane against eight activation rows' four values at the same place, the
-# activations interleaved once per call so that those 32 bytes are one load (``_interleave8``: for eight rows and a
-# block, four values of row 0, of row 1, ..., then the next four). The eight lanes' sums are each row's block sum
-# with no reduction across lanes (``_q4_acts8``'s transposed reduction cost a fifth of its time), the weight row's
-# blocks decoded once per call into values and |values| (``r8_dec_store``). The same integers, the same chain.
+# activations interleaved once per call so that those 32 bytes are one load (``dot_kquant._bc_interleave``: for eight
+# rows and a block, four values of row 0, of row 1, ..., then the next four). The eight lanes' sums are each row's
+# block sum with no reduction across lanes (``_q4_acts8``'s transposed reduction cost a fifth of its time), the weight
+# row's blocks decoded once per call into values and |values| (``r8_dec_store``). The same integers, the same chain.
 
 def _r8_dec(kv):
     """An intrinsic: the 32 values of the 16 nibble bytes at byte ``o`` of wr (kv at the nibbles, ``_lut_nibbles``)
@@ -1484,8 +1484,8 @@ def _bcast4(context, builder, sig, args, ia, off):
 def acts16_bc(typingctx, wd, wo, xi, xo0, xo1):
     """Two <8 x i32>: lane a of the first, the exact block sum of the decoded weight block at byte wo of wd (values,
     then |values|: ``r8_dec_store``) with activation row a of the interleaved block at byte xo0 of xi
-    (``_interleave8``); the second, with the one at xo1. Per four values: the weights' four broadcast, ggml's sign
-    trick (|w| times x given w's sign), the pair sums widened and added (``_udot``)."""
+    (``dot_kquant._bc_interleave``); the second, with the one at xo1. Per four values: the weights' four broadcast,
+    ggml's sign trick (|w| times x given w's sign), the pair sums widened and added (``_udot``)."""
     def codegen(context, builder, sig, args):
         acc0 = acc1 = None
         for g in range(8):
@@ -1522,21 +1522,6 @@ def q40_acts16_bc(typingctx, wd, wo, xi, xo0, xo1, neg, no0, no1):
 
 
 @njit(cache=True, inline="always")
-def _interleave8(xq, n16, xi):
-    """xi[((i // 8) * nb + b) * 256 + 32 g + 4 a + e] = xq[8 (i // 8) + a, 32 b + 4 g + e]: for each eight activation
-    rows and block, the rows' values 4g .. 4g + 3 side by side (rows below n16)."""
-    k = xq.shape[1]
-    nb = k // 32
-    for ig in prange(n16 // 8):
-        for b in range(nb):
-            base = (ig * nb + b) * 256
-            for g in range(8):
-                for a in range(8):
-                    for e in range(4):
-                        xi[base + 32 * g + 4 * a + e] = xq[8 * ig + a, 32 * b + 4 * g + e]
-
-
-@njit(cache=True, inline="always")
 def _r8_dec_store(kind, wr, o, wd, do):
     if kind == K_MXFP4_R8:
         mx_dec_store(wr, o + MX_QS, wd, do)
@@ -1564,7 +1549,7 @@ def _tiles_r8(w, xq, xd, out, kind):
     n16 = n8 - n8 % 16
     xdT = np.ascontiguousarray(xd.T)
     xi = np.empty(n16 * k, np.int8)
-    _interleave8(xq, n16, xi)
+    _bc_interleave(xq, n16, xi)
     neg = np.zeros(nb * n if kind == K_Q4_0_R8 else 1, np.int32)   # Q4_0: -8 * sum of block b of row i at b * n + i
     if kind == K_Q4_0_R8:
         for i in prange(n8):
