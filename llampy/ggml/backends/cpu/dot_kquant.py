@@ -24,7 +24,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dot_q32 import OUT_AHEAD, ROW_CHUNK, prefetch_base, prefetch_row, prefetch_step, prefetch_write, rows16_transpose
+from .dot_q32 import (OUT_AHEAD, ROW_CHUNK, _store8, prefetch_base, prefetch_row, prefetch_step, prefetch_write,
+                      rows16_transpose)
 from .dot_kquant_scalar import _scale_min
 from .simd import (AVX2, VNNI, _V_F32x8, _V_I32x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f32x8, f32x8_fma, f32x8_hsum, f32x8_lane,
                    f32x8_load, f32x8_scale, f32x8_sub, f32x8_zero, f16_at, fma32, i32x8, i32x8_add,
@@ -609,19 +610,6 @@ def _bc_decode(w, r0, r1, nb, wd, wsc, wmn, wdd):
 
 
 @njit(cache=True, inline="always")
-def _bc_store(out, i, r, v):
-    """out[i + a, r] = lane a of v."""
-    out[i, r] = f32x8_lane(v, 0)
-    out[i + 1, r] = f32x8_lane(v, 1)
-    out[i + 2, r] = f32x8_lane(v, 2)
-    out[i + 3, r] = f32x8_lane(v, 3)
-    out[i + 4, r] = f32x8_lane(v, 4)
-    out[i + 5, r] = f32x8_lane(v, 5)
-    out[i + 6, r] = f32x8_lane(v, 6)
-    out[i + 7, r] = f32x8_lane(v, 7)
-
-
-@njit(cache=True, inline="always")
 def _bc_mins(wmn, wdd, rr, bpT, xdT, i, nb):
     """The mins chain of weight row rr against activation rows i .. i + 15 (two f32x8): per pair of sub-blocks
     mins = fma(imin, dmin_w * d_x, mins), as ``_gemm4_step``."""
@@ -677,11 +665,11 @@ def _bc_tiles(w, r8, xq, xd, bp, out, n16, nb):
                         a10 = f32x8_fmav(i32x8_to_f32x8(v10), d10, a10)
                         a11 = f32x8_fmav(i32x8_to_f32x8(v11), d11, a11)
                 m0, m1 = _bc_mins(wmn, wdd, rr, bpT, xdT, i, nb)
-                _bc_store(out, i, r, f32x8_sub(a00, m0))
-                _bc_store(out, i + 8, r, f32x8_sub(a01, m1))
+                _store8(out, i, r, f32x8_sub(a00, m0))
+                _store8(out, i + 8, r, f32x8_sub(a01, m1))
                 m0, m1 = _bc_mins(wmn, wdd, rr + 1, bpT, xdT, i, nb)
-                _bc_store(out, i, r + 1, f32x8_sub(a10, m0))
-                _bc_store(out, i + 8, r + 1, f32x8_sub(a11, m1))
+                _store8(out, i, r + 1, f32x8_sub(a10, m0))
+                _store8(out, i + 8, r + 1, f32x8_sub(a11, m1))
 
 
 @njit(cache=True, inline="always")

@@ -35,10 +35,10 @@ from numba.extending import intrinsic
 
 from ... import blocks as B
 from .claims import claim, workers
-from .dot_q32 import OUT_AHEAD, _f16, prefetch_write, rows16_transpose
+from .dot_q32 import OUT_AHEAD, _f16, _store8, prefetch_write, rows16_transpose
 from .dot_blocks import _abs8, _sign_of, f32x8_fmav, i32x8_sub, i32x8_zero
 from .dot_kquant_scalar import _scale_min
-from .dot_kquant import _bc_interleave, _bc_store, _madd, _maddubs, hsum8x_ir, i32x8_lane, k_mins_dot
+from .dot_kquant import _bc_interleave, _madd, _maddubs, hsum8x_ir, i32x8_lane, k_mins_dot
 from .simd import (AVX2, VNNI, _V_I32x8, _call, _elem_ptr, _load, _ptr, f16_at, f32x8_fma, f32x8_load,
                    f32x8_scale, f32x8_store, f32x8_zero, fma32, i32x8, i32x8_add, i32x8_load, i32x8_to_f32x8,
                    q6k_decode_store, q6k_rows16_sb, v16_load, v16_store, v16_zero)
@@ -708,10 +708,10 @@ def mm_q6_k_bc(w, xq, xd, bsums, out, n16):
                         f32x8_store(part[rr + 1], 0, a10)
                         f32x8_store(part[rr + 1], 8, a11)
                     else:
-                        _bc_store(out, i, r, a00)
-                        _bc_store(out, i + 8, r, a01)
-                        _bc_store(out, i, r + 1, a10)
-                        _bc_store(out, i + 8, r + 1, a11)
+                        _store8(out, i, r, a00)
+                        _store8(out, i + 8, r, a01)
+                        _store8(out, i, r + 1, a10)
+                        _store8(out, i + 8, r + 1, a11)
 
 
 def _mm_tiles(w, kind, xq, xd, bsums, out):
