@@ -233,14 +233,20 @@ def _group_activations(kind, xq, n8):
     xg = np.zeros((ng, nb, 512), np.int8)
     flip = _act_offset(kind)
     for i in prange(n8):              # on all threads: a serial pass here left the other core idle
-        g, j = i // 16, i % 16
-        xr = xq[i]
-        for b in range(nb):
-            dst = xg[g, b]
-            for e in range(32):
-                v = xr[32 * b + e]
-                dst[32 * j + e] = v ^ np.int8(-128) if flip else v
+        _group_row(xg, xq, i, flip)
     return xg
+
+
+@njit(cache=True, inline="always")
+def _group_row(xg, xq, i, flip):
+    """Activation row i into its place in ``_group_activations``' layout (xg[i // 16, b, 32 (i % 16) ...])."""
+    g, j = i // 16, i % 16
+    xr = xq[i]
+    for b in range(xg.shape[1]):
+        dst = xg[g, b]
+        for e in range(32):
+            v = xr[32 * b + e]
+            dst[32 * j + e] = v ^ np.int8(-128) if flip else v
 
 
 @njit(cache=True, inline="always")

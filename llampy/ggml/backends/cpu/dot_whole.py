@@ -9,8 +9,8 @@ import numpy as np
 from numba import njit, prange
 
 from .claims import claim, workers
-from .dot_q32 import (K_Q4_0, K_Q4_1, K_Q8_0, ROW_CHUNK, TILE16, _act_offset, _block, _offset_lane_sums, _rows4, _tile8,
-                      _tiles_q4_0, _tiles_q4_1, _tiles_q8_0, prefetch_row)
+from .dot_q32 import (K_Q4_0, K_Q4_1, K_Q8_0, ROW_CHUNK, TILE16, _act_offset, _block, _group_row, _offset_lane_sums,
+                      _rows4, _tile8, _tiles_q4_0, _tiles_q4_1, _tiles_q8_0, prefetch_row)
 from .simd import f32x8_hsum, f32x8_zero
 
 # Up to this many activation rows (a server's decode steps: one row per stream) the eight-row tiles take whole weight
@@ -40,13 +40,7 @@ def _group_rows(kind, xq, n8):
     xg = np.empty(((n8 + 15) // 16, nb, 512), np.int8)
     flip = _act_offset(kind)
     for i in range(n8):
-        g, j = i // 16, i % 16
-        xr = xq[i]
-        for b in range(nb):
-            dst = xg[g, b]
-            for e in range(32):
-                v = xr[32 * b + e]
-                dst[32 * j + e] = v ^ np.int8(-128) if flip else v
+        _group_row(xg, xq, i, flip)
     return xg
 
 
