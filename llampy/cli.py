@@ -97,6 +97,14 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "quantize":
+        from .cli_quant import start_up_gc
+        with start_up_gc():             # the collector paused while NumPy and Numba load (cli_quant.start_up_gc)
+            return _main(argv)
+    return _main(argv)
+
+
+def _main(argv: list) -> int:
     if argv and argv[0] == "quantize" and "numpy" not in sys.modules:
         # the command's own process, before NumPy loads OpenBLAS: quantize multiplies no matrices, and OpenBLAS
         # starts a spinning thread per core at load (~0.04 s of CPU in a run llama-quantize does in 0.3 s)

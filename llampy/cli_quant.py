@@ -2,9 +2,50 @@
 importance matrix, over ``llama.imatrix``)."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
+
+
+class start_up_gc:
+    """The quantize command's garbage collector: paused from the command's start (before NumPy loads) until
+    ``resume()``, after the first tensor is written, when NumPy's, Numba's and the kernels' objects are made; those
+    are then frozen (the collections that follow do not traverse them again). Without the pause, the collections
+    that the start-up's allocations set off traversed the growing heap again and again: ~0.08 s of CPU over ~160
+    collections in a SmolLM2-135M to Q4_0 run of ~0.95 s. The collector's previous state (and nothing frozen) comes
+    back at the end, also when the command fails or is run in another program's process."""
+    active = None
+
+    def __enter__(self):
+        self.paused = gc.isenabled()
+        self.frozen = False
+        if self.paused:
+            gc.disable()
+            start_up_gc.active = self
+        return self
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            self.frozen = gc.get_freeze_count() == 0      # (another program's frozen objects stay as they are)
+            if self.frozen:
+                gc.freeze()
+            gc.enable()
+
+    def __exit__(self, *exc):
+        if start_up_gc.active is self:
+            start_up_gc.active = None
+        if self.frozen:
+            gc.unfreeze()
+        if self.paused:
+            gc.enable()
+        return False
+
+
+def _resume_gc() -> None:
+    if start_up_gc.active is not None:
+        start_up_gc.active.resume()
 
 
 def add_quant_parsers(sub) -> None:
@@ -133,8 +174,12 @@ def cmd_quantize(args) -> int:
           + ("" if params.dry_run else f" to '{fout}'") + f" as {fname} using {params.nthread} threads",
           file=sys.stderr)
     try:
+        def progress(i, n, name):
+            if i == 1:
+                _resume_gc()
+            bar.update(i, n, name)
         res = quantize_model(fin, fout, params, log=(lambda s: print(s, file=sys.stderr)) if verbose else None,
-                             progress=bar.update)
+                             progress=progress)
     except (QuantizeError, NotImplementedError) as e:
         bar.close()
         print(f"llampy: error: failed to quantize: {e}", file=sys.stderr)

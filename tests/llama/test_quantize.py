@@ -237,6 +237,36 @@ def test_q2_k_s_needs_an_imatrix(rand_model, tmp_path, capsys):
     assert "requires an importance matrix" in capsys.readouterr().err
 
 
+def test_quantize_command_pauses_and_restores_the_collector(rand_model, tmp_path, monkeypatch):
+    """The command pauses the garbage collector during its start-up and resumes it after the first tensor (its
+    start-up objects frozen); it leaves the collector as it found it, after a run, a failure or bad arguments."""
+    import gc
+    from llampy import cli_quant
+    states = []
+    resume = cli_quant.start_up_gc.resume
+
+    def spy(self):
+        states.append(gc.isenabled())
+        resume(self)
+        states.append((gc.isenabled(), gc.get_freeze_count() > 0))
+    monkeypatch.setattr(cli_quant.start_up_gc, "resume", spy)
+    args = ["quantize", "--progress", "off", str(rand_model), str(tmp_path / "o.gguf")]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert main(args + ["Q8_0", "1"]) == 0
+    assert states == [False, (True, True)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert main(args + ["Q2_K_S", "1"]) == 1        # fails before any tensor
+    with pytest.raises(SystemExit):
+        main(["quantize", "--no-such-option"])
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        assert main(args + ["Q8_0", "1"]) == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_numpy_rows_match_reference():
     """quants_np (the conversions quantize runs without Numba) against quants.quantize, ties and zero blocks
     included; its rounding against roundf on every float32 within 2000 steps of each integer and half to 128."""
