@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     from llampy.server.slots import Request
 
     ops: dict = collections.defaultdict(float)
+    calls: dict = collections.defaultdict(list)     # each call's wall time, for the median against the mean
     timing = [False]
     bind = cpu_backend.CPUBackend._bind
 
@@ -53,7 +54,9 @@ def main(argv=None) -> int:
                 return call()
             t0 = time.perf_counter()
             call()
-            ops[key] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            ops[key] += dt
+            calls[key].append(dt)
         return run
     cpu_backend.CPUBackend._bind = timed_bind
 
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
         one_round(n, 4)
         acc.clear()
         ops.clear()
+        calls.clear()
         builds = eng.ctx.n_graph_builds
         timing[0] = True
         t0, c0 = time.perf_counter(), time.process_time()
@@ -118,7 +122,11 @@ def main(argv=None) -> int:
         print("  ops per step (ms): " + ", ".join(f"{k} {v * ms:.2f}" for k, v in
                                                    sorted(by_op.items(), key=lambda kv: -kv[1])))
         print("  largest (ms per step): " + "; ".join(f"{k[0]} {k[1]} {k[2]} {v * ms:.2f}" for k, v in
-                                                       sorted(ops.items(), key=lambda kv: -kv[1])[:7]), flush=True)
+                                                       sorted(ops.items(), key=lambda kv: -kv[1])[:7]))
+        # a mean well above the median: a few slow calls (a thread held up), not a slow kernel
+        print("  per call, mean / median (us): " + "; ".join(
+            f"{k[0]} {k[1]} {k[2]} {v * 1e6 / len(calls[k]):.0f} / {sorted(calls[k])[len(calls[k]) // 2] * 1e6:.0f}"
+            for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:7]), flush=True)
     eng.stop()
     return 0
 
