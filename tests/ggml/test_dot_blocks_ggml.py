@@ -1,5 +1,5 @@
 """The block-table kernels of the ternary, FP4 and IQ grid formats (TQ2_0, TQ1_0, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S,
-IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) in llampy/ggml/backends/cpu/dot_blocks.py, against
+IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) in llampy/ggml/backends/cpu/dot_blocks.py and dot_grid.py, against
 llama.cpp's own x86 kernels, called through ctypes in the libggml-cpu of the build from the sdist: the decode
 rules give the reference dequantizer's bits, and every (weight row, activation row) product gives the bits of
 ``ggml_vec_dot_<type>_q8_*`` (from ``ggml_get_type_traits_cpu``) or, where llama.cpp repacks the rows
