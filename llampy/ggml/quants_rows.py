@@ -22,7 +22,7 @@ def _roundf(v):
 
 
 @njit(cache=True, nogil=True)
-def _q8_0(b, o):
+def _q8_0(b, o, lv):
     """block_q8_0 {d, qs[32]}"""
     for i in range(b.shape[0]):
         amax = F32(0.0)
@@ -36,20 +36,21 @@ def _q8_0(b, o):
 
 
 @njit(cache=True, nogil=True)
-def _qx_0(b, o, nlev):
+def _qx_0(b, o, lv, nlev):
     """Q4_0 (nlev 8: {d, qs[16]}) / Q5_0 (nlev 16: {d, qh[4], qs[16]}): d = max / -nlev,
     L = min(2*nlev - 1, (int8)(x * id + nlev + 0.5)); qs[j] = L[j] low nibble | L[j+16] low nibble << 4. The
     signed maximum by selects, the levels into an int32 row, then the nibbles and high bits.
 
     The level and nibble loops run to the block's width read from ``b`` (32), not to a constant: LLVM unrolls a
     constant 32-trip loop whole before its loop vectorizer runs, and Numba leaves the SLP vectorizer off, so the
-    unrolled code stayed scalar (Q4_0: 10.3 -> 7.1 ms for 8 M values, AVX2)."""
+    unrolled code stayed scalar (Q4_0: 10.3 -> 7.1 ms for 8 M values, AVX2). ``lv``: int32 scratch of the block's
+    width, given by the caller (as for every kernel here: a kernel that allocates loads with Numba's array module,
+    ~0.04 s of CPU at the first load)."""
     off = F32(nlev) + F32(0.5)
     q = 2 if nlev == 8 else 6
     top = np.int32(2 * nlev - 1)
     n = b.shape[1]
     h = n // 2
-    lv = np.empty(n, np.int32)
     for i in range(b.shape[0]):
         amax = F32(0.0)
         mx = F32(0.0)
@@ -71,13 +72,12 @@ def _qx_0(b, o, nlev):
 
 
 @njit(cache=True, nogil=True)
-def _qx_1(b, o, nmax):
+def _qx_1(b, o, lv, nmax):
     """Q4_1 (nmax 15: {d, m, qs[16]}) / Q5_1 (nmax 31, no clamp in ggml: {d, m, qh[4], qs[16]}):
     d = (max - min) / nmax, L = (x - min) * id + 0.5 (loops to the block's width as in _qx_0)."""
     q = 4 if nmax == 15 else 8
     n = b.shape[1]
     h = n // 2
-    lv = np.empty(n, np.int32)
     for i in range(b.shape[0]):
         mn = b[i, 0]
         mx = b[i, 0]
@@ -108,10 +108,9 @@ def _put_qh(lv, o, at):
 
 
 @njit(cache=True, nogil=True)
-def _q2_0(b, o):
+def _q2_0(b, o, lv):
     """quantize_row_q2_0_ref, blocks of 64 {d, qs[16]}: d = amax, q = clamp(roundf(x / d) + 1, 0, 3) (x * (d ? 1/d
     : 0), as quants.quantize_q2_0), four consecutive values a byte from the low bits."""
-    lv = np.empty(64, np.int32)
     for i in range(b.shape[0]):
         amax = F32(0.0)
         for j in range(64):
@@ -127,7 +126,7 @@ def _q2_0(b, o):
 
 
 @njit(cache=True, nogil=True)
-def _q1_0(b, o):
+def _q1_0(b, o, lv):
     """quantize_row_q1_0_ref, blocks of 128 {d, qs[16]}: d = mean |x| (summed in order, as the C loop), bit j of the
     block (byte j / 8, from the low bit) set for x >= 0."""
     for i in range(b.shape[0]):
@@ -157,10 +156,9 @@ def _ternary_levels(x, lv):
 
 
 @njit(cache=True, nogil=True)
-def _tq2_0(b, o):
+def _tq2_0(b, o, lv):
     """quantize_row_tq2_0_ref, blocks of 256 {qs[64], d}: d = amax, q = (lroundf(x / d) + 1) & 3 (x * (d ? 1/d : 0)),
     qs[32 h + l] = q[128 h + 32 k + l] << 2 k for k 0..3."""
-    lv = np.empty(256, np.int32)
     for i in range(b.shape[0]):
         amax = _ternary_levels(b[i], lv)
         for h in range(2):
@@ -181,11 +179,10 @@ def _trits(lv, at, step, npow, m):
 
 
 @njit(cache=True, nogil=True)
-def _tq1_0(b, o):
+def _tq1_0(b, o, lv):
     """quantize_row_tq1_0_ref, blocks of 256 {qs[48], qh[4], d}: trits lroundf(x / d) + 1 (x * (d ? 1/d : 0), d =
     amax), five a byte over values m, m + 32, ... (qs[0:32]; then m, m + 16, ... from 160 for qs[32:48]), four a
     byte (and a zero trit) from 240 for qh."""
-    lv = np.empty(256, np.int32)
     for i in range(b.shape[0]):
         amax = _ternary_levels(b[i], lv)
         for m in range(32):
@@ -197,7 +194,8 @@ def _tq1_0(b, o):
         _put_f16(o[i], 52, amax)
 
 
-# type -> (kernel, values a block, bytes a block, its arguments)
+# type -> (kernel, values a block, bytes a block, its further arguments); each kernel takes (blocks, out, int32 scratch
+# of a block's width (unused by Q8_0 and Q1_0), ...): the kernels allocate nothing
 _KERNELS = {T.Q8_0: (_q8_0, 32, 34, ()), T.Q4_0: (_qx_0, 32, 18, (8,)), T.Q5_0: (_qx_0, 32, 22, (16,)),
             T.Q4_1: (_qx_1, 32, 20, (15,)), T.Q5_1: (_qx_1, 32, 24, (31,)),
             T.Q1_0: (_q1_0, 128, 18, ()), T.Q2_0: (_q2_0, 64, 18, ()),
@@ -215,7 +213,7 @@ def quantize_rows_ref(x: np.ndarray, t: GGMLType, out: np.ndarray | None = None)
     b = x.reshape(-1, blck)
     if out is None:
         out = np.empty((x.shape[0], b.shape[0] // x.shape[0] * size), np.uint8)
-    kernel(b, out.reshape(len(b), size), *args)
+    kernel(b, out.reshape(len(b), size), np.empty(blck, np.int32), *args)
     return out
 
 
