@@ -265,6 +265,13 @@ def test_quantize_command_pauses_and_restores_the_collector(rand_model, tmp_path
         assert not gc.isenabled()
     finally:
         gc.enable()
+    # the process's own command (main() without arguments): everything frozen at the end, for the shutdown
+    monkeypatch.setattr("sys.argv", ["llampy"] + args + ["Q8_0", "1"])
+    try:
+        assert main() == 0
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_numpy_rows_match_reference():
