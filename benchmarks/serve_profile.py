@@ -126,7 +126,12 @@ def main(argv=None) -> int:
         # a mean well above the median: a few slow calls (a thread held up), not a slow kernel
         print("  per call, mean / median (us): " + "; ".join(
             f"{k[0]} {k[1]} {k[2]} {v * 1e6 / len(calls[k]):.0f} / {sorted(calls[k])[len(calls[k]) // 2] * 1e6:.0f}"
-            for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:7]), flush=True)
+            for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:7]))
+        excess = 0.0        # every call's time above its op's median: what the held-up calls cost
+        for ts in calls.values():
+            med = sorted(ts)[len(ts) // 2]
+            excess += sum(t - med for t in ts if t > med)
+        print(f"  the calls' time above their op's median: {excess * ms:.1f} ms a step", flush=True)
     eng.stop()
     return 0
 
