@@ -66,7 +66,11 @@ class Batch:
         n = len(self.tokens)
         if not (len(self.pos) == len(self.seq_id) == len(self.logits) == n):
             raise ValueError("batch fields have different lengths")
-        if n and (self.tokens.min() < 0 or self.tokens.max() >= n_vocab):
+        if n == 1:          # a decode step's token: Python ints (NumPy's min and max cost more than the test)
+            bad = int(self.tokens[0])
+            if not 0 <= bad < n_vocab:
+                raise ValueError(f"token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
+        elif n and (self.tokens.min() < 0 or self.tokens.max() >= n_vocab):
             bad = int(self.tokens[(self.tokens < 0) | (self.tokens >= n_vocab)][0])
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
         for s in self.seq_id:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import tuning
 from ..ggml import ops
-from ..ggml.backend import tensor_get, tensor_set
+from ..ggml.backend import tensor_data, tensor_get, tensor_set
 from ..ggml.graph import Graph
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
@@ -46,6 +46,11 @@ _ROW_EXACT_REPACKED = frozenset({GGMLType.IQ4_NL, GGMLType.MXFP4})
 _ROW_OPS = frozenset({"NONE", "ADD", "MUL", "SCALE", "RMS_NORM", "NORM", "ROPE", "SET_ROWS", "GET_ROWS", "CPY",
                       "CONT", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "SWIGLU", "GEGLU", "SILU", "GELU",
                       "FLASH_ATTN_EXT", "MUL_MAT"})
+
+
+def _whole(idx, n: int) -> bool:
+    """Whether the index array ``idx`` is 0, 1, ..., n - 1."""
+    return len(idx) == n and (n == 1 and idx[0] == 0 or n > 1 and np.array_equal(idx, np.arange(n)))
 
 
 def _rows_apart(graph: Graph) -> bool:
@@ -134,6 +139,7 @@ class Context:
         self._out_rows: dict[int, int] = {}   # batch index -> row of _logits/_embd
         self._seq_embd: dict[int, np.ndarray] = {}
         self._shift_graph = None
+        self._views: dict = {}                # id(input) -> (input, buffer, offset, flat host view): _put
         self.loras: list = []                 # (LoraAdapter, scale) pairs applied by every graph (set_loras)
         # False: a token also sees the later cells of its sequence (llama_set_causal_attn; gemma3's image chunks)
         self.causal_attn = True
@@ -243,11 +249,17 @@ class Context:
         self._embd = np.zeros((n_out_total, width), np.float32)
         self._out_rows = {}
         self._seq_embd = {}
-        rank = np.cumsum(want) - 1          # outputs keep the batch's order, however it is split
         try:
             ubatches = self._split(batch)
         except ValueError as e:
             raise ContextError(f"decode: {e}") from None
+        if len(ubatches) == 1 and not self.embeddings and _whole(ubatches[0], n):
+            # one micro-batch that is the batch in its order (a decode step): no slicing, the rows as they come
+            out_idx = np.flatnonzero(want)
+            self._logits = self._decode_ubatch(batch, out_idx)
+            self._out_rows = dict(zip(out_idx.tolist(), range(len(out_idx))))
+            return
+        rank = np.cumsum(want) - 1          # outputs keep the batch's order, however it is split
         for idx in ubatches:
             ub = Batch(batch.tokens[idx], batch.pos[idx], [batch.seq_id[i] for i in idx], batch.logits[idx],
                        None if batch.embd is None else batch.embd[idx], None if batch.mpos is None else batch.mpos[idx])
@@ -311,38 +323,62 @@ class Context:
         gc = self._graph(len(ub), len(out_ids), n_kv, ub.embd is not None)
         self.sched.alloc_graph(gc.graph)
         inp = gc.inputs
+        put = self._put
         if ub.embd is not None:
-            tensor_set(inp["embd"], ub.embd)
+            put(inp["embd"], ub.embd)
         else:
-            tensor_set(inp["tokens"], ub.tokens)
+            put(inp["tokens"], ub.tokens)
         if "pos" in inp:
             if self.model.hparams.n_pos_per_embd == 4:     # rows t, h, w, e (text: p, p, p, 0)
                 rows = ub.mpos.T if ub.mpos is not None else np.stack([ub.pos, ub.pos, ub.pos, np.zeros_like(ub.pos)])
-                tensor_set(inp["pos"], np.ascontiguousarray(rows, dtype=np.int32).reshape(-1))
+                put(inp["pos"], np.ascontiguousarray(rows, dtype=np.int32).reshape(-1))
             else:
-                tensor_set(inp["pos"], ub.pos)
+                put(inp["pos"], ub.pos)
         if "kv_idxs" in inp:
-            tensor_set(inp["kv_idxs"], idxs.astype(np.int64))
+            put(inp["kv_idxs"], idxs)
         for key, fill in gc.input_fns.items():
-            tensor_set(inp[key], fill(ub))
+            put(inp[key], fill(ub))
         for key, value in self.kv.input_values().items():
-            tensor_set(inp[key], value)
+            put(inp[key], value)
         causal = {} if self.causal_attn else {"causal": False}
         if "kq_mask" in inp:
-            tensor_set(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id, mpos=ub.mpos, **causal))
+            put(inp["kq_mask"], self.kv.mask(n_kv, ub.pos, ub.seq_id, mpos=ub.mpos, **causal))
         if "kq_mask_swa" in inp:
-            tensor_set(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa,
-                                                        chunked=self.model.hparams.swa_chunked, **causal))
+            put(inp["kq_mask_swa"], self.kv.mask(n_kv, ub.pos, ub.seq_id, swa=self.model.hparams.n_swa,
+                                                 chunked=self.model.hparams.swa_chunked, **causal))
         if "out_ids" in inp:
-            tensor_set(inp["out_ids"], out_ids.astype(np.int32))
+            put(inp["out_ids"], out_ids)
         self.sched.graph_compute(gc.graph)
         out = gc.t_embd if self.embeddings else gc.t_logits
-        res = tensor_get(out).reshape(-1, out.ne[0])
+        v = self._view(out)
+        res = (tensor_get(out) if v is None else v.copy()).reshape(-1, out.ne[0])
         # with out_ids the rows asked for come first; without, every row (a padded batch's real outputs among them)
         if "out_ids" in inp:
             return res[:n_outputs]
         # out_idx is sorted: every row asked for (a decode step's one token) is res itself, not a copy
         return res if n_outputs == len(res) else res[out_idx]
+
+    def _put(self, t: Tensor, value) -> None:
+        """tensor_set of a graph input, through a NumPy view of its host memory kept while the input stays where it
+        is (a decode step sets four or five inputs: the view is made once, not per token); cast as tensor_set does."""
+        v = self._view(t)
+        if v is None:
+            tensor_set(t, value)
+        else:
+            np.copyto(v, np.asarray(value).reshape(-1), casting="unsafe")
+
+    def _view(self, t: Tensor) -> np.ndarray | None:
+        """A flat NumPy view of a graph input's or output's host memory, kept while the tensor stays where it is;
+        None where it is not contiguous host memory (then tensor_set / tensor_get)."""
+        v = self._views.get(id(t))
+        if v is None or v[0] is not t or v[1] is not t.storage.buffer or v[2] != t.data_offs:
+            buf = t.storage.buffer
+            if buf is None or not buf.is_host or not t.is_contiguous() or t.nelements == 0:
+                return None
+            if len(self._views) > 64 * self.max_graphs:
+                self._views.clear()
+            v = self._views[id(t)] = (t, buf, t.data_offs, tensor_data(t).reshape(-1))
+        return v[3]
 
     def _pool(self, ub: Batch, embd: np.ndarray) -> None:
         seqs = np.array([s[0] for s in ub.seq_id])

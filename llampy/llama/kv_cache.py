@@ -131,6 +131,9 @@ class KVCache:
                 raise ValueError(f"a {t.name} {what} cache needs heads of a multiple of {bs} values; this model's "
                                  f"{what} heads have {d}, not a whole number of blocks: use f16, bf16 or f32")
         self.pos = np.full(self.size, -1, dtype=np.int32)        # -1: empty
+        # (used cells, last used cell + 1) of pos as it is, or None when not known: kept through a decode step's
+        # one-token apply, forgotten by every other change of pos (_changed), counted again on demand (_counts)
+        self._counts_now: tuple | None = (0, 0)
         # per stream: where find_slot starts looking (its first cell to begin with)
         self.heads = np.arange(self.n_stream, dtype=np.int64) * self.stream_size
         self.seq = np.zeros((self.size, self.n_seq_max), dtype=bool)
@@ -165,12 +168,22 @@ class KVCache:
         return sum(b.size for b in self.buffers)
 
     # ------------------------------------------------------------------ cells
+    def _counts(self) -> tuple:
+        c = self._counts_now
+        if c is None:
+            used = np.flatnonzero(self.pos >= 0)
+            c = self._counts_now = (len(used), int(used[-1]) + 1 if len(used) else 0)
+        return c
+
+    def _changed(self) -> None:
+        """pos was changed other than by a one-token apply: the counts are taken again when next asked for."""
+        self._counts_now = None
+
     def n_used(self) -> int:
-        return int((self.pos >= 0).sum())
+        return self._counts()[0]
 
     def used_max_p1(self) -> int:
-        used = np.flatnonzero(self.pos >= 0)
-        return int(used[-1]) + 1 if len(used) else 0
+        return self._counts()[1]
 
     def n_kv_for(self, n_needed_p1: int, pad: int = KV_PAD) -> int:
         """The number of cells the attention reads: padded so graphs are reused (llama.cpp pads to 256)."""
@@ -227,7 +240,7 @@ class KVCache:
     def check_room(self, seq_ids: list) -> None:
         """Raises CacheFull unless every stream has room for its tokens of a batch (before any is placed)."""
         if self.n_stream == 1:
-            free = int((self.pos < 0).sum())
+            free = self.size - self._counts()[0]
             if free < len(seq_ids):
                 raise CacheFull(f"the context is full: {len(seq_ids)} tokens need room but only {free} of "
                                 f"{self.size} cells are free")
@@ -284,7 +297,19 @@ class KVCache:
         return {}
 
     def apply(self, idxs: np.ndarray, pos: np.ndarray, seq_ids: list) -> None:
+        if len(idxs) == 1 and len(seq_ids[0]) == 1:     # a decode step's token of one sequence: Python ints
+            i = int(idxs[0])
+            c = self._counts_now
+            if c is not None:
+                self._counts_now = (c[0] + int(self.pos[i] < 0), max(c[1], i + 1))
+            self.pos[i] = pos[0]
+            row = self.seq[i]
+            row[:] = False
+            row[seq_ids[0][0]] = True
+            self.heads[i // self.stream_size if self.n_stream > 1 else 0] = i + 1
+            return
         self.pos[idxs] = pos
+        self._changed()
         self.seq[idxs] = False
         for i, s in zip(idxs, seq_ids):
             self.seq[i, list(s)] = True
@@ -363,6 +388,7 @@ class KVCache:
         else:
             self.seq[r, seq_id] = False
         self.pos[~self.seq.any(axis=1)] = -1
+        self._changed()
         self._freed(used)
         return True
 
@@ -378,6 +404,7 @@ class KVCache:
         self.seq[:] = False
         self.seq[keep, seq_id] = True
         self.pos[~keep] = -1
+        self._changed()
         self._freed(used)
 
     def seq_pos_max(self, seq_id: int) -> int:
@@ -398,6 +425,7 @@ class KVCache:
         gone = r & (self.pos < 0)
         self.seq[gone] = False
         self.pos[gone] = -1
+        self._changed()
         shift[gone] = 0
         g = np.flatnonzero(gone)
         st = self.stream_of((seq_id,)) if seq_id >= 0 else 0
@@ -408,6 +436,7 @@ class KVCache:
     def clear(self, data: bool = False) -> None:
         """Forget every cell; with ``data``, also zero K and V (llama.cpp's clear(data))."""
         self.pos[:] = -1
+        self._counts_now = (0, 0)
         self.seq[:] = False
         self.heads[:] = [self._stream_range(st)[0] for st in range(self.n_stream)]
         if data:
@@ -437,6 +466,7 @@ class KVCache:
                                  "one stream per sequence")
         used = int(z["used"][0])
         self.pos[:] = z["pos"]
+        self._changed()
         self.seq[:] = z["seq"]
         self.heads[:] = np.arange(self.n_stream) * self.stream_size
         for il in range(len(self.k)):
