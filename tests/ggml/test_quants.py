@@ -416,3 +416,24 @@ def test_kernel_cache_is_keyed_on_helper_sources(tmp_path):
     assert run() == ["5.0", "0", "2", "0", "10", "0"]          # compiled and saved
     (tmp_path / "helper.py").write_text("from numba import njit\n\n@njit\ndef h(x):\n    return x + 2\n")
     assert run() == ["5.0", "1", "3", "0", "10", "1"]          # z and g loaded; f compiled again (new helper)
+
+
+def test_kernel_cache_types_plain_arrays_as_numba():
+    """cached_njit's dispatchers type a plain ndarray argument themselves (without numpy.ma): the same type as
+    Numba's typeof for every layout, dtype, dimension count and read-only array, and Numba's own answer (or error)
+    for anything else."""
+    import numba
+    from llampy.ggml.kernel_cache import _typeof_pyval
+    from llampy.ggml.quants_rows import f16_to_f32
+    d = f16_to_f32
+    assert d.typeof_pyval.func is _typeof_pyval
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    ro = np.zeros(5, np.uint8)
+    ro.flags.writeable = False
+    cases = [x, x[0], x[:, 1], x[..., ::2], np.asfortranarray(x), x.T, ro, np.zeros(3, np.uint16),
+             np.zeros((2, 2), np.int64), np.zeros((), np.float64), np.zeros(2, np.bool_), np.zeros(2, np.float16),
+             np.zeros(2, np.complex64), np.zeros(3, [("a", np.int32), ("b", np.float32)]), 3, 2.5, (1, 2)]
+    for a in cases:
+        assert _typeof_pyval(d, a) == d.typeof_pyval(a) == type(d).typeof_pyval(d, a) == numba.typeof(a), a
+    with pytest.raises(numba.core.errors.NumbaTypeError):
+        _typeof_pyval(d, np.ma.masked_array(np.zeros(2)))
