@@ -10,8 +10,8 @@ lanes, which widens to eight int32 lanes of four products times the scale — th
   the rows as the eight lanes of the float accumulators, as the repacked kernels hold them. Per super-block (gemv)
   or pair of sub-blocks (gemm, activation rows below ``n_gemm``), each row's lanes are reduced (``_hsum8x``: eight
   vectors to one vector of eight sums) and one vector fma does the eight rows' ``acc = fma(isum, d_w * d_x,
-  acc)``; the mins likewise, from the scales transposed to rows-as-lanes and the activation block sums packed in
-  pairs (``_bs_pairs``). ``out = acc - mins`` is one 8-float store.
+  acc)``; the mins likewise (gemm: from the scales transposed to rows-as-lanes and the activation block sums
+  packed in pairs, ``_bs_pairs``; gemv: ``q4k_gemv8``). ``out = acc - mins`` is one 8-float store.
 - ``mv_q6_k``, ``mv_q4_k``, ``mv_q5_k`` (``ggml_vec_dot_*_q8_K`` AVX2 forms): per (row, activation) one f32x8
   accumulator in ggml's lane order; tiles of 4 weight rows x 1 or 2 activation rows so that several independent
   fma chains overlap and each decoded weight block serves both activations.
@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dot_q32 import (OUT_AHEAD, ROW_CHUNK, _store8, prefetch_base, prefetch_row, prefetch_step, prefetch_write,
+from .dot_q32 import (OUT_AHEAD, ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_write,
                       rows16_transpose)
 from .dot_kquant_scalar import _scale_min
 from .simd import (AVX2, VNNI, _V_F32x8, _V_I32x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f32x8, f32x8_fma, f32x8_hsum, f32x8_lane,
@@ -92,14 +92,21 @@ def _scales16(context, builder, aryty, ary, off):
     # u = the words u0, u1, u2 (and the next block's first, unused) in one 16-byte load; the four results as lanes
     # [s_lo, s_hi, m_lo, m_hi] = [u0 & k1, (u2 & k2) | ((u0 >> 6) & k3) << 4, u1 & k1, ((u2 >> 4) & k2) | ...]
     v4 = ir.VectorType(_I32, 4)
-    u = _load(builder, _ptr(context, builder, aryty, ary, builder.add(off, ir.Constant(off.type, 4)), v4))
+    return _scales16_at(builder, _ptr(context, builder, aryty, ary, builder.add(off, ir.Constant(off.type, 4)), v4))
+
+
+def _scales16_at(builder, ptr, as_bytes=False):
+    """``_scales16`` of the 12 scale bytes at ``ptr`` (a <4 x i32>*); ``as_bytes``: the same sixteen values as
+    <16 x i8>."""
+    v4 = ir.VectorType(_I32, 4)
+    u = _load(builder, ptr)
     a = builder.and_(_shuf(builder, u, u, [0, 0, 1, 1]), ir.Constant(v4, [0x3F3F3F3F, 0, 0x3F3F3F3F, 0]))
     hi2 = builder.and_(builder.lshr(_shuf(builder, u, u, [2, 2, 2, 2]), ir.Constant(v4, [0, 0, 4, 4])),
                        ir.Constant(v4, [0, 0x0F0F0F0F, 0, 0x0F0F0F0F]))
     top = builder.shl(builder.and_(builder.lshr(_shuf(builder, u, u, [0, 0, 1, 1]), ir.Constant(v4, [6] * 4)),
                                    ir.Constant(v4, [0, 0x03030303, 0, 0x03030303])), ir.Constant(v4, [4] * 4))
-    v = builder.or_(builder.or_(a, hi2), top)
-    return builder.zext(builder.bitcast(v, ir.VectorType(_I8, 16)), _W16)
+    v = builder.bitcast(builder.or_(builder.or_(a, hi2), top), ir.VectorType(_I8, 16))
+    return v if as_bytes else builder.zext(v, _W16)
 
 
 @intrinsic
@@ -370,6 +377,18 @@ def f32x8_store_diff(typingctx, arr, i, a, b):
 
 
 # ---------------------------------------------------------------------------------------- Q4_K, repacked 8x8
+@njit(cache=True, inline="always")
+def prefetch_span(w, base, b, step):
+    """``dot_q32.prefetch_step`` with one bound per step instead of one per cache line: the lines of bytes base[0] +
+    b * step .. + step (step a compile-time constant), the window moved back to end at w's last byte near the end.
+    Q4_K's eight-row gemv step: 19 prefetches and one bound where each line took a compare, a move and an address
+    (about 60 of its 800 instructions; no change in time measured, the vector units bound it)."""
+    n = (step + 63) // 64 + 1
+    a = max(0, min(base[0] + b * step, base[1] - 64 * (n - 1)))
+    for j in range(n):
+        prefetch_byte(w, a + 64 * j)
+
+
 @njit(cache=True)
 def _bs_pairs(bsums, out):
     """out[i, 4b + p] = (bs[g] + bs[g+1]) | (bs[g+2] + bs[g+3]) << 16 with g = 16b + 4p: the two block-sum pairs
@@ -381,32 +400,6 @@ def _bs_pairs(bsums, out):
             a = np.int32(bsums[i, g]) + np.int32(bsums[i, g + 1])
             b = np.int32(bsums[i, g + 2]) + np.int32(bsums[i, g + 3])
             out[i, t] = (a & 0xFFFF) | (b << 16)
-
-
-@njit(cache=True, inline="always")
-def _x8_pair(w0, w1, w2, w3, w4, w5, w6, w7, o, s0, s1, s2, s3, s4, s5, s6, s7, xr, xo, p):
-    """Pair p (0..3, non-literal) of the super-block at byte o for eight rows: the eight rows' sums as lanes."""
-    qo = o + 16 + 32 * p
-    xp = xo + 64 * p
-    if p == 0:
-        return hsum8x(q4k_pdot(w0, qo, xr, xp, s0, 0), q4k_pdot(w1, qo, xr, xp, s1, 0),
-                      q4k_pdot(w2, qo, xr, xp, s2, 0), q4k_pdot(w3, qo, xr, xp, s3, 0),
-                      q4k_pdot(w4, qo, xr, xp, s4, 0), q4k_pdot(w5, qo, xr, xp, s5, 0),
-                      q4k_pdot(w6, qo, xr, xp, s6, 0), q4k_pdot(w7, qo, xr, xp, s7, 0))
-    if p == 1:
-        return hsum8x(q4k_pdot(w0, qo, xr, xp, s0, 1), q4k_pdot(w1, qo, xr, xp, s1, 1),
-                      q4k_pdot(w2, qo, xr, xp, s2, 1), q4k_pdot(w3, qo, xr, xp, s3, 1),
-                      q4k_pdot(w4, qo, xr, xp, s4, 1), q4k_pdot(w5, qo, xr, xp, s5, 1),
-                      q4k_pdot(w6, qo, xr, xp, s6, 1), q4k_pdot(w7, qo, xr, xp, s7, 1))
-    if p == 2:
-        return hsum8x(q4k_pdot(w0, qo, xr, xp, s0, 2), q4k_pdot(w1, qo, xr, xp, s1, 2),
-                      q4k_pdot(w2, qo, xr, xp, s2, 2), q4k_pdot(w3, qo, xr, xp, s3, 2),
-                      q4k_pdot(w4, qo, xr, xp, s4, 2), q4k_pdot(w5, qo, xr, xp, s5, 2),
-                      q4k_pdot(w6, qo, xr, xp, s6, 2), q4k_pdot(w7, qo, xr, xp, s7, 2))
-    return hsum8x(q4k_pdot(w0, qo, xr, xp, s0, 3), q4k_pdot(w1, qo, xr, xp, s1, 3),
-                  q4k_pdot(w2, qo, xr, xp, s2, 3), q4k_pdot(w3, qo, xr, xp, s3, 3),
-                  q4k_pdot(w4, qo, xr, xp, s4, 3), q4k_pdot(w5, qo, xr, xp, s5, 3),
-                  q4k_pdot(w6, qo, xr, xp, s6, 3), q4k_pdot(w7, qo, xr, xp, s7, 3))
 
 
 @njit(cache=True, inline="always")
@@ -422,6 +415,113 @@ def _row_ptr(context, builder, aryty, ary, r, k, off):
     base = builder.bitcast(a.data, _I8.as_pointer())
     at = builder.add(builder.mul(builder.add(r, ir.Constant(r.type, k)), s0), off)
     return builder.bitcast(builder.gep(base, [at]), _V32.as_pointer())
+
+
+def _bcast_b(builder, sb, j):
+    """Byte j of each 128-bit half of the <32 x i8> ``sb`` zero-extended into all sixteen int16 lanes (one vpshufb;
+    a word broadcast of a scale took a move to lane 0 and a vpbroadcastw)."""
+    if AVX2:
+        mask = ir.Constant(_V32, [j if e % 2 == 0 else 0x80 for e in range(32)])
+        return builder.bitcast(_call(builder, "llvm.x86.avx2.pshuf.b", _V32, [sb, mask]), _W16)
+    return builder.zext(_shuf(builder, sb, sb, [j] * 16), _W16)
+
+
+# Byte of scale j in ``_scale_bytes_dup``'s halves (min j: 4 bytes further): s0..s3, m0..m3, s4..s7, m4..m7.
+_SB_AT = (0, 1, 2, 3, 8, 9, 10, 11)
+_I64 = ir.IntType(64)
+
+
+def _scale_bytes_dup(context, builder, aryty, ary, r, k, o):
+    """The scales and mins of the Q4_K super-block at byte o of row r + k, as bytes s0..s3, m0..m3, s4..s7, m4..m7
+    in both 128-bit halves of a <32 x i8> (``_SB_AT``), unpacked in 64-bit scalar words (ggml's ``utmp`` steps, two
+    32-bit words at once) so that the vector units, the decode's bound, do only the moves: with A the 8 bytes u0 u1
+    and C the word u2, lo = A & 0x3F.. = (s0..s3, m0..m3), hi = (C & 0x0F..) | ((C >> 4) & 0x0F..) << 32 | ((A >> 6)
+    & 0x03..) << 4 = (s4..s7, m4..m7)."""
+    pa = builder.bitcast(_row_ptr(context, builder, aryty, ary, r, k, builder.add(o, ir.Constant(o.type, 4))),
+                         _I64.as_pointer())
+    pc = builder.bitcast(_row_ptr(context, builder, aryty, ary, r, k, builder.add(o, ir.Constant(o.type, 12))),
+                         _I32.as_pointer())
+    a = _load(builder, pa)
+    c = builder.zext(_load(builder, pc), _I64)
+    c64 = lambda v: ir.Constant(_I64, v)
+    lo = builder.and_(a, c64(0x3F3F3F3F3F3F3F3F))
+    hi = builder.or_(builder.and_(c, c64(0x0F0F0F0F)),
+                     builder.shl(builder.and_(builder.lshr(c, c64(4)), c64(0x0F0F0F0F)), c64(32)))
+    hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(a, c64(6)), c64(0x0303030303030303)), c64(4)))
+    v2 = ir.VectorType(_I64, 2)
+    v = builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, ir.Constant(_I32, 0)), hi,
+                               ir.Constant(_I32, 1))
+    return builder.bitcast(_shuf(builder, v, v, [0, 1, 0, 1]), _V32)
+
+
+@intrinsic
+def q4k_gemv8(typingctx, w, r, o, x, xo, bs, bo):
+    """The super-blocks at byte o of rows r..r+7 of w against the 256 activations at byte xo of x: (isum, imin),
+    two i32x8 with the rows as lanes: isum lane k = sum over sub-blocks j of sc_j * (q_j . x_j) of row k, imin lane
+    k = sum over j of m_j * (bs[bo + 2j] + bs[bo + 2j + 1]) (the int16 block sums ``bs``). The integers of
+    ``q4k_sb`` / ``k_min_lanes`` reduced by ``hsum8x``, computed pair by pair of sub-blocks across the eight rows
+    (each pair's 64 activations loaded once, eight accumulators live: no spills), each row's scales as bytes in
+    both halves so one vpshufb broadcasts a scale."""
+    def codegen(context, builder, sig, args):
+        wt, wa, rr, o = sig.args[0], args[0], args[1], args[2]
+        xt, xa, xo = sig.args[3], args[3], args[4]
+        v4 = ir.VectorType(_I32, 4)
+        bsv = _load(builder, _elem_ptr(context, builder, sig.args[5], args[5], args[6], _W16))
+        sums, mins = [], []
+        for half in range(2):      # four rows at a time: their scales and accumulators fit the sixteen registers
+            rows = range(4 * half, 4 * half + 4)
+            sbs = {k: _scale_bytes_dup(context, builder, wt, wa, rr, k, o) for k in rows}
+            acc = {}
+            for p in range(4):
+                xl = _load32(context, builder, xt, xa, xo, 64 * p)
+                xh = _load32(context, builder, xt, xa, xo, 64 * p + 32)
+                qo = builder.add(o, ir.Constant(o.type, 16 + 32 * p))
+                for k in rows:
+                    q = _load(builder, _row_ptr(context, builder, wt, wa, rr, k, qo))
+                    lo = builder.and_(q, _const(_V32, 15))
+                    hi = builder.lshr(q, _const(_V32, 4))
+                    a = _madd_acc(builder, acc.get(k), _bcast_b(builder, sbs[k], _SB_AT[2 * p]),
+                                  _maddubs(builder, lo, xl))
+                    acc[k] = _madd_acc(builder, a, _bcast_b(builder, sbs[k], _SB_AT[2 * p + 1]),
+                                       _maddubs(builder, hi, xh))
+            mn = []
+            for k in rows:
+                if AVX2:
+                    mask = ir.Constant(_V32, [4 + _SB_AT[e // 4] if e % 2 == 0 else 0x80 for e in range(32)])
+                    md = builder.bitcast(_call(builder, "llvm.x86.avx2.pshuf.b", _V32, [sbs[k], mask]), _W16)
+                else:
+                    md = builder.zext(_shuf(builder, sbs[k], sbs[k], [4 + _SB_AT[l // 2] for l in range(16)]),
+                                      _W16)
+                mn.append(_madd(builder, md, bsv))
+            a = [acc[k] for k in rows]
+            sums.append(_hadd(builder, _hadd(builder, a[0], a[1]), _hadd(builder, a[2], a[3])))
+            mins.append(_hadd(builder, _hadd(builder, mn[0], mn[1]), _hadd(builder, mn[2], mn[3])))
+
+        def fold(lo, hi):      # hsum8x_ir's last step
+            return builder.add(_shuf(builder, lo, hi, [0, 1, 2, 3, 8, 9, 10, 11]),
+                               _shuf(builder, lo, hi, [4, 5, 6, 7, 12, 13, 14, 15]))
+        return context.make_tuple(builder, sig.return_type, [fold(*sums), fold(*mins)])
+    return types.UniTuple(i32x8, 2)(w, types.intp, types.intp, x, types.intp, bs, types.intp), codegen
+
+
+@njit(cache=True, inline="always")
+def _x8_gemv(w, r, xq, xd, bsums, out, i0, i1, nb):
+    """Rows r..r+7 against activation rows i0..i1 in the gemv form (llama.cpp's repacked gemv: per super-block
+    acc = fma(isum, d_w * d_x, acc), mins likewise; out = acc - mins) through ``q4k_gemv8``."""
+    pb = prefetch_base(w, r)
+    for i in range(i0, i1):
+        xr = xq[i]
+        bs = bsums[i]
+        acc = f32x8_zero()
+        accm = f32x8_zero()
+        for b in range(nb):
+            prefetch_span(w, pb, b, 8 * 144)
+            o = b * 144
+            isum, imin = q4k_gemv8(w, r, o, xr, b * 256, bs, b * 16)
+            dr, er = f16_rows8x2(w, r, o)
+            acc = f32x8_fmav(i32x8_to_f32x8(isum), f32x8_mul_s(dr, xd[i, b]), acc)
+            accm = f32x8_fmav(i32x8_to_f32x8(imin), f32x8_mul_s(er, xd[i, b]), accm)
+        f32x8_store_diff(out[i], r, acc, accm)
 
 
 @intrinsic
@@ -672,46 +772,6 @@ def _bc_tiles(w, r8, xq, xd, bp, out, n16, nb):
                 _store8(out, i + 8, r + 1, f32x8_sub(a11, m1))
 
 
-@njit(cache=True, inline="always")
-def _x8_tile(w, r, xq, xd, bp, out, i0, i1, n_gemm, nb):
-    """Rows r..r+7 against activation rows i0..i1, each row on its own: gemm form below n_gemm, gemv above.
-    mv_q4_k_x8 sends only gemv rows here (``_x8_gemm4`` takes the gemm rows four at a time); a gemv-only copy of
-    this function measured 8% slower at n = 1, so the general form stays."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = w[r], w[r + 1], w[r + 2], w[r + 3], w[r + 4], w[r + 5], w[r + 6], w[r + 7]
-    pb = prefetch_base(w, r)
-    for i in range(i0, i1):
-        xr = xq[i]
-        acc = f32x8_zero()
-        accm = f32x8_zero()
-        for b in range(nb):
-            prefetch_step(w, pb, b, 8 * 144)
-            o = b * 144
-            xo = b * 256
-            s0, s1, s2, s3 = k_scales(w0, o), k_scales(w1, o), k_scales(w2, o), k_scales(w3, o)
-            s4, s5, s6, s7 = k_scales(w4, o), k_scales(w5, o), k_scales(w6, o), k_scales(w7, o)
-            m0, m1, m2, m3 = k_mins_t(s0, s1, s2, s3, s4, s5, s6, s7)
-            dr, er = f16_rows8x2(w, r, o)
-            d = f32x8_mul_s(dr, xd[i, b])
-            dm = f32x8_mul_s(er, xd[i, b])
-            t = 4 * b
-            if i < n_gemm:     # gemm: one fma per pair of sub-blocks
-                for p in range(4):
-                    isum = _x8_pair(w0, w1, w2, w3, w4, w5, w6, w7, o, s0, s1, s2, s3, s4, s5, s6, s7, xr, xo, p)
-                    mp = m0 if p == 0 else (m1 if p == 1 else (m2 if p == 2 else m3))
-                    acc = f32x8_fmav(i32x8_to_f32x8(isum), d, acc)
-                    accm = f32x8_fmav(i32x8_to_f32x8(k_mins_dot(mp, bp[i, t + p])), dm, accm)
-            else:              # gemv: one fma per super-block
-                isum = hsum8x(_q4k_all(w0, o, xr, xo, s0), _q4k_all(w1, o, xr, xo, s1),
-                              _q4k_all(w2, o, xr, xo, s2), _q4k_all(w3, o, xr, xo, s3),
-                              _q4k_all(w4, o, xr, xo, s4), _q4k_all(w5, o, xr, xo, s5),
-                              _q4k_all(w6, o, xr, xo, s6), _q4k_all(w7, o, xr, xo, s7))
-                imin = i32x8_add(i32x8_add(k_mins_dot(m0, bp[i, t]), k_mins_dot(m1, bp[i, t + 1])),
-                              i32x8_add(k_mins_dot(m2, bp[i, t + 2]), k_mins_dot(m3, bp[i, t + 3])))
-                acc = f32x8_fmav(i32x8_to_f32x8(isum), d, acc)
-                accm = f32x8_fmav(i32x8_to_f32x8(imin), dm, accm)
-        f32x8_store_diff(out[i], r, acc, accm)
-
-
 @njit(parallel=True, cache=True, nogil=True)
 def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
     """Same arguments and results as dot_kquant_scalar.mv_q4_k_x8 (``tab`` unused: the F16 scales convert in hardware);
@@ -729,12 +789,12 @@ def mv_q4_k_x8(w, xq, xd, bsums, out, tab, n_gemm):
         _bc_tiles(w, r8, xq, xd, bp, out, n16, nb)
     for c in prange((r8 // 8 + 1) // 2):
         for r in range(16 * c, min(r8, 16 * c + 16), 8):
-            if n_gemm:         # the gemv rows prefetch as they go (``_x8_tile``)
+            if n_gemm:         # the gemv rows prefetch as they go (``_x8_gemv``)
                 for p in range(8):
                     prefetch_row(w, r + p)
             for i in range(n16, n_gemm, 4):
                 _x8_gemm4(w, r, xq, xd, bp, out, i, nb)
-            _x8_tile(w, r, xq, xd, bp, out, n_gemm, n, n_gemm, nb)
+            _x8_gemv(w, r, xq, xd, bsums, out, n_gemm, n, nb)
     for r in range(r8, rows):          # rows beyond the eights (not a repacked shape; kept for completeness)
         row = w[r]
         for i in range(n):
@@ -994,7 +1054,7 @@ def _mv_k(w, xq, xd, bsums, out, kind):
                 m00 = m01 = m10 = m11 = m20 = m21 = m30 = m31 = f32x8_zero()
                 s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
                 for b in range(nb):
-                    prefetch_step(w, pb, b, step)
+                    prefetch_span(w, pb, b, step)
                     d0, d1 = xd[i, b], xd[i + 1, b]
                     a00, m00, s00 = _kblock(kind, w0, b, x0, d0, b0, a00, m00, s00)
                     a01, m01, s01 = _kblock(kind, w0, b, x1, d1, b1, a01, m01, s01)
@@ -1018,7 +1078,7 @@ def _mv_k(w, xq, xd, bsums, out, kind):
                 m0 = m1 = m2 = m3 = f32x8_zero()
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for b in range(nb):
-                    prefetch_step(w, pb, b, step)
+                    prefetch_span(w, pb, b, step)
                     db = xd[i, b]
                     a0, m0, s0 = _kblock(kind, w0, b, xr, db, br, a0, m0, s0)
                     a1, m1, s1 = _kblock(kind, w1, b, xr, db, br, a1, m1, s1)
