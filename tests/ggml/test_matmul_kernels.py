@@ -299,16 +299,19 @@ def test_q4_0_repacked_rows_take_the_repacked_chain():
         assert np.array_equal(out, vec_dot_avx2(wq, T.Q4_0, x)), n
 
 
-@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.F16],
+                         ids=lambda t: t.name)
 def test_bound_decode_products_equal_mul_mat(wtype):
-    """A plan's bound product of a decoded token (``bind_mul_mat``: Q4_0's repacked decode kernel and the 32-value
-    formats' decode form rounding x themselves, the k-quants' decode kernel called directly) gives ``mul_mat``'s bits,
+    """A plan's bound product of a decoded token (``bind_mul_mat``: Q4_0's repacked decode kernel, the block table's
+    (Q2_K) and the 32-value formats' decode form rounding x themselves, F16's rounding and product, the k-quants'
+    decode kernel called directly) gives ``mul_mat``'s bits,
     also where it reuses the rounding of x that the plan's previous product of the same x left in the shared buffers
     (``reuse``), and so do the calls a plan makes in its place once the kernels are compiled (``direct``: the
     kernels' entry points with the arguments bound), which a limit below the batch's rows leaves out."""
     rng = np.random.default_rng(15)
     k, rows = 512, (32 if wtype == T.Q4_0 else 37)     # Q4_0: the rows llama.cpp repacks
-    wa, wb = (quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype) for _ in range(2))
+    quant = (lambda w: lq.quantize(w, wtype)) if wtype == T.Q2_K else (lambda w: quantize_w(w, wtype))
+    wa, wb = (quant(rng.standard_normal((rows, k)).astype(np.float32)) for _ in range(2))
     for n in (1, 3):
         x = act_data(rng, n, k)
         ref_a, ref_b = np.empty((n, rows), np.float32), np.empty((n, rows), np.float32)
@@ -323,8 +326,7 @@ def test_bound_decode_products_equal_mul_mat(wtype):
         assert np.array_equal(out_a, ref_a) and np.array_equal(out_b, ref_b), n
         # what the plan runs instead once the kernels are compiled: the same calls on their entry points
         fast = resolve_calls([run_a, run_b])
-        # (Q4_0's repacked rows: dot_blocks' bound decode call, as it is)
-        assert wtype == T.Q4_0 or all(isinstance(c, functools.partial) for c in fast), fast
+        assert all(isinstance(c, functools.partial) for c in fast), fast
         out_a[...] = out_b[...] = np.nan
         mm.act_scratch(n, k, wtype).xq[...] = 0
         for c in fast:

@@ -50,6 +50,7 @@ from ... import blocks as B
 from ...types import GGMLType
 from .act_quant import (PAR_ROWS, _round_bf16, _round_f16, act_split, q8_0_split, q8_k_split, round_half,
                         scratch_for)
+from .direct import Direct
 from .dot_kquant import _bc_interleave, _madd, _maddubs, hsum8x_ir, i32x8_sum
 from .dot_q32 import (GLU_SWIGLU, ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step)
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_geglu, v16_load, v16_mul, v16_reduce, v16_silu, v16_store,
@@ -1375,26 +1376,32 @@ def bind_decode(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray, 
                 repacked: bool = True):
     """``mul_mat`` of a batch below its tiles (fewer than eight activation rows: a decoded token) as one call, bound
     once: the decode kernel rounds x into ``scratch``'s buffers itself, or, ``quantized``, reads the rounding an
-    earlier product of the same x left there; F16 / BF16 (below round_half's parallel size): x rounded into a buffer
-    of the call's own, then the kernel. None where ``mul_mat`` takes another path (F32, a batch for the tiles) or x's
-    rows are not one C-contiguous block (the kernels' compiled layout)."""
+    earlier product of the same x left there (a ``Direct``, so the plan runs it on the kernel's entry point); F16 /
+    BF16 (below round_half's parallel size): x rounded into a buffer of the call's own, then the kernel (a closure
+    whose ``direct`` is those two calls). None where ``mul_mat`` takes another path (F32, a batch for the tiles) or
+    x's rows are not one C-contiguous block (the kernels' compiled layout)."""
     wtype = GGMLType(wtype)
     n = x.shape[0]
     if wtype in (T.F16, T.BF16) and 0 < n < PAR_ROWS and x.dtype == np.float32 and x.flags.c_contiguous:
         # x rounded to the weight's half type into a buffer of this call's own (round_half's serial kernels)
         xr, w16 = np.empty(x.shape, np.float32), w.view(np.uint16)
         if wtype == T.F16:
-            return lambda: (_round_f16(x, xr), _f16(w16, xr, out))
-        xu, xru = x.view(np.uint32), xr.view(np.uint32)
-        return lambda: (_round_bf16(xu, xru), _bf16k(w16, xr, out))
+            calls = (Direct(_round_f16, x, xr), Direct(_f16, w16, xr, out))
+        else:
+            calls = (Direct(_round_bf16, x.view(np.uint32), xr.view(np.uint32)), Direct(_bf16k, w16, xr, out))
+
+        def run():
+            calls[0]()
+            calls[1]()
+        run.direct = calls
+        return run
     if repacked_rows(wtype, w.shape[0], repacked):
         kern = R8[wtype][0] if n < 8 else None
     else:
         kern = _decoder(wtype) if n < SMALL_N else None
     if kern is None or n == 0 or x.dtype != np.float32 or not x.flags.c_contiguous:
         return None
-    xq, xd, xs, quant = scratch.xq, scratch.xd, scratch.xs, not quantized
-    return lambda: kern(w, x, xq, xd, xs, out, quant)
+    return Direct(kern, w, x, scratch.xq, scratch.xd, scratch.xs, out, not quantized)
 
 
 def act_scratch(n: int, k: int, wtype: GGMLType):

@@ -299,7 +299,7 @@ def _bind_blocks(w, wtype, x, out, limit_fn, reuse, repacked=True):
             if n > (DECODE_MAX_ROWS if limit is None else limit):
                 return mul_mat(w, wtype, x, out, limit, repacked=repacked)
             decode()
-        return _direct(run_decode, n, limit_fn, decode)
+        return _direct(run_decode, n, limit_fn, *decode.direct)
 
     def run():
         limit = limit_fn()
