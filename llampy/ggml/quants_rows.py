@@ -205,7 +205,7 @@ _KERNELS = {T.Q8_0: (_q8_0, 32, 34, ()), T.Q4_0: (_qx_0, 32, 18, (8,)), T.Q5_0: 
 def quantize_rows_ref(x: np.ndarray, t: GGMLType, out: np.ndarray | None = None) -> np.ndarray | None:
     """float32 [nrows, k] -> uint8 [nrows, row bytes] for Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q1_0, Q2_0, TQ1_0 and
     TQ2_0 (into ``out``, C-contiguous, when given); None for other types."""
-    k = _KERNELS.get(GGMLType(t))
+    k = _KERNELS.get(t)                 # (a GGMLType or its number: an IntEnum hashes as its value)
     if k is None:
         return None
     kernel, blck, size, args = k

@@ -486,21 +486,19 @@ def _rows_to_f32(raw: np.ndarray, t: GGMLType, ne0: int) -> np.ndarray:
 _TLS = threading.local()
 
 
-def _f32_rows(x: np.ndarray, kernels: bool = True) -> np.ndarray:
-    """Rows as float32: fp16 bit patterns (uint16) converted into this thread's scratch buffer (reused: a chunk of
-    rows stays in cache between the conversion and the quantizer, and no tensor-sized array is faulted in), by the
-    Numba table lookup with ``kernels``, else by NumPy (same values)."""
+def _f32_rows(x: np.ndarray, f16_to_f32) -> np.ndarray:
+    """Rows as float32: fp16 bit patterns (uint16) converted by ``f16_to_f32`` (the Numba kernel or NumPy's table
+    lookup: same values) into this thread's scratch buffer (reused: a chunk of rows stays in cache between the
+    conversion and the quantizer, and no tensor-sized array is faulted in)."""
     if x.dtype != np.uint16:
         return x
-    if kernels:
-        from ..ggml.quants_rows import f16_to_f32
-    else:
-        from ..ggml.quants_np import f16_to_f32
+    n = x.size
     buf = getattr(_TLS, "buf", None)
-    if buf is None or buf.size < x.size:
-        buf = _TLS.buf = np.empty(x.size, np.float32)
-    f16_to_f32(np.ascontiguousarray(x).reshape(-1), buf[:x.size])
-    return buf[:x.size].reshape(x.shape)
+    if buf is None or buf.size < n:
+        buf = _TLS.buf = np.empty(n, np.float32)
+    f = buf[:n]
+    f16_to_f32(np.ascontiguousarray(x).reshape(-1), f)
+    return f.reshape(x.shape)
 
 
 def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=None, rows_per_chunk=None,
@@ -518,13 +516,13 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
         # only the modules this type needs: each kernel module's dispatchers cost milliseconds to make, the grid
         # searches' (imported with the importance-matrix quantizers) ~35 ms
         from ..ggml.quants import QUANTIZE_TYPES, quantize
-        from ..ggml.quants_rows import quantize_rows_ref
+        from ..ggml.quants_rows import f16_to_f32, quantize_rows_ref
         if imatrix is not None:
             from ..ggml.quants_imatrix import quantize_weighted
         elif t not in QUANTIZE_TYPES and t != T.F32:
             from ..ggml.quants_iq_search import quantize_iq
     else:
-        from ..ggml.quants_np import NUMPY_TYPES, quantize_rows as quantize_rows_np
+        from ..ggml.quants_np import NUMPY_TYPES, f16_to_f32, quantize_rows as quantize_rows_np
         if t not in NUMPY_TYPES:
             raise ValueError(f"{T(t).name} needs the Numba kernels")
 
@@ -532,10 +530,6 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
     direct = x.dtype == np.uint16 and t in (T.F32, T.BF16)
     if direct:
         from ..ggml.quants_np import f16_to_bf16
-        if kernels:
-            from ..ggml.quants_rows import f16_to_f32
-        else:
-            from ..ggml.quants_np import f16_to_f32
 
     def run(a, b):
         if direct:
@@ -547,14 +541,15 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
                 f16_to_f32(h, o.view(np.float32))
             return
         if not kernels:
-            quantize_rows_np(_f32_rows(x[a:b], kernels=False), t, out[a:b])
+            quantize_rows_np(_f32_rows(x[a:b], f16_to_f32), t, out[a:b])
             return
-        if pool is not None:
-            # each pool thread runs the Numba searches on its own rows (set_num_threads is per thread): the pool,
-            # not prange, spreads the work, and the NumPy packing runs in parallel too
+        if pool is not None and not getattr(_TLS, "one_thread", False):
+            # each pool thread runs the Numba searches on its own rows (set_num_threads is per thread, set once a
+            # thread): the pool, not prange, spreads the work, and the NumPy packing runs in parallel too
             import numba
             numba.set_num_threads(1)
-        xa = _f32_rows(x[a:b])
+            _TLS.one_thread = True
+        xa = _f32_rows(x[a:b], f16_to_f32)
         if t == T.F32:
             y = xa.view(np.uint8)
         elif imatrix is not None:
