@@ -548,7 +548,8 @@ def test_products_share_a_quantized_input_until_it_is_written():
 
 def test_attention_layers_sharing_a_mask_list_its_cells_once_per_run(monkeypatch):
     """Decode attention in two layers reading one mask input: the cells it leaves visible are listed once per run
-    (the plan's memo), and listed again in the next run, after the mask changed, as the reference backend says."""
+    (the plan's memo; from the second run, the plan's fast calls: one Prepare step into buffers both kernels
+    read), and listed again in the next run, after the mask changed, as the reference backend says."""
     from llampy.ggml.backends.cpu import attention
     from llampy.ggml.sched import Scheduler
     listed = []
@@ -558,10 +559,11 @@ def test_attention_layers_sharing_a_mask_list_its_cells_once_per_run(monkeypatch
     vals = {name: rng.standard_normal(shape) for name, shape in
             (("q1", (1, 4, 64)), ("q2", (1, 4, 64)), ("k1", (2, 9, 64)), ("v1", (2, 9, 64)), ("k2", (2, 9, 64)),
              ("v2", (2, 9, 64)))}
-    masks = [np.where(np.arange(9) < 5, 0.0, -np.inf)[None], np.where(np.arange(9) % 3 == 1, 0.0, -np.inf)[None]]
+    masks = [np.where(np.arange(9) < 5, 0.0, -np.inf)[None], np.where(np.arange(9) % 3 == 1, 0.0, -np.inf)[None],
+             np.where(np.arange(9) >= 7, 0.0, -np.inf)[None]]
 
     def build(be):
-        mask = leaf(be, F16, (1, 9), masks[0])
+        mask = leaf(be, F16, (1, 9), masks[0]).set_input()
         outs = [ops.flash_attn_ext(ops.permute(leaf(be, F32, (1, 4, 64), vals["q" + i]), 0, 2, 1, 3),
                                    leaf(be, F16, (2, 9, 64), vals["k" + i]), leaf(be, F16, (2, 9, 64), vals["v" + i]),
                                    mask, 0.125) for i in "12"]
@@ -581,25 +583,30 @@ def test_attention_layers_sharing_a_mask_list_its_cells_once_per_run(monkeypatch
         Scheduler([REF]).graph_compute(rg)
         for o, r in zip(outs, routs):
             np.testing.assert_allclose(tensor_data(o), tensor_data(r), rtol=0, atol=2e-3)
+    fast = [getattr(getattr(c, "func", None), "__qualname__", "") for c in sched._last.splits[0].plan.fast]
+    assert sum(q.endswith("_fa_vec16_kernel") for q in fast) == 2
 
 
 def test_decode_pairs_bind_as_one_call(monkeypatch):
     """A decoded token's residual ADD and the RMS_NORM_MUL reading it, and a ROPE and its SET_ROWS into an F16
     cache (through a view), each bind as one call (numba_ops.PAIR_BINDERS); every tensor gets the bits of the calls
     bound one by one, over two runs with new inputs (NEOX rope at new positions), and a row index out of range
-    still raises."""
+    still raises. The second run takes the plan's resolved calls: with the positions and the cell indices graph
+    inputs, the rope's table refill and the two stores' index test are made once (``direct.Prepare``)."""
     from llampy.ggml.backend import tensor_alloc
     from llampy.ggml.backends.cpu import numba_ops
     rng = np.random.default_rng(9)
     x, r, w = (leaf(CPU, F32, (1, 64), rng.standard_normal((1, 64))) for _ in range(3))
-    pos = leaf(CPU, I32, (1,), np.array([3]))
-    idx = leaf(CPU, T.I64, (1,), np.array([2]))
-    cache = leaf(CPU, F16, (6, 64), np.zeros((6, 64)))
+    pos = leaf(CPU, I32, (1,), np.array([3])).set_input()
+    idx = leaf(CPU, T.I64, (1,), np.array([2])).set_input()
+    cache, cache_v = (leaf(CPU, F16, (6, 64), np.zeros((6, 64))) for _ in range(2))
     s = ops.add(x, r)
     h = ops.rms_norm_mul(s, w, 1e-5)
     k = ops.rope_ext(ops.reshape(h, 16, 4, 1), pos, None, 16, 2, 4096, 1e4, 1.0, 0.0, 1.0, 32.0, 1.0)
+    q = ops.rope_ext(ops.reshape(s, 16, 4, 1), pos, None, 16, 2, 4096, 1e4, 1.0, 0.0, 1.0, 32.0, 1.0)
     st = ops.set_rows(cache, ops.reshape(k, 64, 1), idx)
-    outs = (s, h, k, st)
+    sv = ops.set_rows(cache_v, h, idx)
+    outs = (s, h, k, st, q, sv)
     nodes = Graph.build(*outs).nodes
     for n in nodes:
         if n.view_src is None and n.op is not Op.NONE:
@@ -609,7 +616,7 @@ def test_decode_pairs_bind_as_one_call(monkeypatch):
         mp.setattr(numba_ops, "PAIR_BINDERS", {})
         mp.setattr("llampy.ggml.backends.cpu.backend.PAIR_BINDERS", {})
         apart = CPU.graph_plan_create(nodes)
-    assert len(apart.calls) == 4 and len(fused.calls) == 2
+    assert len(apart.calls) == 6 and len(fused.calls) == 4
     for p, i in ((3, 2), (41, 5)):
         tensor_data(pos)[...] = p
         tensor_data(idx)[...] = i
@@ -617,11 +624,15 @@ def test_decode_pairs_bind_as_one_call(monkeypatch):
         got = []
         for plan in (fused, apart):
             tensor_data(cache)[...] = 0
+            tensor_data(cache_v)[...] = 0
             CPU.graph_plan_compute(plan)
             got.append([np.array(tensor_data(t)) for t in outs])
         for a, b in zip(*got):
             np.testing.assert_array_equal(a, b)
-        assert np.any(got[0][3].reshape(-1, 64)[i] != 0)
+        assert np.any(got[0][3].reshape(-1, 64)[i] != 0) and np.any(got[0][5].reshape(-1, 64)[i] != 0)
+    steps = [getattr(c, "__qualname__", "") for c in fused.fast]
+    assert len(fused.fast) == 6 and steps.count("bind.<locals>.refill") == 1 and \
+        steps.count("index_prepare.<locals>.<lambda>") == 1
     tensor_data(idx)[...] = 6
     for plan in (fused, apart):
         with pytest.raises(IndexError, match="set_rows"):

@@ -12,7 +12,7 @@ from ...backend import Backend, tensor_data
 from ...tensor import Flags, Op, Tensor, VIEW_OPS, BINARY_OPS, UNARY_OPS
 from ...types import GGMLType, TYPE_TRAITS
 from . import conv, dot_f32_short
-from .direct import resolve_calls
+from .direct import Direct, Prepare, resolve_calls
 from . import numpy_ops as K
 from .numba_ops import BINDERS, PAIR_BINDERS
 from .ssm import bind_ssm_conv, bind_ssm_conv_state, bind_ssm_gate, bind_ssm_scan
@@ -349,6 +349,19 @@ def _rows_contiguous(a, itemsize) -> bool:
     return a.strides[-1] == itemsize and (a.shape[-2] <= 1 or a.strides[-2] == itemsize * a.shape[-1])
 
 
+_VISIBLE: dict = {}     # a decode mask's key -> the buffers its listed cells are copied into (_fill_visible)
+
+
+def _fill_visible(m, n_q, n_kv, bufs) -> None:
+    """attention.visible_cells of the mask m into fixed buffers (idx, val, cnt), each row's cells first."""
+    from .attention import visible_cells
+    idx, val, cnt = visible_cells(m, n_q, n_kv)[:3]
+    w = idx.shape[1]
+    bufs[0][:, :w] = idx
+    bufs[1][:, :w] = val
+    bufs[2][:] = cnt
+
+
 def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None):
     """Decode-sized flash attention over F16 or BF16 K/V views of the cache, bound once: the kernel reads the cache
     views and writes the destination in place (no copies of K, V or the result per call). ``memo``: the plan's, where
@@ -394,6 +407,20 @@ def _fa_fast_path(node, qa, ka, va, ma, dst, tiled, sinks=None, memo=None):
         from .attention import _NO_SINKS, _fa_vec16_kernel
         sk = _NO_SINKS if sinks is None else sinks
         # F16 K and V: _fa_vec16's kernel called directly (30 calls a token in SmolLM2)
-        return lambda: _fa_vec16_kernel(qa, kk, vv, *visible(), dst, sc, cap, slopes, sk)
+        run = lambda: _fa_vec16_kernel(qa, kk, vv, *visible(), dst, sc, cap, slopes, sk)
+        n_q, n_rows = qa.shape[2], m.shape[0] * m.shape[1] * qa.shape[2]
+        if m.shape[3] and n_rows * m.shape[3] <= 1 << 20 and src.flags & Flags.INPUT:
+            # the plan's fast run: the cells listed once a run into buffers of the mask's width (the kernel reads
+            # each row's first cnt), then the kernel's entry point with its arguments fixed
+            bufs = _VISIBLE.get(key)
+            if bufs is None:
+                if len(_VISIBLE) > 64:
+                    _VISIBLE.clear()
+                bufs = _VISIBLE[key] = (np.zeros((n_rows, m.shape[3]), np.int32),
+                                        np.zeros((n_rows, m.shape[3]), np.float32), np.zeros(n_rows, np.int32))
+            run.direct = (Prepare(lambda: _fill_visible(m, n_q, kk.shape[2], bufs), key),
+                          Direct(_fa_vec16_kernel, qa, kk, vv, *bufs, m.shape[0], m.shape[1], n_q, dst, sc, cap,
+                                 slopes, sk))
+        return run
     nomask = np.zeros((1, 1, 1, 0), np.float32)
     return lambda: _fa_vec16(qa, kk, vv, nomask, dst, sc, cap, slopes, sinks, kb, vb)

@@ -18,6 +18,22 @@ from __future__ import annotations
 import functools
 
 
+class Prepare:
+    """A step that the calls after it in a run rely on, which another step of the same ``key`` repeats for nothing:
+    refilling the cos/sin tables of a positions input, testing that an input's row indices are in range. Steps of
+    one key do the same thing over memory that no node of the graph writes (its inputs, its weights), and nothing
+    else in the run writes what they prepare, so ``resolve_calls`` keeps the first of each key in a plan and drops
+    the others (the checked closures still make every one)."""
+    __slots__ = ("fn", "key")
+
+    def __init__(self, fn, key):
+        self.fn = fn
+        self.key = key
+
+    def __call__(self):
+        return self.fn()
+
+
 class Direct:
     """kernel(*args) for a Numba dispatcher ``kernel``; ``resolve()``: the same call bound to its compiled entry
     point once there is one for these arguments, else this object."""
@@ -46,13 +62,20 @@ class Direct:
 
 
 def resolve_calls(calls: list) -> list:
-    """The plan's calls with each one that says what it runs (``direct``) replaced by those calls, resolved."""
+    """The plan's calls with each one that says what it runs (``direct``) replaced by those calls, resolved; a
+    ``Prepare`` of a key met before is dropped."""
     out = []
+    done = set()
     for c in calls:
         d = getattr(c, "direct", None)
         if d is None:
             out.append(c)
             continue
         for x in d:
-            out.append(x.resolve() if isinstance(x, Direct) else x)
+            if isinstance(x, Prepare):
+                if x.key not in done:
+                    done.add(x.key)
+                    out.append(x.fn)
+            else:
+                out.append(x.resolve() if isinstance(x, Direct) else x)
     return out

@@ -5,18 +5,32 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...tensor import Op
+from ...tensor import Flags, Op
 from ...types import GGMLType, TYPE_TRAITS
 from . import elementwise, rows
 from .numpy_ops import alibi_slopes
 from .dot_q32 import F16_TABLE
 from . import softmax
-from .direct import Direct
+from .direct import Direct, Prepare
 
 T = GGMLType
 _BIN = {Op.ADD: elementwise.OP_ADD, Op.SUB: elementwise.OP_SUB, Op.MUL: elementwise.OP_MUL, Op.DIV: elementwise.OP_DIV}
 _NO_MASK = np.zeros((1, 1, 1, 0), np.float32)
 PAR_MIN_ELEMENTS = 1 << 16   # below this, one thread: a parallel region costs more than the work
+
+
+def _fixed(*tensors, weight=None) -> bool:
+    """Whether each tensor is a graph input (or a view of one), and ``weight``, if given, a leaf of the model's
+    weights (RoPE's frequency factors): memory set before the graph runs that its nodes only read, so a test of its
+    values holds for the whole run (``direct.Prepare``)."""
+    for t in tensors:
+        s = t.storage
+        if s.op is not Op.NONE or not s.flags & Flags.INPUT:
+            return False
+    if weight is not None:
+        s = weight.storage
+        return s.op is Op.NONE and bool(s.flags & Flags.WEIGHT)
+    return True
 
 
 def _pick(module, name, n_elements):
@@ -119,6 +133,9 @@ def bind_set_rows(node, dst, srcs):
             def run_one():
                 if not rows.set_rows_f16_checked(src, idx, n_rows, d):
                     raise rows.index_error("set_rows", n_rows)
+            if _fixed(node.src[1]):         # indices of an input: tested once a run, the kernel's test then passes
+                run_one.direct = (rows.index_prepare(idx, n_rows, "set_rows"),
+                                  Direct(rows.set_rows_f16_checked, src, idx, n_rows, d))
             return run_one
     else:
         fn, d = _pick(rows, "set_rows_same", size), dst
@@ -249,7 +266,8 @@ def bind_rope(node, dst, srcs):
     from . import rope
     p = node.op_params
     ff = srcs[2].reshape(-1) if p.get("has_freq_factors") else None
-    return rope.bind(srcs[0], srcs[1].reshape(-1), p, ff, dst)
+    return rope.bind(srcs[0], srcs[1].reshape(-1), p, ff, dst,
+                     inputs=_fixed(node.src[1], weight=node.src[2] if ff is not None else None))
 
 
 def bind_add_rms_norm_mul(add, norm, views):
@@ -292,7 +310,9 @@ def bind_rope_set_rows(rope_node, store, views):
     p = rope_node.op_params
     fa = ff[0].reshape(-1) if p.get("has_freq_factors") else None
     return rope.bind(x, pos.reshape(-1), p, fa, dst,
-                     store=(src.view(np.uint32), idx[0], store.ne[1], cache.view(np.uint16)))
+                     store=(src.view(np.uint32), idx[0], store.ne[1], cache.view(np.uint16)),
+                     inputs=_fixed(rope_node.src[1], store.src[1],
+                                   weight=rope_node.src[2] if fa is not None else None))
 
 
 PAIR_BINDERS = {(Op.ADD, Op.RMS_NORM_MUL): bind_add_rms_norm_mul, (Op.ROPE, Op.SET_ROWS): bind_rope_set_rows}

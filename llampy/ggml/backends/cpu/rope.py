@@ -8,7 +8,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .rows import index_error, set_rows_f16_checked
+from .direct import Direct, Prepare
+from .rows import index_error, index_prepare, set_rows_f16_checked
 from .simd import v16_fma, v16_load, v16_mul, v16_scale, v16_store
 
 
@@ -169,12 +170,18 @@ def _trig_buffers(nt: int, half: int, consts: tuple) -> _Trig:
     return tr
 
 
-def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray, store=None):
+def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np.ndarray, store=None,
+         inputs: bool = False):
     """The rotation of x by positions pos into out (float32, x's shape, contiguous), set up once: the constants
     and the cos/sin tables are made here, and the returned call refills the tables only when the positions (or the
     frequency factors) differ from what they hold, then rotates. ``store``: (src, idx, n_rows, dst) of a SET_ROWS
     into an F16 cache that reads out (``rope_store_f16``: one call for both), or None (the rotation alone; also
-    what a store that does not fit returns: the caller binds the two nodes apart)."""
+    what a store that does not fit returns: the caller binds the two nodes apart).
+
+    ``inputs``: pos, ff and the store's idx are graph inputs or weights, not written while the graph runs. The
+    tables are then those of pos's memory, shared by the ropes reading it, and the call says what it runs
+    (``direct``): the refill test and the index test as ``Prepare`` steps, which a plan's fast run makes once for
+    all of them (a decoded token's 2 x n_layer ropes test the positions once), then the kernel."""
     n_dims = p["n_dims"]
     f32 = np.float32
     # powf(freq_base, -2.0f/n_dims): the exponent rounded to float first (it is not exact for n_dims 24, 40, ...)
@@ -191,8 +198,11 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
         if store is not None:
             return None
         return _bind_multi(x, pos, p, ffa, has_ff, out, theta_scale, freq_scale, ext, attn, corr0, corr1)
-    tr = _trig_buffers(nt, n_dims // 2, (n_dims, float(theta_scale), float(freq_scale), float(ext), float(attn),
-                                         float(corr0), float(corr1), has_ff))
+    consts = (n_dims, float(theta_scale), float(freq_scale), float(ext), float(attn), float(corr0), float(corr1),
+              has_ff)
+    if inputs:      # the tables of this memory: only ropes of the same positions (and factors) write them
+        consts += (pos.ctypes.data, pos.strides, ffa.ctypes.data if has_ff else 0)
+    tr = _trig_buffers(nt, n_dims // 2, consts)
     cos, sin = tr.cos, tr.sin
     neox = p["mode"] == 2
     apply = rope_apply if x.size >= (1 << 15) else rope_apply_1
@@ -200,7 +210,7 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
     if store is not None and (apply is not rope_apply_1 or not direct):
         return None
 
-    def run():
+    def refill():
         pi = pos if pos.dtype == np.int32 and pos.flags.c_contiguous else np.ascontiguousarray(pos, dtype=np.int32)
         fa = ffa if not has_ff or ff is None else np.ascontiguousarray(ff, dtype=f32)
         key = pi.tobytes()                  # the positions' bytes: a compare ~20x cheaper than np.array_equal's
@@ -208,10 +218,21 @@ def bind(x: np.ndarray, pos: np.ndarray, p: dict, ff: np.ndarray | None, out: np
             tr.pos = None                   # invalid while being filled
             rope_cache(pi, n_dims, theta_scale, freq_scale, fa, has_ff, ext, attn, corr0, corr1, cos, sin)
             tr.pos, tr.ff = key, (fa.copy() if has_ff else None)
+
+    def run():
+        refill()
         if store is None:
             apply(x if direct else np.ascontiguousarray(x, dtype=f32), out, cos, sin, n_dims, neox)
         elif not rope_store_f16(x, out, cos, sin, n_dims, neox, *store):
             raise index_error("set_rows", store[2])
+    if inputs and direct:
+        steps = (Prepare(refill, ("rope tables", id(tr))),)
+        if store is None:
+            run.direct = steps + (Direct(apply, x, out, cos, sin, n_dims, neox),)
+        else:               # the kernel's own test passes: the indices were tested first
+            src, idx, n_rows, dst = store
+            run.direct = steps + (index_prepare(idx, n_rows, "set_rows"),
+                                  Direct(rope_store_f16, x, out, cos, sin, n_dims, neox, src, idx, n_rows, dst))
     return run
 
 

@@ -7,6 +7,7 @@ import numpy as np
 from numba import njit, prange
 
 from .builds import parallel_build
+from .direct import Prepare
 from .simd import v16_f16_copy
 
 
@@ -112,6 +113,13 @@ def check_index(idx: np.ndarray, n_rows: int, what: str) -> None:
     flat = idx.reshape(-1)
     if flat.size and not _in_range(flat, n_rows):
         raise index_error(what, n_rows)
+
+
+def index_prepare(idx: np.ndarray, n_rows: int, what: str) -> Prepare:
+    """``check_index`` of indices that a graph input holds, as a plan's ``Prepare`` step: a fast run tests them
+    once before the first store reading them (a decoded token's cell index: 2 x n_layer stores), not per store."""
+    return Prepare(lambda: check_index(idx, n_rows, what), ("row indices", idx.ctypes.data, idx.shape, idx.strides,
+                                                          n_rows))
 
 
 def index_error(what: str, n_rows: int) -> IndexError:
