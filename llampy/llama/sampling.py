@@ -672,6 +672,9 @@ class LogitBias(Sampler):
         self.bias = {int(k): float(v) for k, v in (bias or {}).items()}
         self._toks = np.fromiter(self.bias.keys(), dtype=np.int64, count=len(self.bias))
         self._vals = np.fromiter(self.bias.values(), dtype=np.float64, count=len(self.bias)).astype(_F32)
+        order = np.argsort(self._toks, kind="stable")
+        self._stoks, self._svals = self._toks[order], self._vals[order]     # by id: at()'s and the rows' lookups
+        self._lowers = not (self._vals > 0).any()
 
     def apply(self, c):
         if not self.bias:
@@ -684,7 +687,7 @@ class LogitBias(Sampler):
     @property
     def lowers_only(self) -> bool:
         """No bias above 0 (bans, ignore_eos): a biased row's k largest are then among the row's k + len(bias)."""
-        return not (self._vals > 0).any()
+        return self._lowers
 
     def row(self, x: np.ndarray) -> np.ndarray:
         """A copy of a whole float32 row with the biases added (apply's values on a fresh array)."""
@@ -696,11 +699,10 @@ class LogitBias(Sampler):
     def at(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """The biased values of a whole row x at positions (token ids) pos: row(x)[pos] without the copy."""
         v = x[pos]
-        order = np.argsort(self._toks)
-        toks = self._toks[order]
+        toks = self._stoks
         j = np.minimum(np.searchsorted(toks, pos), max(len(toks) - 1, 0))
         hit = np.flatnonzero(toks[j] == pos) if len(toks) else np.empty(0, np.intp)
-        v[hit] = v[hit] + self._vals[order[j[hit]]]
+        v[hit] = v[hit] + self._svals[j[hit]]
         return v
 
 
@@ -883,7 +885,7 @@ class Chain(Sampler):
 def top_positions(chains: list, logits: np.ndarray, rows: list) -> list:
     """For chain i sampling row rows[i] of the 2-D float32 ``logits``: the positions its leading TopK keeps (the
     ``top`` of Chain.sample), or None where it does not start with one. The rows of each k in one call (the server
-    samples a row per generating stream every step)."""
+    samples a row per generating stream every step), and so the rows behind a bias of at most 0 of each k."""
     out: list = [None] * len(chains)
     by_k: dict = {}
     biased: dict = {}                   # chain index -> (its leading LogitBias, k) where one comes first
@@ -907,13 +909,173 @@ def top_positions(chains: list, logits: np.ndarray, rows: list) -> list:
             pos = _select_desc_rows(u, np.array([rows[i] for i in idx], np.intp), k)
             for j, i in enumerate(idx):
                 out[i] = pos[j]
+    narrow: dict = {}                   # (k, wide) -> the biased chains whose wide top is known
     for i, (bias, k) in biased.items():
-        row = x[rows[i]]
         if out[i] is None:              # a bias above 0 (or as wide as the row): the biased row's own top-k
-            out[i] = _order_desc(bias.row(row), k)
+            out[i] = _order_desc(bias.row(x[rows[i]]), k)
+        else:
+            narrow.setdefault((k, len(out[i])), []).append(i)
+    for (k, _), idx in narrow.items():
+        btok, bval, boff = _bias_table([biased[i][0] for i in idx])
+        pos = _biased_top_rows(x, np.array([rows[i] for i in idx], np.intp), np.stack([out[i] for i in idx]), k,
+                               btok, bval, boff)
+        for j, i in enumerate(idx):
+            out[i] = pos[j]
+    return out
+
+
+def _bias_table(biases: list) -> tuple:
+    """The ids (sorted) and values of each LogitBias (or None: no bias), one after another, and where each
+    starts: the compiled loops' form of a bias per row."""
+    boff = np.zeros(len(biases) + 1, np.int64)
+    for j, b in enumerate(biases):
+        boff[j + 1] = boff[j] + (len(b._stoks) if b is not None else 0)
+    have = [b for b in biases if b is not None]
+    return (np.concatenate([b._stoks for b in have]) if have else np.zeros(0, np.int64),
+            np.concatenate([b._svals for b in have]) if have else np.zeros(0, _F32), boff)
+
+
+@njit(cache=True, inline="always")
+def _biased(x, r, t, btok, bval, b0, b1):
+    """Row r's logit of token t with its bias (the sorted ids btok[b0:b1], values bval) added, as LogitBias.at."""
+    v = x[r, t]
+    lo, hi = b0, b1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if btok[mid] < t:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < b1 and btok[lo] == t:
+        v = np.float32(v + bval[lo])
+    return v
+
+
+@njit(cache=True)
+def _biased_top_rows(x, rows, wide, k, btok, bval, boff):
+    """For each row r of x[rows]: the k largest biased logits among the positions wide[r] (the row's own largest),
+    largest first, ties by token id: top_positions' ``wide[_order_desc(bias.at(row, wide), k)]`` with wide in id
+    order, as _select_desc orders its composite keys (with the id for the position)."""
+    m, w = wide.shape
+    out = np.empty((m, k), np.intp)
+    v = np.empty(w, np.float32)
+    comp = np.empty(w, np.uint64)
+    for r in range(m):
+        for j in range(w):
+            v[j] = _biased(x, rows[r], wide[r, j], btok, bval, boff[r], boff[r + 1])
+        s = v.view(np.int32)
+        for j in range(w):
+            comp[j] = _composite(_f32_key(s[j]), wide[r, j])
+        comp.sort()
+        for j in range(k):
+            out[r, j] = np.intp(comp[j] & np.uint64(0xFFFFFFFF))
+    return out
+
+
+@njit(cache=True, error_model="numpy")
+def _sample_top_rows(x, rows, top, kk, btok, bval, boff, tp, tp_keep, log_mp, mp_keep, temp, u):
+    """The tokens of ``sample_rows``' chains, one row each: from a row's top-k positions (kk[r] of top[r], the
+    largest logits first), its bias (the sorted ids btok[boff[r]:boff[r + 1]], values bval) added, then top-p
+    (tp[r] >= 1: off), min-p (log_mp[r] NaN: off), the temperature and the draw u[r]; each the samplers' own
+    arithmetic on a sorted candidate array (TopP.apply, MinP.apply, _temp_impl, Dist.apply)."""
+    out = np.empty(rows.size, np.int64)
+    for r in range(rows.size):
+        n = kk[r]
+        lg = np.empty(n, np.float32)
+        b0, b1 = boff[r], boff[r + 1]
+        for j in range(n):
+            lg[j] = _biased(x, rows[r], top[r, j], btok, bval, b0, b1)
+        if tp[r] < 1:                                   # TopP: softmax from the first logit, float32 running sum
+            p = _softmax_f32(lg, lg[0])
+            cum = np.float32(0)
+            cut = n
+            for j in range(n):
+                cum += p[j]
+                if cum >= tp[r]:
+                    cut = j
+                    break
+            cut = max(cut, tp_keep[r] - 1)
+            if cut < n:
+                n = cut + 1
+        if not np.isnan(log_mp[r]):                     # MinP on sorted candidates: the first always stays
+            min_logit = np.float32(lg[0] + log_mp[r])
+            first_out = 1
+            for j in range(1, n):
+                if lg[j] >= min_logit:
+                    first_out += 1
+            n = min(n, max(first_out, mp_keep[r]))
+        for j in range(n):
+            lg[j] = np.float32(lg[j] / temp[r])
+        sel = 0
+        if n > 1:
+            sel, _ = _dist_f32(lg[:n], lg[0], u[r])
+        out[r] = top[r, sel]
+    return out
+
+
+def _top_plan(ch) -> tuple | None:
+    """(k, top-p, its min_keep, log min-p or NaN, its min_keep, temperature, the Dist) of a chain that
+    ``_sample_top_rows`` computes: [LogitBias], TopK(k), then in this order an optional TopP, an optional MinP and a
+    temperature above 0 (Temp, or TempExt without a range), no-op Typical / TopP / MinP anywhere between, and
+    Dist last; None for any other chain."""
+    if not isinstance(ch, Chain):
+        return None
+    bias, first = ch.lead()
+    ss = ch.samplers
+    if type(first) is not TopK or len(ss) < 2 or type(ss[-1]) is not Dist:
+        return None
+    if bias is None and ss[0] is not first:
+        return None
+    tp, tp_keep, log_mp, mp_keep, temp = _F32(1), 1, _F32(np.nan), 1, None
+    stage = 0                                   # 1: after a TopP, 2: after a MinP, 3: after the temperature
+    for s in ss[2 if bias is not None else 1:-1]:
+        t = type(s)
+        if t in (TopP, MinP) and not math.isfinite(s.p):
+            return None
+        if t is Typical and s.p >= 1.0 or t is TopP and s.p >= 1.0 or t is MinP and s.p <= 0:
             continue
-        wide = np.sort(out[i])          # by token id: _order_desc's ties by position are then ties by id
-        out[i] = wide[_order_desc(bias.at(row, wide), k)]
+        if t is TopP and stage < 1:
+            tp, tp_keep, stage = _F32(s.p), int(s.min_keep), 1
+        elif t is MinP and stage < 2:
+            log_mp, mp_keep, stage = _F32(_scalar_logf(s.p)), int(s.min_keep), 2
+        elif (t is Temp or t is TempExt and not _F32(s.delta) > 0) and stage < 3:
+            temp, stage = _F32(s.t), 3
+        else:
+            return None
+    if temp is None or not (temp > 0 and math.isfinite(temp)):
+        return None
+    return int(first.k), tp, tp_keep, log_mp, mp_keep, temp, ss[-1]
+
+
+def sample_rows(chains: list, logits: np.ndarray, rows: list, tops: list) -> list:
+    """The token of each chain whose work one compiled call does for every row at once, None for the others (their
+    Chain.sample): chain i samples row rows[i] of the 2-D float32 ``logits`` from ``tops[i]`` (top_positions'),
+    as _top_plan's chains: the common ones (llama.cpp's default order at a temperature above 0, with or without
+    a leading logit bias). Each such chain's Dist draws its number here, as Chain.sample would; the token is the
+    one Chain.sample picks (the server sampled ~100 us a row in the samplers' Python at 32 streams)."""
+    out: list = [None] * len(chains)
+    plans = []
+    for i, ch in enumerate(chains):
+        plan = _top_plan(ch) if tops[i] is not None else None
+        if plan is not None and len(tops[i]) == plan[0]:
+            plans.append((i, plan))
+    if not plans:
+        return out
+    m = len(plans)
+    kk = np.array([p[0] for _, p in plans], np.int64)
+    top = np.zeros((m, int(kk.max())), np.intp)
+    for r, (i, p) in enumerate(plans):
+        top[r, :p[0]] = tops[i]
+    btok, bval, boff = _bias_table([chains[i].lead()[0] for i, _ in plans])
+    u = np.array([p[6].rng.uniform() for _, p in plans], np.float64)       # each chain's one draw, as Dist's
+    sel = _sample_top_rows(
+        np.ascontiguousarray(logits, dtype=_F32), np.array([rows[i] for i, _ in plans], np.intp), top, kk,
+        btok, bval, boff,
+        np.array([p[1] for _, p in plans], _F32), np.array([p[2] for _, p in plans], np.int64),
+        np.array([p[3] for _, p in plans], _F32), np.array([p[4] for _, p in plans], np.int64),
+        np.array([p[5] for _, p in plans], _F32), u)
+    for r, (i, _) in enumerate(plans):
+        out[i] = int(sel[r])
     return out
 
 

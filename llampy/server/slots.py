@@ -20,7 +20,7 @@ import numpy as np
 
 from ..llama.batch import Batch
 from ..llama.context import PAD_BELOW, Context
-from ..llama.sampling import Chain, top_logprobs, top_positions
+from ..llama.sampling import Chain, sample_rows, top_logprobs, top_positions
 from ..llama.speculative import DraftPlanner, DraftRate, Drafters, SpeculativeError, cap_rows, exact_rows
 from ..llama.vocab import StreamDecoder
 
@@ -676,18 +676,22 @@ class Engine:
         m["prompt_seconds_total"] += dt * share
         m["gen_seconds_total"] += dt * (1 - share)
         g0 = m["generated_tokens_total"]
-        # the leading top-k of every row sampled without a draft, in one call (the outputs keep the batch's order)
+        # the leading top-k of every row sampled without a draft, in one call (the outputs keep the batch's order),
+        # and the tokens of the common chains in another (a request that wants no token draws none)
         out_row = np.cumsum(wants) - 1
-        plain = [s for s in active if s.id in rows and not drafts.get(s.id)]
-        tops = dict(zip((s.id for s in plain), top_positions([s.req.sampler for s in plain], self.ctx.get_logits(),
-                                                             [int(out_row[rows[s.id]]) for s in plain])))
+        plain = [s for s in active if s.id in rows and not drafts.get(s.id) and s.req.max_tokens > 0]
+        chains, logits = [s.req.sampler for s in plain], self.ctx.get_logits()
+        at = [int(out_row[rows[s.id]]) for s in plain]
+        top_list = top_positions(chains, logits, at)
+        tops = dict(zip((s.id for s in plain), top_list))
+        picked = dict(zip((s.id for s in plain), sample_rows(chains, logits, at, top_list)))
         for s in active:
             if s.id in rows:
                 try:
                     if drafts.get(s.id):
                         self._verify(s, rows[s.id], drafts[s.id])
                     else:
-                        self._step(s, self.ctx.get_logits_ith(rows[s.id]), tops[s.id])
+                        self._step(s, self.ctx.get_logits_ith(rows[s.id]), tops.get(s.id), picked.get(s.id))
                 except Exception as e:  # a sampler or detokenizer failure ends this request only
                     self._fail(s, f"sampling failed: {type(e).__name__}: {e}")
         now = time.perf_counter()
@@ -827,9 +831,10 @@ class Engine:
             s.prompt_lps.append((r.tokens[g + 1], _logprob(x, r.tokens[g + 1]),
                                  top_logprobs(x, r.prompt_logprobs) if r.prompt_logprobs else []))
 
-    def _step(self, s: Slot, logits: np.ndarray, top: np.ndarray | None = None) -> int | None:
+    def _step(self, s: Slot, logits: np.ndarray, top: np.ndarray | None = None, tok: int | None = None) -> int | None:
         """Sample the slot's next token and pass its text on: the token, or None when the request ended. ``top``:
-        the positions the sampler's leading top-k keeps (sampling.top_positions), when known."""
+        the positions the sampler's leading top-k keeps (sampling.top_positions), when known; ``tok``: the token
+        its sampler picked already (sampling.sample_rows, the step's common chains at once)."""
         r = s.req
         if s.n_gen == 0 and not r.t_first:
             r.t_first = time.perf_counter()
@@ -840,7 +845,8 @@ class Engine:
                 return None
         # the raw row stays as it is for the log-probs: the sampler edits its own copy (Candidates)
         logits = np.asarray(logits, dtype=np.float32)
-        tok = int(r.sampler.sample(logits, top) if top is not None else r.sampler.sample(logits))
+        if tok is None:
+            tok = int(r.sampler.sample(logits, top) if top is not None else r.sampler.sample(logits))
         r.sampler.accept(tok)
         lp, top = None, []
         if r.logprobs or r.n_probs:

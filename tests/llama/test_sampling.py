@@ -295,6 +295,41 @@ def test_chain_shortcuts_pick_the_samplers_tokens():
             slow[i].accept(want)
 
 
+def test_sample_rows_picks_chain_sample_tokens():
+    """sample_rows (the server's common chains, every row in one compiled call: top-p, min-p with min_keep, the
+    temperature and the draw, after a logit bias or none) picks, step after step, the token that the samplers
+    applied one by one to the whole row pick, with the same seeds; the other chains are left to Chain.sample."""
+    from llampy.llama.sampling import sample_rows, top_positions
+    rng = np.random.default_rng(5)
+    n_vocab = 3000
+    bans = {t: -np.inf for t in range(0, 400, 2)}
+    raise_ = {**bans, **{t: 4.0 for t in range(500, 510)}}
+    params = [dict(temperature=0.8), dict(temperature=0.8, logit_bias=bans), dict(temperature=1.3, top_k=1),
+              dict(temperature=0.7, top_k=300, top_p=0.5, min_keep=3), dict(temperature=0.6, top_p=1.0, min_p=0.2),
+              dict(temperature=0.9, top_p=0.999999, min_p=0.0), dict(temperature=0.5, min_p=0.9, min_keep=5),
+              dict(temperature=0.9, top_k=5, logit_bias=raise_), dict(temperature=0.8, samplers="kpt"),
+              dict(temperature=1.0, dynatemp_range=0.5), dict(temperature=0.8, repeat_penalty=1.3),
+              dict(temperature=0), dict(temperature=0.8, samplers="mkt"), dict(temperature=0.8, samplers="kmpt")]
+    batched = [True] * 9 + [False] * 5
+    fast = [Chain.from_params(seed=3 + i, n_vocab=n_vocab, **p) for i, p in enumerate(params)]
+    slow = [Chain.from_params(seed=3 + i, n_vocab=n_vocab, **p) for i, p in enumerate(params)]
+    for step in range(16):
+        logits = (rng.standard_normal((len(params) + 2, n_vocab)) * (1 + step % 4)).astype(np.float32)
+        logits[:, :50] = np.round(logits[:, :50])       # ties
+        rows = [int(r) for r in rng.permutation(len(logits))[:len(params)]]
+        tops = top_positions(fast, logits, rows)
+        got = sample_rows(fast, logits, rows, tops)
+        assert [g is not None for g in got] == batched
+        for i in range(len(params)):
+            c = Candidates(logits[rows[i]])
+            slow[i].apply(c)
+            want = int(c.ids[c.selected])
+            tok = got[i] if got[i] is not None else fast[i].sample(logits[rows[i]], tops[i])
+            assert tok == want, (step, params[i])
+            fast[i].accept(tok)
+            slow[i].accept(want)
+
+
 def test_top_p_adaptive_path_equals_full_sort():
     rng = np.random.default_rng(3)
     for scale in (0.5, 4.0):                                   # flat: nucleus beyond 256; peaked: inside
