@@ -926,6 +926,58 @@ def q6k_lanes(typingctx, w, o, x, xo, bs, bo):
     return i32x8(w, types.intp, x, types.intp, bs, types.intp), codegen
 
 
+def _q6_scale_dups(builder, sc8):
+    """The sixteen int8 scales of a Q6_K super-block (<16 x i8>) sign-extended to int16, as two vectors with the
+    same eight scales in both 128-bit halves: (s0..s7, s0..s7) and (s8..s15, s8..s15), for ``_q6_scale_pair``."""
+    sc = builder.sext(sc8, _W16)
+    return [_shuf(builder, sc, sc, list(range(8 * h, 8 * h + 8)) * 2) for h in range(2)]
+
+
+def _q6_scale_pair(builder, dup, g):
+    """Lanes 0..7 scale 2g, lanes 8..15 scale 2g + 1 of a ``_q6_scale_dups`` vector: one vpshufb (the word form
+    of the shuffle took a byte shuffle and a sign extension per group)."""
+    if AVX2:
+        mask = [4 * g + e % 2 if e < 16 else 4 * g + 2 + e % 2 for e in range(32)]
+        b = _call(builder, "llvm.x86.avx2.pshuf.b", _V32, [builder.bitcast(dup, _V32), ir.Constant(_V32, mask)])
+        return builder.bitcast(b, _W16)
+    return _shuf(builder, dup, dup, [2 * g] * 8 + [2 * g + 1] * 8)
+
+
+def _q6k_rows_codegen(nr):
+    def codegen(context, builder, sig, args):
+        wt, wa, rr, o = sig.args[0], args[0], args[1], args[2]
+        xt, xa, xo = sig.args[3], args[3], args[4]
+
+        def ld(k, off, ty=_V32):
+            p = _row_ptr(context, builder, wt, wa, rr, k, builder.add(o, ir.Constant(o.type, off)))
+            return _load(builder, builder.bitcast(p, ty.as_pointer()))
+        acc = [None] * nr
+        for h in range(2):
+            dup = [_q6_scale_dups(builder, ld(k, 192, ir.VectorType(_I8, 16)))[h] for k in range(nr)]
+            for g in range(4):
+                xv = _load32(context, builder, xt, xa, xo, 128 * h + 32 * g)
+                for k in range(nr):
+                    src = ld(k, 64 * h + 32 * (g % 2))
+                    qh = ld(k, 128 + 32 * h)
+                    lo = builder.and_(src, _const(_V32, 15)) if g < 2 else builder.lshr(src, _const(_V32, 4))
+                    hb = builder.and_(builder.lshr(qh, _const(_V32, 2 * g)), _const(_V32, 3))
+                    q = builder.or_(lo, builder.shl(hb, _const(_V32, 4)))
+                    acc[k] = _madd_acc(builder, acc[k], _q6_scale_pair(builder, dup[k], g), _maddubs(builder, q, xv))
+        b = _load(builder, _elem_ptr(context, builder, sig.args[5], args[5], args[6], _W16))
+        sc = [builder.sext(ld(k, 192, ir.VectorType(_I8, 16)), _W16) for k in range(nr)]
+        res = [builder.sub(acc[k], builder.shl(_madd(builder, sc[k], b), _const(_V_I32x8, 5))) for k in range(nr)]
+        return context.make_tuple(builder, sig.return_type, res)
+    return codegen
+
+
+@intrinsic
+def q6k_lanes2(typingctx, w, r, o, x, xo, bs, bo):
+    """``q6k_lanes`` of rows r and r + 1 of w (the super-blocks at byte o) against the same activations: two i32x8,
+    the same lanes. Each 32-value group's activations are loaded once for both rows and used at once, and each
+    scale pair is one vpshufb (``_q6_scale_pair``; the word shuffle took a byte shuffle and a sign extension)."""
+    return types.UniTuple(i32x8, 2)(w, types.intp, types.intp, x, types.intp, bs, types.intp), _q6k_rows_codegen(2)
+
+
 @njit(cache=True, inline="always")
 def _q5k_all(w, o, xr, xo, s):
     return q5k_sb(w, o, xr, xo, s)
@@ -1080,6 +1132,15 @@ def _mv_k(w, xq, xd, bsums, out, kind):
                 for b in range(nb):
                     prefetch_span(w, pb, b, step)
                     db = xd[i, b]
+                    if kind == K_Q6_K:      # the four rows' lanes at once (``q6k_lanes4``), the same float steps
+                        o = b * 210
+                        l0, l1 = q6k_lanes2(w, r, o, xr, b * 256, br, b * 16)
+                        l2, l3 = q6k_lanes2(w, r + 2, o, xr, b * 256, br, b * 16)
+                        a0 = f32x8_fma(np.float32(db * f16_at(w0, o + 208)), i32x8_to_f32x8(l0), a0)
+                        a1 = f32x8_fma(np.float32(db * f16_at(w1, o + 208)), i32x8_to_f32x8(l1), a1)
+                        a2 = f32x8_fma(np.float32(db * f16_at(w2, o + 208)), i32x8_to_f32x8(l2), a2)
+                        a3 = f32x8_fma(np.float32(db * f16_at(w3, o + 208)), i32x8_to_f32x8(l3), a3)
+                        continue
                     a0, m0, s0 = _kblock(kind, w0, b, xr, db, br, a0, m0, s0)
                     a1, m1, s1 = _kblock(kind, w1, b, xr, db, br, a1, m1, s1)
                     a2, m2, s2 = _kblock(kind, w2, b, xr, db, br, a2, m2, s2)
