@@ -181,3 +181,50 @@ def test_serve_shutdown_threads_progress_and_prompt_cache(tmp_path):
     logged = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
     assert any(x["msg"] == "request" and x["status"] == 503 for x in logged)
     assert any(x["msg"].startswith("shutdown") for x in logged)
+
+
+def test_handoff_settle_waits_for_the_handlers(monkeypatch):
+    """Handoff.settle (the engine calls it after a step) returns once the loop has delivered the step's events and
+    run the handlers they woke; a loop that never runs them costs at most SETTLE_S."""
+    import asyncio
+    import threading
+    import time
+
+    from llampy.server.app import Handoff
+    loop = asyncio.new_event_loop()
+    seen: list = []
+    queues: list = []
+    tasks: list = []
+
+    async def handler(q):
+        while True:
+            seen.append(await q.get())
+
+    async def start():
+        for _ in range(3):
+            queues.append(asyncio.Queue())
+            tasks.append(loop.create_task(handler(queues[-1])))
+    loop.run_until_complete(start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        monkeypatch.setattr(Handoff, "SETTLE_S", 30.0)
+        h = Handoff.of(loop)
+        for step in range(5):
+            for j, q in enumerate(queues):
+                h.put(q, (step, j))
+            Handoff.settle()
+            assert sorted(seen[-3:]) == [(step, 0), (step, 1), (step, 2)]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+    stuck = Handoff.of(loop)            # stopped, not closed: nothing runs the delivery
+    monkeypatch.setattr(Handoff, "SETTLE_S", 0.05)
+    stuck.put(queues[0], "late")
+    t0 = time.perf_counter()
+    Handoff.settle()
+    assert time.perf_counter() - t0 < 1.0 and "late" not in seen
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    loop.close()
