@@ -433,9 +433,10 @@ def test_real_gemma3_k_quants_and_q5_0(gemma3_path):
 
 @pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
 def test_integer_path_is_batch_invariant(wtype):
-    """Every batch size takes a different tile of the integer kernel (4 rows x 1 or 2 activations, 1 row x 16 or
-    8 activations); each output must still be bit-identical to that activation row computed alone, as in
-    llama.cpp, whose vec_dot computes each (row, column) pair the same way whatever the batch."""
+    """Every batch size takes a different tile of the integer kernel (4 rows x 1 or 2 activations, 1 row x 16, 8 or
+    4 activations, the last tile's rows past the batch zero: dot_whole.tile_rows); each output must still be
+    bit-identical to that activation row computed alone, as in llama.cpp, whose vec_dot computes each (row, column)
+    pair the same way whatever the batch."""
     rng = np.random.default_rng(12)
     k, rows = 576, 37
     wq = quantize_w(rng.standard_normal((rows, k)).astype(np.float32), wtype)
@@ -443,7 +444,7 @@ def test_integer_path_is_batch_invariant(wtype):
     single = np.empty((27, rows), np.float32)
     for i in range(27):
         mm.mul_mat(wq, wtype, x[i:i + 1], single[i:i + 1], 1 << 30)
-    for n in (2, 3, 8, 9, 16, 19, 24, 27):
+    for n in (2, 3, 4, 5, 7, 8, 9, 12, 16, 19, 21, 24, 27):
         out = np.empty((n, rows), np.float32)
         mm.mul_mat(wq, wtype, x[:n], out, 1 << 30)
         assert np.array_equal(out, single[:n]), n

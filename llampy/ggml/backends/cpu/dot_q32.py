@@ -697,9 +697,9 @@ def _mv_legacy(tiles, rows16, rest, w, xq, xd, xs, out, tab):
         if r16 < rows:            # the last rows % 16 weight rows: all their activation rows in the decode form
             rest(w[r16:], xd, xq, xd, xs, out[:, r16:], tab, 0, False)
             w, out = w[:r16], out[:, :r16]
-    elif n8:
+    elif n > 1:
         done = dot_whole.mv_whole(tiles, w, xq, xd, xs, out, tab)     # a decode step's rows (0 where it has no kernel)
-        if not done:
+        if not done and n8:
             tiles(w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-rows // ROW_CHUNK)))
         n8 = max(n8, done)
     if n8 < n:

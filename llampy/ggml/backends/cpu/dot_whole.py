@@ -9,9 +9,11 @@ import numpy as np
 from numba import njit, prange
 
 from .claims import claim, workers
-from .dot_q32 import (K_Q4_0, K_Q4_1, K_Q8_0, ROW_CHUNK, TILE16, _act_offset, _block, _group_row, _offset_lane_sums,
-                      _rows4, _tile8, _tiles_q4_0, _tiles_q4_1, _tiles_q8_0, prefetch_row)
-from .simd import f32x8_hsum, f32x8_zero
+from .dot_q32 import (K_Q4_0, K_Q4_1, K_Q8_0, ROW_CHUNK, TILE16, _act_offset, _block, _block_bytes, _group_row,
+                      _offset_lane_sums, _rows4, _signed, _tile8, _tiles_q4_0, _tiles_q4_1, _tiles_q8_0, _wblock,
+                      prefetch_row)
+from .simd import (f16_at, f32x8_add, f32x8_fma, f32x8_fma_s, f32x8_hsum, f32x8_hsum8, f32x8_load, f32x8_scale,
+                   f32x8_store, f32x8_zero, i32x8_to_f32x8, wdot, wsum_neg128, xdot)
 
 # Up to this many activation rows (a server's decode steps: one row per stream) the eight-row tiles take whole weight
 # rows (``whole_rows``, ``_mv_whole``) where the CPU has sixteen vector registers: the span form's accumulators kept
@@ -23,25 +25,103 @@ from .simd import f32x8_hsum, f32x8_zero
 # one group (1024 x 4608 n = 32: Q8_0 145 -> 158, the group's activations no longer stay in the first-level cache),
 # nor for prompts (n = 512 the spans keep their lead: 1024 x 2048 Q8_0 66 vs 73).
 WHOLE_ROWS_MAX_N = 32
+# The activation rows past the last group of eight (m = n % 8: a step of a few streams, a speculative check of a few
+# drafted tokens, the streams past a multiple of eight) take a tile of four (``_tile4``) from PAD4[kind] of them
+# (up to four), one of eight from PAD8[kind], their lanes past n zero; the others go one at a time (the decode chains,
+# ``_rows4``; below eight rows dot_q32's decode form, ``few_rows``). Each row's numbers are the same whatever the
+# tile (the batch-invariance tests). Measured on an AVX2 host, quiet (one thread, CPU us per activation row,
+# benchmarks/README.md): Q4_1 1536 x 576 at n = 4 / 5 / 6 / 7 66.0 / 63.2 / 65.3 / 63.0 -> 54.0 / 54.6 / 45.7 / 39.2,
+# 34.0 at n = 8; the tile of four costs 0.8 of the tile of eight, so at 2-3 rows the decode form stays (68.1, 62.9).
+# Q8_0's and Q4_0's tiles are no cheaper a row than their decode form on AVX2 (Q8_0 49152 x 576: 1186 at n = 7,
+# 1282 at n = 8): never.
+PAD4 = (8, 4, 8, 8, 8)      # by kind: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (8: never)
+PAD8 = (8, 5, 8, 8, 8)
 
 
-def whole_rows(n8, nb):
-    """Whether the eight-row tiles of n8 activation rows of nb blocks run over whole weight rows (``_mv_whole``, for
+@njit(cache=True)
+def tile_rows(kind, n):
+    """(rows in eight-row tiles, rows in a tile of four): the n activation rows' tiles, the last padded with zero
+    rows (``PAD4``, ``PAD8``); the rows past both go one at a time."""
+    n8 = n - n % 8
+    m = n - n8
+    if m >= PAD8[kind] and n8 + 8 <= WHOLE_ROWS_MAX_N:
+        return n8 + 8, 0
+    if PAD4[kind] <= m <= 4:
+        return n8, 4
+    return n8, 0
+
+
+def whole_rows(n_t, nb):
+    """Whether the eight-row tiles of n_t activation rows of nb blocks run over whole weight rows (``_mv_whole``, for
     the formats that have it: ``WHOLE_KERNELS``)."""
-    return not TILE16 and n8 <= WHOLE_ROWS_MAX_N and (n8 <= 8 or nb <= 64)
+    return not TILE16 and n_t <= WHOLE_ROWS_MAX_N and (n_t <= 8 or nb <= 64)
+
+
+def few_rows(name, n, k):
+    """Whether a product of 1 < n < 8 activation rows of a format named ``name`` ('q4_1') goes to the whole-row
+    tiles (``mv_whole``) rather than the decode form alone (``dot_q32.REST_KERNELS``)."""
+    kind = WHOLE_KINDS.get(name)
+    return kind is not None and sum(tile_rows(kind, n)) > 0 and whole_rows(8, k // 32)
 
 
 @njit(cache=True, inline="always")
-def _group_rows(kind, xq, n8):
-    """``dot_q32._group_activations`` (the same layout) by the calling thread alone: for a decode step's few rows
-    the copy is a few microseconds, less than a parallel region of its own costs to start and join."""
+def _group_rows(kind, xq, n_t):
+    """``dot_q32._group_activations`` (the same layout) for the tiles' n_t rows, by the calling thread alone: for a
+    decode step's few rows the copy is a few microseconds, less than a parallel region of its own costs to start
+    and join. The rows of the last tile past the activation rows (``PAD_MIN``) are zero."""
     n, k = xq.shape
     nb = k // 32
-    xg = np.empty(((n8 + 15) // 16, nb, 512), np.int8)
+    xg = np.zeros(((n_t + 15) // 16, nb, 512), np.int8)
     flip = _act_offset(kind)
-    for i in range(n8):
+    for i in range(min(n, n_t)):
         _group_row(xg, xq, i, flip)
     return xg
+
+
+@njit(cache=True, inline="always")
+def _columns(x, n_t):
+    """x.T (n, nb -> nb, n_t) for the tiles' eight-lane loads of a block's scales, the columns past n zero."""
+    n, nb = x.shape
+    t = np.zeros((nb, n_t), np.float32)
+    for i in range(min(n, n_t)):
+        for b in range(nb):
+            t[b, i] = x[i, b]
+    return t
+
+
+@njit(cache=True, inline="always")
+def _tile4(kind, wr, xg, xdT, xsT, i, nb, dvb, lanes):
+    """``dot_q32._tile8`` for the four activation rows i..i+3 (i % 8 == 0, xdT and xsT eight columns from i): the
+    same lanes and fma chains for each pair, the weight block decoded once for four; lanes[0:4] = the dot products
+    (``f32x8_hsum8`` of the four accumulators and four zeros: each lane's additions are its own)."""
+    j0 = i % 16
+    bb = _block_bytes(kind)
+    for b in range(nb):
+        f32x8_store(dvb[b], 0, f32x8_scale(f32x8_load(xdT[b], i), f16_at(wr, b * bb)))
+    a0 = a1 = a2 = a3 = f32x8_zero()
+    sv = f32x8_zero()
+    for b in range(nb):
+        q = _wblock(kind, wr, b, False)
+        xb, dvr = xg[b], dvb[b]
+        if _act_offset(kind):
+            c = wsum_neg128(q)
+            a0 = f32x8_fma(dvr[0], i32x8_to_f32x8(xdot(c, q, xb, j0 * 32)), a0)
+            a1 = f32x8_fma(dvr[1], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 1) * 32)), a1)
+            a2 = f32x8_fma(dvr[2], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 2) * 32)), a2)
+            a3 = f32x8_fma(dvr[3], i32x8_to_f32x8(xdot(c, q, xb, (j0 + 3) * 32)), a3)
+        elif _signed(kind):
+            a0 = f32x8_fma(dvr[0], i32x8_to_f32x8(wdot(q, xb, j0 * 32, True)), a0)
+            a1 = f32x8_fma(dvr[1], i32x8_to_f32x8(wdot(q, xb, (j0 + 1) * 32, True)), a1)
+            a2 = f32x8_fma(dvr[2], i32x8_to_f32x8(wdot(q, xb, (j0 + 2) * 32, True)), a2)
+            a3 = f32x8_fma(dvr[3], i32x8_to_f32x8(wdot(q, xb, (j0 + 3) * 32, True)), a3)
+        else:               # Q4_1, Q5_1: the min at byte 2 of the block, the four mins as one vector fma
+            sv = f32x8_fma_s(f16_at(wr, b * bb + 2), f32x8_load(xsT[b], i), sv)
+            a0 = f32x8_fma(dvr[0], i32x8_to_f32x8(wdot(q, xb, j0 * 32, False)), a0)
+            a1 = f32x8_fma(dvr[1], i32x8_to_f32x8(wdot(q, xb, (j0 + 1) * 32, False)), a1)
+            a2 = f32x8_fma(dvr[2], i32x8_to_f32x8(wdot(q, xb, (j0 + 2) * 32, False)), a2)
+            a3 = f32x8_fma(dvr[3], i32x8_to_f32x8(wdot(q, xb, (j0 + 3) * 32, False)), a3)
+    z = f32x8_zero()
+    f32x8_store(lanes, 0, f32x8_add(f32x8_hsum8(a0, a1, a2, a3, z, z, z, z), sv))
 
 
 @njit(cache=True, inline="always")
@@ -49,22 +129,27 @@ def _mv_whole(w, xq, xd, xs, out, tab, kind, counter, n_workers):
     """``_mv_tiles``' eight-row tiles over whole weight rows, for a decode step's few activation rows
     (``WHOLE_ROWS_MAX_N``): a kernel of its own, where the tiles' span bounds are the constants 0 and nb (inside
     ``_mv_tiles`` as a branch beside the span loop, the same loop ran 1.4x slower at 8 rows, one thread). The rows
-    past the last group of eight (9-15, 17-23 streams...) in the same pass over each chunk of weight rows, while
-    the chunk is in the first-level cache: four weight rows against one activation row at a time (``_rows4``, the
-    decode kernels' chains, whose bits are the tiles'), then the chunk's last rows % 4 one at a time; before, a
-    second kernel (``_mv_rest``) read the weights again. All n rows."""
+    past the last group of eight in the same pass over each chunk of weight rows, while the chunk is in the
+    first-level cache (``tile_rows``): a tile of eight or four with zero rows past n, or else four weight rows
+    against one activation row at a time (``_rows4``, the decode kernels' chains, whose bits are the tiles'), then
+    the chunk's last rows % 4 one at a time; before, a second kernel (``_mv_rest``) read the weights again. All n
+    rows."""
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
     n8 = n - n % 8
-    xdT = np.ascontiguousarray(xd.T)
-    xsT = np.ascontiguousarray(xs.T)
-    xg = _group_rows(kind, xq, n8)
+    n_t, n4 = tile_rows(kind, n)
+    n_c = n8 + 8 if n_t > n8 or n4 else n8       # the columns the tiles load (eight from each tile's first row)
+    xdT = _columns(xd, n_c)
+    xsT = _columns(xs, n_c)
+    xg = _group_rows(kind, xq, n_c)
     xls = _offset_lane_sums(kind, xq)
     n_chunks = (rows + ROW_CHUNK - 1) // ROW_CHUNK
     for _ in prange(n_workers):
         dvb = np.empty((nb, 8), np.float32)
         accb = np.empty((9, 8), np.float32)
+        ob = np.empty((n_c, ROW_CHUNK), np.float32)
+        lanes = np.empty(8, np.float32)
         while True:
             c = claim(counter)
             if c >= n_chunks:
@@ -76,6 +161,19 @@ def _mv_whole(w, xq, xd, xs, out, tab, kind, counter, n_workers):
             for i in range(0, n8, 8):
                 for rr in range(r, r1):
                     _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, 0, nb, nb, out, dvb, accb)
+            if n_t > n8:        # the last rows in a tile of eight of their own, its rows past n zero: through ob
+                for rr in range(r, r1):
+                    _tile8(kind, w[rr], rr - r, xg[n8 // 16], xdT, xsT, n8, 0, nb, nb, ob, dvb, accb)
+                for i in range(n8, n):
+                    for rr in range(r, r1):
+                        out[i, rr] = ob[i, rr - r]
+                continue
+            if n4:              # a tile of four, its rows past n zero
+                for rr in range(r, r1):
+                    _tile4(kind, w[rr], xg[n8 // 16], xdT, xsT, n8, nb, dvb, lanes)
+                    for i in range(n8, n):
+                        out[i, rr] = lanes[i - n8]
+                continue
             r4 = r + (r1 - r) // 4 * 4
             for i in range(n8, n):
                 xr, lr, xdr, xsr, orow = xq[i], xls[i], xd[i], xs[i], out[i]
@@ -108,18 +206,21 @@ def _whole_q4_1(w, xq, xd, xs, out, tab, counter, n_workers):
 
 # the whole-row tiles by the span tiles they replace (``whole_rows``); Q5_0 and Q5_1 keep their sixteen-row tiles
 WHOLE_KERNELS = {_tiles_q8_0: _whole_q8_0, _tiles_q4_0: _whole_q4_0, _tiles_q4_1: _whole_q4_1}
+WHOLE_KINDS = {"q8_0": K_Q8_0, "q4_0": K_Q4_0, "q4_1": K_Q4_1}
+_KINDS = {_tiles_q8_0: K_Q8_0, _tiles_q4_0: K_Q4_0, _tiles_q4_1: K_Q4_1}
 
 
 def mv_whole(tiles, w, xq, xd, xs, out, tab):
-    """``dot_q32._mv_legacy``'s activation rows (n8 = n - n % 8 > 0 of them in groups of eight, fewer than
-    ``ROWS16_MIN_N`` or no sixteen-row tiles on this CPU) on the whole-row kernel that replaces its span tiles
-    ``tiles``, where there is one and ``whole_rows`` holds: the number of activation rows computed from the start,
-    all n (0: none, the caller's tiles and decode form take them)."""
+    """``dot_q32._mv_legacy``'s activation rows (n >= 2; fewer than ``ROWS16_MIN_N`` in groups of eight, or no
+    sixteen-row tiles on this CPU) on the whole-row kernel that replaces its span tiles ``tiles``, where there is
+    one, ``whole_rows`` holds and a tile takes some of them (``tile_rows``): the number of activation rows computed
+    from the start, all n (0: none, the caller's tiles and decode form take them)."""
     n, k = xq.shape
-    n8 = n - n % 8
-    whole = WHOLE_KERNELS.get(tiles) if whole_rows(n8, k // 32) else None
+    whole = WHOLE_KERNELS.get(tiles)
     if whole is None:
+        return 0
+    n_t, n4 = tile_rows(_KINDS[tiles], n)
+    if not (n_t or n4) or not whole_rows(max(n_t, 8), k // 32):
         return 0
     whole(w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-w.shape[0] // ROW_CHUNK)))
     return n
-

@@ -38,7 +38,8 @@ import os
 import numpy as np
 
 from ...types import GGMLType, TYPE_TRAITS
-from . import dot_blocks, dot_f16_tiny, dot_f32_short, dot_q32, dot_kquant_scalar, dot_kquant, dot_kquant_tiled
+from . import (dot_blocks, dot_f16_tiny, dot_f32_short, dot_q32, dot_whole, dot_kquant_scalar, dot_kquant,
+               dot_kquant_tiled)
 from .act_quant import act_split, bf16_bits_to_f32, q8_round_rows, quantize_act, round_act
 from .direct import Direct
 from .dot_q32 import F16_TABLE, ROWS16_MIN_N
@@ -142,7 +143,8 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
         from .act_quant import q8_0_quantizer
         xq, xd, xs, with_s, tab = scratch.xq, scratch.xd, scratch.xs, vdt == T.Q8_1, F16_TABLE
         quantize = q8_0_quantizer(n)
-        rest = dot_q32.REST_KERNELS.get(wtype.name.lower()) if n < 8 and x.flags.c_contiguous else None
+        few = n > 1 and dot_whole.few_rows(wtype.name.lower(), n, k)    # 2-7 rows in a tile of four or eight
+        rest = dot_q32.REST_KERNELS.get(wtype.name.lower()) if n < 8 and x.flags.c_contiguous and not few else None
         if rest is not None:        # decoding: _mv_legacy's decode form rounding x itself, one call
             quant = not reuse
 
