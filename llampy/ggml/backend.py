@@ -206,6 +206,17 @@ def tensor_data(t: Tensor) -> np.ndarray:
     return as_ndarray(t, buf.data)
 
 
+def tensor_host_view(t: Tensor) -> np.ndarray | None:
+    """A flat NumPy view of t's memory where its buffer is host memory and t is contiguous, else None (then
+    tensor_set/tensor_get). As llama.cpp's graph inputs are written straight into ``tensor->data`` where
+    ``ggml_backend_buffer_is_host``: for callers that write or read the same tensor every step and keep the view
+    while the tensor stays in the same buffer at the same offset."""
+    buf = t.storage.buffer
+    if buf is None or not buf.is_host or not t.is_contiguous() or t.nelements == 0:
+        return None
+    return as_ndarray(t, buf.data).reshape(-1)
+
+
 # ---------------------------------------------------------------------------------------------- ggml_backend_tensor_*
 def tensor_set(t: Tensor, value) -> None:
     """Write ``value`` (an array of t's shape in NumPy order, or anything that reshapes to it, cast to t's type; for

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import tuning
 from ..ggml import ops
-from ..ggml.backend import tensor_data, tensor_get, tensor_set
+from ..ggml.backend import tensor_get, tensor_host_view, tensor_set
 from ..ggml.graph import Graph
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
@@ -372,12 +372,12 @@ class Context:
         None where it is not contiguous host memory (then tensor_set / tensor_get)."""
         v = self._views.get(id(t))
         if v is None or v[0] is not t or v[1] is not t.storage.buffer or v[2] != t.data_offs:
-            buf = t.storage.buffer
-            if buf is None or not buf.is_host or not t.is_contiguous() or t.nelements == 0:
+            view = tensor_host_view(t)
+            if view is None:
                 return None
             if len(self._views) > 64 * self.max_graphs:
                 self._views.clear()
-            v = self._views[id(t)] = (t, buf, t.data_offs, tensor_data(t).reshape(-1))
+            v = self._views[id(t)] = (t, t.storage.buffer, t.data_offs, view)
         return v[3]
 
     def _pool(self, ub: Batch, embd: np.ndarray) -> None:
