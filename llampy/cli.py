@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     program = argv is None              # the process's own command line: the process ends after the command
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "quantize":
-        from .cli_quant import start_up_gc
-        with start_up_gc(program):      # the collector paused while NumPy and Numba load (cli_quant.start_up_gc)
+        from .tuning import start_up_gc
+        with start_up_gc(program):      # the collector paused while NumPy and Numba load (tuning.start_up_gc)
             return _main(argv)
     return _main(argv)
 

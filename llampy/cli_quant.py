@@ -2,61 +2,9 @@
 importance matrix, over ``llama.imatrix``)."""
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time
-
-
-class start_up_gc:
-    """The quantize command's garbage collector: paused from the command's start (before NumPy loads) until
-    ``resume()``, after the first tensor is written, when NumPy's, Numba's and the kernels' objects are made; those
-    are then frozen (the collections that follow do not traverse them again). Without the pause, the collections
-    that the start-up's allocations set off traversed the growing heap again and again: ~0.08 s of CPU over ~160
-    collections in a SmolLM2-135M to Q4_0 run of ~0.95 s.
-
-    ``program``: the command is the process's own (``llampy quantize`` from a shell), which ends after it: every
-    object is frozen at the end, so that the interpreter's shutdown does not collect them all once more (its
-    collections and the teardown they drive took 0.17-0.19 s of CPU after such a run, 0.025 s with the objects
-    frozen; the command closes its files itself). Otherwise (the command run in another program's process, as the
-    tests do) the collector's previous state comes back at the end, nothing left frozen, also when the command
-    fails or its arguments are bad."""
-    active = None
-
-    def __init__(self, program: bool = False):
-        self.program = program
-
-    def __enter__(self):
-        self.paused = gc.isenabled()
-        self.frozen = False
-        if self.paused:
-            gc.disable()
-            start_up_gc.active = self
-        return self
-
-    def resume(self) -> None:
-        if self.paused:
-            self.paused = False
-            self.frozen = gc.get_freeze_count() == 0      # (another program's frozen objects stay as they are)
-            if self.frozen:
-                gc.freeze()
-            gc.enable()
-
-    def __exit__(self, *exc):
-        if start_up_gc.active is self:
-            start_up_gc.active = None
-        if self.program:
-            gc.freeze()
-        elif self.frozen:
-            gc.unfreeze()
-        if self.paused:
-            gc.enable()
-        return False
-
-
-def _resume_gc() -> None:
-    if start_up_gc.active is not None:
-        start_up_gc.active.resume()
 
 
 def add_quant_parsers(sub) -> None:
@@ -176,8 +124,8 @@ def cmd_quantize(args) -> int:
         return 2
     if params.nthread <= 0:
         params.nthread = os.cpu_count() or 1
+    from . import tuning
     if not params.only_copy:            # (a COPY makes no arrays: ctypes is not imported for it)
-        from . import tuning
         tuning.keep_freed_arrays()      # the command's own process: its chunks' temporaries stay mapped
     bar = _bar(args.progress)
     verbose = not bar.on
@@ -187,7 +135,7 @@ def cmd_quantize(args) -> int:
     try:
         def progress(i, n, name):
             if i == 1:
-                _resume_gc()
+                tuning.resume_start_up_gc()
             bar.update(i, n, name)
         res = quantize_model(fin, fout, params, log=(lambda s: print(s, file=sys.stderr)) if verbose else None,
                              progress=progress)

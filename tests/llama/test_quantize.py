@@ -241,15 +241,15 @@ def test_quantize_command_pauses_and_restores_the_collector(rand_model, tmp_path
     """The command pauses the garbage collector during its start-up and resumes it after the first tensor (its
     start-up objects frozen); it leaves the collector as it found it, after a run, a failure or bad arguments."""
     import gc
-    from llampy import cli_quant
+    from llampy import tuning
     states = []
-    resume = cli_quant.start_up_gc.resume
+    resume = tuning.start_up_gc.resume
 
     def spy(self):
         states.append(gc.isenabled())
         resume(self)
         states.append((gc.isenabled(), gc.get_freeze_count() > 0))
-    monkeypatch.setattr(cli_quant.start_up_gc, "resume", spy)
+    monkeypatch.setattr(tuning.start_up_gc, "resume", spy)
     args = ["quantize", "--progress", "off", str(rand_model), str(tmp_path / "o.gguf")]
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert main(args + ["Q8_0", "1"]) == 0
