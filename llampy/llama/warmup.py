@@ -130,15 +130,19 @@ def run_batches(path, reverse: bool = False, batches=BATCHES) -> None:
     for n_ctx in (512, 256):
         ctx = Context(m, n_ctx=n_ctx, n_batch=n_max, n_ubatch=n_max, n_seq_max=max(parallel + (1,)))
         tok = min(3, m.hparams.n_vocab - 1)
-        for n in prompts:                 # a prompt, then a decode step after it
+        # each decode step twice: a plan's second run calls its kernels' entry points and runs its Prepare steps
+        # (backends/cpu/direct.py), whose checks are kernels of their own
+        for n in prompts:                 # a prompt, then decode steps after it
             ctx.decode(Batch.from_tokens([tok] * n))
-            ctx.decode(Batch.from_tokens([tok], pos0=n))
+            for i in range(2):
+                ctx.decode(Batch.from_tokens([tok], pos0=n + i))
             ctx.kv_clear()
         for n in parallel:                # one token from each of n sequences, as a server's parallel decode step
-            b = Batch.empty()
-            for s in range(n):
-                b.add(tok, 0, [s], True)
-            ctx.decode(b)
+            for i in range(2):
+                b = Batch.empty()
+                for s in range(n):
+                    b.add(tok, i, [s], True)
+                ctx.decode(b)
             ctx.kv_clear()
 
 
