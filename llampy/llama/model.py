@@ -99,6 +99,15 @@ class Model:
         self.path = Path(path)
         self.progress_callback = progress_callback
         self.reader = open_gguf(self.path)       # a split model's parts read as one file
+        try:
+            self._load(n_gpu_layers, split_mode, tensor_split, use_mmap, devices, n_threads, vocab_only, main_gpu,
+                       override_tensor, n_ctx_hint, strict_offload)
+        except BaseException:      # a file that does not load is not left open
+            self.reader.close()
+            raise
+
+    def _load(self, n_gpu_layers, split_mode, tensor_split, use_mmap, devices, n_threads, vocab_only, main_gpu,
+              override_tensor, n_ctx_hint, strict_offload) -> None:
         md = self.reader.metadata
         self.metadata = md
         from .vocab import Vocab

@@ -38,7 +38,11 @@ def test_auto_and_zero_say_nothing():
     for ngl in (0, "auto"):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert Model(QWEN2, n_gpu_layers=ngl).n_gpu_layers == 0
+            m = Model(QWEN2, n_gpu_layers=ngl)
+            try:
+                assert m.n_gpu_layers == 0
+            finally:
+                m.close()
 
 
 def test_bad_values_are_clear_errors():

@@ -251,6 +251,20 @@ def test_quantize_command_pauses_and_restores_the_collector(rand_model, tmp_path
         states.append((gc.isenabled(), gc.get_freeze_count() > 0))
     monkeypatch.setattr(tuning.start_up_gc, "resume", spy)
     args = ["quantize", "--progress", "off", str(rand_model), str(tmp_path / "o.gguf")]
+    # an earlier test in this process may have left objects frozen (a Llama installs the process tuning, whose
+    # contexts freeze each new graph's objects): start from none frozen, and freeze them again at the end
+    was_frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    try:
+        _collector_cases(main, args, states, monkeypatch)
+    finally:
+        gc.unfreeze()
+        if was_frozen:
+            gc.freeze()
+
+
+def _collector_cases(main, args, states, monkeypatch):
+    import gc
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert main(args + ["Q8_0", "1"]) == 0
     assert states == [False, (True, True)]
@@ -267,11 +281,8 @@ def test_quantize_command_pauses_and_restores_the_collector(rand_model, tmp_path
         gc.enable()
     # the process's own command (main() without arguments): everything frozen at the end, for the shutdown
     monkeypatch.setattr("sys.argv", ["llampy"] + args + ["Q8_0", "1"])
-    try:
-        assert main() == 0
-        assert gc.isenabled() and gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
+    assert main() == 0
+    assert gc.isenabled() and gc.get_freeze_count() > 0
 
 
 def test_numpy_rows_match_reference():
