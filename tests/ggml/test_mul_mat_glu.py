@@ -44,7 +44,8 @@ _PROMPT = pytest.mark.skipif(not ROWS16, reason="the prompt's fused kernel needs
                                          pytest.param(T.Q4_1, "swiglu", 37, marks=_PROMPT),
                                          pytest.param(T.Q8_0, "swiglu", 16, marks=_PROMPT),
                                          pytest.param(T.Q8_0, "swiglu", 37, marks=_PROMPT),
-                                         (T.Q8_0, "swiglu", 1), (T.Q8_0, "geglu", 3),
+                                         (T.Q8_0, "swiglu", 1), (T.Q8_0, "geglu", 3), (T.Q5_0, "swiglu", 1),
+                                         (T.Q5_1, "geglu", 2),
                                          (T.IQ4_NL, "swiglu", 1), (T.IQ4_NL, "geglu", 3)])
 def test_fused_kernel_is_bit_identical_to_the_three_ops(wtype, glu, n):
     rng = np.random.default_rng(n)

@@ -851,7 +851,21 @@ def _glu_rest_q8_0(wg, wu, xq, xd, xs, out, glu, table):
     _mv_rest_glu(wg, wu, xq, xd, xs, out, K_Q8_0, glu, table)
 
 
-GLU_DECODE_KERNELS = {"q8_0": _glu_rest_q8_0}
+@njit(parallel=True, cache=True, nogil=True)
+def _glu_rest_q5_0(wg, wu, xq, xd, xs, out, glu, table):
+    _mv_rest_glu(wg, wu, xq, xd, xs, out, K_Q5_0, glu, table)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _glu_rest_q5_1(wg, wu, xq, xd, xs, out, glu, table):
+    _mv_rest_glu(wg, wu, xq, xd, xs, out, K_Q5_1, glu, table)
+
+
+# Q8_0, Q5_0 and Q5_1 (Q5_0's gate and up of SmolLM2, 30 layers streamed, one thread: 150 -> 143 us a layer). Q4_1,
+# the default model's type, and Q4_0's rows that are not repacked run the three ops when decoding: the fused kernel
+# saves ~7 us a layer at two threads (benchmarks/README.md, 2026-11-27) but is one more kernel for the default
+# model's cold start to compile.
+GLU_DECODE_KERNELS = {"q8_0": _glu_rest_q8_0, "q5_0": _glu_rest_q5_0, "q5_1": _glu_rest_q5_1}
 GLU_DECODE_MAX_N = 7      # below the prompt tiles' eight rows (``_mv_legacy``): the products run ``_mv_rest`` alone
 
 
