@@ -189,9 +189,6 @@ class Engine:
         self.lora_paths: list = []
         self.lora_scales: list = []
         self._lora_turn = 0
-        # called after each step's events are out, before the next decode: the HTTP side lets its event loop
-        # handle them first (Handoff.settle), so that the loop's thread does not take a core from the decode's two
-        self.settle: Callable[[], None] | None = None
         self.planner = None
         self.exact_rows = None          # a step that checks drafts holds at most this many rows (None: any number)
         if self.spec is not None:
@@ -703,8 +700,6 @@ class Engine:
         self._recent.append((now, m["generated_tokens_total"] - g0))     # with drafts, several per slot
         if now - self._recent[0][0] > 30:
             self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
-        if self.settle is not None:
-            self.settle()
 
     def _drafts(self, gen: list, n_prompt: int = 0) -> dict:
         """{slot id: draft} for the generating slots: n-gram lookup first, then the draft model for the slots it left
