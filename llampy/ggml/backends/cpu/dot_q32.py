@@ -23,7 +23,8 @@ from numba.extending import intrinsic
 from .act_quant import q8_0_split
 from .claims import claim, workers
 from .simd import (HOST_VEC_LANES, ROWS16, UNSIGNED_OFFSET, f32x8_add, f32x8_hsum8, wsum_neg128, xdot, f16_at, f32x8_fma_s, f32x8_store,
-                   f32x8_lane, f32x8_load, f32x8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, f32x8_fma, f32x8_hsum, f32x8_zero,
+                   f32x8_lane, f32x8_load, f32x8_scale, wbytes, wdot, dot_s8_s8, dot_u4_s8, dot_u5_s8, dot_u5_s8_bc,
+                   f32x8_fma, f32x8_hsum, f32x8_zero,
                    fma32, i32_transpose16x8, i32x8_flip, i32x8_store, i32x8_to_f32x8, rows16_pairs2, v16_add, v16_fma, v16_geglu,
                    v16_load, v16_mul, v16_scale, v16_silu, v16_store, v16_tree8, v16_zero)
 
@@ -166,7 +167,7 @@ def _block(kind, tab, wr, b, xr, xdb, xsb, xlr, acc, summs):
         summs = fma32(f16_at(wr, o + 2), xsb, summs)
     elif kind == K_Q5_0:           # (nibble | qh bit << 4) - 16
         o = b * 22
-        lanes = dot_u5_s8(wr, o + 6, _qh(wr, o + 2), xr, xo, 16, xlr, b * 8)
+        lanes = dot_u5_s8_bc(wr, o + 6, _qh(wr, o + 2), xr, xo, 16, xlr, b * 8)
     else:                          # Q5_1: unsigned 5-bit values
         o = b * 24
         lanes = dot_u5_s8(wr, o + 8, _qh(wr, o + 4), xr, xo, 0, xlr, 0)
