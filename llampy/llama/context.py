@@ -195,6 +195,19 @@ class Context:
         self.sched.alloc_graph(self._graph(n_tokens, n_outputs, n_kv).graph)
         return True
 
+    def kept_shapes(self) -> list:
+        """The keys of the graphs this context keeps (for ``place``), least recently used first."""
+        return list(self._graphs)
+
+    def place(self, key) -> None:
+        """Put the kept graph of ``key`` (if still kept) in its allocators' buffers as they are now. A graph placed
+        before another one made a buffer grow is moved, and its plans bound again, at its next use; a caller with
+        idle time calls this for every kept graph after reserving, so that no decode step pays for it (a server's
+        decode shapes, reserved before the larger padded shapes, each took 30-100 ms at its first step)."""
+        gc = self._graphs.get(key)
+        if gc is not None:
+            self.sched.alloc_graph(gc.graph)
+
     def pad_shapes(self, max_outputs: int) -> list:
         """The (tokens, outputs) shapes padded micro-batches of up to ``max_outputs`` outputs take, less decode steps'
         (n, n): for a caller to reserve while idle; none when this context does not pad (or has no graph yet)."""

@@ -212,6 +212,9 @@ class Engine:
             top = min(n_parallel * (1 + spec_cap), n_ubatch, PAD_BELOW - 1)
             self._to_reserve += [(k, k) for k in range(n_parallel + 1, top + 1)]
         self._pad_shapes_due = n_parallel >= PROMPT_SLOTS_PER_STEP
+        # then every kept graph placed again (Context.place): those reserved before a later one made a buffer grow
+        # move now, while idle, not at their first step
+        self._to_place: list | None = None
         self.inbox: "queue.Queue" = queue.Queue()   # Requests, and jobs (callables) to run on this thread
         self.waiting: list[Request] = []
         self.metrics = {"requests_total": 0, "requests_finished": 0, "requests_cancelled": 0,
@@ -393,7 +396,8 @@ class Engine:
 
     def graphs_pending(self) -> int:
         """Graphs the engine still means to build while idle (at least 1 until it knows them all)."""
-        return len(self._to_reserve) + int(self._pad_shapes_due)
+        placing = 1 if self._to_place is None else len(self._to_place)
+        return len(self._to_reserve) + int(self._pad_shapes_due) + placing
 
     def queue_depth(self) -> int:
         return self.inbox.qsize() + len(self.waiting)
@@ -443,11 +447,16 @@ class Engine:
                         if not self._to_reserve and self._pad_shapes_due:
                             self._pad_shapes_due = False
                             self._to_reserve = self.ctx.pad_shapes(self.n_parallel)
+                        if not self._to_reserve and self._to_place is None:
+                            self._to_place = self.ctx.kept_shapes()
+                    item = self.inbox.get_nowait()
+                elif idle and self._to_place:
+                    self.ctx.place(self._to_place.pop())
                     item = self.inbox.get_nowait()
                 else:
                     item = self.inbox.get(timeout=0.05) if idle else self.inbox.get_nowait()
             except queue.Empty:
-                if idle and self._to_reserve:
+                if idle and (self._to_reserve or self._to_place):
                     continue
                 break
             idle = False

@@ -242,3 +242,23 @@ def test_padded_prompt_pieces_of_repacked_formats_keep_their_bits(tmp_path, ftyp
     padded, c1 = run_steps(m, True, 256)
     assert {k[:2] for k in c1._graphs} == PADDED_SHAPES     # the padded shapes ran
     assert_same_bits(plain, padded)
+
+
+def test_place_moves_a_graph_placed_before_a_buffer_grew(model):
+    """A graph reserved before a larger one made the compute buffer grow points into the old buffer (its first
+    decode would move it and bind its plans again); Context.place moves it ahead of use, and it decodes as before."""
+    ctx = Context(model, n_ctx=64, n_seq_max=2, kv_pad=16, kv_pad_decode=64)
+    ctx.reserve(1, 1)
+    small = ctx.kept_shapes()[-1]
+    ctx.reserve(32, 32)
+
+    def stale():
+        p = ctx.sched._plans[id(ctx._graphs[small].graph)][1]
+        return any(al.buffer is not b for al, b in zip(p.allocators, p.buffers))
+    assert stale()
+    ctx.place(small)
+    assert not stale()
+    ref = Context(model, n_ctx=64, n_seq_max=2, kv_pad=16, kv_pad_decode=64)
+    for c in (ctx, ref):
+        c.decode(Batch.from_tokens([TOKS[0]]))
+    assert ctx.n_graph_builds == 2 and np.array_equal(ctx.get_logits(), ref.get_logits())

@@ -121,10 +121,13 @@ def test_engine_builds_decode_graphs_while_idle(llama_server):
     eng = Engine(llama_server.model, n_parallel=3, n_ctx=384)
     try:
         t0 = time.time()
-        while eng._to_reserve and time.time() - t0 < 60:
+        while eng.graphs_pending() and time.time() - t0 < 60:
             time.sleep(0.05)
         shapes = {key[:3] for key in eng.ctx._graphs}       # (n_tokens, n_outputs, n_kv[, the memory's part])
         assert {(k, k, 384) for k in (1, 2, 3)} <= shapes and (eng.ctx.n_ubatch, 3, 256) in shapes
+        # and every graph sits in its allocators' buffers as they are now: none moves at its first step
+        plans = [eng.ctx.sched._plans[id(gc.graph)][1] for gc in eng.ctx._graphs.values()]
+        assert all(al.buffer is p.buffers[k] for p in plans for k, al in enumerate(p.allocators))
     finally:
         eng.stop()
 
