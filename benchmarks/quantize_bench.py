@@ -2,7 +2,7 @@
 the two outputs are byte-identical.
 
     python benchmarks/quantize_bench.py [--threads 2] [--types Q4_0,Q8_0,Q4_K_M,Q6_K] [--layers 4] [--vocab 32000]
-                                        [--src smollm2|1b|FILE] [--imatrix] [--dir DIR]
+                                        [--src smollm2|1b|FILE] [--imatrix] [--dir DIR] [--repeat N]
 
 The input: by default a random-weight F16 llama of TinyLlama's layer shapes (n_embd 2048, n_ff 5632, 16 heads, 4 KV
 heads) with ``--layers`` layers and a ``--vocab``-token vocabulary, written once with llampy's writer (``--layers 4
@@ -26,7 +26,9 @@ each tool runs once per type, the input already in the page cache and the dirty 
 each run. llampy's .pyc files are brought up to date first (``compileall``, as installing the package does; with
 PYTHONDONTWRITEBYTECODE set, a module edited since its last .pyc would compile from source at every start: ~0.25 s
 for llama/quant.py). Wall time is the whole command's (start-up included); CPU is its user + system time, which a
-loaded machine disturbs less than wall time.
+loaded machine disturbs less than wall time. ``--repeat N``: each tool runs N times per type (taking turns); the
+table gives each tool's fastest wall and least CPU of the N (a run of about a second moves by a quarter between
+runs on a quiet machine), and the outputs of every run are compared.
 """
 from __future__ import annotations
 
@@ -92,6 +94,7 @@ def main() -> int:
                     help="'smollm2', '1b' or an F32/F16/BF16 GGUF instead of the random llama")
     ap.add_argument("--imatrix", action="store_true", help="a random importance matrix for both tools")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "llampy-quant-bench"))
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each tool per type (the best of them shown)")
     a = ap.parse_args()
     import numpy as np
     from tests import llamacpp
@@ -136,24 +139,32 @@ def main() -> int:
     with open(src, "rb") as f:          # the input in the page cache before the first timed run
         while f.read(1 << 24):
             pass
-    print(f"{what}, {a.threads} threads{', random imatrix' if a.imatrix else ''}\n")
+    print(f"{what}, {a.threads} threads{', random imatrix' if a.imatrix else ''}"
+          f"{f', best of {a.repeat} runs' if a.repeat > 1 else ''}\n")
     print("| type | llama-quantize wall (s) | llampy wall (s) | wall ratio | llama-quantize CPU (s) | llampy CPU (s) "
           "| CPU ratio | identical |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for t in types:
         ref, ours = d / f"ref-{t}.gguf", d / f"ours-{t}.gguf"
-        # the page cache's dirty pages written back before each run: a file of gigabytes (the 1B shape) is still
-        # being written out when the next command starts, and would slow whichever tool runs second
-        os.sync()
-        r1, w1, c1 = _timed([tool, *opts, str(src), str(ref), t, str(a.threads)])
-        os.sync()
-        r2, w2, c2 = _timed(py + [*opts, str(src), str(ours), t, str(a.threads)])
+        w1 = w2 = c1 = c2 = float("inf")
+        same = True
+        for _ in range(max(1, a.repeat)):
+            # the page cache's dirty pages written back before each run: a file of gigabytes (the 1B shape) is
+            # still being written out when the next command starts, and would slow whichever tool runs second
+            os.sync()
+            r1, w, c = _timed([tool, *opts, str(src), str(ref), t, str(a.threads)])
+            w1, c1 = min(w1, w), min(c1, c)
+            os.sync()
+            r2, w, c = _timed(py + [*opts, str(src), str(ours), t, str(a.threads)])
+            w2, c2 = min(w2, w), min(c2, c)
+            if r1.returncode or r2.returncode:
+                break
+            same = same and filecmp.cmp(ref, ours, shallow=False)  # block by block: the files can be gigabytes
         if r1.returncode or r2.returncode:
             why = (r1.stderr if r1.returncode else r2.stderr).strip().splitlines()[-1:]
             print(f"| {t} | {'failed' if r1.returncode else f'{w1:.2f}'} | "
                   f"{'failed' if r2.returncode else f'{w2:.2f}'} | | | | | {why[0] if why else ''} |", flush=True)
         else:
-            same = filecmp.cmp(ref, ours, shallow=False)        # block by block: the files can be gigabytes
             print(f"| {t} | {w1:.2f} | {w2:.2f} | {w2 / w1:.2f} | {c1:.2f} | {c2:.2f} | {c2 / max(c1, 1e-3):.2f} "
                   f"| {'yes' if same else 'NO'} |", flush=True)
         ref.unlink(missing_ok=True)
