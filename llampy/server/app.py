@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: routes over one model and the continuous-batching engine (slots.py).
 
 Request handlers only validate, tokenize and wait: all model work happens on the engine thread. Events come back
-through ``Handoff`` (a step's events in one ``loop.call_soon_threadsafe``) into one asyncio queue per request."""
+through ``Handoff`` (a step's events in one ``loop.call_soon_threadsafe``) into one ``ops.Inbox`` per request."""
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +28,7 @@ from . import limits, media, oai
 from .oai import (APIError, check_fields, check_messages, include_usage, new_id, now, openapi_body, sampling_params,
                   usage)
 from .fields import request_options
-from .ops import Cors, Draining, llamacpp_metrics, log_request, next_event
+from .ops import Cors, Draining, Inbox, llamacpp_metrics, log_request, next_event
 from .render import RenderBudgetError, TemplateRenderer
 from .slots import Engine, Event, Request, ShuttingDown
 from .completions import MAX_CHOICES
@@ -455,9 +455,9 @@ class Handoff:
             q.put_nowait(item)
 
 
-def submit(server: Server, req: Request) -> asyncio.Queue:
-    """Hand the request to the engine; its events arrive on the returned queue, in this event loop."""
-    q: asyncio.Queue = asyncio.Queue()
+def submit(server: Server, req: Request) -> Inbox:
+    """Hand the request to the engine; its events arrive on the returned inbox, in this event loop."""
+    q = Inbox()
     h = Handoff.of(asyncio.get_running_loop())
     req.emit = lambda ev: h.put(q, ev)
     try:
@@ -469,7 +469,7 @@ def submit(server: Server, req: Request) -> asyncio.Queue:
     return q
 
 
-async def events(req: Request, q: asyncio.Queue, http: HTTPRequest):
+async def events(req: Request, q: Inbox, http: HTTPRequest):
     """The engine's events for one request. If the client goes away (or the response is cancelled), the request is
     cancelled and its slot freed at the engine's next step."""
     done, last = False, None
@@ -491,6 +491,7 @@ async def events(req: Request, q: asyncio.Queue, http: HTTPRequest):
             if done:
                 return
     finally:
+        q.close()
         if not done:
             req.cancel()
         log_request(http.url.path, req, last, 499 if last is None else (last.status if last.error else 200))
@@ -498,6 +499,37 @@ async def events(req: Request, q: asyncio.Queue, http: HTTPRequest):
 
 def sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+_json_str = json.encoder.encode_basestring      # what json.dumps(a str, ensure_ascii=False) writes
+
+
+def _json_finish(reason: str | None) -> str:
+    return "null" if reason is None else _json_str(reason)
+
+
+class Chunks:
+    """A stream's common chunks written from a template: the fixed head of every chunk (id, object, created, model,
+    system_fingerprint) is encoded once, and a token's chunk, one choice with its index, text and finish reason,
+    is the head and a few formatted fields, the same bytes as ``sse({**head, "choices": [...]})``, without a dict
+    built and walked by the JSON encoder for every token of every stream."""
+
+    def __init__(self, head: dict):
+        s = json.dumps({**head, "choices": None}, ensure_ascii=False)
+        assert s.endswith(', "choices": null}')
+        self.head = head
+        self.prefix = "data: " + s[:-len("null}")]
+
+    def text(self, index: int, text: str, finish: str | None) -> bytes:
+        """A text completion's choice (logprobs null)."""
+        return (f'{self.prefix}[{{"index": {index:d}, "text": {_json_str(text)}, "logprobs": null, '
+                f'"finish_reason": {_json_finish(finish)}}}]}}\n\n').encode()
+
+    def delta(self, index: int, content: str | None, finish: str | None) -> bytes:
+        """A chat choice whose delta is {"content": content}, or {} for None (logprobs null)."""
+        d = "{}" if content is None else f'{{"content": {_json_str(content)}}}'
+        return (f'{self.prefix}[{{"index": {index:d}, "delta": {d}, "logprobs": null, '
+                f'"finish_reason": {_json_finish(finish)}}}]}}\n\n').encode()
 
 
 def error_event(ev: Event) -> dict:
@@ -566,13 +598,14 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
         req.keep_tokens = tp.keep_tokens      # the format's markers stay in the text, or it cannot be parsed
         q = submit(server, req)
         cid, created = new_id("chatcmpl"), now()
+        chunks = Chunks({"id": cid, "object": "chat.completion.chunk", "created": created, "model": server.model_id,
+                         "system_fingerprint": "llampy"})
 
         def lp_entry(ev: Event) -> dict:
             return oai.chat_logprob(server.piece(ev.token), ev.logprob, [(server.piece(i), l) for i, l in ev.top])
 
         def chunk(choices, **extra) -> dict:
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": server.model_id,
-                    "system_fingerprint": "llampy", "choices": choices, **extra}
+            return {**chunks.head, "choices": choices, **extra}
 
         if stream and tp.format != "none":
             async def gen_tools():
@@ -606,9 +639,10 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
                                   "finish_reason": None}]))
                 sp = think
                 n_gen = 0
+                out = []        # chunks not yet written: the events already waiting go out in one write
                 async for ev in events(req, q, http):
                     if ev.error:
-                        yield sse(error_event(ev))
+                        out.append(sse(error_event(ev)))
                         break
                     n_gen += ev.token is not None
                     delta = {"content": ev.text} if ev.text else {}
@@ -624,11 +658,18 @@ def create_app(server: Server, api_key: str | None = None, cors: dict | None = N
                         if opts["timings_per_token"]:     # llama-server's timings, in every chunk
                             from .native import live_timings
                             extra["timings"] = live_timings(req, n_gen)
-                        yield sse(chunk([{"index": 0, "delta": delta, "logprobs": lp,
-                                          "finish_reason": ev.finish_reason}], **extra))
+                        if lp is None and not extra and delta.keys() <= {"content"}:
+                            out.append(chunks.delta(0, delta.get("content"), ev.finish_reason))
+                        else:
+                            out.append(sse(chunk([{"index": 0, "delta": delta, "logprobs": lp,
+                                                   "finish_reason": ev.finish_reason}], **extra)))
                     if ev.finish_reason is not None and with_usage:
-                        yield sse(chunk([], usage=usage(ev.n_prompt, ev.n_gen, ev.n_cached)))
-                yield b"data: [DONE]\n\n"
+                        out.append(sse(chunk([], usage=usage(ev.n_prompt, ev.n_gen, ev.n_cached))))
+                    if out and ev.finish_reason is None and q.empty():
+                        yield b"".join(out)
+                        out.clear()
+                out.append(b"data: [DONE]\n\n")
+                yield b"".join(out)
             return StreamingResponse(gen(), media_type="text/event-stream", headers=SSE_HEADERS)
 
         text, lps, last = "", [], None

@@ -13,7 +13,7 @@ from . import limits, oai
 from .fields import request_options
 from .native import format_infill, infill_batch
 from .oai import APIError, check_fields, include_usage, new_id, now, openapi_body, sampling_params, usage
-from .ops import log_request, next_event
+from .ops import Inbox, log_request, next_event
 
 MAX_CHOICES = 64           # prompts x n of one request
 
@@ -37,7 +37,7 @@ def split_prompts(prompt, n_vocab: int) -> list:
 
 
 def add_completion_routes(app, server) -> None:
-    from .app import SSE_HEADERS, error_event, read_json, sse
+    from .app import SSE_HEADERS, Chunks, error_event, read_json, sse
 
     @app.post("/v1/completions", openapi_extra=openapi_body("completion"))
     async def completions(http: HTTPRequest):
@@ -92,6 +92,8 @@ def add_completion_routes(app, server) -> None:
                 reqs.append(r)
         q = submit_all(server, reqs)
         cid, created = new_id("cmpl"), now()
+        chunks = Chunks({"id": cid, "object": "text_completion", "created": created, "model": server.model_id,
+                         "system_fingerprint": "llampy"})
 
         def lp_obj(entries, offset0=0):
             """entries: [(token, logprob or None, top [(id, logprob)] or None)]"""
@@ -103,8 +105,7 @@ def add_completion_routes(app, server) -> None:
             return [(t, lp, None if lp is None else top) for t, lp, top in ev.prompt_logprobs]
 
         def chunk(choices, **extra) -> dict:
-            return {"id": cid, "object": "text_completion", "created": created, "model": server.model_id,
-                    "system_fingerprint": "llampy", "choices": choices, **extra}
+            return {**chunks.head, "choices": choices, **extra}
 
         def total_usage(lasts):
             n_prompt = sum(len(t) for t in toks)
@@ -116,31 +117,42 @@ def add_completion_routes(app, server) -> None:
                 offsets = [0] * len(reqs)
                 lasts = [None] * len(reqs)
                 echoed = [not echo] * len(reqs)
+                out = []        # chunks not yet written: the events already waiting go out in one write
+                n_open = len(reqs)
                 async for k, ev in merged(reqs, q, http):
                     if ev.error:
-                        yield sse(error_event(ev))
+                        out.append(sse(error_event(ev)))
                         break
                     if not echoed[k]:       # echo: the prompt first (with its log-probs, when asked)
                         echoed[k] = True
                         lp = lp_obj(prompt_entries(ev)) if ev.prompt_logprobs is not None else None
-                        yield sse(chunk([{"index": k, "text": shown[k // n], "logprobs": lp,
-                                          "finish_reason": None}]))
+                        out.append(sse(chunk([{"index": k, "text": shown[k // n], "logprobs": lp,
+                                               "finish_reason": None}])))
                         if ev.prompt_logprobs is not None:
                             offsets[k] = sum(len(server.text(t)) for t, _, _ in ev.prompt_logprobs)
+                            if q.empty():
+                                yield b"".join(out)
+                                out.clear()
                             continue
                     if ev.finish_reason is not None:
                         lasts[k] = ev
+                        n_open -= 1
                     if ev.text or ev.finish_reason or (want_lp and ev.token is not None):
-                        lp = None
                         if want_lp and ev.token is not None:
                             lp = lp_obj([(ev.token, ev.logprob, ev.top)], offsets[k])
                             offsets[k] += len(server.text(ev.token))
-                        yield sse(chunk([{"index": k, "text": ev.text, "logprobs": lp,
-                                          "finish_reason": ev.finish_reason}]))
+                            out.append(sse(chunk([{"index": k, "text": ev.text, "logprobs": lp,
+                                                   "finish_reason": ev.finish_reason}])))
+                        else:
+                            out.append(chunks.text(k, ev.text, ev.finish_reason))
+                    if out and n_open and q.empty():
+                        yield b"".join(out)
+                        out.clear()
                 else:
                     if with_usage:
-                        yield sse(chunk([], usage=total_usage(lasts)))
-                yield b"data: [DONE]\n\n"
+                        out.append(sse(chunk([], usage=total_usage(lasts))))
+                out.append(b"data: [DONE]\n\n")
+                yield b"".join(out)
             return StreamingResponse(gen(), media_type="text/event-stream", headers=SSE_HEADERS)
 
         texts = [""] * len(reqs)
@@ -166,12 +178,12 @@ def add_completion_routes(app, server) -> None:
                      usage=total_usage(lasts))
 
 
-def submit_all(server, reqs: list) -> asyncio.Queue:
-    """Hand every request to the engine; their events arrive on one queue as (index, event)."""
+def submit_all(server, reqs: list) -> Inbox:
+    """Hand every request to the engine; their events arrive on one inbox as (index, event)."""
     from .app import Handoff
     from .slots import ShuttingDown
     h = Handoff.of(asyncio.get_running_loop())
-    q: asyncio.Queue = asyncio.Queue()
+    q = Inbox()
     for k, r in enumerate(reqs):
         r.emit = (lambda k: lambda ev: h.put(q, (k, ev)))(k)
         try:
@@ -185,7 +197,7 @@ def submit_all(server, reqs: list) -> asyncio.Queue:
     return q
 
 
-async def merged(reqs: list, q: asyncio.Queue, http: HTTPRequest):
+async def merged(reqs: list, q: Inbox, http: HTTPRequest):
     """(index, event) of several requests until each has finished. If the client goes away (or the response is
     cancelled), the unfinished ones are cancelled; each request gets its log line."""
     lasts = [None] * len(reqs)
@@ -203,6 +215,7 @@ async def merged(reqs: list, q: asyncio.Queue, http: HTTPRequest):
             if ev.error:
                 return
     finally:
+        q.close()
         for r, last in zip(reqs, lasts):
             if last is None:
                 r.cancel()

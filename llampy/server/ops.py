@@ -8,16 +8,72 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from urllib.parse import urlsplit
 
 log = logging.getLogger("llampy.server")
 
 
-async def next_event(q: asyncio.Queue, timeout: float):
-    """The next item of a request's event queue, or None after ``timeout`` seconds without one: taken at once when
-    one waits, else awaited under asyncio.timeout (asyncio.wait_for made a task per event, a stream's every token)."""
+class Inbox:
+    """One request's events, put by the event loop (Handoff delivers a step's events here) and awaited by the
+    request's handler. Lighter than an asyncio.Queue: a deque and at most one waiting future. While the handler
+    waits, one timer is armed for the wake-up ``next`` promises after ``timeout`` seconds without an event, and it
+    is left armed while events flow (rather than a timeout set and cancelled around every event, a stream's every
+    token): a wake-up then comes early, which the handlers take as a "nothing yet" (they check the client)."""
+
+    __slots__ = ("items", "waiter", "timer")
+
+    def __init__(self):
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def get_nowait(self):
+        return self.items.popleft()
+
+    def _wake(self) -> None:
+        self.timer = None
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next(self, timeout: float):
+        """The next event, or None after at most ``timeout`` seconds without one (see the class)."""
+        if self.items:
+            return self.items.popleft()
+        loop = asyncio.get_running_loop()
+        self.waiter = w = loop.create_future()
+        if self.timer is None:
+            self.timer = loop.call_later(timeout, self._wake)
+        try:
+            await w
+        finally:
+            self.waiter = None
+        return self.items.popleft() if self.items else None
+
+    def close(self) -> None:
+        """Disarm the timer (the request is over: nobody waits)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+async def next_event(q, timeout: float):
+    """The next item of a request's event queue (an Inbox, or an asyncio.Queue), or None after ``timeout`` seconds
+    without one: taken at once when one waits, else awaited (an asyncio.Queue under asyncio.timeout)."""
     if not q.empty():
         return q.get_nowait()
+    if isinstance(q, Inbox):
+        return await q.next(timeout)
     try:
         async with asyncio.timeout(timeout):
             return await q.get()
@@ -85,8 +141,11 @@ class Cors:
             await send({"type": "http.response.body", "body": b""})
             return
 
+        if not extra:       # nothing to add: the response's messages (a stream's every chunk) go straight through
+            return await self.app(scope, receive, send)
+
         async def send_with_cors(msg):
-            if msg["type"] == "http.response.start" and extra:
+            if msg["type"] == "http.response.start":
                 msg = {**msg, "headers": list(msg.get("headers", [])) + extra}
             await send(msg)
         await self.app(scope, receive, send_with_cors)

@@ -181,3 +181,46 @@ def test_serve_shutdown_threads_progress_and_prompt_cache(tmp_path):
     logged = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
     assert any(x["msg"] == "request" and x["status"] == 503 for x in logged)
     assert any(x["msg"].startswith("shutdown") for x in logged)
+
+
+def test_stream_chunk_template_writes_the_json_encoders_bytes():
+    """A token's chunk from the stream's template (app.Chunks) is, byte for byte, the chunk object through
+    json.dumps (app.sse): escapes, non-ASCII text, finish reasons, a completion's text and a chat's delta."""
+    from llampy.server.app import Chunks, sse
+    texts = ["", "a", " Paris", 'q"uo\\te/', "é中😀", "\n\t\r\x00\x1f\x7f", "\u2028\u2029", "\ufffd", "{}[],: "]
+    for model in ("default", 'SmolLM2 "135M" é'):
+        head = {"id": "cmpl-x1", "object": "text_completion", "created": 1764000000, "model": model,
+                "system_fingerprint": "llampy"}
+        c = Chunks(head)
+        for t in texts:
+            for fin in (None, "stop", "length"):
+                for k in (0, 7, 63):
+                    assert c.text(k, t, fin) == sse({**head, "choices": [{"index": k, "text": t, "logprobs": None,
+                                                                          "finish_reason": fin}]})
+                    for d in ({"content": t}, {}):
+                        got = c.delta(k, d.get("content"), fin)
+                        assert got == sse({**head, "choices": [{"index": k, "delta": d, "logprobs": None,
+                                                                "finish_reason": fin}]})
+
+
+def test_inbox_hands_events_over_in_order_and_wakes_a_waiter():
+    """ops.Inbox: events in order, taken at once when waiting; a waiting handler is woken by a put, or with None
+    once the timeout has passed without one; close disarms the timer."""
+    import asyncio
+    from llampy.server.ops import Inbox, next_event
+
+    async def run():
+        q = Inbox()
+        q.put_nowait(1)
+        q.put_nowait(2)
+        assert [await next_event(q, 1.0), await next_event(q, 1.0)] == [1, 2] and q.empty()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, q.put_nowait, 3)
+        t0 = loop.time()
+        assert await next_event(q, 5.0) == 3 and loop.time() - t0 < 2.0
+        q.close()
+        t0 = loop.time()
+        assert await next_event(q, 0.05) is None and loop.time() - t0 >= 0.04
+        q.close()
+        assert q.timer is None and q.waiter is None
+    asyncio.run(run())
