@@ -133,8 +133,12 @@ def cmd_quantize(args) -> int:
           + ("" if params.dry_run else f" to '{fout}'") + f" as {fname} using {params.nthread} threads",
           file=sys.stderr)
     try:
+        def progress(i, n, name):
+            if i == 1:
+                tuning.resume_start_up_gc()
+            bar.update(i, n, name)
         res = quantize_model(fin, fout, params, log=(lambda s: print(s, file=sys.stderr)) if verbose else None,
-                             progress=bar.update, ready=tuning.resume_start_up_gc)
+                             progress=progress)
     except (QuantizeError, NotImplementedError) as e:
         bar.close()
         print(f"llampy: error: failed to quantize: {e}", file=sys.stderr)

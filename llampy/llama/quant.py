@@ -572,67 +572,19 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
     return out
 
 
-def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None, ready=None) -> QuantizeResult:
+def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) -> QuantizeResult:
     """llama_model_quantize: ``inp`` a GGUF path, ``out`` the path written (nothing with ``dry_run``). ``log(line)``
-    gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor; ``ready()`` once, in the
-    calling thread, when the start-up is over: a tensor written and the kernels the file needs loaded."""
+    gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor."""
     from ..gguf.reader import GGUFReader
     t0 = time.perf_counter()
     r = GGUFReader(inp, decode_string_arrays=False)     # the vocabulary is copied as bytes
     try:
-        return _quantize(r, out, params, log or (lambda s: None), progress, t0, ready)
+        return _quantize(r, out, params, log or (lambda s: None), progress, t0)
     finally:
         r.close()
 
 
-class _KernelLoader(threading.Thread):
-    """Imports Numba and loads the kernels a file's conversions call (each type's, on a row of a tensor that goes
-    to it, so that the argument types are the run's), in a thread of its own: the calling thread meanwhile writes
-    the header and converts the tensors that NumPy can (``quants_np``: the same bytes), up to the first that needs a
-    kernel. The import (~0.25 s of CPU) and the kernels' cache loads otherwise held up every tensor on one thread;
-    NumPy's calls release the GIL for their work, so both proceed. ``wait()`` joins it and raises what it raised."""
-
-    def __init__(self, samples):
-        super().__init__(name="llampy-quantize-kernels", daemon=True)
-        self.samples = samples          # (tensor info, row length, its first row's bytes, type, importance or None)
-        self.error = None
-
-    def run(self):
-        try:
-            import numba
-            numba.set_num_threads(1)    # as the pool's threads run them (this thread's setting only)
-            for ti, ne0, raw, t, im in self.samples:
-                quantize_rows(_tensor_rows(ti, ne0, raw), t, im)
-        except BaseException as e:     # raised in the caller by wait()
-            self.error = e
-
-    def wait(self) -> None:
-        self.join()
-        if self.error is not None:
-            raise self.error
-
-
-def _numpy_converts(ti, new_type, im) -> bool:
-    """Whether quants_np converts this tensor, without an importance matrix, to the bytes the kernels write."""
-    from ..ggml.quants_np import NUMPY_TYPES
-    return new_type in NUMPY_TYPES and ti.type in (T.F32, T.F16, T.BF16) and im is None
-
-
-def _kernel_loader(jobs) -> _KernelLoader:
-    """A _KernelLoader for the conversions of these jobs."""
-    todo = [j for j in jobs if j[3] != j[1].type]
-    samples, seen = [], set()
-    for name, ti, ne, new_type, nbytes, im in todo:
-        key = (new_type, ti.type, im is not None)
-        if key in seen:
-            continue
-        seen.add(key)
-        row = ti.nbytes // max(1, ti.n_elements // ne[0])
-        samples.append((ti, ne[0], ti.data[:row], new_type, None if im is None else im[0]))
-    return _KernelLoader(samples)
-
-
-def _quantize(r, out, params: QuantizeParams, log, progress, t0, ready=None) -> QuantizeResult:
+def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResult:
     from ..ggml.quants_np import NUMPY_TYPES
     from ..gguf.writer import FileRange, GGUFWriter
     ftype = params.ftype
@@ -715,14 +667,12 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0, ready=None) -> 
             log(line(i, name, ti, ne, new_type, nbytes))
             if progress:
                 progress(i + 1, len(plan), name)
-            if ready is not None:
-                ready()
-                ready = None
     else:
         kernels = _needs_kernels(jobs, nthread)
-        loader = _kernel_loader(jobs) if kernels else None
-        if loader is not None:
-            loader.start()
+        if kernels:
+            # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
+            import numba
+            numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
         pool = None
         if nthread > 1 and any(j[3] != j[1].type for j in jobs):
             # imported here: concurrent.futures (logging, queue...) is ~8 ms of a COPY or F16 run's ~0.3 s
@@ -733,44 +683,15 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0, ready=None) -> 
         sizes = [j[4] for j in jobs if j[3] != j[1].type]
         scratch = np.empty(max(sizes, default=0), np.uint8)
 
-        state = {"loader": loader, "ready": ready}
-
-        def kernels_loaded():
-            state["loader"].wait()
-            state["loader"] = None
-            # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
-            import numba
-            numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
-
         def make(i):
             name, ti, ne, new_type, nbytes, im = jobs[i]
             if new_type == ti.type:
                 data = FileRange(r.fileno(), ti.offset, ti.nbytes)     # copied by the kernel
             else:
-                ld = state["loader"]
-                if ld is not None and ld.is_alive() and _numpy_converts(ti, new_type, im):
-                    # NumPy on this thread while the kernels load (the loader has the other core), chunk by chunk
-                    # until they are loaded; the kernels and the pool convert the rest of the rows
-                    x = _tensor_rows(ti, ne[0], ti.data)
-                    o = scratch[:nbytes].reshape(len(x), -1)
-                    a, step = 0, max(1, (1 << 18) // ne[0])
-                    while a < len(x) and ld.is_alive():
-                        quantize_rows(x[a:a + step], new_type, None, out=o[a:a + step], kernels=False)
-                        a += step
-                    if a < len(x):
-                        kernels_loaded()
-                        quantize_rows(x[a:], new_type, None, pool, out=o[a:])
-                    data = o.reshape(-1)
-                else:
-                    if ld is not None:
-                        kernels_loaded()
-                    data = _quantize_tensor(ti, ne, new_type, im, pool, scratch[:nbytes], kernels)
+                data = _quantize_tensor(ti, ne, new_type, im, pool, scratch[:nbytes], kernels)
             log(line(i, name, ti, ne, new_type, nbytes))
             if progress:
                 progress(i + 1, len(plan), name)
-            if state["ready"] is not None and state["loader"] is None:
-                state["ready"]()
-                state["ready"] = None
             return data
 
         for i, (name, ti, ne, new_type, _, _) in enumerate(jobs):
@@ -783,21 +704,21 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0, ready=None) -> 
                 os.remove(out)          # no half-written file left behind
             raise
         finally:
-            if state["loader"] is not None:
-                state["loader"].join()  # (a file of copies only after the tensors NumPy converted)
             if pool:
                 pool.shutdown()
-        if state["ready"] is not None:
-            state["ready"]()
     for msg in qs.warnings:
         log("warning: " + msg)
     return QuantizeResult(types, size_org, size_new, n_el, qs.n_fallback, time.perf_counter() - t0)
 
 
 def _kernel_support(t: GGMLType) -> tuple[bool, bool]:
-    """(the kernels quantize ``t``, ``t`` needs an importance matrix), without importing them (Numba)."""
-    from ..ggml.quants_np import KERNEL_NEEDS_IMATRIX, KERNEL_TYPES
-    return t in KERNEL_TYPES, t in KERNEL_NEEDS_IMATRIX
+    """(the kernels quantize ``t``, ``t`` needs an importance matrix): importing them loads Numba; the grid searches'
+    module only for the types the others do not quantize."""
+    from ..ggml.quants import QUANTIZE_TYPES
+    if t in QUANTIZE_TYPES or t == T.F32:
+        return True, False
+    from ..ggml.quants_iq_search import REQUIRES_IMATRIX, SEARCH_TYPES
+    return t in SEARCH_TYPES, t in REQUIRES_IMATRIX
 
 
 # Numba's import, its first cached kernel and the file's further kernels cost ~0.4 s of CPU before the first tensor;
@@ -842,19 +763,14 @@ def _imatrix_for(params, name, ne, new_type, ftype):
     return np.asarray(v, np.float32).reshape(n_expert, ne[0])
 
 
-def _tensor_rows(ti, ne0: int, raw: np.ndarray) -> np.ndarray:
-    """``raw`` (a tensor's bytes, or its first rows') as quantize_rows takes them: F16 rows as they are (converted
-    chunk by chunk there), others as float32."""
-    return raw.view("<u2").reshape(-1, ne0) if ti.type == T.F16 else _rows_to_f32(raw, T(ti.type), ne0)
-
-
 def _quantize_tensor(ti, ne, new_type, im, pool, out: np.ndarray, kernels: bool = True) -> np.ndarray:
     ne0 = ne[0]
     n_expert = 1
     for x in ne[2:]:
         n_expert *= x
     rows_per_expert = ne[1] if len(ne) > 1 else 1
-    x = _tensor_rows(ti, ne0, ti.data)
+    # F16 rows go to quantize_rows as they are (converted chunk by chunk there)
+    x = ti.data.view("<u2").reshape(-1, ne0) if ti.type == T.F16 else _rows_to_f32(ti.data, T(ti.type), ne0)
     if im is None or not kernels:           # no kernels: no tensor has a matrix ggml would use (_needs_kernels)
         return quantize_rows(x, new_type, None, pool, out=out, kernels=kernels).reshape(-1)
     per = out.nbytes // n_expert

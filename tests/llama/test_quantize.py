@@ -344,48 +344,6 @@ def test_plain_types_without_numba(tmp_path, monkeypatch):
         assert ours.read_bytes() == (tmp_path / "kernels.gguf").read_bytes(), opts
 
 
-def test_numpy_converts_while_the_kernels_load(tool, tmp_path, monkeypatch):
-    """Where the kernels run the file, they load in a thread of their own while NumPy converts the first tensors'
-    rows (here two chunks of output.weight, the loader held back until then); the kernels convert the rest of that
-    tensor and the tensors after it. The bytes are llama-quantize's."""
-    import threading
-    from llampy.ggml import quants_np
-    from llampy.llama import quant
-    src, ref, ours = tmp_path / "f16.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
-    write_random_llama(src, n_layer=1, n_vocab=8192, dtype=np.float16, seed=5)     # output.weight: 8 chunks
-    monkeypatch.setattr(quant, "_NUMPY_UNITS_PER_THREAD", 0)
-    go, loaded, rows = threading.Event(), threading.Event(), []
-    run, numpy_rows = quant._KernelLoader.run, quants_np.quantize_rows
-
-    def held_run(self):
-        go.wait(60)
-        run(self)
-        loaded.set()
-
-    def counted(x, t, out):
-        numpy_rows(x, t, out)
-        rows.append(len(x))
-        if sum(rows) == 2048:
-            go.set()
-            loaded.wait(60)
-    monkeypatch.setattr(quant._KernelLoader, "run", held_run)
-    monkeypatch.setattr(quants_np, "quantize_rows", counted)
-    _reference(tool, ["--pure", str(src), str(ref), "Q4_0", "2"])
-    _ours(["--pure", str(src), str(ours), "Q4_0", "2"])
-    assert 2 * 1024 <= sum(rows) < 8192, rows
-    assert ours.read_bytes() == ref.read_bytes()
-
-
-def test_kernel_types_named_without_numba():
-    """quants_np's names for what the kernels quantize (read when a file is planned, before Numba loads) are
-    those of the kernel modules."""
-    from llampy.ggml.quants import QUANTIZE_TYPES
-    from llampy.ggml.quants_iq_search import REQUIRES_IMATRIX, SEARCH_TYPES
-    from llampy.ggml.quants_np import KERNEL_NEEDS_IMATRIX, KERNEL_TYPES
-    assert KERNEL_TYPES == QUANTIZE_TYPES | SEARCH_TYPES | {T.F32}
-    assert KERNEL_NEEDS_IMATRIX == REQUIRES_IMATRIX
-
-
 def test_imatrix_types_need_the_kernels():
     """An importance matrix sends Q4_0/Q4_1/Q5_0/Q5_1 to the kernels (ggml weighs their search by it; the NumPy
     rows are the unweighted reference), while Q8_0 ignores it as ggml does; big files go to the kernels too."""
