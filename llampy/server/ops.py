@@ -60,6 +60,17 @@ class Inbox:
             self.waiter = None
         return self.items.popleft() if self.items else None
 
+    async def get(self):
+        """The next event, waiting as long as it takes (asyncio.Queue's ``get``: callers that bound the wait
+        themselves, with asyncio.wait_for and a timeout of their own each time, as the cluster's replicas do)."""
+        while not self.items:
+            self.waiter = w = asyncio.get_running_loop().create_future()
+            try:
+                await w
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
     def close(self) -> None:
         """Disarm the timer (the request is over: nobody waits)."""
         if self.timer is not None:

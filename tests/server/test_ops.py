@@ -223,4 +223,13 @@ def test_inbox_hands_events_over_in_order_and_wakes_a_waiter():
         assert await next_event(q, 0.05) is None and loop.time() - t0 >= 0.04
         q.close()
         assert q.timer is None and q.waiter is None
+        # asyncio.Queue's get (the cluster's replicas bound each wait themselves): a timeout leaves no waiter
+        # behind, and a later event is still handed over, after one a timer of next() left armed woke it early
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(q.get(), 0.02)
+        assert q.waiter is None
+        loop.call_later(0.005, q.put_nowait, 4)
+        assert await next_event(q, 0.05) == 4 and q.timer is not None   # its timer left armed, to fire in get()
+        loop.call_later(0.15, q.put_nowait, 5)
+        assert await asyncio.wait_for(q.get(), 2.0) == 5 and q.timer is None
     asyncio.run(run())
