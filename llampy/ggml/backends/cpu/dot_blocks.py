@@ -55,7 +55,8 @@ from .dot_kquant import _bc_interleave, _madd, _maddubs, hsum8x_ir, i32x8_sum
 from .dot_q32 import (GLU_SWIGLU, ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step)
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_geglu, v16_load, v16_mul, v16_reduce, v16_silu, v16_store,
                    v16_zero)
-from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _nibbles32, _ptr,
+from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _nibbles32, _nibbles32_bc,
+                   _ptr,
                    _udot, f16_at, f32x8,
                    f32x8_add, f32x8_fma, f32x8_hsum, f32x8_load, f32x8_scale, f32x8_store, f32x8_zero,
                    i32x8, i32x8_add, i32x8_to_f32x8)
@@ -225,15 +226,6 @@ def q40_acts8(typingctx, wr, o, x, i, xo, neg, no):
         return builder.add(hsum8x_ir(builder, lanes),
                            _load(builder, _elem_ptr(context, builder, sig.args[5], args[5], no, _V_I32x8)))
     return i32x8(wr, types.intp, x, types.intp, types.intp, neg, types.intp), codegen
-
-
-def _nibbles32_bc(builder, q16):
-    """``_nibbles32`` as a 128-bit broadcast, one shift of the upper half's 64-bit lanes by 4 and one mask (AVX2:
-    vbroadcasti128 from memory, vpsrlvq, vpand; the two-half form took a shift, a vinserti128 and the mask)."""
-    v = builder.bitcast(builder.shuffle_vector(q16, q16, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2)),
-                        ir.VectorType(ir.IntType(64), 4))
-    v = builder.lshr(v, ir.Constant(ir.VectorType(ir.IntType(64), 4), [0, 0, 4, 4]))
-    return builder.and_(builder.bitcast(v, _V32), _splat(_V32, 15))
 
 
 @intrinsic
