@@ -28,7 +28,7 @@ from . import limits, media, oai
 from .oai import (APIError, check_fields, check_messages, include_usage, new_id, now, openapi_body, sampling_params,
                   usage)
 from .fields import request_options
-from .ops import Cors, Draining, Inbox, llamacpp_metrics, log_request, next_event
+from .ops import Cors, Draining, Inbox, llamacpp_metrics, log_request
 from .render import RenderBudgetError, TemplateRenderer
 from .slots import Engine, Event, Request, ShuttingDown
 from .completions import MAX_CHOICES
@@ -435,7 +435,7 @@ class Handoff:
             h = cls._of[loop] = cls(loop)
         return h
 
-    def put(self, q: asyncio.Queue, item) -> None:
+    def put(self, q: Inbox, item) -> None:
         with self.lock:
             self.items.append((q, item))
             if self.due:
@@ -476,7 +476,7 @@ async def events(req: Request, q: Inbox, http: HTTPRequest):
     check_at = time.monotonic() + DISCONNECT_CHECK
     try:
         while True:
-            ev = await next_event(q, DISCONNECT_CHECK)
+            ev = await q.next(DISCONNECT_CHECK)
             # also while events flow: a client waiting for a whole (non-streamed) reply is only seen to leave here
             if ev is None or time.monotonic() >= check_at:
                 check_at = time.monotonic() + DISCONNECT_CHECK

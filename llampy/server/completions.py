@@ -13,7 +13,7 @@ from . import limits, oai
 from .fields import request_options
 from .native import format_infill, infill_batch
 from .oai import APIError, check_fields, include_usage, new_id, now, openapi_body, sampling_params, usage
-from .ops import Inbox, log_request, next_event
+from .ops import Inbox, log_request
 
 MAX_CHOICES = 64           # prompts x n of one request
 
@@ -203,7 +203,7 @@ async def merged(reqs: list, q: Inbox, http: HTTPRequest):
     lasts = [None] * len(reqs)
     try:
         while any(ev is None for ev in lasts):
-            item = await next_event(q, 0.5)
+            item = await q.next(0.5)
             if item is None:
                 if await http.is_disconnected():
                     return

@@ -78,19 +78,6 @@ class Inbox:
             self.timer = None
 
 
-async def next_event(q, timeout: float):
-    """The next item of a request's event queue (an Inbox, or an asyncio.Queue), or None after ``timeout`` seconds
-    without one: taken at once when one waits, else awaited (an asyncio.Queue under asyncio.timeout)."""
-    if not q.empty():
-        return q.get_nowait()
-    if isinstance(q, Inbox):
-        return await q.next(timeout)
-    try:
-        async with asyncio.timeout(timeout):
-            return await q.get()
-    except TimeoutError:
-        return None
-
 DEFAULT_CORS_METHODS = "GET, POST, OPTIONS"
 DEFAULT_CORS_HEADERS = "*"
 

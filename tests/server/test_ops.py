@@ -207,20 +207,20 @@ def test_inbox_hands_events_over_in_order_and_wakes_a_waiter():
     """ops.Inbox: events in order, taken at once when waiting; a waiting handler is woken by a put, or with None
     once the timeout has passed without one; close disarms the timer."""
     import asyncio
-    from llampy.server.ops import Inbox, next_event
+    from llampy.server.ops import Inbox
 
     async def run():
         q = Inbox()
         q.put_nowait(1)
         q.put_nowait(2)
-        assert [await next_event(q, 1.0), await next_event(q, 1.0)] == [1, 2] and q.empty()
+        assert [await q.next(1.0), await q.next(1.0)] == [1, 2] and q.empty()
         loop = asyncio.get_running_loop()
         loop.call_later(0.01, q.put_nowait, 3)
         t0 = loop.time()
-        assert await next_event(q, 5.0) == 3 and loop.time() - t0 < 2.0
+        assert await q.next(5.0) == 3 and loop.time() - t0 < 2.0
         q.close()
         t0 = loop.time()
-        assert await next_event(q, 0.05) is None and loop.time() - t0 >= 0.04
+        assert await q.next(0.05) is None and loop.time() - t0 >= 0.04
         q.close()
         assert q.timer is None and q.waiter is None
         # asyncio.Queue's get (the cluster's replicas bound each wait themselves): a timeout leaves no waiter
@@ -229,7 +229,7 @@ def test_inbox_hands_events_over_in_order_and_wakes_a_waiter():
             await asyncio.wait_for(q.get(), 0.02)
         assert q.waiter is None
         loop.call_later(0.005, q.put_nowait, 4)
-        assert await next_event(q, 0.05) == 4 and q.timer is not None   # its timer left armed, to fire in get()
+        assert await q.next(0.05) == 4 and q.timer is not None   # its timer left armed, to fire in get()
         loop.call_later(0.15, q.put_nowait, 5)
         assert await asyncio.wait_for(q.get(), 2.0) == 5 and q.timer is None
     asyncio.run(run())
