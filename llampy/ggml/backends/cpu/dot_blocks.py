@@ -51,11 +51,11 @@ from ...types import GGMLType
 from .act_quant import (PAR_ROWS, _round_bf16, _round_f16, act_split, q8_0_split, q8_k_split, round_half,
                         scratch_for)
 from .direct import Direct
-from .dot_kquant import _bc_interleave, _madd, _maddubs, hsum8x_ir, i32x8_sum
+from .dot_kquant import _bc_interleave, _hadd, _madd, _maddubs, hsum8x_ir, i32x8_sum
 from .dot_q32 import (GLU_SWIGLU, ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step)
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_geglu, v16_load, v16_mul, v16_reduce, v16_silu, v16_store,
                    v16_zero)
-from .simd import (AVX2, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _nibbles32, _nibbles32_bc,
+from .simd import (AVX2, VNNI, _I16, _I32, _I8, _V_F32x8, _V_I32x8, _call, _elem_ptr, _load, _nibbles32,
                    _ptr,
                    _udot, f16_at, f32x8,
                    f32x8_add, f32x8_fma, f32x8_hsum, f32x8_load, f32x8_scale, f32x8_store, f32x8_zero,
@@ -228,25 +228,45 @@ def q40_acts8(typingctx, wr, o, x, i, xo, neg, no):
     return i32x8(wr, types.intp, x, types.intp, types.intp, neg, types.intp), codegen
 
 
+def _udot2(builder, a1, b1, a2, b2):
+    """``_udot(a1, b1) + _udot(a2, b2)`` for unsigned a1, a2 <= 15 (nibbles): on AVX2 the two vpmaddubsw's int16
+    pair sums added as int16 (four products, |sum| <= 4 * 15 * 128, exact) before one vpmaddwd; two vpdpbusd on
+    VNNI. The same integers on every path."""
+    if AVX2 and not VNNI:
+        w16 = ir.VectorType(_I16, 16)
+        p = builder.add(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [a1, b1]),
+                        _call(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [a2, b2]))
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V_I32x8, [p, ir.Constant(w16, [1] * 16)])
+    return _udot(builder, a2, b2, _udot(builder, a1, b1))
+
+
 @intrinsic
 def q40_rows8(typingctx, w, r, o, x, xo, ns):
-    """``_q4_rows8`` with Q4_0's values q - 8, in the offset form: each row's unsigned nibbles times x (``_udot``:
-    pair sums <= 2 * 15 * 127, exact on AVX2 too), the eight rows' sums reduced together, plus ``ns`` (int32: -8
-    times x's block sum, ``_r8_neg``, made once per call) in every lane; the same integers as the table and the sign
-    trick, without a lookup and a sign per row and block. The term added once after the reduction, not to each
-    row's lanes (and not made from x per block and row group): nine vector operations of ~110 fewer per eight rows
-    and block."""
+    """``_q4_rows8`` with Q4_0's values q - 8, in the offset form: each row's unsigned nibbles times x (pair sums
+    <= 2 * 15 * 127, exact on AVX2 too), the eight rows' sums reduced together, plus ``ns`` (int32: -8 times x's
+    block sum, ``_r8_neg``, made once per call) in every lane; the same integers as the table and the sign trick,
+    without a lookup and a sign per row and block. Rows j and j + 4 share one 256-bit vector (row j's 16 bytes in
+    the lower half, row j + 4's in the upper: one load and one vinserti128), so one mask gives both rows' low
+    nibbles (against x's first 16 values broadcast to both halves) and one shift and mask their high nibbles
+    (against x's last 16): four vectors of two rows, whose int32 lanes three vphaddd reduce to row order
+    0..7 with no cross-half step (eight vectors, six vphaddd and a cross-half add before)."""
     def codegen(context, builder, sig, args):
         p, s0 = _row_ptr(context, builder, sig.args[0], args[0], args[1], args[2])
-        b = _x32(context, builder, sig, args, 3, 4)
-        lanes = []
-        for j in range(8):
-            q = _load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, j), s0)]),
-                                               _V16.as_pointer()))
-            lanes.append(_udot(builder, _nibbles32_bc(builder, q), b))
+        xlo, xhi = (_load(builder, _ptr(context, builder, sig.args[3], args[3], builder.add(args[4], ir.Constant(
+            args[4].type, d)), _V16)) for d in (0, 16))
+        xlo, xhi = (builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
+                    for v in (xlo, xhi))
+        m15, four = _splat(_V32, 15), _splat(_V32, 4)
+        vs = []
+        for j in range(4):
+            qa, qb = (_load(builder, builder.bitcast(builder.gep(p, [builder.mul(ir.Constant(s0.type, t), s0)]),
+                                                     _V16.as_pointer())) for t in (j, j + 4))
+            v = builder.shuffle_vector(qa, qb, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+            vs.append(_udot2(builder, builder.and_(v, m15), xlo, builder.lshr(v, four), xhi))
+        h = _hadd(builder, _hadd(builder, vs[0], vs[1]), _hadd(builder, vs[2], vs[3]))
         t = builder.insert_element(ir.Constant(_V_I32x8, None), context.cast(builder, args[5], sig.args[5],
                                                                              types.int32), ir.Constant(_I32, 0))
-        return builder.add(hsum8x_ir(builder, lanes), _shuf(builder, t, t, [0] * 8))
+        return builder.add(h, _shuf(builder, t, t, [0] * 8))
     return i32x8(w, types.intp, types.intp, x, types.intp, types.int32), codegen
 
 
