@@ -51,7 +51,7 @@ from ...types import GGMLType
 from .act_quant import (PAR_ROWS, _round_bf16, _round_f16, act_split, q8_0_split, q8_k_split, round_half,
                         scratch_for)
 from .direct import Direct
-from .dot_kquant import _bc_interleave, _hadd, _madd, _maddubs, hsum8x_ir, i32x8_sum
+from .dot_kquant import _bc_interleave, _hadd, _madd, _maddubs, hsum8x_ir, i32x8_sum, prefetch_span
 from .dot_q32 import (GLU_SWIGLU, ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_step)
 from .simd import (F16_VEC_LANES, v16_add, v16_fma, v16_geglu, v16_load, v16_mul, v16_reduce, v16_silu, v16_store,
                    v16_zero)
@@ -973,7 +973,7 @@ def _r8_wscale(kind, wr, o):
 def _mv_r8(w, xq, xd, out, kind):
     """out[i, r] = dot(w[r], x[i]), rows % 8 == 0: eight weight rows (lanes) by two activation rows at a time, each
     weight block decoded once for both; the rows PREFETCH_AHEAD (eight: the next group) ahead asked for a piece
-    per block step (``prefetch_step``)."""
+    per block step (``prefetch_span``: one bound per step)."""
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
@@ -990,7 +990,7 @@ def _mv_r8(w, xq, xd, out, kind):
                 x0, x1 = xq[i], xq[i + 1]
                 a0 = a1 = f32x8_zero()
                 for b in range(nb):
-                    prefetch_step(w, pb, b, step)
+                    prefetch_span(w, pb, b, step)
                     dw = _r8_wscales(kind, w, r, b * bb)
                     a0 = f32x8_fmav(i32x8_to_f32x8(_r8_rows(kind, w, r, b * bb, x0, 32 * b, neg[i], b)),
                                     f32x8_scale(dw, xd[i, b]), a0)
@@ -1002,7 +1002,7 @@ def _mv_r8(w, xq, xd, out, kind):
                 xr = xq[n2]
                 a0 = f32x8_zero()
                 for b in range(nb):
-                    prefetch_step(w, pb, b, step)
+                    prefetch_span(w, pb, b, step)
                     a0 = f32x8_fmav(i32x8_to_f32x8(_r8_rows(kind, w, r, b * bb, xr, 32 * b, neg[n2], b)),
                                     f32x8_scale(_r8_wscales(kind, w, r, b * bb), xd[n2, b]), a0)
                 f32x8_store(out[n2], r, a0)
@@ -1038,7 +1038,7 @@ def _r8_chain(w, r, xr, xdr, nb, bb, step, kind, neg):
     pb = prefetch_base(w, r)
     a = f32x8_zero()
     for b in range(nb):
-        prefetch_step(w, pb, b, step)
+        prefetch_span(w, pb, b, step)
         a = f32x8_fmav(i32x8_to_f32x8(_r8_rows(kind, w, r, b * bb, xr, 32 * b, neg, b)),
                        f32x8_scale(_r8_wscales(kind, w, r, b * bb), xdr[b]), a)
     return a
