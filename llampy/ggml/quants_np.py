@@ -18,6 +18,16 @@ F32 = np.float32
 
 NUMPY_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
 
+# what the Numba kernels quantize (quants.QUANTIZE_TYPES, F32 and the grid searches' quants_iq_search.SEARCH_TYPES),
+# and which of those need an importance matrix (quants_iq_search.REQUIRES_IMATRIX): named here so that planning a
+# file imports no Numba (llama.quant forks its NumPy helper process before Numba loads); test_quantize checks them
+# against those modules
+KERNEL_TYPES = frozenset({
+    T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q8_1, T.Q8_K, T.Q1_0, T.Q2_0,
+    T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0, T.MXFP4, T.NVFP4,
+    T.IQ1_M, T.IQ1_S, T.IQ2_S, T.IQ2_XS, T.IQ2_XXS, T.IQ3_S, T.IQ3_XXS})
+KERNEL_NEEDS_IMATRIX = frozenset({T.IQ2_XXS, T.IQ2_XS, T.IQ1_S})
+
 # the float32 just below 0.5: trunc(v + copysign(_HALF_DOWN, v)) is C's roundf for |v| <= 128 (halves away from
 # zero; 0.49999997 itself stays 0, which v + 0.5 would round up to 1.0); checked against quants_base.roundf around
 # every integer and half in the tests

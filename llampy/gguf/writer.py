@@ -202,7 +202,8 @@ class GGUFWriter:
 
     def add_tensor_lazy(self, name: str, type: GGMLType | int, ne, make) -> None:
         """A tensor whose bytes ``make()`` returns when ``write`` reaches it (bytes or a contiguous ndarray of the
-        exact size), so that a converter holds one tensor at a time rather than the whole file."""
+        exact size, a ``FileRange``, or ``WRITTEN_ELSEWHERE``), so that a converter holds one tensor at a time rather
+        than the whole file."""
         self.add_tensor_raw(name, type, ne, _ZEROS)
         name, type, ne, z = self.tensors[-1]
         self.tensors[-1] = (name, type, ne, _Lazy(z.nbytes, make))
@@ -257,6 +258,14 @@ class GGUFWriter:
         head = b"".join(out)
         return head + b"\0" * ((-len(head)) % a)
 
+    def data_offsets(self) -> list[int]:
+        """Where each tensor's bytes begin in the file ``write`` makes, in bytes from its start."""
+        pos, out = len(self.header_bytes()), []
+        for _, _, _, raw in self.tensors:
+            out.append(pos)
+            pos += raw.nbytes + (-raw.nbytes) % self.alignment
+        return out
+
     def write(self, progress=None) -> None:
         """Writes the file; ``progress(i, n, name)`` is called before each tensor's bytes."""
         head = self.header_bytes()
@@ -275,6 +284,9 @@ class GGUFWriter:
             pad = (-raw.nbytes) % self.alignment
             if isinstance(raw, _Lazy):
                 data = raw.make()
+                if data is WRITTEN_ELSEWHERE:
+                    hole += raw.nbytes + pad
+                    continue
                 if not isinstance(data, FileRange):
                     data = (np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
                             else np.frombuffer(data, dtype=np.uint8))
@@ -294,6 +306,11 @@ class GGUFWriter:
             f.write(b"\0" * pad)
         if hole:
             f.truncate(f.tell() + hole)
+
+
+# what an ``add_tensor_lazy`` maker returns for bytes that another process writes into the file at the tensor's place
+# (``data_offsets``, by pwrite on the same file): ``write`` leaves them, moving on as over a tensor of zeros
+WRITTEN_ELSEWHERE = type("WrittenElsewhere", (), {"__repr__": lambda self: "WRITTEN_ELSEWHERE"})()
 
 
 class FileRange(NamedTuple):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -572,21 +573,131 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
     return out
 
 
-def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None) -> QuantizeResult:
+def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None,
+                   helper_process: bool = False) -> QuantizeResult:
     """llama_model_quantize: ``inp`` a GGUF path, ``out`` the path written (nothing with ``dry_run``). ``log(line)``
-    gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor."""
+    gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor. ``helper_process``: while
+    this process imports Numba and loads its kernels, a forked process converts the first tensors NumPy can
+    (``_Helper``; the command asks for it, where the process is its own)."""
     from ..gguf.reader import GGUFReader
     t0 = time.perf_counter()
     r = GGUFReader(inp, decode_string_arrays=False)     # the vocabulary is copied as bytes
     try:
-        return _quantize(r, out, params, log or (lambda s: None), progress, t0)
+        return _quantize(r, out, params, log or (lambda s: None), progress, t0, helper_process)
     finally:
         r.close()
 
 
-def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResult:
+class _Helper:
+    """A forked process that converts tensors with NumPy (``quants_np``, the same bytes) while this one imports
+    Numba and loads its kernels (~0.25-0.35 s on one thread, when the second core had nothing to do: the kernel
+    loader thread tried before gained nothing, as Numba's import and NumPy's rows both hold the GIL; a process has
+    its own). It writes each tensor into the output file at its place (pwrite; the writer moves past it,
+    ``WRITTEN_ELSEWHERE``) and exits when no tensor is left for it.
+
+    Which of the two converts a tensor is settled through a pipe that holds the candidates' indices in file order,
+    4 bytes each, its write end closed before the fork: whoever reads an index converts that tensor (a pipe read of
+    4 bytes takes one whole record, atomically). The helper takes them in turn; this process, on reaching a
+    candidate, reads indices until it reads that one (its own) or a later one (the candidate was the helper's, and
+    the later one is now this process's). After the first tensor this process converts itself (its kernels
+    loaded), it reads all the indices left, so that the helper stops where NumPy's slower rows would only take
+    the cores from the kernels'."""
+
+    def __init__(self, jobs, cands: list, f, offsets: list, scratch: np.ndarray):
+        self.cands, self.mine, self.drained = set(cands), set(), False
+        self.last = -1                  # the last index read here: every candidate before it is taken
+        rfd, wfd = os.pipe()
+        try:
+            os.write(wfd, b"".join(i.to_bytes(4, "little") for i in cands))     # (a pipe holds 64 KiB)
+        finally:
+            os.close(wfd)
+        self.rfd = rfd
+        f.flush()
+        self.pid = os.fork()
+        if self.pid == 0:                # the helper: converts what it reads, then ends without Python's exit
+            code = 1
+            try:
+                _helper_run(rfd, f.fileno(), jobs, offsets, scratch)
+                code = 0
+            except BaseException as e:  # noqa: BLE001 -- any failure ends the helper with status 1
+                try:
+                    os.write(2, f"llampy quantize: helper process: {type(e).__name__}: {e}\n".encode())
+                except BaseException:   # noqa: BLE001
+                    pass
+            finally:
+                os._exit(code)
+
+    def _read(self) -> int | None:
+        rec = os.read(self.rfd, 4)
+        return int.from_bytes(rec, "little") if len(rec) == 4 else None
+
+    def takes(self, i: int) -> bool:
+        """Whether the helper converts tensor ``i`` (claimed now if neither has it yet)."""
+        if i not in self.cands or i in self.mine:
+            return False
+        while not self.drained and self.last < i:
+            j = self._read()
+            if j is None:
+                self.drained = True
+                break
+            self.mine.add(j)
+            self.last = j
+        return i not in self.mine
+
+    def stop(self) -> None:
+        """Takes every index the helper has not read: it ends after the tensor it is converting."""
+        while not self.drained:
+            j = self._read()
+            if j is None:
+                self.drained = True
+            else:
+                self.mine.add(j)
+                self.last = j
+
+    def wait(self) -> None:
+        """Waits for the helper to end: its tensors are in the file once this returns."""
+        pid, self.pid = self.pid, 0
+        os.close(self.rfd)
+        _, status = os.waitpid(pid, 0)
+        if status:
+            raise QuantizeError(f"the helper process failed (wait status {status})")
+
+    def kill(self) -> None:
+        if self.pid:
+            import signal
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            finally:
+                pid, self.pid = self.pid, 0
+                os.close(self.rfd)
+                os.waitpid(pid, 0)
+
+
+def _helper_run(rfd: int, fd: int, jobs, offsets: list, scratch: np.ndarray) -> None:
+    """The helper process's loop (``_Helper``)."""
+    while True:
+        rec = os.read(rfd, 4)
+        if len(rec) < 4:
+            return
+        i = int.from_bytes(rec, "little")
+        _, ti, ne, new_type, nbytes, _ = jobs[i]
+        data = memoryview(_quantize_tensor(ti, ne, new_type, None, None, scratch[:nbytes], kernels=False))
+        done, at = 0, offsets[i]
+        while done < nbytes:
+            done += os.pwrite(fd, data[done:], at + done)
+
+
+def _helper_candidates(jobs) -> list:
+    """The tensors a helper process may convert: those NumPy converts to the kernels' bytes (``_needs_kernels``)."""
     from ..ggml.quants_np import NUMPY_TYPES
-    from ..gguf.writer import FileRange, GGUFWriter
+    return [i for i, (_, ti, _, new_type, _, im) in enumerate(jobs)
+            if new_type != ti.type and new_type in NUMPY_TYPES and ti.type in (T.F32, T.F16, T.BF16)
+            and (im is None or new_type in (T.F32, T.F16, T.BF16, T.Q8_0))]
+
+
+def _quantize(r, out, params: QuantizeParams, log, progress, t0, helper_process=False) -> QuantizeResult:
+    from ..ggml.quants_np import NUMPY_TYPES
+    from ..gguf.writer import WRITTEN_ELSEWHERE, FileRange, GGUFWriter
     ftype = params.ftype
     if ftype not in FTYPE_DEFAULT:
         raise QuantizeError(f"invalid output file type {ftype}")
@@ -669,26 +780,22 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
                 progress(i + 1, len(plan), name)
     else:
         kernels = _needs_kernels(jobs, nthread)
-        if kernels:
-            # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
-            import numba
-            numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
-        pool = None
-        if nthread > 1 and any(j[3] != j[1].type for j in jobs):
-            # imported here: concurrent.futures (logging, queue...) is ~8 ms of a COPY or F16 run's ~0.3 s
-            from concurrent.futures import ThreadPoolExecutor
-            pool = ThreadPoolExecutor(nthread)
         # each tensor is quantized when the writer reaches it, into one buffer reused for all of them (written out
         # before the next is made): memory holds one output tensor, not the file, as llama-quantize
         sizes = [j[4] for j in jobs if j[3] != j[1].type]
         scratch = np.empty(max(sizes, default=0), np.uint8)
+        pool = helper = None
 
         def make(i):
             name, ti, ne, new_type, nbytes, im = jobs[i]
             if new_type == ti.type:
                 data = FileRange(r.fileno(), ti.offset, ti.nbytes)     # copied by the kernel
+            elif helper is not None and helper.takes(i):
+                data = WRITTEN_ELSEWHERE
             else:
                 data = _quantize_tensor(ti, ne, new_type, im, pool, scratch[:nbytes], kernels)
+                if helper is not None:
+                    helper.stop()       # the kernels are loaded: the rest is theirs
             log(line(i, name, ti, ne, new_type, nbytes))
             if progress:
                 progress(i + 1, len(plan), name)
@@ -696,29 +803,50 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0) -> QuantizeResu
 
         for i, (name, ti, ne, new_type, _, _) in enumerate(jobs):
             w.add_tensor_lazy(name, new_type, ne[:n_dims(ne)], lambda i=i: make(i))
+        f = None
         try:
-            w.target = out
+            if (helper_process and kernels and nthread > 1 and "numba" not in sys.modules and hasattr(os, "fork")
+                    and isinstance(out, (str, os.PathLike)) and threading.active_count() == 1):
+                # forked before Numba's import, while this process runs no other thread (a fork copies only the
+                # calling one)
+                cands = _helper_candidates(jobs)
+                if cands:
+                    f = open(out, "wb")
+                    helper = _Helper(jobs, cands, f, w.data_offsets(), scratch)
+            if kernels:
+                # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
+                import numba
+                numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
+            if nthread > 1 and any(j[3] != j[1].type for j in jobs):
+                # imported here: concurrent.futures (logging, queue...) is ~8 ms of a COPY or F16 run's ~0.3 s
+                from concurrent.futures import ThreadPoolExecutor
+                pool = ThreadPoolExecutor(nthread)
+            w.target = out if f is None else f
             w.write()
+            if helper is not None:
+                helper.wait()
         except BaseException:
+            if helper is not None:
+                helper.kill()
+            if f is not None:
+                f.close()
             if isinstance(out, (str, os.PathLike)) and os.path.exists(out):
                 os.remove(out)          # no half-written file left behind
             raise
         finally:
             if pool:
                 pool.shutdown()
+        if f is not None:
+            f.close()
     for msg in qs.warnings:
         log("warning: " + msg)
     return QuantizeResult(types, size_org, size_new, n_el, qs.n_fallback, time.perf_counter() - t0)
 
 
 def _kernel_support(t: GGMLType) -> tuple[bool, bool]:
-    """(the kernels quantize ``t``, ``t`` needs an importance matrix): importing them loads Numba; the grid searches'
-    module only for the types the others do not quantize."""
-    from ..ggml.quants import QUANTIZE_TYPES
-    if t in QUANTIZE_TYPES or t == T.F32:
-        return True, False
-    from ..ggml.quants_iq_search import REQUIRES_IMATRIX, SEARCH_TYPES
-    return t in SEARCH_TYPES, t in REQUIRES_IMATRIX
+    """(the kernels quantize ``t``, ``t`` needs an importance matrix), without importing them (quants_np's names)."""
+    from ..ggml.quants_np import KERNEL_NEEDS_IMATRIX, KERNEL_TYPES
+    return t in KERNEL_TYPES, t in KERNEL_NEEDS_IMATRIX
 
 
 # Numba's import, its first cached kernel and the file's further kernels cost ~0.4 s of CPU before the first tensor;

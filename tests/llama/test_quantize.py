@@ -344,6 +344,63 @@ def test_plain_types_without_numba(tmp_path, monkeypatch):
         assert ours.read_bytes() == (tmp_path / "kernels.gguf").read_bytes(), opts
 
 
+def test_kernel_types_named_without_numba():
+    """quants_np's names for what the kernels quantize (read when a file is planned, before Numba loads) are
+    those of the kernel modules."""
+    from llampy.ggml.quants import QUANTIZE_TYPES
+    from llampy.ggml.quants_iq_search import REQUIRES_IMATRIX, SEARCH_TYPES
+    from llampy.ggml.quants_np import KERNEL_NEEDS_IMATRIX, KERNEL_TYPES
+    assert KERNEL_TYPES == QUANTIZE_TYPES | SEARCH_TYPES | {T.F32}
+    assert KERNEL_NEEDS_IMATRIX == REQUIRES_IMATRIX
+
+
+_HELPER_RUN = """
+import sys
+from llampy.llama import quant
+n = [0]
+takes = quant._Helper.takes
+def counted(self, i):
+    r = takes(self, i)
+    n[0] += r
+    return r
+quant._Helper.takes = counted
+if sys.argv[3] == "fail":
+    def fail(*a):
+        raise OSError("disk full")
+    quant._helper_run = fail
+p = quant.QuantizeParams(ftype=quant.parse_ftype(sys.argv[3] if sys.argv[3] != "fail" else "Q4_0")[0], nthread=2)
+try:
+    quant.quantize_model(sys.argv[1], sys.argv[2], p, helper_process=True)
+except quant.QuantizeError as e:
+    print("error", e)
+print("numba" in sys.modules, n[0])
+"""
+
+
+def test_helper_process_converts_while_numba_loads(tool, tmp_path):
+    """In a process that has not loaded Numba, a forked helper converts the first tensors NumPy can while the
+    kernels load, writing them into the output at their places: the file is llama-quantize's, byte for byte (the
+    tied token_embd.weight goes to Q6_K, which needs the kernels; every other matrix can go to the helper). A helper
+    that fails fails the command, and leaves no file."""
+    import sys
+    src = tmp_path / "f16.gguf"
+    write_random_llama(src, n_layer=2, dtype=np.float16, tied=True, seed=5)
+    for ftype in ("Q4_0",):
+        ref, ours = tmp_path / f"ref-{ftype}.gguf", tmp_path / f"ours-{ftype}.gguf"
+        _reference(tool, [str(src), str(ref), ftype, "2"])
+        p = subprocess.run([sys.executable, "-c", _HELPER_RUN, str(src), str(ours), ftype], capture_output=True,
+                           text=True, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-2000:]
+        kernels, taken = p.stdout.split()
+        assert kernels == "True" and int(taken) > 0, p.stdout
+        assert ours.read_bytes() == ref.read_bytes(), ftype
+    bad = tmp_path / "bad.gguf"
+    p = subprocess.run([sys.executable, "-c", _HELPER_RUN, str(src), str(bad), "fail"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert p.returncode == 0 and "error the helper process failed" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "disk full" in p.stderr and not bad.exists()
+
+
 def test_imatrix_types_need_the_kernels():
     """An importance matrix sends Q4_0/Q4_1/Q5_0/Q5_1 to the kernels (ggml weighs their search by it; the NumPy
     rows are the unweighted reference), while Q8_0 ignores it as ggml does; big files go to the kernels too."""
