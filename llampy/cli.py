@@ -101,17 +101,18 @@ def main(argv=None) -> int:
     if argv and argv[0] == "quantize":
         from .tuning import start_up_gc
         with start_up_gc(program):      # the collector paused while NumPy and Numba load (tuning.start_up_gc)
-            return _main(argv)
+            return _main(argv, program)
     return _main(argv)
 
 
-def _main(argv: list) -> int:
+def _main(argv: list, program: bool = False) -> int:
     if argv and argv[0] == "quantize" and "numpy" not in sys.modules:
         # the command's own process, before NumPy loads OpenBLAS: quantize multiplies no matrices, and OpenBLAS
         # starts a spinning thread per core at load (~0.04 s of CPU in a run llama-quantize does in 0.3 s)
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     ap = build_parser(argv[0] if argv else None)
     args = ap.parse_args(argv)
+    args.own_process = program          # the command is the process's own (quantize: llama.quant's own_process)
     check_args(ap, args)
     if getattr(args, "no_engine", False):
         return _main_no_engine(args)

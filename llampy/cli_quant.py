@@ -138,7 +138,7 @@ def cmd_quantize(args) -> int:
                 tuning.resume_start_up_gc()
             bar.update(i, n, name)
         res = quantize_model(fin, fout, params, log=(lambda s: print(s, file=sys.stderr)) if verbose else None,
-                             progress=progress, helper_process=True)
+                             progress=progress, own_process=args.own_process)
     except (QuantizeError, NotImplementedError) as e:
         bar.close()
         print(f"llampy: error: failed to quantize: {e}", file=sys.stderr)

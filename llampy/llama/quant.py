@@ -574,16 +574,17 @@ def quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None, pool=N
 
 
 def quantize_model(inp, out, params: QuantizeParams, log=None, progress=None,
-                   helper_process: bool = False) -> QuantizeResult:
+                   own_process: bool = False) -> QuantizeResult:
     """llama_model_quantize: ``inp`` a GGUF path, ``out`` the path written (nothing with ``dry_run``). ``log(line)``
-    gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor. ``helper_process``: while
-    this process imports Numba and loads its kernels, a forked process converts the first tensors NumPy can
-    (``_Helper``; the command asks for it, where the process is its own)."""
+    gets llama-quantize's per-tensor lines; ``progress(i, n, name)`` after each tensor. ``own_process``: the caller
+    is the quantize command in a process of its own (it asks for this), where Numba's start-up may be shortened:
+    while this process imports Numba and loads its kernels, a forked process converts the first tensors NumPy can
+    (``_Helper``), and Numba is imported without what the kernels never use (``_import_numba``)."""
     from ..gguf.reader import GGUFReader
     t0 = time.perf_counter()
     r = GGUFReader(inp, decode_string_arrays=False)     # the vocabulary is copied as bytes
     try:
-        return _quantize(r, out, params, log or (lambda s: None), progress, t0, helper_process)
+        return _quantize(r, out, params, log or (lambda s: None), progress, t0, own_process)
     finally:
         r.close()
 
@@ -687,6 +688,29 @@ def _helper_run(rfd: int, fd: int, jobs, offsets: list, scratch: np.ndarray) -> 
             done += os.pwrite(fd, data[done:], at + done)
 
 
+def _import_numba(lean: bool):
+    """Numba, imported; ``lean`` (the quantize command's own process, before anything imported Numba): without two
+    things its start-up does that the quantize kernels never use. PyYAML, which numba.core.config imports only to
+    read a ``.numba_config.yaml`` in the working directory: not imported where there is none (~5-15 ms). And the
+    ``numba_extensions`` entry points of the installed packages, which Numba's first call of any kernel looks up
+    (``entrypoints.init_all``: importlib.metadata reads every distribution's entry points, 15-30 ms of the
+    command's start-up here): not run, as the kernels are llampy's own and use no extension's types."""
+    if not lean or "numba" in sys.modules:
+        import numba
+        return numba
+    no_yaml = "yaml" not in sys.modules and not os.path.isfile(".numba_config.yaml")
+    if no_yaml:
+        sys.modules["yaml"] = None      # (an import of it raises ImportError: numba.core.config's _HAVE_YAML)
+    try:
+        import numba
+        from numba.core import entrypoints
+    finally:
+        if no_yaml and sys.modules.get("yaml", 0) is None:
+            del sys.modules["yaml"]
+    entrypoints._already_initialized = True
+    return numba
+
+
 def _helper_candidates(jobs) -> list:
     """The tensors a helper process may convert: those NumPy converts to the kernels' bytes (``_needs_kernels``)."""
     from ..ggml.quants_np import NUMPY_TYPES
@@ -695,7 +719,7 @@ def _helper_candidates(jobs) -> list:
             and (im is None or new_type in (T.F32, T.F16, T.BF16, T.Q8_0))]
 
 
-def _quantize(r, out, params: QuantizeParams, log, progress, t0, helper_process=False) -> QuantizeResult:
+def _quantize(r, out, params: QuantizeParams, log, progress, t0, own_process=False) -> QuantizeResult:
     from ..ggml.quants_np import NUMPY_TYPES
     from ..gguf.writer import WRITTEN_ELSEWHERE, FileRange, GGUFWriter
     ftype = params.ftype
@@ -805,7 +829,7 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0, helper_process=
             w.add_tensor_lazy(name, new_type, ne[:n_dims(ne)], lambda i=i: make(i))
         f = None
         try:
-            if (helper_process and kernels and nthread > 1 and "numba" not in sys.modules and hasattr(os, "fork")
+            if (own_process and kernels and nthread > 1 and "numba" not in sys.modules and hasattr(os, "fork")
                     and isinstance(out, (str, os.PathLike)) and threading.active_count() == 1):
                 # forked before Numba's import, while this process runs no other thread (a fork copies only the
                 # calling one)
@@ -815,7 +839,7 @@ def _quantize(r, out, params: QuantizeParams, log, progress, t0, helper_process=
                     helper = _Helper(jobs, cands, f, w.data_offsets(), scratch)
             if kernels:
                 # the searches are Numba loops over blocks (prange); NumPy's packing runs in the pool's threads
-                import numba
+                numba = _import_numba(own_process)
                 numba.set_num_threads(max(1, min(nthread, numba.config.NUMBA_NUM_THREADS)))
             if nthread > 1 and any(j[3] != j[1].type for j in jobs):
                 # imported here: concurrent.futures (logging, queue...) is ~8 ms of a COPY or F16 run's ~0.3 s

@@ -370,10 +370,11 @@ if sys.argv[3] == "fail":
     quant._helper_run = fail
 p = quant.QuantizeParams(ftype=quant.parse_ftype(sys.argv[3] if sys.argv[3] != "fail" else "Q4_0")[0], nthread=2)
 try:
-    quant.quantize_model(sys.argv[1], sys.argv[2], p, helper_process=True)
+    quant.quantize_model(sys.argv[1], sys.argv[2], p, own_process=True)
 except quant.QuantizeError as e:
     print("error", e)
-print("numba" in sys.modules, n[0])
+from numba.core import entrypoints
+print("numba" in sys.modules, n[0], "yaml" in sys.modules, entrypoints._already_initialized)
 """
 
 
@@ -381,7 +382,8 @@ def test_helper_process_converts_while_numba_loads(tool, tmp_path):
     """In a process that has not loaded Numba, a forked helper converts the first tensors NumPy can while the
     kernels load, writing them into the output at their places: the file is llama-quantize's, byte for byte (the
     tied token_embd.weight goes to Q6_K, which needs the kernels; every other matrix can go to the helper). A helper
-    that fails fails the command, and leaves no file."""
+    that fails fails the command, and leaves no file. Numba came without PyYAML and without running the installed
+    packages' Numba extensions (the kernels use none)."""
     import sys
     src = tmp_path / "f16.gguf"
     write_random_llama(src, n_layer=2, dtype=np.float16, tied=True, seed=5)
@@ -391,8 +393,9 @@ def test_helper_process_converts_while_numba_loads(tool, tmp_path):
         p = subprocess.run([sys.executable, "-c", _HELPER_RUN, str(src), str(ours), ftype], capture_output=True,
                            text=True, cwd=ROOT)
         assert p.returncode == 0, p.stderr[-2000:]
-        kernels, taken = p.stdout.split()
+        kernels, taken, yaml, no_entry_points = p.stdout.split()
         assert kernels == "True" and int(taken) > 0, p.stdout
+        assert yaml == "False" and no_entry_points == "True", p.stdout     # _import_numba's lean start-up
         assert ours.read_bytes() == ref.read_bytes(), ftype
     bad = tmp_path / "bad.gguf"
     p = subprocess.run([sys.executable, "-c", _HELPER_RUN, str(src), str(bad), "fail"], capture_output=True,
