@@ -283,6 +283,17 @@ def _c_int(x: np.float32) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ randomness
+class _Unseeded(np.random.bit_generator.ISeedSequence):
+    """The words NumPy's MT19937 starts from before _legacy_seeding replaces its whole state: zeros. A seed given
+    as an int goes through SeedSequence's hashing (~0.1 ms, most of a request's sampler chain)."""
+
+    def generate_state(self, n_words, dtype=np.uint32):
+        return np.zeros(n_words, dtype)
+
+
+_UNSEEDED = _Unseeded()
+
+
 class MT19937:
     """std::mt19937 with C++'s seeding, and the uniform doubles of libstdc++'s uniform_real_distribution<double>.
 
@@ -291,10 +302,11 @@ class MT19937:
 
     def __init__(self, seed: int):
         # seeded here, not from the OS's entropy (MT19937() gathers some: ~0.3 ms a request's chain paid twice)
-        self.bitgen = np.random.MT19937(0)
         try:
-            self.bitgen._legacy_seeding(seed & 0xFFFFFFFF)      # RandomState(seed)'s own seeding
+            self.bitgen = np.random.MT19937(_UNSEEDED)
+            self.bitgen._legacy_seeding(seed & 0xFFFFFFFF)      # RandomState(seed)'s own seeding, the whole state
         except AttributeError:          # a NumPy without it: the state of a RandomState so seeded
+            self.bitgen = np.random.MT19937(0)
             self.bitgen.state = np.random.RandomState(seed & 0xFFFFFFFF).get_state(legacy=False)
 
     def uniform(self) -> float:
