@@ -31,6 +31,13 @@ PROMPT_BUDGET = 64
 # every prompt's tokens): requests arriving together all start within the same steps, instead of each waiting for
 # the whole prompts of those before it (the first ones would finish before the last ones had a token).
 PROMPT_SLOTS_PER_STEP = 8
+# Requests that clients send together reach the engine one after another, as the HTTP side parses each (~1 ms
+# apiece at 32 at once). An idle engine that started a step on the first of them would take the others only in the
+# next step, after that one: their first token two steps away instead of one. So when a request finds the engine
+# idle, it admits the requests that follow within GATHER_GAP_S of each other, for GATHER_MAX_S at most, before the
+# first step (llama-server takes every waiting prompt into one batch; a lone request waits GATHER_GAP_S).
+GATHER_GAP_S = 0.003
+GATHER_MAX_S = 0.05
 # llama-server's --ctx-checkpoints default: checkpoints kept per slot of a recurrent or hybrid model
 N_CTX_CHECKPOINTS = 32
 # a checkpoint is also taken this many tokens before a prompt's end (llama-server's last checkpoint_offsets entry):
@@ -437,9 +444,15 @@ class Engine:
 
     def _admit(self) -> None:
         idle = not self.waiting and all(s.req is None for s in self.slots)
+        gather = 0.0                    # until when a burst's requests are gathered (see GATHER_GAP_S)
         while True:
             try:
-                if idle and self._to_reserve:
+                if gather:
+                    left = gather - time.perf_counter()
+                    if left <= 0:
+                        break
+                    item = self.inbox.get(timeout=min(GATHER_GAP_S, left))
+                elif idle and self._to_reserve:
                     try:
                         self.ctx.reserve(*self._to_reserve[0])
                     finally:
@@ -459,6 +472,8 @@ class Engine:
                 if idle and (self._to_reserve or self._to_place):
                     continue
                 break
+            if idle and isinstance(item, Request) and GATHER_MAX_S > 0:
+                gather = time.perf_counter() + GATHER_MAX_S
             idle = False
             if item is None:
                 return

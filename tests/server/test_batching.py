@@ -201,3 +201,28 @@ def test_32_concurrent_streams_all_complete(server_url):
     assert wait_metric(server_url, "requests_processing", 0) == 0
     assert metric(server_url, "requests_deferred") == 0
     assert N_PARALLEL == metric(server_url, "slots_total")
+
+
+def test_requests_arriving_together_at_an_idle_engine_start_in_one_step(llama_server, monkeypatch):
+    """Requests that reach an idle engine a few ms apart (a burst of clients, parsed one after another by the HTTP
+    side) are all admitted before its first step: each one's first token comes from that step, not the last
+    request's from the step after the first request's."""
+    from llampy.llama.sampling import Chain
+    from llampy.server import slots
+    monkeypatch.setattr(slots, "GATHER_GAP_S", 0.1)     # wide enough for a loaded host's 5 ms sleeps
+    eng = slots.Engine(llama_server.model, n_parallel=3, n_ctx=192)
+    try:
+        t0 = time.time()
+        while eng.graphs_pending() and time.time() - t0 < 60:
+            time.sleep(0.05)
+        reqs = []
+        for g in REF["greedy"][:3]:
+            reqs.append(eng.submit(slots.Request(tokens=list(g["prompt_ids"]), max_tokens=1,
+                                                 sampler=Chain.from_params(temperature=0, n_vocab=eng.vocab.n_tokens))))
+            time.sleep(0.005)
+        for r in reqs:
+            collect(r)
+        assert max(r.t_start for r in reqs) < min(r.t_first for r in reqs)
+        assert eng.metrics["steps_total"] == 1
+    finally:
+        eng.stop()
