@@ -22,8 +22,9 @@ Importing llampy changes nothing process-wide. The entry points — the ``llampy
 ``installed()`` says whether it ran. Nothing here can be undone; a process that does not want it never calls it.
 
 Apart from ``install()``, for ``llampy quantize`` alone: ``keep_freed_arrays()`` raises glibc's malloc thresholds for
-its own process, and ``start_up_gc`` pauses the garbage collector while NumPy, Numba and the kernels load (see their
-docs).
+its own process, ``start_up_gc`` pauses the garbage collector while NumPy, Numba and the kernels load, and
+``lean_numba()`` imports Numba without what the quantize kernels never use, its runtime module from the cache (see
+their docs).
 """
 from __future__ import annotations
 
@@ -143,6 +144,48 @@ class start_up_gc:
         if self.paused:
             gc.enable()
         return False
+
+
+def lean_numba():
+    """For ``llampy quantize``'s own process, before anything imported Numba (else Numba is returned as it is):
+    Numba imported and started without what its start-up spends on things the quantize kernels never use.
+
+    - PyYAML, which numba.core.config imports only to read a ``.numba_config.yaml`` in the working directory: not
+      imported where there is none (~5-15 ms).
+    - The ``numba_extensions`` entry points of the installed packages, which Numba's first call of any kernel looks
+      up (``entrypoints.init_all``: importlib.metadata reads every distribution's entry points, 17-33 ms of CPU on
+      a loaded host): not run; the kernels are llampy's own and use no extension's types.
+    - Numba's runtime module (NRT), compiled by LLVM at the first kernel call of every process (~25-50 ms): loaded
+      from the cache instead (``backends/cpu/nrt_cache``, as ``install()`` does, within ``NUMBA_TESTED``; its file
+      loaded alone, as importing the cpu backend's package would cost 0.4 s).
+
+    Returns the numba module."""
+    if "numba" in sys.modules:
+        import numba
+        return numba
+    no_yaml = "yaml" not in sys.modules and not os.path.isfile(".numba_config.yaml")
+    if no_yaml:
+        sys.modules["yaml"] = None      # (an import of it raises ImportError: numba.core.config's _HAVE_YAML)
+    try:
+        import numba
+        from numba.core import entrypoints
+    finally:
+        if no_yaml and sys.modules.get("yaml", 0) is None:
+            del sys.modules["yaml"]
+    entrypoints._already_initialized = True
+    lo, hi = NUMBA_TESTED
+    if lo <= _numba_version() < hi:
+        name = __name__.rpartition(".")[0] + ".ggml.backends.cpu.nrt_cache"
+        mod = sys.modules.get(name)
+        if mod is None:
+            import importlib.util
+            path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ggml", "backends", "cpu", "nrt_cache.py")
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod     # (the backend's package, if it is imported later, finds it installed)
+            spec.loader.exec_module(mod)
+        mod.install()
+    return numba
 
 
 def resume_start_up_gc() -> None:

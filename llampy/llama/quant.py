@@ -689,25 +689,11 @@ def _helper_run(rfd: int, fd: int, jobs, offsets: list, scratch: np.ndarray) -> 
 
 
 def _import_numba(lean: bool):
-    """Numba, imported; ``lean`` (the quantize command's own process, before anything imported Numba): without two
-    things its start-up does that the quantize kernels never use. PyYAML, which numba.core.config imports only to
-    read a ``.numba_config.yaml`` in the working directory: not imported where there is none (~5-15 ms). And the
-    ``numba_extensions`` entry points of the installed packages, which Numba's first call of any kernel looks up
-    (``entrypoints.init_all``: importlib.metadata reads every distribution's entry points, 15-30 ms of the
-    command's start-up here): not run, as the kernels are llampy's own and use no extension's types."""
-    if not lean or "numba" in sys.modules:
-        import numba
-        return numba
-    no_yaml = "yaml" not in sys.modules and not os.path.isfile(".numba_config.yaml")
-    if no_yaml:
-        sys.modules["yaml"] = None      # (an import of it raises ImportError: numba.core.config's _HAVE_YAML)
-    try:
-        import numba
-        from numba.core import entrypoints
-    finally:
-        if no_yaml and sys.modules.get("yaml", 0) is None:
-            del sys.modules["yaml"]
-    entrypoints._already_initialized = True
+    """Numba, imported; ``lean``: as the quantize command's own process imports it (``tuning.lean_numba``)."""
+    if lean:
+        from .. import tuning
+        return tuning.lean_numba()
+    import numba
     return numba
 
 

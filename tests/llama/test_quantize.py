@@ -374,7 +374,10 @@ try:
 except quant.QuantizeError as e:
     print("error", e)
 from numba.core import entrypoints
-print("numba" in sys.modules, n[0], "yaml" in sys.modules, entrypoints._already_initialized)
+from numba.core.runtime import nrtdynmod
+nrt = nrtdynmod.compile_nrt_functions.__module__ == "llampy.ggml.backends.cpu.nrt_cache"
+print("numba" in sys.modules, n[0], "yaml" in sys.modules, entrypoints._already_initialized,
+      nrt and "llampy.ggml.backends.cpu" not in sys.modules)
 """
 
 
@@ -382,8 +385,9 @@ def test_helper_process_converts_while_numba_loads(tool, tmp_path):
     """In a process that has not loaded Numba, a forked helper converts the first tensors NumPy can while the
     kernels load, writing them into the output at their places: the file is llama-quantize's, byte for byte (the
     tied token_embd.weight goes to Q6_K, which needs the kernels; every other matrix can go to the helper). A helper
-    that fails fails the command, and leaves no file. Numba came without PyYAML and without running the installed
-    packages' Numba extensions (the kernels use none)."""
+    that fails fails the command, and leaves no file. Numba came as ``tuning.lean_numba`` brings it: without PyYAML,
+    without running the installed packages' Numba extensions, its runtime module from the cache (nrt_cache,
+    without importing the cpu backend)."""
     import sys
     src = tmp_path / "f16.gguf"
     write_random_llama(src, n_layer=2, dtype=np.float16, tied=True, seed=5)
@@ -393,9 +397,9 @@ def test_helper_process_converts_while_numba_loads(tool, tmp_path):
         p = subprocess.run([sys.executable, "-c", _HELPER_RUN, str(src), str(ours), ftype], capture_output=True,
                            text=True, cwd=ROOT)
         assert p.returncode == 0, p.stderr[-2000:]
-        kernels, taken, yaml, no_entry_points = p.stdout.split()
+        kernels, taken, yaml, no_entry_points, nrt_alone = p.stdout.split()
         assert kernels == "True" and int(taken) > 0, p.stdout
-        assert yaml == "False" and no_entry_points == "True", p.stdout     # _import_numba's lean start-up
+        assert (yaml, no_entry_points, nrt_alone) == ("False", "True", "True"), p.stdout     # tuning.lean_numba
         assert ours.read_bytes() == ref.read_bytes(), ftype
     bad = tmp_path / "bad.gguf"
     p = subprocess.run([sys.executable, "-c", _HELPER_RUN, str(src), str(bad), "fail"], capture_output=True,
