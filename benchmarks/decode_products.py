@@ -3,6 +3,7 @@
 
     python benchmarks/decode_products.py MODEL.gguf [-t 2] [--names attn_q ffn_gate ffn_down output] [--cache]
     python benchmarks/decode_products.py MODEL.gguf --pattern [--names all] [-r 6]
+    python benchmarks/decode_products.py MODEL.gguf --step [-r 4]
 
 From DRAM (default): every layer's matrix of a name in turn (layer 0, 1, ... so that no matrix is in cache when its
 turn comes; ``output`` alone, larger than the caches), ``-r`` passes, the best call's GB/s (bytes of the matrix /
@@ -19,6 +20,10 @@ bandwidth is the access pattern (memory side: the pattern reads no faster) or th
 ``--names all``: every matrix a decode step reads, so the sums are one token's products (the fused gate/up GLU run
 as two products). A name whose layers together fit the last-level cache (the 1B shape's attn_k and attn_v, 9-18
 MB) is read partly from it by both, so its figures exceed the DRAM rate; the sums are the decode's proportions.
+
+``--step``: the whole decode step instead, split by op: ``-r`` x 16 single-token decodes from an empty cache (as
+llama-bench's tg), every node's call timed (serve_profile's timed plans), per op its calls a token, best and median
+call, and the time a token in the products, in the other ops, around the nodes and outside the graph.
 
 A decode at two threads needs each thread to read half the bandwidth; where a kernel's in-cache rate a thread is not
 well above that, its instructions and its misses overlap little and decode stays below the bandwidth (benchmarks/
@@ -137,6 +142,68 @@ def with_pattern(reader, name, reps, rng):
     return wt.name, g, sum(w.nbytes for w in ws), best
 
 
+def step_split(path, reps, threads):
+    """``--step``: one decode step by op (see the module text); prints the lines."""
+    import collections
+
+    from llampy.ggml.backends.cpu import backend as cpu_backend
+    from llampy.ggml.types import GGMLType
+    from llampy.llama.batch import Batch
+    from llampy.llama.context import Context
+    from llampy.llama.model import Model
+    calls: dict = collections.defaultdict(list)
+    timing = [False]
+    bind = cpu_backend.CPUBackend._bind
+
+    def timed_bind(self, node):
+        call = bind(self, node)
+        src = node.src[0] if node.src else None
+        key = (node.op.name, GGMLType(src.type).name if src is not None else "")
+
+        def run():
+            if not timing[0]:
+                return call()
+            t0 = time.perf_counter()
+            call()
+            calls[key].append(time.perf_counter() - t0)
+        return run
+    cpu_backend.CPUBackend._bind = timed_bind
+    n_tok = 16 * reps
+    m = Model(path, n_threads=threads)
+    ctx = Context(m, n_ctx=n_tok + 1, n_batch=2048, n_ubatch=512)
+    graph = [0.0]
+    compute = ctx.sched.graph_compute
+
+    def timed_compute(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return compute(*a, **k)
+        finally:
+            graph[0] += time.perf_counter() - t0
+    ctx.sched.graph_compute = timed_compute
+    rng = np.random.default_rng(0)
+    for timed in (False, True):          # an untimed round first: kernels loaded, graphs built
+        ctx.kv_clear()
+        calls.clear()
+        graph[0] = 0.0
+        timing[0] = timed
+        t0 = time.perf_counter()
+        for i, t in enumerate(rng.integers(0, m.hparams.n_vocab, n_tok)):
+            ctx.decode(Batch.from_tokens([int(t)], pos0=i))
+        wall = time.perf_counter() - t0
+    ms = 1e3 / n_tok
+    tot = {k: sum(v) for k, v in calls.items()}
+    ops = sum(tot.values())
+    mm = sum(v for k, v in tot.items() if k[0].startswith("MUL_MAT"))
+    print(f"{Path(path).name}, {threads} threads: {wall * ms:.2f} ms a token (every node timed): products "
+          f"{mm * ms:.2f}, other ops {(ops - mm) * ms:.2f}, around the nodes {(graph[0] - ops) * ms:.2f}, outside graph_compute "
+          f"{(wall - graph[0]) * ms:.2f}; {sum(len(v) for v in calls.values()) // n_tok} nodes a token")
+    for k in sorted(tot, key=lambda k: -tot[k]):
+        ts = sorted(calls[k])
+        print(f"  {k[0]:15s} {k[1]:5s} {len(ts) // n_tok:3d} a token: best {ts[0] * 1e6:7.0f} us, median "
+              f"{ts[len(ts) // 2] * 1e6:7.0f} us, {tot[k] * ms:7.2f} ms a token")
+
+
 def in_cache(reader, name, reps, rng, ghz):
     from llampy.ggml.backends.cpu import matmul
     from llampy.ggml.types import GGMLType
@@ -169,6 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-stream", action="store_true", help="skip stream_read's bandwidth")
     ap.add_argument("--pattern", action="store_true",
                     help="beside each product, a streaming loop with its access pattern (passes alternating)")
+    ap.add_argument("--step", action="store_true", help="the whole decode step, split by op")
     a = ap.parse_args(argv)
     if a.names == ["all"]:
         a.names = ALL_NAMES
@@ -178,6 +246,9 @@ def main(argv=None) -> int:
     from llampy.gguf.reader import GGUFReader
     threads = 1 if a.cache else a.threads
     numba.set_num_threads(threads)
+    if a.step:
+        step_split(a.model, a.reps, threads)
+        return 0
     rng = np.random.default_rng(0)
     reader = GGUFReader(a.model)
     if not a.cache and not a.no_stream:
