@@ -307,12 +307,13 @@ def test_bound_decode_products_equal_mul_mat(wtype):
     decode kernel called directly) gives ``mul_mat``'s bits,
     also where it reuses the rounding of x that the plan's previous product of the same x left in the shared buffers
     (``reuse``), and so do the calls a plan makes in its place once the kernels are compiled (``direct``: the
-    kernels' entry points with the arguments bound), which a limit below the batch's rows leaves out."""
+    kernels' entry points with the arguments bound), which a limit below the batch's rows leaves out. Q4_1 and Q8_0
+    at 8 and 13 rows (a server's decode steps): the whole-row kernel's call bound with its chunk counter, run twice."""
     rng = np.random.default_rng(15)
     k, rows = 512, (32 if wtype == T.Q4_0 else 37)     # Q4_0: the rows llama.cpp repacks
     quant = (lambda w: lq.quantize(w, wtype)) if wtype == T.Q2_K else (lambda w: quantize_w(w, wtype))
     wa, wb = (quant(rng.standard_normal((rows, k)).astype(np.float32)) for _ in range(2))
-    for n in (1, 3):
+    for n in ((1, 3, 8, 13) if wtype in (T.Q4_1, T.Q8_0) else (1, 3)):
         x = act_data(rng, n, k)
         ref_a, ref_b = np.empty((n, rows), np.float32), np.empty((n, rows), np.float32)
         mm.mul_mat(wa, wtype, x, ref_a)
@@ -327,11 +328,12 @@ def test_bound_decode_products_equal_mul_mat(wtype):
         # what the plan runs instead once the kernels are compiled: the same calls on their entry points
         fast = resolve_calls([run_a, run_b])
         assert all(isinstance(c, functools.partial) for c in fast), fast
-        out_a[...] = out_b[...] = np.nan
-        mm.act_scratch(n, k, wtype).xq[...] = 0
-        for c in fast:
-            c()
-        assert np.array_equal(out_a, ref_a) and np.array_equal(out_b, ref_b), n
+        for _ in range(2):
+            out_a[...] = out_b[...] = np.nan
+            mm.act_scratch(n, k, wtype).xq[...] = 0
+            for c in fast:
+                c()
+            assert np.array_equal(out_a, ref_a) and np.array_equal(out_b, ref_b), n
         # bound under a row limit below n: the checked call alone
         assert getattr(mm.bind_mul_mat(wa, wtype, x, out_a, lambda: n - 1), "direct", None) is None
 

@@ -18,6 +18,19 @@ from __future__ import annotations
 import functools
 
 
+def prange_only() -> dict:
+    """Numba's ``parallel=`` options for a kernel whose only parallel loop is its ``prange``: with
+    ``parallel=True`` Numba also turns each array allocation and array expression of the kernel's serial part
+    (``np.zeros``, ``a[:] = b``, element-wise arithmetic) into a parallel region of its own, started and joined
+    on every call. A decode step's whole-row product (``dot_whole``) lays out its activations that way before its
+    ``prange``: ~4.5 us of a call on one thread and ~6 us on two went to those regions (Q4_1, 8 activation rows,
+    192 to 1536 weight rows: 27.1 -> 21.2 us at 192 rows, two threads), some 210 calls in a SmolLM2 step. The
+    same loops, run by the calling thread, give the same values. A new dict on every call: Numba's
+    ``ParallelOptions`` empties the dict it is given."""
+    return dict(comprehension=False, reduction=False, inplace_binop=False, setitem=False, numpy=False,
+                stencil=False, fusion=False, prange=True)
+
+
 class Prepare:
     """A step that the calls after it in a run rely on, which another step of the same ``key`` repeats for nothing:
     refilling the cos/sin tables of a positions input, testing that an input's row indices are in range. Steps of

@@ -9,10 +9,11 @@ import numpy as np
 from numba import njit, prange
 
 from .claims import claim, workers
-from .dot_q32 import (K_Q4_0, K_Q4_1, K_Q8_0, ROW_CHUNK, TILE16, _act_offset, _block, _block_bytes, _group_row,
+from .direct import Direct, prange_only
+from .dot_q32 import (K_Q4_0, K_Q4_1, K_Q8_0, ROW_CHUNK, ROWS16_MIN_N, TILE16, _act_offset, _block, _block_bytes, _group_row,
                       _offset_lane_sums, _rows4, _signed, _tile8, _tiles_q4_0, _tiles_q4_1, _tiles_q8_0, _wblock,
                       prefetch_row)
-from .simd import (f16_at, f32x8_add, f32x8_fma, f32x8_fma_s, f32x8_hsum, f32x8_hsum8, f32x8_load, f32x8_scale,
+from .simd import (ROWS16, f16_at, f32x8_add, f32x8_fma, f32x8_fma_s, f32x8_hsum, f32x8_hsum8, f32x8_load, f32x8_scale,
                    f32x8_store, f32x8_zero, i32x8_to_f32x8, wdot, wsum_neg128, xdot)
 
 # Up to this many activation rows (a server's decode steps: one row per stream) the eight-row tiles take whole weight
@@ -145,6 +146,7 @@ def _mv_whole(w, xq, xd, xs, out, tab, kind, counter, n_workers):
     xg = _group_rows(kind, xq, n_c)
     xls = _offset_lane_sums(kind, xq)
     n_chunks = (rows + ROW_CHUNK - 1) // ROW_CHUNK
+    counter[0] = 0          # a plan's bound call passes the same counter every run
     for _ in prange(n_workers):
         dvb = np.empty((nb, 8), np.float32)
         accb = np.empty((9, 8), np.float32)
@@ -188,18 +190,19 @@ def _mv_whole(w, xq, xd, xs, out, tab, kind, counter, n_workers):
                     orow[rr] = f32x8_hsum(a) + sm
 
 
-# ggml's Q8_0/Q4_0 have no min: their summs stays 0 and ``hsum + 0`` is the hsum itself
-@njit(parallel=True, cache=True, nogil=True)
+# ggml's Q8_0/Q4_0 have no min: their summs stays 0 and ``hsum + 0`` is the hsum itself. One parallel region a call,
+# the prange's (``direct.prange_only``): the activations' layout before it stays on the calling thread.
+@njit(parallel=prange_only(), cache=True, nogil=True)
 def _whole_q8_0(w, xq, xd, xs, out, tab, counter, n_workers):
     _mv_whole(w, xq, xd, xs, out, tab, K_Q8_0, counter, n_workers)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=prange_only(), cache=True, nogil=True)
 def _whole_q4_0(w, xq, xd, xs, out, tab, counter, n_workers):
     _mv_whole(w, xq, xd, xs, out, tab, K_Q4_0, counter, n_workers)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=prange_only(), cache=True, nogil=True)
 def _whole_q4_1(w, xq, xd, xs, out, tab, counter, n_workers):
     _mv_whole(w, xq, xd, xs, out, tab, K_Q4_1, counter, n_workers)
 
@@ -207,6 +210,7 @@ def _whole_q4_1(w, xq, xd, xs, out, tab, counter, n_workers):
 # the whole-row tiles by the span tiles they replace (``whole_rows``); Q5_0 and Q5_1 keep their sixteen-row tiles
 WHOLE_KERNELS = {_tiles_q8_0: _whole_q8_0, _tiles_q4_0: _whole_q4_0, _tiles_q4_1: _whole_q4_1}
 WHOLE_KINDS = {"q8_0": K_Q8_0, "q4_0": K_Q4_0, "q4_1": K_Q4_1}
+_WHOLE_BY_NAME = {"q8_0": _whole_q8_0, "q4_0": _whole_q4_0, "q4_1": _whole_q4_1}
 _KINDS = {_tiles_q8_0: K_Q8_0, _tiles_q4_0: K_Q4_0, _tiles_q4_1: K_Q4_1}
 
 
@@ -224,3 +228,20 @@ def mv_whole(tiles, w, xq, xd, xs, out, tab):
         return 0
     whole(w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-w.shape[0] // ROW_CHUNK)))
     return n
+
+
+def whole_call(name, w, xq, xd, xs, out, tab):
+    """A plan's product ``dot_q32.mv_<name>(w, xq, xd, xs, out, tab)`` as one ``Direct`` call of its whole-row kernel,
+    where ``_mv_legacy`` would hand all n activation rows to ``mv_whole`` (n >= 2, no sixteen-row tiles for them on
+    this CPU, ``mv_whole``'s conditions); else None. The same kernel and arguments, so the same bits; the plan's
+    fast run skips the three Python functions and the dispatcher's typing in between (~4 us a product, ~210
+    products in a SmolLM2 decode step). Its chunk counter is bound once (the kernel zeroes it) and its worker count
+    is the thread count at binding (a later, narrower pool runs the extra workers' empty claims)."""
+    n, k = xq.shape
+    whole = _WHOLE_BY_NAME.get(name)
+    if whole is None or n < 2 or (n - n % 8 >= ROWS16_MIN_N and ROWS16 and w.shape[0] >= 16):
+        return None
+    n_t, n4 = tile_rows(WHOLE_KINDS[name], n)
+    if not (n_t or n4) or not whole_rows(max(n_t, 8), k // 32):
+        return None
+    return Direct(whole, w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-w.shape[0] // ROW_CHUNK)))

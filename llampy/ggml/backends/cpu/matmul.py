@@ -162,6 +162,10 @@ def bind_mul_mat(w: np.ndarray, wtype: GGMLType, x: np.ndarray, out: np.ndarray,
             if not reuse:
                 quantize(x, xq, xd, xs, with_s)
             kernel(w, xq, xd, xs, out, tab)
+        # a server's decode step (2-32 rows): the kernel's whole-row call itself, bound (dot_whole.whole_call)
+        whole = dot_whole.whole_call(wtype.name.lower(), w, xq, xd, xs, out, tab) if rest is None else None
+        if whole is not None:
+            return _direct(run, n, limit_fn, *(() if reuse else (Direct(quantize, x, xq, xd, xs, with_s),)), whole)
         return run
 
     kq = _k_decode_kernel(w, wtype, n)
