@@ -158,7 +158,8 @@ def step_split(path, reps, threads):
     def timed_bind(self, node):
         call = bind(self, node)
         src = node.src[0] if node.src else None
-        key = (node.op.name, GGMLType(src.type).name if src is not None else "")
+        key = (node.op.name, GGMLType(src.type).name if src is not None else "",
+               "x".join(str(int(v)) for v in src.ne[:2]) if src is not None else "")
 
         def run():
             if not timing[0]:
@@ -198,10 +199,13 @@ def step_split(path, reps, threads):
     print(f"{Path(path).name}, {threads} threads: {wall * ms:.2f} ms a token (every node timed): products "
           f"{mm * ms:.2f}, other ops {(ops - mm) * ms:.2f}, around the nodes {(graph[0] - ops) * ms:.2f}, outside graph_compute "
           f"{(wall - graph[0]) * ms:.2f}; {sum(len(v) for v in calls.values()) // n_tok} nodes a token")
+    best = 0.0
     for k in sorted(tot, key=lambda k: -tot[k]):
         ts = sorted(calls[k])
-        print(f"  {k[0]:15s} {k[1]:5s} {len(ts) // n_tok:3d} a token: best {ts[0] * 1e6:7.0f} us, median "
+        best += ts[0] * len(ts) / n_tok
+        print(f"  {k[0]:15s} {k[1]:5s} {k[2]:12s} {len(ts) // n_tok:3d} a token: best {ts[0] * 1e6:7.0f} us, median "
               f"{ts[len(ts) // 2] * 1e6:7.0f} us, {tot[k] * ms:7.2f} ms a token")
+    print(f"  every node at its best call: {best * 1e3:.2f} ms a token")
 
 
 def in_cache(reader, name, reps, rng, ghz):
