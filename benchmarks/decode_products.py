@@ -197,8 +197,8 @@ def step_split(path, reps, threads):
     ops = sum(tot.values())
     mm = sum(v for k, v in tot.items() if k[0].startswith("MUL_MAT"))
     print(f"{Path(path).name}, {threads} threads: {wall * ms:.2f} ms a token (every node timed): products "
-          f"{mm * ms:.2f}, other ops {(ops - mm) * ms:.2f}, around the nodes {(graph[0] - ops) * ms:.2f}, outside graph_compute "
-          f"{(wall - graph[0]) * ms:.2f}; {sum(len(v) for v in calls.values()) // n_tok} nodes a token")
+          f"{mm * ms:.2f}, other ops {(ops - mm) * ms:.2f}, around the nodes {(graph[0] - ops) * ms:.2f}, outside "
+          f"graph_compute {(wall - graph[0]) * ms:.2f}; {sum(len(v) for v in calls.values()) // n_tok} nodes a token")
     best = 0.0
     for k in sorted(tot, key=lambda k: -tot[k]):
         ts = sorted(calls[k])
