@@ -348,7 +348,7 @@ def make_qx(x, w, nmax, L, acc):
 
 
 # ------------------------------------------------------------------------------------------------ quantize
-# One kernel per type: prange over chunks of CHUNK super-blocks (the scratch arrays allocated once per chunk).
+# One kernel per type: prange over chunks of CHUNK super-blocks (each chunk with its row of the scratch arrays).
 # ``b`` [n, 256] float32 blocks, ``out`` [n, type_size] uint8; a block's bytes are written in its struct's order.
 
 CHUNK = 16
@@ -391,15 +391,10 @@ def q2_k_pack(x, sc, d, dmin, L, o):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _q2_k_rows(b, out):
+def _q2_k_rows(b, out, sw, sacc, sL, sscales, smins, ssc):
     n = b.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
-        w = np.empty(16, np.float32)
-        acc = np.empty((7, QKX_LANES), np.float32)
-        L = np.empty(QK_K, np.uint8)
-        scales = np.empty(16, np.float32)
-        mins = np.empty(16, np.float32)
-        sc = np.empty(16, np.uint8)
+        w, acc, L, scales, mins, sc = sw[c], sacc[c], sL[c], sscales[c], smins[c], ssc[c]
         for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
             x = b[i]
             max_scale = F32(0.0)
@@ -464,16 +459,10 @@ def q3_k_pack(x, ls, d, L, o):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _q3_k_rows(b, out):
+def _q3_k_rows(b, out, sL, sscales, sls, sX, sW, sLf, sacc):
     n = b.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
-        L = np.empty(QK_K, np.int8)
-        scales = np.empty(16, np.float32)
-        ls = np.empty(16, np.uint8)
-        X = np.empty((16, 16), np.float32)
-        W = np.empty((16, 16), np.float32)
-        Lf = np.empty((16, 16), np.float32)
-        acc = np.empty((5, 16), np.float32)
+        L, scales, ls, X, W, Lf, acc = sL[c], sscales[c], sls[c], sX[c], sW[c], sLf[c], sacc[c]
         for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
             x = b[i]
             make_q3_lanes(x, X, W, Lf, acc, L, scales)
@@ -533,16 +522,10 @@ def q45_k_pack(x, ls, lm, d, dmin, L, o, nmax):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _q45_k_rows(b, out, nmax, rmin, nstep):
+def _q45_k_rows(b, out, sw, sacc, sL, sscales, smins, sls, slm, nmax, rmin, nstep):
     n = b.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
-        w = np.empty(32, np.float32)
-        acc = np.empty((7, QKX_LANES), np.float32)
-        L = np.empty(QK_K, np.uint8)
-        scales = np.empty(8, np.float32)
-        mins = np.empty(8, np.float32)
-        ls = np.empty(8, np.uint8)
-        lm = np.empty(8, np.uint8)
+        w, acc, L, scales, mins, ls, lm = sw[c], sacc[c], sL[c], sscales[c], smins[c], sls[c], slm[c]
         for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
             x = b[i]
             max_scale = F32(0.0)
@@ -607,13 +590,10 @@ def q6_k_pack(x, scales, L, o):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _q6_k_rows(b, out):
+def _q6_k_rows(b, out, sL, sscales, sw, sacc):
     n = b.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
-        L = np.empty(QK_K, np.int8)
-        scales = np.empty(16, np.float32)
-        w = np.empty(16, np.float32)
-        acc = np.empty((3, QX_STEPS), np.float32)
+        L, scales, w, acc = sL[c], sscales[c], sw[c], sacc[c]
         for i in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
             for j in range(16):
                 xj = b[i, 16 * j:16 * j + 16]
@@ -623,31 +603,44 @@ def _q6_k_rows(b, out):
             q6_k_pack(b[i], scales, L, out[i])
 
 
-def _run(kernel, x, type_size, *args):
+# each kernel's scratch, one row per chunk of CHUNK blocks (shape after the chunk's index, dtype): made here rather
+# than by np.empty in the kernels, whose cached code then rebuilds no environment of numba.np.arrayobj when it loads
+# (that import, with charseq and unicode, was ~20-35 ms of a quantize run's first k-quant kernel)
+_SCRATCH_Q2 = (((16,), F32), ((7, QKX_LANES), F32), ((QK_K,), np.uint8), ((16,), F32), ((16,), F32),
+               ((16,), np.uint8))
+_SCRATCH_Q3 = (((QK_K,), np.int8), ((16,), F32), ((16,), np.uint8), ((16, 16), F32), ((16, 16), F32),
+               ((16, 16), F32), ((5, 16), F32))
+_SCRATCH_Q45 = (((32,), F32), ((7, QKX_LANES), F32), ((QK_K,), np.uint8), ((8,), F32), ((8,), F32),
+                ((8,), np.uint8), ((8,), np.uint8))
+_SCRATCH_Q6 = (((QK_K,), np.int8), ((16,), F32), ((16,), F32), ((3, QX_STEPS), F32))
+
+
+def _run(kernel, x, type_size, scratch, *args):
     b, lead = to_blocks(x, QK_K)
     out = np.empty((len(b), type_size), np.uint8)
-    kernel(b, out, *args)
+    nch = (len(b) + CHUNK - 1) // CHUNK
+    kernel(b, out, *(np.empty((nch,) + shape, dt) for shape, dt in scratch), *args)
     return out.reshape(lead + (x.shape[-1] // QK_K * type_size,))
 
 
 def quantize_q2_k(x):
-    return _run(_q2_k_rows, x, 84)
+    return _run(_q2_k_rows, x, 84, _SCRATCH_Q2)
 
 
 def quantize_q3_k(x):
-    return _run(_q3_k_rows, x, 110)
+    return _run(_q3_k_rows, x, 110, _SCRATCH_Q3)
 
 
 def quantize_q4_k(x):
-    return _run(_q45_k_rows, x, 144, 15, F32(-1.0), 20)
+    return _run(_q45_k_rows, x, 144, _SCRATCH_Q45, 15, F32(-1.0), 20)
 
 
 def quantize_q5_k(x):
-    return _run(_q45_k_rows, x, 176, 31, F32(-0.5), 15)
+    return _run(_q45_k_rows, x, 176, _SCRATCH_Q45, 31, F32(-0.5), 15)
 
 
 def quantize_q6_k(x):
-    return _run(_q6_k_rows, x, 210)
+    return _run(_q6_k_rows, x, 210, _SCRATCH_Q6)
 
 
 QUANT = {T.Q2_K: quantize_q2_k, T.Q3_K: quantize_q3_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
