@@ -184,7 +184,7 @@ def run_load(url: str, streams: int, requests: int, n_tokens: int, models: list)
     """``requests`` streamed completions, ``streams`` at a time; request i asks for models[i % len(models)].
     One thread of this process runs every stream (asyncio, a raw HTTP/1.1 connection each, see one_stream), so that
     the load generator takes little CPU from the server it measures on the same host: 32 threads of httpx clients
-    that parsed every event's JSON took ~0.57 ms of CPU per generated token, ~6% of the host's CPU per token at 32
+    that parsed every event's JSON took ~0.57 ms of CPU per generated token, ~7% of the CPU a token took at 32
     streams. ``client_ms_tok``: this process's CPU per generated token during the run."""
     c0 = time.process_time()
     res, wall = asyncio.run(_load(url, streams, requests, n_tokens, models))
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         args.model_names = ["default"]
         n_par = max(args.streams)
     rows = []
-    # each server in its own process, as in production: the load generator's threads must not share its GIL
+    # each server in its own process, as in production: the load generator must not share its GIL
     with open(HERE / ".serve_load.log", "w") as log:
         port = free_port()
         model_args = routed if models_dir else []
