@@ -210,6 +210,7 @@ def test_requests_arriving_together_at_an_idle_engine_start_in_one_step(llama_se
     from llampy.llama.sampling import Chain
     from llampy.server import slots
     monkeypatch.setattr(slots, "GATHER_GAP_S", 0.1)     # wide enough for a loaded host's 5 ms sleeps
+    monkeypatch.setattr(slots, "GATHER_MAX_S", 1.0)
     eng = slots.Engine(llama_server.model, n_parallel=3, n_ctx=192)
     try:
         t0 = time.time()
