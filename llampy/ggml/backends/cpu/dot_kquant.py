@@ -19,13 +19,13 @@ lanes, which widens to eight int32 lanes of four products times the scale — th
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dot_q32 import (OUT_AHEAD, ROW_CHUNK, _store8, prefetch_base, prefetch_byte, prefetch_row, prefetch_write,
-                      rows16_transpose)
+from .dot_q32 import (OUT_AHEAD, ROW_CHUNK, _prefetch, _store8, prefetch_base, prefetch_byte, prefetch_row,
+                      prefetch_write, rows16_transpose)
 from .dot_kquant_scalar import _scale_min
 from .simd import (AVX2, VNNI, _V_F32x8, _V_I32x8, _I16, _I32, _I8, _call, _elem_ptr, _load, _ptr, f32x8, f32x8_fma, f32x8_hsum, f32x8_lane,
                    f32x8_load, f32x8_scale, f32x8_sub, f32x8_zero, f16_at, fma32, i32x8, i32x8_add,
@@ -454,17 +454,35 @@ def _scale_bytes_dup(context, builder, aryty, ary, r, k, o):
     return builder.bitcast(_shuf(builder, v, v, [0, 1, 0, 1]), _V32)
 
 
+def _prefetch_here(builder, ptr):
+    """A read prefetch of the line at ``ptr`` kept where it stands among the step's instructions: on AVX2 an inline
+    ``prefetcht0`` with side effects, which LLVM does not move past the loads around it (its ``llvm.prefetch``
+    calls it gathers into one burst at the end of the step); elsewhere ``llvm.prefetch``. Numba's JIT parses
+    inline assembly only once the native asm parser is registered (idempotent)."""
+    if not AVX2:
+        return _prefetch(builder, ptr, False)
+    binding.initialize_native_asmparser()
+    builder.asm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetcht0 ($0)", "r", [ptr], True)
+
+
+PF_STEP = 8 * 144                       # bytes of one eight-row Q4_K gemv step
+PF_LINES = (PF_STEP + 63) // 64 + 1     # ``prefetch_span``'s lines for it
+
+
 @intrinsic
-def q4k_gemv8(typingctx, w, r, o, x, xo, bs, bo):
+def q4k_gemv8(typingctx, w, r, o, x, xo, bs, bo, pa):
     """The super-blocks at byte o of rows r..r+7 of w against the 256 activations at byte xo of x: (isum, imin),
     two i32x8 with the rows as lanes: isum lane k = sum over sub-blocks j of sc_j * (q_j . x_j) of row k, imin lane
     k = sum over j of m_j * (bs[bo + 2j] + bs[bo + 2j + 1]) (the int16 block sums ``bs``). The integers of
     ``q4k_sb`` / ``k_min_lanes`` reduced by ``hsum8x``, computed pair by pair of sub-blocks across the eight rows
     (each pair's 64 activations loaded once, eight accumulators live: no spills), each row's scales as bytes in
-    both halves so one vpshufb broadcasts a scale."""
+    both halves so one vpshufb broadcasts a scale. ``pa``: the step's share of the rows ahead (``prefetch_span``'s
+    PF_LINES lines, bytes pa + 64 j of w), two or three lines before each pair's loads: LLVM gathered the
+    ``prefetch_span`` calls into one burst of 19 at the step's end."""
     def codegen(context, builder, sig, args):
         wt, wa, rr, o = sig.args[0], args[0], args[1], args[2]
         xt, xa, xo = sig.args[3], args[3], args[4]
+        pdata = builder.bitcast(context.make_array(wt)(context, builder, wa).data, _I8.as_pointer())
         v4 = ir.VectorType(_I32, 4)
         bsv = _load(builder, _elem_ptr(context, builder, sig.args[5], args[5], args[6], _W16))
         sums, mins = [], []
@@ -473,6 +491,10 @@ def q4k_gemv8(typingctx, w, r, o, x, xo, bs, bo):
             sbs = {k: _scale_bytes_dup(context, builder, wt, wa, rr, k, o) for k in rows}
             acc = {}
             for p in range(4):
+                for j in range(PF_LINES):
+                    if j * 8 // PF_LINES == 4 * half + p:
+                        pj = builder.add(args[7], ir.Constant(args[7].type, 64 * j))
+                        _prefetch_here(builder, builder.gep(pdata, [pj]))
                 xl = _load32(context, builder, xt, xa, xo, 64 * p)
                 xh = _load32(context, builder, xt, xa, xo, 64 * p + 32)
                 qo = builder.add(o, ir.Constant(o.type, 16 + 32 * p))
@@ -501,7 +523,7 @@ def q4k_gemv8(typingctx, w, r, o, x, xo, bs, bo):
             return builder.add(_shuf(builder, lo, hi, [0, 1, 2, 3, 8, 9, 10, 11]),
                                _shuf(builder, lo, hi, [4, 5, 6, 7, 12, 13, 14, 15]))
         return context.make_tuple(builder, sig.return_type, [fold(*sums), fold(*mins)])
-    return types.UniTuple(i32x8, 2)(w, types.intp, types.intp, x, types.intp, bs, types.intp), codegen
+    return types.UniTuple(i32x8, 2)(w, types.intp, types.intp, x, types.intp, bs, types.intp, types.intp), codegen
 
 
 @njit(cache=True, inline="always")
@@ -515,9 +537,9 @@ def _x8_gemv(w, r, xq, xd, bsums, out, i0, i1, nb):
         acc = f32x8_zero()
         accm = f32x8_zero()
         for b in range(nb):
-            prefetch_span(w, pb, b, 8 * 144)
             o = b * 144
-            isum, imin = q4k_gemv8(w, r, o, xr, b * 256, bs, b * 16)
+            pa = max(0, min(pb[0] + b * PF_STEP, pb[1] - 64 * (PF_LINES - 1)))    # prefetch_span's window
+            isum, imin = q4k_gemv8(w, r, o, xr, b * 256, bs, b * 16, pa)
             dr, er = f16_rows8x2(w, r, o)
             acc = f32x8_fmav(i32x8_to_f32x8(isum), f32x8_mul_s(dr, xd[i, b]), acc)
             accm = f32x8_fmav(i32x8_to_f32x8(imin), f32x8_mul_s(er, xd[i, b]), accm)
