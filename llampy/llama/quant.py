@@ -636,18 +636,16 @@ class _Helper:
         """Whether the helper converts tensor ``i`` (claimed now if neither has it yet)."""
         if i not in self.cands or i in self.mine:
             return False
-        while not self.drained and self.last < i:
-            j = self._read()
-            if j is None:
-                self.drained = True
-                break
-            self.mine.add(j)
-            self.last = j
+        self._claim(i)
         return i not in self.mine
 
     def stop(self) -> None:
         """Takes every index the helper has not read: it ends after the tensor it is converting."""
-        while not self.drained:
+        self._claim()
+
+    def _claim(self, upto: int | None = None) -> None:
+        """Reads indices (each one read here is this process's) until one at or past ``upto``, or until none is left."""
+        while not self.drained and (upto is None or self.last < upto):
             j = self._read()
             if j is None:
                 self.drained = True
@@ -698,11 +696,9 @@ def _import_numba(lean: bool):
 
 
 def _helper_candidates(jobs) -> list:
-    """The tensors a helper process may convert: those NumPy converts to the kernels' bytes (``_needs_kernels``)."""
-    from ..ggml.quants_np import NUMPY_TYPES
+    """The tensors a helper process may convert: those NumPy converts to the kernels' bytes (``_numpy_converts``)."""
     return [i for i, (_, ti, _, new_type, _, im) in enumerate(jobs)
-            if new_type != ti.type and new_type in NUMPY_TYPES and ti.type in (T.F32, T.F16, T.BF16)
-            and (im is None or new_type in (T.F32, T.F16, T.BF16, T.Q8_0))]
+            if new_type != ti.type and _numpy_converts(ti, new_type, im)]
 
 
 def _quantize(r, out, params: QuantizeParams, log, progress, t0, own_process=False) -> QuantizeResult:
@@ -869,17 +865,23 @@ _NUMPY_UNITS_PER_THREAD = 250_000_000
 _NUMPY_UNITS = {T.BF16: 0, T.Q8_0: 4, T.Q4_0: 4, T.Q5_0: 4, T.Q4_1: 7, T.Q5_1: 7}
 
 
+def _numpy_converts(ti, new_type, im) -> bool:
+    """Whether NumPy (``quants_np``) converts tensor ``ti`` to ``new_type`` with the kernels' bytes: its type and input
+    are NumPy's, and an importance matrix, if any, is one ggml does not weigh this type by."""
+    from ..ggml.quants_np import NUMPY_TYPES
+    if new_type not in NUMPY_TYPES or ti.type not in (T.F32, T.F16, T.BF16):
+        return False
+    return im is None or new_type in (T.F32, T.F16, T.BF16, T.Q8_0)     # ggml weighs the others by it
+
+
 def _needs_kernels(jobs, nthread: int) -> bool:
     """Whether the Numba kernels quantize this file: a type, input or importance matrix only they handle, or enough
     work that their speed pays for their start-up (the bytes are the same either way)."""
-    from ..ggml.quants_np import NUMPY_TYPES
     units = 0
     for _, ti, _, new_type, _, im in jobs:
         if new_type == ti.type:
             continue
-        if new_type not in NUMPY_TYPES or ti.type not in (T.F32, T.F16, T.BF16):
-            return True
-        if im is not None and new_type not in (T.F32, T.F16, T.BF16, T.Q8_0):    # ggml weighs these by it
+        if not _numpy_converts(ti, new_type, im):
             return True
         units += ti.n_elements * _NUMPY_UNITS.get(new_type, 1 if ti.type == T.F16 else 0)
     return units > _NUMPY_UNITS_PER_THREAD * max(1, nthread)
