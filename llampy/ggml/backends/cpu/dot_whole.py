@@ -214,6 +214,13 @@ _WHOLE_BY_NAME = {"q8_0": _whole_q8_0, "q4_0": _whole_q4_0, "q4_1": _whole_q4_1}
 _KINDS = {_tiles_q8_0: K_Q8_0, _tiles_q4_0: K_Q4_0, _tiles_q4_1: K_Q4_1}
 
 
+def _takes(kind, n: int, k: int) -> bool:
+    """Whether the whole-row kernel of ``kind`` takes n activation rows of k values: a tile takes some of them
+    (``tile_rows``) and ``whole_rows`` holds."""
+    n_t, n4 = tile_rows(kind, n)
+    return bool(n_t or n4) and whole_rows(max(n_t, 8), k // 32)
+
+
 def mv_whole(tiles, w, xq, xd, xs, out, tab):
     """``dot_q32._mv_legacy``'s activation rows (n >= 2; fewer than ``ROWS16_MIN_N`` in groups of eight, or no
     sixteen-row tiles on this CPU) on the whole-row kernel that replaces its span tiles ``tiles``, where there is
@@ -221,10 +228,7 @@ def mv_whole(tiles, w, xq, xd, xs, out, tab):
     from the start, all n (0: none, the caller's tiles and decode form take them)."""
     n, k = xq.shape
     whole = WHOLE_KERNELS.get(tiles)
-    if whole is None:
-        return 0
-    n_t, n4 = tile_rows(_KINDS[tiles], n)
-    if not (n_t or n4) or not whole_rows(max(n_t, 8), k // 32):
+    if whole is None or not _takes(_KINDS[tiles], n, k):
         return 0
     whole(w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-w.shape[0] // ROW_CHUNK)))
     return n
@@ -239,9 +243,7 @@ def whole_call(name, w, xq, xd, xs, out, tab):
     is the thread count at binding (a later, narrower pool runs the extra workers' empty claims)."""
     n, k = xq.shape
     whole = _WHOLE_BY_NAME.get(name)
-    if whole is None or n < 2 or (n - n % 8 >= ROWS16_MIN_N and ROWS16 and w.shape[0] >= 16):
-        return None
-    n_t, n4 = tile_rows(WHOLE_KINDS[name], n)
-    if not (n_t or n4) or not whole_rows(max(n_t, 8), k // 32):
+    if (whole is None or n < 2 or (n - n % 8 >= ROWS16_MIN_N and ROWS16 and w.shape[0] >= 16)
+            or not _takes(WHOLE_KINDS[name], n, k)):
         return None
     return Direct(whole, w, xq, xd, xs, out, tab, np.zeros(1, np.int64), workers(-(-w.shape[0] // ROW_CHUNK)))
