@@ -276,6 +276,13 @@ class GGUFWriter:
                 self._write_to(f, head, progress)
 
     def _write_to(self, f, head: bytes, progress=None) -> None:
+        splice = _Splice()
+        try:
+            self._write_tensors(f, head, progress, splice)
+        finally:
+            splice.close()
+
+    def _write_tensors(self, f, head: bytes, progress, splice) -> None:
         f.write(head)
         hole = 0                      # zero bytes still owed: skipped over, then made a hole by truncate
         for i, (name, _, _, raw) in enumerate(self.tensors):
@@ -300,7 +307,7 @@ class GGUFWriter:
                 f.seek(hole, os.SEEK_CUR)
                 hole = 0
             if isinstance(raw, FileRange):
-                _copy_range(f, raw)
+                _copy_range(f, raw, splice)
             else:
                 f.write(memoryview(raw))  # no copy of the (possibly mmap-backed) bytes
             f.write(b"\0" * pad)
@@ -316,31 +323,107 @@ WRITTEN_ELSEWHERE = type("WrittenElsewhere", (), {"__repr__": lambda self: "WRIT
 class FileRange(NamedTuple):
     """Tensor bytes that lie in another file (``fd`` open for reading, from byte ``offset``): what an
     ``add_tensor_lazy`` maker may return for a tensor it copies unchanged, such as ``llampy quantize``'s norms or
-    a COPY. The kernel copies them (copy_file_range): nothing is mapped or read into the process."""
+    a COPY. The kernel copies them (splice through a pipe, else copy_file_range): nothing is mapped or read into the
+    process."""
     fd: int
     offset: int
     nbytes: int
 
 
-def _copy_range(f, src: FileRange) -> None:
-    """Appends ``src``'s bytes to the binary file object ``f``: in the kernel where ``f`` is a file on the same
-    kind of file system, else through a buffer."""
+# the pipe that carries FileRange bytes: 1 MiB (the most an unprivileged process may set, fs/pipe-max-size's default)
+# rather than the 64 KiB of a pipe's default, which is also all that copy_file_range's own pipe holds on a file system
+# that does not share blocks (ext4: do_splice_direct): 16 times fewer passes, each writing the output's page cache in
+# larger folios. Copying the 1B file's 3 GB on ext4 (2 cores, a VM), each way in a fresh process: 1.29-1.49 s against
+# 1.95-2.23 by copy_file_range; quantize COPY / F16 of that file 1.6-3.3 s against 2.3-4.4
+_PIPE_BYTES = 1 << 20
+
+
+class _Splice:
+    """Copies between two files through a pipe of ``_PIPE_BYTES`` (splice: the source's page-cache pages enter the
+    pipe by reference and are copied once, into the output's pages). Made when ``write`` first copies a range and
+    closed after the file; ``ok`` turns false where splice fails between these files."""
+
+    def __init__(self):
+        self.ok = hasattr(os, "splice")
+        self.fds = None
+
+    def _pipe(self):
+        if self.fds is None:
+            r, w = os.pipe()
+            cap = 1 << 16
+            try:
+                import fcntl
+                for size in (_PIPE_BYTES, 1 << 18):
+                    try:
+                        cap = fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, size)
+                        break
+                    except OSError:     # over fs/pipe-max-size: a smaller one, else the default
+                        continue
+            except (ImportError, AttributeError):
+                pass
+            self.fds = (r, w, cap)
+        return self.fds
+
+    def copy(self, src_fd: int, src_off: int, fd: int, pos: int, n: int) -> int:
+        """Copies up to ``n`` bytes from ``src_fd`` at ``src_off`` to ``fd`` at ``pos``; the count copied (short where
+        the source ends, or where splice fails: then ``ok`` is false)."""
+        r, w, cap = self._pipe()
+        done = 0
+        while done < n:
+            try:
+                k = os.splice(src_fd, w, min(cap, n - done), offset_src=src_off + done)
+            except OSError:
+                self.ok = False
+                return done
+            if k <= 0:
+                return done
+            m = 0
+            try:
+                while m < k:
+                    m += os.splice(r, fd, k - m, offset_dst=pos + done + m)
+            except OSError:             # what the pipe holds goes out by write; the rest by the caller's means
+                self.ok = False
+                while m < k:
+                    chunk = memoryview(os.read(r, k - m))
+                    if not chunk:
+                        break
+                    while chunk:
+                        wrote = os.pwrite(fd, chunk, pos + done + m)
+                        chunk, m = chunk[wrote:], m + wrote
+                return done + m
+            done += k
+        return done
+
+    def close(self) -> None:
+        if self.fds is not None:
+            os.close(self.fds[0])
+            os.close(self.fds[1])
+            self.fds = None
+
+
+def _copy_range(f, src: FileRange, splice: _Splice | None = None) -> None:
+    """Appends ``src``'s bytes to the binary file object ``f``: in the kernel where ``f`` is a file (splice, else
+    copy_file_range), else through a buffer."""
     off, left = src.offset, src.nbytes
     try:
         fd = f.fileno()
     except (AttributeError, OSError, ValueError):           # io.BytesIO and the like
         fd = None
-    if fd is not None and hasattr(os, "copy_file_range"):
+    if fd is not None:
         f.flush()
         pos = f.tell()
-        try:
-            while left:
-                n = os.copy_file_range(src.fd, fd, left, off, pos + src.nbytes - left)
-                if n <= 0:
-                    break
-                off, left = off + n, left - n
-        except OSError:             # not supported between these files: the rest through a buffer
-            pass
+        if splice is not None and splice.ok:
+            n = splice.copy(src.fd, off, fd, pos, left)
+            off, left = off + n, left - n
+        if left and hasattr(os, "copy_file_range"):
+            try:
+                while left:
+                    n = os.copy_file_range(src.fd, fd, left, off, pos + src.nbytes - left)
+                    if n <= 0:
+                        break
+                    off, left = off + n, left - n
+            except OSError:             # not supported between these files: the rest through a buffer
+                pass
         f.seek(pos + src.nbytes - left)
     while left:
         chunk = os.pread(src.fd, min(left, 1 << 24), off)

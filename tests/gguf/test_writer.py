@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 import gguf
 import numpy as np
@@ -238,3 +239,41 @@ def test_file_range_past_the_source_end_is_an_error(tmp_path):
         w.write()
     with GGUFReader(out) as r:
         assert bytes(r.tensors["x"].data) == bytes(range(36, 100))
+
+
+def _ranged_copy(src, out, sizes):
+    """Writes tensors of ``sizes`` bytes (I8), each a range of ``src`` at an odd offset, to ``out``; their bytes."""
+    w = GGUFWriter(out)
+    want = []
+    with open(src, "rb") as f:
+        data = src.read_bytes()
+        off = 7
+        for i, n in enumerate(sizes):
+            w.add_tensor_lazy(f"t{i}", GGMLType.I8, (n,), lambda o=off, n=n: FileRange(f.fileno(), o, n))
+            want.append(data[off:off + n])
+            off += n + 13
+        w.write()
+    return want
+
+
+@pytest.mark.parametrize("fail", [None, "in", "out"])
+def test_file_ranges_over_several_pipe_passes_and_when_splice_fails(tmp_path, monkeypatch, fail):
+    from llampy.gguf import writer
+    src = tmp_path / "src.bin"
+    src.write_bytes(np.random.default_rng(1).integers(0, 256, 5 << 20, dtype=np.uint8).tobytes())
+    calls = []
+    if fail:
+        real = os.splice
+
+        def splice(a, b, n, **kw):       # the first pass goes through; then the chosen side fails
+            calls.append(kw)
+            if len(calls) > 2 and ("offset_src" in kw) == (fail == "in"):
+                raise OSError(22, "splice refused")
+            return real(a, b, n, **kw)
+        monkeypatch.setattr(writer.os, "splice", splice)
+    sizes = [3 * writer._PIPE_BYTES + 5, 100, writer._PIPE_BYTES - 1]
+    want = _ranged_copy(src, tmp_path / "o.gguf", sizes)
+    with GGUFReader(tmp_path / "o.gguf") as r:
+        assert [bytes(r.tensors[f"t{i}"].data) for i in range(len(sizes))] == want
+    if fail:
+        assert len(calls) >= 3
