@@ -23,17 +23,17 @@ llama-quantize is found as the tests find it (LLAMPY_LLAMA_QUANTIZE, or bin/llam
 ``bash scripts/llamacpp.sh`` builds it). Before timing, llampy quantizes a small random model (its weights F16
 when the input's are, else F32) once to every listed type (untimed), so that no timed run compiles a kernel; then
 each tool runs once per type, the input already in the page cache and the dirty pages written back (sync) before
-each run. llampy's .pyc files are brought up to date first (``compileall``, as installing the package does; with
+each run; each output is hashed (SHA-256) and removed right after its run, and after a large one the next run waits
+3 s (``SETTLE_S``: no run gets the pages another output has just freed). llampy's .pyc files are brought up to date first (``compileall``, as installing the package does; with
 PYTHONDONTWRITEBYTECODE set, a module edited since its last .pyc would compile from source at every start: ~0.25 s
 for llama/quant.py). Wall time is the whole command's (start-up included); CPU is its user + system time, which a
 loaded machine disturbs less than wall time. ``--repeat N``: each tool runs N times per type (taking turns); the
 table gives each tool's fastest wall and least CPU of the N (a run of about a second moves by a quarter between
-runs on a quiet machine), and the outputs of every run are compared.
+runs on a quiet machine), and the outputs of every run are compared (by their hashes).
 """
 from __future__ import annotations
 
 import argparse
-import filecmp
 import os
 import resource
 import subprocess
@@ -56,6 +56,29 @@ def _timed(cmd) -> tuple[subprocess.CompletedProcess, float, float]:
     wall = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     return p, wall, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+# Memory that stays free a while goes back to the host here (a VM with free page reporting: 8 MiB blocks, 2 s after
+# they are freed), and the first write to such a page costs a fault in the host (filling a fresh 3 GB array: 3.2-11.4 s,
+# filling it again: 0.15 s). An output of gigabytes removed right before a run hands that run pages still backed:
+# llama-quantize's COPY of the 1B file, run right after the F16 row's two outputs were removed, took 2.6-4.3 s where
+# the F16 before it took 4.4-10.7, and llampy's run after it found those pages given back. So each output is hashed
+# and removed right after its run, and the next run waits until the freed pages have gone back
+SETTLE_BYTES, SETTLE_S = 256 << 20, 3.0
+
+
+def _digest_and_remove(path: Path) -> str:
+    """The file's SHA-256, then the file removed (and, for a large one, the time for its freed pages to settle)."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    size = path.stat().st_size
+    path.unlink()
+    if size >= SETTLE_BYTES:
+        time.sleep(SETTLE_S)
+    return h.hexdigest()
 
 
 def _source(a, d: Path, py: list) -> tuple[Path, str]:
@@ -150,16 +173,19 @@ def main() -> int:
         same = True
         for _ in range(max(1, a.repeat)):
             # the page cache's dirty pages written back before each run: a file of gigabytes (the 1B shape) is
-            # still being written out when the next command starts, and would slow whichever tool runs second
+            # still being written out when the next command starts, and would slow whichever tool runs second;
+            # and no run starts right after an output's pages were freed (_settle)
             os.sync()
             r1, w, c = _timed([tool, *opts, str(src), str(ref), t, str(a.threads)])
             w1, c1 = min(w1, w), min(c1, c)
+            h1 = _digest_and_remove(ref) if not r1.returncode else None
             os.sync()
             r2, w, c = _timed(py + [*opts, str(src), str(ours), t, str(a.threads)])
             w2, c2 = min(w2, w), min(c2, c)
+            h2 = _digest_and_remove(ours) if not r2.returncode else None
             if r1.returncode or r2.returncode:
                 break
-            same = same and filecmp.cmp(ref, ours, shallow=False)  # block by block: the files can be gigabytes
+            same = same and h1 == h2
         if r1.returncode or r2.returncode:
             why = (r1.stderr if r1.returncode else r2.stderr).strip().splitlines()[-1:]
             print(f"| {t} | {'failed' if r1.returncode else f'{w1:.2f}'} | "
