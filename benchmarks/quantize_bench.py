@@ -24,7 +24,8 @@ llama-quantize is found as the tests find it (LLAMPY_LLAMA_QUANTIZE, or bin/llam
 when the input's are, else F32) once to every listed type (untimed), so that no timed run compiles a kernel; then
 each tool runs once per type, the input already in the page cache and the dirty pages written back (sync) before
 each run; each output is hashed (SHA-256) and removed right after its run, and after a large one the next run waits
-3 s (``SETTLE_S``: no run gets the pages another output has just freed). llampy's .pyc files are brought up to date first (``compileall``, as installing the package does; with
+3 s (``SETTLE_S``: no run gets the pages another output has just freed). llampy's .pyc files are brought up to
+date first (``compileall``, as installing the package does; with
 PYTHONDONTWRITEBYTECODE set, a module edited since its last .pyc would compile from source at every start: ~0.25 s
 for llama/quant.py). Wall time is the whole command's (start-up included); CPU is its user + system time, which a
 loaded machine disturbs less than wall time. ``--repeat N``: each tool runs N times per type (taking turns); the
