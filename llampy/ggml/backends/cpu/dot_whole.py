@@ -11,7 +11,7 @@ from numba import njit, prange
 from .claims import claim, workers
 from .direct import Direct, prange_only
 from .dot_q32 import (K_Q4_0, K_Q4_1, K_Q8_0, ROW_CHUNK, ROWS16_MIN_N, TILE16, _act_offset, _block, _block_bytes, _group_row,
-                      _offset_lane_sums, _rows4, _signed, _tile8, _tiles_q4_0, _tiles_q4_1, _tiles_q8_0, _wblock,
+                      _offset_lane_sums, _rows4, _signed, _tile8, _tile16, _tiles_q4_0, _tiles_q4_1, _tiles_q8_0, _wblock,
                       prefetch_row)
 from .simd import (ROWS16, f16_at, f32x8_add, f32x8_fma, f32x8_fma_s, f32x8_hsum, f32x8_hsum8, f32x8_load, f32x8_scale,
                    f32x8_store, f32x8_zero, i32x8_to_f32x8, wdot, wsum_neg128, xdot)
@@ -37,6 +37,14 @@ WHOLE_ROWS_MAX_N = 32
 # 1282 at n = 8): never.
 PAD4 = (8, 4, 8, 8, 8)      # by kind: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (8: never)
 PAD8 = (8, 5, 8, 8, 8)
+# By kind, whether the groups of sixteen activation rows (16-32 streams) take the sixteen-row tile (``_tile16``: each
+# weight block decoded once for sixteen pairs, the accumulators past AVX2's sixteen registers on the stack) rather
+# than two of eight. Q4_1 at n = 32, two threads, quiet, us a call, eight-row -> sixteen-row tiles: 192 x 576
+# 87.5 -> 81.1, 576 x 576 231.7 -> 197.9, 1536 x 576 581.9 -> 497.3, 576 x 1536 658.2 -> 542.6 (one thread 576 x
+# 576 452 -> 358, 576 x 1536 1192 -> 914); in a noisier take 0-15% less on most rows at n = 16-32, one pass of
+# 1536 x 576 slower (n = 16: 345 -> 497), the other not. Not Q8_0 on AVX2 (its sign trick's operands spill with
+# them, as in ``dot_q32.TILE16``), nor Q4_0 (not measured: its weights take the repacked rows).
+WHOLE16 = (False, True, False, False, False)
 
 
 @njit(cache=True)
@@ -134,11 +142,12 @@ def _mv_whole(w, xq, xd, xs, out, tab, kind, counter, n_workers):
     first-level cache (``tile_rows``): a tile of eight or four with zero rows past n, or else four weight rows
     against one activation row at a time (``_rows4``, the decode kernels' chains, whose bits are the tiles'), then
     the chunk's last rows % 4 one at a time; before, a second kernel (``_mv_rest``) read the weights again. All n
-    rows."""
+    rows. The groups of sixteen activation rows take ``_tile16`` where ``WHOLE16`` says, the rest ``_tile8``."""
     rows = w.shape[0]
     n, k = xq.shape
     nb = k // 32
     n8 = n - n % 8
+    n16 = n8 - n8 % 16 if WHOLE16[kind] else 0
     n_t, n4 = tile_rows(kind, n)
     n_c = n8 + 8 if n_t > n8 or n4 else n8       # the columns the tiles load (eight from each tile's first row)
     xdT = _columns(xd, n_c)
@@ -149,6 +158,7 @@ def _mv_whole(w, xq, xd, xs, out, tab, kind, counter, n_workers):
     counter[0] = 0          # a plan's bound call passes the same counter every run
     for _ in prange(n_workers):
         dvb = np.empty((nb, 8), np.float32)
+        dv2 = np.empty((nb, 2, 8), np.float32)
         accb = np.empty((9, 8), np.float32)
         ob = np.empty((n_c, ROW_CHUNK), np.float32)
         lanes = np.empty(8, np.float32)
@@ -160,7 +170,10 @@ def _mv_whole(w, xq, xd, xs, out, tab, kind, counter, n_workers):
             r = c * ROW_CHUNK
             for rr in range(r, r1):
                 prefetch_row(w, rr)
-            for i in range(0, n8, 8):
+            for i in range(0, n16, 16):
+                for rr in range(r, r1):
+                    _tile16(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, nb, out, dv2)
+            for i in range(n16, n8, 8):
                 for rr in range(r, r1):
                     _tile8(kind, w[rr], rr, xg[i // 16], xdT, xsT, i, 0, nb, nb, out, dvb, accb)
             if n_t > n8:        # the last rows in a tile of eight of their own, its rows past n zero: through ob
