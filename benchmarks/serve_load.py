@@ -60,9 +60,10 @@ def wait_up(url: str, proc, timeout: float = 120) -> None:
 
 
 def wait_prepared(url: str, timeout: float = 300) -> float:
-    """Seconds until llampy's engine has built the graphs it builds while idle (decode steps, padded prompt pieces:
-    its llampy_graphs_pending gauge at 0), as llama-server warms up before it answers: the rounds then time
-    requests, not what the server does once after it starts. Returns at once where the gauge is absent."""
+    """Seconds until llampy's engine has built, and run once, the graphs it prepares while idle (decode steps,
+    padded prompt pieces: its llampy_graphs_pending gauge at 0), as llama-server warms up before it answers: the
+    rounds then time requests, not what the server does once after it starts. Returns at once where the gauge is
+    absent."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         rows = [line.split() for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()

@@ -451,6 +451,18 @@ class Scheduler:
         for b in self.backends:
             getattr(b, "synchronize", lambda: None)()
 
+    def settle(self, g: Graph) -> None:
+        """Have each split's plan ready for its fast run now, where its backend binds one after a first run
+        (``graph_plan_settle``: the CPU's resolved kernel calls), rather than at its next run: for a caller with
+        idle time that has run the graph once (Context.warm)."""
+        entry = self._plans.get(id(g))
+        if entry is None or entry[0] is not g:
+            return
+        for sp in entry[1].splits:
+            settle = getattr(sp.backend, "graph_plan_settle", None)
+            if settle is not None and sp.plan is not sp.nodes:
+                settle(sp.plan)
+
     def _next_copy_set(self, p: SchedPlan) -> None:
         """Pipeline copies (ggml's n_copies): each run reads the next set of input copies."""
         self.cur_copy = (self.cur_copy + 1) % self.n_copies

@@ -208,6 +208,42 @@ class Context:
         if gc is not None:
             self.sched.alloc_graph(gc.graph)
 
+    def warm(self, key) -> bool:
+        """Run the kept graph of ``key`` once on placeholder tokens, then forget their cells: True if it ran. A
+        graph's first run is slower than the later ones: each kernel it calls for argument types this process has
+        not called it with yet is loaded from Numba's cache (or compiled), its buffers' pages are touched for the
+        first time, and its plan binds its fast run at its second run (CPUBackend.graph_plan_compute: 15-80 ms of
+        typing every kernel call's arguments), which ``Scheduler.settle`` does here after the run. Quiet, SmolLM2:
+        the first run of a decode step of 1 / 8 / 32 slots 42 / 54 / 250 ms, its second 55 / 112 / 166, then 9 / 31
+        / 125; a padded prompt piece of 56 tokens 184, 168, then 135-146. A caller with idle
+        time (the server, after reserving and placing its graphs: llama.cpp runs its graphs at start-up) calls
+        this so that no request does. Only on an empty KV cache (the cells are then left as they were, so where
+        later batches' cells land does not change), and only shapes a batch of new tokens takes there as they
+        are: a decode step's or a padded piece's (n_tokens tokens of n_outputs sequences), no embeddings input,
+        no LoRA."""
+        gc = self._graphs.get(key)
+        if (gc is None or len(key) != 4 or not self.uses_cache or not isinstance(self.kv, KVCache)
+                or self.embeddings or not self.causal_attn or self.kv.n_used()):
+            return False
+        n, n_out = int(key[0]), int(key[1])
+        if not 1 <= n_out <= min(n, self.n_seq_max) or n > self.n_ubatch:
+            return False
+        # n_out - 1 sequences of one token, the last of the rest; each sequence's last token an output
+        seqs = np.minimum(np.arange(n), n_out - 1)
+        pos = np.maximum(np.arange(n) - (n_out - 1), 0).astype(np.int32)
+        want = np.ones(n, bool)
+        want[n_out - 1:-1] = False
+        ub = Batch(np.zeros(n, np.int32), pos, [(int(s),) for s in seqs], want)
+        heads = self.kv.heads.copy()
+        try:
+            if self._decode_ubatch(ub, np.flatnonzero(want), only=key) is None:
+                return False
+            self.sched.settle(gc.graph)
+            return True
+        finally:
+            self.kv.clear()
+            self.kv.heads[:] = heads
+
     def pad_shapes(self, max_outputs: int) -> list:
         """The (tokens, outputs) shapes padded micro-batches of up to ``max_outputs`` outputs take, less decode steps'
         (n, n): for a caller to reserve while idle; none when this context does not pad (or has no graph yet)."""
@@ -312,7 +348,9 @@ class Context:
         n_pad = min(-(-n // PAD_STEP) * PAD_STEP, PAD_BELOW - 1, self.n_ubatch)
         return n_pad, min(1 << (max(n_outputs, 1) - 1).bit_length(), n_pad)
 
-    def _decode_ubatch(self, ub: Batch, out_idx: np.ndarray) -> np.ndarray:
+    def _decode_ubatch(self, ub: Batch, out_idx: np.ndarray, only=None) -> np.ndarray | None:
+        """The micro-batch's output rows; ``only``: a graph's key, where a micro-batch that would take another
+        graph is not run (None returned; its cells are placed, for the caller to forget: ``warm``)."""
         n = len(ub)
         n_outputs = len(out_idx)
         out_ids = out_idx if n_outputs else np.array([n - 1])
@@ -333,6 +371,8 @@ class Context:
             ub = Batch(ub.tokens[sel], ub.pos[sel], [ub.seq_id[i] for i in sel], ub.logits[sel])
             idxs = idxs[sel]
             out_ids = out_ids[np.minimum(np.arange(shape[1]), len(out_ids) - 1)]
+        if only is not None and self._key(len(ub), len(out_ids), n_kv, ub.embd is not None) != only:
+            return None
         gc = self._graph(len(ub), len(out_ids), n_kv, ub.embd is not None)
         self.sched.alloc_graph(gc.graph)
         inp = gc.inputs

@@ -22,12 +22,17 @@ def steps():
             [(0, [12], 14), (1, [13], 16), (2, [14], 51), (3, [15], 14)]]
 
 
-def run_steps(model, pad: bool, n_ctx: int):
+def run_steps(model, pad: bool, n_ctx: int, warm: bool = False):
     """Each step's logits (copied) and the context; the steps' (seq, tokens, first position) as one batch each,
-    the last token of each piece an output."""
+    the last token of each piece an output. ``warm``: every graph the steps take reserved and run once first
+    (Context.warm, as the server does while idle)."""
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_ctx // 2, n_ubatch=96, n_seq_max=4, kv_pad_decode=n_ctx,
                   kv_unified=False, pad_ubatch=pad, max_graphs=16)
     ctx.reserve(4, 4)           # a first graph (it shows whether rows are computed apart)
+    if warm:
+        for t, o in sorted(PADDED_SHAPES):
+            ctx.reserve(t, o)
+        assert all(ctx.warm(key) for key in ctx.kept_shapes())
     outs = []
     for step in steps():
         toks, pos, seq, want = [], [], [], []

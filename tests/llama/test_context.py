@@ -262,3 +262,26 @@ def test_place_moves_a_graph_placed_before_a_buffer_grew(model):
     for c in (ctx, ref):
         c.decode(Batch.from_tokens([TOKS[0]]))
     assert ctx.n_graph_builds == 2 and np.array_equal(ctx.get_logits(), ref.get_logits())
+
+
+def test_warm_runs_each_graph_once_and_leaves_the_cache_as_it_was(model):
+    """Context.warm (the server's idle work before its first request): each kept graph runs once on placeholder
+    tokens and its plan is bound for its fast run, while the cache's cells and where the next ones land stay as
+    they were: the steps after it build no graph and give the same bits as a context that was not warmed. Only on
+    an empty cache."""
+    ctx = Context(model, n_ctx=256, n_batch=128, n_ubatch=96, n_seq_max=4, kv_pad_decode=256, kv_unified=False,
+                  pad_ubatch=True)
+    ctx.reserve(4, 4)
+    ctx.reserve(16, 2)
+    heads = ctx.kv.heads.copy()
+    keys = ctx.kept_shapes()
+    assert all(ctx.warm(k) for k in keys)
+    assert ctx.kv.n_used() == 0 and np.array_equal(ctx.kv.heads, heads)
+    plans = [sp.plan for k in keys for sp in ctx.sched._plans[id(ctx._graphs[k].graph)][1].splits]
+    assert plans and all(isinstance(getattr(p, "fast", None), list) for p in plans)
+    ctx.decode(Batch.from_tokens(TOKS[:3]))
+    assert not ctx.warm(keys[0]) and ctx.kv.n_used() == 3       # a cache in use is left alone
+    warmed, c1 = run_steps(model, True, 256, warm=True)
+    plain, c0 = run_steps(model, True, 256)
+    assert_same_bits(plain, warmed)
+    assert {k[:2] for k in c1._graphs} == {k[:2] for k in c0._graphs} == PADDED_SHAPES

@@ -331,6 +331,12 @@ class CPUBackend(Backend):
         if same:
             plan.fast = False
 
+    def graph_plan_settle(self, plan: Plan) -> None:
+        """Bind the plan's fast run now if it has run once (what its second run would do first: resolving its
+        calls types every argument of every kernel call, 15-80 ms for a SmolLM2 step of 1-32 tokens)."""
+        if plan.fast is False and plan.limit == self.exact_max_rows:
+            plan.fast = resolve_calls(plan.calls)
+
     def graph_compute(self, nodes: list[Tensor]) -> None:
         self.graph_plan_compute(self.graph_plan_create(nodes))
 
