@@ -108,13 +108,7 @@ def _lut_nibbles(builder, q, kv):
     """<16 x i8> packed nibbles -> <32 x i8>: kv at the low nibbles (elements 0..15), then at the high ones."""
     lo = builder.and_(q, _splat(_V16, 15))
     hi = builder.lshr(q, _splat(_V16, 4))
-    idx = _shuf(builder, lo, hi, range(32))
-    if AVX2:
-        return _call(builder, "llvm.x86.avx2.pshuf.b", _V32, [ir.Constant(_V32, kv + kv), idx])
-    v = ir.Constant(_V32, [0] * 32)
-    for j, kj in enumerate(kv):
-        v = builder.select(builder.icmp_unsigned("==", idx, _splat(_V32, j)), _splat(_V32, kj), v)
-    return v
+    return _lut32(builder, _shuf(builder, lo, hi, range(32)), kv)
 
 
 def _signed_madd(builder, a, b, s16):
