@@ -426,18 +426,17 @@ def _bcast_b(builder, sb, j):
     return builder.zext(_shuf(builder, sb, sb, [j] * 16), _W16)
 
 
-# Byte of scale j in ``_scale_words``' 16 bytes (min j: 4 bytes further): s0..s3, m0..m3, s4..s7, m4..m7.
+# Byte of scale j in ``_scale_bytes_dup``'s halves (min j: 4 bytes further): s0..s3, m0..m3, s4..s7, m4..m7.
 _SB_AT = (0, 1, 2, 3, 8, 9, 10, 11)
 _I64 = ir.IntType(64)
-_V16 = ir.VectorType(_I8, 16)
 
 
-def _scale_words(context, builder, aryty, ary, r, k, o):
-    """The scales and mins of the Q4_K super-block at byte o of row r + k as a <2 x i64>, bytes s0..s3, m0..m3,
-    s4..s7, m4..m7 (``_SB_AT``), unpacked in 64-bit scalar words (ggml's ``utmp`` steps, two 32-bit words at once)
-    so that the vector units, the decode's bound, do only the moves: with A the 8 bytes u0 u1 and C the word u2, lo
-    = A & 0x3F.. = (s0..s3, m0..m3), hi = (C & 0x0F..) | ((C >> 4) & 0x0F..) << 32 | ((A >> 6) & 0x03..) << 4 =
-    (s4..s7, m4..m7)."""
+def _scale_bytes_dup(context, builder, aryty, ary, r, k, o):
+    """The scales and mins of the Q4_K super-block at byte o of row r + k, as bytes s0..s3, m0..m3, s4..s7, m4..m7
+    in both 128-bit halves of a <32 x i8> (``_SB_AT``), unpacked in 64-bit scalar words (ggml's ``utmp`` steps, two
+    32-bit words at once) so that the vector units, the decode's bound, do only the moves: with A the 8 bytes u0 u1
+    and C the word u2, lo = A & 0x3F.. = (s0..s3, m0..m3), hi = (C & 0x0F..) | ((C >> 4) & 0x0F..) << 32 | ((A >> 6)
+    & 0x03..) << 4 = (s4..s7, m4..m7)."""
     pa = builder.bitcast(_row_ptr(context, builder, aryty, ary, r, k, builder.add(o, ir.Constant(o.type, 4))),
                          _I64.as_pointer())
     pc = builder.bitcast(_row_ptr(context, builder, aryty, ary, r, k, builder.add(o, ir.Constant(o.type, 12))),
@@ -450,20 +449,20 @@ def _scale_words(context, builder, aryty, ary, r, k, o):
                      builder.shl(builder.and_(builder.lshr(c, c64(4)), c64(0x0F0F0F0F)), c64(32)))
     hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(a, c64(6)), c64(0x0303030303030303)), c64(4)))
     v2 = ir.VectorType(_I64, 2)
-    return builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, ir.Constant(_I32, 0)), hi,
-                                  ir.Constant(_I32, 1))
+    v = builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, ir.Constant(_I32, 0)), hi,
+                               ir.Constant(_I32, 1))
+    return builder.bitcast(_shuf(builder, v, v, [0, 1, 0, 1]), _V32)
 
 
-def _prefetch_here(builder, ptr, off=0):
-    """A read prefetch of the line at ``ptr`` + ``off`` (a Python int) kept where it stands among the step's
-    instructions: on AVX2 an inline ``prefetcht0 off(ptr)`` with side effects, which LLVM does not move past the
-    loads around it (its ``llvm.prefetch`` calls it gathers into one burst at the end of the step); elsewhere
-    ``llvm.prefetch``. Numba's JIT parses inline assembly only once the native asm parser is registered
-    (idempotent)."""
+def _prefetch_here(builder, ptr):
+    """A read prefetch of the line at ``ptr`` kept where it stands among the step's instructions: on AVX2 an inline
+    ``prefetcht0`` with side effects, which LLVM does not move past the loads around it (its ``llvm.prefetch``
+    calls it gathers into one burst at the end of the step); elsewhere ``llvm.prefetch``. Numba's JIT parses
+    inline assembly only once the native asm parser is registered (idempotent)."""
     if not AVX2:
-        return _prefetch(builder, builder.gep(ptr, [ir.Constant(_I64, off)]) if off else ptr, False)
+        return _prefetch(builder, ptr, False)
     binding.initialize_native_asmparser()
-    builder.asm(ir.FunctionType(ir.VoidType(), [ptr.type]), f"prefetcht0 {off or ''}($0)", "r", [ptr], True)
+    builder.asm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetcht0 ($0)", "r", [ptr], True)
 
 
 PF_STEP = 8 * 144                       # bytes of one eight-row Q4_K gemv step
@@ -474,75 +473,56 @@ PF_LINES = (PF_STEP + 63) // 64 + 1     # ``prefetch_span``'s lines for it
 def q4k_gemv8(typingctx, w, r, o, x, xo, bs, bo, pa):
     """The super-blocks at byte o of rows r..r+7 of w against the 256 activations at byte xo of x: (isum, imin),
     two i32x8 with the rows as lanes: isum lane k = sum over sub-blocks j of sc_j * (q_j . x_j) of row k, imin lane
-    k = sum over j of m_j * (bs[bo + 2j] + bs[bo + 2j + 1]) (the int16 block sums ``bs``): the integers of
-    ``q4k_sb`` / ``k_min_lanes``, exact in any order. Two rows a vector, as Q4_0's repacked decode
-    (``dot_blocks.q40_rows8``): rows k and k + 4 in the two 128-bit halves (16 weight bytes each, one load and a
-    vinserti128), the activations' 16 values broadcast to both halves, so a sub-block's two maddubs (bytes 0..15
-    and 16..31) add as int16 (|sum| <= 2 * 3840) before one madd with the two rows' scale, and one vpshufb
-    broadcasts a scale for both rows (its bytes from ``_scale_words``, row k's in the low half, row k + 4's in the
-    high half): per row and pair of sub-blocks 2 of the 4 vpshufb and vpmaddwd of one row a vector. The two-row
-    vectors reduce to row order by vphaddd with no cross-half step. Row pairs (0, 4), (1, 5), then (2, 6), (3, 7),
-    pair by pair of sub-blocks. ``pa``: the step's share of the rows ahead (``prefetch_span``'s PF_LINES lines,
-    bytes pa + 64 j of w), two or three lines before each pair's loads (LLVM gathered ``prefetch_span``'s calls
-    into one burst of 19 at the step's end), their offsets in the instruction."""
+    k = sum over j of m_j * (bs[bo + 2j] + bs[bo + 2j + 1]) (the int16 block sums ``bs``). The integers of
+    ``q4k_sb`` / ``k_min_lanes`` reduced by ``hsum8x``, computed pair by pair of sub-blocks across the eight rows
+    (each pair's 64 activations loaded once, eight accumulators live: no spills), each row's scales as bytes in
+    both halves so one vpshufb broadcasts a scale. ``pa``: the step's share of the rows ahead (``prefetch_span``'s
+    PF_LINES lines, bytes pa + 64 j of w), two or three lines before each pair's loads: LLVM gathered the
+    ``prefetch_span`` calls into one burst of 19 at the step's end."""
     def codegen(context, builder, sig, args):
         wt, wa, rr, o = sig.args[0], args[0], args[1], args[2]
         xt, xa, xo = sig.args[3], args[3], args[4]
         pdata = builder.bitcast(context.make_array(wt)(context, builder, wa).data, _I8.as_pointer())
-        pbase = builder.gep(pdata, [args[7]])
+        v4 = ir.VectorType(_I32, 4)
         bsv = _load(builder, _elem_ptr(context, builder, sig.args[5], args[5], args[6], _W16))
-        # (B0..B7 | B0..B7), Bj = bs[2j] + bs[2j + 1] (|Bj| <= 4096): the sub-blocks' sums against each half's mins
-        if AVX2:
-            bh = _call(builder, "llvm.x86.avx2.phadd.w", _W16, [bsv, bsv])
-        else:
-            bh = builder.add(_shuf(builder, bsv, bsv, [0, 2, 4, 6, 0, 2, 4, 6, 8, 10, 12, 14, 8, 10, 12, 14]),
-                             _shuf(builder, bsv, bsv, [1, 3, 5, 7, 1, 3, 5, 7, 9, 11, 13, 15, 9, 11, 13, 15]))
-        bh = builder.bitcast(bh, ir.VectorType(_I64, 4))
-        b2 = builder.bitcast(_shuf(builder, bh, bh, [0, 2, 0, 2]), _W16)
-
-        def both(ptr):         # the 16 bytes at ptr in both halves
-            v = _load(builder, builder.bitcast(ptr, _V16.as_pointer()))
-            return _shuf(builder, v, v, list(range(16)) * 2)
-
-        def two_rows(k, off):  # 16 bytes at off of rows r + k (low half) and r + k + 4 (high half)
-            lo, hi = (_load(builder, builder.bitcast(_row_ptr(context, builder, wt, wa, rr, kk, off),
-                                                     _V16.as_pointer())) for kk in (k, k + 4))
-            return _shuf(builder, lo, hi, range(32))
-        m15 = _const(_V32, 15)
         sums, mins = [], []
-        for half in range(2):      # two row pairs at a time: their scales and accumulators stay in registers
-            pairs = (2 * half, 2 * half + 1)
-            sbs = {k: builder.bitcast(_shuf(builder, _scale_words(context, builder, wt, wa, rr, k, o),
-                                            _scale_words(context, builder, wt, wa, rr, k + 4, o), range(4)), _V32)
-                   for k in pairs}
+        for half in range(2):      # four rows at a time: their scales and accumulators fit the sixteen registers
+            rows = range(4 * half, 4 * half + 4)
+            sbs = {k: _scale_bytes_dup(context, builder, wt, wa, rr, k, o) for k in rows}
             acc = {}
             for p in range(4):
                 for j in range(PF_LINES):
                     if j * 8 // PF_LINES == 4 * half + p:
-                        _prefetch_here(builder, pbase, 64 * j)
-                xs = [both(_ptr(context, builder, xt, xa, builder.add(xo, ir.Constant(xo.type, 64 * p + 16 * t)),
-                                _V16)) for t in range(4)]
-                for k in pairs:
-                    v = [two_rows(k, builder.add(o, ir.Constant(o.type, 16 + 32 * p + 16 * t))) for t in range(2)]
-                    lo = builder.add(_maddubs(builder, builder.and_(v[0], m15), xs[0]),
-                                     _maddubs(builder, builder.and_(v[1], m15), xs[1]))
-                    hi = builder.add(_maddubs(builder, builder.and_(builder.lshr(v[0], _const(_V32, 4)), m15), xs[2]),
-                                     _maddubs(builder, builder.and_(builder.lshr(v[1], _const(_V32, 4)), m15), xs[3]))
-                    a = _madd_acc(builder, acc.get(k), _bcast_b(builder, sbs[k], _SB_AT[2 * p]), lo)
-                    acc[k] = _madd_acc(builder, a, _bcast_b(builder, sbs[k], _SB_AT[2 * p + 1]), hi)
+                        pj = builder.add(args[7], ir.Constant(args[7].type, 64 * j))
+                        _prefetch_here(builder, builder.gep(pdata, [pj]))
+                xl = _load32(context, builder, xt, xa, xo, 64 * p)
+                xh = _load32(context, builder, xt, xa, xo, 64 * p + 32)
+                qo = builder.add(o, ir.Constant(o.type, 16 + 32 * p))
+                for k in rows:
+                    q = _load(builder, _row_ptr(context, builder, wt, wa, rr, k, qo))
+                    lo = builder.and_(q, _const(_V32, 15))
+                    hi = builder.lshr(q, _const(_V32, 4))
+                    a = _madd_acc(builder, acc.get(k), _bcast_b(builder, sbs[k], _SB_AT[2 * p]),
+                                  _maddubs(builder, lo, xl))
+                    acc[k] = _madd_acc(builder, a, _bcast_b(builder, sbs[k], _SB_AT[2 * p + 1]),
+                                       _maddubs(builder, hi, xh))
             mn = []
-            for k in pairs:        # each half's mins m0..m7 as int16 against (B0..B7)
-                mb = [4 + _SB_AT[t] for t in range(8)]
+            for k in rows:
                 if AVX2:
-                    mask = ir.Constant(_V32, [mb[(e % 16) // 2] if e % 2 == 0 else 0x80 for e in range(32)])
+                    mask = ir.Constant(_V32, [4 + _SB_AT[e // 4] if e % 2 == 0 else 0x80 for e in range(32)])
                     md = builder.bitcast(_call(builder, "llvm.x86.avx2.pshuf.b", _V32, [sbs[k], mask]), _W16)
                 else:
-                    md = builder.zext(_shuf(builder, sbs[k], sbs[k], [mb[t % 8] + 16 * (t // 8) for t in range(16)]),
+                    md = builder.zext(_shuf(builder, sbs[k], sbs[k], [4 + _SB_AT[l // 2] for l in range(16)]),
                                       _W16)
-                mn.append(_madd(builder, md, b2))
-            sums.append(_hadd(builder, acc[pairs[0]], acc[pairs[1]]))
-            mins.append(_hadd(builder, mn[0], mn[1]))
-        return context.make_tuple(builder, sig.return_type, [_hadd(builder, *sums), _hadd(builder, *mins)])
+                mn.append(_madd(builder, md, bsv))
+            a = [acc[k] for k in rows]
+            sums.append(_hadd(builder, _hadd(builder, a[0], a[1]), _hadd(builder, a[2], a[3])))
+            mins.append(_hadd(builder, _hadd(builder, mn[0], mn[1]), _hadd(builder, mn[2], mn[3])))
+
+        def fold(lo, hi):      # hsum8x_ir's last step
+            return builder.add(_shuf(builder, lo, hi, [0, 1, 2, 3, 8, 9, 10, 11]),
+                               _shuf(builder, lo, hi, [4, 5, 6, 7, 12, 13, 14, 15]))
+        return context.make_tuple(builder, sig.return_type, [fold(*sums), fold(*mins)])
     return types.UniTuple(i32x8, 2)(w, types.intp, types.intp, x, types.intp, bs, types.intp, types.intp), codegen
 
 
